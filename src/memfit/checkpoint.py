@@ -1,0 +1,353 @@
+"""Checkpoints: safetensors weights plus the trainer state beside them, written atomically.
+
+Layout of ``output_dir/checkpoints/step_00000250/``:
+
+- ``model.safetensors``: the weights under Hugging Face ``LlamaForCausalLM`` names (a tied ``lm_head.weight``
+  is stored once, as ``model.embed_tokens.weight``);
+- ``model_config.json``: the :class:`~memfit.models.llama.LlamaConfig`;
+- ``optimizer.pt``: ``optimizer.state_dict()`` (tensors, numbers and lists only; read with ``weights_only=True``);
+- ``trainer_state.json``: step, data position, RNG states, the run config, and the byte size of every file here
+  (so a truncated file is caught before it is read);
+- ``tokenizer/``: the tokenizer, reloadable with :func:`memfit.tokenizer.load_tokenizer`.
+
+A checkpoint is written into a hidden ``.tmp-step_...`` directory, each file fsync'ed, then renamed into place, so
+a run killed at any moment (SIGKILL included) leaves either the complete new checkpoint or none, and the previous
+one intact. Only then are checkpoints beyond the newest ``keep_last`` deleted.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from memfit.errors import CheckpointError
+from memfit.models.llama import LlamaConfig, RopeScaling
+
+_STEP_DIR = re.compile(r"^step_(\d{8})$")
+WEIGHTS = "model.safetensors"
+MODEL_CONFIG = "model_config.json"
+OPTIMIZER = "optimizer.pt"
+TRAINER_STATE = "trainer_state.json"
+
+
+def checkpoints_dir(output_dir: str | Path) -> Path:
+    return Path(output_dir) / "checkpoints"
+
+
+def list_checkpoints(output_dir: str | Path) -> list[Path]:
+    """Complete checkpoints in ``output_dir``, oldest first (unfinished ``.tmp-*`` directories are ignored)."""
+    root = checkpoints_dir(output_dir)
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if p.is_dir() and _STEP_DIR.match(p.name)]
+    return sorted(found, key=lambda p: int(_STEP_DIR.match(p.name).group(1)))
+
+
+def latest_checkpoint(output_dir: str | Path) -> Path | None:
+    """The newest complete checkpoint directory, or ``None``."""
+    found = list_checkpoints(output_dir)
+    return found[-1] if found else None
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A checkpoint directory from either itself or the run directory holding ``checkpoints/``.
+
+    Raises:
+        CheckpointError: neither exists.
+    """
+    p = Path(path)
+    if (p / WEIGHTS).is_file() or (p / TRAINER_STATE).is_file():
+        return p
+    latest = latest_checkpoint(p)
+    if latest is None:
+        raise CheckpointError(
+            f"no checkpoint found at '{p}': expected a run directory with checkpoints/step_*/ or a checkpoint "
+            f"directory holding {WEIGHTS}; train first (memfit pretrain output_dir={p}) or fix the path"
+        )
+    return latest
+
+
+def check_writable(output_dir: str | Path) -> None:
+    """Create ``output_dir`` if needed and prove a file can be written there, before any work starts.
+
+    Raises:
+        CheckpointError: the directory cannot be created or written.
+    """
+    p = Path(output_dir)
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+        probe = p / f".write-test-{os.getpid()}"
+        probe.write_bytes(b"ok")
+        probe.unlink()
+    except OSError as exc:
+        raise CheckpointError(
+            f"output directory '{p}' is not writable ({exc.strerror}); choose another with output_dir=PATH"
+        ) from None
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(path: Path) -> None:
+    for p in sorted(path.rglob("*")):
+        if p.is_file():
+            with open(p, "rb") as f:
+                os.fsync(f.fileno())
+    for d in [path, *[p for p in path.rglob("*") if p.is_dir()]]:
+        _fsync_dir(d)
+
+
+def model_config_to_dict(config: LlamaConfig) -> dict[str, Any]:
+    return dataclasses.asdict(config)
+
+
+def model_config_from_dict(data: dict[str, Any]) -> LlamaConfig:
+    data = dict(data)
+    if data.get("rope_scaling") is not None:
+        data["rope_scaling"] = RopeScaling(**data["rope_scaling"])
+    return LlamaConfig(**data)
+
+
+def _weights_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """State dict with tied tensors stored once (HF convention: the embedding keeps the name)."""
+    seen: dict[int, str] = {}
+    out = {}
+    for name, tensor in model.state_dict().items():
+        key = tensor.untyped_storage().data_ptr() if tensor.device.type != "meta" else id(tensor)
+        if key in seen:
+            continue
+        seen[key] = name
+        out[name] = tensor.detach().contiguous()
+    return out
+
+
+def rng_state() -> dict[str, Any]:
+    """Torch CPU (and CUDA) RNG states, JSON-serialisable."""
+    state = {"torch_cpu": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode()}
+    if torch.cuda.is_available():
+        state["torch_cuda"] = [base64.b64encode(s.numpy().tobytes()).decode() for s in torch.cuda.get_rng_state_all()]
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore :func:`rng_state`."""
+    import numpy as np
+
+    torch.set_rng_state(torch.from_numpy(np.frombuffer(base64.b64decode(state["torch_cpu"]), dtype=np.uint8).copy()))
+    if "torch_cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(
+            [torch.from_numpy(np.frombuffer(base64.b64decode(s), dtype=np.uint8).copy()) for s in state["torch_cuda"]]
+        )
+
+
+def save_checkpoint(
+    output_dir: str | Path,
+    step: int,
+    model: torch.nn.Module,
+    model_config: LlamaConfig,
+    optimizer: torch.optim.Optimizer | None,
+    trainer_state: dict[str, Any],
+    tokenizer,
+    keep_last: int,
+) -> Path:
+    """Write a checkpoint atomically, then prune old ones.
+
+    Args:
+        output_dir: the run directory.
+        step: optimizer steps completed.
+        model: the model (its ``state_dict`` is saved under Hugging Face names).
+        model_config: the architecture, saved as JSON.
+        optimizer: its ``state_dict`` is saved; ``None`` saves weights only.
+        trainer_state: JSON-serialisable extras (config, data position, ...); ``step`` and RNG states are added.
+        tokenizer: saved with its ``save`` method.
+        keep_last: how many newest checkpoints to keep.
+
+    Returns:
+        The final checkpoint directory.
+
+    Raises:
+        CheckpointError: writing failed (the previous checkpoints are untouched).
+    """
+    root = checkpoints_dir(output_dir)
+    final = root / f"step_{step:08d}"
+    tmp = root / f".tmp-step_{step:08d}-{os.getpid()}"
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+        save_file(_weights_state_dict(model), str(tmp / WEIGHTS), metadata={"format": "pt", "step": str(step)})
+        (tmp / MODEL_CONFIG).write_text(json.dumps(model_config_to_dict(model_config), indent=2))
+        if optimizer is not None:
+            torch.save(optimizer.state_dict(), tmp / OPTIMIZER)
+        tokenizer.save(tmp / "tokenizer")
+        state = {**trainer_state, "step": step, "rng": rng_state()}
+        state["file_sizes"] = {
+            str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()
+        }
+        (tmp / TRAINER_STATE).write_text(json.dumps(state, indent=2))
+        _fsync_tree(tmp)
+        if final.exists():  # a checkpoint of the same step from an earlier (interrupted) attempt: replace it
+            old = root / f".old-{final.name}-{os.getpid()}"
+            os.replace(final, old)
+            os.replace(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, final)
+        _fsync_dir(root)
+    except OSError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(
+            f"could not write checkpoint '{final}' ({exc}); earlier checkpoints in '{root}' are untouched. "
+            f"Free disk space or choose another output_dir."
+        ) from None
+    for old in list_checkpoints(output_dir)[:-keep_last]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def remove_stale_temporaries(output_dir: str | Path) -> None:
+    """Delete ``.tmp-*`` directories left by a run killed while writing a checkpoint."""
+    root = checkpoints_dir(output_dir)
+    if root.is_dir():
+        for p in root.iterdir():
+            if p.name.startswith((".tmp-", ".old-")):
+                shutil.rmtree(p, ignore_errors=True)
+
+
+def _check_files(ckpt: Path, state: dict[str, Any], need_optimizer: bool) -> None:
+    needed = [WEIGHTS, MODEL_CONFIG] + ([OPTIMIZER] if need_optimizer else [])
+    for name in needed:
+        if not (ckpt / name).is_file():
+            raise CheckpointError(
+                f"checkpoint '{ckpt}' is missing '{name}'; it is incomplete. Delete '{ckpt}' to fall back to the "
+                f"previous checkpoint, or point at another one."
+            )
+    for name, size in state.get("file_sizes", {}).items():
+        p = ckpt / name
+        if p.is_file() and p.stat().st_size != size:
+            raise CheckpointError(
+                f"checkpoint file '{p}' is truncated or altered ({p.stat().st_size} bytes, {size} expected). "
+                f"Delete '{ckpt}' to fall back to the previous checkpoint, or point at another one."
+            )
+
+
+def read_trainer_state(ckpt: Path) -> dict[str, Any]:
+    """Parse ``trainer_state.json``.
+
+    Raises:
+        CheckpointError: missing or not valid JSON.
+    """
+    path = ckpt / TRAINER_STATE
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint '{ckpt}' has no '{TRAINER_STATE}'; it is not a memfit checkpoint") from None
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"checkpoint file '{path}' is truncated or corrupt ({exc}); delete '{ckpt}' and resume from the previous one") from None
+
+
+def read_model_config(ckpt: Path) -> LlamaConfig:
+    """The :class:`LlamaConfig` saved in a checkpoint.
+
+    Raises:
+        CheckpointError: missing or invalid.
+    """
+    path = ckpt / MODEL_CONFIG
+    try:
+        return model_config_from_dict(json.loads(path.read_text()))
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint '{ckpt}' has no '{MODEL_CONFIG}'; it is not a memfit checkpoint") from None
+    except (OSError, ValueError, TypeError) as exc:
+        raise CheckpointError(f"checkpoint file '{path}' is truncated or corrupt ({exc})") from None
+
+
+def load_weights(ckpt: Path, model: torch.nn.Module) -> None:
+    """Load ``model.safetensors`` into ``model`` (strict; tied weights restored from the single stored copy).
+
+    Raises:
+        CheckpointError: the file is missing, truncated, or its tensors do not match the model.
+    """
+    path = ckpt / WEIGHTS
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint weights '{path}' do not exist")
+    try:
+        tensors = load_file(str(path))
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise CheckpointError(
+            f"checkpoint weights '{path}' are truncated or corrupt ({exc}); delete '{ckpt}' to fall back to the "
+            f"previous checkpoint"
+        ) from None
+    expected = model.state_dict()
+    missing = [k for k in expected if k not in tensors and not _is_tied_alias(model, k, tensors)]
+    unexpected = [k for k in tensors if k not in expected]
+    if missing or unexpected:
+        raise CheckpointError(
+            f"checkpoint weights '{path}' do not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}"
+        )
+    with torch.no_grad():
+        for name, tensor in expected.items():
+            if name not in tensors:
+                continue
+            if tensors[name].shape != tensor.shape:
+                raise CheckpointError(
+                    f"checkpoint weights '{path}': '{name}' has shape {tuple(tensors[name].shape)}, the model expects "
+                    f"{tuple(tensor.shape)}"
+                )
+            tensor.copy_(tensors[name])
+
+
+def _is_tied_alias(model: torch.nn.Module, name: str, tensors: dict[str, torch.Tensor]) -> bool:
+    cfg = getattr(model, "config", None)
+    return name == "lm_head.weight" and bool(getattr(cfg, "tie_word_embeddings", False)) and "model.embed_tokens.weight" in tensors
+
+
+def load_checkpoint(
+    ckpt: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None
+) -> dict[str, Any]:
+    """Restore weights, optimizer state and RNG state from a checkpoint.
+
+    Args:
+        ckpt: the checkpoint directory.
+        model: a materialised model of the saved architecture.
+        optimizer: the optimizer over ``model``'s parameters, or ``None`` to load weights only.
+
+    Returns:
+        The trainer state (``step``, data position, config, ...).
+
+    Raises:
+        CheckpointError: a file is missing, truncated or does not match.
+    """
+    state = read_trainer_state(ckpt)
+    _check_files(ckpt, state, need_optimizer=optimizer is not None)
+    load_weights(ckpt, model)
+    if optimizer is not None:
+        path = ckpt / OPTIMIZER
+        try:
+            opt_state = torch.load(path, map_location="cpu", weights_only=True)
+            optimizer.load_state_dict(opt_state)
+        except (RuntimeError, OSError, ValueError, KeyError, EOFError) as exc:
+            raise CheckpointError(f"optimizer state '{path}' is truncated, corrupt or does not match the optimizer ({exc})") from None
+    if "rng" in state:
+        set_rng_state(state["rng"])
+    return state

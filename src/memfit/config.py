@@ -1,0 +1,380 @@
+"""Typed run configuration: dataclasses are the schema, YAML presets and dotted ``key=value`` overrides fill it.
+
+The defaults of :class:`TrainConfig` *are* the main job: pretraining the ``shakespeare`` Llama on the Tiny
+Shakespeare text shipped inside the package, with a byte-level BPE tokenizer trained on the training split.
+
+Loading never allocates anything: :func:`load_config` parses, type-checks and validates, and raises
+:class:`~memfit.errors.ConfigError` naming the offending key.
+
+Example:
+    >>> cfg = load_config(None, ["max_steps=10", "optimizer.lr=3e-4"])
+    >>> cfg.optimizer.lr
+    0.0003
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from memfit.errors import ConfigError
+
+DTYPES = ("fp32", "bf16", "bf16_mixed")
+DEVICES = ("auto", "cpu", "cuda")
+TOKENIZER_KINDS = ("bpe", "char", "file")
+OPTIMIZER_NAMES = ("adamw",)
+OPTIMIZER_IMPLEMENTATIONS = ("foreach", "for_loop", "fused")
+
+
+@dataclass
+class TokenizerConfig:
+    """How text becomes token ids."""
+
+    kind: str = "bpe"
+    """``bpe``: byte-level BPE trained with `tokenizers` on the training split only; ``char``: one id per
+    character of the training split; ``file``: load ``path`` (tokenizer.json, SentencePiece or tiktoken
+    ``tokenizer.model``, or a directory with GPT-2's encoder.json + vocab.bpe)."""
+    vocab_size: int = 2048
+    """Target vocabulary size when ``kind`` is ``bpe`` (including its two special tokens)."""
+    path: str | None = None
+    """Tokenizer file or directory when ``kind`` is ``file``."""
+
+
+@dataclass
+class DataConfig:
+    """The pretraining corpus."""
+
+    path: str | None = None
+    """A UTF-8 text file, or a directory whose ``*.txt`` files are read in sorted order. ``None``: the Tiny
+    Shakespeare text shipped inside the package."""
+    val_fraction: float = 0.1
+    """Fraction of the text (by characters, cut at a line boundary) held out for validation, taken from the end.
+    The tokenizer is trained on the training part only and the two parts never overlap."""
+
+
+@dataclass
+class OptimizerConfig:
+    """The optimizer and its hyperparameters."""
+
+    name: str = "adamw"
+    """Optimizer name. ``adamw``: torch.optim.AdamW."""
+    implementation: str = "foreach"
+    """``foreach`` (multi-tensor, holds one parameter-sized set of temporaries at the step), ``for_loop`` (one
+    tensor at a time; least memory), ``fused`` (one fused kernel)."""
+    lr: float = 1e-3
+    """Peak learning rate, reached at the end of warm-up."""
+    min_lr: float = 1e-4
+    """Learning rate at the end of the cosine decay (``max_steps``)."""
+    warmup_steps: int = 100
+    """Steps of linear warm-up from 0 to ``lr``."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay, applied to matrices only (not to norms, biases or 1-D tensors)."""
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    eps: float = 1e-8
+
+
+@dataclass
+class SampleConfig:
+    """The text generated at the end of a run."""
+
+    prompt: str = "ROMEO:"
+    max_new_tokens: int = 200
+    temperature: float = 0.8
+    """0 means greedy decoding."""
+    top_k: int = 50
+    """Sample among the ``top_k`` most likely tokens; 0 means no restriction."""
+
+
+@dataclass
+class TrainConfig:
+    """One pretraining run. Field names are the CLI's dotted override keys (``optimizer.lr=3e-4``)."""
+
+    model: str = "shakespeare"
+    """Model preset (see :mod:`memfit.models.presets`)."""
+    model_args: dict[str, Any] = field(default_factory=dict)
+    """Overrides of the preset's :class:`~memfit.models.llama.LlamaConfig` fields, e.g. ``model_args.num_layers=4``."""
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    sample: SampleConfig = field(default_factory=SampleConfig)
+
+    output_dir: str = "out/shakespeare"
+    """Where checkpoints, tokenized data, ``metrics.jsonl``, TensorBoard events and the loss plot go."""
+    max_steps: int = 1000
+    """Optimizer steps of the run (each of ``batch_size * gradient_accumulation_steps`` sequences)."""
+    seed: int = 1337
+    """Seeds weight init, batch sampling and generation: a run is a function of its config."""
+    batch_size: int = 16
+    """Sequences per micro-batch (per forward/backward)."""
+    gradient_accumulation_steps: int = 1
+    """Micro-batches per optimizer step. The loss is weighted by token count, so it equals the loss of one
+    batch of ``batch_size * gradient_accumulation_steps`` sequences; activation memory stays that of one micro-batch."""
+    seq_len: int = 0
+    """Tokens per training sequence; 0 means the model's ``max_seq_len``."""
+    max_grad_norm: float = 1.0
+    """Clip the global gradient L2 norm to this value; 0 disables clipping (``grad_norm`` is still logged)."""
+    dtype: str = "fp32"
+    """``fp32``: everything fp32. ``bf16``: weights, gradients and optimizer state bf16 (loss in fp32).
+    ``bf16_mixed``: fp32 weights, gradients and optimizer state, forward/backward under bf16 autocast."""
+    device: str = "auto"
+    """``auto`` (CUDA when available, else CPU), ``cpu`` or ``cuda``."""
+
+    log_every: int = 10
+    """Steps between step records (stdout, metrics.jsonl, TensorBoard). Memory peaks are since the last record."""
+    eval_every: int = 100
+    """Steps between validation losses; 0 disables periodic validation (the final one always runs)."""
+    eval_batches: int = 20
+    """Validation micro-batches per evaluation (the same fixed windows every time)."""
+    checkpoint_every: int = 250
+    """Steps between checkpoints; 0 saves only the final one."""
+    keep_last_checkpoints: int = 2
+    """How many of the newest checkpoints to keep."""
+    resume: bool = False
+    """Continue from the newest complete checkpoint in ``output_dir`` (safe after SIGKILL at any moment)."""
+    tensorboard: bool = True
+    """Write TensorBoard events to ``output_dir/tensorboard`` when the package is installed."""
+    progress_bar: bool = True
+    """Show a tqdm progress bar on stderr."""
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Parsing: YAML/dicts -> dataclasses, with the key named in every error
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    """Check ``value`` against the annotation ``tp``; convert int -> float where a float is expected."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, key)
+            except ConfigError:
+                pass
+        raise ConfigError(f"config key '{key}' expects {tp}, got {value!r} ({type(value).__name__})")
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ConfigError(f"config key '{key}' is a section; give its fields, e.g. '{key}.<field>=...'")
+        return _from_dict(tp, value, key + ".")
+    if origin is list:
+        (item_tp,) = typing.get_args(tp)
+        if not isinstance(value, list | tuple):
+            raise ConfigError(f"config key '{key}' expects a list, got {value!r}")
+        return [_coerce(v, item_tp, f"{key}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"config key '{key}' expects a mapping, got {value!r}")
+        return dict(value)
+    if tp is Any:
+        return value
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif isinstance(value, tp) and not (tp is int and isinstance(value, bool)):
+        return value
+    raise ConfigError(
+        f"config key '{key}' expects {_type_name(tp)}, got {value!r} ({type(value).__name__})"
+    )
+
+
+def _from_dict(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in data.items():
+        if key not in names:
+            close = difflib.get_close_matches(str(key), names, n=1)
+            hint = f"; did you mean '{prefix}{close[0]}'?" if close else f"; known keys: {', '.join(names)}"
+            raise ConfigError(f"unknown config key '{prefix}{key}'{hint}")
+        kwargs[key] = _coerce(value, hints[key], prefix + key)
+    return cls(**kwargs)
+
+
+def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    node = tree
+    for i, part in enumerate(parts[:-1]):
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"config key '{'.'.join(parts[: i + 1])}' is not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def parse_overrides(overrides: list[str]) -> dict[str, Any]:
+    """Turn ``["optimizer.lr=3e-4", "resume=true"]`` into a nested dict; values are parsed as YAML scalars.
+
+    Raises:
+        ConfigError: an override is not of the form ``key=value``.
+    """
+    tree: dict[str, Any] = {}
+    for item in overrides:
+        if "=" not in item or item.startswith("="):
+            raise ConfigError(f"override '{item}' is not of the form key=value (e.g. max_steps=100)")
+        key, raw = item.split("=", 1)
+        try:
+            value = yaml.safe_load(raw) if raw != "" else ""
+        except yaml.YAMLError:
+            value = raw
+        if isinstance(value, str) and _looks_like_float(value):
+            value = float(value)  # YAML 1.1 reads "3e-4" as a string
+        _set_dotted(tree, key.strip(), value)
+    return tree
+
+
+def _looks_like_float(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return text.strip().lower() not in ("nan", "inf", "-inf", "infinity", "-infinity")
+
+
+def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict) and key != "model_args":
+            out[key] = _merge(out[key], value)
+        elif isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = {**out[key], **value}
+        else:
+            out[key] = value
+    return out
+
+
+def load_config(path: str | Path | None, overrides: list[str] | None = None) -> TrainConfig:
+    """Build a validated :class:`TrainConfig` from an optional YAML file and dotted overrides.
+
+    Args:
+        path: YAML file whose keys are :class:`TrainConfig` fields (nested sections as mappings), or ``None``
+            for the defaults (the Tiny Shakespeare main job).
+        overrides: ``key=value`` strings applied after the file, e.g. ``["optimizer.lr=3e-4"]``.
+
+    Returns:
+        The configuration, validated.
+
+    Raises:
+        ConfigError: the file is missing or not a YAML mapping, a key is unknown, a value has the wrong type or an
+            impossible value. The message names the key.
+    """
+    tree: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file '{path}' does not exist; pass a YAML file such as configs/shakespeare.yaml")
+        try:
+            loaded = yaml.safe_load(path.read_text(encoding="utf-8"))
+        except (yaml.YAMLError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"config file '{path}' is not valid YAML: {exc}") from None
+        if loaded is None:
+            loaded = {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"config file '{path}' must hold a mapping of keys to values")
+        tree = loaded
+    tree = _merge(tree, parse_overrides(overrides or []))
+    cfg = config_from_dict(tree)
+    return cfg
+
+
+def config_from_dict(tree: dict[str, Any]) -> TrainConfig:
+    """Build and validate a :class:`TrainConfig` from a nested dict (as saved in a checkpoint).
+
+    Raises:
+        ConfigError: as :func:`load_config`.
+    """
+    cfg = _from_dict(TrainConfig, tree)
+    validate(cfg)
+    return cfg
+
+
+def config_to_dict(cfg: TrainConfig) -> dict[str, Any]:
+    """The configuration as plain nested dicts (YAML/JSON serialisable)."""
+    return dataclasses.asdict(cfg)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Validation: every impossible value or combination, in one place
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _require(cond: bool, key: str, message: str) -> None:
+    if not cond:
+        raise ConfigError(f"config key '{key}': {message}")
+
+
+def _one_of(value: str, choices: tuple[str, ...], key: str) -> None:
+    _require(value in choices, key, f"{value!r} is not one of {', '.join(choices)}")
+
+
+def validate(cfg: TrainConfig) -> None:
+    """Check every value and combination before anything is allocated.
+
+    Raises:
+        ConfigError: naming the first offending key and what to use instead.
+    """
+    from memfit.models.presets import MODEL_PRESETS, model_config
+
+    _require(cfg.model in MODEL_PRESETS, "model", f"unknown preset {cfg.model!r}; known: {', '.join(MODEL_PRESETS)}")
+    for key in ("max_steps", "batch_size", "gradient_accumulation_steps", "log_every", "eval_batches",
+                "keep_last_checkpoints"):
+        _require(getattr(cfg, key) >= 1, key, f"must be >= 1, got {getattr(cfg, key)}")
+    for key in ("seq_len", "eval_every", "checkpoint_every"):
+        _require(getattr(cfg, key) >= 0, key, f"must be >= 0, got {getattr(cfg, key)}")
+    _require(cfg.max_grad_norm >= 0, "max_grad_norm", f"must be >= 0 (0 disables clipping), got {cfg.max_grad_norm}")
+    _one_of(cfg.dtype, DTYPES, "dtype")
+    _one_of(cfg.device, DEVICES, "device")
+    _require(bool(cfg.output_dir), "output_dir", "must not be empty")
+
+    tok = cfg.tokenizer
+    _one_of(tok.kind, TOKENIZER_KINDS, "tokenizer.kind")
+    if tok.kind == "bpe":
+        _require(tok.vocab_size >= 258, "tokenizer.vocab_size", f"a byte-level BPE needs >= 258 ids, got {tok.vocab_size}")
+    if tok.kind == "file":
+        _require(tok.path is not None, "tokenizer.path", "is required when tokenizer.kind is 'file'")
+    _require(0.0 < cfg.data.val_fraction < 1.0, "data.val_fraction", f"must be in (0, 1), got {cfg.data.val_fraction}")
+
+    opt = cfg.optimizer
+    _one_of(opt.name, OPTIMIZER_NAMES, "optimizer.name")
+    _one_of(opt.implementation, OPTIMIZER_IMPLEMENTATIONS, "optimizer.implementation")
+    _require(opt.lr > 0, "optimizer.lr", f"must be > 0, got {opt.lr}")
+    _require(0 <= opt.min_lr <= opt.lr, "optimizer.min_lr", f"must be in [0, optimizer.lr], got {opt.min_lr}")
+    _require(opt.warmup_steps >= 0, "optimizer.warmup_steps", f"must be >= 0, got {opt.warmup_steps}")
+    _require(opt.weight_decay >= 0, "optimizer.weight_decay", f"must be >= 0, got {opt.weight_decay}")
+    _require(len(opt.betas) == 2 and all(0 <= b < 1 for b in opt.betas), "optimizer.betas",
+             f"must be two numbers in [0, 1), got {opt.betas}")
+    _require(opt.eps > 0, "optimizer.eps", f"must be > 0, got {opt.eps}")
+
+    smp = cfg.sample
+    _require(smp.max_new_tokens >= 0, "sample.max_new_tokens", f"must be >= 0, got {smp.max_new_tokens}")
+    _require(smp.temperature >= 0, "sample.temperature", f"must be >= 0, got {smp.temperature}")
+    _require(smp.top_k >= 0, "sample.top_k", f"must be >= 0, got {smp.top_k}")
+
+    # The model preset with its overrides must be a valid architecture (vocab_size comes from the tokenizer
+    # when the preset has none; a placeholder is enough to check the rest).
+    args = dict(cfg.model_args)
+    if "vocab_size" not in args and "vocab_size" not in MODEL_PRESETS[cfg.model]:
+        args["vocab_size"] = 256
+    try:
+        mcfg = model_config(cfg.model, **args)
+    except (ValueError, TypeError) as exc:
+        raise ConfigError(f"config key 'model_args': {exc}") from None
+    _require(cfg.seq_len <= mcfg.max_seq_len, "seq_len",
+             f"{cfg.seq_len} exceeds the model's max_seq_len {mcfg.max_seq_len}; lower seq_len or set model_args.max_seq_len")

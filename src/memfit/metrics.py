@@ -1,0 +1,148 @@
+"""The step record and its sinks: a readable stdout line, ``metrics.jsonl``, TensorBoard, and a loss plot.
+
+A step record is a flat dict. Training records carry ``step, loss, lr, grad_norm, tokens_per_second_per_gpu`` and
+the peak-memory fields of :mod:`memfit.memory.stats` (GiB); validation records carry ``step, val_loss``.
+Memory fields are ``null`` in JSON when they do not apply to the device (allocator fields on CPU).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import warnings
+from pathlib import Path
+from typing import Any
+
+from tqdm.auto import tqdm
+
+_STDOUT_FIELDS = (
+    ("loss", "loss {:.4f}"),
+    ("val_loss", "val_loss {:.4f}"),
+    ("lr", "lr {:.2e}"),
+    ("grad_norm", "grad_norm {:.3f}"),
+    ("tokens_per_second_per_gpu", "tok/s/gpu {:,.0f}"),
+    ("peak_memory_active", "active {:.2f} GiB"),
+    ("peak_memory_alloc", "alloc {:.2f} GiB"),
+    ("peak_memory_reserved", "reserved {:.2f} GiB"),
+    ("peak_memory_device", "device {:.2f} GiB"),
+    ("peak_memory_rss", "rss {:.2f} GiB"),
+)
+
+
+def format_record(record: dict[str, Any]) -> str:
+    """One readable line, e.g. ``step 10 | loss 5.1234 | lr 1.00e-04 | ... | rss 0.71 GiB``."""
+    parts = [f"step {record['step']}"]
+    for key, fmt in _STDOUT_FIELDS:
+        value = record.get(key)
+        if value is not None:
+            parts.append(fmt.format(value))
+    return " | ".join(parts)
+
+
+class MetricsLogger:
+    """Writes step records to stdout (through tqdm, so the progress bar stays intact), JSONL and TensorBoard.
+
+    Args:
+        output_dir: the run directory; records are appended to ``output_dir/metrics.jsonl``.
+        tensorboard: also write TensorBoard scalars to ``output_dir/tensorboard`` if the package is installed.
+        resume_step: on resume, records after this step (written by the interrupted run after its last
+            checkpoint) are dropped from ``metrics.jsonl`` first, so the file reads like one uninterrupted run.
+        enabled: ``False`` on non-zero ranks.
+    """
+
+    def __init__(self, output_dir: Path, tensorboard: bool = True, resume_step: int | None = None, enabled: bool = True):
+        self.enabled = enabled
+        self.path = Path(output_dir) / "metrics.jsonl"
+        self._tb = None
+        if not enabled:
+            return
+        if resume_step is None:
+            if self.path.exists():
+                self.path.unlink()
+        else:
+            truncate_records(self.path, resume_step)
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                warnings.warn("tensorboard is not installed; skipping TensorBoard events (pip install tensorboard)", stacklevel=2)
+            else:
+                self._tb = SummaryWriter(log_dir=str(Path(output_dir) / "tensorboard"), purge_step=resume_step)
+        self._file = open(self.path, "a", encoding="utf-8")
+
+    def log(self, record: dict[str, Any]) -> None:
+        """Write one record to every sink."""
+        if not self.enabled:
+            return
+        tqdm.write(format_record(record))
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        if self._tb is not None:
+            for key, value in record.items():
+                if key != "step" and isinstance(value, int | float) and math.isfinite(value):
+                    self._tb.add_scalar(key, value, record["step"])
+            self._tb.flush()
+
+    def close(self) -> None:
+        """Flush and close the sinks."""
+        if not self.enabled:
+            return
+        self._file.close()
+        if self._tb is not None:
+            self._tb.close()
+
+
+def read_records(path: Path) -> list[dict[str, Any]]:
+    """The records of a ``metrics.jsonl`` file (a torn last line from a killed run is ignored)."""
+    out = []
+    if not Path(path).exists():
+        return out
+    for line in Path(path).read_text(encoding="utf-8").splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            continue
+    return out
+
+
+def truncate_records(path: Path, last_step: int) -> None:
+    """Keep only the records with ``step <= last_step`` (atomically rewritten)."""
+    path = Path(path)
+    if not path.exists():
+        return
+    kept = [r for r in read_records(path) if r.get("step", 0) <= last_step]
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in kept), encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def plot_losses(metrics_path: Path, png_path: Path) -> Path | None:
+    """Plot train ``loss`` and ``val_loss`` against step from a ``metrics.jsonl`` file into a PNG.
+
+    Returns:
+        ``png_path``, or ``None`` when there is nothing to plot.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = read_records(metrics_path)
+    train = [(r["step"], r["loss"]) for r in records if r.get("loss") is not None]
+    val = [(r["step"], r["val_loss"]) for r in records if r.get("val_loss") is not None]
+    if not train and not val:
+        return None
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
+    if train:
+        ax.plot(*zip(*train, strict=True), label="train loss")
+    if val:
+        ax.plot(*zip(*val, strict=True), "o-", label="validation loss")
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross-entropy (nats/token)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(png_path)
+    plt.close(fig)
+    return Path(png_path)

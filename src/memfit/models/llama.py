@@ -1,0 +1,552 @@
+"""The Llama architecture (Llama 2, Llama 3, 3.1, 3.2): RMSNorm, RoPE, grouped-query attention, SwiGLU.
+
+Architecture only. Checkpointing, sharding, LoRA, optimizer hooks and dtype policy are applied to a built model
+from outside. Submodules are named like Hugging Face's ``LlamaForCausalLM`` so that state dicts load into each
+other with ``strict=True``.
+
+Shape letters used in comments: B batch, T sequence length, C model width (``dim``), nh query heads, nkv key/value
+heads, hd head size (``dim // num_heads``), I SwiGLU hidden size, V vocabulary size.
+
+The forward pass has no host syncs and no data-dependent Python branching, so it runs under
+``torch._subclasses.fake_tensor.FakeTensorMode`` on a model of any size built on the meta device.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+INIT_STD = 0.02
+"""Standard deviation of the normal initialisation of embeddings and linear weights (GPT-2, Llama)."""
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Llama 3.1 ("llama3") RoPE frequency scaling, the ``rope_scaling`` block of a Llama 3.1/3.2 config.json.
+
+    Wavelengths shorter than ``original_max_position_embeddings / high_freq_factor`` are kept, those longer than
+    ``original_max_position_embeddings / low_freq_factor`` are divided by ``factor``, and those in between are
+    interpolated smoothly.
+    """
+
+    factor: float = 8.0
+    """Divisor of the low frequencies."""
+    low_freq_factor: float = 1.0
+    """``original_max_position_embeddings / low_freq_factor`` is the wavelength above which frequencies are scaled."""
+    high_freq_factor: float = 4.0
+    """``original_max_position_embeddings / high_freq_factor`` is the wavelength below which nothing changes."""
+    original_max_position_embeddings: int = 8192
+    """Context length the model was pretrained with before the extension."""
+
+    def __post_init__(self) -> None:
+        """Validate the fields.
+
+        Raises:
+            ValueError: naming the field, when a factor or the context length is not positive, or when
+                ``high_freq_factor <= low_freq_factor`` (the smoothing would divide by zero).
+        """
+        for name in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"RopeScaling.{name} must be positive, got {getattr(self, name)!r}")
+        if self.high_freq_factor <= self.low_freq_factor:
+            raise ValueError(
+                f"RopeScaling.high_freq_factor ({self.high_freq_factor}) must be greater than "
+                f"low_freq_factor ({self.low_freq_factor})"
+            )
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    """Hyperparameters of a Llama model; named sizes live in ``memfit.models.presets``.
+
+    Raises:
+        ValueError: naming the field, from ``__post_init__``, when a size is not a positive int, ``norm_eps`` or
+            ``rope_theta`` is not positive, ``dim`` is not divisible by ``num_heads``, ``num_heads`` is not
+            divisible by ``num_kv_heads``, the head size is odd (RoPE rotates pairs), or ``rope_scaling`` is
+            neither None, a ``RopeScaling`` nor a dict of its fields.
+    """
+
+    vocab_size: int
+    """Number of token ids, V."""
+    dim: int
+    """Hidden size C (HF ``hidden_size``)."""
+    num_layers: int
+    """Number of decoder layers (HF ``num_hidden_layers``)."""
+    num_heads: int
+    """Number of query heads nh (HF ``num_attention_heads``)."""
+    num_kv_heads: int
+    """Number of key/value heads nkv for grouped-query attention; ``== num_heads`` is plain multi-head attention."""
+    intermediate_size: int
+    """SwiGLU hidden size I."""
+    norm_eps: float = 1e-5
+    """Epsilon of every RMSNorm (HF ``rms_norm_eps``)."""
+    rope_theta: float = 10000.0
+    """RoPE base wavelength."""
+    rope_scaling: RopeScaling | None = None
+    """Llama 3.1 frequency scaling, or None for plain RoPE. A dict of ``RopeScaling`` fields is converted."""
+    max_seq_len: int = 2048
+    """Context length the model is meant for (HF ``max_position_embeddings``); not enforced in ``forward``."""
+    tie_word_embeddings: bool = False
+    """Share one matrix between the token embedding and the output projection."""
+
+    def __post_init__(self) -> None:
+        """Validate the fields and convert a dict ``rope_scaling`` to ``RopeScaling``.
+
+        Raises:
+            ValueError: see the class docstring.
+        """
+        for name in ("vocab_size", "dim", "num_layers", "num_heads", "num_kv_heads", "intermediate_size",
+                     "max_seq_len"):  # fmt: skip
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"LlamaConfig.{name} must be a positive int, got {value!r}")
+        for name in ("norm_eps", "rope_theta"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"LlamaConfig.{name} must be a positive number, got {value!r}")
+        if self.dim % self.num_heads != 0:
+            raise ValueError(
+                f"LlamaConfig.dim ({self.dim}) must be divisible by num_heads ({self.num_heads})"
+            )
+        if self.num_heads % self.num_kv_heads != 0:
+            raise ValueError(
+                f"LlamaConfig.num_heads ({self.num_heads}) must be divisible by num_kv_heads ({self.num_kv_heads})"
+            )
+        if self.head_dim % 2 != 0:
+            raise ValueError(
+                f"LlamaConfig.dim // num_heads ({self.head_dim}) must be even: RoPE rotates pairs of channels"
+            )
+        if isinstance(self.rope_scaling, dict):
+            known = {f.name for f in fields(RopeScaling)}
+            unknown = sorted(set(self.rope_scaling) - known)
+            if unknown:
+                raise ValueError(
+                    f"LlamaConfig.rope_scaling has unknown keys {unknown}; known: {sorted(known)}"
+                )
+            object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
+        if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
+            raise ValueError(
+                f"LlamaConfig.rope_scaling must be None, a RopeScaling or a dict, got {self.rope_scaling!r}"
+            )
+
+    @property
+    def head_dim(self) -> int:
+        """Size of one attention head, hd = ``dim // num_heads``."""
+        return self.dim // self.num_heads
+
+    def num_params(self) -> int:
+        """Number of parameters in closed form, the tied embedding counted once.
+
+        Returns:
+            The count that ``sum(p.numel() for p in Llama(config).parameters())`` gives.
+        """
+        C, hd, I = self.dim, self.head_dim, self.intermediate_size  # noqa: E741
+        attention = C * self.num_heads * hd * 2 + C * self.num_kv_heads * hd * 2  # q, o + k, v
+        mlp = 3 * C * I  # gate, up, down
+        layer = attention + mlp + 2 * C  # + input and post-attention RMSNorm
+        embeddings = self.vocab_size * C * (1 if self.tie_word_embeddings else 2)
+        return embeddings + self.num_layers * layer + C  # + final RMSNorm
+
+
+def rope_inv_freq(config: LlamaConfig, device: torch.device | str | None = None) -> Tensor:
+    """RoPE inverse frequencies, computed in float32 exactly as Hugging Face does (including "llama3" scaling).
+
+    Args:
+        config: the model config; uses ``head_dim``, ``rope_theta`` and ``rope_scaling``.
+        device: where to put the result (meta works).
+
+    Returns:
+        Float32 tensor of shape (hd // 2,): ``theta ** (-2i / hd)``, scaled when ``config.rope_scaling`` is set.
+    """
+    hd = config.head_dim
+    exponent = torch.arange(0, hd, 2, dtype=torch.int64, device=device).float() / hd  # (hd/2,)
+    inv_freq = 1.0 / (config.rope_theta**exponent)  # (hd/2,)
+    scaling = config.rope_scaling
+    if scaling is None:
+        return inv_freq
+    low_freq_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor
+    high_freq_wavelen = scaling.original_max_position_embeddings / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq  # (hd/2,)
+    # Long wavelengths are divided by the factor, short ones kept, the ones in between interpolated.
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (scaling.original_max_position_embeddings / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm, computed in float32 and cast back to the input dtype before the scale (like HF).
+
+    Args:
+        dim: size of the last dimension.
+        eps: added to the mean square.
+    """
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        """Normalise the last dimension.
+
+        Args:
+            x: (..., C) activations of any floating dtype.
+
+        Returns:
+            (..., C), ``weight * (x / rms(x))`` with the normalisation done in float32.
+        """
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, eps={self.eps}"
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotary position embedding tables in Hugging Face's ``rotate_half`` layout: ``cat(freqs, freqs)``.
+
+    ``inv_freq`` is a non-persistent float32 buffer: it is derived from the config, so it is not in the state dict,
+    and a dtype cast of the model (``model.to(torch.bfloat16)``) leaves it in float32. ``to_empty`` leaves it
+    uninitialised like every other tensor; ``reset_parameters`` (called by ``Llama.init_weights`` and
+    ``build_llama``) recomputes it.
+
+    Args:
+        config: the model config.
+    """
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
+
+    def reset_parameters(self) -> None:
+        """Recompute ``inv_freq`` in float32 on the device it lives on."""
+        self.inv_freq = rope_inv_freq(self.config, device=self.inv_freq.device)
+
+    def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> RotaryEmbedding:
+        # nn.Module.to(dtype) casts floating buffers too; keep the frequencies in float32 (moves still apply).
+        inv_freq = self.inv_freq
+        super()._apply(fn, recurse)
+        if self.inv_freq.dtype != inv_freq.dtype:
+            self.inv_freq = inv_freq.to(device=self.inv_freq.device)
+        return self
+
+    def forward(self, seq_len: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """Cosine and sine tables for positions ``0 .. seq_len - 1``.
+
+        Args:
+            seq_len: T.
+            dtype: dtype of the activations the tables multiply.
+
+        Returns:
+            ``(cos, sin)``, each (T, hd), computed in float32 and cast to ``dtype``.
+        """
+        positions = torch.arange(seq_len, device=self.inv_freq.device, dtype=torch.float32)  # (T,)
+        freqs = positions[:, None] * self.inv_freq.float()[None, :]  # (T, hd/2)
+        emb = torch.cat((freqs, freqs), dim=-1)  # (T, hd)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def rotate_half(x: Tensor) -> Tensor:
+    """Rotate the two halves of the last dimension: ``(x1, x2) -> (-x2, x1)``.
+
+    Args:
+        x: (..., hd).
+
+    Returns:
+        (..., hd).
+    """
+    x1, x2 = x.chunk(2, dim=-1)  # (..., hd/2) each
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate query or key heads by their position.
+
+    Args:
+        x: (B, n, T, hd) queries or keys.
+        cos: (T, hd).
+        sin: (T, hd).
+
+    Returns:
+        (B, n, T, hd).
+    """
+    return x * cos + rotate_half(x) * sin
+
+
+def causal_attention(q: Tensor, k: Tensor, v: Tensor, native_gqa: bool | None = None) -> Tensor:
+    """Causal ``F.scaled_dot_product_attention`` where each group of nh // nkv query heads shares a kv head.
+
+    With ``enable_gqa=True`` the kernel reads the shared heads in place, but only some kernels support it: the CPU
+    flash kernel and, on CUDA, the flash kernel (fp16/bf16). Elsewhere (CUDA in float32, for one) SDPA would fall
+    back to the math kernel, which materialises the (B, nh, T, T) scores; there keys and values are expanded to
+    nh heads instead, (B, nh, T, hd) copies that keep the memory-efficient kernels eligible.
+
+    Args:
+        q: (B, nh, T, hd) queries.
+        k: (B, nkv, T, hd) keys; nkv divides nh.
+        v: (B, nkv, T, hd) values.
+        native_gqa: True passes ``enable_gqa``, False expands; None picks as described above, from the device
+            type and dtype only (no data dependence).
+
+    Returns:
+        (B, nh, T, hd).
+    """
+    B, nh, T, hd = q.shape
+    nkv = k.shape[1]
+    if nkv == nh:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    if native_gqa is None:
+        native_gqa = q.device.type == "cpu" or q.dtype in (torch.float16, torch.bfloat16)
+    if not native_gqa:
+        k = k[:, :, None].expand(B, nkv, nh // nkv, T, hd).reshape(B, nh, T, hd)  # (B, nh, T, hd)
+        v = v[:, :, None].expand(B, nkv, nh // nkv, T, hd).reshape(B, nh, T, hd)  # (B, nh, T, hd)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=native_gqa)
+
+
+class Attention(nn.Module):
+    """Causal grouped-query self-attention with RoPE (see ``causal_attention``).
+
+    Args:
+        config: the model config.
+    """
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.q_proj = nn.Linear(config.dim, config.num_heads * config.head_dim, bias=False)
+        self.k_proj = nn.Linear(config.dim, config.num_kv_heads * config.head_dim, bias=False)
+        self.v_proj = nn.Linear(config.dim, config.num_kv_heads * config.head_dim, bias=False)
+        self.o_proj = nn.Linear(config.num_heads * config.head_dim, config.dim, bias=False)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        """Attend causally over the sequence.
+
+        Args:
+            x: (B, T, C) normed hidden states.
+            cos: (T, hd) RoPE table.
+            sin: (T, hd) RoPE table.
+
+        Returns:
+            (B, T, C).
+        """
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)  # (B, nh, T, hd)
+        k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)  # (B, nkv, T, hd)
+        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)  # (B, nkv, T, hd)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        y = causal_attention(q, k, v)  # (B, nh, T, hd)
+        y = y.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim)  # (B, T, nh * hd)
+        return self.o_proj(y)  # (B, T, C)
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward: ``down(silu(gate(x)) * up(x))``.
+
+    Args:
+        config: the model config.
+    """
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(config.dim, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.dim, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.dim, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        """Apply the feed-forward.
+
+        Args:
+            x: (B, T, C).
+
+        Returns:
+            (B, T, C); the hidden activations are (B, T, I).
+        """
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    """One pre-norm block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``.
+
+    Args:
+        config: the model config.
+    """
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.self_attn = Attention(config)
+        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.dim, config.norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.dim, config.norm_eps)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        """Apply the block.
+
+        Args:
+            x: (B, T, C) residual stream.
+            cos: (T, hd) RoPE table.
+            sin: (T, hd) RoPE table.
+
+        Returns:
+            (B, T, C) residual stream.
+        """
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    """The backbone: token embedding, decoder layers and the final norm (HF ``LlamaModel``).
+
+    Args:
+        config: the model config.
+    """
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.dim)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.dim, config.norm_eps)
+        self.rotary_emb = RotaryEmbedding(config)
+
+    def forward(self, input_ids: Tensor) -> Tensor:
+        """Run the backbone.
+
+        Args:
+            input_ids: (B, T) int64 token ids.
+
+        Returns:
+            (B, T, C) final-normed hidden states, in the dtype of the embedding.
+        """
+        x = self.embed_tokens(input_ids)  # (B, T, C)
+        cos, sin = self.rotary_emb(input_ids.shape[1], x.dtype)  # (T, hd) each
+        for layer in self.layers:
+            x = layer(x, cos, sin)  # (B, T, C)
+        return self.norm(x)
+
+
+class Llama(nn.Module):
+    """Llama causal language model, named like HF ``LlamaForCausalLM`` so state dict keys are identical.
+
+    With ``config.tie_word_embeddings`` the output projection ``lm_head.weight`` is the very Parameter
+    ``model.embed_tokens.weight``; it stays tied through ``to``, ``to_empty`` and ``cuda`` (see ``_apply``).
+
+    Args:
+        config: the model config.
+    """
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config)
+        self.lm_head = nn.Linear(config.dim, config.vocab_size, bias=False)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Point ``lm_head.weight`` at ``model.embed_tokens.weight`` when the config ties them, else nothing.
+
+        Useful after replacing parameters from outside (``load_state_dict(..., assign=True)``).
+        """
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> Llama:
+        # nn.Module._apply converts each module's parameters separately, which would allocate the shared matrix
+        # twice and untie it (to_empty does); convert it once, through the embedding, and tie again.
+        if not self.config.tie_word_embeddings:
+            return super()._apply(fn, recurse)
+        self.lm_head._parameters["weight"] = None
+        try:
+            super()._apply(fn, recurse)
+        finally:
+            self.tie_weights()
+        return self
+
+    def forward(self, input_ids: Tensor) -> Tensor:
+        """Compute next-token logits.
+
+        Args:
+            input_ids: (B, T) int64 token ids.
+
+        Returns:
+            (B, T, V) logits, in the dtype of the parameters.
+        """
+        return self.lm_head(self.model(input_ids))  # (B, T, V)
+
+    @torch.no_grad()
+    def init_weights(self, generator: torch.Generator | None = None) -> None:
+        """Initialise a materialised model (for instance after ``to_empty``) in place.
+
+        Embeddings and linear weights are drawn from normal(0, 0.02), except the projections that write into the
+        residual stream (``o_proj`` and ``down_proj``), whose std is ``0.02 / sqrt(2 * num_layers)`` (GPT-2's
+        scaling, which keeps the residual stream's variance from growing with depth). RMSNorm weights are ones and
+        the RoPE buffer is recomputed. Tensors are visited in ``named_parameters`` order, so the result is a
+        function of the generator's (or the global RNG's) state alone.
+
+        Args:
+            generator: random source; None uses the global RNG (seed it with ``torch.manual_seed``). It must live
+                on the parameters' device.
+        """
+        residual_std = INIT_STD / math.sqrt(2 * self.config.num_layers)
+        for name, param in self.named_parameters():  # a tied weight is visited once
+            if name.endswith(("o_proj.weight", "down_proj.weight")):
+                nn.init.normal_(param, mean=0.0, std=residual_std, generator=generator)
+            elif name.endswith("layernorm.weight") or name == "model.norm.weight":
+                nn.init.ones_(param)
+            else:  # embed_tokens, q/k/v_proj, gate/up_proj, lm_head
+                nn.init.normal_(param, mean=0.0, std=INIT_STD, generator=generator)
+        self.model.rotary_emb.reset_parameters()
+
+
+def build_llama(
+    config: LlamaConfig,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+    init: bool = True,
+    seed: int | None = None,
+) -> Llama:
+    """Build a model on the meta device, then allocate each parameter once, in ``dtype``, on ``device``.
+
+    No float32 copy is ever made, and the same call works under ``FakeTensorMode`` (where ``Module.to_empty``
+    cannot swap fake parameters), so estimates build the model exactly as training does.
+
+    Args:
+        config: the model config.
+        device: where to allocate; ``"meta"`` allocates nothing (for estimates, or to shard before allocating).
+        dtype: floating dtype of the parameters. The RoPE buffer stays float32; its tables are cast to the
+            activation dtype in ``forward``.
+        init: run ``init_weights`` (not on meta). With False the parameters are uninitialised memory, to be
+            overwritten by ``load_state_dict``; the RoPE buffer is computed either way.
+        seed: seed of a fresh generator on ``device`` for ``init_weights``; None draws from the global RNG.
+
+    Returns:
+        The model, in train mode.
+    """
+    with torch.device("meta"):
+        model = Llama(config)
+    allocated: dict[int, nn.Parameter] = {}  # id of a meta parameter -> its allocation; a tied one is shared
+    for module in model.modules():
+        for name, param in module._parameters.items():
+            if param is None:
+                continue
+            if id(param) not in allocated:
+                data = torch.empty_like(param, device=device, dtype=dtype)
+                allocated[id(param)] = nn.Parameter(data, requires_grad=param.requires_grad)
+            module._parameters[name] = allocated[id(param)]
+    model.model.rotary_emb.inv_freq = rope_inv_freq(config, device=device)  # float32
+    if init and torch.device(device).type != "meta":
+        generator = None if seed is None else torch.Generator(device=device).manual_seed(seed)
+        model.init_weights(generator)
+    return model

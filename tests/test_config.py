@@ -1,0 +1,96 @@
+from pathlib import Path
+
+import pytest
+
+from memfit.cli import main
+from memfit.config import TrainConfig, load_config, parse_overrides
+from memfit.errors import ConfigError
+
+CONFIGS = sorted((Path(__file__).parents[1] / "configs").glob("*.yaml"))
+
+
+def test_defaults_are_the_main_job():
+    cfg = load_config(None)
+    assert cfg == TrainConfig()
+    assert cfg.model == "shakespeare" and cfg.data.path is None and cfg.tokenizer.kind == "bpe"
+
+
+def test_overrides_are_parsed_as_typed_values():
+    cfg = load_config(None, ["optimizer.lr=3e-4", "resume=true", "max_steps=7", "optimizer.betas=[0.8, 0.99]",
+                             "model_args.num_layers=3", "sample.prompt=JULIET:"])
+    assert cfg.optimizer.lr == pytest.approx(3e-4) and isinstance(cfg.optimizer.lr, float)
+    assert cfg.resume is True and cfg.max_steps == 7
+    assert cfg.optimizer.betas == [0.8, 0.99]
+    assert cfg.model_args == {"num_layers": 3}
+    assert cfg.sample.prompt == "JULIET:"
+
+
+def test_int_is_accepted_where_float_is_expected():
+    assert load_config(None, ["optimizer.lr=1"]).optimizer.lr == 1.0
+
+
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("max_step=3", "max_step"),  # unknown key
+        ("optimizer.lrr=1e-3", "optimizer.lrr"),
+        ("max_steps=ten", "max_steps"),  # wrong type
+        ("resume=3", "resume"),
+        ("max_steps=0", "max_steps"),  # impossible values
+        ("optimizer.lr=-1", "optimizer.lr"),
+        ("dtype=fp16", "dtype"),
+        ("data.val_fraction=1.5", "data.val_fraction"),
+        ("model=llama5", "model"),
+        ("seq_len=100000", "seq_len"),
+        ("model_args.num_heads=5", "model_args"),
+        ("model_args.nonsense=1", "model_args"),
+        ("tokenizer.kind=file", "tokenizer.path"),
+        ("optimizer=3", "optimizer"),
+    ],
+)
+def test_bad_keys_and_values_name_the_key(override, key):
+    with pytest.raises(ConfigError, match=f"'{key}'"):
+        load_config(None, [override])
+
+
+def test_unknown_key_suggests_the_close_one():
+    with pytest.raises(ConfigError, match="did you mean 'optimizer.lr'"):
+        load_config(None, ["optimizer.lrr=1e-3"])
+
+
+def test_override_without_equals_is_an_error():
+    with pytest.raises(ConfigError, match="key=value"):
+        parse_overrides(["max_steps"])
+
+
+def test_yaml_file_then_overrides(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("max_steps: 5\noptimizer:\n  lr: 0.002\n  weight_decay: 0.0\n")
+    cfg = load_config(path, ["optimizer.lr=0.003"])
+    assert cfg.max_steps == 5 and cfg.optimizer.lr == 0.003 and cfg.optimizer.weight_decay == 0.0
+
+
+def test_missing_and_malformed_config_files(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("- a list\n- not a mapping\n")
+    with pytest.raises(ConfigError, match="mapping"):
+        load_config(bad)
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
+def test_every_shipped_preset_loads(path):
+    cfg = load_config(path)
+    assert isinstance(cfg, TrainConfig)
+
+
+def test_there_are_shipped_presets():
+    assert {p.name for p in CONFIGS} >= {"shakespeare.yaml", "shakespeare_char.yaml"}
+
+
+def test_cli_config_error_exits_2_before_touching_disk(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(["pretrain", f"output_dir={out}", "optimizer.lrr=1"]) == 2
+    assert "optimizer.lrr" in capsys.readouterr().err
+    assert not out.exists()
