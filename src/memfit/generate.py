@@ -27,6 +27,7 @@ def generate(
     eos_id: int | None = None,
     generator: torch.Generator | None = None,
     autocast_dtype: torch.dtype | None = None,
+    vocab_limit: int | None = None,
 ) -> torch.Tensor:
     """Append up to ``max_new_tokens`` sampled tokens to ``ids``.
 
@@ -39,6 +40,7 @@ def generate(
         eos_id: stop after this token is produced.
         generator: the random source (seed it for reproducible samples).
         autocast_dtype: run the forward under autocast of this dtype.
+        vocab_limit: sample only ids below this (the tokenizer's size when the embedding is padded beyond it).
 
     Returns:
         ``(1, T0 + n)`` int64: the prompt followed by the ``n <= max_new_tokens`` new tokens.
@@ -49,7 +51,7 @@ def generate(
         ctx = (torch.autocast(ids.device.type, dtype=autocast_dtype) if autocast_dtype is not None
                else contextlib.nullcontext())
         with ctx:
-            logits = model(context)[:, -1, :].float()  # (1, V)
+            logits = model(context)[:, -1, :vocab_limit].float()  # (1, V) or (1, vocab_limit)
         if temperature == 0:
             nxt = logits.argmax(dim=-1, keepdim=True)  # (1, 1)
         else:
@@ -86,6 +88,7 @@ def generate_text(model: Llama, tokenizer, prompt: str, *, max_new_tokens: int, 
         eos_id=tokenizer.eos_id,
         generator=generator,
         autocast_dtype=torch.bfloat16 if dtype == "bf16_mixed" else None,
+        vocab_limit=tokenizer.vocab_size,
     )
     return tokenizer.decode(out[0].tolist())
 

@@ -1,0 +1,925 @@
+"""Text <-> token ids behind one interface, whatever made the vocabulary.
+
+Five kinds, each backed by the library that defines it (no BPE is implemented here):
+
+- ``char``: one id per character seen at build time, then ``<unk>``, ``<bos>``, ``<eos>``.
+- ``bpe``: a Hugging Face `tokenizers` tokenizer: a byte-level BPE trained by :func:`train_bpe`, or any
+  ``tokenizer.json``.
+- ``sentencepiece``: a SentencePiece ``.model`` (Llama 1/2 ``tokenizer.model``).
+- ``tiktoken``: a tiktoken ranks file (Llama 3's ``tokenizer.model``) with Llama 3's split pattern and its 256
+  special tokens appended after the ranks.
+- ``gpt2``: OpenAI's GPT-2 ``encoder.json`` + ``vocab.bpe``, encoded with tiktoken.
+
+Every kind follows the same rules: ``encode`` adds BOS/EOS only when asked, and never turns special-token text
+that occurs in plain text (``"<|end_of_text|>"``, ``"<s>"``) into special ids; ``decode`` renders every id,
+special tokens included, as its text; ``save(directory)`` writes what :func:`load_tokenizer` needs to rebuild an
+identical tokenizer, plus a ``tokenizer_config.json`` naming the kind. Nothing is ever downloaded.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+import logging
+import re
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+from memfit.errors import MemfitError
+
+log = logging.getLogger(__name__)
+
+CONFIG_NAME = "tokenizer_config.json"
+"""The file :meth:`Tokenizer.save` writes beside the model files: ``{"kind", "bos_token", "eos_token",
+"vocab_size", ...}``. Hugging Face uses the same name; memfit's is recognised by its ``kind`` key."""
+
+KINDS = ("char", "bpe", "sentencepiece", "tiktoken", "gpt2")
+
+BPE_BOS = "<|begin_of_text|>"
+BPE_EOS = "<|end_of_text|>"
+
+# Llama 3's pre-tokenizer split pattern (meta-llama/llama-models, llama3 tokenizer.py).
+LLAMA3_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+    r"|\s+(?!\S)|\s+"
+)
+LLAMA3_NUM_SPECIAL = 256
+# Llama 3's special tokens, in id order from base = number of ranks (128000 for Llama 3): <|begin_of_text|> =
+# base + 0, <|end_of_text|> = base + 1, <|start_header_id|> = base + 6, <|end_header_id|> = base + 7,
+# <|eom_id|> = base + 8, <|eot_id|> = base + 9, <|python_tag|> = base + 10, reserved tokens up to base + 255.
+LLAMA3_SPECIAL_TOKENS = [
+    "<|begin_of_text|>",
+    "<|end_of_text|>",
+    "<|reserved_special_token_0|>",
+    "<|reserved_special_token_1|>",
+    "<|finetune_right_pad_id|>",
+    "<|step_id|>",
+    "<|start_header_id|>",
+    "<|end_header_id|>",
+    "<|eom_id|>",
+    "<|eot_id|>",
+    "<|python_tag|>",
+]
+LLAMA3_SPECIAL_TOKENS += [f"<|reserved_special_token_{2 + i}|>" for i in range(LLAMA3_NUM_SPECIAL - 11)]
+# tiktoken's regex engine overflows its stack on very long runs of whitespace or of non-whitespace; Meta encodes
+# at most 400k characters at a time and cuts such runs every 25k characters. Done here the same way, so ids
+# equal Meta's and torchtune's.
+_TIKTOKEN_MAX_ENCODE_CHARS = 400_000
+_TIKTOKEN_MAX_RUN_CHARS = 25_000
+_LONG_RUN = re.compile(rf"\s{{{_TIKTOKEN_MAX_RUN_CHARS + 1}}}|\S{{{_TIKTOKEN_MAX_RUN_CHARS + 1}}}")
+
+# GPT-2's pre-tokenizer split pattern, as tiktoken writes it (equivalent to the one in openai/gpt-2 encoder.py).
+GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""
+GPT2_EOS = "<|endoftext|>"
+
+_TIKTOKEN_LINE = re.compile(rb"^[A-Za-z0-9+/]+=*[ \t]+[0-9]+[ \t]*\r?$")
+
+# Names tried, in order, when a tokenizer.json comes without a config that names its BOS/EOS tokens.
+_BOS_NAMES = ("<|begin_of_text|>", "<s>", "<bos>", "<|startoftext|>", "[BOS]")
+_EOS_NAMES = ("<|end_of_text|>", "</s>", "<eos>", "<|endoftext|>", "[EOS]")
+
+
+class TokenizerError(MemfitError, ValueError):
+    """A tokenizer file is missing, unrecognised or corrupt, or a tokenizer was asked for what it lacks."""
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The interface
+
+
+class Tokenizer(ABC):
+    """Text <-> token ids.
+
+    Attributes:
+        kind: ``"char"``, ``"bpe"``, ``"sentencepiece"``, ``"tiktoken"`` or ``"gpt2"``.
+    """
+
+    kind: str = ""
+
+    @property
+    @abstractmethod
+    def vocab_size(self) -> int:
+        """Number of ids the model's embedding must hold: every id ``encode`` can return, specials included."""
+
+    @property
+    @abstractmethod
+    def special_tokens(self) -> dict[str, int]:
+        """Special token text -> id (BOS, EOS, chat and reserved tokens). Plain text never encodes to these."""
+
+    @property
+    def bos_id(self) -> int | None:
+        """Id of the beginning-of-sequence token, or ``None`` when the tokenizer has none."""
+        return None if self._bos_token is None else self._specials[self._bos_token]
+
+    @property
+    def eos_id(self) -> int | None:
+        """Id of the end-of-sequence token, or ``None`` when the tokenizer has none."""
+        return None if self._eos_token is None else self._specials[self._eos_token]
+
+    # Set by every subclass: special token text -> id, and the texts of BOS/EOS (keys of _specials) or None.
+    _specials: dict[str, int]
+    _bos_token: str | None = None
+    _eos_token: str | None = None
+
+    def encode(self, text: str, bos: bool = False, eos: bool = False) -> list[int]:
+        """Encode text to ids.
+
+        Special-token text inside ``text`` is encoded as ordinary text, never as the special id.
+
+        Args:
+            text: The text.
+            bos: Put the BOS id first.
+            eos: Put the EOS id last.
+
+        Returns:
+            The ids.
+
+        Raises:
+            TokenizerError: ``bos`` or ``eos`` is asked for and this tokenizer has no such token.
+        """
+        ids = self._encode(text)
+        if bos:
+            if self.bos_id is None:
+                raise TokenizerError(f"this {self.kind} tokenizer has no BOS token; encode with bos=False")
+            ids = [self.bos_id, *ids]
+        if eos:
+            if self.eos_id is None:
+                raise TokenizerError(f"this {self.kind} tokenizer has no EOS token; encode with eos=False")
+            ids.append(self.eos_id)
+        return ids
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Decode ids to text, rendering special tokens as their text (``"<|end_of_text|>"``).
+
+        Byte-level kinds replace an incomplete UTF-8 sequence (a cut multi-byte character) with U+FFFD.
+
+        Args:
+            ids: Token ids (a list, or anything with ``tolist()`` such as a tensor or numpy array).
+
+        Returns:
+            The text.
+
+        Raises:
+            TokenizerError: An id is outside ``[0, vocab_size)``.
+        """
+        ids = ids.tolist() if hasattr(ids, "tolist") else list(ids)
+        if ids:
+            lo, hi = min(ids), max(ids)
+            if lo < 0 or hi >= self.vocab_size:
+                bad = lo if lo < 0 else hi
+                raise TokenizerError(
+                    f"token id {bad} is outside [0, {self.vocab_size}) for this {self.kind} tokenizer"
+                )
+        return self._decode(ids)
+
+    def save(self, directory: str | Path) -> None:
+        """Write this tokenizer to ``directory`` so that ``load_tokenizer(directory)`` rebuilds it identically.
+
+        Writes the kind's model files (copies of the original bytes for sentencepiece, tiktoken and gpt2) and
+        ``tokenizer_config.json`` with ``kind``, ``bos_token``, ``eos_token`` and ``vocab_size``.
+
+        Args:
+            directory: Created if missing; files of the same names in it are replaced.
+
+        Raises:
+            OSError: The directory cannot be created or written.
+        """
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        config: dict[str, Any] = {
+            "kind": self.kind,
+            "bos_token": self._bos_token,
+            "eos_token": self._eos_token,
+            "vocab_size": self.vocab_size,
+        }
+        config.update(self._save_files(directory))
+        (directory / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(kind={self.kind!r}, vocab_size={self.vocab_size}, "
+            f"bos_id={self.bos_id}, eos_id={self.eos_id})"
+        )
+
+    @abstractmethod
+    def _encode(self, text: str) -> list[int]: ...
+
+    @abstractmethod
+    def _decode(self, ids: list[int]) -> str: ...
+
+    @abstractmethod
+    def _save_files(self, directory: Path) -> dict[str, Any]:
+        """Write the model files; return extra keys for tokenizer_config.json."""
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# char
+
+
+class CharTokenizer(Tokenizer):
+    """One id per character: the characters in the given order, then ``<unk>``, ``<bos>``, ``<eos>``.
+
+    A character not in the vocabulary encodes to ``<unk>`` (logged once per tokenizer). Character ids are those
+    of nanoGPT's ``shakespeare_char`` for the same text (sorted characters from 0).
+
+    Args:
+        chars: The vocabulary, distinct single characters.
+
+    Raises:
+        TokenizerError: An entry is not a single character, or appears twice.
+    """
+
+    kind = "char"
+    UNK, BOS, EOS = "<unk>", "<bos>", "<eos>"
+
+    def __init__(self, chars: Sequence[str]):
+        chars = list(chars)
+        bad = [c for c in chars if not isinstance(c, str) or len(c) != 1]
+        if bad:
+            raise TokenizerError(f"a char vocabulary holds single characters, got {bad[:5]!r}")
+        if len(set(chars)) != len(chars):
+            raise TokenizerError("a char vocabulary holds distinct characters; got duplicates")
+        self._itos = chars + [self.UNK, self.BOS, self.EOS]
+        self._stoi = {c: i for i, c in enumerate(chars)}
+        n = len(chars)
+        self._specials = {self.UNK: n, self.BOS: n + 1, self.EOS: n + 2}
+        self._bos_token, self._eos_token = self.BOS, self.EOS
+        self._warned_unknown = False
+
+    @classmethod
+    def from_text(cls, text: str) -> CharTokenizer:
+        """Build the vocabulary from the sorted set of characters of ``text``.
+
+        Args:
+            text: The training text.
+
+        Returns:
+            The tokenizer.
+        """
+        return cls(sorted(set(text)))
+
+    @property
+    def vocab_size(self) -> int:
+        """Characters + 3 specials."""
+        return len(self._itos)
+
+    @property
+    def special_tokens(self) -> dict[str, int]:
+        """``{"<unk>": n, "<bos>": n + 1, "<eos>": n + 2}`` for ``n`` characters."""
+        return dict(self._specials)
+
+    @property
+    def unk_id(self) -> int:
+        """Id that characters unseen at build time encode to."""
+        return self._specials[self.UNK]
+
+    @property
+    def chars(self) -> list[str]:
+        """The character vocabulary, in id order, without the specials."""
+        return self._itos[: -len(self._specials)]
+
+    def _encode(self, text: str) -> list[int]:
+        unk = self.unk_id
+        ids = [self._stoi.get(c, unk) for c in text]
+        if not self._warned_unknown and unk in ids:
+            unseen = sorted({c for c in text if c not in self._stoi})
+            log.warning(
+                "char tokenizer: %d character(s) not in its vocabulary encode to <unk>: %r",
+                len(unseen),
+                unseen[:20],
+            )
+            self._warned_unknown = True
+        return ids
+
+    def _decode(self, ids: list[int]) -> str:
+        return "".join(self._itos[i] for i in ids)
+
+    def _save_files(self, directory: Path) -> dict[str, Any]:
+        return {"unk_token": self.UNK, "vocab": self.chars}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# bpe: a Hugging Face `tokenizers` tokenizer
+
+
+class HFTokenizer(Tokenizer):
+    """A Hugging Face `tokenizers` tokenizer (a trained byte-level BPE, or any ``tokenizer.json``).
+
+    Encodes without the tokenizer's post-processor (Llama 3's ``tokenizer.json`` would add BOS by itself), and
+    with special tokens split as text, so BOS/EOS come only from ``encode(bos=..., eos=...)``.
+
+    Args:
+        tokenizer: The ``tokenizers.Tokenizer``.
+        bos_token: Text of the BOS token, or ``None``.
+        eos_token: Text of the EOS token, or ``None``.
+
+    Raises:
+        TokenizerError: ``bos_token`` or ``eos_token`` is not in the vocabulary.
+    """
+
+    kind = "bpe"
+
+    def __init__(self, tokenizer: Any, bos_token: str | None, eos_token: str | None):
+        self._tok = tokenizer
+        # Special tokens written in the text are encoded as text (the setting is not saved in tokenizer.json).
+        self._tok.encode_special_tokens = True
+        vocab = tokenizer.get_vocab(with_added_tokens=True)
+        self._vocab_size = max(vocab.values()) + 1 if vocab else 0
+        self._specials = {t.content: i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special}
+        for name, token in (("bos_token", bos_token), ("eos_token", eos_token)):
+            if token is not None and token not in vocab:
+                raise TokenizerError(f"{name} {token!r} is not in the tokenizer's vocabulary")
+            if token is not None:
+                self._specials.setdefault(token, vocab[token])
+        self._bos_token, self._eos_token = bos_token, eos_token
+
+    @property
+    def vocab_size(self) -> int:
+        """Largest id + 1, added tokens included."""
+        return self._vocab_size
+
+    @property
+    def special_tokens(self) -> dict[str, int]:
+        """The added tokens marked special, plus BOS/EOS."""
+        return dict(self._specials)
+
+    def _encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tok.decode(ids, skip_special_tokens=False)
+
+    def _save_files(self, directory: Path) -> dict[str, Any]:
+        self._tok.save(str(directory / "tokenizer.json"))
+        return {}
+
+
+def train_bpe(texts: Iterable[str], vocab_size: int) -> Tokenizer:
+    """Train a byte-level BPE with `tokenizers` (GPT-2's byte-level pre-tokenizer and decoder).
+
+    The vocabulary is ``<|begin_of_text|>`` (BOS, id 0), ``<|end_of_text|>`` (EOS, id 1), the 256 bytes, then
+    merges learned from ``texts`` only. Every string round-trips: ``decode(encode(s)) == s``. The same texts and
+    size give the same tokenizer.
+
+    Args:
+        texts: Training texts (a single ``str`` is taken as one text).
+        vocab_size: Vocabulary size including the 2 special tokens and 256 bytes; fewer ids result when the
+            texts hold fewer distinct merges.
+
+    Returns:
+        The trained tokenizer (kind ``"bpe"``).
+
+    Raises:
+        TokenizerError: ``vocab_size`` < 258.
+    """
+    from tokenizers import Tokenizer as HFCore
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    if vocab_size < 258:
+        raise TokenizerError(
+            f"a byte-level BPE needs vocab_size >= 258 (256 bytes + BOS + EOS), got {vocab_size}"
+        )
+    if isinstance(texts, str):
+        texts = [texts]
+    tok = HFCore(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[BPE_BOS, BPE_EOS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    return HFTokenizer(tok, BPE_BOS, BPE_EOS)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# sentencepiece
+
+
+class SentencePieceTokenizer(Tokenizer):
+    """A SentencePiece model (Llama 1/2's ``tokenizer.model``); BOS/EOS are the model's own piece ids.
+
+    SentencePiece normalises before encoding, so ``decode(encode(s))`` is the normalised ``s``: with the usual
+    ``nmt_nfkc`` rule NFKC folding (``"ﬁ"`` -> ``"fi"``), whitespace runs (newlines included) collapsed to one
+    space and leading/trailing whitespace removed; characters the model cannot encode (no byte fallback) become
+    ``<unk>``, decoded as ``" ⁇ "``. Control pieces (``<s>``, ``</s>``) decode to their text.
+
+    Args:
+        model: The serialized model (the bytes of the ``.model`` file).
+        source: Where the bytes came from, for error messages.
+
+    Raises:
+        TokenizerError: The bytes are not a SentencePiece model.
+    """
+
+    kind = "sentencepiece"
+
+    def __init__(self, model: bytes, source: str = "<bytes>"):
+        import sentencepiece as spm
+
+        try:
+            sp = spm.SentencePieceProcessor(model_proto=model)
+        except Exception as e:  # sentencepiece raises RuntimeError (or others) with its C++ message
+            raise TokenizerError(f"'{source}' is not a valid SentencePiece model: {e}") from e
+        if sp.vocab_size() <= 0:
+            raise TokenizerError(f"'{source}' is a SentencePiece model with an empty vocabulary")
+        self._sp, self._model = sp, model
+        n = sp.vocab_size()
+        self._control = {i for i in range(n) if sp.is_control(i)}
+        self._specials = {sp.id_to_piece(i): i for i in range(n) if i in self._control or sp.is_unknown(i)}
+        self._bos_token = sp.id_to_piece(sp.bos_id()) if sp.bos_id() >= 0 else None
+        self._eos_token = sp.id_to_piece(sp.eos_id()) if sp.eos_id() >= 0 else None
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of pieces."""
+        return self._sp.vocab_size()
+
+    @property
+    def special_tokens(self) -> dict[str, int]:
+        """Control pieces (``<s>``, ``</s>``, pad) and ``<unk>``."""
+        return dict(self._specials)
+
+    def _encode(self, text: str) -> list[int]:
+        return self._sp.encode(text)
+
+    def _decode(self, ids: list[int]) -> str:
+        if self._control.isdisjoint(ids):
+            return self._sp.decode(ids)
+        # SentencePiece drops control pieces when decoding; render them, decoding the runs between them.
+        out: list[str] = []
+        run: list[int] = []
+        for i in ids:
+            if i in self._control:
+                if run:
+                    out.append(self._sp.decode(run))
+                    run = []
+                out.append(self._sp.id_to_piece(i))
+            else:
+                run.append(i)
+        if run:
+            out.append(self._sp.decode(run))
+        return "".join(out)
+
+    def _save_files(self, directory: Path) -> dict[str, Any]:
+        (directory / "tokenizer.model").write_bytes(self._model)
+        return {}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# tiktoken (Llama 3) and GPT-2
+
+
+def _tiktoken_encoding(name: str, pattern: str, ranks: dict[bytes, int], specials: dict[str, int]) -> Any:
+    import tiktoken
+
+    return tiktoken.Encoding(name=name, pat_str=pattern, mergeable_ranks=ranks, special_tokens=specials)
+
+
+def parse_tiktoken_ranks(data: bytes, source: str = "<bytes>") -> dict[bytes, int]:
+    """Parse a tiktoken ranks file: one ``<base64 token> <rank>`` per line.
+
+    Args:
+        data: The file's bytes.
+        source: Where the bytes came from, for error messages.
+
+    Returns:
+        Token bytes -> rank.
+
+    Raises:
+        TokenizerError: A line is malformed, a token repeats, the ranks are not 0..n-1, or a single byte is
+            missing (some text could then not be encoded).
+    """
+    ranks: dict[bytes, int] = {}
+    lines = 0
+    for lineno, line in enumerate(data.splitlines(), 1):
+        if not line.strip():
+            continue
+        lines += 1
+        parts = line.split()
+        try:
+            if len(parts) != 2:
+                raise ValueError("not two fields")
+            token, rank = base64.b64decode(parts[0], validate=True), int(parts[1])
+        except (ValueError, binascii.Error):
+            raise TokenizerError(
+                f"'{source}' line {lineno} is not '<base64 token> <rank>' as a tiktoken ranks file has: "
+                f"{line[:80]!r} (truncated or corrupt file?)"
+            ) from None
+        ranks[token] = rank
+    if not ranks:
+        raise TokenizerError(
+            f"'{source}' is empty; expected a tiktoken ranks file ('<base64 token> <rank>' lines)"
+        )
+    if len(ranks) != lines:
+        raise TokenizerError(f"'{source}': a token appears on more than one line of the tiktoken ranks file")
+    if sorted(ranks.values()) != list(range(len(ranks))):
+        raise TokenizerError(
+            f"'{source}': tiktoken ranks are not 0..{len(ranks) - 1} (truncated or corrupt file?)"
+        )
+    missing = [b for b in range(256) if bytes([b]) not in ranks]
+    if missing:
+        raise TokenizerError(f"'{source}': the tiktoken ranks lack {len(missing)} of the 256 single bytes")
+    return ranks
+
+
+class TiktokenTokenizer(Tokenizer):
+    """A tiktoken ranks file read as Llama 3's tokenizer (Meta's ``tokenizer.model`` for Llama 3, 3.1, 3.2).
+
+    Llama 3's split pattern, and its 256 special tokens at ids ``n`` .. ``n + 255`` after the ``n`` ranks, laid
+    out as Meta's llama-models does: ``<|begin_of_text|>`` (BOS) = n, ``<|end_of_text|>`` (EOS) = n + 1,
+    ``<|start_header_id|>`` = n + 6, ``<|end_header_id|>`` = n + 7, ``<|eom_id|>`` = n + 8, ``<|eot_id|>`` = n + 9,
+    ``<|python_tag|>`` = n + 10. ``vocab_size`` = n + 256 (128256 for Llama 3).
+
+    Args:
+        ranks_file: The bytes of the ranks file.
+        source: Where the bytes came from, for error messages.
+
+    Raises:
+        TokenizerError: The bytes are not a tiktoken ranks file.
+    """
+
+    kind = "tiktoken"
+
+    def __init__(self, ranks_file: bytes, source: str = "<bytes>"):
+        ranks = parse_tiktoken_ranks(ranks_file, source)
+        n = len(ranks)
+        self._specials = {t: n + i for i, t in enumerate(LLAMA3_SPECIAL_TOKENS)}
+        self._enc = _tiktoken_encoding(Path(source).name, LLAMA3_PATTERN, ranks, self._specials)
+        self._data = ranks_file
+        self._bos_token, self._eos_token = LLAMA3_SPECIAL_TOKENS[0], LLAMA3_SPECIAL_TOKENS[1]
+
+    @property
+    def vocab_size(self) -> int:
+        """Ranks + 256 special tokens."""
+        return self._enc.n_vocab
+
+    @property
+    def special_tokens(self) -> dict[str, int]:
+        """Llama 3's 256 special tokens."""
+        return dict(self._specials)
+
+    def _encode(self, text: str) -> list[int]:
+        ids: list[int] = []
+        for start in range(0, len(text), _TIKTOKEN_MAX_ENCODE_CHARS):
+            chunk = text[start : start + _TIKTOKEN_MAX_ENCODE_CHARS]
+            pieces = _split_long_runs(chunk) if _LONG_RUN.search(chunk) else [chunk]
+            for piece in pieces:
+                ids.extend(self._enc.encode_ordinary(piece))
+        return ids
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._enc.decode(ids)
+
+    def _save_files(self, directory: Path) -> dict[str, Any]:
+        (directory / "tokenizer.model").write_bytes(self._data)
+        return {}
+
+
+def _split_long_runs(s: str) -> list[str]:
+    """Cut ``s`` so that no piece holds more than 25k consecutive whitespace or non-whitespace characters.
+
+    The same cuts as Meta's ``_split_whitespaces_or_nonwhitespaces``.
+    """
+    pieces, start, run, run_is_space = [], 0, 0, s[0].isspace() if s else False
+    for i, c in enumerate(s):
+        is_space = c.isspace()
+        if is_space != run_is_space:
+            run, run_is_space = 1, is_space
+        else:
+            run += 1
+            if run > _TIKTOKEN_MAX_RUN_CHARS:
+                pieces.append(s[start:i])
+                start, run = i, 1
+    pieces.append(s[start:])
+    return pieces
+
+
+def _gpt2_byte_decoder() -> dict[str, int]:
+    """GPT-2's printable stand-in character -> byte (the inverse of ``bytes_to_unicode`` in openai/gpt-2)."""
+    bs = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1))
+    )
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(bs, cs, strict=True)}
+
+
+class GPT2Tokenizer(Tokenizer):
+    """OpenAI's GPT-2 BPE from ``encoder.json`` + ``vocab.bpe``, encoded with tiktoken.
+
+    50257 ids; ``"Hello world"`` -> ``[15496, 995]``. GPT-2 has one special token, ``<|endoftext|>`` (50256),
+    which it was trained with between documents; it is both EOS and BOS here (``bos_id == eos_id == 50256``), as
+    in `transformers`' GPT-2 tokenizer.
+
+    Args:
+        encoder_json: The bytes of ``encoder.json`` (token -> id).
+        vocab_bpe: The bytes of ``vocab.bpe`` (the merges, in priority order).
+        source: Where the bytes came from, for error messages.
+
+    Raises:
+        TokenizerError: The files are malformed or do not belong together.
+    """
+
+    kind = "gpt2"
+
+    def __init__(self, encoder_json: bytes, vocab_bpe: bytes, source: str = "<bytes>"):
+        try:
+            encoder = json.loads(encoder_json)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise TokenizerError(f"'{source}': encoder.json is not valid JSON ({e})") from e
+        if not isinstance(encoder, dict) or not all(isinstance(v, int) for v in encoder.values()):
+            raise TokenizerError(f"'{source}': encoder.json must map token strings to integer ids")
+        try:
+            lines = vocab_bpe.decode("utf-8").splitlines()
+        except UnicodeDecodeError as e:
+            raise TokenizerError(f"'{source}': vocab.bpe is not UTF-8 ({e})") from e
+        merges = [line.split() for line in lines if line.strip() and not line.startswith("#version")]
+        if not merges or any(len(m) != 2 for m in merges):
+            raise TokenizerError(
+                f"'{source}': vocab.bpe must hold one merge ('<left> <right>') per line after '#version'"
+            )
+
+        # Ranks are the encoder ids of the 256 bytes and of each merge's result; tiktoken merges by rank, which is
+        # only right when a merge's id is its priority: check, as tiktoken does for its own gpt2 files.
+        to_byte = _gpt2_byte_decoder()
+        ranks: dict[bytes, int] = {}
+        for ch, b in to_byte.items():
+            if ch not in encoder:
+                raise TokenizerError(f"'{source}': encoder.json lacks the single-byte token {ch!r}")
+            ranks[bytes([b])] = encoder[ch]
+        for i, (left, right) in enumerate(merges):
+            token = left + right
+            if encoder.get(token) != 256 + i:
+                raise TokenizerError(
+                    f"'{source}': vocab.bpe line {i + 2} merges to {token!r}, whose encoder.json id is "
+                    f"{encoder.get(token)} instead of {256 + i}: encoder.json and vocab.bpe do not belong together"
+                )
+            try:
+                ranks[bytes(to_byte[c] for c in token)] = 256 + i
+            except KeyError:
+                raise TokenizerError(
+                    f"'{source}': vocab.bpe line {i + 2} holds a character outside GPT-2's byte alphabet"
+                ) from None
+        rank_ids = set(ranks.values())
+        specials = {t: i for t, i in encoder.items() if i not in rank_ids}
+        if GPT2_EOS not in specials:
+            raise TokenizerError(f"'{source}': encoder.json lacks GPT-2's {GPT2_EOS} token")
+        self._specials = specials
+        self._enc = _tiktoken_encoding("gpt2", GPT2_PATTERN, ranks, specials)
+        self._files = (encoder_json, vocab_bpe)
+        self._bos_token = self._eos_token = GPT2_EOS
+
+    @property
+    def vocab_size(self) -> int:
+        """Largest id + 1 (50257 for GPT-2)."""
+        return self._enc.n_vocab
+
+    @property
+    def special_tokens(self) -> dict[str, int]:
+        """``{"<|endoftext|>": 50256}`` for GPT-2."""
+        return dict(self._specials)
+
+    def _encode(self, text: str) -> list[int]:
+        return self._enc.encode_ordinary(text)
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._enc.decode(ids)
+
+    def _save_files(self, directory: Path) -> dict[str, Any]:
+        (directory / "encoder.json").write_bytes(self._files[0])
+        (directory / "vocab.bpe").write_bytes(self._files[1])
+        return {}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Loading
+
+_EXPECTED = (
+    "a directory saved by memfit (tokenizer_config.json with 'kind'), a Hugging Face tokenizer.json, a "
+    "SentencePiece or tiktoken tokenizer.model, or GPT-2's encoder.json + vocab.bpe"
+)
+
+
+def load_tokenizer(path: str | Path) -> Tokenizer:
+    """Load a tokenizer from a directory or a file, recognising the format by name and content.
+
+    A directory is searched in this order: memfit's ``tokenizer_config.json`` (from :meth:`Tokenizer.save`), a
+    Hugging Face ``tokenizer.json`` (BOS/EOS from ``tokenizer_config.json`` or ``special_tokens_map.json`` beside
+    it, else from well-known token names), a ``tokenizer.model``, GPT-2's ``encoder.json`` + ``vocab.bpe`` (also
+    ``gpt2_encoder.json`` + ``gpt2_vocab.bpe``, or any one ``*encoder.json`` with one ``*.bpe``), or a single
+    ``*.model``. A ``.model`` file is a tiktoken ranks file when it is ``<base64> <rank>`` lines, else it must be
+    a SentencePiece model.
+
+    Args:
+        path: The directory or file.
+
+    Returns:
+        The tokenizer.
+
+    Raises:
+        TokenizerError: ``path`` does not exist, holds no recognised tokenizer, or a file is corrupt; the
+            message names the file and what was expected.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise TokenizerError(f"tokenizer path '{path}' does not exist; expected {_EXPECTED}")
+    if path.is_dir():
+        return _load_dir(path)
+    return _load_file(path)
+
+
+def _read_bytes(path: Path) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError as e:
+        raise TokenizerError(f"cannot read tokenizer file '{path}': {e}") from e
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(_read_bytes(path))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise TokenizerError(f"'{path}' is not valid JSON ({e}); expected {_EXPECTED}") from e
+
+
+def _load_dir(directory: Path) -> Tokenizer:
+    config_path = directory / CONFIG_NAME
+    if config_path.is_file():
+        config = _read_json(config_path)
+        if isinstance(config, dict) and "kind" in config:
+            return _load_memfit(directory, config, config_path)
+    if (directory / "tokenizer.json").is_file():
+        return _load_hf(directory / "tokenizer.json")
+    if (directory / "tokenizer.model").is_file():
+        return _load_model_file(directory / "tokenizer.model")
+    pair = _find_gpt2_pair(directory)
+    if pair is not None:
+        return _load_gpt2(*pair)
+    models = sorted(directory.glob("*.model"))
+    if len(models) == 1:
+        return _load_model_file(models[0])
+    raise TokenizerError(f"no tokenizer files in directory '{directory}'; expected {_EXPECTED}")
+
+
+def _load_file(path: Path) -> Tokenizer:
+    if path.name == CONFIG_NAME:
+        return _load_dir(path.parent)
+    head = _read_bytes(path)[:4096]
+    if path.suffix == ".json" or head.lstrip().startswith(b"{"):
+        obj = _read_json(path)
+        if isinstance(obj, dict) and isinstance(obj.get("model"), dict):
+            return _load_hf(path)
+        if isinstance(obj, dict) and obj and all(isinstance(v, int) for v in obj.values()):
+            pair = _find_gpt2_pair(path.parent, encoder=path)
+            if pair is None:
+                raise TokenizerError(
+                    f"'{path}' looks like GPT-2's encoder.json but no vocab.bpe is beside it"
+                )
+            return _load_gpt2(*pair)
+        raise TokenizerError(
+            f"'{path}' is JSON but neither a Hugging Face tokenizer.json (no 'model' key) nor GPT-2's encoder.json"
+        )
+    if head.startswith(b"#version"):
+        pair = _find_gpt2_pair(path.parent, bpe=path)
+        if pair is None:
+            raise TokenizerError(f"'{path}' looks like GPT-2's vocab.bpe but no encoder.json is beside it")
+        return _load_gpt2(*pair)
+    return _load_model_file(path)
+
+
+def _load_model_file(path: Path) -> Tokenizer:
+    data = _read_bytes(path)
+    first_line = data.split(b"\n", 1)[0]
+    if _TIKTOKEN_LINE.match(first_line):
+        return TiktokenTokenizer(data, str(path))
+    try:
+        return SentencePieceTokenizer(data, str(path))
+    except TokenizerError as e:
+        raise TokenizerError(
+            f"'{path}' is neither a SentencePiece model nor a tiktoken ranks file ('<base64 token> <rank>' lines); "
+            f"is it truncated or corrupt? ({e})"
+        ) from e
+
+
+def _find_gpt2_pair(
+    directory: Path, encoder: Path | None = None, bpe: Path | None = None
+) -> tuple[Path, Path] | None:
+    def pick(given: Path | None, names: tuple[str, ...], pattern: str) -> Path | None:
+        if given is not None:
+            return given
+        for name in names:
+            if (directory / name).is_file():
+                return directory / name
+        found = sorted(directory.glob(pattern))
+        return found[0] if len(found) == 1 else None
+
+    # Prefer the partner with the matching name (gpt2_encoder.json <-> gpt2_vocab.bpe).
+    enc_names = ("encoder.json", "gpt2_encoder.json")
+    bpe_names = ("vocab.bpe", "gpt2_vocab.bpe")
+    if encoder is not None and encoder.name.endswith("encoder.json"):
+        bpe_names = (encoder.name.replace("encoder.json", "vocab.bpe"), *bpe_names)
+    if bpe is not None and bpe.name.endswith("vocab.bpe"):
+        enc_names = (bpe.name.replace("vocab.bpe", "encoder.json"), *enc_names)
+    enc_path = pick(encoder, enc_names, "*encoder.json")
+    bpe_path = pick(bpe, bpe_names, "*.bpe")
+    if enc_path is None and bpe_path is None:
+        return None
+    if enc_path is None or bpe_path is None:
+        if encoder is not None or bpe is not None:
+            return None  # the caller names the file it was given
+        have, lack = (enc_path, "vocab.bpe") if bpe_path is None else (bpe_path, "encoder.json")
+        raise TokenizerError(f"found '{have}' but no GPT-2 {lack} beside it in '{directory}'")
+    return enc_path, bpe_path
+
+
+def _load_gpt2(encoder: Path, bpe: Path) -> GPT2Tokenizer:
+    return GPT2Tokenizer(_read_bytes(encoder), _read_bytes(bpe), f"{encoder} + {bpe}")
+
+
+def _token_text(value: Any) -> str | None:
+    """A bos/eos entry of a HF config: a string, ``{"content": ...}`` or ``None``."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _load_hf(path: Path, bos_eos: tuple[Any, Any] | None = None) -> HFTokenizer:
+    """Load a tokenizer.json; BOS/EOS from ``bos_eos`` (config entries) or else from the files beside it."""
+    from tokenizers import Tokenizer as HFCore
+
+    data = _read_bytes(path)
+    try:
+        tok = HFCore.from_str(data.decode("utf-8"))
+    except Exception as e:  # tokenizers raises a bare Exception with serde's message
+        raise TokenizerError(f"'{path}' is not a valid Hugging Face tokenizer.json: {e}") from e
+    bos, eos = bos_eos if bos_eos is not None else _hf_bos_eos(path.parent, tok)
+    try:
+        return HFTokenizer(tok, _token_text(bos), _token_text(eos))
+    except TokenizerError as e:
+        raise TokenizerError(f"'{path}': {e}") from e
+
+
+def _hf_bos_eos(directory: Path, tok: Any) -> tuple[Any, Any]:
+    for name in (CONFIG_NAME, "special_tokens_map.json"):
+        cfg_path = directory / name
+        if cfg_path.is_file():
+            cfg = _read_json(cfg_path)
+            if isinstance(cfg, dict) and ("bos_token" in cfg or "eos_token" in cfg):
+                return cfg.get("bos_token"), cfg.get("eos_token")
+    specials = {t.content for t in tok.get_added_tokens_decoder().values() if t.special}
+    bos = next((t for t in _BOS_NAMES if t in specials), None)
+    eos = next((t for t in _EOS_NAMES if t in specials), None)
+    return bos, eos
+
+
+def _load_memfit(directory: Path, config: dict[str, Any], config_path: Path) -> Tokenizer:
+    kind = config["kind"]
+    if kind not in KINDS:
+        raise TokenizerError(f"'{config_path}' names tokenizer kind {kind!r}; expected one of {KINDS}")
+
+    def need(name: str) -> Path:
+        p = directory / name
+        if not p.is_file():
+            raise TokenizerError(f"'{config_path}' is for a {kind} tokenizer, but '{p}' is missing")
+        return p
+
+    tokenizer: Tokenizer
+    if kind == "char":
+        vocab = config.get("vocab")
+        if not isinstance(vocab, list):
+            raise TokenizerError(
+                f"'{config_path}' is for a char tokenizer but has no 'vocab' list of characters"
+            )
+        try:
+            tokenizer = CharTokenizer(vocab)
+        except TokenizerError as e:
+            raise TokenizerError(f"'{config_path}': {e}") from e
+    elif kind == "bpe":
+        tokenizer = _load_hf(need("tokenizer.json"), (config.get("bos_token"), config.get("eos_token")))
+    elif kind == "sentencepiece":
+        p = need("tokenizer.model")
+        tokenizer = SentencePieceTokenizer(_read_bytes(p), str(p))
+    elif kind == "tiktoken":
+        p = need("tokenizer.model")
+        tokenizer = TiktokenTokenizer(_read_bytes(p), str(p))
+    else:
+        tokenizer = _load_gpt2(need("encoder.json"), need("vocab.bpe"))
+    expected = config.get("vocab_size")
+    if expected is not None and expected != tokenizer.vocab_size:
+        raise TokenizerError(
+            f"'{config_path}' records vocab_size {expected} but the files in '{directory}' give {tokenizer.vocab_size}"
+        )
+    return tokenizer

@@ -1,0 +1,152 @@
+"""The main job through the real CLI on a tiny model: records, checkpoints, exact resume, generation, bad input."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from memfit.cli import main
+from memfit.metrics import read_records
+
+from .conftest import tiny_run_overrides
+
+TRAIN_FIELDS = {"step", "loss", "lr", "grad_norm", "tokens_per_second_per_gpu", "peak_memory_active",
+                "peak_memory_alloc", "peak_memory_reserved", "peak_memory_rss"}
+
+
+def _losses(out: Path) -> tuple[list, list]:
+    records = read_records(out / "metrics.jsonl")
+    train = [(r["step"], r["loss"]) for r in records if "loss" in r]
+    val = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
+    return train, val
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory, small_corpus):
+    out = tmp_path_factory.mktemp("run") / "out"
+    assert main(["pretrain", *tiny_run_overrides(small_corpus, out)]) == 0
+    return out
+
+
+def test_run_writes_records_checkpoints_plot(finished_run):
+    records = read_records(finished_run / "metrics.jsonl")
+    train = [r for r in records if "loss" in r]
+    assert [r["step"] for r in train] == list(range(1, 13))
+    for r in train:
+        assert set(r) == TRAIN_FIELDS
+        assert r["peak_memory_active"] is None  # no CUDA allocator on CPU
+        assert 0 < r["peak_memory_rss"] < 8 and r["tokens_per_second_per_gpu"] > 0
+    assert [(r["step"]) for r in records if "val_loss" in r] == [4, 8, 12]
+    assert train[-1]["loss"] < train[0]["loss"] - 0.5
+    assert [p.name for p in sorted((finished_run / "checkpoints").iterdir())] == [
+        "step_00000004", "step_00000008", "step_00000012"]
+    assert (finished_run / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    state = json.loads((finished_run / "checkpoints" / "step_00000012" / "trainer_state.json").read_text())
+    assert state["step"] == 12 and state["config"]["model"] == "tiny"
+
+
+def test_generate_continues_the_prompt_deterministically(finished_run, capsys):
+    args = ["generate", "--checkpoint", str(finished_run), "--prompt", "ROMEO:", "--max-new-tokens", "24"]
+    assert main(args) == 0
+    first = capsys.readouterr().out
+    assert main(args) == 0
+    assert capsys.readouterr().out == first
+    assert first.startswith("ROMEO:") and len(first.strip()) > len("ROMEO:")
+
+
+def test_same_seed_same_losses(finished_run, small_corpus, tmp_path):
+    out = tmp_path / "again"
+    assert main(["pretrain", *tiny_run_overrides(small_corpus, out)]) == 0
+    assert _losses(out) == _losses(finished_run)
+
+
+def test_resume_from_a_checkpoint_logs_the_same_losses(finished_run, small_corpus, tmp_path):
+    """A run killed at step 10 (last checkpoint: step 8) resumes to exactly the uninterrupted numbers."""
+    out = tmp_path / "interrupted"
+    shutil.copytree(finished_run, out)
+    # the state a kill at step 10 leaves: checkpoints 4 and 8, records up to step 10, no final artefacts
+    shutil.rmtree(out / "checkpoints" / "step_00000012")
+    records = [r for r in read_records(out / "metrics.jsonl") if r["step"] <= 10]
+    (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert main(["pretrain", *tiny_run_overrides(small_corpus, out, resume="true")]) == 0
+    assert _losses(out) == _losses(finished_run)
+
+
+def test_sigkill_at_any_moment_then_resume_is_exact(small_corpus, tmp_path):
+    ref = tmp_path / "ref"
+    over = dict(max_steps=120, checkpoint_every=7, eval_every=30, log_every=1)
+    assert main(["pretrain", *tiny_run_overrides(small_corpus, ref, **over)]) == 0
+
+    out = tmp_path / "killed"
+    cmd = [sys.executable, "-m", "memfit", "pretrain", *tiny_run_overrides(small_corpus, out, **over)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while time.time() < deadline and not (out / "checkpoints" / "step_00000014").exists():
+        time.sleep(0.01)
+    time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert (out / "checkpoints").exists()
+    assert main(["pretrain", *tiny_run_overrides(small_corpus, out, resume="true", **over)]) == 0
+    assert _losses(out) == _losses(ref)
+
+
+def test_a_second_run_does_not_overwrite_the_first(finished_run, small_corpus, capsys):
+    before = {p: p.read_bytes() for p in finished_run.rglob("*") if p.is_file()}
+    assert main(["pretrain", *tiny_run_overrides(small_corpus, finished_run)]) == 1
+    assert "resume=true" in capsys.readouterr().err
+    assert {p: p.read_bytes() for p in finished_run.rglob("*") if p.is_file()} == before
+
+
+@pytest.mark.parametrize(
+    "content, expected",
+    [
+        (None, "corpus.txt' does not exist"),
+        (b"", "corpus.txt' is empty"),
+        (b"To be\nor \xff not", "corpus.txt' is not valid UTF-8: byte 0xff at line 2, column 4"),
+        (b"To be or not to be.\n" * 3, "fewer than one sequence"),
+    ],
+    ids=["missing", "empty", "invalid-utf8", "too-short"],
+)
+def test_bad_corpus_is_one_clear_error(tmp_path, capsys, content, expected):
+    corpus = tmp_path / "corpus.txt"
+    if content is not None:
+        corpus.write_bytes(content)
+    assert main(["pretrain", *tiny_run_overrides(corpus, tmp_path / "out")]) == 1
+    err = capsys.readouterr().err
+    assert expected in err and "Traceback" not in err
+    assert not (tmp_path / "out" / "checkpoints").exists()
+
+
+def test_unwritable_output_dir(tmp_path, small_corpus, capsys):
+    (tmp_path / "file").write_text("x")
+    assert main(["pretrain", *tiny_run_overrides(small_corpus, tmp_path / "file" / "out")]) == 1
+    assert "not writable" in capsys.readouterr().err
+
+
+def test_generate_from_missing_or_truncated_checkpoint(finished_run, tmp_path, capsys):
+    assert main(["generate", "--checkpoint", str(tmp_path / "nothing"), "--prompt", "A"]) == 1
+    assert "no checkpoint found" in capsys.readouterr().err
+    broken = tmp_path / "broken"
+    shutil.copytree(finished_run / "checkpoints" / "step_00000012", broken)
+    weights = broken / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    assert main(["generate", "--checkpoint", str(broken), "--prompt", "A"]) == 1
+    err = capsys.readouterr().err
+    assert "model.safetensors' is truncated" in err
+
+
+def test_resume_with_a_truncated_latest_checkpoint_says_what_to_do(finished_run, small_corpus, tmp_path, capsys):
+    out = tmp_path / "run"
+    shutil.copytree(finished_run, out)
+    opt = out / "checkpoints" / "step_00000012" / "optimizer.pt"
+    opt.write_bytes(opt.read_bytes()[:100])
+    assert main(["pretrain", *tiny_run_overrides(small_corpus, out, resume="true", max_steps=16)]) == 1
+    err = capsys.readouterr().err
+    assert "optimizer.pt' is truncated" in err and "Delete" in err
