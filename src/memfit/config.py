@@ -29,7 +29,16 @@ from memfit.errors import ConfigError
 DTYPES = ("fp32", "bf16", "bf16_mixed")
 DEVICES = ("auto", "cpu", "cuda")
 TOKENIZER_KINDS = ("bpe", "char", "file")
-OPTIMIZER_NAMES = ("adamw",)
+OPTIMIZER_NAMES = (
+    "adamw",
+    "adamw8bit",
+    "paged_adamw8bit",
+    "paged_adamw",
+    "torchao_adamw8bit",
+    "torchao_adamw4bit",
+    "torchao_adamw_fp8",
+)
+AC_MODES = ("none", "full", "every_n")
 OPTIMIZER_IMPLEMENTATIONS = ("foreach", "for_loop", "fused")
 
 
@@ -64,20 +73,25 @@ class OptimizerConfig:
     """The optimizer and its hyperparameters."""
 
     name: str = "adamw"
-    """Optimizer name. ``adamw``: torch.optim.AdamW."""
+    """``adamw`` (torch.optim.AdamW, 8 bytes/parameter of state in fp32); bitsandbytes ``adamw8bit``,
+    ``paged_adamw8bit`` (8-bit state, ~2 bytes/parameter; paged: state in CUDA unified memory that the driver can
+    evict to host under pressure), ``paged_adamw`` (32-bit paged); torchao ``torchao_adamw8bit``,
+    ``torchao_adamw4bit``, ``torchao_adamw_fp8``. See docs/memory.md."""
     implementation: str = "foreach"
     """``foreach`` (multi-tensor, holds one parameter-sized set of temporaries at the step), ``for_loop`` (one
     tensor at a time; least memory), ``fused`` (one fused kernel)."""
-    lr: float = 1e-3
+    lr: float = 2e-3
     """Peak learning rate, reached at the end of warm-up."""
-    min_lr: float = 1e-4
+    min_lr: float = 2e-4
     """Learning rate at the end of the cosine decay (``max_steps``)."""
-    warmup_steps: int = 100
+    warmup_steps: int = 25
     """Steps of linear warm-up from 0 to ``lr``."""
     weight_decay: float = 0.1
     """Decoupled weight decay, applied to matrices only (not to norms, biases or 1-D tensors)."""
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     eps: float = 1e-8
+    cpu_offload: bool = False
+    """Keep optimizer state and the update on the CPU (torchao ``CPUOffloadOptimizer``); CUDA only."""
 
 
 @dataclass
@@ -107,7 +121,7 @@ class TrainConfig:
 
     output_dir: str = "out/shakespeare"
     """Where checkpoints, tokenized data, ``metrics.jsonl``, TensorBoard events and the loss plot go."""
-    max_steps: int = 1000
+    max_steps: int = 250
     """Optimizer steps of the run (each of ``batch_size * gradient_accumulation_steps`` sequences)."""
     seed: int = 1337
     """Seeds weight init, batch sampling and generation: a run is a function of its config."""
@@ -126,13 +140,33 @@ class TrainConfig:
     device: str = "auto"
     """``auto`` (CUDA when available, else CPU), ``cpu`` or ``cuda``."""
 
+    # --- memory techniques: one switch each (trade-offs in docs/memory.md) ---
+    optimizer_in_backward: bool = False
+    """Run each parameter's update inside backward as soon as its gradient is ready, then free the gradient:
+    no full set of gradients ever exists. Needs ``gradient_accumulation_steps == 1`` and ``max_grad_norm == 0``
+    (``grad_norm`` is still reported, computed before each update)."""
+    activation_checkpointing: str = "none"
+    """``none``, ``full`` (every decoder layer recomputes its activations in backward: ~1/3 more compute) or
+    ``every_n`` (every ``activation_checkpointing_interval``-th layer)."""
+    activation_checkpointing_interval: int = 2
+    """``n`` for ``activation_checkpointing: every_n``."""
+    activation_offloading: bool = False
+    """Move tensors saved for backward to pinned host memory during the forward (CUDA only)."""
+    chunked_cross_entropy: int = 0
+    """Compute the loss in this many chunks of tokens, recomputing each chunk's logits in backward, so the full
+    ``(B, T, vocab_size)`` logits never exist; 0 is off."""
+    track_memory: bool = False
+    """Track live bytes by category (parameters, gradients, optimizer_state, activations, temporaries); adds
+    ``memory_breakdown`` (GiB at the interval's peak) and ``memory_peak_phase`` to step records and writes
+    ``memory_timeline.png`` of one step. Costs speed."""
+
     log_every: int = 10
     """Steps between step records (stdout, metrics.jsonl, TensorBoard). Memory peaks are since the last record."""
-    eval_every: int = 100
+    eval_every: int = 50
     """Steps between validation losses; 0 disables periodic validation (the final one always runs)."""
-    eval_batches: int = 20
+    eval_batches: int = 10
     """Validation micro-batches per evaluation (the same fixed windows every time)."""
-    checkpoint_every: int = 250
+    checkpoint_every: int = 100
     """Steps between checkpoints; 0 saves only the final one."""
     keep_last_checkpoints: int = 2
     """How many of the newest checkpoints to keep."""
@@ -234,6 +268,8 @@ def parse_overrides(overrides: list[str]) -> dict[str, Any]:
             value = yaml.safe_load(raw) if raw != "" else ""
         except yaml.YAMLError:
             value = raw
+        if isinstance(value, dict | list) and not raw.lstrip().startswith(("{", "[")):
+            value = raw  # "sample.prompt=ROMEO:" is text, not a YAML mapping
         if isinstance(value, str) and _looks_like_float(value):
             value = float(value)  # YAML 1.1 reads "3e-4" as a string
         _set_dotted(tree, key.strip(), value)
@@ -324,6 +360,14 @@ def _one_of(value: str, choices: tuple[str, ...], key: str) -> None:
     _require(value in choices, key, f"{value!r} is not one of {', '.join(choices)}")
 
 
+def _device_type(device: str) -> str:
+    if device == "auto":
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
 def validate(cfg: TrainConfig) -> None:
     """Check every value and combination before anything is allocated.
 
@@ -361,6 +405,29 @@ def validate(cfg: TrainConfig) -> None:
     _require(len(opt.betas) == 2 and all(0 <= b < 1 for b in opt.betas), "optimizer.betas",
              f"must be two numbers in [0, 1), got {opt.betas}")
     _require(opt.eps > 0, "optimizer.eps", f"must be > 0, got {opt.eps}")
+
+    _one_of(cfg.activation_checkpointing, AC_MODES, "activation_checkpointing")
+    _require(cfg.activation_checkpointing_interval >= 1, "activation_checkpointing_interval",
+             f"must be >= 1, got {cfg.activation_checkpointing_interval}")
+    _require(cfg.chunked_cross_entropy >= 0, "chunked_cross_entropy",
+             f"must be >= 0 (0 is off), got {cfg.chunked_cross_entropy}")
+    if cfg.optimizer_in_backward:
+        _require(cfg.gradient_accumulation_steps == 1, "optimizer_in_backward",
+                 "needs gradient_accumulation_steps=1: each update runs as soon as a parameter's gradient of one "
+                 "micro-batch is ready, so gradients cannot accumulate over micro-batches; raise batch_size instead")
+        _require(cfg.max_grad_norm == 0, "optimizer_in_backward",
+                 "cannot clip by the global gradient norm (max_grad_norm > 0): each parameter is updated before the "
+                 "other gradients exist. Set max_grad_norm=0 (grad_norm is still reported) or turn the switch off")
+    from memfit.memory.optim import check_optimizer_supported
+
+    device_type = _device_type(cfg.device)
+    reason = check_optimizer_supported(opt.name, device_type, cpu_offload=opt.cpu_offload,
+                                       in_backward=cfg.optimizer_in_backward, max_grad_norm=cfg.max_grad_norm)
+    _require(reason is None, "optimizer.cpu_offload" if opt.cpu_offload and reason and "offload" in reason
+             else "optimizer.name", str(reason))
+    _require(not cfg.activation_offloading or device_type == "cuda", "activation_offloading",
+             "moves saved activations from GPU to host memory and needs a CUDA device; on CPU they already live "
+             "in host memory. Use activation_checkpointing to save activation memory here")
 
     smp = cfg.sample
     _require(smp.max_new_tokens >= 0, "sample.max_new_tokens", f"must be >= 0, got {smp.max_new_tokens}")

@@ -33,8 +33,9 @@ from memfit import checkpoint as ckpt_io
 from memfit.config import TrainConfig, config_to_dict
 from memfit.data.corpus import TRAIN, VAL, TokenWindows, batch_rng, prepare_corpus
 from memfit.errors import CheckpointError, ConfigError
-from memfit.memory.optim import build_optimizer, lr_at
-from memfit.memory.stats import PeakMemory
+from memfit.memory.optim import OptimizerInBackward, build_optimizer, lr_at
+from memfit.memory.stats import PeakMemory, to_gib
+from memfit.memory.techniques import activation_offloading, apply_activation_checkpointing, chunked_cross_entropy
 from memfit.metrics import MetricsLogger, plot_losses
 from memfit.models.llama import Llama, LlamaConfig, build_llama
 from memfit.models.presets import MODEL_PRESETS, model_config
@@ -95,6 +96,35 @@ class StepResult:
     """0-dim int64: tokens that counted in the loss."""
 
 
+def _phase(tracker, name: str) -> None:
+    if tracker is not None:
+        tracker.set_phase(name)
+
+
+def micro_batch_loss(model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor, *, dtype: str,
+                     chunked_cross_entropy_chunks: int = 0, offload_activations: bool = False) -> torch.Tensor:
+    """Summed cross-entropy of one micro-batch (the forward half of a step).
+
+    Args:
+        model: a :class:`~memfit.models.llama.Llama`.
+        inputs: ``(B, T)`` int64 ids.
+        targets: ``(B, T)`` int64; ``-100`` does not count.
+        dtype: the dtype policy (``bf16_mixed`` runs the forward under bf16 autocast).
+        chunked_cross_entropy_chunks: > 0 computes the loss chunk by chunk from the hidden states, never
+            materialising the ``(B, T, vocab_size)`` logits.
+        offload_activations: save tensors for backward in pinned host memory (CUDA).
+
+    Returns:
+        0-dim fp32 summed loss in nats.
+    """
+    with autocast_context(dtype, inputs.device.type), activation_offloading(offload_activations):
+        if chunked_cross_entropy_chunks > 0:
+            hidden = model.model(inputs)  # (B, T, dim)
+            return chunked_cross_entropy(hidden, model.lm_head.weight, targets, chunked_cross_entropy_chunks)
+        logits = model(inputs)  # (B, T, V)
+        return loss_sum(logits, targets)
+
+
 def train_step(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -102,6 +132,9 @@ def train_step(
     *,
     max_grad_norm: float,
     dtype: str,
+    chunked_cross_entropy_chunks: int = 0,
+    offload_activations: bool = False,
+    tracker=None,
 ) -> StepResult:
     """One optimizer step over ``gradient_accumulation_steps`` micro-batches.
 
@@ -109,40 +142,52 @@ def train_step(
     accumulated gradient equals that of one big batch (token-weighted, not micro-batch-averaged), while only one
     micro-batch's activations are alive at a time.
 
+    With an :class:`~memfit.memory.optim.OptimizerInBackward`, the updates run inside ``backward`` (one parameter
+    at a time, each gradient freed at once); ``grad_norm`` is then the norm of the gradients as each was consumed.
+
     Args:
         model: maps ``(B, T)`` int64 ids to ``(B, T, vocab_size)`` logits.
         optimizer: over the model's trainable parameters; its learning rate is already set for this step.
         micro_batches: ``[(inputs, targets), ...]``, each ``(B, T)`` int64 on the model's device.
         max_grad_norm: clip the global gradient norm to this; 0 disables clipping.
         dtype: the dtype policy (``fp32``, ``bf16``, ``bf16_mixed``).
+        chunked_cross_entropy_chunks: see :func:`micro_batch_loss`.
+        offload_activations: see :func:`micro_batch_loss`.
+        tracker: a :class:`~memfit.memory.tracker.MemoryTracker` to tell the phases to, or ``None``.
 
     Returns:
         A :class:`StepResult` of device tensors (no host sync happened).
     """
-    device_type = micro_batches[0][0].device.type
+    in_backward = isinstance(optimizer, OptimizerInBackward)
     num_tokens = torch.stack([(t != IGNORE_INDEX).sum() for _, t in micro_batches]).sum()
     denom = num_tokens.clamp(min=1).float()
     total = torch.zeros((), dtype=torch.float32, device=micro_batches[0][0].device)
     for inputs, targets in micro_batches:
-        with autocast_context(dtype, device_type):
-            logits = model(inputs)  # (B, T, V)
-        loss = loss_sum(logits, targets) / denom
-        del logits
+        _phase(tracker, "forward")
+        loss = micro_batch_loss(model, inputs, targets, dtype=dtype,
+                                chunked_cross_entropy_chunks=chunked_cross_entropy_chunks,
+                                offload_activations=offload_activations) / denom
+        _phase(tracker, "backward")
         loss.backward()
         total = total + loss.detach()
-    params = [p for p in model.parameters() if p.grad is not None]
-    if max_grad_norm > 0:
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+    _phase(tracker, "optimizer_step")
+    if in_backward:
+        grad_norm = optimizer.consume_grad_norm()
     else:
-        grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+        params = [p for p in model.parameters() if p.grad is not None]
+        if max_grad_norm > 0:
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+        else:
+            grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params])
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+    _phase(tracker, "other")
     return StepResult(loss=total, grad_norm=grad_norm, num_tokens=num_tokens)
 
 
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, windows: TokenWindows, *, batch_size: int, num_batches: int, seed: int,
-             dtype: str, device: torch.device) -> float:
+             dtype: str, device: torch.device, chunked_cross_entropy_chunks: int = 0) -> float:
     """Mean cross-entropy per token over ``num_batches`` fixed validation windows (the same at every call).
 
     Returns:
@@ -155,9 +200,9 @@ def evaluate(model: torch.nn.Module, windows: TokenWindows, *, batch_size: int, 
     for i in range(num_batches):
         inputs, targets = windows.batch(batch_size, batch_rng(seed, VAL, i))
         inputs, targets = inputs.to(device), targets.to(device)
-        with autocast_context(dtype, device.type):
-            logits = model(inputs)
-        total += loss_sum(logits, targets).double()
+        loss = micro_batch_loss(model, inputs, targets, dtype=dtype,
+                                chunked_cross_entropy_chunks=chunked_cross_entropy_chunks)
+        total += loss.double()
         count += targets.numel()
     model.train(was_training)
     return float(total.item() / count)
@@ -255,7 +300,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     # --- model and optimizer ----------------------------------------------------------------------------------
     torch.manual_seed(cfg.seed)
     model: Llama = build_llama(mcfg, device=device, dtype=PARAM_DTYPES[cfg.dtype], seed=cfg.seed)
-    optimizer = build_optimizer(model, cfg.optimizer)
+    apply_activation_checkpointing(model, cfg.activation_checkpointing, cfg.activation_checkpointing_interval)
+    optimizer = build_optimizer(model, cfg.optimizer, in_backward=cfg.optimizer_in_backward)
     num_params = sum(p.numel() for p in model.parameters())
     start_step = 0
     if resume_dir is not None:
@@ -280,6 +326,16 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     interval_time, interval_tokens, total_time, total_tokens = 0.0, 0, 0.0, 0
     val_loss = math.nan
     trainer_state = {"config": config_to_dict(cfg), "data_position": "step"}
+    step_options = {"max_grad_norm": cfg.max_grad_norm, "dtype": cfg.dtype,
+                    "chunked_cross_entropy_chunks": cfg.chunked_cross_entropy,
+                    "offload_activations": cfg.activation_offloading}
+    eval_options = {"batch_size": cfg.batch_size, "num_batches": cfg.eval_batches, "seed": cfg.seed,
+                    "dtype": cfg.dtype, "device": device, "chunked_cross_entropy_chunks": cfg.chunked_cross_entropy}
+    tracker = None
+    if cfg.track_memory:
+        from memfit.memory.tracker import MemoryTracker, plot_timeline
+
+        tracker = MemoryTracker(model, optimizer)
 
     def save(step: int) -> Path:
         return ckpt_io.save_checkpoint(out, step, model, mcfg, optimizer, trainer_state, tokenizer,
@@ -300,7 +356,14 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             tuple(t.to(device, non_blocking=True) for t in train_windows.batch(cfg.batch_size, batch_rng(cfg.seed, TRAIN, step, m)))
             for m in range(cfg.gradient_accumulation_steps)
         ]
-        result = train_step(model, optimizer, micro_batches, max_grad_norm=cfg.max_grad_norm, dtype=cfg.dtype)
+        if tracker is None:
+            result = train_step(model, optimizer, micro_batches, **step_options)
+        else:
+            with tracker:
+                result = train_step(model, optimizer, micro_batches, tracker=tracker, **step_options)
+            if step == start_step + 1 or step == cfg.max_steps - 1 == start_step:  # 2nd step: optimizer state exists
+                plot_timeline(tracker.timeline, out / "memory_timeline.png",
+                              title=f"memory by category, step {step + 1} ({cfg.model})")
         memory.sample()
         done = step + 1
         bar.update(1)
@@ -314,6 +377,10 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             interval_tokens += tokens_per_step
             record = {"step": done, "loss": loss, "lr": lr, "grad_norm": result.grad_norm.item(),
                       "tokens_per_second_per_gpu": interval_tokens / max(interval_time, 1e-9), **memory.read_and_reset()}
+            if tracker is not None:
+                record["memory_breakdown"] = {k: to_gib(v) for k, v in tracker.peak_breakdown.items()}
+                record["memory_peak_phase"] = tracker.peak_phase
+                tracker.reset_peak()
             for k, v in record.items():
                 if k.startswith("peak_memory") and v is not None:
                     run_peak[k] = max(run_peak.get(k, 0.0), v)
@@ -328,8 +395,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
 
         # once in a while: evaluate
         if cfg.eval_every and done % cfg.eval_every == 0 and done != cfg.max_steps:
-            val_loss = evaluate(model, val_windows, batch_size=cfg.batch_size, num_batches=cfg.eval_batches,
-                                seed=cfg.seed, dtype=cfg.dtype, device=device)
+            val_loss = evaluate(model, val_windows, **eval_options)
             logger.log({"step": done, "val_loss": val_loss})
 
         # once in a while: checkpoint
@@ -338,8 +404,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     bar.close()
 
     # --- the end: final evaluation, checkpoint, plot, sample --------------------------------------------------
-    val_loss = evaluate(model, val_windows, batch_size=cfg.batch_size, num_batches=cfg.eval_batches, seed=cfg.seed,
-                        dtype=cfg.dtype, device=device)
+    val_loss = evaluate(model, val_windows, **eval_options)
     logger.log({"step": cfg.max_steps, "val_loss": val_loss})
     logger.close()
     if start_step < cfg.max_steps or ckpt_io.latest_checkpoint(out) is None:

@@ -1,20 +1,98 @@
-"""Optimizers, chosen by one name, with the usual parameter groups, and the learning-rate schedule.
+"""Optimizers, chosen by one name, with the usual parameter groups, the learning-rate schedule, and the
+optimizer step inside backward.
 
 Parameter groups: matrices (``ndim >= 2``: projections and embeddings) get weight decay; 1-D tensors (RMSNorm
 weights, biases) do not, as in GPT-2/nanoGPT, litgpt and torchtune practice.
+
+Optimizers (``optimizer.name``) and the bytes of state they keep per parameter:
+
+=====================  ==================================================================================
+``adamw``              torch.optim.AdamW: m and v in the parameter dtype (8 bytes/parameter in fp32).
+``adamw8bit``          bitsandbytes AdamW8bit: m and v as 8-bit codes with one fp32 absmax per 256 values
+                       (~2.03 bytes/parameter); tensors of fewer than 4,096 elements keep fp32 state.
+``paged_adamw8bit``    as ``adamw8bit``, and on CUDA the state of tensors of >= 100,000 elements lives in
+                       unified (managed) memory that the driver pages out to host RAM under memory pressure.
+                       On CPU it runs unpaged (a warning says so).
+``paged_adamw``        bitsandbytes 32-bit AdamW (8 bytes/parameter), paged as above.
+``torchao_adamw8bit``  torchao AdamW8bit: 8-bit codes, one fp32 scale per 256 values and a 256-entry fp32
+                       code table per state tensor; tensors of fewer than 4,096 elements, or whose size is
+                       not a multiple of 256, keep unquantized state in the parameter dtype.
+``torchao_adamw4bit``  torchao AdamW4bit: 4-bit codes (two per byte), one fp32 scale per 128 values
+                       (~1.06 bytes/parameter); threshold 4,096 elements and a multiple of 128.
+``torchao_adamw_fp8``  torchao AdamWFp8: float8 e4m3 codes, one fp32 scale per 256 values; threshold as
+                       ``torchao_adamw8bit``. On CUDA it needs compute capability >= 8.9.
+=====================  ==================================================================================
+
+torchao's optimizers compile their update with ``torch.compile``. memfit keeps that on CUDA; on CPU it runs the
+same update eagerly (identical math): compiling on CPU needs a C++ toolchain and costs 25-60 s of start-up on
+even the tiny test model (one compile per parameter shape), which a CPU run never wins back.
+
+:func:`build_optimizer` records on the optimizer it returns, as ``memfit_unquantized_state_params``, the names of
+the parameters whose state is *not* quantized (all of them for ``adamw`` and ``paged_adamw``), and
+:func:`optimizer_state_bytes` counts the bytes the state really holds.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import importlib.util
 import math
+import warnings
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from memfit.config import OptimizerConfig
+if TYPE_CHECKING:
+    from memfit.config import OptimizerConfig
+
+OPTIMIZER_NAMES = (
+    "adamw",
+    "adamw8bit",
+    "paged_adamw8bit",
+    "paged_adamw",
+    "torchao_adamw8bit",
+    "torchao_adamw4bit",
+    "torchao_adamw_fp8",
+)
+"""Every ``optimizer.name`` that :func:`build_optimizer` knows."""
+
+_ADAMW_IMPLEMENTATIONS = {
+    "foreach": {"foreach": True, "fused": False},
+    "for_loop": {"foreach": False, "fused": False},
+    "fused": {"foreach": False, "fused": True},
+}
+_BNB_CLASSES = {"adamw8bit": "AdamW8bit", "paged_adamw8bit": "PagedAdamW8bit", "paged_adamw": "PagedAdamW"}
+_TORCHAO_CLASSES = {
+    "torchao_adamw8bit": "AdamW8bit",
+    "torchao_adamw4bit": "AdamW4bit",
+    "torchao_adamw_fp8": "AdamWFp8",
+}
+_PAGED = ("paged_adamw8bit", "paged_adamw")
+
+BNB_MIN_8BIT_SIZE = 4096
+"""bitsandbytes keeps 32-bit state for tensors with fewer elements than this (its ``min_8bit_size``)."""
+TORCHAO_MIN_QUANTIZED_SIZE = 4096
+"""torchao keeps unquantized state for tensors with fewer elements than this (hard-coded in its ``_new_buffer``)."""
+TORCHAO_BLOCK_SIZES = {"torchao_adamw8bit": 256, "torchao_adamw4bit": 128, "torchao_adamw_fp8": 256}
+"""torchao's default quantization block sizes; a tensor whose size is not a multiple keeps unquantized state."""
+
+_GROUP_LABELS = ("params", "param_names", "name")  # group keys that are not hyperparameters
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Parameter groups and the learning-rate schedule
+# ----------------------------------------------------------------------------------------------------------------
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     """Split trainable parameters into a decayed group (``ndim >= 2``) and an undecayed one.
+
+    Args:
+        model: the model; parameters with ``requires_grad=False`` are left out, a shared (tied) one appears once.
+        weight_decay: decoupled weight decay of the matrices.
 
     Returns:
         Two parameter groups with ``name`` ("decay" / "no_decay") and ``param_names`` recorded for inspection.
@@ -33,30 +111,6 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
         {"params": decay, "weight_decay": weight_decay, "name": "decay", "param_names": decay_names},
         {"params": no_decay, "weight_decay": 0.0, "name": "no_decay", "param_names": no_decay_names},
     ]
-
-
-def build_optimizer(model: torch.nn.Module, cfg: OptimizerConfig) -> torch.optim.Optimizer:
-    """The optimizer named by ``cfg.name`` over ``model``'s trainable parameters.
-
-    Args:
-        model: the (materialised) model.
-        cfg: the optimizer section of the run config.
-
-    Returns:
-        A ``torch.optim.Optimizer``; its learning rate is set per step by the training loop.
-
-    Raises:
-        ValueError: unknown name or implementation (config validation catches these first).
-    """
-    groups = param_groups(model, cfg.weight_decay)
-    if cfg.name == "adamw":
-        impl = {
-            "foreach": {"foreach": True, "fused": False},
-            "for_loop": {"foreach": False, "fused": False},
-            "fused": {"foreach": False, "fused": True},
-        }[cfg.implementation]
-        return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, **impl)
-    raise ValueError(f"unknown optimizer.name {cfg.name!r}")
 
 
 def lr_at(step: int, *, lr: float, min_lr: float, warmup_steps: int, max_steps: int) -> float:
@@ -78,3 +132,503 @@ def lr_at(step: int, *, lr: float, min_lr: float, warmup_steps: int, max_steps: 
         return min_lr
     progress = (step - warmup_steps) / max(1, max_steps - warmup_steps)
     return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (lr - min_lr)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# What runs where
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def check_optimizer_supported(
+    name: str,
+    device_type: str,
+    *,
+    cpu_offload: bool = False,
+    in_backward: bool = False,
+    max_grad_norm: float = 0.0,
+) -> str | None:
+    """Why the optimizer ``name`` cannot run as asked, or ``None`` when it can. Allocates nothing.
+
+    Config validation calls this before anything is built; :func:`build_optimizer` raises ``ValueError`` with
+    the same reason. Every reason that concerns ``cpu_offload`` contains the word "offload".
+
+    Args:
+        name: ``optimizer.name``.
+        device_type: where the parameters live: ``"cpu"`` or ``"cuda"``.
+        cpu_offload: ``optimizer.cpu_offload`` (torchao ``CPUOffloadOptimizer``).
+        in_backward: the step runs inside backward (:class:`OptimizerInBackward`).
+        max_grad_norm: the clipping threshold of the run; 0 is no clipping.
+
+    Returns:
+        A sentence saying what is wrong and what to do instead, or ``None``.
+    """
+    if name not in OPTIMIZER_NAMES:
+        return f"unknown optimizer {name!r}; known: {', '.join(OPTIMIZER_NAMES)}"
+    if name in _BNB_CLASSES and importlib.util.find_spec("bitsandbytes") is None:
+        return f"optimizer {name!r} needs bitsandbytes, which is not installed (pip install bitsandbytes)"
+    if (name in _TORCHAO_CLASSES or cpu_offload) and importlib.util.find_spec("torchao") is None:
+        what = "optimizer.cpu_offload" if cpu_offload else f"optimizer {name!r}"
+        return f"{what} needs torchao, which is not installed (pip install torchao)"
+    if name == "torchao_adamw_fp8" and device_type == "cuda" and torch.cuda.is_available():
+        major, minor = torch.cuda.get_device_capability()
+        if (major, minor) < (8, 9):
+            return (
+                f"torchao_adamw_fp8 compiles float8 (e4m3) casts that need CUDA compute capability >= 8.9 "
+                f"(Ada, Hopper); this GPU is {major}.{minor}. Use torchao_adamw8bit (same memory) instead"
+            )
+    if cpu_offload:
+        if device_type != "cuda":
+            return (
+                "optimizer.cpu_offload moves optimizer state and the update from GPU memory to host memory "
+                "(torchao CPUOffloadOptimizer) and needs a CUDA device; on CPU the state already lives in host "
+                "memory. Turn cpu_offload off, or shrink the state with a low-bit optimizer (adamw8bit, "
+                "torchao_adamw4bit)"
+            )
+        if name in _PAGED:
+            return (
+                f"optimizer.cpu_offload cannot be combined with {name!r}: paging keeps the state in CUDA unified "
+                f"memory, offload keeps it in pinned host memory. Use one: cpu_offload with adamw or adamw8bit, "
+                f"or {name!r} without offload"
+            )
+        if in_backward:
+            return (
+                "optimizer.cpu_offload cannot be combined with optimizer_in_backward: the offloaded update runs on "
+                "the CPU after backward, from gradients copied during backward. Turn one of them off"
+            )
+        if max_grad_norm > 0:
+            return (
+                "optimizer.cpu_offload cannot clip gradients (max_grad_norm > 0): each gradient is copied to the "
+                "host as soon as backward produces it, before the global norm is known, so clipping would not "
+                "reach the update. Set max_grad_norm=0 (grad_norm is still reported) or turn cpu_offload off"
+            )
+    return None
+
+
+def unquantized_state_params(model: torch.nn.Module, name: str) -> list[str]:
+    """Names of the trainable parameters whose optimizer state ``name`` keeps unquantized.
+
+    bitsandbytes keeps fp32 state for tensors of fewer than :data:`BNB_MIN_8BIT_SIZE` elements; torchao keeps
+    state in the parameter dtype for tensors of fewer than :data:`TORCHAO_MIN_QUANTIZED_SIZE` elements or whose
+    size is not a multiple of its block size. 32-bit optimizers quantize nothing.
+
+    Args:
+        model: the model.
+        name: ``optimizer.name``.
+
+    Returns:
+        Parameter names, in ``named_parameters`` order.
+    """
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    numel = {n: p.numel() for n, p in model.named_parameters()}
+    if name in ("adamw8bit", "paged_adamw8bit"):
+        return [n for n in names if numel[n] < BNB_MIN_8BIT_SIZE]
+    if name in _TORCHAO_CLASSES:
+        block = TORCHAO_BLOCK_SIZES[name]
+        return [n for n in names if numel[n] < TORCHAO_MIN_QUANTIZED_SIZE or numel[n] % block != 0]
+    return names
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Building one
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@functools.cache
+def _torchao_class(name: str) -> type[torch.optim.Optimizer]:
+    """torchao's low-bit AdamW, made to accept a float ``lr`` and to step eagerly on CPU."""
+    import torchao.optim
+
+    base = getattr(torchao.optim, _TORCHAO_CLASSES[name])
+
+    class _LowBitAdamW(base):  # type: ignore[misc, valid-type]
+        @torch.no_grad()
+        def step(self, closure=None):
+            # torchao keeps lr as a tensor (so a new value does not recompile); the training loop sets a float.
+            for group in self.param_groups:
+                if not isinstance(group["lr"], torch.Tensor):
+                    group["lr"] = torch.tensor(group["lr"], dtype=torch.float32)
+            on_cuda = self.param_groups[0]["params"][0].device.type == "cuda"
+            with contextlib.nullcontext() if on_cuda else torch.compiler.set_stance("force_eager"):
+                return super().step(closure)
+
+    _LowBitAdamW.__name__ = _LowBitAdamW.__qualname__ = f"Memfit{base.__name__}"
+    return _LowBitAdamW
+
+
+def _optimizer_class(cfg: OptimizerConfig) -> tuple[Callable[..., torch.optim.Optimizer], dict[str, Any]]:
+    """The optimizer class ``cfg.name`` names and its keyword arguments (imports third-party packages lazily)."""
+    kwargs: dict[str, Any] = {"lr": cfg.lr, "betas": tuple(cfg.betas), "eps": cfg.eps}
+    if cfg.name == "adamw":
+        if cfg.implementation not in _ADAMW_IMPLEMENTATIONS:
+            raise ValueError(
+                f"unknown optimizer.implementation {cfg.implementation!r}; known: {', '.join(_ADAMW_IMPLEMENTATIONS)}"
+            )
+        return torch.optim.AdamW, {**kwargs, **_ADAMW_IMPLEMENTATIONS[cfg.implementation]}
+    if cfg.name in _BNB_CLASSES:
+        import bitsandbytes as bnb
+
+        return getattr(bnb.optim, _BNB_CLASSES[cfg.name]), kwargs
+    return _torchao_class(cfg.name), kwargs
+
+
+def _paged_on_cpu_warning(name: str) -> None:
+    warnings.warn(
+        f"optimizer.name={name!r} runs unpaged on CPU: its state is ordinary host memory, exactly as without "
+        f"paging. On CUDA, bitsandbytes puts the state of tensors of >= 100,000 elements in unified (managed) "
+        f"memory, which the driver pages out to host RAM when the GPU runs short and back on access (no "
+        f"out-of-memory error at a transient peak, at the cost of PCIe traffic; the state is as large)",
+        UserWarning,
+        stacklevel=3,
+    )
+
+
+def build_optimizer(
+    model: torch.nn.Module, cfg: OptimizerConfig, *, in_backward: bool = False
+) -> torch.optim.Optimizer:
+    """The optimizer named by ``cfg.name`` over ``model``'s trainable parameters.
+
+    Args:
+        model: the (materialised, or fake) model.
+        cfg: the optimizer section of the run config; ``cpu_offload`` is read when the field exists.
+        in_backward: return an :class:`OptimizerInBackward` that updates each parameter inside backward.
+
+    Returns:
+        A ``torch.optim.Optimizer`` whose ``param_groups`` are ``decay`` / ``no_decay`` (see
+        :func:`param_groups`); the training loop sets their ``lr`` before each step. It carries
+        ``memfit_unquantized_state_params`` (see :func:`unquantized_state_params`).
+
+    Raises:
+        ValueError: unknown name or implementation, or a combination :func:`check_optimizer_supported` rejects
+            (config validation catches these first).
+    """
+    cpu_offload = bool(getattr(cfg, "cpu_offload", False))
+    params = [p for p in model.parameters() if p.requires_grad]
+    device_type = params[0].device.type if params else "cpu"
+    reason = check_optimizer_supported(
+        cfg.name, device_type, cpu_offload=cpu_offload, in_backward=in_backward
+    )
+    if reason is not None:
+        raise ValueError(reason)
+    cls, kwargs = _optimizer_class(cfg)
+    paged_on_cpu = cfg.name in _PAGED and device_type != "cuda"
+    if paged_on_cpu:
+        _paged_on_cpu_warning(cfg.name)
+
+    shared_qmaps: list[dict] = []
+
+    def make(groups: list[dict]) -> torch.optim.Optimizer:
+        opt = cls(groups, **kwargs)
+        if paged_on_cpu:
+            opt._cpu_paged_warned = True  # memfit's warning above replaces bitsandbytes' one per optimizer
+        # bitsandbytes: one pair of code tables for all per-parameter optimizers, as in a single optimizer
+        if hasattr(opt, "name2qmap"):
+            if shared_qmaps:
+                opt.name2qmap = shared_qmaps[0]
+            else:
+                shared_qmaps.append(opt.name2qmap)
+        return opt
+
+    groups = param_groups(model, cfg.weight_decay)
+    if in_backward:
+        optimizer: torch.optim.Optimizer = OptimizerInBackward(groups, make)
+    elif cpu_offload:
+        optimizer = _cpu_offload_optimizer(groups, cls, kwargs)
+    else:
+        optimizer = make(groups)
+    optimizer.memfit_unquantized_state_params = unquantized_state_params(model, cfg.name)
+    return optimizer
+
+
+def _cpu_offload_optimizer(
+    groups: list[dict], cls: Callable[..., torch.optim.Optimizer], kwargs: dict[str, Any]
+) -> torch.optim.Optimizer:
+    """torchao's ``CPUOffloadOptimizer`` (CUDA only), with a ``state`` mapping like any optimizer's."""
+    from torchao.optim import CPUOffloadOptimizer
+
+    # It gives each large parameter its own host optimizer over a one-tensor group, so group-wide names must go.
+    stripped = [{k: v for k, v in g.items() if k != "param_names"} for g in groups]
+    # offload_gradients=False keeps device gradients, so train_step can still compute grad_norm from them.
+    opt = CPUOffloadOptimizer(stripped, cls, offload_gradients=False, **kwargs)
+    entries = {p: (o, opt.param_d2h_map[p]) for p, o in opt.optim_dict.items()}
+    for group in opt.d_param_groups:
+        entries.update({p: (opt.d_opt, p) for p in group["params"]})
+    opt.state = _StateView(entries)
+    return opt
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The optimizer step inside backward
+# ----------------------------------------------------------------------------------------------------------------
+
+
+class _StateView(Mapping):
+    """``parameter -> state`` over per-parameter optimizers: what ``optimizer.state`` holds for a plain one.
+
+    Only parameters whose state exists are listed, as in ``torch.optim``.
+    """
+
+    def __init__(self, entries: dict[torch.Tensor, tuple[torch.optim.Optimizer, torch.Tensor]]):
+        self._entries = entries  # parameter -> (the optimizer that owns its state, the key it uses)
+
+    def __getitem__(self, p: torch.Tensor) -> dict:
+        opt, key = self._entries[p]
+        return opt.state[key]
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        return (p for p, (opt, key) in self._entries.items() if opt.state.get(key))
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+
+class OptimizerInBackward(torch.optim.Optimizer):
+    """Each parameter is updated inside backward, the moment its gradient is complete, and the gradient freed.
+
+    A ``post_accumulate_grad`` hook on every trainable parameter (a) adds the squared L2 norm of its gradient,
+    in fp32, into a running 0-dim tensor, (b) steps that parameter's own optimizer (one per parameter, built by
+    ``make_optimizer`` with the parameter's group hyperparameters), and (c) sets ``p.grad = None``. So at most one
+    parameter's gradient is alive beside those autograd is still accumulating: the memory of a full set of
+    gradients is never needed.
+
+    The ``torch.optim`` contract holds: ``param_groups`` are this wrapper's groups, and before each update the
+    hook copies every hyperparameter the per-parameter optimizer shares with them (``lr``, ``weight_decay``,
+    ``betas``, ...), so ``group["lr"] = lr`` set by the training loop is honoured. ``step()`` and
+    ``zero_grad()`` have nothing left to do. ``state`` maps each parameter to its state, and ``state_dict()``
+    has the layout of a plain optimizer's (``state`` by parameter index, ``param_groups``), so it reads back
+    with ``torch.load(weights_only=True)``.
+
+    What it cannot do, by construction (config validation rejects these combinations):
+
+    - gradient accumulation over micro-batches (``gradient_accumulation_steps > 1``): the update runs after the
+      first micro-batch's backward, before the others' gradients exist;
+    - clipping by the global gradient norm (``max_grad_norm > 0``): a parameter is updated before the other
+      gradients, hence the global norm, exist. The global norm is still *reported*
+      (:meth:`consume_grad_norm`), computed from each gradient just before its update.
+
+    No host sync and no data-dependent Python branching happen in the hooks, so a step runs under
+    ``FakeTensorMode`` (with ``adamw``).
+
+    Args:
+        params: parameters or parameter groups, as for any ``torch.optim.Optimizer``.
+        make_optimizer: builds the optimizer of one parameter from a list of one group, e.g.
+            ``lambda groups: torch.optim.AdamW(groups, lr=1e-3)``.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict],
+        make_optimizer: Callable[[list[dict]], torch.optim.Optimizer],
+    ):
+        self._make_optimizer = make_optimizer
+        self._inner: dict[torch.Tensor, torch.optim.Optimizer] = {}
+        self._hooks: list[torch.utils.hooks.RemovableHandle] = []
+        self._sq_sum: torch.Tensor | None = None
+        self._device: torch.device | None = None
+        super().__init__(params, {})
+        self.state = _StateView({p: (opt, p) for p, opt in self._inner.items()})  # type: ignore[assignment]
+
+    def add_param_group(self, param_group: dict) -> None:
+        """Add a group; each of its parameters gets its own optimizer and a gradient hook.
+
+        Args:
+            param_group: ``{"params": [...], <hyperparameters>}``; hyperparameters it leaves out take the values
+                the per-parameter optimizer defaults to.
+        """
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        hyper = {k: v for k, v in group.items() if k not in _GROUP_LABELS}
+        for p in group["params"]:
+            inner = self._make_optimizer([{"params": [p], **hyper}])
+            self._inner[p] = inner
+            self._hooks.append(p.register_post_accumulate_grad_hook(self._update))
+            self._device = self._device or p.device
+        if group["params"]:
+            for k, v in self._inner[group["params"][0]].defaults.items():
+                group.setdefault(k, v)
+                self.defaults.setdefault(k, v)
+        self._group_of = {p: g for g in self.param_groups for p in g["params"]}
+
+    def _update(self, p: torch.Tensor) -> None:
+        """The hook: norm, update, free. Runs in backward, once per parameter and backward."""
+        with torch.no_grad():
+            sq = torch.linalg.vector_norm(p.grad, dtype=torch.float32).square()
+            self._sq_sum = sq if self._sq_sum is None else self._sq_sum + sq
+        inner = self._inner[p]
+        inner_group = inner.param_groups[0]
+        for k, v in self._group_of[p].items():
+            if k in _GROUP_LABELS or k not in inner_group:
+                continue
+            current = inner_group[k]
+            if isinstance(current, torch.Tensor) and not isinstance(v, torch.Tensor):
+                current.fill_(v)  # torchao keeps lr as a tensor
+            else:
+                inner_group[k] = v
+        inner.step()
+        p.grad = None
+
+    def consume_grad_norm(self) -> torch.Tensor:
+        """The global L2 norm of the gradients consumed since the last call, then start again.
+
+        Returns:
+            0-dim fp32 tensor on the parameters' device (no host sync): ``sqrt`` of the summed squares, 0 when no
+            gradient was consumed.
+        """
+        sq_sum = self._sq_sum
+        self._sq_sum = None
+        if sq_sum is None:
+            sq_sum = torch.zeros((), dtype=torch.float32, device=self._device)
+        return sq_sum.sqrt()
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Nothing to do: every update already ran inside backward.
+
+        Args:
+            closure: when given, it is called (with grad enabled) and its result returned; its backward runs
+                the updates.
+
+        Returns:
+            The closure's result, or ``None``.
+        """
+        if closure is None:
+            return None
+        with torch.enable_grad():
+            return closure()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Nothing to do after a backward (each gradient was freed after its update); clears any other gradient.
+
+        Args:
+            set_to_none: accepted for the ``torch.optim`` signature; gradients are always set to ``None``.
+        """
+        for p in self._inner:
+            p.grad = None
+
+    def state_dict(self) -> dict[str, Any]:
+        """The state of every per-parameter optimizer, laid out as a plain optimizer's state dict.
+
+        Returns:
+            ``{"state": {index: state}, "param_groups": [{..., "params": [indices]}]}``, indices numbering the
+            parameters group by group; tensors, numbers, strings, lists and dicts only.
+        """
+        state: dict[int, Any] = {}
+        groups = []
+        index = 0
+        for group in self.param_groups:
+            indices = []
+            for p in group["params"]:
+                inner_state = self._inner[p].state_dict()["state"]
+                if 0 in inner_state:
+                    state[index] = inner_state[0]
+                indices.append(index)
+                index += 1
+            groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": indices})
+        return {"state": state, "param_groups": groups}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore the state :meth:`state_dict` returned (of this class, or of a plain optimizer of the same kind).
+
+        Args:
+            state_dict: ``{"state": ..., "param_groups": ...}``.
+
+        Raises:
+            ValueError: the groups do not match this optimizer's (count, sizes or parameter names).
+        """
+        saved_groups = state_dict["param_groups"]
+        if len(saved_groups) != len(self.param_groups):
+            raise ValueError(
+                f"loaded state dict has {len(saved_groups)} parameter groups, the optimizer "
+                f"{len(self.param_groups)}"
+            )
+        for group, saved in zip(self.param_groups, saved_groups, strict=True):
+            if len(group["params"]) != len(saved["params"]):
+                raise ValueError(
+                    f"loaded state dict has a group of {len(saved['params'])} parameters where the "
+                    f"optimizer has {len(group['params'])}"
+                )
+            if (
+                "param_names" in group
+                and "param_names" in saved
+                and group["param_names"] != saved["param_names"]
+            ):
+                raise ValueError("loaded state dict names other parameters than the optimizer's")
+        state = state_dict["state"]
+        for group, saved in zip(self.param_groups, saved_groups, strict=True):
+            for p, saved_index in zip(group["params"], saved["params"], strict=True):
+                inner = self._inner[p]
+                inner_groups = inner.state_dict()["param_groups"]
+                inner.load_state_dict(
+                    {
+                        "state": {0: state[saved_index]} if saved_index in state else {},
+                        "param_groups": inner_groups,
+                    }
+                )
+            group.update({k: v for k, v in saved.items() if k != "params"})
+
+    def remove_hooks(self) -> None:
+        """Detach the gradient hooks; afterwards backward leaves gradients in ``.grad`` and updates nothing."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Accounting
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer, *, device_type: str | None = None) -> int:
+    """Bytes held by the optimizer's state tensors.
+
+    Walks ``optimizer.state`` (per-parameter optimizers included: :class:`OptimizerInBackward`, torchao's
+    ``CPUOffloadOptimizer``), descending into dicts and lists. A quantized tensor subclass (torchao's
+    ``OptimState8bit`` etc.) counts the inner tensors ``__tensor_flatten__`` names (codes, scales, code table).
+    Each storage counts once, so a tensor shared by many parameters' states (bitsandbytes' code tables) counts
+    once. Step counters count when they are tensors (``torch.optim.AdamW``, torchao: 4 bytes each), not when
+    they are Python numbers (bitsandbytes). Works on fake and meta tensors.
+
+    Args:
+        optimizer: any ``torch.optim.Optimizer``.
+        device_type: count only tensors on this device type (``"cuda"``, ``"cpu"``); ``None`` counts all.
+
+    Returns:
+        Bytes.
+    """
+    seen: set[int] = set()
+    total = 0
+
+    def visit(value: Any) -> None:
+        nonlocal total
+        if isinstance(value, torch.Tensor):
+            if is_traceable_wrapper_subclass(value):
+                inner_names, _ = value.__tensor_flatten__()
+                for inner_name in inner_names:
+                    visit(getattr(value, inner_name))
+                return
+            if device_type is not None and value.device.type != device_type:
+                return
+            storage = value.untyped_storage()
+            if storage._cdata not in seen:
+                seen.add(storage._cdata)
+                total += storage.nbytes()
+        elif isinstance(value, Mapping):
+            for v in value.values():
+                visit(v)
+        elif isinstance(value, list | tuple):
+            for v in value:
+                visit(v)
+
+    for state in _param_states(optimizer):
+        visit(state)
+    return total
+
+
+def _param_states(optimizer: torch.optim.Optimizer) -> Iterator[Any]:
+    state = getattr(optimizer, "state", None)
+    if state is not None:
+        yield from state.values()
+        return
+    # a CPUOffloadOptimizer not built here: its state lives in per-parameter host optimizers and one device one
+    for opt in [*getattr(optimizer, "optim_dict", {}).values(), getattr(optimizer, "d_opt", None)]:
+        if opt is not None:
+            yield from _param_states(opt)

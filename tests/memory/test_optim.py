@@ -1,0 +1,482 @@
+"""Optimizers by name, the optimizer step inside backward, and optimizer-state accounting, on the tiny Llama.
+
+The tiny model (``model_config("tiny")``) has 106,816 parameters in 21 tensors: 12 of >= 4,096 elements
+(embeddings and lm_head 16,384; q/o projections 4,096; gate/up/down 8,192) holding 98,304 parameters, and 9 small
+ones (k/v projections 2,048; five RMSNorm weights of 64) holding 8,512.
+"""
+
+import io
+import math
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+from memfit.config import OptimizerConfig
+from memfit.memory.optim import (
+    OPTIMIZER_NAMES,
+    OptimizerInBackward,
+    build_optimizer,
+    check_optimizer_supported,
+    optimizer_state_bytes,
+    unquantized_state_params,
+)
+from memfit.models.llama import build_llama
+from memfit.models.presets import model_config
+from memfit.train import train_step
+
+NUM_PARAMS = 106_816
+NUM_TENSORS = 21
+QUANTIZED_NUMEL = 98_304  # the 12 tensors of >= 4,096 elements (all multiples of 256)
+SMALL = [
+    f"model.layers.{i}.{n}"
+    for i in range(2)
+    for n in (
+        "self_attn.k_proj.weight",
+        "self_attn.v_proj.weight",
+        "input_layernorm.weight",
+        "post_attention_layernorm.weight",
+    )
+]
+SMALL_NAMES = sorted([*SMALL, "model.norm.weight"])
+LOW_BIT = ("adamw8bit", "paged_adamw8bit", "torchao_adamw8bit", "torchao_adamw4bit", "torchao_adamw_fp8")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny tensors on 2 shared cores: a second intra-op thread makes each kernel ~100x slower, not faster."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _require(name):
+    """Skip when the package behind optimizer ``name`` is not installed (they are optional dependencies)."""
+    if name in ("adamw8bit", "paged_adamw8bit", "paged_adamw"):
+        pytest.importorskip("bitsandbytes")
+    if name.startswith("torchao"):
+        pytest.importorskip("torchao")
+
+
+def _batch(seed, B=4, T=16, vocab=256):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, vocab, (B, T + 1), generator=g)
+    return x[:, :-1].contiguous(), x[:, 1:].contiguous()
+
+
+def _backward(model, seed):
+    x, y = _batch(seed)
+    loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+    loss.backward()
+    return loss.detach()
+
+
+def _set_lr(optimizer, lr):
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+
+
+def _max_diff(a, b):
+    return max((pa - pb).abs().max().item() for pa, pb in zip(a.parameters(), b.parameters(), strict=True))
+
+
+def _cfg(name="adamw", **kw):
+    return OptimizerConfig(name=name, lr=kw.pop("lr", 1e-2), weight_decay=kw.pop("weight_decay", 0.1), **kw)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# torch AdamW implementations
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def test_adamw_implementations_agree():
+    """foreach and for_loop are bit-identical after 3 steps; fused differs by at most 5.4e-7 (measured)."""
+    models = {}
+    for impl in ("foreach", "for_loop", "fused"):
+        model = build_llama(model_config("tiny"), seed=0)
+        opt = build_optimizer(model, _cfg(implementation=impl))
+        for step in range(3):
+            train_step(model, opt, [_batch(step)], max_grad_norm=0.0, dtype="fp32")
+        models[impl] = model
+    ref = build_llama(model_config("tiny"), seed=0)
+    assert _max_diff(models["foreach"], ref) > 1e-3  # the steps did move the weights
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(models["foreach"].parameters(), models["for_loop"].parameters(), strict=True)
+    )
+    assert _max_diff(models["foreach"], models["fused"]) <= 1e-6
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# OptimizerInBackward against the reference optimizer
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-tied"])
+@pytest.mark.parametrize("impl", ["foreach", "fused"])
+def test_in_backward_matches_adamw(preset, impl):
+    """Same parameters (measured: bit-identical) and the same global grad norm (measured: 1.2e-7 relative)."""
+    ref_model, model = (build_llama(model_config(preset), seed=0) for _ in range(2))
+    ref_opt = build_optimizer(ref_model, _cfg(implementation=impl))
+    opt = build_optimizer(model, _cfg(implementation=impl), in_backward=True)
+    assert isinstance(opt, OptimizerInBackward)
+    assert (
+        [g["name"] for g in opt.param_groups]
+        == [g["name"] for g in ref_opt.param_groups]
+        == ["decay", "no_decay"]
+    )
+    assert [g["param_names"] for g in opt.param_groups] == [g["param_names"] for g in ref_opt.param_groups]
+    for step, lr in enumerate([1e-2, 5e-3, 2e-3]):  # a schedule, set as the training loop sets it
+        _set_lr(ref_opt, lr)
+        _set_lr(opt, lr)
+        _backward(ref_model, step)
+        ref_norm = torch.nn.utils.get_total_norm([p.grad for p in ref_model.parameters()])
+        ref_opt.step()
+        ref_opt.zero_grad(set_to_none=True)
+        _backward(model, step)  # the hooks update the weights here
+        assert all(p.grad is None for p in model.parameters())
+        grad_norm = opt.consume_grad_norm()
+        opt.step()  # documented no-ops
+        opt.zero_grad()
+        assert grad_norm.shape == () and grad_norm.dtype == torch.float32
+        assert abs(grad_norm.item() / ref_norm.item() - 1) <= 1e-6
+        assert _max_diff(ref_model, model) <= 1e-6
+    assert len(opt.state) == len(ref_opt.state) == len(list(model.parameters()))
+    q = model.model.layers[0].self_attn.q_proj.weight
+    assert opt.state[q]["exp_avg"].shape == q.shape and opt.state[q]["step"].item() == 3
+    assert opt.consume_grad_norm().item() == 0.0  # consumed: starts again from 0
+
+
+def test_in_backward_holds_one_gradient_at_a_time():
+    model = build_llama(model_config("tiny"), seed=0)
+    params = list(model.parameters())
+    alive_at_hook = []
+    for p in params:  # registered first, so each runs just before the optimizer's hook on the same parameter
+        p.register_post_accumulate_grad_hook(
+            lambda p_: alive_at_hook.append((p_.grad is not None, sum(q.grad is not None for q in params)))
+        )
+    opt = build_optimizer(model, _cfg(), in_backward=True)
+    _backward(model, 0)
+    assert len(alive_at_hook) == NUM_TENSORS
+    assert alive_at_hook == [(True, 1)] * NUM_TENSORS  # its own gradient, and no other
+    assert all(p.grad is None for p in params)
+    assert all(opt.state[p]["step"].item() == 1 for p in params)
+
+    opt.remove_hooks()  # afterwards backward leaves gradients and updates nothing
+    before = [p.detach().clone() for p in params]
+    _backward(model, 1)
+    assert all(p.grad is not None for p in params)
+    assert all(torch.equal(p, b) for p, b in zip(params, before, strict=True))
+
+
+def _save_load(state_dict):
+    buf = io.BytesIO()
+    torch.save(state_dict, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=True)
+
+
+def _clone_model(model, preset="tiny"):
+    clone = build_llama(model_config(preset), seed=1)
+    clone.load_state_dict(model.state_dict())
+    return clone
+
+
+@pytest.mark.parametrize("name", ["adamw", "adamw8bit", "torchao_adamw8bit"])
+def test_in_backward_resume_is_exact(name):
+    """state_dict -> torch.save -> torch.load(weights_only=True) -> a fresh wrapper: the next step is identical."""
+    _require(name)
+    model = build_llama(model_config("tiny"), seed=0)
+    opt = build_optimizer(model, _cfg(name), in_backward=True)
+    for step in range(2):
+        _backward(model, step)
+    saved = _save_load(opt.state_dict())
+    assert sorted(saved["state"]) == list(range(NUM_TENSORS))
+    assert [len(g["params"]) for g in saved["param_groups"]] == [16, 5]
+
+    resumed = _clone_model(model)
+    resumed_opt = build_optimizer(resumed, _cfg(name, lr=0.5), in_backward=True)  # lr comes from the state
+    resumed_opt.load_state_dict(saved)
+    assert [g["lr"] for g in resumed_opt.param_groups] == [1e-2, 1e-2]
+    for m in (model, resumed):
+        _backward(m, 2)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), resumed.parameters(), strict=True))
+    assert _max_diff(model, build_llama(model_config("tiny"), seed=0)) > 1e-3
+
+
+def test_in_backward_loads_a_plain_adamw_state_dict():
+    """Its state_dict has a plain optimizer's layout: a run can switch optimizer_in_backward on at a resume."""
+    ref_model = build_llama(model_config("tiny"), seed=0)
+    ref_opt = build_optimizer(ref_model, _cfg())
+    for step in range(2):
+        train_step(ref_model, ref_opt, [_batch(step)], max_grad_norm=0.0, dtype="fp32")
+    model = _clone_model(ref_model)
+    opt = build_optimizer(model, _cfg(), in_backward=True)
+    opt.load_state_dict(_save_load(ref_opt.state_dict()))
+    train_step(ref_model, ref_opt, [_batch(2)], max_grad_norm=0.0, dtype="fp32")
+    _backward(model, 2)
+    assert _max_diff(ref_model, model) <= 1e-6
+
+
+def test_in_backward_load_rejects_another_model():
+    opt = build_optimizer(build_llama(model_config("tiny"), seed=0), _cfg(), in_backward=True)
+    other = build_llama(model_config("tiny", num_layers=1), seed=0)
+    with pytest.raises(ValueError, match="group of 9 parameters where the optimizer has 16"):
+        opt.load_state_dict(build_optimizer(other, _cfg(), in_backward=True).state_dict())
+
+
+def test_in_backward_honours_the_lr_of_param_groups():
+    # lr = 0: weights stay exactly as they were (the moments still advance)
+    model = build_llama(model_config("tiny"), seed=0)
+    before = [p.detach().clone() for p in model.parameters()]
+    opt = build_optimizer(model, _cfg(lr=1.0), in_backward=True)
+    _set_lr(opt, 0.0)
+    _backward(model, 0)
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
+    assert all(
+        opt.state[p]["step"].item() == 1 and opt.state[p]["exp_avg"].abs().max() > 0
+        for p in model.parameters()
+    )
+
+    # AdamW's first update is linear in lr: twice the lr, twice the change (to 1.2e-7 of rounding, measured)
+    deltas = []
+    for lr in (1e-3, 2e-3):
+        model = build_llama(model_config("tiny"), seed=0)
+        opt = build_optimizer(model, _cfg(lr=1.0), in_backward=True)
+        _set_lr(opt, lr)
+        _backward(model, 0)
+        deltas.append([p.detach() - b for p, b in zip(model.parameters(), before, strict=True)])
+    for d1, d2 in zip(*deltas, strict=True):
+        assert d1.abs().max() > 1e-4  # ~lr: not the constructor's lr of 1.0
+        torch.testing.assert_close(d2, 2 * d1, rtol=0, atol=1e-6)
+
+
+def test_in_backward_runs_under_fake_tensors():
+    """The estimator's path: train_step with the hooks, on a model that exists only as metadata."""
+    with FakeTensorMode():
+        model = build_llama(model_config("tiny"), seed=0)
+        opt = build_optimizer(model, _cfg(), in_backward=True)
+        x = torch.randint(0, 256, (2, 16))
+        result = train_step(model, opt, [(x, x)], max_grad_norm=0.0, dtype="fp32")
+        assert result.loss.shape == () and result.grad_norm.shape == ()
+        assert all(p.grad is None for p in model.parameters())
+        q = model.model.layers[0].self_attn.q_proj.weight
+        assert opt.state[q]["exp_avg"].shape == q.shape
+        assert optimizer_state_bytes(opt) == 8 * NUM_PARAMS + 4 * NUM_TENSORS  # as for real tensors
+
+
+def test_in_backward_with_bitsandbytes_adamw8bit():
+    _require("adamw8bit")
+    model = build_llama(model_config("tiny"), seed=0)
+    before = [p.detach().clone() for p in model.parameters()]
+    opt = build_optimizer(model, _cfg("adamw8bit"), in_backward=True)
+    losses = [
+        train_step(model, opt, [_batch(0)], max_grad_norm=0.0, dtype="fp32").loss.item() for _ in range(5)
+    ]
+    assert losses[-1] < losses[0] - 1.0  # measured 5.559 -> 3.862
+    assert all(not torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
+    assert opt.state[model.lm_head.weight]["state1"].dtype == torch.uint8
+    assert opt.state[model.model.norm.weight]["state1"].dtype == torch.float32
+    # one pair of code tables shared by all 21 per-parameter optimizers, as in a single optimizer
+    assert optimizer_state_bytes(opt) == optimizer_state_bytes(_trained("adamw8bit")[1])
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Every optimizer by name
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("in_backward", [False, True], ids=["step", "in_backward"])
+@pytest.mark.parametrize("name", OPTIMIZER_NAMES)
+def test_every_optimizer_trains_on_cpu(name, in_backward):
+    _require(name)
+    assert check_optimizer_supported(name, "cpu") is None
+    model = build_llama(model_config("tiny"), seed=0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt = build_optimizer(model, _cfg(name), in_backward=in_backward)
+        losses = [
+            train_step(model, opt, [_batch(0)], max_grad_norm=0.0, dtype="fp32").loss.item() for _ in range(5)
+        ]
+    assert all(math.isfinite(v) for v in losses)
+    assert losses[-1] < losses[0] - 1.0  # measured 5.559 -> 3.86 (3.92 for 4-bit state)
+    paged = [str(w.message) for w in caught if "paged" in str(w.message).lower()]
+    if name.startswith("paged_"):
+        assert len(paged) == 1, paged  # memfit's, once; bitsandbytes' own per-optimizer warning is silenced
+        assert paged[0].startswith(f"optimizer.name='{name}' runs unpaged on CPU") and "unified" in paged[0]
+    else:
+        assert paged == []
+
+
+def _trained(name, steps=1, in_backward=False, **cfg_kw):
+    """The tiny model and its optimizer ``name`` after ``steps`` training steps."""
+    model = build_llama(model_config("tiny"), seed=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        opt = build_optimizer(model, _cfg(name, **cfg_kw), in_backward=in_backward)
+    for step in range(steps):
+        train_step(model, opt, [_batch(step)], max_grad_norm=0.0, dtype="fp32")
+    return model, opt
+
+
+@pytest.mark.parametrize("name", LOW_BIT)
+def test_unquantized_state_params_match_the_state(name):
+    _require(name)
+    model, opt = _trained(name)
+    assert sorted(opt.memfit_unquantized_state_params) == SMALL_NAMES
+    names = dict(model.named_parameters())
+    for pname, p in names.items():
+        state = opt.state[p]
+        if name.startswith("torchao"):
+            quantized = is_traceable_wrapper_subclass(state["exp_avg"])
+        else:
+            quantized = state["state1"].dtype == torch.uint8
+        assert quantized == (pname not in opt.memfit_unquantized_state_params), pname
+    assert unquantized_state_params(model, "adamw") == list(names)
+
+
+@pytest.mark.parametrize("name", ["adamw8bit", "torchao_adamw4bit"])
+def test_plain_low_bit_resume_is_exact(name):
+    """What checkpoint.py does: optimizer.state_dict() through torch.save / torch.load(weights_only=True)."""
+    _require(name)
+    model, opt = _trained(name, steps=2)
+    resumed_model = _clone_model(model)
+    resumed = build_optimizer(resumed_model, _cfg(name))
+    resumed.load_state_dict(_save_load(opt.state_dict()))
+    for m, o in ((model, opt), (resumed_model, resumed)):
+        _set_lr(o, 5e-3)  # a float, as the training loop sets it (torchao keeps a tensor)
+        train_step(m, o, [_batch(2)], max_grad_norm=0.0, dtype="fp32")
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), resumed_model.parameters(), strict=True))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Optimizer-state bytes
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def test_optimizer_state_bytes_adamw_is_8_bytes_per_parameter():
+    """fp32 m and v (8 bytes/parameter) plus one 4-byte fp32 step tensor per parameter tensor."""
+    assert optimizer_state_bytes(build_optimizer(build_llama(model_config("tiny"), seed=0), _cfg())) == 0
+    for impl in ("foreach", "fused"):
+        for in_backward in (False, True):
+            _, opt = _trained("adamw", implementation=impl, in_backward=in_backward)
+            assert optimizer_state_bytes(opt) == 8 * NUM_PARAMS + 4 * NUM_TENSORS == 854_612
+    assert optimizer_state_bytes(opt, device_type="cuda") == 0
+
+
+def _blocks(numel, block):
+    return -(-numel // block)
+
+
+def test_optimizer_state_bytes_bitsandbytes_8bit():
+    """Per quantized tensor: 2 uint8 codes/param + 2 fp32 absmax per block of 256; the two 256-entry fp32 code
+    tables are shared by all tensors; small tensors keep fp32 m and v (8 bytes/param); step is a Python int."""
+    _require("adamw8bit")
+    model, opt = _trained("adamw8bit")
+    shapes = {n: p.numel() for n, p in model.named_parameters()}
+    expected = 2 * 256 * 4  # the shared code tables
+    for numel in shapes.values():
+        if numel >= 4096:
+            expected += 2 * numel + 2 * 4 * _blocks(numel, 256)
+        else:
+            expected += 8 * numel
+    assert expected == 2 * QUANTIZED_NUMEL + 8 * QUANTIZED_NUMEL // 256 + 2048 + 8 * (
+        NUM_PARAMS - QUANTIZED_NUMEL
+    )
+    assert optimizer_state_bytes(opt) == expected == 269_824  # 2.53 bytes/parameter
+
+
+@pytest.mark.parametrize(
+    "name, code_bytes_per_param, block, table_entries, total",
+    [
+        ("torchao_adamw8bit", 1.0, 256, 256, 292_436),
+        ("torchao_adamw4bit", 0.5, 128, 16, 174_164),
+        ("torchao_adamw_fp8", 1.0, 256, 0, 267_860),
+    ],
+)
+def test_optimizer_state_bytes_torchao(name, code_bytes_per_param, block, table_entries, total):
+    """Per quantized state tensor (m and v): codes + one fp32 scale per block + its own fp32 code table; small
+    tensors keep m and v unquantized (fp32 here: 8 bytes/param); a 4-byte fp32 step tensor per parameter."""
+    _require(name)
+    model, opt = _trained(name)
+    expected = 4 * NUM_TENSORS
+    for p in model.parameters():
+        if p.numel() >= 4096 and p.numel() % block == 0:
+            expected += 2 * (
+                int(code_bytes_per_param * p.numel()) + 4 * p.numel() // block + 4 * table_entries
+            )
+        else:
+            expected += 8 * p.numel()
+    assert optimizer_state_bytes(opt) == expected == total
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# What is refused, and why
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def test_unsupported_combinations_say_why():
+    _require("paged_adamw8bit")
+    _require("torchao_adamw8bit")
+    assert "unknown optimizer 'sgd'" in check_optimizer_supported("sgd", "cpu")
+    reason = check_optimizer_supported("adamw", "cpu", cpu_offload=True)
+    assert "needs a CUDA device" in reason and "offload" in reason
+    assert "offload" in check_optimizer_supported("paged_adamw8bit", "cuda", cpu_offload=True)
+    assert "optimizer_in_backward" in check_optimizer_supported(
+        "adamw", "cuda", cpu_offload=True, in_backward=True
+    )
+    assert "max_grad_norm" in check_optimizer_supported("adamw", "cuda", cpu_offload=True, max_grad_norm=1.0)
+    assert check_optimizer_supported("torchao_adamw_fp8", "cpu") is None
+
+    cfg = _cfg()
+    cfg.cpu_offload = True  # read with getattr: works before and after the field exists
+    with pytest.raises(ValueError, match="cpu_offload .* needs a CUDA device"):
+        build_optimizer(build_llama(model_config("tiny"), seed=0), cfg)
+    with pytest.raises(ValueError, match="unknown optimizer.implementation 'fast'"):
+        build_optimizer(build_llama(model_config("tiny"), seed=0), _cfg(implementation="fast"))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# CUDA only
+# ----------------------------------------------------------------------------------------------------------------
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.mark.cuda
+@cuda
+def test_cpu_offload_trains_with_state_in_host_memory():
+    _require("torchao_adamw8bit")
+    model = build_llama(model_config("tiny"), device="cuda", seed=0)
+    cfg = _cfg()
+    cfg.cpu_offload = True
+    opt = build_optimizer(model, cfg)
+    x, y = (t.cuda() for t in _batch(0))
+    losses = [train_step(model, opt, [(x, y)], max_grad_norm=0.0, dtype="fp32").loss.item() for _ in range(5)]
+    assert losses[-1] < losses[0] - 1.0
+    # tensors of >= 4,096 elements are stepped on the CPU; the small ones stay on the GPU (foreach AdamW keeps
+    # every step counter on the CPU)
+    assert optimizer_state_bytes(opt, device_type="cpu") == 8 * QUANTIZED_NUMEL + 4 * NUM_TENSORS
+    assert optimizer_state_bytes(opt, device_type="cuda") == 8 * (NUM_PARAMS - QUANTIZED_NUMEL)
+
+
+@pytest.mark.cuda
+@cuda
+@pytest.mark.parametrize("name", ["paged_adamw8bit", "torchao_adamw8bit"])
+def test_low_bit_on_cuda_matches_cpu_accounting(name):
+    _require(name)
+    if check_optimizer_supported(name, "cuda") is not None:
+        pytest.skip(check_optimizer_supported(name, "cuda"))
+    model = build_llama(model_config("tiny"), device="cuda", seed=0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt = build_optimizer(model, _cfg(name), in_backward=True)
+    assert not [w for w in caught if "unpaged" in str(w.message)]
+    x, y = (t.cuda() for t in _batch(0))
+    losses = [train_step(model, opt, [(x, y)], max_grad_norm=0.0, dtype="fp32").loss.item() for _ in range(5)]
+    assert losses[-1] < losses[0] - 1.0
+    assert optimizer_state_bytes(opt) == optimizer_state_bytes(_trained(name, in_backward=True)[1])
