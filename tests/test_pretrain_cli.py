@@ -150,3 +150,22 @@ def test_resume_with_a_truncated_latest_checkpoint_says_what_to_do(finished_run,
     assert main(["pretrain", *tiny_run_overrides(small_corpus, out, resume="true", max_steps=16)]) == 1
     err = capsys.readouterr().err
     assert "optimizer.pt' is truncated" in err and "Delete" in err
+
+
+def test_track_memory_adds_the_breakdown_and_a_timeline(small_corpus, tmp_path):
+    out = tmp_path / "tracked"
+    over = {"track_memory": "true", "max_steps": 4, "checkpoint_every": 0, "eval_every": 0, "log_every": 2}
+    assert main(["pretrain", *tiny_run_overrides(small_corpus, out, **over)]) == 0
+    train = [r for r in read_records(out / "metrics.jsonl") if "loss" in r]
+    assert [r["step"] for r in train] == [2, 4]
+    for r in train:
+        b = r["memory_breakdown"]
+        assert set(b) == {"parameters", "gradients", "optimizer_state", "activations", "temporaries"}
+        # tiny model, char vocabulary: 4 bytes per parameter and 8 of AdamW state (+ 4-byte step counters)
+        from memfit.models.presets import model_config
+
+        num_params = model_config("tiny").num_params()
+        assert b["parameters"] * 1024**3 >= 4 * num_params
+        assert b["optimizer_state"] * 1024**3 >= 8 * num_params
+        assert r["memory_peak_phase"] in {"forward", "backward", "optimizer_step"}
+    assert (out / "memory_timeline.png").read_bytes()[:4] == b"\x89PNG"

@@ -37,6 +37,10 @@ def format_record(record: dict[str, Any]) -> str:
         value = record.get(key)
         if value is not None:
             parts.append(fmt.format(value))
+    breakdown = record.get("memory_breakdown")
+    if breakdown:
+        cats = ", ".join(f"{k} {v:.3f}" for k, v in breakdown.items())
+        parts.append(f"tracked peak {sum(breakdown.values()):.3f} GiB in {record.get('memory_peak_phase')} ({cats})")
     return " | ".join(parts)
 
 

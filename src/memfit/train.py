@@ -359,9 +359,14 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         if tracker is None:
             result = train_step(model, optimizer, micro_batches, **step_options)
         else:
+            # draw the run's second step (optimizer state exists by then), or its only step
+            plot_this = step == start_step + 1 or step == cfg.max_steps - 1 == start_step
+            tracker.record_timeline = plot_this
+            if plot_this:
+                tracker.clear_timeline()
             with tracker:
                 result = train_step(model, optimizer, micro_batches, tracker=tracker, **step_options)
-            if step == start_step + 1 or step == cfg.max_steps - 1 == start_step:  # 2nd step: optimizer state exists
+            if plot_this:
                 plot_timeline(tracker.timeline, out / "memory_timeline.png",
                               title=f"memory by category, step {step + 1} ({cfg.model})")
         memory.sample()

@@ -1,0 +1,735 @@
+"""Live bytes by category over training steps: where the memory of a run went.
+
+:class:`MemoryTracker` watches every tensor operation (a ``TorchDispatchMode``) and every tensor saved for
+backward (``saved_tensors_hooks``), and keeps the bytes of each live storage under one of five categories:
+
+==================  ===========================================================================================
+``parameters``      storages of the model's parameters and buffers
+``gradients``       storages of ``p.grad``
+``optimizer_state`` storages of tensors in ``optimizer.state`` (nested dicts, sub-optimizers of a wrapper, and the
+                    inner tensors of tensor subclasses such as torchao's low-bit states)
+``activations``     storages saved for backward by autograd, while the graph holds them (and, in the backward,
+                    tensors recomputed for backward by activation checkpointing, until they are freed)
+``temporaries``     everything else: inputs, logits, gradients in flight, the optimizer's scratch tensors, ...
+==================  ===========================================================================================
+
+A storage counts once, at ``untyped_storage().nbytes()`` (views share it), from when it is created or first seen
+until it is freed (a weak reference on the storage's Python object, which torch keeps alive exactly as long as the
+storage). A storage's category follows the priority order of the table, decided by identity: a parameter saved for
+backward is a parameter. Nothing reads tensor data, so it works the same on CPU, CUDA, and under
+``torch._subclasses.fake_tensor.FakeTensorMode`` (enter the tracker *inside* the fake mode), where it sees the
+bytes a real run would allocate.
+
+Phases: the training loop may mark them (:meth:`MemoryTracker.set_phase` or :meth:`MemoryTracker.phase`);
+besides, ops run by the autograd engine are ``backward``, ops inside any ``Optimizer.step`` are
+``optimizer_step`` (an optimizer stepping inside backward included), a call of the model or any of its modules
+starts ``forward``, and the end of a backward goes back to ``other``. So a loop that marks nothing still gets
+its phases right.
+
+Example:
+    >>> with MemoryTracker(model, optimizer) as tracker:
+    ...     train_step(model, optimizer, batches, max_grad_norm=1.0, dtype="fp32", tracker=tracker)
+    >>> tracker.summary_gib()
+    {'peak_gib': ..., 'phase': 'optimizer_step', 'breakdown_gib': {'parameters': ..., ...}}
+
+What it does not see: memory inside a single kernel (workspaces, the allocator's rounding and caching, CUDA
+context), storages resized with ``UntypedStorage.resize_`` outside tensor ops until the next phase change, and
+tensors that no tracked operation touches.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import weakref
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+
+CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "temporaries")
+"""Memory categories, in the priority order that decides a storage's category."""
+PHASES = ("forward", "backward", "optimizer_step", "other")
+"""Phases of a training step."""
+GIB = 1024**3
+
+_PARAMS, _GRADS, _OPT_STATE, _ACTIVATIONS, _TEMPORARIES = range(len(CATEGORIES))
+# Ops that never allocate and are no step of the computation: no event. (``detach`` is what the pack hook calls,
+# ``prim.device`` is ``Tensor.device`` of a fake tensor, the profiler ops mark ``Optimizer.step``.)
+_NO_EVENT_OPS = frozenset(
+    id(op)
+    for op in (
+        torch.ops.aten.detach.default,
+        torch.ops.prim.device.default,
+        torch.ops.profiler._record_function_enter_new.default,
+        torch.ops.profiler._record_function_exit._RecordFunction,
+    )
+)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Finding storages and the tensors of each role
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def tensor_storages(t: torch.Tensor) -> list[torch.UntypedStorage]:
+    """The untyped storages behind a tensor: its own, or those of a wrapper subclass's inner tensors.
+
+    Args:
+        t: any tensor (plain, parameter, fake, or a traceable wrapper subclass with ``__tensor_flatten__``).
+
+    Returns:
+        The storages (empty for tensors without one, such as sparse tensors).
+    """
+    if is_traceable_wrapper_subclass(t):
+        out: list[torch.UntypedStorage] = []
+        names, _ = t.__tensor_flatten__()
+        for name in names:
+            inner = getattr(t, name)
+            if isinstance(inner, torch.Tensor):
+                out.extend(tensor_storages(inner))
+        return out
+    try:
+        return [t.untyped_storage()]
+    except (RuntimeError, NotImplementedError, TypeError):
+        return []
+
+
+def _tensors_in(obj: Any) -> Iterator[torch.Tensor]:
+    """Tensors in nested dicts, lists and tuples (the shape of ``optimizer.state``)."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, Mapping):
+        for value in obj.values():
+            yield from _tensors_in(value)
+    elif isinstance(obj, (list, tuple)):
+        for value in obj:
+            yield from _tensors_in(value)
+
+
+def _sub_optimizers(obj: Any) -> list[Any]:
+    """Optimizers in ``obj``, or directly in it when it is a dict, list or tuple (as wrappers hold them)."""
+    if isinstance(obj, torch.optim.Optimizer):
+        return [obj]
+    if isinstance(obj, Mapping):
+        return [v for v in obj.values() if isinstance(v, torch.optim.Optimizer)]
+    if isinstance(obj, (list, tuple)):
+        return [v for v in obj if isinstance(v, torch.optim.Optimizer)]
+    return []
+
+
+def optimizer_state_tensors(optimizer: Any) -> Iterator[torch.Tensor]:
+    """Every tensor of an optimizer's state, including that of sub-optimizers a wrapper holds.
+
+    Walks ``optimizer.state`` (a dict param -> state dict, nested containers allowed), then any optimizer held in
+    an attribute of it (directly, or in a dict, list or tuple), as an optimizer-in-backward wrapper holds one
+    optimizer per parameter. Tensors may repeat.
+
+    Args:
+        optimizer: a ``torch.optim.Optimizer``, a wrapper of optimizers, or None.
+
+    Yields:
+        Tensors of the state (the ``step`` counters, moments, quantization scales, ...).
+    """
+    yield from _state_tensors(_optimizers(optimizer))
+
+
+def _state_tensors(optimizers: list[Any]) -> Iterator[torch.Tensor]:
+    for opt in optimizers:
+        state = getattr(opt, "state", None)
+        if state is not None:
+            yield from _tensors_in(state)
+
+
+def _optimizers(optimizer: Any) -> list[Any]:
+    """The optimizer and every optimizer held in an attribute of it (directly, or in a dict, list or tuple)."""
+    if optimizer is None:
+        return []
+    todo, out, seen = [optimizer], [], set()
+    while todo:
+        opt = todo.pop()
+        if id(opt) in seen:
+            continue
+        seen.add(id(opt))
+        out.append(opt)
+        for name, value in getattr(opt, "__dict__", {}).items():
+            if name not in ("state", "param_groups", "defaults"):
+                todo.extend(_sub_optimizers(value))
+    return out
+
+
+def _state_fingerprint(optimizers: list[Any]) -> int:
+    """A cheap number that changes when an optimizer's state gains or loses an entry (its keys, not its data)."""
+    count = 0
+    for opt in optimizers:
+        state = getattr(opt, "state", None)
+        if isinstance(state, Mapping):
+            count += len(state)
+            for value in state.values():
+                if isinstance(value, (dict, Mapping)):  # dict first: the fast check
+                    count += len(value)
+    return count
+
+
+def _model_tensors(model: nn.Module) -> list[torch.Tensor]:
+    return [*model.parameters(), *model.buffers()]
+
+
+def model_state_bytes(
+    model: nn.Module, optimizer: Any = None, device: torch.device | str | None = None
+) -> dict[str, int]:
+    """Bytes of the model's and optimizer's state now, each storage counted once, no tracking needed.
+
+    Args:
+        model: the model; its parameters *and buffers* count as ``parameters``.
+        optimizer: its state counts as ``optimizer_state`` (see :func:`optimizer_state_tensors`); None for none.
+        device: count only tensors on this device (AdamW keeps its ``step`` counters on the host for a CUDA
+            model, for one); None counts every device.
+
+    Returns:
+        ``{"parameters": ..., "gradients": ..., "optimizer_state": ...}`` in bytes, by the priority order of
+        :data:`CATEGORIES` (a storage that is both a parameter and a gradient is a parameter).
+    """
+    tensors = _model_tensors(model)
+    groups = {
+        "parameters": tensors,
+        "gradients": [p.grad for p in model.parameters() if p.grad is not None],
+        "optimizer_state": optimizer_state_tensors(optimizer),
+    }
+    device = None if device is None else torch.device(device)
+    seen: set[int] = set()
+    out = {}
+    for category, group in groups.items():
+        total = 0
+        for t in group:
+            if device is not None and t.device != device:
+                continue
+            for st in tensor_storages(t):
+                if id(st) not in seen:
+                    seen.add(id(st))
+                    total += st.nbytes()
+        out[category] = total
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Bookkeeping of one storage and of one tensor saved for backward
+# ----------------------------------------------------------------------------------------------------------------
+
+
+class _Entry:
+    """One live storage: its bytes, its role (set by identity) and how many graph slots save it."""
+
+    __slots__ = ("key", "nbytes", "cat", "role", "saved", "sticky", "alive", "ref")
+
+    def __init__(self, key: int, nbytes: int) -> None:
+        self.key = key
+        self.nbytes = nbytes
+        self.cat = _TEMPORARIES
+        self.role: int | None = None  # _PARAMS, _GRADS or _OPT_STATE
+        self.saved = 0  # graph slots (saved-tensor hooks' packed objects) that hold this storage
+        self.sticky = False  # saved during a backward (recomputation): an activation until freed
+        self.alive = True
+        self.ref: weakref.ref | None = None
+
+
+class _Saved:
+    """What the pack hook stores in the graph: the inner packed object, and a count on the saved storages.
+
+    Autograd drops it when it frees the saved variable (after the node runs, or with the graph), which is when
+    the storages stop being activations (unless something else keeps them as such).
+    """
+
+    __slots__ = ("packed", "entries", "tracker")
+
+    def __init__(self, packed: Any, entries: list[_Entry], tracker: MemoryTracker) -> None:
+        self.packed = packed
+        self.entries = entries
+        self.tracker = tracker
+
+    def __del__(self) -> None:
+        tracker = self.tracker
+        for entry in self.entries:
+            entry.saved -= 1
+            if entry.saved == 0 and entry.alive:
+                tracker._recategorize(entry)
+
+
+class _Observer(TorchDispatchMode):
+    """The dispatch mode: lets every op run, then tells the tracker what it touched."""
+
+    def __init__(self, tracker: MemoryTracker) -> None:
+        super().__init__()
+        self.tracker = tracker
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if id(func) in _NO_EVENT_OPS:
+            return out
+        see = self.tracker._see
+        for group in (args, kwargs.values()):
+            for a in group:
+                if isinstance(a, torch.Tensor):
+                    see(a, False)
+                elif isinstance(a, (list, tuple)):
+                    for b in a:
+                        if isinstance(b, torch.Tensor):
+                            see(b, False)
+        if isinstance(out, torch.Tensor):
+            see(out, True)
+        elif isinstance(out, (list, tuple)):
+            for o in out:
+                if isinstance(o, torch.Tensor):
+                    see(o, True)
+        self.tracker._after_op()
+        return out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The tracker
+# ----------------------------------------------------------------------------------------------------------------
+
+
+class MemoryTracker:
+    """Live bytes by category (:data:`CATEGORIES`) and phase (:data:`PHASES`) over one or more training steps.
+
+    Use it as a context manager around the steps. Entering seeds it with what already exists (parameters,
+    buffers, gradients, optimizer state); other storages count from the first op that creates or touches them.
+    Results accumulate over every time it is entered.
+
+    Args:
+        model: the model being trained.
+        optimizer: its optimizer (a ``torch.optim.Optimizer`` or a wrapper of optimizers), or None.
+        device: count only storages on this device; None means the device of the model's first parameter when
+            the tracker is entered (so a CUDA run counts GPU memory, not host copies of offloaded activations nor
+            AdamW's host ``step`` counters), or every device for a model without parameters.
+        record_timeline: keep a :attr:`timeline` entry after every op (a few hundred bytes each: turn it off,
+            or :meth:`clear_timeline`, when tracking every step of a long run).
+
+    Attributes:
+        peak_bytes: the maximum over time of the total live bytes (all categories).
+        peak_breakdown: bytes by category at that peak.
+        peak_phase: the phase of the op that reached the peak.
+        timeline: ``(event index, phase, {category: bytes})`` after each op.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: Any = None,
+        *,
+        device: torch.device | str | None = None,
+        record_timeline: bool = True,
+    ) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        self._device_arg = None if device is None else torch.device(device)
+        self.device = self._device_arg or self._model_device()
+        self.record_timeline = record_timeline
+        self.timeline: list[tuple[int, str, dict[str, int]]] = []
+        self.peak_bytes = 0
+        self.peak_breakdown: dict[str, int] = dict.fromkeys(CATEGORIES, 0)
+        self.peak_phase = "other"
+        self._totals = [0] * len(CATEGORIES)
+        # id(storage) -> entry: torch keeps a storage's Python object alive exactly as long as the storage
+        self._live: dict[int, _Entry] = {}
+        self._roled: set[int] = set()  # keys of the entries with a role
+        self._base_phase = "other"  # as marked by the loop, or by the model's forward / the end of backward
+        self._last_phase = "other"
+        self._in_backward = False
+        self._opt_depth = 0
+        self._event = 0
+        self._active = 0
+        self._plain_types: set[type] = {torch.Tensor, nn.Parameter}
+        self._params: list[torch.Tensor] = list(model.parameters())
+        self._buffers: list[torch.Tensor] = list(model.buffers())
+        self._optimizers: list[Any] = _optimizers(optimizer)
+        self._state_count = -1  # _state_fingerprint at the last refresh
+        self._exit_stack: contextlib.ExitStack | None = None
+
+    def _model_device(self) -> torch.device | None:
+        first = next(iter(self.model.parameters()), None)
+        return None if first is None else first.device
+
+    # --- phases ---------------------------------------------------------------------------------------------
+
+    def set_phase(self, phase: str) -> None:
+        """Mark the phase of the ops that follow (ops in a backward or an optimizer step are labelled so anyway).
+
+        Args:
+            phase: one of :data:`PHASES`.
+
+        Raises:
+            ValueError: unknown phase.
+        """
+        if phase not in PHASES:
+            raise ValueError(f"unknown phase {phase!r}; phases: {', '.join(PHASES)}")
+        self._base_phase = phase
+        self._in_backward = False  # a mark right after a backward wins over "other"
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Context manager: ``name`` is the phase inside, the previous one after.
+
+        Args:
+            name: one of :data:`PHASES`.
+
+        Raises:
+            ValueError: unknown phase.
+        """
+        previous = self._base_phase
+        self.set_phase(name)
+        try:
+            yield
+        finally:
+            self._base_phase = previous
+
+    def _current_phase(self) -> str:
+        if self._opt_depth:
+            return "optimizer_step"
+        if torch._C._current_graph_task_id() != -1:
+            self._in_backward = True
+            return "backward"
+        if self._in_backward:  # the first op after a backward
+            self._in_backward = False
+            self._base_phase = "other"
+        return self._base_phase
+
+    # --- results --------------------------------------------------------------------------------------------
+
+    def current_breakdown(self) -> dict[str, int]:
+        """Bytes live now, by category (roles refreshed first, so new gradients or state are placed).
+
+        Returns:
+            ``{category: bytes}`` for every category of :data:`CATEGORIES`.
+        """
+        self._check_sizes()
+        self._refresh_roles()
+        return dict(zip(CATEGORIES, self._totals, strict=True))
+
+    def reset_peak(self) -> None:
+        """Start a new peak from the bytes live now (the timeline is kept)."""
+        self._refresh_roles()
+        self.peak_bytes = sum(self._totals)
+        self.peak_breakdown = dict(zip(CATEGORIES, self._totals, strict=True))
+        self.peak_phase = self._base_phase
+
+    def clear_timeline(self) -> None:
+        """Forget the timeline so far (to keep, or plot, one step of a long run; the peak is kept)."""
+        self.timeline = []
+
+    def summary_gib(self) -> dict[str, Any]:
+        """The peak in GiB (1024**3 bytes).
+
+        Returns:
+            ``{"peak_gib": float, "phase": str, "breakdown_gib": {category: float}}``.
+        """
+        return {
+            "peak_gib": self.peak_bytes / GIB,
+            "phase": self.peak_phase,
+            "breakdown_gib": {k: v / GIB for k, v in self.peak_breakdown.items()},
+        }
+
+    # --- storages -------------------------------------------------------------------------------------------
+
+    def _see(self, t: torch.Tensor, check_size: bool) -> None:
+        """Count ``t``'s storages if new; with ``check_size``, follow a known one that changed size."""
+        if type(t) in self._plain_types:
+            try:
+                storages = (t.untyped_storage(),)
+            except (RuntimeError, NotImplementedError, TypeError):
+                return
+        elif is_traceable_wrapper_subclass(t):
+            storages = tensor_storages(t)
+        else:
+            self._plain_types.add(type(t))  # FakeTensor and other subclasses with their own storage
+            self._see(t, check_size)
+            return
+        live = self._live
+        for st in storages:
+            entry = live.get(id(st))
+            if entry is None:
+                if self.device is None or t.device == self.device:
+                    self._add(st)
+            elif check_size:
+                nbytes = st.nbytes()
+                if nbytes != entry.nbytes:
+                    self._totals[entry.cat] += nbytes - entry.nbytes
+                    entry.nbytes = nbytes
+
+    def _add(self, st: torch.UntypedStorage) -> _Entry:
+        key = id(st)
+        entry = _Entry(key, st.nbytes())
+        entry.ref = weakref.ref(st, functools.partial(self._freed, entry))
+        self._live[key] = entry
+        self._totals[entry.cat] += entry.nbytes
+        return entry
+
+    def _entries(self, t: torch.Tensor) -> list[_Entry]:
+        """The entries of ``t``'s storages, added if new; none for a tensor on another device."""
+        if self.device is not None and t.device != self.device:
+            return []
+        out = []
+        for st in tensor_storages(t):
+            entry = self._live.get(id(st))
+            out.append(entry if entry is not None else self._add(st))
+        return out
+
+    def _freed(self, entry: _Entry, _ref: weakref.ref) -> None:
+        entry.alive = False
+        if self._live.get(entry.key) is entry:
+            del self._live[entry.key]
+            self._roled.discard(entry.key)
+            self._totals[entry.cat] -= entry.nbytes
+
+    def _recategorize(self, entry: _Entry) -> None:
+        if entry.role is not None:
+            cat = entry.role
+        elif entry.saved > 0 or entry.sticky:
+            cat = _ACTIVATIONS
+        else:
+            cat = _TEMPORARIES
+        if cat != entry.cat:
+            self._totals[entry.cat] -= entry.nbytes
+            self._totals[cat] += entry.nbytes
+            entry.cat = cat
+
+    def _check_sizes(self) -> None:
+        """Follow storages resized outside tensor ops (``UntypedStorage.resize_``, as FSDP does)."""
+        for entry in self._live.values():
+            st = entry.ref() if entry.ref is not None else None
+            if st is not None:
+                nbytes = st.nbytes()
+                if nbytes != entry.nbytes:
+                    self._totals[entry.cat] += nbytes - entry.nbytes
+                    entry.nbytes = nbytes
+
+    def _refresh_roles(self) -> None:
+        """Re-derive which live storages are parameters, gradients and optimizer state, by identity."""
+        self._state_count = _state_fingerprint(self._optimizers)
+        params = self._params
+        groups = (
+            (_PARAMS, params + self._buffers),
+            (_GRADS, [p.grad for p in params if p.grad is not None]),
+            (_OPT_STATE, _state_tensors(self._optimizers)),
+        )
+        roles: dict[int, tuple[int, _Entry]] = {}
+        for role, tensors in groups:
+            for t in tensors:
+                if self.device is not None and t.device != self.device:
+                    continue
+                for st in tensor_storages(t):
+                    key = id(st)
+                    if key not in roles:
+                        entry = self._live.get(key)
+                        roles[key] = (role, entry if entry is not None else self._add(st))
+        for key in self._roled - roles.keys():
+            entry = self._live.get(key)
+            if entry is not None:
+                entry.role = None
+                self._recategorize(entry)
+        for role, entry in roles.values():
+            if entry.role != role:
+                entry.role = role
+                self._recategorize(entry)
+        self._roled = set(roles)
+
+    def _after_op(self) -> None:
+        """Snapshot after one op: phase, peak, timeline."""
+        self._event += 1
+        phase = self._current_phase()
+        if phase != self._last_phase:
+            self._check_sizes()
+            self._refresh_roles()
+            self._last_phase = phase
+        elif phase == "optimizer_step" and _state_fingerprint(self._optimizers) != self._state_count:
+            self._refresh_roles()  # the step added state (its first step, or a lazily built optimizer)
+        totals = self._totals
+        total = sum(totals)
+        if total > self.peak_bytes:
+            if phase == "optimizer_step":  # exact at the peak, even for state replaced under the same key
+                self._refresh_roles()
+            self.peak_bytes = total
+            self.peak_breakdown = dict(zip(CATEGORIES, totals, strict=True))
+            self.peak_phase = phase
+        if self.record_timeline:
+            self.timeline.append((self._event, phase, dict(zip(CATEGORIES, totals, strict=True))))
+
+    # --- hooks ----------------------------------------------------------------------------------------------
+
+    def _grad_accumulated(self, param: torch.Tensor) -> None:
+        if param.grad is None:
+            return
+        for entry in self._entries(param.grad):
+            if entry.role is None:
+                entry.role = _GRADS
+                self._roled.add(entry.key)
+                self._recategorize(entry)
+
+    def _forward_pre_hook(self, _module: nn.Module, _args: Any) -> None:
+        if torch._C._current_graph_task_id() == -1:  # not a recomputation inside a backward
+            self._base_phase = "forward"
+
+    def _optimizer_pre_hook(self, _optimizer: Any, _args: Any, _kwargs: Any) -> None:
+        self._opt_depth += 1
+
+    def _optimizer_post_hook(self, _optimizer: Any, _args: Any, _kwargs: Any) -> None:
+        self._opt_depth = max(0, self._opt_depth - 1)
+        self._refresh_roles()
+
+    def _wrap_pack(self, inner: Any = None) -> Any:
+        """A pack hook that counts the saved storages, around ``inner`` (or saving a detached alias)."""
+
+        def pack(x: torch.Tensor) -> _Saved:
+            entries = self._entries(x)
+            packed = x.detach() if inner is None else inner(x)
+            for t in _tensors_in(packed):  # what the inner hook keeps (a copy, when not on another device)
+                if t is not x:
+                    entries += [e for e in self._entries(t) if e not in entries]
+            in_backward = torch._C._current_graph_task_id() != -1
+            for entry in entries:
+                entry.saved += 1
+                entry.sticky = entry.sticky or in_backward
+                self._recategorize(entry)
+            return _Saved(packed, entries, self)
+
+        return pack
+
+    @staticmethod
+    def _wrap_unpack(inner: Any = None) -> Any:
+        def unpack(saved: Any) -> torch.Tensor:
+            packed = saved.packed if isinstance(saved, _Saved) else saved
+            return packed if inner is None else inner(packed)
+
+        return unpack
+
+    def _patch_saved_tensors_hooks(self) -> contextlib.AbstractContextManager:
+        """While active, hooks pushed by others (checkpointing, offloading) get our counting around them."""
+        module = torch._C._autograd
+        original = module._push_saved_tensors_default_hooks
+
+        def push(pack_hook: Any, unpack_hook: Any) -> None:
+            original(self._wrap_pack(pack_hook), self._wrap_unpack(unpack_hook))
+
+        @contextlib.contextmanager
+        def patched() -> Iterator[None]:
+            module._push_saved_tensors_default_hooks = push
+            try:
+                yield
+            finally:
+                module._push_saved_tensors_default_hooks = original
+
+        return patched()
+
+    def __enter__(self) -> MemoryTracker:
+        """Seed with the existing state and start watching ops, saved tensors, gradients and optimizer steps."""
+        self._active += 1
+        if self._active > 1:
+            return self
+        stack = contextlib.ExitStack()
+        try:
+            self.device = self._device_arg or self._model_device()
+            self._params = list(self.model.parameters())  # fixed while tracking (refreshed at each enter)
+            self._buffers = list(self.model.buffers())
+            self._optimizers = _optimizers(self.optimizer)
+            self._refresh_roles()
+            self._last_phase = self._base_phase
+            for p in self.model.parameters():
+                if p.requires_grad:
+                    stack.callback(p.register_post_accumulate_grad_hook(self._grad_accumulated).remove)
+            for module in self.model.modules():  # any of them: a chunked loss calls the backbone directly
+                stack.callback(module.register_forward_pre_hook(self._forward_pre_hook).remove)
+            stack.callback(register_optimizer_step_pre_hook(self._optimizer_pre_hook).remove)
+            stack.callback(register_optimizer_step_post_hook(self._optimizer_post_hook).remove)
+            if torch._C._autograd._saved_tensors_hooks_is_enabled():
+                top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+                pack, unpack = (None, None) if top is None else top
+                stack.enter_context(
+                    torch.autograd.graph.saved_tensors_hooks(self._wrap_pack(pack), self._wrap_unpack(unpack))
+                )
+                stack.enter_context(self._patch_saved_tensors_hooks())
+            stack.enter_context(_Observer(self))
+        except BaseException:
+            stack.close()
+            self._active -= 1
+            raise
+        self._exit_stack = stack
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        """Stop watching; the results stay readable."""
+        self._active -= 1
+        if self._active > 0 or self._exit_stack is None:
+            return
+        stack, self._exit_stack = self._exit_stack, None
+        stack.close()
+        self._opt_depth = 0
+        self._refresh_roles()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Plot
+# ----------------------------------------------------------------------------------------------------------------
+
+_COLORS = {
+    "parameters": "#4c72b0",
+    "gradients": "#dd8452",
+    "optimizer_state": "#55a868",
+    "activations": "#c44e52",
+    "temporaries": "#8172b3",
+}
+_PHASE_SHADES = {"forward": "#f2f2f2", "backward": "#e0e0e0", "optimizer_step": "#cfcfcf", "other": "#ffffff"}
+
+
+def plot_timeline(timeline: list[tuple[int, str, dict[str, int]]], path: str | Path, title: str = "") -> Path:
+    """Stacked-area plot of live bytes by category over the tracked ops, phases shaded behind.
+
+    Args:
+        timeline: :attr:`MemoryTracker.timeline`.
+        path: the PNG to write (its directory is created).
+        title: the plot title.
+
+    Returns:
+        ``path`` as a ``Path``.
+
+    Raises:
+        ValueError: the timeline is empty.
+    """
+    if not timeline:
+        raise ValueError("plot_timeline: the timeline is empty (was anything run inside the tracker?)")
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    events = [e for e, _, _ in timeline]
+    peak = max(sum(b.values()) for _, _, b in timeline)
+    unit, divisor = next((u, d) for u, d in (("GiB", GIB), ("MiB", 1024**2), ("KiB", 1024), ("B", 1))
+                         if peak >= d or d == 1)  # fmt: skip
+    fig = Figure(figsize=(9, 4.5), dpi=120)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    start, width = 0, max(1, events[-1] - events[0])
+    for i in range(1, len(timeline) + 1):  # shade each run of one phase, named when wide enough
+        if i == len(timeline) or timeline[i][1] != timeline[start][1]:
+            lo, hi, name = events[start] - 0.5, events[i - 1] + 0.5, timeline[start][1]
+            ax.axvspan(lo, hi, color=_PHASE_SHADES[name], lw=0, zorder=0)
+            if hi - lo > 0.08 * width:
+                x_mid = (lo + hi) / 2
+                ax.text(x_mid, 1.01, name, transform=ax.get_xaxis_transform(), ha="center", fontsize=8)
+            start = i
+    ax.stackplot(events, *[[b[c] / divisor for _, _, b in timeline] for c in CATEGORIES],
+                 labels=list(CATEGORIES), colors=[_COLORS[c] for c in CATEGORIES], zorder=1)  # fmt: skip
+    ax.set_xlabel("op (event index)")
+    ax.set_ylabel(f"live memory ({unit}, {'1024**3' if unit == 'GiB' else 'powers of 1024'} bytes)")
+    ax.set_title(title or "memory by category", pad=14)
+    ax.margins(x=0)
+    ax.legend(loc="upper left", fontsize="small")
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    return path
