@@ -35,8 +35,13 @@ def test_round_trip_restores_weights_and_optimizer_exactly(tmp_path, name):
     cfg, model, opt = _trained(name)
     path = _save(tmp_path, 7, cfg, model, opt)
     assert path.name == "step_00000007"
-    assert {p.name for p in path.iterdir()} == {"model.safetensors", "model_config.json", "optimizer.pt",
-                                                 "trainer_state.json", "tokenizer"}
+    assert {p.name for p in path.iterdir()} == {
+        "model.safetensors",
+        "model_config.json",
+        "optimizer.pt",
+        "trainer_state.json",
+        "tokenizer",
+    }
     assert ckpt_io.read_model_config(path) == cfg
     model2 = build_llama(cfg, seed=123)
     opt2 = build_optimizer(model2, OptimizerConfig())

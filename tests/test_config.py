@@ -16,8 +16,17 @@ def test_defaults_are_the_main_job():
 
 
 def test_overrides_are_parsed_as_typed_values():
-    cfg = load_config(None, ["optimizer.lr=3e-4", "resume=true", "max_steps=7", "optimizer.betas=[0.8, 0.99]",
-                             "model_args.num_layers=3", "sample.prompt=JULIET:"])
+    cfg = load_config(
+        None,
+        [
+            "optimizer.lr=3e-4",
+            "resume=true",
+            "max_steps=7",
+            "optimizer.betas=[0.8, 0.99]",
+            "model_args.num_layers=3",
+            "sample.prompt=JULIET:",
+        ],
+    )
     assert cfg.optimizer.lr == pytest.approx(3e-4) and isinstance(cfg.optimizer.lr, float)
     assert cfg.resume is True and cfg.max_steps == 7
     assert cfg.optimizer.betas == [0.8, 0.99]
@@ -94,3 +103,46 @@ def test_cli_config_error_exits_2_before_touching_disk(tmp_path, capsys):
     assert main(["pretrain", f"output_dir={out}", "optimizer.lrr=1"]) == 2
     assert "optimizer.lrr" in capsys.readouterr().err
     assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    "overrides, key, why",
+    [
+        (
+            ["optimizer_in_backward=true", "max_grad_norm=0", "gradient_accumulation_steps=2"],
+            "optimizer_in_backward",
+            "gradient_accumulation_steps=1",
+        ),
+        (["optimizer_in_backward=true"], "optimizer_in_backward", "max_grad_norm=0"),
+        (["activation_offloading=true", "device=cpu"], "activation_offloading", "CUDA"),
+        (["optimizer.cpu_offload=true", "device=cpu"], "optimizer.cpu_offload", "CUDA"),
+        (["activation_checkpointing=some"], "activation_checkpointing", "none, full, every_n"),
+        (
+            ["activation_checkpointing=every_n", "activation_checkpointing_interval=0"],
+            "activation_checkpointing_interval",
+            ">= 1",
+        ),
+        (["chunked_cross_entropy=-1"], "chunked_cross_entropy", ">= 0"),
+        (["optimizer.name=lion"], "optimizer.name", "adamw8bit"),
+    ],
+)
+def test_impossible_technique_combinations_are_rejected_with_the_reason(overrides, key, why):
+    with pytest.raises(ConfigError, match=f"'{key}'") as info:
+        load_config(None, overrides)
+    assert why in str(info.value)
+
+
+def test_possible_combinations_are_accepted():
+    cfg = load_config(
+        None,
+        [
+            "optimizer_in_backward=true",
+            "max_grad_norm=0",
+            "optimizer.name=paged_adamw8bit",
+            "activation_checkpointing=full",
+            "chunked_cross_entropy=8",
+            "dtype=bf16",
+            "track_memory=true",
+        ],
+    )
+    assert cfg.optimizer_in_backward and cfg.chunked_cross_entropy == 8

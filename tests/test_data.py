@@ -106,7 +106,7 @@ def test_empty_directory_and_empty_file(tmp_path):
 
 def test_invalid_utf8_names_file_line_and_column(tmp_path):
     p = tmp_path / "latin1.txt"
-    p.write_bytes("first line\nsecond caf".encode() + b"\xe9 au lait\n")
+    p.write_bytes(b"first line\nsecond caf" + b"\xe9 au lait\n")
     with pytest.raises(DataError, match=r"latin1.txt' is not valid UTF-8: byte 0xe9 at line 2, column 11"):
         read_text(p)
 

@@ -16,8 +16,17 @@ from memfit.metrics import read_records
 
 from .conftest import tiny_run_overrides
 
-TRAIN_FIELDS = {"step", "loss", "lr", "grad_norm", "tokens_per_second_per_gpu", "peak_memory_active",
-                "peak_memory_alloc", "peak_memory_reserved", "peak_memory_rss"}
+TRAIN_FIELDS = {
+    "step",
+    "loss",
+    "lr",
+    "grad_norm",
+    "tokens_per_second_per_gpu",
+    "peak_memory_active",
+    "peak_memory_alloc",
+    "peak_memory_reserved",
+    "peak_memory_rss",
+}
 
 
 def _losses(out: Path) -> tuple[list, list]:
@@ -45,7 +54,10 @@ def test_run_writes_records_checkpoints_plot(finished_run):
     assert [(r["step"]) for r in records if "val_loss" in r] == [4, 8, 12]
     assert train[-1]["loss"] < train[0]["loss"] - 0.5
     assert [p.name for p in sorted((finished_run / "checkpoints").iterdir())] == [
-        "step_00000004", "step_00000008", "step_00000012"]
+        "step_00000004",
+        "step_00000008",
+        "step_00000012",
+    ]
     assert (finished_run / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     state = json.loads((finished_run / "checkpoints" / "step_00000012" / "trainer_state.json").read_text())
     assert state["step"] == 12 and state["config"]["model"] == "tiny"
@@ -142,7 +154,9 @@ def test_generate_from_missing_or_truncated_checkpoint(finished_run, tmp_path, c
     assert "model.safetensors' is truncated" in err
 
 
-def test_resume_with_a_truncated_latest_checkpoint_says_what_to_do(finished_run, small_corpus, tmp_path, capsys):
+def test_resume_with_a_truncated_latest_checkpoint_says_what_to_do(
+    finished_run, small_corpus, tmp_path, capsys
+):
     out = tmp_path / "run"
     shutil.copytree(finished_run, out)
     opt = out / "checkpoints" / "step_00000012" / "optimizer.pt"

@@ -15,8 +15,15 @@ STEPS = 10
 
 
 def _run(corpus, out, **switches):
-    over = {"max_steps": STEPS, "checkpoint_every": 0, "eval_every": 0, "max_grad_norm": 0, "sample.max_new_tokens": 0,
-            "optimizer.lr": 3e-3, **switches}
+    over = {
+        "max_steps": STEPS,
+        "checkpoint_every": 0,
+        "eval_every": 0,
+        "max_grad_norm": 0,
+        "sample.max_new_tokens": 0,
+        "optimizer.lr": 3e-3,
+        **switches,
+    }
     assert main(["pretrain", *tiny_run_overrides(corpus, out, **over)]) == 0
     records = read_records(out / "metrics.jsonl")
     return [r["loss"] for r in records if "loss" in r], [r["val_loss"] for r in records if "val_loss" in r]
@@ -32,10 +39,16 @@ EXACT = {
     "fused": {"optimizer.implementation": "fused"},
     "optimizer_in_backward": {"optimizer_in_backward": "true"},
     "activation_checkpointing_full": {"activation_checkpointing": "full"},
-    "activation_checkpointing_every_2": {"activation_checkpointing": "every_n", "activation_checkpointing_interval": 2},
+    "activation_checkpointing_every_2": {
+        "activation_checkpointing": "every_n",
+        "activation_checkpointing_interval": 2,
+    },
     "chunked_cross_entropy_4": {"chunked_cross_entropy": 4},
-    "in_backward+checkpointing+chunked": {"optimizer_in_backward": "true", "activation_checkpointing": "full",
-                                          "chunked_cross_entropy": 4},
+    "in_backward+checkpointing+chunked": {
+        "optimizer_in_backward": "true",
+        "activation_checkpointing": "full",
+        "chunked_cross_entropy": 4,
+    },
     "track_memory": {"track_memory": "true"},
 }
 

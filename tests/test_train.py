@@ -37,7 +37,9 @@ def test_accumulation_equals_one_big_batch():
     m1, m2 = (build_llama(model_config("tiny"), seed=0) for _ in range(2))
     o1, o2 = (torch.optim.SGD(m.parameters(), lr=1.0) for m in (m1, m2))
     r1 = train_step(m1, o1, [(x, y)], max_grad_norm=1.0, dtype="fp32")
-    r2 = train_step(m2, o2, [(x[:1], y[:1]), (x[1:3], y[1:3]), (x[3:], y[3:])], max_grad_norm=1.0, dtype="fp32")
+    r2 = train_step(
+        m2, o2, [(x[:1], y[:1]), (x[1:3], y[1:3]), (x[3:], y[3:])], max_grad_norm=1.0, dtype="fp32"
+    )
     assert r1.num_tokens.item() == r2.num_tokens.item() == 4 * 16 - 10 - 14
     assert abs(r1.loss.item() - r2.loss.item()) <= 1e-6
     assert abs(r1.grad_norm.item() - r2.grad_norm.item()) <= 1e-5
@@ -69,7 +71,12 @@ def test_steps_are_deterministic_under_a_seed():
     losses = []
     for _ in range(2):
         model, opt = _model_and_opt(seed=5)
-        losses.append([train_step(model, opt, [_batch(s)], max_grad_norm=1.0, dtype="fp32").loss.item() for s in range(3)])
+        losses.append(
+            [
+                train_step(model, opt, [_batch(s)], max_grad_norm=1.0, dtype="fp32").loss.item()
+                for s in range(3)
+            ]
+        )
     assert losses[0] == losses[1]
     assert losses[0][2] < losses[0][0]
 

@@ -145,7 +145,9 @@ def rng_state() -> dict[str, Any]:
     """Torch CPU (and CUDA) RNG states, JSON-serialisable."""
     state = {"torch_cpu": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode()}
     if torch.cuda.is_available():
-        state["torch_cuda"] = [base64.b64encode(s.numpy().tobytes()).decode() for s in torch.cuda.get_rng_state_all()]
+        state["torch_cuda"] = [
+            base64.b64encode(s.numpy().tobytes()).decode() for s in torch.cuda.get_rng_state_all()
+        ]
     return state
 
 
@@ -153,10 +155,15 @@ def set_rng_state(state: dict[str, Any]) -> None:
     """Restore :func:`rng_state`."""
     import numpy as np
 
-    torch.set_rng_state(torch.from_numpy(np.frombuffer(base64.b64decode(state["torch_cpu"]), dtype=np.uint8).copy()))
+    torch.set_rng_state(
+        torch.from_numpy(np.frombuffer(base64.b64decode(state["torch_cpu"]), dtype=np.uint8).copy())
+    )
     if "torch_cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(
-            [torch.from_numpy(np.frombuffer(base64.b64decode(s), dtype=np.uint8).copy()) for s in state["torch_cuda"]]
+            [
+                torch.from_numpy(np.frombuffer(base64.b64decode(s), dtype=np.uint8).copy())
+                for s in state["torch_cuda"]
+            ]
         )
 
 
@@ -196,7 +203,9 @@ def save_checkpoint(
         if tmp.exists():
             shutil.rmtree(tmp)
         tmp.mkdir()
-        save_file(_weights_state_dict(model), str(tmp / WEIGHTS), metadata={"format": "pt", "step": str(step)})
+        save_file(
+            _weights_state_dict(model), str(tmp / WEIGHTS), metadata={"format": "pt", "step": str(step)}
+        )
         (tmp / MODEL_CONFIG).write_text(json.dumps(model_config_to_dict(model_config), indent=2))
         if optimizer is not None:
             torch.save(optimizer.state_dict(), tmp / OPTIMIZER)
@@ -262,9 +271,13 @@ def read_trainer_state(ckpt: Path) -> dict[str, Any]:
     try:
         return json.loads(path.read_text())
     except FileNotFoundError:
-        raise CheckpointError(f"checkpoint '{ckpt}' has no '{TRAINER_STATE}'; it is not a memfit checkpoint") from None
+        raise CheckpointError(
+            f"checkpoint '{ckpt}' has no '{TRAINER_STATE}'; it is not a memfit checkpoint"
+        ) from None
     except (OSError, ValueError) as exc:
-        raise CheckpointError(f"checkpoint file '{path}' is truncated or corrupt ({exc}); delete '{ckpt}' and resume from the previous one") from None
+        raise CheckpointError(
+            f"checkpoint file '{path}' is truncated or corrupt ({exc}); delete '{ckpt}' and resume from the previous one"
+        ) from None
 
 
 def read_model_config(ckpt: Path) -> LlamaConfig:
@@ -277,7 +290,9 @@ def read_model_config(ckpt: Path) -> LlamaConfig:
     try:
         return model_config_from_dict(json.loads(path.read_text()))
     except FileNotFoundError:
-        raise CheckpointError(f"checkpoint '{ckpt}' has no '{MODEL_CONFIG}'; it is not a memfit checkpoint") from None
+        raise CheckpointError(
+            f"checkpoint '{ckpt}' has no '{MODEL_CONFIG}'; it is not a memfit checkpoint"
+        ) from None
     except (OSError, ValueError, TypeError) as exc:
         raise CheckpointError(f"checkpoint file '{path}' is truncated or corrupt ({exc})") from None
 
@@ -319,7 +334,11 @@ def load_weights(ckpt: Path, model: torch.nn.Module) -> None:
 
 def _is_tied_alias(model: torch.nn.Module, name: str, tensors: dict[str, torch.Tensor]) -> bool:
     cfg = getattr(model, "config", None)
-    return name == "lm_head.weight" and bool(getattr(cfg, "tie_word_embeddings", False)) and "model.embed_tokens.weight" in tensors
+    return (
+        name == "lm_head.weight"
+        and bool(getattr(cfg, "tie_word_embeddings", False))
+        and "model.embed_tokens.weight" in tensors
+    )
 
 
 def load_checkpoint(
@@ -347,7 +366,9 @@ def load_checkpoint(
             opt_state = torch.load(path, map_location="cpu", weights_only=True)
             optimizer.load_state_dict(opt_state)
         except (RuntimeError, OSError, ValueError, KeyError, EOFError) as exc:
-            raise CheckpointError(f"optimizer state '{path}' is truncated, corrupt or does not match the optimizer ({exc})") from None
+            raise CheckpointError(
+                f"optimizer state '{path}' is truncated, corrupt or does not match the optimizer ({exc})"
+            ) from None
     if "rng" in state:
         set_rng_state(state["rng"])
     return state

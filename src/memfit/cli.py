@@ -47,8 +47,15 @@ def _generate(args: argparse.Namespace) -> int:
 
     device = resolve_device(args.device)
     model, tokenizer = load_for_generation(args.checkpoint, device=device)
-    text = generate_text(model, tokenizer, args.prompt, max_new_tokens=args.max_new_tokens,
-                         temperature=args.temperature, top_k=args.top_k, seed=args.seed)
+    text = generate_text(
+        model,
+        tokenizer,
+        args.prompt,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        seed=args.seed,
+    )
     if args.json:
         print(json.dumps({"prompt": args.prompt, "text": text}))
     else:
@@ -57,19 +64,29 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="memfit", description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="memfit",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     sub = parser.add_subparsers(dest="verb", required=True)
 
-    p = sub.add_parser("pretrain", help="pretrain a Llama on a text corpus (default: Tiny Shakespeare)",
-                       description="Pretrain a Llama on a text corpus. Keys are memfit.config.TrainConfig fields; "
-                                   "override any with dotted key=value (optimizer.lr=3e-4).")
-    p.add_argument("--config", default=None, help="YAML preset, e.g. configs/shakespeare.yaml (default: built-in)")
+    p = sub.add_parser(
+        "pretrain",
+        help="pretrain a Llama on a text corpus (default: Tiny Shakespeare)",
+        description="Pretrain a Llama on a text corpus. Keys are memfit.config.TrainConfig fields; "
+        "override any with dotted key=value (optimizer.lr=3e-4).",
+    )
+    p.add_argument(
+        "--config", default=None, help="YAML preset, e.g. configs/shakespeare.yaml (default: built-in)"
+    )
     p.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. max_steps=100")
     p.set_defaults(func=_pretrain)
 
     g = sub.add_parser("generate", help="sample text from a checkpoint")
-    g.add_argument("--checkpoint", required=True, help="a run's output_dir (newest checkpoint) or a checkpoint dir")
+    g.add_argument(
+        "--checkpoint", required=True, help="a run's output_dir (newest checkpoint) or a checkpoint dir"
+    )
     g.add_argument("--prompt", default="", help="text to continue")
     g.add_argument("--max-new-tokens", type=int, default=200)
     g.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
@@ -84,7 +101,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``memfit`` command. Returns the process exit status."""
     args = build_parser().parse_args(argv)
-    if getattr(args, "max_new_tokens", 0) < 0 or getattr(args, "top_k", 0) < 0 or getattr(args, "temperature", 0) < 0:
+    if (
+        getattr(args, "max_new_tokens", 0) < 0
+        or getattr(args, "top_k", 0) < 0
+        or getattr(args, "temperature", 0) < 0
+    ):
         print("memfit: error: --max-new-tokens, --top-k and --temperature must be >= 0", file=sys.stderr)
         return 2
     try:
@@ -101,7 +122,10 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         raise
     except KeyboardInterrupt:
-        print("memfit: interrupted; the newest complete checkpoint is kept (resume=true continues)", file=sys.stderr)
+        print(
+            "memfit: interrupted; the newest complete checkpoint is kept (resume=true continues)",
+            file=sys.stderr,
+        )
         return 130
 
 

@@ -25,20 +25,13 @@ from typing import Any
 import yaml
 
 from memfit.errors import ConfigError
+from memfit.memory.optim import OPTIMIZER_NAMES
+from memfit.memory.techniques import AC_MODES
 
 DTYPES = ("fp32", "bf16", "bf16_mixed")
 DEVICES = ("auto", "cpu", "cuda")
 TOKENIZER_KINDS = ("bpe", "char", "file")
-OPTIMIZER_NAMES = (
-    "adamw",
-    "adamw8bit",
-    "paged_adamw8bit",
-    "paged_adamw",
-    "torchao_adamw8bit",
-    "torchao_adamw4bit",
-    "torchao_adamw_fp8",
-)
-AC_MODES = ("none", "full", "every_n")
+
 OPTIMIZER_IMPLEMENTATIONS = ("foreach", "for_loop", "fused")
 
 
@@ -224,9 +217,7 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             return value
     elif isinstance(value, tp) and not (tp is int and isinstance(value, bool)):
         return value
-    raise ConfigError(
-        f"config key '{key}' expects {_type_name(tp)}, got {value!r} ({type(value).__name__})"
-    )
+    raise ConfigError(f"config key '{key}' expects {_type_name(tp)}, got {value!r} ({type(value).__name__})")
 
 
 def _from_dict(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
@@ -315,7 +306,9 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
     if path is not None:
         path = Path(path)
         if not path.is_file():
-            raise ConfigError(f"config file '{path}' does not exist; pass a YAML file such as configs/shakespeare.yaml")
+            raise ConfigError(
+                f"config file '{path}' does not exist; pass a YAML file such as configs/shakespeare.yaml"
+            )
         try:
             loaded = yaml.safe_load(path.read_text(encoding="utf-8"))
         except (yaml.YAMLError, UnicodeDecodeError) as exc:
@@ -376,13 +369,27 @@ def validate(cfg: TrainConfig) -> None:
     """
     from memfit.models.presets import MODEL_PRESETS, model_config
 
-    _require(cfg.model in MODEL_PRESETS, "model", f"unknown preset {cfg.model!r}; known: {', '.join(MODEL_PRESETS)}")
-    for key in ("max_steps", "batch_size", "gradient_accumulation_steps", "log_every", "eval_batches",
-                "keep_last_checkpoints"):
+    _require(
+        cfg.model in MODEL_PRESETS,
+        "model",
+        f"unknown preset {cfg.model!r}; known: {', '.join(MODEL_PRESETS)}",
+    )
+    for key in (
+        "max_steps",
+        "batch_size",
+        "gradient_accumulation_steps",
+        "log_every",
+        "eval_batches",
+        "keep_last_checkpoints",
+    ):
         _require(getattr(cfg, key) >= 1, key, f"must be >= 1, got {getattr(cfg, key)}")
     for key in ("seq_len", "eval_every", "checkpoint_every"):
         _require(getattr(cfg, key) >= 0, key, f"must be >= 0, got {getattr(cfg, key)}")
-    _require(cfg.max_grad_norm >= 0, "max_grad_norm", f"must be >= 0 (0 disables clipping), got {cfg.max_grad_norm}")
+    _require(
+        cfg.max_grad_norm >= 0,
+        "max_grad_norm",
+        f"must be >= 0 (0 disables clipping), got {cfg.max_grad_norm}",
+    )
     _one_of(cfg.dtype, DTYPES, "dtype")
     _one_of(cfg.device, DEVICES, "device")
     _require(bool(cfg.output_dir), "output_dir", "must not be empty")
@@ -390,10 +397,18 @@ def validate(cfg: TrainConfig) -> None:
     tok = cfg.tokenizer
     _one_of(tok.kind, TOKENIZER_KINDS, "tokenizer.kind")
     if tok.kind == "bpe":
-        _require(tok.vocab_size >= 258, "tokenizer.vocab_size", f"a byte-level BPE needs >= 258 ids, got {tok.vocab_size}")
+        _require(
+            tok.vocab_size >= 258,
+            "tokenizer.vocab_size",
+            f"a byte-level BPE needs >= 258 ids, got {tok.vocab_size}",
+        )
     if tok.kind == "file":
         _require(tok.path is not None, "tokenizer.path", "is required when tokenizer.kind is 'file'")
-    _require(0.0 < cfg.data.val_fraction < 1.0, "data.val_fraction", f"must be in (0, 1), got {cfg.data.val_fraction}")
+    _require(
+        0.0 < cfg.data.val_fraction < 1.0,
+        "data.val_fraction",
+        f"must be in (0, 1), got {cfg.data.val_fraction}",
+    )
 
     opt = cfg.optimizer
     _one_of(opt.name, OPTIMIZER_NAMES, "optimizer.name")
@@ -402,32 +417,58 @@ def validate(cfg: TrainConfig) -> None:
     _require(0 <= opt.min_lr <= opt.lr, "optimizer.min_lr", f"must be in [0, optimizer.lr], got {opt.min_lr}")
     _require(opt.warmup_steps >= 0, "optimizer.warmup_steps", f"must be >= 0, got {opt.warmup_steps}")
     _require(opt.weight_decay >= 0, "optimizer.weight_decay", f"must be >= 0, got {opt.weight_decay}")
-    _require(len(opt.betas) == 2 and all(0 <= b < 1 for b in opt.betas), "optimizer.betas",
-             f"must be two numbers in [0, 1), got {opt.betas}")
+    _require(
+        len(opt.betas) == 2 and all(0 <= b < 1 for b in opt.betas),
+        "optimizer.betas",
+        f"must be two numbers in [0, 1), got {opt.betas}",
+    )
     _require(opt.eps > 0, "optimizer.eps", f"must be > 0, got {opt.eps}")
 
     _one_of(cfg.activation_checkpointing, AC_MODES, "activation_checkpointing")
-    _require(cfg.activation_checkpointing_interval >= 1, "activation_checkpointing_interval",
-             f"must be >= 1, got {cfg.activation_checkpointing_interval}")
-    _require(cfg.chunked_cross_entropy >= 0, "chunked_cross_entropy",
-             f"must be >= 0 (0 is off), got {cfg.chunked_cross_entropy}")
+    _require(
+        cfg.activation_checkpointing_interval >= 1,
+        "activation_checkpointing_interval",
+        f"must be >= 1, got {cfg.activation_checkpointing_interval}",
+    )
+    _require(
+        cfg.chunked_cross_entropy >= 0,
+        "chunked_cross_entropy",
+        f"must be >= 0 (0 is off), got {cfg.chunked_cross_entropy}",
+    )
     if cfg.optimizer_in_backward:
-        _require(cfg.gradient_accumulation_steps == 1, "optimizer_in_backward",
-                 "needs gradient_accumulation_steps=1: each update runs as soon as a parameter's gradient of one "
-                 "micro-batch is ready, so gradients cannot accumulate over micro-batches; raise batch_size instead")
-        _require(cfg.max_grad_norm == 0, "optimizer_in_backward",
-                 "cannot clip by the global gradient norm (max_grad_norm > 0): each parameter is updated before the "
-                 "other gradients exist. Set max_grad_norm=0 (grad_norm is still reported) or turn the switch off")
+        _require(
+            cfg.gradient_accumulation_steps == 1,
+            "optimizer_in_backward",
+            "needs gradient_accumulation_steps=1: each update runs as soon as a parameter's gradient of one "
+            "micro-batch is ready, so gradients cannot accumulate over micro-batches; raise batch_size instead",
+        )
+        _require(
+            cfg.max_grad_norm == 0,
+            "optimizer_in_backward",
+            "cannot clip by the global gradient norm (max_grad_norm > 0): each parameter is updated before the "
+            "other gradients exist. Set max_grad_norm=0 (grad_norm is still reported) or turn the switch off",
+        )
     from memfit.memory.optim import check_optimizer_supported
 
     device_type = _device_type(cfg.device)
-    reason = check_optimizer_supported(opt.name, device_type, cpu_offload=opt.cpu_offload,
-                                       in_backward=cfg.optimizer_in_backward, max_grad_norm=cfg.max_grad_norm)
-    _require(reason is None, "optimizer.cpu_offload" if opt.cpu_offload and reason and "offload" in reason
-             else "optimizer.name", str(reason))
-    _require(not cfg.activation_offloading or device_type == "cuda", "activation_offloading",
-             "moves saved activations from GPU to host memory and needs a CUDA device; on CPU they already live "
-             "in host memory. Use activation_checkpointing to save activation memory here")
+    reason = check_optimizer_supported(
+        opt.name,
+        device_type,
+        cpu_offload=opt.cpu_offload,
+        in_backward=cfg.optimizer_in_backward,
+        max_grad_norm=cfg.max_grad_norm,
+    )
+    _require(
+        reason is None,
+        "optimizer.cpu_offload" if opt.cpu_offload and reason and "offload" in reason else "optimizer.name",
+        str(reason),
+    )
+    _require(
+        not cfg.activation_offloading or device_type == "cuda",
+        "activation_offloading",
+        "moves saved activations from GPU to host memory and needs a CUDA device; on CPU they already live "
+        "in host memory. Use activation_checkpointing to save activation memory here",
+    )
 
     smp = cfg.sample
     _require(smp.max_new_tokens >= 0, "sample.max_new_tokens", f"must be >= 0, got {smp.max_new_tokens}")
@@ -443,5 +484,8 @@ def validate(cfg: TrainConfig) -> None:
         mcfg = model_config(cfg.model, **args)
     except (ValueError, TypeError) as exc:
         raise ConfigError(f"config key 'model_args': {exc}") from None
-    _require(cfg.seq_len <= mcfg.max_seq_len, "seq_len",
-             f"{cfg.seq_len} exceeds the model's max_seq_len {mcfg.max_seq_len}; lower seq_len or set model_args.max_seq_len")
+    _require(
+        cfg.seq_len <= mcfg.max_seq_len,
+        "seq_len",
+        f"{cfg.seq_len} exceeds the model's max_seq_len {mcfg.max_seq_len}; lower seq_len or set model_args.max_seq_len",
+    )

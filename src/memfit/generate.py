@@ -48,8 +48,11 @@ def generate(
     max_len = model.config.max_seq_len
     for _ in range(max_new_tokens):
         context = ids[:, -max_len:]  # (1, <= max_seq_len)
-        ctx = (torch.autocast(ids.device.type, dtype=autocast_dtype) if autocast_dtype is not None
-               else contextlib.nullcontext())
+        ctx = (
+            torch.autocast(ids.device.type, dtype=autocast_dtype)
+            if autocast_dtype is not None
+            else contextlib.nullcontext()
+        )
         with ctx:
             logits = model(context)[:, -1, :vocab_limit].float()  # (1, V) or (1, vocab_limit)
         if temperature == 0:
@@ -67,8 +70,17 @@ def generate(
     return ids
 
 
-def generate_text(model: Llama, tokenizer, prompt: str, *, max_new_tokens: int, temperature: float, top_k: int,
-                  seed: int = 0, dtype: str = "fp32") -> str:
+def generate_text(
+    model: Llama,
+    tokenizer,
+    prompt: str,
+    *,
+    max_new_tokens: int,
+    temperature: float,
+    top_k: int,
+    seed: int = 0,
+    dtype: str = "fp32",
+) -> str:
     """Encode ``prompt``, sample a continuation and decode prompt + continuation.
 
     Returns:

@@ -40,7 +40,9 @@ def format_record(record: dict[str, Any]) -> str:
     breakdown = record.get("memory_breakdown")
     if breakdown:
         cats = ", ".join(f"{k} {v:.3f}" for k, v in breakdown.items())
-        parts.append(f"tracked peak {sum(breakdown.values()):.3f} GiB in {record.get('memory_peak_phase')} ({cats})")
+        parts.append(
+            f"tracked peak {sum(breakdown.values()):.3f} GiB in {record.get('memory_peak_phase')} ({cats})"
+        )
     return " | ".join(parts)
 
 
@@ -55,7 +57,9 @@ class MetricsLogger:
         enabled: ``False`` on non-zero ranks.
     """
 
-    def __init__(self, output_dir: Path, tensorboard: bool = True, resume_step: int | None = None, enabled: bool = True):
+    def __init__(
+        self, output_dir: Path, tensorboard: bool = True, resume_step: int | None = None, enabled: bool = True
+    ):
         self.enabled = enabled
         self.path = Path(output_dir) / "metrics.jsonl"
         self._tb = None
@@ -70,9 +74,14 @@ class MetricsLogger:
             try:
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError:
-                warnings.warn("tensorboard is not installed; skipping TensorBoard events (pip install tensorboard)", stacklevel=2)
+                warnings.warn(
+                    "tensorboard is not installed; skipping TensorBoard events (pip install tensorboard)",
+                    stacklevel=2,
+                )
             else:
-                self._tb = SummaryWriter(log_dir=str(Path(output_dir) / "tensorboard"), purge_step=resume_step)
+                self._tb = SummaryWriter(
+                    log_dir=str(Path(output_dir) / "tensorboard"), purge_step=resume_step
+                )
         self._file = open(self.path, "a", encoding="utf-8")
 
     def log(self, record: dict[str, Any]) -> None:

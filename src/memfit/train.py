@@ -35,7 +35,11 @@ from memfit.data.corpus import TRAIN, VAL, TokenWindows, batch_rng, prepare_corp
 from memfit.errors import CheckpointError, ConfigError
 from memfit.memory.optim import OptimizerInBackward, build_optimizer, lr_at
 from memfit.memory.stats import PeakMemory, to_gib
-from memfit.memory.techniques import activation_offloading, apply_activation_checkpointing, chunked_cross_entropy
+from memfit.memory.techniques import (
+    activation_offloading,
+    apply_activation_checkpointing,
+    chunked_cross_entropy,
+)
 from memfit.metrics import MetricsLogger, plot_losses
 from memfit.models.llama import Llama, LlamaConfig, build_llama
 from memfit.models.presets import MODEL_PRESETS, model_config
@@ -58,7 +62,9 @@ def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("config key 'device': 'cuda' was asked for but torch sees no CUDA device; use device=cpu")
+        raise ConfigError(
+            "config key 'device': 'cuda' was asked for but torch sees no CUDA device; use device=cpu"
+        )
     return torch.device(name)
 
 
@@ -101,8 +107,15 @@ def _phase(tracker, name: str) -> None:
         tracker.set_phase(name)
 
 
-def micro_batch_loss(model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor, *, dtype: str,
-                     chunked_cross_entropy_chunks: int = 0, offload_activations: bool = False) -> torch.Tensor:
+def micro_batch_loss(
+    model: torch.nn.Module,
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    dtype: str,
+    chunked_cross_entropy_chunks: int = 0,
+    offload_activations: bool = False,
+) -> torch.Tensor:
     """Summed cross-entropy of one micro-batch (the forward half of a step).
 
     Args:
@@ -164,9 +177,17 @@ def train_step(
     total = torch.zeros((), dtype=torch.float32, device=micro_batches[0][0].device)
     for inputs, targets in micro_batches:
         _phase(tracker, "forward")
-        loss = micro_batch_loss(model, inputs, targets, dtype=dtype,
-                                chunked_cross_entropy_chunks=chunked_cross_entropy_chunks,
-                                offload_activations=offload_activations) / denom
+        loss = (
+            micro_batch_loss(
+                model,
+                inputs,
+                targets,
+                dtype=dtype,
+                chunked_cross_entropy_chunks=chunked_cross_entropy_chunks,
+                offload_activations=offload_activations,
+            )
+            / denom
+        )
         _phase(tracker, "backward")
         loss.backward()
         total = total + loss.detach()
@@ -186,8 +207,17 @@ def train_step(
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, windows: TokenWindows, *, batch_size: int, num_batches: int, seed: int,
-             dtype: str, device: torch.device, chunked_cross_entropy_chunks: int = 0) -> float:
+def evaluate(
+    model: torch.nn.Module,
+    windows: TokenWindows,
+    *,
+    batch_size: int,
+    num_batches: int,
+    seed: int,
+    dtype: str,
+    device: torch.device,
+    chunked_cross_entropy_chunks: int = 0,
+) -> float:
     """Mean cross-entropy per token over ``num_batches`` fixed validation windows (the same at every call).
 
     Returns:
@@ -200,8 +230,9 @@ def evaluate(model: torch.nn.Module, windows: TokenWindows, *, batch_size: int, 
     for i in range(num_batches):
         inputs, targets = windows.batch(batch_size, batch_rng(seed, VAL, i))
         inputs, targets = inputs.to(device), targets.to(device)
-        loss = micro_batch_loss(model, inputs, targets, dtype=dtype,
-                                chunked_cross_entropy_chunks=chunked_cross_entropy_chunks)
+        loss = micro_batch_loss(
+            model, inputs, targets, dtype=dtype, chunked_cross_entropy_chunks=chunked_cross_entropy_chunks
+        )
         total += loss.double()
         count += targets.numel()
     model.train(was_training)
@@ -285,13 +316,19 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         from memfit.tokenizer import load_tokenizer
 
         saved_tok = load_tokenizer(resume_dir / "tokenizer")
-        tokenizer, corpus = prepare_corpus(cfg.data.path, cfg.data.val_fraction, lambda _text: saved_tok,
-                                           out / "data", lambda _d: saved_tok)
+        tokenizer, corpus = prepare_corpus(
+            cfg.data.path, cfg.data.val_fraction, lambda _text: saved_tok, out / "data", lambda _d: saved_tok
+        )
     else:
         from memfit.tokenizer import load_tokenizer
 
-        tokenizer, corpus = prepare_corpus(cfg.data.path, cfg.data.val_fraction,
-                                           lambda text: make_tokenizer(cfg, text), out / "data", load_tokenizer)
+        tokenizer, corpus = prepare_corpus(
+            cfg.data.path,
+            cfg.data.val_fraction,
+            lambda text: make_tokenizer(cfg, text),
+            out / "data",
+            load_tokenizer,
+        )
     mcfg = resolve_model_config(cfg, tokenizer.vocab_size)
     seq_len = cfg.seq_len or mcfg.max_seq_len
     train_windows = TokenWindows(corpus.train_path, seq_len)
@@ -326,11 +363,20 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     interval_time, interval_tokens, total_time, total_tokens = 0.0, 0, 0.0, 0
     val_loss = math.nan
     trainer_state = {"config": config_to_dict(cfg), "data_position": "step"}
-    step_options = {"max_grad_norm": cfg.max_grad_norm, "dtype": cfg.dtype,
-                    "chunked_cross_entropy_chunks": cfg.chunked_cross_entropy,
-                    "offload_activations": cfg.activation_offloading}
-    eval_options = {"batch_size": cfg.batch_size, "num_batches": cfg.eval_batches, "seed": cfg.seed,
-                    "dtype": cfg.dtype, "device": device, "chunked_cross_entropy_chunks": cfg.chunked_cross_entropy}
+    step_options = {
+        "max_grad_norm": cfg.max_grad_norm,
+        "dtype": cfg.dtype,
+        "chunked_cross_entropy_chunks": cfg.chunked_cross_entropy,
+        "offload_activations": cfg.activation_offloading,
+    }
+    eval_options = {
+        "batch_size": cfg.batch_size,
+        "num_batches": cfg.eval_batches,
+        "seed": cfg.seed,
+        "dtype": cfg.dtype,
+        "device": device,
+        "chunked_cross_entropy_chunks": cfg.chunked_cross_entropy,
+    }
     tracker = None
     if cfg.track_memory:
         from memfit.memory.tracker import MemoryTracker, plot_timeline
@@ -338,22 +384,37 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         tracker = MemoryTracker(model, optimizer)
 
     def save(step: int) -> Path:
-        return ckpt_io.save_checkpoint(out, step, model, mcfg, optimizer, trainer_state, tokenizer,
-                                       cfg.keep_last_checkpoints)
+        return ckpt_io.save_checkpoint(
+            out, step, model, mcfg, optimizer, trainer_state, tokenizer, cfg.keep_last_checkpoints
+        )
 
     # --- the loop ---------------------------------------------------------------------------------------------
     model.train()
-    bar = tqdm(total=cfg.max_steps, initial=start_step, desc="pretrain", unit="step", disable=not cfg.progress_bar,
-               dynamic_ncols=True)
+    bar = tqdm(
+        total=cfg.max_steps,
+        initial=start_step,
+        desc="pretrain",
+        unit="step",
+        disable=not cfg.progress_bar,
+        dynamic_ncols=True,
+    )
     last_ckpt = None
     for step in range(start_step, cfg.max_steps):
         t0 = time.perf_counter()
-        lr = lr_at(step, lr=cfg.optimizer.lr, min_lr=cfg.optimizer.min_lr, warmup_steps=cfg.optimizer.warmup_steps,
-                   max_steps=cfg.max_steps)
+        lr = lr_at(
+            step,
+            lr=cfg.optimizer.lr,
+            min_lr=cfg.optimizer.min_lr,
+            warmup_steps=cfg.optimizer.warmup_steps,
+            max_steps=cfg.max_steps,
+        )
         for group in optimizer.param_groups:
             group["lr"] = lr
         micro_batches = [
-            tuple(t.to(device, non_blocking=True) for t in train_windows.batch(cfg.batch_size, batch_rng(cfg.seed, TRAIN, step, m)))
+            tuple(
+                t.to(device, non_blocking=True)
+                for t in train_windows.batch(cfg.batch_size, batch_rng(cfg.seed, TRAIN, step, m))
+            )
             for m in range(cfg.gradient_accumulation_steps)
         ]
         if tracker is None:
@@ -367,8 +428,11 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             with tracker:
                 result = train_step(model, optimizer, micro_batches, tracker=tracker, **step_options)
             if plot_this:
-                plot_timeline(tracker.timeline, out / "memory_timeline.png",
-                              title=f"memory by category, step {step + 1} ({cfg.model})")
+                plot_timeline(
+                    tracker.timeline,
+                    out / "memory_timeline.png",
+                    title=f"memory by category, step {step + 1} ({cfg.model})",
+                )
         memory.sample()
         done = step + 1
         bar.update(1)
@@ -380,8 +444,14 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                 torch.cuda.synchronize(device)
             interval_time += time.perf_counter() - t0
             interval_tokens += tokens_per_step
-            record = {"step": done, "loss": loss, "lr": lr, "grad_norm": result.grad_norm.item(),
-                      "tokens_per_second_per_gpu": interval_tokens / max(interval_time, 1e-9), **memory.read_and_reset()}
+            record = {
+                "step": done,
+                "loss": loss,
+                "lr": lr,
+                "grad_norm": result.grad_norm.item(),
+                "tokens_per_second_per_gpu": interval_tokens / max(interval_time, 1e-9),
+                **memory.read_and_reset(),
+            }
             if tracker is not None:
                 record["memory_breakdown"] = {k: to_gib(v) for k, v in tracker.peak_breakdown.items()}
                 record["memory_peak_phase"] = tracker.peak_phase
@@ -422,9 +492,16 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
 
     sample = ""
     if cfg.sample.max_new_tokens > 0:
-        sample = generate_text(model, tokenizer, cfg.sample.prompt, max_new_tokens=cfg.sample.max_new_tokens,
-                               temperature=cfg.sample.temperature, top_k=cfg.sample.top_k, seed=cfg.seed,
-                               dtype=cfg.dtype)
+        sample = generate_text(
+            model,
+            tokenizer,
+            cfg.sample.prompt,
+            max_new_tokens=cfg.sample.max_new_tokens,
+            temperature=cfg.sample.temperature,
+            top_k=cfg.sample.top_k,
+            seed=cfg.seed,
+            dtype=cfg.dtype,
+        )
     summary = {
         "final_val_loss": val_loss,
         "steps": cfg.max_steps,

@@ -63,8 +63,10 @@ def test_chunked_cross_entropy_never_holds_full_logits():
     assert Largest.biggest == 4096 * 64 < 4 * 64 * 4096
 
 
-@pytest.mark.parametrize("mode, interval, expected", [("none", 1, []), ("full", 1, [0, 1, 2, 3]),
-                                                      ("every_n", 2, [0, 2]), ("every_n", 3, [0, 3])])
+@pytest.mark.parametrize(
+    "mode, interval, expected",
+    [("none", 1, []), ("full", 1, [0, 1, 2, 3]), ("every_n", 2, [0, 2]), ("every_n", 3, [0, 3])],
+)
 def test_checkpointed_layer_choice(mode, interval, expected):
     assert checkpointed_layers(4, mode, interval) == expected
 

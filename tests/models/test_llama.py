@@ -61,8 +61,17 @@ def test_preset_details():
     assert model_config("tiny").vocab_size == 256
     assert model_config("tiny", vocab_size=300).vocab_size == 300
     shakespeare = model_config("shakespeare", vocab_size=65)
-    assert (shakespeare.dim, shakespeare.num_layers, shakespeare.num_heads, shakespeare.num_kv_heads) == (256, 6, 8, 2)
-    assert (shakespeare.intermediate_size, shakespeare.max_seq_len, shakespeare.tie_word_embeddings) == (688, 256, False)
+    assert (shakespeare.dim, shakespeare.num_layers, shakespeare.num_heads, shakespeare.num_kv_heads) == (
+        256,
+        6,
+        8,
+        2,
+    )
+    assert (shakespeare.intermediate_size, shakespeare.max_seq_len, shakespeare.tie_word_embeddings) == (
+        688,
+        256,
+        False,
+    )
     assert model_config("shakespeare", vocab_size=2048).num_params() == 5_205_248
 
 

@@ -48,10 +48,14 @@ def corpus_files(path: str | Path | None) -> list[Path]:
     if p.is_dir():
         files = sorted(p.glob("*.txt"))
         if not files:
-            raise DataError(f"corpus directory '{p}' holds no *.txt file; point data.path at a UTF-8 text file")
+            raise DataError(
+                f"corpus directory '{p}' holds no *.txt file; point data.path at a UTF-8 text file"
+            )
         return files
     if not p.exists():
-        raise DataError(f"corpus file '{p}' does not exist; point data.path at a UTF-8 text file or a directory of them")
+        raise DataError(
+            f"corpus file '{p}' does not exist; point data.path at a UTF-8 text file or a directory of them"
+        )
     return [p]
 
 
@@ -131,7 +135,9 @@ def write_tokens(text: str, tokenizer, path: Path) -> int:
         The number of tokens written.
     """
     dtype = token_dtype(tokenizer.vocab_size)
-    ids: list[np.ndarray] = [np.asarray(tokenizer.encode(chunk), dtype=np.int64) for chunk in _chunks(text, _ENCODE_CHUNK_CHARS)]
+    ids: list[np.ndarray] = [
+        np.asarray(tokenizer.encode(chunk), dtype=np.int64) for chunk in _chunks(text, _ENCODE_CHUNK_CHARS)
+    ]
     arr = np.concatenate(ids) if ids else np.zeros(0, dtype=np.int64)
     if arr.size and (arr.min() < 0 or arr.max() >= tokenizer.vocab_size):
         raise DataError(f"tokenizer produced ids outside [0, {tokenizer.vocab_size}) while writing '{path}'")
@@ -166,17 +172,23 @@ class TokenWindows:
         try:
             header = json.loads(header_path.read_text())
         except (OSError, ValueError):
-            raise DataError(f"token file header '{header_path}' is missing or unreadable; delete '{self.path.parent}' to re-tokenize") from None
+            raise DataError(
+                f"token file header '{header_path}' is missing or unreadable; delete '{self.path.parent}' to re-tokenize"
+            ) from None
         self.num_tokens = int(header["num_tokens"])
         if self.path.stat().st_size != self.num_tokens * np.dtype(header["dtype"]).itemsize:
-            raise DataError(f"token file '{self.path}' is truncated; delete '{self.path.parent}' to re-tokenize")
+            raise DataError(
+                f"token file '{self.path}' is truncated; delete '{self.path.parent}' to re-tokenize"
+            )
         if self.num_tokens < seq_len + 1:
             raise DataError(
                 f"'{self.path.name}' holds {self.num_tokens} tokens, fewer than one sequence of seq_len + 1 = "
                 f"{seq_len + 1}; give a longer corpus, a smaller seq_len, or a larger data.val_fraction for validation"
             )
         self.seq_len = seq_len
-        self.tokens = np.memmap(self.path, dtype=np.dtype(header["dtype"]), mode="r", shape=(self.num_tokens,))
+        self.tokens = np.memmap(
+            self.path, dtype=np.dtype(header["dtype"]), mode="r", shape=(self.num_tokens,)
+        )
 
     def batch(self, batch_size: int, rng: np.random.Generator) -> tuple[torch.Tensor, torch.Tensor]:
         """Draw ``batch_size`` windows at random offsets.
@@ -186,7 +198,9 @@ class TokenWindows:
         """
         T = self.seq_len
         starts = rng.integers(0, self.num_tokens - T, size=batch_size)
-        windows = np.stack([np.asarray(self.tokens[s : s + T + 1], dtype=np.int64) for s in starts])  # (B, T+1)
+        windows = np.stack(
+            [np.asarray(self.tokens[s : s + T + 1], dtype=np.int64) for s in starts]
+        )  # (B, T+1)
         w = torch.from_numpy(windows)
         return w[:, :-1].contiguous(), w[:, 1:].contiguous()
 
@@ -240,7 +254,9 @@ def prepare_corpus(
             saved = None
         if saved is not None and saved.get("key") == key:
             tokenizer = load_saved_tokenizer(data_dir / "tokenizer")
-            return tokenizer, Corpus(data_dir / "train.bin", data_dir / "val.bin", saved["train_tokens"], saved["val_tokens"])
+            return tokenizer, Corpus(
+                data_dir / "train.bin", data_dir / "val.bin", saved["train_tokens"], saved["val_tokens"]
+            )
     train_text, val_text = split_text("\n".join(t.rstrip("\n") for t in texts) + "\n", val_fraction)
     tokenizer = make_tokenizer(train_text)
     data_dir.mkdir(parents=True, exist_ok=True)
@@ -249,5 +265,7 @@ def prepare_corpus(
     tokenizer.save(data_dir / "tokenizer")
     n_train = write_tokens(train_text, tokenizer, data_dir / "train.bin")
     n_val = write_tokens(val_text, tokenizer, data_dir / "val.bin")
-    _atomic_write_bytes(marker, json.dumps({"key": key, "train_tokens": n_train, "val_tokens": n_val}).encode())
+    _atomic_write_bytes(
+        marker, json.dumps({"key": key, "train_tokens": n_train, "val_tokens": n_val}).encode()
+    )
     return tokenizer, Corpus(data_dir / "train.bin", data_dir / "val.bin", n_train, n_val)
