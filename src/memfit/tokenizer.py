@@ -528,7 +528,24 @@ def parse_tiktoken_ranks(data: bytes, source: str = "<bytes>") -> dict[bytes, in
     return ranks
 
 
-class TiktokenTokenizer(Tokenizer):
+class _TiktokenBacked(Tokenizer):
+    """Shared by the tokenizers that run on a ``tiktoken.Encoding`` (``self._enc``) with ``self._specials``."""
+
+    _enc: Any  # tiktoken.Encoding (imported lazily)
+    _specials: dict[str, int]
+
+    @property
+    def vocab_size(self) -> int:
+        """Largest id + 1: ranks plus special tokens (128,256 for Llama 3, 50,257 for GPT-2)."""
+        return self._enc.n_vocab
+
+    @property
+    def special_tokens(self) -> dict[str, int]:
+        """Special token -> id (Llama 3's 256, or GPT-2's ``<|endoftext|>``)."""
+        return dict(self._specials)
+
+
+class TiktokenTokenizer(_TiktokenBacked):
     """A tiktoken ranks file read as Llama 3's tokenizer (Meta's ``tokenizer.model`` for Llama 3, 3.1, 3.2).
 
     Llama 3's split pattern, and its 256 special tokens at ids ``n`` .. ``n + 255`` after the ``n`` ranks, laid
@@ -553,16 +570,6 @@ class TiktokenTokenizer(Tokenizer):
         self._enc = _tiktoken_encoding(Path(source).name, LLAMA3_PATTERN, ranks, self._specials)
         self._data = ranks_file
         self._bos_token, self._eos_token = LLAMA3_SPECIAL_TOKENS[0], LLAMA3_SPECIAL_TOKENS[1]
-
-    @property
-    def vocab_size(self) -> int:
-        """Ranks + 256 special tokens."""
-        return self._enc.n_vocab
-
-    @property
-    def special_tokens(self) -> dict[str, int]:
-        """Llama 3's 256 special tokens."""
-        return dict(self._specials)
 
     def _encode(self, text: str) -> list[int]:
         ids: list[int] = []
@@ -617,7 +624,7 @@ def _gpt2_byte_decoder() -> dict[str, int]:
     return {chr(c): b for b, c in zip(bs, cs, strict=True)}
 
 
-class GPT2Tokenizer(Tokenizer):
+class GPT2Tokenizer(_TiktokenBacked):
     """OpenAI's GPT-2 BPE from ``encoder.json`` + ``vocab.bpe``, encoded with tiktoken.
 
     50257 ids; ``"Hello world"`` -> ``[15496, 995]``. GPT-2 has one special token, ``<|endoftext|>`` (50256),
@@ -681,16 +688,6 @@ class GPT2Tokenizer(Tokenizer):
         self._enc = _tiktoken_encoding("gpt2", GPT2_PATTERN, ranks, specials)
         self._files = (encoder_json, vocab_bpe)
         self._bos_token = self._eos_token = GPT2_EOS
-
-    @property
-    def vocab_size(self) -> int:
-        """Largest id + 1 (50257 for GPT-2)."""
-        return self._enc.n_vocab
-
-    @property
-    def special_tokens(self) -> dict[str, int]:
-        """``{"<|endoftext|>": 50256}`` for GPT-2."""
-        return dict(self._specials)
 
     def _encode(self, text: str) -> list[int]:
         return self._enc.encode_ordinary(text)
