@@ -4,6 +4,8 @@ Where the arithmetic is the same (update implementation, optimizer in backward, 
 cross-entropy), losses must agree to 1e-6. Where it is not, the tolerance is stated with its reason.
 """
 
+import shutil
+
 import pytest
 
 from memfit.cli import main
@@ -79,3 +81,33 @@ def test_different_arithmetic_within_stated_tolerance(baseline, small_corpus, tm
     rel = max(abs(a - b) / b for a, b in zip(losses, baseline[0], strict=True))
     assert rel <= rel_tol
     assert losses[-1] < losses[0] - 0.5  # and it trains
+
+
+@pytest.mark.parametrize(
+    "switches",
+    [
+        {"optimizer_in_backward": "true"},
+        {"optimizer_in_backward": "true", "optimizer.name": "adamw8bit", "activation_checkpointing": "full"},
+        {"optimizer.name": "torchao_adamw4bit", "chunked_cross_entropy": 3},
+    ],
+    ids=["in_backward", "in_backward+adamw8bit+ac", "torchao4bit+chunked"],
+)
+def test_resume_is_exact_with_memory_switches(small_corpus, tmp_path, switches):
+    """Stop after step 5 (checkpoint at 5), resume to 10: the same losses as the uninterrupted run."""
+    common = {
+        "max_steps": STEPS,
+        "eval_every": 0,
+        "max_grad_norm": 0,
+        "sample.max_new_tokens": 0,
+        "optimizer.lr": 3e-3,
+        "checkpoint_every": 5,
+        **switches,
+    }
+    full = tmp_path / "full"
+    assert main(["pretrain", *tiny_run_overrides(small_corpus, full, **common)]) == 0
+    part = tmp_path / "part"
+    shutil.copytree(full, part)
+    shutil.rmtree(part / "checkpoints" / f"step_{STEPS:08d}")
+    assert main(["pretrain", *tiny_run_overrides(small_corpus, part, resume="true", **common)]) == 0
+    losses = [[r.get("loss") for r in read_records(d / "metrics.jsonl")] for d in (full, part)]
+    assert losses[0] == losses[1]
