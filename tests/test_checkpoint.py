@@ -141,7 +141,7 @@ def test_weights_of_another_architecture_are_refused(tmp_path):
 def test_unwritable_output_dir(tmp_path):
     blocker = tmp_path / "a_file"
     blocker.write_text("x")
-    with pytest.raises(CheckpointError, match="not writable"):
+    with pytest.raises(CheckpointError, match="is a file, not a directory"):
         ckpt_io.check_writable(blocker / "run")
 
 

@@ -139,7 +139,7 @@ def test_bad_corpus_is_one_clear_error(tmp_path, capsys, content, expected):
 def test_unwritable_output_dir(tmp_path, small_corpus, capsys):
     (tmp_path / "file").write_text("x")
     assert main(["pretrain", *tiny_run_overrides(small_corpus, tmp_path / "file" / "out")]) == 1
-    assert "not writable" in capsys.readouterr().err
+    assert "is a file, not a directory" in capsys.readouterr().err
 
 
 def test_generate_from_missing_or_truncated_checkpoint(finished_run, tmp_path, capsys):
@@ -183,3 +183,49 @@ def test_track_memory_adds_the_breakdown_and_a_timeline(small_corpus, tmp_path):
         assert b["optimizer_state"] * 1024**3 >= 8 * num_params
         assert r["memory_peak_phase"] in {"forward", "backward", "optimizer_step"}
     assert (out / "memory_timeline.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_resuming_a_finished_run_adds_nothing(finished_run, small_corpus, tmp_path, capsys):
+    out = tmp_path / "done"
+    shutil.copytree(finished_run, out)
+    before = (out / "metrics.jsonl").read_text()
+    assert main(["pretrain", *tiny_run_overrides(small_corpus, out, resume="true")]) == 0
+    assert "already complete at step 12" in capsys.readouterr().out
+    assert (out / "metrics.jsonl").read_text() == before
+    assert [p.name for p in sorted((out / "checkpoints").iterdir())][-1] == "step_00000012"
+
+
+def test_resume_with_another_tokenizer_is_refused(finished_run, small_corpus, tmp_path, capsys):
+    out = tmp_path / "tok"
+    shutil.copytree(finished_run, out)
+    gpt2 = Path(__file__).parent / "assets"
+    over = tiny_run_overrides(small_corpus, out, resume="true", max_steps=16, **{"tokenizer.kind": "file"})
+    assert main(["pretrain", *over, f"tokenizer.path={gpt2}"]) == 2
+    assert "config key 'tokenizer'" in capsys.readouterr().err
+
+
+def test_cached_token_files_follow_the_tokenizer_settings(small_corpus, tmp_path, capsys):
+    out = tmp_path / "cache"
+    common = {"max_steps": 2, "checkpoint_every": 0, "eval_every": 0, "sample.max_new_tokens": 0}
+    assert main(["pretrain", *tiny_run_overrides(small_corpus, out, **common)]) == 0
+    shutil.rmtree(out / "checkpoints")  # a new run in the same directory, with a BPE tokenizer this time
+    bpe = {**common, "tokenizer.kind": "bpe", "tokenizer.vocab_size": 300, "model_args.vocab_size": 512}
+    assert main(["pretrain", *tiny_run_overrides(small_corpus, out, **bpe)]) == 0
+    assert "tokenizer bpe (300 ids)" in capsys.readouterr().out
+
+
+def test_generate_shows_the_prompt_as_given_and_no_special_tokens(finished_run, capsys):
+    prompt = "Zé€ and"
+    assert (
+        main(["generate", "--checkpoint", str(finished_run), "--prompt", prompt, "--max-new-tokens", "80"])
+        == 0
+    )
+    text = capsys.readouterr().out
+    assert text.startswith(prompt)
+    assert "<unk>" not in text and "<bos>" not in text and "<eos>" not in text
+
+
+def test_bad_corpus_creates_no_output_dir(tmp_path, capsys):
+    out = tmp_path / "never"
+    assert main(["pretrain", *tiny_run_overrides(tmp_path / "missing.txt", out)]) == 1
+    assert not out.exists()

@@ -78,20 +78,31 @@ def resolve_checkpoint(path: str | Path) -> Path:
 
 
 def check_writable(output_dir: str | Path) -> None:
-    """Create ``output_dir`` if needed and prove a file can be written there, before any work starts.
+    """Prove that ``output_dir`` can be created and written, without creating it.
+
+    The probe file goes into ``output_dir`` if it exists, else into its nearest existing ancestor, so a run that
+    fails validation later leaves no empty directory behind.
 
     Raises:
-        CheckpointError: the directory cannot be created or written.
+        CheckpointError: a path component is a file, or the directory cannot be written.
     """
-    p = Path(output_dir)
+    p = Path(output_dir).absolute()
+    existing = p
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise CheckpointError(
+            f"output directory '{output_dir}' cannot be created: '{existing}' is a file, not a directory; "
+            f"choose another with output_dir=PATH"
+        )
     try:
-        p.mkdir(parents=True, exist_ok=True)
-        probe = p / f".write-test-{os.getpid()}"
+        probe = existing / f".memfit-write-test-{os.getpid()}"
         probe.write_bytes(b"ok")
         probe.unlink()
     except OSError as exc:
         raise CheckpointError(
-            f"output directory '{p}' is not writable ({exc.strerror}); choose another with output_dir=PATH"
+            f"output directory '{output_dir}' is not writable ({exc.strerror} in '{existing}'); "
+            f"choose another with output_dir=PATH"
         ) from None
 
 
@@ -250,14 +261,14 @@ def _check_files(ckpt: Path, state: dict[str, Any], need_optimizer: bool) -> Non
         if not (ckpt / name).is_file():
             raise CheckpointError(
                 f"checkpoint '{ckpt}' is missing '{name}'; it is incomplete. Delete '{ckpt}' to fall back to the "
-                f"previous checkpoint, or point at another one."
+                f"previous checkpoint (resume=true takes the newest complete one)."
             )
     for name, size in state.get("file_sizes", {}).items():
         p = ckpt / name
         if p.is_file() and p.stat().st_size != size:
             raise CheckpointError(
                 f"checkpoint file '{p}' is truncated or altered ({p.stat().st_size} bytes, {size} expected). "
-                f"Delete '{ckpt}' to fall back to the previous checkpoint, or point at another one."
+                f"Delete '{ckpt}' to fall back to the previous checkpoint (resume=true takes the newest complete one)."
             )
 
 
@@ -294,7 +305,10 @@ def read_model_config(ckpt: Path) -> LlamaConfig:
             f"checkpoint '{ckpt}' has no '{MODEL_CONFIG}'; it is not a memfit checkpoint"
         ) from None
     except (OSError, ValueError, TypeError) as exc:
-        raise CheckpointError(f"checkpoint file '{path}' is truncated or corrupt ({exc})") from None
+        raise CheckpointError(
+            f"checkpoint file '{path}' is truncated or corrupt ({exc}); delete '{ckpt}' to fall back to the previous "
+            f"checkpoint"
+        ) from None
 
 
 def load_weights(ckpt: Path, model: torch.nn.Module) -> None:

@@ -1,4 +1,4 @@
-"""``memfit <verb>``: pretrain, generate.
+"""memfit: pretrain and sample Llama models in the least memory (verbs: pretrain, generate).
 
 Examples::
 
@@ -71,11 +71,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="verb", required=True)
 
+    from memfit import __version__
+    from memfit.config import describe_keys
+
+    parser.add_argument("--version", action="version", version=f"memfit {__version__}")
     p = sub.add_parser(
         "pretrain",
         help="pretrain a Llama on a text corpus (default: Tiny Shakespeare)",
         description="Pretrain a Llama on a text corpus. Keys are memfit.config.TrainConfig fields; "
         "override any with dotted key=value (optimizer.lr=3e-4).",
+        epilog="keys and defaults (the defaults are the main job):\n  " + "\n  ".join(describe_keys()),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument(
         "--config", default=None, help="YAML preset, e.g. configs/shakespeare.yaml (default: built-in)"
@@ -83,11 +89,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. max_steps=100")
     p.set_defaults(func=_pretrain)
 
-    g = sub.add_parser("generate", help="sample text from a checkpoint")
+    g = sub.add_parser(
+        "generate",
+        help="sample text from a checkpoint",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     g.add_argument(
         "--checkpoint", required=True, help="a run's output_dir (newest checkpoint) or a checkpoint dir"
     )
-    g.add_argument("--prompt", default="", help="text to continue")
+    g.add_argument("--prompt", default="", help="text to continue (empty: start from BOS)")
     g.add_argument("--max-new-tokens", type=int, default=200)
     g.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
     g.add_argument("--top-k", type=int, default=50, help="0 = no top-k restriction")

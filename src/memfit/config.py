@@ -226,8 +226,14 @@ def _from_dict(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
     kwargs = {}
     for key, value in data.items():
         if key not in names:
+            nested = _nested_match(cls, str(key), prefix)
             close = difflib.get_close_matches(str(key), names, n=1)
-            hint = f"; did you mean '{prefix}{close[0]}'?" if close else f"; known keys: {', '.join(names)}"
+            if nested:
+                hint = f"; did you mean '{nested}'?"
+            elif close:
+                hint = f"; did you mean '{prefix}{close[0]}'?"
+            else:
+                hint = f"; known keys: {', '.join(names)}"
             raise ConfigError(f"unknown config key '{prefix}{key}'{hint}")
         kwargs[key] = _coerce(value, hints[key], prefix + key)
     return cls(**kwargs)
@@ -242,6 +248,30 @@ def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
             raise ConfigError(f"config key '{'.'.join(parts[: i + 1])}' is not a section")
         node = child
     node[parts[-1]] = value
+
+
+def describe_keys(cls: type = None, prefix: str = "") -> list[str]:
+    """Every dotted config key with its default, e.g. ``optimizer.lr = 0.002``, for ``--help``."""
+    cls = cls or TrainConfig
+    lines = []
+    for f in dataclasses.fields(cls):
+        tp = typing.get_type_hints(cls)[f.name]
+        if dataclasses.is_dataclass(tp):
+            lines += describe_keys(tp, prefix + f.name + ".")
+            continue
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        lines.append(f"{prefix}{f.name} = {default!r}")
+    return lines
+
+
+def _nested_match(cls: type, key: str, prefix: str = "") -> str | None:
+    """The dotted path of a field named ``key`` in a nested section (``warmup_steps`` -> ``optimizer.warmup_steps``)."""
+    for f in dataclasses.fields(cls):
+        tp = typing.get_type_hints(cls)[f.name]
+        if dataclasses.is_dataclass(tp):
+            if key in {g.name for g in dataclasses.fields(tp)}:
+                return f"{prefix}{f.name}.{key}"
+    return None
 
 
 def parse_overrides(overrides: list[str]) -> dict[str, Any]:
@@ -484,6 +514,21 @@ def validate(cfg: TrainConfig) -> None:
         mcfg = model_config(cfg.model, **args)
     except (ValueError, TypeError) as exc:
         raise ConfigError(f"config key 'model_args': {exc}") from None
+    preset_vocab = cfg.model_args.get("vocab_size", MODEL_PRESETS[cfg.model].get("vocab_size"))
+    if tok.kind == "bpe" and preset_vocab is not None:
+        _require(
+            tok.vocab_size <= preset_vocab,
+            "tokenizer.vocab_size",
+            f"{tok.vocab_size} ids do not fit the model's {preset_vocab} embeddings; lower it or set "
+            f"model_args.vocab_size",
+        )
+    tokens_per_micro_batch = cfg.batch_size * (cfg.seq_len or mcfg.max_seq_len)
+    _require(
+        cfg.chunked_cross_entropy <= tokens_per_micro_batch,
+        "chunked_cross_entropy",
+        f"{cfg.chunked_cross_entropy} chunks exceed the {tokens_per_micro_batch} tokens of a micro-batch "
+        f"(batch_size * seq_len); use at most that many (4-16 is typical)",
+    )
     _require(
         cfg.seq_len <= mcfg.max_seq_len,
         "seq_len",

@@ -81,10 +81,11 @@ def generate_text(
     seed: int = 0,
     dtype: str = "fp32",
 ) -> str:
-    """Encode ``prompt``, sample a continuation and decode prompt + continuation.
+    """Encode ``prompt``, sample a continuation and decode it.
 
     Returns:
-        The prompt followed by the generated text.
+        ``prompt`` exactly as given, followed by the generated text (special tokens left out). An empty prompt
+        starts from BOS.
     """
     device = next(model.parameters()).device
     ids = tokenizer.encode(prompt)
@@ -102,7 +103,10 @@ def generate_text(
         autocast_dtype=torch.bfloat16 if dtype == "bf16_mixed" else None,
         vocab_limit=tokenizer.vocab_size,
     )
-    return tokenizer.decode(out[0].tolist())
+    # special tokens (BOS, EOS, <unk>, ...) are not text: leave them out of what is shown
+    specials = set(tokenizer.special_tokens.values())
+    new_ids = [i for i in out[0, len(ids) :].tolist() if i not in specials]
+    return prompt + tokenizer.decode(new_ids)
 
 
 def load_for_generation(path: str | Path, device: str | torch.device = "cpu") -> tuple[Llama, object]:

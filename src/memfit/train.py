@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from memfit import checkpoint as ckpt_io
-from memfit.config import TrainConfig, config_to_dict
+from memfit.config import TrainConfig, config_from_dict, config_to_dict
 from memfit.data.corpus import TRAIN, VAL, TokenWindows, batch_rng, prepare_corpus
 from memfit.errors import CheckpointError, ConfigError
 from memfit.memory.optim import OptimizerInBackward, build_optimizer, lr_at
@@ -256,6 +256,13 @@ def make_tokenizer(cfg: TrainConfig, train_text: str):
     return load_tokenizer(cfg.tokenizer.path)
 
 
+def tokenizer_settings(cfg: TrainConfig) -> dict[str, Any]:
+    """The tokenizer settings that matter for ``cfg.tokenizer.kind`` (the cache and resume key)."""
+    tok = cfg.tokenizer
+    extra = {"bpe": {"vocab_size": tok.vocab_size}, "file": {"path": tok.path}}.get(tok.kind, {})
+    return {"kind": tok.kind, **extra}
+
+
 def resolve_model_config(cfg: TrainConfig, vocab_size: int) -> LlamaConfig:
     """The preset with ``model_args`` applied; ``vocab_size`` from the tokenizer when the preset has none.
 
@@ -312,23 +319,25 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     device = resolve_device(cfg.device)
     out = Path(cfg.output_dir)
     resume_dir, resume_state = _load_run_state(cfg)
+    from memfit.tokenizer import load_tokenizer
+
+    tokenizer_key = tokenizer_settings(cfg)
     if resume_dir is not None:
-        from memfit.tokenizer import load_tokenizer
-
+        saved_cfg = resume_state.get("config", {})
+        saved_key = tokenizer_settings(config_from_dict(saved_cfg)) if saved_cfg else None
+        if saved_key is not None and saved_key != tokenizer_key:
+            raise ConfigError(
+                f"config key 'tokenizer': the run in '{cfg.output_dir}' was trained with tokenizer {saved_key}, "
+                f"the config asks for {tokenizer_key}; resume with the same tokenizer settings or choose another "
+                f"output_dir"
+            )
         saved_tok = load_tokenizer(resume_dir / "tokenizer")
-        tokenizer, corpus = prepare_corpus(
-            cfg.data.path, cfg.data.val_fraction, lambda _text: saved_tok, out / "data", lambda _d: saved_tok
-        )
+        make, load = (lambda _text: saved_tok), (lambda _d: saved_tok)
     else:
-        from memfit.tokenizer import load_tokenizer
-
-        tokenizer, corpus = prepare_corpus(
-            cfg.data.path,
-            cfg.data.val_fraction,
-            lambda text: make_tokenizer(cfg, text),
-            out / "data",
-            load_tokenizer,
-        )
+        make, load = (lambda text: make_tokenizer(cfg, text)), load_tokenizer
+    tokenizer, corpus = prepare_corpus(
+        cfg.data.path, cfg.data.val_fraction, make, out / "data", load, tokenizer_key=tokenizer_key
+    )
     mcfg = resolve_model_config(cfg, tokenizer.vocab_size)
     seq_len = cfg.seq_len or mcfg.max_seq_len
     train_windows = TokenWindows(corpus.train_path, seq_len)
@@ -480,12 +489,13 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
 
     # --- the end: final evaluation, checkpoint, plot, sample --------------------------------------------------
     val_loss = evaluate(model, val_windows, **eval_options)
-    logger.log({"step": cfg.max_steps, "val_loss": val_loss})
-    logger.close()
-    if start_step < cfg.max_steps or ckpt_io.latest_checkpoint(out) is None:
+    if start_step < cfg.max_steps:
+        logger.log({"step": cfg.max_steps, "val_loss": val_loss})
         last_ckpt = save(cfg.max_steps)
-    else:
-        last_ckpt = ckpt_io.latest_checkpoint(out)
+    else:  # resumed a finished run: report, but add nothing to its records or checkpoints
+        tqdm.write(f"the run in '{out}' is already complete at step {start_step}; nothing to train")
+        last_ckpt = resume_dir
+    logger.close()
     plot = plot_losses(out / "metrics.jsonl", out / "loss.png")
 
     from memfit.generate import generate_text

@@ -181,9 +181,10 @@ class TokenWindows:
                 f"token file '{self.path}' is truncated; delete '{self.path.parent}' to re-tokenize"
             )
         if self.num_tokens < seq_len + 1:
+            fix = "a larger data.val_fraction" if self.path.stem == "val" else "a smaller data.val_fraction"
             raise DataError(
                 f"'{self.path.name}' holds {self.num_tokens} tokens, fewer than one sequence of seq_len + 1 = "
-                f"{seq_len + 1}; give a longer corpus, a smaller seq_len, or a larger data.val_fraction for validation"
+                f"{seq_len + 1}; give a longer corpus, a smaller seq_len, or {fix}"
             )
         self.seq_len = seq_len
         self.tokens = np.memmap(
@@ -226,6 +227,7 @@ def prepare_corpus(
     make_tokenizer,
     data_dir: Path,
     load_saved_tokenizer,
+    tokenizer_key: dict | None = None,
 ) -> tuple[object, Corpus]:
     """Read, split and tokenize a corpus into ``data_dir``, reusing earlier token files when they still match.
 
@@ -235,6 +237,7 @@ def prepare_corpus(
         make_tokenizer: ``f(train_text) -> Tokenizer``; called only when nothing reusable is in ``data_dir``.
         data_dir: where ``train.bin``, ``val.bin``, their headers, ``tokenizer/`` and ``prepared.json`` go.
         load_saved_tokenizer: ``f(directory) -> Tokenizer`` to reload ``data_dir/tokenizer``.
+        tokenizer_key: the tokenizer settings; cached token files are reused only for the same settings.
 
     Returns:
         ``(tokenizer, corpus)``.
@@ -246,7 +249,12 @@ def prepare_corpus(
     texts = [read_text(f) for f in files]  # validates every file before anything is written
     fingerprint = text_fingerprint(files)
     marker = data_dir / "prepared.json"
-    key = {"fingerprint": fingerprint, "val_fraction": val_fraction, "files": [str(f) for f in files]}
+    key = {
+        "fingerprint": fingerprint,
+        "val_fraction": val_fraction,
+        "files": [str(f) for f in files],
+        "tokenizer": tokenizer_key,
+    }
     if marker.is_file():
         try:
             saved = json.loads(marker.read_text())
