@@ -255,7 +255,17 @@ def remove_stale_temporaries(output_dir: str | Path) -> None:
                 shutil.rmtree(p, ignore_errors=True)
 
 
-def _check_files(ckpt: Path, state: dict[str, Any], need_optimizer: bool) -> None:
+def check_files(ckpt: Path, state: dict[str, Any], need_optimizer: bool) -> None:
+    """Check that a checkpoint's files exist and have the byte sizes recorded when it was written.
+
+    Args:
+        ckpt: the checkpoint directory.
+        state: its parsed ``trainer_state.json`` (holds ``file_sizes``).
+        need_optimizer: also require ``optimizer.pt``.
+
+    Raises:
+        CheckpointError: a file is missing or truncated; the message says which and what to do.
+    """
     needed = [WEIGHTS, MODEL_CONFIG] + ([OPTIMIZER] if need_optimizer else [])
     for name in needed:
         if not (ckpt / name).is_file():
@@ -372,7 +382,7 @@ def load_checkpoint(
         CheckpointError: a file is missing, truncated or does not match.
     """
     state = read_trainer_state(ckpt)
-    _check_files(ckpt, state, need_optimizer=optimizer is not None)
+    check_files(ckpt, state, need_optimizer=optimizer is not None)
     load_weights(ckpt, model)
     if optimizer is not None:
         path = ckpt / OPTIMIZER

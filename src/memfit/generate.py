@@ -120,7 +120,7 @@ def load_for_generation(path: str | Path, device: str | torch.device = "cpu") ->
     ckpt = ckpt_io.resolve_checkpoint(path)
     mcfg = ckpt_io.read_model_config(ckpt)
     state = ckpt_io.read_trainer_state(ckpt)
-    ckpt_io._check_files(ckpt, state, need_optimizer=False)
+    ckpt_io.check_files(ckpt, state, need_optimizer=False)
     dtype = {"bf16": torch.bfloat16}.get(state.get("config", {}).get("dtype"), torch.float32)
     if not (ckpt / "tokenizer").is_dir():
         raise CheckpointError(f"checkpoint '{ckpt}' has no tokenizer/ directory; it is incomplete")

@@ -36,6 +36,7 @@ from memfit.errors import CheckpointError, ConfigError
 from memfit.memory.optim import OptimizerInBackward, build_optimizer, lr_at
 from memfit.memory.stats import PeakMemory, to_gib
 from memfit.memory.techniques import (
+    IGNORE_INDEX,
     activation_offloading,
     apply_activation_checkpointing,
     chunked_cross_entropy,
@@ -44,7 +45,6 @@ from memfit.metrics import MetricsLogger, plot_losses
 from memfit.models.llama import Llama, LlamaConfig, build_llama
 from memfit.models.presets import MODEL_PRESETS, model_config
 
-IGNORE_INDEX = -100
 PARAM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "bf16_mixed": torch.float32}
 
 
