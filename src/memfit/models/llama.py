@@ -241,19 +241,24 @@ class RotaryEmbedding(nn.Module):
             self.inv_freq = inv_freq.to(device=self.inv_freq.device)
         return self
 
-    def forward(self, seq_len: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        """Cosine and sine tables for positions ``0 .. seq_len - 1``.
+    def forward(self, positions: int | Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """Cosine and sine tables for the given positions.
 
         Args:
-            seq_len: T.
+            positions: T (positions ``0 .. T - 1``), or a (B, T) int tensor of positions (packed sequences, where
+                each sample's positions restart at 0).
             dtype: dtype of the activations the tables multiply.
 
         Returns:
-            ``(cos, sin)``, each (T, hd), computed in float32 and cast to ``dtype``.
+            ``(cos, sin)``, each (T, hd) for an int, or (B, 1, T, hd) for a tensor (broadcasting over heads);
+            computed in float32 and cast to ``dtype``.
         """
-        positions = torch.arange(seq_len, device=self.inv_freq.device, dtype=torch.float32)  # (T,)
-        freqs = positions[:, None] * self.inv_freq.float()[None, :]  # (T, hd/2)
-        emb = torch.cat((freqs, freqs), dim=-1)  # (T, hd)
+        if isinstance(positions, int):
+            pos = torch.arange(positions, device=self.inv_freq.device, dtype=torch.float32)  # (T,)
+        else:
+            pos = positions.float()[:, None, :]  # (B, 1, T)
+        freqs = pos[..., None] * self.inv_freq.float()  # (T, hd/2) or (B, 1, T, hd/2)
+        emb = torch.cat((freqs, freqs), dim=-1)  # (T, hd) or (B, 1, T, hd)
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
@@ -284,7 +289,9 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos + rotate_half(x) * sin
 
 
-def causal_attention(q: Tensor, k: Tensor, v: Tensor, native_gqa: bool | None = None) -> Tensor:
+def causal_attention(
+    q: Tensor, k: Tensor, v: Tensor, native_gqa: bool | None = None, mask: Tensor | None = None
+) -> Tensor:
     """Causal ``F.scaled_dot_product_attention`` where each group of nh // nkv query heads shares a kv head.
 
     With ``enable_gqa=True`` the kernel reads the shared heads in place, but only some kernels support it: the CPU
@@ -298,12 +305,20 @@ def causal_attention(q: Tensor, k: Tensor, v: Tensor, native_gqa: bool | None = 
         v: (B, nkv, T, hd) values.
         native_gqa: True passes ``enable_gqa``, False expands; None picks as described above, from the device
             type and dtype only (no data dependence).
+        mask: None for plain causal attention, or a (B, 1, T, T) bool mask, True where a query may attend (packed
+            sequences: causal and within the same sample; see :func:`packed_attention_mask`). SDPA then uses a
+            kernel that takes an explicit mask, and keys/values are always expanded to nh heads.
 
     Returns:
         (B, nh, T, hd).
     """
     B, nh, T, hd = q.shape
     nkv = k.shape[1]
+    if mask is not None:
+        if nkv != nh:
+            k = k[:, :, None].expand(B, nkv, nh // nkv, T, hd).reshape(B, nh, T, hd)  # (B, nh, T, hd)
+            v = v[:, :, None].expand(B, nkv, nh // nkv, T, hd).reshape(B, nh, T, hd)  # (B, nh, T, hd)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     if nkv == nh:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
     if native_gqa is None:
@@ -312,6 +327,38 @@ def causal_attention(q: Tensor, k: Tensor, v: Tensor, native_gqa: bool | None = 
         k = k[:, :, None].expand(B, nkv, nh // nkv, T, hd).reshape(B, nh, T, hd)  # (B, nh, T, hd)
         v = v[:, :, None].expand(B, nkv, nh // nkv, T, hd).reshape(B, nh, T, hd)  # (B, nh, T, hd)
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=native_gqa)
+
+
+def packed_positions(doc_ids: Tensor) -> Tensor:
+    """Position of each token within its own sample, for rows that pack several samples.
+
+    Args:
+        doc_ids: (B, T) int; tokens of one sample share an id and are contiguous.
+
+    Returns:
+        (B, T) int64 positions, restarting at 0 where the id changes.
+    """
+    B, T = doc_ids.shape
+    idx = torch.arange(T, device=doc_ids.device).expand(B, T)  # (B, T)
+    starts = torch.ones_like(doc_ids, dtype=torch.bool)  # (B, T)
+    starts[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+    start_of_doc = torch.where(starts, idx, torch.zeros_like(idx)).cummax(dim=1).values  # (B, T)
+    return idx - start_of_doc
+
+
+def packed_attention_mask(doc_ids: Tensor) -> Tensor:
+    """Causal attention restricted to each packed sample (a block-diagonal causal mask).
+
+    Args:
+        doc_ids: (B, T) int; tokens of one sample share an id.
+
+    Returns:
+        (B, 1, T, T) bool, True where query t may attend to key s: ``s <= t`` and the same id.
+    """
+    T = doc_ids.shape[1]
+    causal = torch.ones(T, T, dtype=torch.bool, device=doc_ids.device).tril()  # (T, T)
+    same = doc_ids[:, :, None] == doc_ids[:, None, :]  # (B, T, T)
+    return (same & causal)[:, None]  # (B, 1, T, T)
 
 
 class Attention(nn.Module):
@@ -331,23 +378,38 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(config.dim, config.num_kv_heads * config.head_dim, bias=False)
         self.o_proj = nn.Linear(config.num_heads * config.head_dim, config.dim, bias=False)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        """Attend causally over the sequence.
+    def project_qkv(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Queries, keys and values of ``x``, with RoPE applied to queries and keys.
 
         Args:
             x: (B, T, C) normed hidden states.
-            cos: (T, hd) RoPE table.
-            sin: (T, hd) RoPE table.
+            cos: (T, hd) or (B, 1, T, hd) RoPE table.
+            sin: same shape as ``cos``.
 
         Returns:
-            (B, T, C).
+            ``(q, k, v)``: (B, nh, T, hd), (B, nkv, T, hd), (B, nkv, T, hd).
         """
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)  # (B, nh, T, hd)
         k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)  # (B, nkv, T, hd)
         v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)  # (B, nkv, T, hd)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        y = causal_attention(q, k, v)  # (B, nh, T, hd)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None = None) -> Tensor:
+        """Attend causally over the sequence.
+
+        Args:
+            x: (B, T, C) normed hidden states.
+            cos: (T, hd) or (B, 1, T, hd) RoPE table.
+            sin: same shape as ``cos``.
+            mask: None (causal), or (B, 1, T, T) bool for packed samples (see :func:`causal_attention`).
+
+        Returns:
+            (B, T, C).
+        """
+        B, T, _ = x.shape
+        q, k, v = self.project_qkv(x, cos, sin)
+        y = causal_attention(q, k, v, mask=mask)  # (B, nh, T, hd)
         y = y.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim)  # (B, T, nh * hd)
         return self.o_proj(y)  # (B, T, C)
 
@@ -391,18 +453,19 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.dim, config.norm_eps)
         self.post_attention_layernorm = RMSNorm(config.dim, config.norm_eps)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None = None) -> Tensor:
         """Apply the block.
 
         Args:
             x: (B, T, C) residual stream.
-            cos: (T, hd) RoPE table.
-            sin: (T, hd) RoPE table.
+            cos: (T, hd) or (B, 1, T, hd) RoPE table.
+            sin: same shape as ``cos``.
+            mask: None (causal), or (B, 1, T, T) bool for packed samples.
 
         Returns:
             (B, T, C) residual stream.
         """
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -421,19 +484,26 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.dim, config.norm_eps)
         self.rotary_emb = RotaryEmbedding(config)
 
-    def forward(self, input_ids: Tensor) -> Tensor:
+    def forward(self, input_ids: Tensor, doc_ids: Tensor | None = None) -> Tensor:
         """Run the backbone.
 
         Args:
             input_ids: (B, T) int64 token ids.
+            doc_ids: None, or (B, T) int ids of the samples packed into each row: attention stays within a sample
+                and positions restart at 0 for each (so a packed row computes exactly what its samples would alone).
 
         Returns:
             (B, T, C) final-normed hidden states, in the dtype of the embedding.
         """
         x = self.embed_tokens(input_ids)  # (B, T, C)
-        cos, sin = self.rotary_emb(input_ids.shape[1], x.dtype)  # (T, hd) each
+        if doc_ids is None:
+            mask = None
+            cos, sin = self.rotary_emb(input_ids.shape[1], x.dtype)  # (T, hd) each
+        else:
+            mask = packed_attention_mask(doc_ids)  # (B, 1, T, T)
+            cos, sin = self.rotary_emb(packed_positions(doc_ids), x.dtype)  # (B, 1, T, hd) each
         for layer in self.layers:
-            x = layer(x, cos, sin)  # (B, T, C)
+            x = layer(x, cos, sin, mask)  # (B, T, C)
         return self.norm(x)
 
 
@@ -474,16 +544,17 @@ class Llama(nn.Module):
             self.tie_weights()
         return self
 
-    def forward(self, input_ids: Tensor) -> Tensor:
+    def forward(self, input_ids: Tensor, doc_ids: Tensor | None = None) -> Tensor:
         """Compute next-token logits.
 
         Args:
             input_ids: (B, T) int64 token ids.
+            doc_ids: None, or (B, T) ids of packed samples (see :meth:`LlamaModel.forward`).
 
         Returns:
             (B, T, V) logits, in the dtype of the parameters.
         """
-        return self.lm_head(self.model(input_ids))  # (B, T, V)
+        return self.lm_head(self.model(input_ids, doc_ids))  # (B, T, V)
 
     @torch.no_grad()
     def init_weights(self, generator: torch.Generator | None = None) -> None:
