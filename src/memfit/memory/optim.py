@@ -88,7 +88,8 @@ _GROUP_LABELS = ("params", "param_names", "name")  # group keys that are not hyp
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
-    """Split trainable parameters into a decayed group (``ndim >= 2``) and an undecayed one.
+    """Split trainable parameters into a decayed group (matrices: ``ndim == 2``) and an undecayed one (norms,
+    LLaMA-Adapter's per-head gates and any other non-matrix tensor).
 
     Args:
         model: the model; parameters with ``requires_grad=False`` are left out, a shared (tied) one appears once.
@@ -101,7 +102,7 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
-        if p.ndim >= 2:
+        if p.ndim == 2:
             decay.append(p)
             decay_names.append(name)
         else:

@@ -1,0 +1,697 @@
+"""Parameter-efficient fine-tuning, applied to a built :class:`~memfit.models.llama.Llama` from outside.
+
+The model file knows nothing of these methods: each function here adds parameters to existing submodules and
+replaces their ``forward`` on the instance (as activation checkpointing does), so every base parameter keeps its
+Hugging Face name (``model.layers.0.self_attn.q_proj.weight``) and full checkpoints still load into
+``LlamaForCausalLM``. Everything but the new parameters is frozen (``requires_grad=False``), so gradients and
+optimizer state exist only for them (``memfit.memory.optim.param_groups`` skips frozen parameters).
+
+- **LoRA** (Hu et al. 2021, "LoRA: Low-Rank Adaptation of Large Language Models"): a targeted ``nn.Linear``
+  computes ``W x + (alpha / r) * B A dropout(x)`` with ``A`` (r, in) and ``B`` (out, r) trainable and ``W``
+  frozen. ``B`` starts at zero, so the model is unchanged at step 0. Memory: 2 small matrices per target, their
+  gradients and optimizer state; the activations of the frozen base are still kept for the backward (the input
+  gradient flows through ``W``), plus one (B, T, r) tensor per target. :func:`merge_lora` folds the update into
+  ``W`` for export; :func:`save_peft_adapter` writes Hugging Face PEFT's adapter format.
+- **LLaMA-Adapter** (Zhang et al. 2023, "LLaMA-Adapter: Efficient Fine-tuning of Language Models with Zero-init
+  Attention", in lit-llama's formulation): each adapted attention layer learns ``prompt_length`` prompt vectors.
+  Its (RoPE'd) queries also attend, without mask or position, over keys and values projected from the prompt by the
+  layer's own frozen ``k_proj`` / ``v_proj``; that output is scaled per head by a zero-initialised gate and added to
+  the causal attention output before ``o_proj``. Zero gates make the model identical to the base at step 0.
+
+A model takes one method: applying a second one (or the same one twice) raises. Both keep the forward free of host
+syncs and data-dependent branching, so the training step still runs under ``FakeTensorMode`` on a meta-built model.
+
+Order of use: build the model, load the pretrained weights, apply the method (which freezes the base), then apply
+activation checkpointing (any order works) and build the optimizer. A memfit checkpoint of the whole model then
+holds the new tensors too (``...q_proj.lora_A``), so resuming applies the method before loading.
+
+Shape letters: B batch, T sequence length, C model width, nh query heads, nkv key/value heads, hd head size,
+r LoRA rank, L adapter prompt length.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import types
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch import Tensor, nn
+
+from memfit.errors import CheckpointError
+from memfit.models.llama import Attention, Llama, causal_attention
+
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head")
+"""Names of the linear layers LoRA can adapt (the last component of the module name)."""
+PEFT_WEIGHTS = "adapter_model.safetensors"
+"""File name of the adapter tensors in Hugging Face PEFT's format."""
+PEFT_CONFIG = "adapter_config.json"
+"""File name of the adapter config in Hugging Face PEFT's format."""
+PEFT_PREFIX = "base_model.model."
+"""What PEFT's ``PeftModelForCausalLM`` puts before the base model's module names."""
+ADAPTER_PROMPT_STD = 0.02
+"""Standard deviation of the normal initialisation of the LLaMA-Adapter prompt."""
+
+_LORA_SUFFIXES = (".lora_A", ".lora_B")
+_ADAPTER_SUFFIXES = (".adapter_prompt", ".adapter_gate")
+
+
+@dataclass(frozen=True)
+class LoraSettings:
+    """The hyperparameters a model's LoRA was applied with (kept on the model as ``model.memfit_peft``)."""
+
+    rank: int
+    """r: inner size of the low-rank update."""
+    alpha: float
+    """The update is scaled by ``alpha / rank``."""
+    dropout: float
+    """Dropout probability on the input of the low-rank path (training mode only)."""
+    target_modules: tuple[str, ...]
+    """Names (from :data:`LORA_TARGETS`) of the adapted linear layers."""
+
+    @property
+    def scale(self) -> float:
+        """``alpha / rank``."""
+        return self.alpha / self.rank
+
+
+@dataclass(frozen=True)
+class AdapterSettings:
+    """The hyperparameters a model's LLaMA-Adapter was applied with (kept on the model as ``model.memfit_peft``)."""
+
+    prompt_length: int
+    """L: learned prompt vectors per adapted layer."""
+    layers: tuple[int, ...]
+    """Indices of the adapted decoder layers (the top ones)."""
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Shared: which method, freezing, counting
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def peft_method(model: nn.Module) -> str | None:
+    """The method applied to ``model``: ``"lora"``, ``"adapter"``, or None.
+
+    Args:
+        model: any module.
+
+    Returns:
+        The method's name, or None when neither was applied (or LoRA was merged).
+    """
+    settings = getattr(model, "memfit_peft", None)
+    if isinstance(settings, LoraSettings):
+        return "lora"
+    if isinstance(settings, AdapterSettings):
+        return "adapter"
+    return None
+
+
+def _check_no_peft(model: nn.Module, method: str) -> None:
+    current = peft_method(model)
+    if current is not None:
+        raise ValueError(
+            f"cannot apply {method}: the model already has {current} applied (a model takes one method, once)"
+        )
+
+
+def freeze_base(model: nn.Module, trainable_names: Iterable[str]) -> None:
+    """Make exactly ``trainable_names`` trainable; freeze every other parameter and drop its gradient.
+
+    Args:
+        model: the model.
+        trainable_names: names as ``model.named_parameters()`` gives them.
+
+    Raises:
+        ValueError: a name is not a parameter of the model.
+    """
+    trainable = set(trainable_names)
+    params = dict(model.named_parameters())
+    unknown = sorted(trainable - set(params))
+    if unknown:
+        raise ValueError(f"freeze_base: {unknown[:5]} are not parameters of the model")
+    for name, p in params.items():  # a tied parameter appears once
+        p.requires_grad_(name in trainable)
+        if name not in trainable:
+            p.grad = None
+
+
+def trainable_parameter_summary(model: nn.Module) -> dict[str, int | float]:
+    """Counts and bytes of the trainable and of all parameters, for logging (a tied parameter counts once).
+
+    Args:
+        model: the model.
+
+    Returns:
+        ``trainable_params``, ``total_params`` (element counts), ``trainable_bytes``, ``total_bytes`` (bytes of
+        the parameter storages at their dtype) and ``trainable_fraction`` (trainable / total elements).
+    """
+    trainable = total = trainable_bytes = total_bytes = 0
+    for p in model.parameters():
+        n, nbytes = p.numel(), p.numel() * p.element_size()
+        total += n
+        total_bytes += nbytes
+        if p.requires_grad:
+            trainable += n
+            trainable_bytes += nbytes
+    return {
+        "trainable_params": trainable,
+        "total_params": total,
+        "trainable_bytes": trainable_bytes,
+        "total_bytes": total_bytes,
+        "trainable_fraction": trainable / total if total else 0.0,
+    }
+
+
+def _generator(seed: int | None, device: torch.device) -> torch.Generator | None:
+    if seed is None or device.type == "meta":
+        return None
+    return torch.Generator(device=device).manual_seed(seed)
+
+
+def _select_state_dict(model: nn.Module, suffixes: tuple[str, ...]) -> dict[str, Tensor]:
+    return {n: p.detach() for n, p in model.named_parameters() if n.endswith(suffixes)}
+
+
+def _load_selected(
+    model: nn.Module, state_dict: Mapping[str, Tensor], suffixes: tuple[str, ...], what: str
+) -> None:
+    expected = _select_state_dict(model, suffixes)
+    if not expected:
+        raise ValueError(f"the model has no {what} parameters; apply {what} before loading its state dict")
+    missing = sorted(set(expected) - set(state_dict))
+    unexpected = sorted(set(state_dict) - set(expected))
+    if missing or unexpected:
+        raise ValueError(
+            f"{what} state dict does not match the model: missing {missing[:5]} ({len(missing)} in all), "
+            f"unexpected {unexpected[:5]} ({len(unexpected)} in all)"
+        )
+    for name, tensor in expected.items():
+        if tuple(state_dict[name].shape) != tuple(tensor.shape):
+            raise ValueError(
+                f"{what} state dict: '{name}' has shape {tuple(state_dict[name].shape)}, the model expects "
+                f"{tuple(tensor.shape)}"
+            )
+    with torch.no_grad():
+        for name, tensor in expected.items():
+            tensor.copy_(state_dict[name])
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# LoRA
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _lora_linear_forward(self: nn.Linear, x: Tensor) -> Tensor:
+    """``W x + b + (alpha / r) * B A dropout(x)``, bound to a LoRA-adapted ``nn.Linear`` as its ``forward``.
+
+    Args:
+        x: (..., in) activations.
+
+    Returns:
+        (..., out).
+    """
+    settings: LoraSettings = self.memfit_lora
+    out = F.linear(x, self.weight, self.bias)  # (..., out)
+    h = F.dropout(x, settings.dropout, self.training) if settings.dropout > 0 else x
+    down = F.linear(h, self.lora_A) * settings.scale  # (..., r)
+    return out + F.linear(down, self.lora_B)  # (..., out)
+
+
+def lora_targets(model: Llama, target_modules: Sequence[str]) -> list[tuple[str, nn.Linear]]:
+    """The linear layers that ``target_modules`` names, in module order.
+
+    Args:
+        model: a :class:`~memfit.models.llama.Llama`.
+        target_modules: names from :data:`LORA_TARGETS`.
+
+    Returns:
+        ``[(module name, module), ...]``.
+
+    Raises:
+        ValueError: an unknown or repeated name, or an empty list.
+    """
+    if isinstance(target_modules, str):
+        target_modules = [target_modules]
+    if not target_modules:
+        raise ValueError(f"LoRA target_modules is empty; choose from {', '.join(LORA_TARGETS)}")
+    for name in target_modules:
+        if name not in LORA_TARGETS:
+            raise ValueError(f"unknown LoRA target module {name!r}; valid: {', '.join(LORA_TARGETS)}")
+    if len(set(target_modules)) != len(target_modules):
+        raise ValueError(f"LoRA target_modules repeats a name: {list(target_modules)}")
+    return [
+        (name, module)
+        for name, module in model.named_modules()
+        if isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] in target_modules
+    ]
+
+
+def apply_lora(
+    model: Llama,
+    *,
+    rank: int = 8,
+    alpha: float = 16.0,
+    dropout: float = 0.0,
+    target_modules: Sequence[str] = ("q_proj", "v_proj"),
+    seed: int | None = None,
+) -> list[str]:
+    """Add a LoRA update to the targeted linear layers and freeze everything else.
+
+    Each target gets parameters ``lora_A`` (r, in), kaiming-uniform (``a = sqrt(5)``, as PEFT and
+    ``nn.Linear``), and ``lora_B`` (out, r), zeros, on the base weight's device and in its dtype (meta and fake
+    tensors included), and its ``forward`` becomes ``W x + (alpha / r) * B A dropout(x)``.
+
+    Args:
+        model: a built :class:`~memfit.models.llama.Llama` (base weights already loaded).
+        rank: r, a positive int.
+        alpha: scale numerator, > 0; the update is multiplied by ``alpha / rank``.
+        dropout: probability in [0, 1) of dropping inputs of the low-rank path while training.
+        target_modules: names from :data:`LORA_TARGETS`.
+        seed: seed of a generator for ``lora_A``'s init; None draws from the global RNG.
+
+    Returns:
+        The names of the new trainable parameters, e.g. ``model.layers.0.self_attn.q_proj.lora_A``.
+
+    Raises:
+        ValueError: a bad hyperparameter or target name; a method already applied; ``lm_head`` targeted while it
+            shares its weight with the token embedding (``tie_word_embeddings``): a merged update would change
+            the embedding too, so LoRA on a tied ``lm_head`` is refused (leave it out of ``target_modules``).
+    """
+    _check_no_peft(model, "LoRA")
+    if not isinstance(rank, int) or isinstance(rank, bool) or rank <= 0:
+        raise ValueError(f"LoRA rank must be a positive int, got {rank!r}")
+    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not alpha > 0:
+        raise ValueError(f"LoRA alpha must be a positive number, got {alpha!r}")
+    if not isinstance(dropout, (int, float)) or not 0.0 <= dropout < 1.0:
+        raise ValueError(f"LoRA dropout must be in [0, 1), got {dropout!r}")
+    targets = lora_targets(model, target_modules)
+    if model.lm_head.weight is model.model.embed_tokens.weight and any(n == "lm_head" for n, _ in targets):
+        raise ValueError(
+            "LoRA on lm_head is not supported with tied embeddings (tie_word_embeddings): lm_head.weight is "
+            "model.embed_tokens.weight, so merging the update would change the input embedding too. Leave "
+            "lm_head out of target_modules"
+        )
+    settings = LoraSettings(
+        rank=rank,
+        alpha=float(alpha),
+        dropout=float(dropout),
+        target_modules=tuple(t for t in LORA_TARGETS if t in set(target_modules)),
+    )
+    names = []
+    for module_name, linear in targets:
+        weight = linear.weight  # (out, in)
+        a = torch.empty(rank, linear.in_features, device=weight.device, dtype=weight.dtype)  # (r, in)
+        nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=_generator(seed, weight.device))
+        b = torch.zeros(linear.out_features, rank, device=weight.device, dtype=weight.dtype)  # (out, r)
+        linear.register_parameter("lora_A", nn.Parameter(a))
+        linear.register_parameter("lora_B", nn.Parameter(b))
+        linear.memfit_lora = settings
+        linear.forward = types.MethodType(_lora_linear_forward, linear)
+        names += [f"{module_name}.lora_A", f"{module_name}.lora_B"]
+    freeze_base(model, names)
+    model.memfit_peft = settings
+    return names
+
+
+def _lora_modules(model: nn.Module) -> list[tuple[str, nn.Linear]]:
+    return [
+        (n, m) for n, m in model.named_modules() if isinstance(getattr(m, "memfit_lora", None), LoraSettings)
+    ]
+
+
+def _lora_settings(model: nn.Module) -> LoraSettings:
+    settings = getattr(model, "memfit_peft", None)
+    if not isinstance(settings, LoraSettings):
+        raise ValueError("the model has no LoRA applied (call apply_lora first)")
+    return settings
+
+
+def lora_effective_weight(linear: nn.Linear) -> Tensor:
+    """The weight a linear layer acts with: ``W + (alpha / r) B A`` under LoRA, ``W`` otherwise.
+
+    For code that reads a weight instead of calling the module (chunked cross-entropy over ``lm_head``). The
+    LoRA case builds a new (out, in) tensor, differentiable in ``lora_A`` and ``lora_B``.
+
+    Args:
+        linear: an ``nn.Linear``, adapted or not.
+
+    Returns:
+        (out, in).
+    """
+    settings = getattr(linear, "memfit_lora", None)
+    if not isinstance(settings, LoraSettings):
+        return linear.weight
+    return linear.weight + (linear.lora_B * settings.scale) @ linear.lora_A  # (out, in)
+
+
+@torch.no_grad()
+def merge_lora(model: Llama) -> None:
+    """Fold every LoRA update into its base weight and remove LoRA from the model.
+
+    ``W += (alpha / r) * B @ A`` is computed in float32 and cast back to ``W``'s dtype; ``lora_A`` / ``lora_B``
+    are deleted and the plain ``nn.Linear.forward`` restored, so the state dict is the base model's again. The
+    parameters' ``requires_grad`` flags are left as they are (the base stays frozen).
+
+    Args:
+        model: a model :func:`apply_lora` was applied to.
+
+    Raises:
+        ValueError: the model has no LoRA.
+    """
+    settings = _lora_settings(model)
+    for _, linear in _lora_modules(model):
+        delta = (linear.lora_B.float() @ linear.lora_A.float()) * settings.scale  # (out, in)
+        linear.weight.copy_((linear.weight.float() + delta).to(linear.weight.dtype))
+        del linear.lora_A, linear.lora_B, linear.memfit_lora
+        del linear.forward  # the instance attribute: nn.Linear.forward shows through again
+    del model.memfit_peft
+
+
+def lora_state_dict(model: Llama) -> dict[str, Tensor]:
+    """The LoRA tensors only, under memfit (= Hugging Face module) names.
+
+    Args:
+        model: a model with LoRA.
+
+    Returns:
+        ``{"model.layers.0.self_attn.q_proj.lora_A": (r, in), "...lora_B": (out, r), ...}``, detached, sharing
+        storage with the parameters.
+    """
+    _lora_settings(model)
+    return _select_state_dict(model, _LORA_SUFFIXES)
+
+
+def load_lora_state_dict(model: Llama, state_dict: Mapping[str, Tensor]) -> None:
+    """Copy a :func:`lora_state_dict` into the model's LoRA parameters (strict).
+
+    Args:
+        model: a model with LoRA applied with the same targets and rank.
+        state_dict: names as :func:`lora_state_dict` gives them.
+
+    Raises:
+        ValueError: the model has no LoRA, a key is missing or unexpected, or a shape differs (nothing copied).
+    """
+    _lora_settings(model)
+    _load_selected(model, state_dict, _LORA_SUFFIXES, "LoRA")
+
+
+def _peft_config(settings: LoraSettings, base_model_name_or_path: str) -> dict[str, Any]:
+    """``adapter_config.json`` as Hugging Face PEFT's ``LoraConfig.save_pretrained`` writes it."""
+    alpha = int(settings.alpha) if float(settings.alpha).is_integer() else settings.alpha
+    return {
+        "alpha_pattern": {},
+        "auto_mapping": None,
+        "base_model_name_or_path": base_model_name_or_path,
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "inference_mode": True,
+        "init_lora_weights": True,
+        "layers_pattern": None,
+        "layers_to_transform": None,
+        "lora_alpha": alpha,
+        "lora_dropout": settings.dropout,
+        "modules_to_save": None,
+        "peft_type": "LORA",
+        "r": settings.rank,
+        "rank_pattern": {},
+        "revision": None,
+        "target_modules": list(settings.target_modules),
+        "task_type": "CAUSAL_LM",
+        "use_dora": False,
+        "use_rslora": False,
+    }
+
+
+def _fsync(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def save_peft_adapter(model: Llama, out_dir: str | Path, *, base_model_name_or_path: str = "") -> Path:
+    """Write the LoRA adapter alone in Hugging Face PEFT's format, atomically.
+
+    ``adapter_model.safetensors`` holds ``base_model.model.<module>.lora_A.weight`` (r, in) and
+    ``...lora_B.weight`` (out, r) for every target; ``adapter_config.json`` holds ``peft_type`` LORA, ``r``,
+    ``lora_alpha``, ``lora_dropout``, ``target_modules``, ``task_type`` CAUSAL_LM, ... so that
+    ``peft.PeftModel.from_pretrained(LlamaForCausalLM..., out_dir)`` loads it. Both files are written into a
+    temporary sibling directory which is then renamed to ``out_dir`` (replacing an existing one).
+
+    Args:
+        model: a model with LoRA.
+        out_dir: the adapter directory to create.
+        base_model_name_or_path: recorded in the config (the Hub id or path of the base model).
+
+    Returns:
+        ``out_dir`` as a Path.
+
+    Raises:
+        ValueError: the model has no LoRA.
+        CheckpointError: writing failed (an existing ``out_dir`` is untouched).
+    """
+    settings = _lora_settings(model)
+    tensors = {}
+    for name, tensor in lora_state_dict(model).items():
+        module_name, which = name.rsplit(".", 1)  # which: lora_A or lora_B
+        tensors[f"{PEFT_PREFIX}{module_name}.{which}.weight"] = tensor.cpu().contiguous()
+    out = Path(out_dir)
+    tmp = out.parent / f".tmp-{out.name}-{os.getpid()}"
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+        save_file(tensors, str(tmp / PEFT_WEIGHTS), metadata={"format": "pt"})
+        config = _peft_config(settings, base_model_name_or_path)
+        (tmp / PEFT_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        for path in (tmp / PEFT_WEIGHTS, tmp / PEFT_CONFIG, tmp):
+            _fsync(path)
+        if out.exists():
+            old = out.parent / f".old-{out.name}-{os.getpid()}"
+            os.replace(out, old)
+            os.replace(tmp, out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, out)
+        _fsync(out.parent)
+    except OSError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(f"could not write the adapter to '{out}' ({exc})") from None
+    return out
+
+
+def load_peft_adapter(model: Llama, adapter_dir: str | Path, *, seed: int | None = None) -> list[str]:
+    """Apply LoRA as a Hugging Face PEFT adapter directory describes, and load its tensors.
+
+    Args:
+        model: a base model without any method applied.
+        adapter_dir: a directory with ``adapter_config.json`` and ``adapter_model.safetensors`` (as
+            :func:`save_peft_adapter` or PEFT write them).
+        seed: unused by the result (every tensor is overwritten); passed to :func:`apply_lora`.
+
+    Returns:
+        The names of the LoRA parameters (as :func:`apply_lora`).
+
+    Raises:
+        CheckpointError: a file is missing or unreadable.
+        ValueError: the config asks for what memfit's LoRA does not do (DoRA, rsLoRA, per-layer ranks, biases,
+            ``fan_in_fan_out``, extra saved modules, a regex ``target_modules``), or the tensors do not match.
+    """
+    adapter_dir = Path(adapter_dir)
+    try:
+        config = json.loads((adapter_dir / PEFT_CONFIG).read_text())
+        tensors = load_file(str(adapter_dir / PEFT_WEIGHTS))
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"cannot read the PEFT adapter in '{adapter_dir}' ({exc})") from None
+    if config.get("peft_type") != "LORA":
+        raise ValueError(f"'{adapter_dir / PEFT_CONFIG}': peft_type {config.get('peft_type')!r} is not LORA")
+    unsupported = {
+        "use_dora": False,
+        "use_rslora": False,
+        "fan_in_fan_out": False,
+        "bias": "none",
+        "rank_pattern": {},
+        "alpha_pattern": {},
+        "layers_to_transform": None,
+        "modules_to_save": None,
+    }
+    for key, plain in unsupported.items():
+        if config.get(key, plain) not in (plain, None):
+            raise ValueError(
+                f"'{adapter_dir / PEFT_CONFIG}': {key}={config[key]!r} is not supported by memfit"
+            )
+    targets = config.get("target_modules")
+    if not isinstance(targets, list):
+        raise ValueError(
+            f"'{adapter_dir / PEFT_CONFIG}': target_modules must be a list of names, got {targets!r}"
+        )
+    names = apply_lora(
+        model,
+        rank=config["r"],
+        alpha=config["lora_alpha"],
+        dropout=config.get("lora_dropout", 0.0),
+        target_modules=targets,
+        seed=seed,
+    )
+    state_dict = {}
+    for key, tensor in tensors.items():
+        name = key.removeprefix(PEFT_PREFIX)
+        if name.endswith((".lora_A.weight", ".lora_B.weight")):
+            name = name.removesuffix(".weight")
+        state_dict[name] = tensor
+    load_lora_state_dict(model, state_dict)
+    return names
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# LLaMA-Adapter
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _prompt_attention(attn: Attention, q: Tensor) -> Tensor:
+    """Attention of the queries over the layer's adapter prompt: no mask, no positions.
+
+    Args:
+        attn: an adapted attention layer.
+        q: (B, nh, T, hd) RoPE'd queries.
+
+    Returns:
+        (B, nh, T, hd).
+    """
+    B, nh, _, hd = q.shape
+    nkv = attn.num_kv_heads
+    prompt = attn.adapter_prompt  # (L, C)
+    L = prompt.shape[0]
+    pk = attn.k_proj(prompt).view(L, nkv, hd).transpose(0, 1)  # (nkv, L, hd)
+    pv = attn.v_proj(prompt).view(L, nkv, hd).transpose(0, 1)  # (nkv, L, hd)
+    # each kv head serves nh // nkv query heads; the prompt is the same for every sample (a broadcast view)
+    pk = (
+        pk[:, None].expand(nkv, nh // nkv, L, hd).reshape(1, nh, L, hd).expand(B, nh, L, hd)
+    )  # (B, nh, L, hd)
+    pv = (
+        pv[:, None].expand(nkv, nh // nkv, L, hd).reshape(1, nh, L, hd).expand(B, nh, L, hd)
+    )  # (B, nh, L, hd)
+    return F.scaled_dot_product_attention(q, pk.to(q.dtype), pv.to(q.dtype))  # (B, nh, T, hd)
+
+
+def _adapter_attention_forward(
+    self: Attention, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None = None
+) -> Tensor:
+    """Causal attention plus the gated attention over the adapter prompt, bound to an adapted ``Attention``.
+
+    Args:
+        x: (B, T, C) normed hidden states.
+        cos: (T, hd) or (B, 1, T, hd) RoPE table.
+        sin: same shape as ``cos``.
+        mask: None (causal), or (B, 1, T, T) bool for packed samples; it restricts the sequence part only, every
+            query sees every prompt vector.
+
+    Returns:
+        (B, T, C).
+    """
+    B, T, _ = x.shape
+    q, k, v = self.project_qkv(x, cos, sin)  # (B, nh, T, hd), (B, nkv, T, hd) x 2
+    y = causal_attention(q, k, v, mask=mask)  # (B, nh, T, hd)
+    y = y + self.adapter_gate * _prompt_attention(self, q)  # gate (1, nh, 1, 1)
+    y = y.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim)  # (B, T, nh * hd)
+    return self.o_proj(y)  # (B, T, C)
+
+
+def apply_adapter(
+    model: Llama, *, prompt_length: int = 10, num_layers: int | None = None, seed: int | None = None
+) -> list[str]:
+    """Add LLaMA-Adapter prompts and zero gates to the top decoder layers and freeze everything else.
+
+    Each adapted ``self_attn`` gets ``adapter_prompt`` (L, C), normal(0, 0.02), and ``adapter_gate``
+    (1, nh, 1, 1), zeros, on the base weights' device and in their dtype; its ``forward`` adds
+    ``gate * attention(q, k_proj(prompt), v_proj(prompt))`` to the causal attention output before ``o_proj``.
+
+    Args:
+        model: a built :class:`~memfit.models.llama.Llama` (base weights already loaded).
+        prompt_length: L, a positive int.
+        num_layers: adapt the last ``num_layers`` decoder layers; None adapts all.
+        seed: seed of a generator for the prompts' init; None draws from the global RNG.
+
+    Returns:
+        The names of the new trainable parameters, e.g. ``model.layers.1.self_attn.adapter_prompt``.
+
+    Raises:
+        ValueError: ``prompt_length`` not a positive int, ``num_layers`` outside 1..(layers of the model), or a
+            method already applied.
+    """
+    _check_no_peft(model, "LLaMA-Adapter")
+    if not isinstance(prompt_length, int) or isinstance(prompt_length, bool) or prompt_length <= 0:
+        raise ValueError(f"adapter prompt_length must be a positive int, got {prompt_length!r}")
+    total = len(model.model.layers)
+    if num_layers is None:
+        num_layers = total
+    if not isinstance(num_layers, int) or isinstance(num_layers, bool) or not 1 <= num_layers <= total:
+        raise ValueError(
+            f"adapter num_layers must be an int in 1..{total} (the model's layers), got {num_layers!r}"
+        )
+    layers = tuple(range(total - num_layers, total))
+    names = []
+    for i in layers:
+        attn = model.model.layers[i].self_attn
+        weight = attn.q_proj.weight
+        dim = attn.k_proj.in_features
+        prompt = torch.empty(prompt_length, dim, device=weight.device, dtype=weight.dtype)  # (L, C)
+        nn.init.normal_(prompt, mean=0.0, std=ADAPTER_PROMPT_STD, generator=_generator(seed, weight.device))
+        gate = torch.zeros(1, attn.num_heads, 1, 1, device=weight.device, dtype=weight.dtype)  # (1, nh, 1, 1)
+        attn.register_parameter("adapter_prompt", nn.Parameter(prompt))
+        attn.register_parameter("adapter_gate", nn.Parameter(gate))
+        attn.forward = types.MethodType(_adapter_attention_forward, attn)
+        names += [f"model.layers.{i}.self_attn.adapter_prompt", f"model.layers.{i}.self_attn.adapter_gate"]
+    freeze_base(model, names)
+    model.memfit_peft = AdapterSettings(prompt_length=prompt_length, layers=layers)
+    return names
+
+
+def _adapter_settings(model: nn.Module) -> AdapterSettings:
+    settings = getattr(model, "memfit_peft", None)
+    if not isinstance(settings, AdapterSettings):
+        raise ValueError("the model has no LLaMA-Adapter applied (call apply_adapter first)")
+    return settings
+
+
+def adapter_state_dict(model: Llama) -> dict[str, Tensor]:
+    """The adapter tensors only: ``model.layers.{i}.self_attn.adapter_prompt`` (L, C) and ``.adapter_gate``.
+
+    Args:
+        model: a model with LLaMA-Adapter.
+
+    Returns:
+        Name -> tensor, detached, sharing storage with the parameters.
+    """
+    _adapter_settings(model)
+    return _select_state_dict(model, _ADAPTER_SUFFIXES)
+
+
+def load_adapter_state_dict(model: Llama, state_dict: Mapping[str, Tensor]) -> None:
+    """Copy an :func:`adapter_state_dict` into the model's adapter parameters (strict).
+
+    Args:
+        model: a model with LLaMA-Adapter applied to the same layers with the same prompt length.
+        state_dict: names as :func:`adapter_state_dict` gives them.
+
+    Raises:
+        ValueError: the model has no adapter, a key is missing or unexpected, or a shape differs (nothing copied).
+    """
+    _adapter_settings(model)
+    _load_selected(model, state_dict, _ADAPTER_SUFFIXES, "LLaMA-Adapter")
