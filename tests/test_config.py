@@ -146,3 +146,58 @@ def test_possible_combinations_are_accepted():
         ],
     )
     assert cfg.optimizer_in_backward and cfg.chunked_cross_entropy == 8
+
+
+FT = ["checkpoint_dir=ckpt", "data.path=d.json", "data.format=alpaca"]
+
+
+@pytest.mark.parametrize(
+    "overrides, key, why",
+    [
+        (["method=qlora"], "method", "full, lora, adapter"),
+        (["method=lora"], "method", "needs checkpoint_dir"),
+        (["method=adapter"], "method", "needs checkpoint_dir"),
+        ([*FT, "data.format=csv"], "data.format", "alpaca, dolly, sharegpt, openai"),
+        ([*FT, "data.template=vicuna"], "data.template", "llama3-chat"),
+        (["data.format=alpaca", "data.path=d.json"], "data.format", "tokenizer.kind=file"),
+        (["checkpoint_dir=ckpt", "data.format=dolly"], "data.path", "required"),
+        (["checkpoint_dir=ckpt", "model_args.num_layers=2"], "model_args", "comes from checkpoint_dir"),
+        (["data.packing=true"], "data.packing", "instruction / chat records"),
+        ([*FT, "data.packing=true"], "seq_len", "rows of exactly seq_len"),
+        ([*FT, "method=lora", "lora.rank=0"], "lora.rank", ">= 1"),
+        ([*FT, "method=lora", "lora.dropout=1"], "lora.dropout", "[0, 1)"),
+        (
+            [*FT, "method=lora", "lora.target_modules=[q_proj,wq]"],
+            "lora.target_modules",
+            "'wq' is not one of",
+        ),
+        ([*FT, "method=adapter", "adapter.prompt_length=0"], "adapter.prompt_length", ">= 1"),
+        ([*FT, "method=adapter", "adapter.num_layers=-1"], "adapter.num_layers", ">= 0"),
+        ([*FT, "data.column_map={instruction: 3}"], "data.column_map.instruction", "a string"),
+    ],
+)
+def test_finetuning_keys_are_validated(overrides, key, why):
+    with pytest.raises(ConfigError, match=f"'{key}'") as info:
+        load_config(None, overrides)
+    assert why in str(info.value)
+
+
+def test_finetuning_config_is_accepted():
+    cfg = load_config(
+        None,
+        [
+            *FT,
+            "method=lora",
+            "lora.target_modules=[q_proj,v_proj,down_proj]",
+            "seq_len=4096",
+            "data.packing=true",
+        ],
+    )
+    assert cfg.method == "lora" and cfg.lora.target_modules == ["q_proj", "v_proj", "down_proj"]
+    assert cfg.seq_len == 4096  # checked against the checkpoint's context at run time, not the preset's
+
+
+def test_finetune_verb_needs_a_checkpoint(tmp_path, capsys):
+    assert main(["finetune", f"output_dir={tmp_path / 'out'}"]) == 2
+    assert "checkpoint_dir" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()

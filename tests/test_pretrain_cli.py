@@ -144,7 +144,7 @@ def test_unwritable_output_dir(tmp_path, small_corpus, capsys):
 
 def test_generate_from_missing_or_truncated_checkpoint(finished_run, tmp_path, capsys):
     assert main(["generate", "--checkpoint", str(tmp_path / "nothing"), "--prompt", "A"]) == 1
-    assert "no checkpoint found" in capsys.readouterr().err
+    assert "does not exist" in capsys.readouterr().err
     broken = tmp_path / "broken"
     shutil.copytree(finished_run / "checkpoints" / "step_00000012", broken)
     weights = broken / "model.safetensors"

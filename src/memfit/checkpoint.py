@@ -3,7 +3,8 @@
 Layout of ``output_dir/checkpoints/step_00000250/``:
 
 - ``model.safetensors``: the weights under Hugging Face ``LlamaForCausalLM`` names (a tied ``lm_head.weight``
-  is stored once, as ``model.embed_tokens.weight``);
+  is stored once, as ``model.embed_tokens.weight``); or, for LoRA and adapter runs, ``adapter.safetensors``: only
+  the trainable weights (the frozen base is re-read from the run's ``checkpoint_dir``);
 - ``model_config.json``: the :class:`~memfit.models.llama.LlamaConfig`;
 - ``optimizer.pt``: ``optimizer.state_dict()`` (tensors, numbers and lists only; read with ``weights_only=True``);
 - ``trainer_state.json``: step, data position, RNG states, the run config, and the byte size of every file here
@@ -35,6 +36,7 @@ from memfit.models.llama import LlamaConfig, RopeScaling
 
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 WEIGHTS = "model.safetensors"
+ADAPTER_WEIGHTS = "adapter.safetensors"
 MODEL_CONFIG = "model_config.json"
 OPTIMIZER = "optimizer.pt"
 TRAINER_STATE = "trainer_state.json"
@@ -66,7 +68,7 @@ def resolve_checkpoint(path: str | Path) -> Path:
         CheckpointError: neither exists.
     """
     p = Path(path)
-    if (p / WEIGHTS).is_file() or (p / TRAINER_STATE).is_file():
+    if (p / WEIGHTS).is_file() or (p / ADAPTER_WEIGHTS).is_file() or (p / TRAINER_STATE).is_file():
         return p
     latest = latest_checkpoint(p)
     if latest is None:
@@ -106,7 +108,8 @@ def check_writable(output_dir: str | Path) -> None:
         ) from None
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
+    """fsync a directory (its entries: renames and new files), ignoring filesystems that refuse it."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
@@ -119,13 +122,14 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _fsync_tree(path: Path) -> None:
+def fsync_tree(path: Path) -> None:
+    """fsync every file and directory under ``path`` (before renaming it into place)."""
     for p in sorted(path.rglob("*")):
         if p.is_file():
             with open(p, "rb") as f:
                 os.fsync(f.fileno())
     for d in [path, *[p for p in path.rglob("*") if p.is_dir()]]:
-        _fsync_dir(d)
+        fsync_dir(d)
 
 
 def model_config_to_dict(config: LlamaConfig) -> dict[str, Any]:
@@ -137,6 +141,11 @@ def model_config_from_dict(data: dict[str, Any]) -> LlamaConfig:
     if data.get("rope_scaling") is not None:
         data["rope_scaling"] = RopeScaling(**data["rope_scaling"])
     return LlamaConfig(**data)
+
+
+def trainable_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The parameters with ``requires_grad`` (LoRA / adapter weights), detached and contiguous."""
+    return {n: p.detach().contiguous() for n, p in model.named_parameters() if p.requires_grad}
 
 
 def _weights_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -187,6 +196,7 @@ def save_checkpoint(
     trainer_state: dict[str, Any],
     tokenizer,
     keep_last: int,
+    trainable_only: bool = False,
 ) -> Path:
     """Write a checkpoint atomically, then prune old ones.
 
@@ -199,6 +209,8 @@ def save_checkpoint(
         trainer_state: JSON-serialisable extras (config, data position, ...); ``step`` and RNG states are added.
         tokenizer: saved with its ``save`` method.
         keep_last: how many newest checkpoints to keep.
+        trainable_only: write only the trainable parameters, as ``adapter.safetensors`` (LoRA / adapter runs,
+            whose frozen base stays where ``checkpoint_dir`` points).
 
     Returns:
         The final checkpoint directory.
@@ -214,8 +226,11 @@ def save_checkpoint(
         if tmp.exists():
             shutil.rmtree(tmp)
         tmp.mkdir()
+        weights = trainable_state_dict(model) if trainable_only else _weights_state_dict(model)
         save_file(
-            _weights_state_dict(model), str(tmp / WEIGHTS), metadata={"format": "pt", "step": str(step)}
+            weights,
+            str(tmp / (ADAPTER_WEIGHTS if trainable_only else WEIGHTS)),
+            metadata={"format": "pt", "step": str(step)},
         )
         (tmp / MODEL_CONFIG).write_text(json.dumps(model_config_to_dict(model_config), indent=2))
         if optimizer is not None:
@@ -226,7 +241,7 @@ def save_checkpoint(
             str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()
         }
         (tmp / TRAINER_STATE).write_text(json.dumps(state, indent=2))
-        _fsync_tree(tmp)
+        fsync_tree(tmp)
         if final.exists():  # a checkpoint of the same step from an earlier (interrupted) attempt: replace it
             old = root / f".old-{final.name}-{os.getpid()}"
             os.replace(final, old)
@@ -234,7 +249,7 @@ def save_checkpoint(
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.replace(tmp, final)
-        _fsync_dir(root)
+        fsync_dir(root)
     except OSError as exc:
         shutil.rmtree(tmp, ignore_errors=True)
         raise CheckpointError(
@@ -266,7 +281,8 @@ def check_files(ckpt: Path, state: dict[str, Any], need_optimizer: bool) -> None
     Raises:
         CheckpointError: a file is missing or truncated; the message says which and what to do.
     """
-    needed = [WEIGHTS, MODEL_CONFIG] + ([OPTIMIZER] if need_optimizer else [])
+    weights = ADAPTER_WEIGHTS if (ckpt / ADAPTER_WEIGHTS).is_file() else WEIGHTS
+    needed = [weights, MODEL_CONFIG] + ([OPTIMIZER] if need_optimizer else [])
     for name in needed:
         if not (ckpt / name).is_file():
             raise CheckpointError(
@@ -324,19 +340,19 @@ def read_model_config(ckpt: Path) -> LlamaConfig:
 def load_weights(ckpt: Path, model: torch.nn.Module) -> None:
     """Load ``model.safetensors`` into ``model`` (strict; tied weights restored from the single stored copy).
 
+    A checkpoint holding ``adapter.safetensors`` instead loads into the model's trainable parameters (strict over
+    those: every one present, nothing else).
+
     Raises:
         CheckpointError: the file is missing, truncated, or its tensors do not match the model.
     """
+    if (ckpt / ADAPTER_WEIGHTS).is_file() and not (ckpt / WEIGHTS).is_file():
+        _load_trainable(ckpt / ADAPTER_WEIGHTS, model)
+        return
     path = ckpt / WEIGHTS
     if not path.is_file():
         raise CheckpointError(f"checkpoint weights '{path}' do not exist")
-    try:
-        tensors = load_file(str(path))
-    except (SafetensorError, OSError, ValueError) as exc:
-        raise CheckpointError(
-            f"checkpoint weights '{path}' are truncated or corrupt ({exc}); delete '{ckpt}' to fall back to the "
-            f"previous checkpoint"
-        ) from None
+    tensors = _read_safetensors(path)
     expected = model.state_dict()
     missing = [k for k in expected if k not in tensors and not _is_tied_alias(model, k, tensors)]
     unexpected = [k for k in tensors if k not in expected]
@@ -354,6 +370,37 @@ def load_weights(ckpt: Path, model: torch.nn.Module) -> None:
                     f"{tuple(tensor.shape)}"
                 )
             tensor.copy_(tensors[name])
+
+
+def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    try:
+        return load_file(str(path))
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise CheckpointError(
+            f"checkpoint weights '{path}' are truncated or corrupt ({exc}); delete '{path.parent}' to fall back to "
+            f"the previous checkpoint"
+        ) from None
+
+
+def _load_trainable(path: Path, model: torch.nn.Module) -> None:
+    tensors = _read_safetensors(path)
+    expected = dict(trainable_state_dict(model))
+    params = dict(model.named_parameters())
+    missing = [k for k in expected if k not in tensors]
+    unexpected = [k for k in tensors if k not in expected]
+    if missing or unexpected:
+        raise CheckpointError(
+            f"adapter weights '{path}' do not match the model's trainable parameters: missing {missing[:5]}, "
+            f"unexpected {unexpected[:5]} (was it written with other method / lora / adapter settings?)"
+        )
+    with torch.no_grad():
+        for name, tensor in tensors.items():
+            if tensor.shape != params[name].shape:
+                raise CheckpointError(
+                    f"adapter weights '{path}': '{name}' has shape {tuple(tensor.shape)}, the model expects "
+                    f"{tuple(params[name].shape)}"
+                )
+            params[name].copy_(tensor)
 
 
 def _is_tied_alias(model: torch.nn.Module, name: str, tensors: dict[str, torch.Tensor]) -> bool:

@@ -1,10 +1,12 @@
-"""memfit: pretrain and sample Llama models in the least memory (verbs: pretrain, generate).
+"""memfit: pretrain, fine-tune and sample Llama models in the least memory.
 
-Examples::
+Verbs: pretrain, finetune, generate, export. Examples::
 
     memfit pretrain                                   # the main job: Tiny Shakespeare, shipped in the package
     memfit pretrain --config configs/shakespeare_char.yaml max_steps=200 optimizer.lr=3e-4
     memfit generate --checkpoint out/shakespeare --prompt "ROMEO:" --max-new-tokens 200
+    memfit finetune --config configs/finetune_lora.yaml checkpoint_dir=path/to/Llama-3.2-1B data.path=data.json
+    memfit export --checkpoint out/finetune --out path/to/hf_dir   # a directory transformers loads
 
 Errors in the input (config keys, data files, checkpoints, output directories) are printed as one paragraph and
 exit with status 2 (configuration) or 1 (everything else), before anything is allocated or overwritten.
@@ -18,12 +20,22 @@ import sys
 
 from memfit.errors import ConfigError, MemfitError
 
+FINETUNE_DEFAULTS = {"output_dir": "out/finetune"}
+
 
 def _pretrain(args: argparse.Namespace) -> int:
     from memfit.config import load_config
     from memfit.train import train
 
-    cfg = load_config(args.config, args.overrides)
+    if args.verb == "finetune":
+        cfg = load_config(args.config, args.overrides, defaults=FINETUNE_DEFAULTS)
+        if cfg.checkpoint_dir is None:
+            raise ConfigError(
+                "config key 'checkpoint_dir': memfit finetune starts from pretrained weights; set "
+                "checkpoint_dir=DIR (a Hugging Face, Meta or memfit checkpoint), or use memfit pretrain"
+            )
+    else:
+        cfg = load_config(args.config, args.overrides)
     summary = train(cfg)
     print()
     print(f"final validation loss: {summary['final_val_loss']:.4f} nats/token")
@@ -46,7 +58,8 @@ def _generate(args: argparse.Namespace) -> int:
     from memfit.train import resolve_device
 
     device = resolve_device(args.device)
-    model, tokenizer = load_for_generation(args.checkpoint, device=device)
+    model, tokenizer, run_template = load_for_generation(args.checkpoint, device=device)
+    template = {"auto": run_template, "none": None}.get(args.template, args.template)
     text = generate_text(
         model,
         tokenizer,
@@ -55,11 +68,20 @@ def _generate(args: argparse.Namespace) -> int:
         temperature=args.temperature,
         top_k=args.top_k,
         seed=args.seed,
+        template=template,
     )
     if args.json:
-        print(json.dumps({"prompt": args.prompt, "text": text}))
+        print(json.dumps({"prompt": args.prompt, "template": template, "text": text}))
     else:
         print(text)
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    from memfit.convert import export_run
+
+    out = export_run(args.checkpoint, args.out, adapter_only=args.adapter_only, dtype=args.dtype)
+    print(f"exported to {out}")
     return 0
 
 
@@ -89,6 +111,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. max_steps=100")
     p.set_defaults(func=_pretrain)
 
+    f = sub.add_parser(
+        "finetune",
+        help="fine-tune pretrained weights (full, LoRA or adapter) on instructions, chats or text",
+        description="Fine-tune a Hugging Face, Meta or memfit checkpoint (checkpoint_dir) with method full, lora "
+        "or adapter, on instruction / chat records (data.format alpaca, dolly, sharegpt, openai; data.template "
+        "alpaca, llama2-chat, llama3-chat, chatml) or a text corpus. The same keys as pretrain; output_dir "
+        "defaults to out/finetune.",
+        epilog="keys and defaults:\n  " + "\n  ".join(describe_keys()),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    f.add_argument("--config", default=None, help="YAML preset, e.g. configs/finetune_lora.yaml")
+    f.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. checkpoint_dir=DIR method=lora")
+    f.set_defaults(func=_pretrain)
+
     g = sub.add_parser(
         "generate",
         help="sample text from a checkpoint",
@@ -103,8 +139,33 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=int, default=50, help="0 = no top-k restriction")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    g.add_argument("--json", action="store_true", help="print {prompt, text} as JSON")
+    g.add_argument(
+        "--template",
+        default="auto",
+        choices=["auto", "none", "alpaca", "llama2-chat", "llama3-chat", "chatml"],
+        help="prompt template: auto = the one the run fine-tuned with (none for pretraining runs and "
+        "foreign checkpoints); the prompt is then the user's message and only the reply is printed",
+    )
+    g.add_argument("--json", action="store_true", help="print {prompt, template, text} as JSON")
     g.set_defaults(func=_generate)
+
+    e = sub.add_parser(
+        "export",
+        help="write a checkpoint as a Hugging Face directory (config.json + safetensors + tokenizer)",
+        description="Export a memfit run or checkpoint (or convert a Meta checkpoint) to a Hugging Face "
+        "LlamaForCausalLM directory. LoRA runs are merged into the base weights, or with --adapter-only written "
+        "in PEFT's adapter format.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    e.add_argument("--checkpoint", required=True, help="memfit run or checkpoint dir, or a Meta/HF directory")
+    e.add_argument("--out", required=True, help="new directory to write (must not exist or be empty)")
+    e.add_argument(
+        "--adapter-only", action="store_true", help="LoRA runs: write only the adapter (PEFT format)"
+    )
+    e.add_argument(
+        "--dtype", default="auto", choices=["auto", "fp32", "bf16"], help="auto keeps the weights' dtype"
+    )
+    e.set_defaults(func=_export)
     return parser
 
 

@@ -31,6 +31,10 @@ from memfit.memory.techniques import AC_MODES
 DTYPES = ("fp32", "bf16", "bf16_mixed")
 DEVICES = ("auto", "cpu", "cuda")
 TOKENIZER_KINDS = ("bpe", "char", "file")
+METHODS = ("full", "lora", "adapter")
+DATA_FORMATS = ("text", "alpaca", "dolly", "sharegpt", "openai")
+TEMPLATES = ("alpaca", "llama2-chat", "llama3-chat", "chatml")
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head")
 
 OPTIMIZER_IMPLEMENTATIONS = ("foreach", "for_loop", "fused")
 
@@ -51,14 +55,52 @@ class TokenizerConfig:
 
 @dataclass
 class DataConfig:
-    """The pretraining corpus."""
+    """The training data: a text corpus (pretraining) or instruction / chat records (fine-tuning)."""
 
     path: str | None = None
-    """A UTF-8 text file, or a directory whose ``*.txt`` files are read in sorted order. ``None``: the Tiny
-    Shakespeare text shipped inside the package."""
+    """``format: text``: a UTF-8 text file, or a directory whose ``*.txt`` files are read in sorted order;
+    ``None`` is the Tiny Shakespeare text shipped inside the package. Other formats: a ``.json`` or ``.jsonl``
+    file of records."""
+    format: str = "text"
+    """``text`` (a corpus, cut into random windows), ``alpaca`` (``instruction``, ``input``, ``output``),
+    ``dolly`` (``instruction``, ``context``, ``response``), ``sharegpt`` (``conversations`` of ``from``/``value``)
+    or ``openai`` (``messages`` of ``role``/``content``)."""
+    template: str = "alpaca"
+    """Prompt template of instruction / chat formats: ``alpaca``, ``llama2-chat``, ``llama3-chat`` (needs the
+    Llama 3 special tokens in the tokenizer) or ``chatml``. ``memfit generate`` applies the same one."""
+    column_map: dict[str, str] = field(default_factory=dict)
+    """Rename record fields, e.g. ``{instruction: question, output: answer}``."""
+    train_on_prompt: bool = False
+    """Also train on prompt tokens (by default only the replies count in the loss)."""
+    packing: bool = False
+    """Pack several samples into each ``seq_len`` row (no padding waste); attention and positions stay within
+    each sample (a block-diagonal causal mask), so a packed row computes what its samples would alone."""
+    skip_malformed: bool = False
+    """Skip (and count) malformed records instead of stopping with an error that names the file and record."""
     val_fraction: float = 0.1
-    """Fraction of the text (by characters, cut at a line boundary) held out for validation, taken from the end.
-    The tokenizer is trained on the training part only and the two parts never overlap."""
+    """Fraction held out for validation: of the text (by characters, cut at a line boundary, taken from the end;
+    the tokenizer is trained on the training part only), or of the records (a seeded random choice)."""
+
+
+@dataclass
+class LoraConfig:
+    """LoRA (Hu et al. 2021): trainable low-rank updates ``(alpha / rank) * B @ A`` beside frozen weights."""
+
+    rank: int = 8
+    alpha: float = 16.0
+    dropout: float = 0.05
+    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "v_proj"])
+    """Any of q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj, lm_head."""
+
+
+@dataclass
+class AdapterConfig:
+    """LLaMA-Adapter (Zhang et al. 2023): learned prompt tokens with zero-initialised gating in the top layers."""
+
+    prompt_length: int = 10
+    """Learned prompt tokens per adapted layer."""
+    num_layers: int = 0
+    """Adapt the top ``num_layers`` decoder layers; 0 means all of them."""
 
 
 @dataclass
@@ -101,7 +143,9 @@ class SampleConfig:
 
 @dataclass
 class TrainConfig:
-    """One pretraining run. Field names are the CLI's dotted override keys (``optimizer.lr=3e-4``)."""
+    """One run: pretraining, or fine-tuning (``checkpoint_dir`` set) with ``method`` full, lora or adapter.
+
+    Field names are the CLI's dotted override keys (``optimizer.lr=3e-4``)."""
 
     model: str = "shakespeare"
     """Model preset (see :mod:`memfit.models.presets`)."""
@@ -111,6 +155,17 @@ class TrainConfig:
     data: DataConfig = field(default_factory=DataConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     sample: SampleConfig = field(default_factory=SampleConfig)
+
+    method: str = "full"
+    """``full`` (every weight trains), ``lora`` or ``adapter`` (only the small added weights train: they alone
+    get gradients and optimizer state; needs ``checkpoint_dir``)."""
+    checkpoint_dir: str | None = None
+    """Start from these weights (fine-tuning): a Hugging Face directory (config.json + safetensors), Meta's
+    original format (params.json + consolidated.*.pth) or a memfit run / checkpoint directory. The architecture
+    and the tokenizer come from it (``model``, ``model_args`` and ``tokenizer`` are then not used). ``None``:
+    random initialisation of ``model`` (pretraining)."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    adapter: AdapterConfig = field(default_factory=AdapterConfig)
 
     output_dir: str = "out/shakespeare"
     """Where checkpoints, tokenized data, ``metrics.jsonl``, TensorBoard events and the loss plot go."""
@@ -317,13 +372,17 @@ def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def load_config(path: str | Path | None, overrides: list[str] | None = None) -> TrainConfig:
+def load_config(
+    path: str | Path | None, overrides: list[str] | None = None, defaults: dict[str, Any] | None = None
+) -> TrainConfig:
     """Build a validated :class:`TrainConfig` from an optional YAML file and dotted overrides.
 
     Args:
         path: YAML file whose keys are :class:`TrainConfig` fields (nested sections as mappings), or ``None``
             for the defaults (the Tiny Shakespeare main job).
         overrides: ``key=value`` strings applied after the file, e.g. ``["optimizer.lr=3e-4"]``.
+        defaults: nested values applied before the file (a verb's own defaults, e.g. ``memfit finetune``'s
+            ``output_dir``).
 
     Returns:
         The configuration, validated.
@@ -348,19 +407,25 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
         if not isinstance(loaded, dict):
             raise ConfigError(f"config file '{path}' must hold a mapping of keys to values")
         tree = loaded
-    tree = _merge(tree, parse_overrides(overrides or []))
+    tree = _merge(_merge(defaults or {}, tree), parse_overrides(overrides or []))
     cfg = config_from_dict(tree)
     return cfg
 
 
-def config_from_dict(tree: dict[str, Any]) -> TrainConfig:
+def config_from_dict(tree: dict[str, Any], check: bool = True) -> TrainConfig:
     """Build and validate a :class:`TrainConfig` from a nested dict (as saved in a checkpoint).
+
+    Args:
+        tree: nested keys and values.
+        check: run :func:`validate` (off to read back a finished run's settings on another machine, e.g. one
+            trained with ``device: cuda``).
 
     Raises:
         ConfigError: as :func:`load_config`.
     """
     cfg = _from_dict(TrainConfig, tree)
-    validate(cfg)
+    if check:
+        validate(cfg)
     return cfg
 
 
@@ -439,6 +504,7 @@ def validate(cfg: TrainConfig) -> None:
         "data.val_fraction",
         f"must be in (0, 1), got {cfg.data.val_fraction}",
     )
+    _validate_finetuning(cfg)
 
     opt = cfg.optimizer
     _one_of(opt.name, OPTIMIZER_NAMES, "optimizer.name")
@@ -514,6 +580,8 @@ def validate(cfg: TrainConfig) -> None:
         mcfg = model_config(cfg.model, **args)
     except (ValueError, TypeError) as exc:
         raise ConfigError(f"config key 'model_args': {exc}") from None
+    if cfg.checkpoint_dir is not None:
+        return  # the architecture comes from the checkpoint: train() checks seq_len against it before loading
     preset_vocab = cfg.model_args.get("vocab_size", MODEL_PRESETS[cfg.model].get("vocab_size"))
     if tok.kind == "bpe" and preset_vocab is not None:
         _require(
@@ -533,4 +601,66 @@ def validate(cfg: TrainConfig) -> None:
         cfg.seq_len <= mcfg.max_seq_len,
         "seq_len",
         f"{cfg.seq_len} exceeds the model's max_seq_len {mcfg.max_seq_len}; lower seq_len or set model_args.max_seq_len",
+    )
+
+
+def _validate_finetuning(cfg: TrainConfig) -> None:
+    """The fine-tuning keys: method, checkpoint_dir, instruction data, LoRA and adapter settings."""
+    data = cfg.data
+    _one_of(cfg.method, METHODS, "method")
+    _one_of(data.format, DATA_FORMATS, "data.format")
+    _one_of(data.template, TEMPLATES, "data.template")
+    _require(
+        cfg.method == "full" or cfg.checkpoint_dir is not None,
+        "method",
+        f"{cfg.method!r} trains small added weights beside frozen pretrained ones and needs checkpoint_dir "
+        f"(a Hugging Face, Meta or memfit checkpoint); use method=full to train from scratch",
+    )
+    if cfg.checkpoint_dir is not None:
+        _require(
+            not cfg.model_args,
+            "model_args",
+            "the architecture comes from checkpoint_dir; remove model_args (seq_len sets the training length)",
+        )
+    if data.format != "text":
+        _require(data.path is not None, "data.path", f"is required for data.format={data.format!r}")
+        _require(
+            cfg.checkpoint_dir is not None or cfg.tokenizer.kind == "file",
+            "data.format",
+            f"{data.format!r} records need a fixed tokenizer: set checkpoint_dir (its tokenizer is used) or "
+            f"tokenizer.kind=file with tokenizer.path",
+        )
+    _require(
+        not data.packing or data.format != "text",
+        "data.packing",
+        "applies to instruction / chat records; a text corpus is already cut into full windows",
+    )
+    _require(
+        not data.packing or cfg.seq_len > 0,
+        "seq_len",
+        "data.packing fills rows of exactly seq_len tokens; set seq_len (e.g. 2048) rather than the model's "
+        "whole context",
+    )
+    for key in data.column_map:
+        _require(
+            isinstance(data.column_map[key], str),
+            f"data.column_map.{key}",
+            f"must name a record field (a string), got {data.column_map[key]!r}",
+        )
+    lora = cfg.lora
+    _require(lora.rank >= 1, "lora.rank", f"must be >= 1, got {lora.rank}")
+    _require(lora.alpha > 0, "lora.alpha", f"must be > 0, got {lora.alpha}")
+    _require(0 <= lora.dropout < 1, "lora.dropout", f"must be in [0, 1), got {lora.dropout}")
+    _require(bool(lora.target_modules), "lora.target_modules", "must name at least one module")
+    for name in lora.target_modules:
+        _one_of(name, LORA_TARGETS, "lora.target_modules")
+    _require(
+        cfg.adapter.prompt_length >= 1,
+        "adapter.prompt_length",
+        f"must be >= 1, got {cfg.adapter.prompt_length}",
+    )
+    _require(
+        cfg.adapter.num_layers >= 0,
+        "adapter.num_layers",
+        f"must be >= 0 (0 = all), got {cfg.adapter.num_layers}",
     )

@@ -7,6 +7,7 @@ architecture-only and is fast enough for the small models memfit samples from at
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Collection
 from pathlib import Path
 
 import torch
@@ -24,7 +25,7 @@ def generate(
     max_new_tokens: int,
     temperature: float = 1.0,
     top_k: int = 0,
-    eos_id: int | None = None,
+    eos_id: int | Collection[int] | None = None,
     generator: torch.Generator | None = None,
     autocast_dtype: torch.dtype | None = None,
     vocab_limit: int | None = None,
@@ -37,7 +38,7 @@ def generate(
         max_new_tokens: how many tokens to add at most.
         temperature: softmax temperature; 0 picks the most likely token (greedy).
         top_k: sample among the ``top_k`` most likely tokens; 0 means all.
-        eos_id: stop after this token is produced.
+        eos_id: stop after this token (or any of these tokens) is produced.
         generator: the random source (seed it for reproducible samples).
         autocast_dtype: run the forward under autocast of this dtype.
         vocab_limit: sample only ids below this (the tokenizer's size when the embedding is padded beyond it).
@@ -46,6 +47,7 @@ def generate(
         ``(1, T0 + n)`` int64: the prompt followed by the ``n <= max_new_tokens`` new tokens.
     """
     max_len = model.config.max_seq_len
+    stop = {eos_id} if isinstance(eos_id, int) else set(eos_id or ())
     for _ in range(max_new_tokens):
         context = ids[:, -max_len:]  # (1, <= max_seq_len)
         ctx = (
@@ -65,7 +67,7 @@ def generate(
             probs = torch.softmax(logits, dim=-1)
             nxt = torch.multinomial(probs, 1, generator=generator)  # (1, 1)
         ids = torch.cat([ids, nxt], dim=1)
-        if eos_id is not None and int(nxt) == eos_id:
+        if int(nxt) in stop:
             break
     return ids
 
@@ -80,15 +82,33 @@ def generate_text(
     top_k: int,
     seed: int = 0,
     dtype: str = "fp32",
+    template: str | None = None,
 ) -> str:
     """Encode ``prompt``, sample a continuation and decode it.
 
+    Args:
+        model: the model.
+        tokenizer: its tokenizer.
+        prompt: text to continue, or with ``template`` the user's message.
+        max_new_tokens, temperature, top_k, seed: see :func:`generate`.
+        dtype: the dtype policy (``bf16_mixed`` samples under bf16 autocast).
+        template: a prompt template of :mod:`memfit.data.instruct` (``alpaca``, ``llama3-chat``, ...): the prompt
+            becomes one user turn rendered as in fine-tuning, and sampling stops at the template's end-of-turn
+            tokens. ``None``: plain continuation.
+
     Returns:
-        ``prompt`` exactly as given, followed by the generated text (special tokens left out). An empty prompt
-        starts from BOS.
+        Without a template: ``prompt`` exactly as given, followed by the generated text. With one: the reply only.
+        Special tokens are left out; an empty prompt without a template starts from BOS.
     """
     device = next(model.parameters()).device
-    ids = tokenizer.encode(prompt)
+    if template is not None:
+        from memfit.data.instruct import encode_prompt, stop_token_ids
+
+        ids = encode_prompt([{"role": "user", "content": prompt}], template, tokenizer)
+        stop: int | list[int] | None = stop_token_ids(template, tokenizer)
+    else:
+        ids = tokenizer.encode(prompt)
+        stop = tokenizer.eos_id
     if not ids:
         ids = [tokenizer.bos_id if tokenizer.bos_id is not None else 0]
     generator = torch.Generator(device=device).manual_seed(seed)
@@ -98,7 +118,7 @@ def generate_text(
         max_new_tokens=max_new_tokens,
         temperature=temperature,
         top_k=top_k,
-        eos_id=tokenizer.eos_id,
+        eos_id=stop,
         generator=generator,
         autocast_dtype=torch.bfloat16 if dtype == "bf16_mixed" else None,
         vocab_limit=tokenizer.vocab_size,
@@ -106,26 +126,52 @@ def generate_text(
     # special tokens (BOS, EOS, <unk>, ...) are not text: leave them out of what is shown
     specials = set(tokenizer.special_tokens.values())
     new_ids = [i for i in out[0, len(ids) :].tolist() if i not in specials]
-    return prompt + tokenizer.decode(new_ids)
+    reply = tokenizer.decode(new_ids)
+    return reply if template is not None else prompt + reply
 
 
-def load_for_generation(path: str | Path, device: str | torch.device = "cpu") -> tuple[Llama, object]:
-    """Load model and tokenizer from a checkpoint directory or a run directory (its newest checkpoint).
+def load_for_generation(
+    path: str | Path, device: str | torch.device = "cpu"
+) -> tuple[Llama, object, str | None]:
+    """Load a model, its tokenizer and its prompt template for sampling.
+
+    Args:
+        path: a memfit run directory (its newest checkpoint) or checkpoint directory — a LoRA / adapter run's
+            checkpoint is its base (``checkpoint_dir``) with the trained weights applied — or a Hugging Face or
+            Meta checkpoint directory.
+        device: where to put the model.
+
+    Returns:
+        ``(model, tokenizer, template)``; ``template`` is the one the run fine-tuned with, ``None`` for a text
+        corpus or a foreign checkpoint.
 
     Raises:
         CheckpointError: nothing loadable is there, or a file is truncated.
     """
+    from memfit.config import config_from_dict
+    from memfit.convert import detect_format, load_pretrained
     from memfit.tokenizer import load_tokenizer
+    from memfit.train import apply_method, run_template
 
+    if detect_format(path) != "memfit":
+        model, tokenizer, _ = load_pretrained(path, device=device)
+        if tokenizer is None:
+            raise CheckpointError(f"checkpoint '{path}' has no tokenizer (tokenizer.json or tokenizer.model)")
+        return model.eval(), tokenizer, None
     ckpt = ckpt_io.resolve_checkpoint(path)
     mcfg = ckpt_io.read_model_config(ckpt)
     state = ckpt_io.read_trainer_state(ckpt)
     ckpt_io.check_files(ckpt, state, need_optimizer=False)
-    dtype = {"bf16": torch.bfloat16}.get(state.get("config", {}).get("dtype"), torch.float32)
+    cfg = config_from_dict(state.get("config", {}), check=False)
+    dtype = {"bf16": torch.bfloat16}.get(cfg.dtype, torch.float32)
     if not (ckpt / "tokenizer").is_dir():
         raise CheckpointError(f"checkpoint '{ckpt}' has no tokenizer/ directory; it is incomplete")
     tokenizer = load_tokenizer(ckpt / "tokenizer")
-    model = build_llama(mcfg, device=device, dtype=dtype, init=False)
+    if cfg.method == "full":
+        model = build_llama(mcfg, device=device, dtype=dtype, init=False)
+    else:  # the frozen base, then the method's weights from the checkpoint
+        model = load_pretrained(cfg.checkpoint_dir, device=device, dtype=dtype)[0]
+        apply_method(model, cfg)
     ckpt_io.load_weights(ckpt, model)
     model.eval()
-    return model, tokenizer
+    return model, tokenizer, run_template(cfg)

@@ -315,6 +315,9 @@ class HFTokenizer(Tokenizer):
         tokenizer: The ``tokenizers.Tokenizer``.
         bos_token: Text of the BOS token, or ``None``.
         eos_token: Text of the EOS token, or ``None``.
+        extra_special_tokens: Tokens of the vocabulary to treat as special although ``tokenizer.json`` does not
+            mark them so (a Hugging Face ``tokenizer_config.json`` may list them); tokens not in the vocabulary
+            are ignored.
 
     Raises:
         TokenizerError: ``bos_token`` or ``eos_token`` is not in the vocabulary.
@@ -322,11 +325,23 @@ class HFTokenizer(Tokenizer):
 
     kind = "bpe"
 
-    def __init__(self, tokenizer: Any, bos_token: str | None, eos_token: str | None):
+    def __init__(
+        self,
+        tokenizer: Any,
+        bos_token: str | None,
+        eos_token: str | None,
+        extra_special_tokens: Sequence[str] = (),
+    ):
+        from tokenizers import AddedToken
+
         self._tok = tokenizer
         # Special tokens written in the text are encoded as text (the setting is not saved in tokenizer.json).
         self._tok.encode_special_tokens = True
         vocab = tokenizer.get_vocab(with_added_tokens=True)
+        specials = {t.content for t in tokenizer.get_added_tokens_decoder().values() if t.special}
+        extra = [t for t in extra_special_tokens if t in vocab and t not in specials]
+        if extra:  # re-adding an existing token as special keeps its id; encode then treats its text as text
+            tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in extra])
         self._vocab_size = max(vocab.values()) + 1 if vocab else 0
         self._specials = {t.content: i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special}
         for name, token in (("bos_token", bos_token), ("eos_token", eos_token)):
@@ -863,8 +878,9 @@ def _load_hf(path: Path, bos_eos: tuple[Any, Any] | None = None) -> HFTokenizer:
     except Exception as e:  # tokenizers raises a bare Exception with serde's message
         raise TokenizerError(f"'{path}' is not a valid Hugging Face tokenizer.json: {e}") from e
     bos, eos = bos_eos if bos_eos is not None else _hf_bos_eos(path.parent, tok)
+    extra = _hf_extra_specials(path.parent) if bos_eos is None else ()
     try:
-        return HFTokenizer(tok, _token_text(bos), _token_text(eos))
+        return HFTokenizer(tok, _token_text(bos), _token_text(eos), extra)
     except TokenizerError as e:
         raise TokenizerError(f"'{path}': {e}") from e
 
@@ -880,6 +896,25 @@ def _hf_bos_eos(directory: Path, tok: Any) -> tuple[Any, Any]:
     bos = next((t for t in _BOS_NAMES if t in specials), None)
     eos = next((t for t in _EOS_NAMES if t in specials), None)
     return bos, eos
+
+
+def _hf_extra_specials(directory: Path) -> list[str]:
+    """Tokens a Hugging Face ``tokenizer_config.json`` declares special: ``additional_special_tokens`` (4.x),
+    ``extra_special_tokens`` (5.x, a list or a dict) and ``added_tokens_decoder`` entries with ``special``."""
+    cfg_path = directory / CONFIG_NAME
+    if not cfg_path.is_file():
+        return []
+    cfg = _read_json(cfg_path)
+    if not isinstance(cfg, dict):
+        return []
+    found: list[Any] = []
+    for key in ("additional_special_tokens", "extra_special_tokens"):
+        value = cfg.get(key)
+        found += list(value.values()) if isinstance(value, dict) else value if isinstance(value, list) else []
+    decoder = cfg.get("added_tokens_decoder")
+    if isinstance(decoder, dict):
+        found += [t for t in decoder.values() if isinstance(t, dict) and t.get("special")]
+    return [t for t in (_token_text(v) for v in found) if t is not None]
 
 
 def _load_memfit(directory: Path, config: dict[str, Any], config_path: Path) -> Tokenizer:

@@ -1,4 +1,6 @@
-"""THE training loop. Pretraining (and, later, every fine-tuning method) is a configuration of :func:`train`.
+"""THE training loop. Pretraining and every fine-tuning method (full, LoRA, adapter) are configurations of
+:func:`train`: they differ only in where the weights start (random or ``checkpoint_dir``), which weights train
+(``method``) and where batches come from (text windows or instruction samples, :class:`RunData`).
 
 Read top to bottom: set-up (validate, data, model, optimizer, resume), then the loop with its "once in a while"
 blocks (log, evaluate, checkpoint), then the end (final evaluation, checkpoint, plot, sample). The step itself is
@@ -19,8 +21,10 @@ Dtype policy (``dtype``):
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 import time
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,6 +47,7 @@ from memfit.memory.techniques import (
 )
 from memfit.metrics import MetricsLogger, plot_losses
 from memfit.models.llama import Llama, LlamaConfig, build_llama
+from memfit.models.peft import lora_effective_weight
 from memfit.models.presets import MODEL_PRESETS, model_config
 
 PARAM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "bf16_mixed": torch.float32}
@@ -115,6 +120,7 @@ def micro_batch_loss(
     dtype: str,
     chunked_cross_entropy_chunks: int = 0,
     offload_activations: bool = False,
+    doc_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Summed cross-entropy of one micro-batch (the forward half of a step).
 
@@ -126,22 +132,24 @@ def micro_batch_loss(
         chunked_cross_entropy_chunks: > 0 computes the loss chunk by chunk from the hidden states, never
             materialising the ``(B, T, vocab_size)`` logits.
         offload_activations: save tensors for backward in pinned host memory (CUDA).
+        doc_ids: ``(B, T)`` ids of the samples packed into each row, or ``None`` (one sequence per row).
 
     Returns:
         0-dim fp32 summed loss in nats.
     """
     with autocast_context(dtype, inputs.device.type), activation_offloading(offload_activations):
         if chunked_cross_entropy_chunks > 0:
-            hidden = model.model(inputs)  # (B, T, dim)
-            return chunked_cross_entropy(hidden, model.lm_head.weight, targets, chunked_cross_entropy_chunks)
-        logits = model(inputs)  # (B, T, V)
+            hidden = model.model(inputs, doc_ids)  # (B, T, dim)
+            weight = lora_effective_weight(model.lm_head)  # (V, dim); with LoRA on lm_head: W + scale * B @ A
+            return chunked_cross_entropy(hidden, weight, targets, chunked_cross_entropy_chunks)
+        logits = model(inputs, doc_ids)  # (B, T, V)
         return loss_sum(logits, targets)
 
 
 def train_step(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
-    micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
+    micro_batches: list[tuple[torch.Tensor, ...]],
     *,
     max_grad_norm: float,
     dtype: str,
@@ -161,7 +169,8 @@ def train_step(
     Args:
         model: maps ``(B, T)`` int64 ids to ``(B, T, vocab_size)`` logits.
         optimizer: over the model's trainable parameters; its learning rate is already set for this step.
-        micro_batches: ``[(inputs, targets), ...]``, each ``(B, T)`` int64 on the model's device.
+        micro_batches: ``[(inputs, targets), ...]`` or ``[(inputs, targets, doc_ids), ...]``, each ``(B, T)``
+            int64 on the model's device (``doc_ids``: packed samples, or ``None``).
         max_grad_norm: clip the global gradient norm to this; 0 disables clipping.
         dtype: the dtype policy (``fp32``, ``bf16``, ``bf16_mixed``).
         chunked_cross_entropy_chunks: see :func:`micro_batch_loss`.
@@ -172,10 +181,10 @@ def train_step(
         A :class:`StepResult` of device tensors (no host sync happened).
     """
     in_backward = isinstance(optimizer, OptimizerInBackward)
-    num_tokens = torch.stack([(t != IGNORE_INDEX).sum() for _, t in micro_batches]).sum()
+    num_tokens = torch.stack([(mb[1] != IGNORE_INDEX).sum() for mb in micro_batches]).sum()
     denom = num_tokens.clamp(min=1).float()
     total = torch.zeros((), dtype=torch.float32, device=micro_batches[0][0].device)
-    for inputs, targets in micro_batches:
+    for inputs, targets, *rest in micro_batches:
         _phase(tracker, "forward")
         loss = (
             micro_batch_loss(
@@ -185,6 +194,7 @@ def train_step(
                 dtype=dtype,
                 chunked_cross_entropy_chunks=chunked_cross_entropy_chunks,
                 offload_activations=offload_activations,
+                doc_ids=rest[0] if rest else None,
             )
             / denom
         )
@@ -209,34 +219,41 @@ def train_step(
 @torch.no_grad()
 def evaluate(
     model: torch.nn.Module,
-    windows: TokenWindows,
+    batches: Iterable[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]],
     *,
-    batch_size: int,
-    num_batches: int,
-    seed: int,
     dtype: str,
     device: torch.device,
     chunked_cross_entropy_chunks: int = 0,
 ) -> float:
-    """Mean cross-entropy per token over ``num_batches`` fixed validation windows (the same at every call).
+    """Mean cross-entropy per counted token over ``batches`` (the same fixed validation batches at every call).
+
+    Args:
+        model: the model (put in eval mode for the call).
+        batches: ``(inputs, targets, doc_ids)`` on the CPU; ``targets`` ``-100`` does not count.
+        dtype: the dtype policy.
+        device: where the model is.
+        chunked_cross_entropy_chunks: see :func:`micro_batch_loss`.
 
     Returns:
-        Validation loss in nats/token.
+        Validation loss in nats/token (NaN when no token counted).
     """
     was_training = model.training
     model.eval()
     total = torch.zeros((), dtype=torch.float64, device=device)
     count = 0
-    for i in range(num_batches):
-        inputs, targets = windows.batch(batch_size, batch_rng(seed, VAL, i))
-        inputs, targets = inputs.to(device), targets.to(device)
+    for inputs, targets, doc_ids in batches:
         loss = micro_batch_loss(
-            model, inputs, targets, dtype=dtype, chunked_cross_entropy_chunks=chunked_cross_entropy_chunks
+            model,
+            inputs.to(device),
+            targets.to(device),
+            dtype=dtype,
+            chunked_cross_entropy_chunks=chunked_cross_entropy_chunks,
+            doc_ids=None if doc_ids is None else doc_ids.to(device),
         )
         total += loss.double()
-        count += targets.numel()
+        count += int((targets != IGNORE_INDEX).sum())
     model.train(was_training)
-    return float(total.item() / count)
+    return float(total.item() / count) if count else math.nan
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -258,6 +275,8 @@ def make_tokenizer(cfg: TrainConfig, train_text: str):
 
 def tokenizer_settings(cfg: TrainConfig) -> dict[str, Any]:
     """The tokenizer settings that matter for ``cfg.tokenizer.kind`` (the cache and resume key)."""
+    if cfg.checkpoint_dir is not None:
+        return {"kind": "checkpoint", "path": str(cfg.checkpoint_dir)}
     tok = cfg.tokenizer
     extra = {"bpe": {"vocab_size": tok.vocab_size}, "file": {"path": tok.path}}.get(tok.kind, {})
     return {"kind": tok.kind, **extra}
@@ -300,13 +319,201 @@ def _load_run_state(cfg: TrainConfig) -> tuple[Path | None, dict[str, Any] | Non
     return latest, state
 
 
+Batch = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
+"""``(inputs, targets, doc_ids)``: ``(B, T)`` int64 each; ``doc_ids`` is ``None`` unless samples are packed."""
+
+
+@dataclass
+class RunData:
+    """Where a run's batches come from: text windows (pretraining) or instruction / chat samples.
+
+    Both are pure functions of the step, so a resumed run sees exactly the batches it would have seen.
+    """
+
+    train_batch: Callable[[int, int], Batch]
+    """``(step, micro_step) -> Batch`` on the CPU."""
+    val_batches: Callable[[], Iterator[Batch]]
+    """The fixed validation batches."""
+    summary: str
+    """One line for the start-of-run banner."""
+
+
+def text_data(cfg: TrainConfig, corpus, seq_len: int) -> RunData:
+    """Random ``seq_len`` windows of a tokenized corpus (see :class:`~memfit.data.corpus.TokenWindows`)."""
+    train_windows = TokenWindows(corpus.train_path, seq_len)
+    val_windows = TokenWindows(corpus.val_path, seq_len)
+
+    def train_batch(step: int, micro: int) -> Batch:
+        return (*train_windows.batch(cfg.batch_size, batch_rng(cfg.seed, TRAIN, step, micro)), None)
+
+    def val_batches() -> Iterator[Batch]:
+        for i in range(cfg.eval_batches):
+            yield (*val_windows.batch(cfg.batch_size, batch_rng(cfg.seed, VAL, i)), None)
+
+    return RunData(
+        train_batch, val_batches, f"{corpus.train_tokens:,} train / {corpus.val_tokens:,} val tokens"
+    )
+
+
+def instruct_data(cfg: TrainConfig, tokenizer, seq_len: int) -> RunData:
+    """Instruction / chat samples rendered with ``data.template`` (see :mod:`memfit.data.instruct`).
+
+    Training batches walk seeded epoch permutations (see :func:`~memfit.data.instruct.batch_position`);
+    validation batches walk the held-out samples once, in order, up to ``eval_batches`` batches.
+    """
+    from memfit.data.instruct import batch_position, prepare_instruct
+
+    d = cfg.data
+    data = prepare_instruct(
+        d.path,
+        d.format,
+        d.template,
+        tokenizer,
+        max_seq_len=seq_len,
+        val_fraction=d.val_fraction,
+        seed=cfg.seed,
+        train_on_prompt=d.train_on_prompt,
+        packing=d.packing,
+        skip_malformed=d.skip_malformed,
+        column_map=d.column_map or None,
+    )
+
+    def train_batch(step: int, micro: int) -> Batch:
+        position = batch_position(step, micro, cfg.batch_size, cfg.gradient_accumulation_steps)
+        return data.train.batch(cfg.batch_size, position, cfg.seed)
+
+    def val_batches() -> Iterator[Batch]:
+        return itertools.islice(data.val.epoch_batches(cfg.batch_size), cfg.eval_batches)
+
+    stats = data.stats
+    summary = (
+        f"{stats.num_records:,} records ({d.format}, template {d.template}): {len(data.train):,} train / "
+        f"{len(data.val):,} val {'rows' if d.packing else 'samples'}"
+        + (f" ({stats.packing_efficiency:.0%} tokens, the rest padding)" if d.packing else "")
+        + f", {stats.num_tokens:,} tokens ({stats.num_label_tokens:,} trained), {stats.num_truncated:,} truncated to "
+        f"{seq_len + 1} tokens, {stats.num_dropped:,} dropped (no reply left), {stats.num_skipped:,} malformed "
+        f"skipped"
+    )
+    return RunData(train_batch, val_batches, summary)
+
+
+def checkpoint_tokenizer(path: str | Path):
+    """The tokenizer stored with a Hugging Face, Meta or memfit checkpoint (read without the weights).
+
+    Raises:
+        CheckpointError: the checkpoint has no tokenizer.
+    """
+    from memfit.convert import detect_format
+    from memfit.tokenizer import load_tokenizer
+
+    fmt = detect_format(path)
+    where = ckpt_io.resolve_checkpoint(path) / "tokenizer" if fmt == "memfit" else Path(path)
+    try:
+        return load_tokenizer(where)
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(
+            f"checkpoint_dir '{path}' has no usable tokenizer ({exc}); fine-tuning needs the tokenizer the model was "
+            f"trained with (tokenizer.json or tokenizer.model beside the weights)"
+        ) from None
+
+
+def checkpoint_model_config(path: str | Path) -> LlamaConfig:
+    """The architecture of a Hugging Face, Meta or memfit checkpoint, read without the weights."""
+    from memfit.convert import read_config
+
+    return read_config(path)[0]
+
+
+def run_template(cfg: TrainConfig) -> str | None:
+    """The prompt template a run's samples were rendered with (``None`` for a text corpus)."""
+    return None if cfg.data.format == "text" else cfg.data.template
+
+
+def apply_method(model: Llama, cfg: TrainConfig) -> None:
+    """Add and unfreeze the weights ``cfg.method`` trains (LoRA or adapter; ``full`` trains everything).
+
+    The new weights are initialised from ``cfg.seed``, so a run (and its resume) is a function of its config.
+    """
+    if cfg.method == "full":
+        return
+    from memfit.models import peft
+
+    if cfg.method == "lora":
+        peft.apply_lora(
+            model,
+            rank=cfg.lora.rank,
+            alpha=cfg.lora.alpha,
+            dropout=cfg.lora.dropout,
+            target_modules=tuple(cfg.lora.target_modules),
+            seed=cfg.seed,
+        )
+    else:
+        peft.apply_adapter(
+            model,
+            prompt_length=cfg.adapter.prompt_length,
+            num_layers=cfg.adapter.num_layers or None,
+            seed=cfg.seed,
+        )
+
+
+def build_model(cfg: TrainConfig, mcfg: LlamaConfig, device: torch.device) -> Llama:
+    """The model a run starts from: random init (pretraining) or ``checkpoint_dir``'s weights, with the method
+    applied. Weights are materialised tensor by tensor in the dtype policy's parameter dtype."""
+    dtype = PARAM_DTYPES[cfg.dtype]
+    if cfg.checkpoint_dir is None:
+        torch.manual_seed(cfg.seed)
+        model = build_llama(mcfg, device=device, dtype=dtype, seed=cfg.seed)
+    else:
+        from memfit.convert import load_pretrained
+
+        model = load_pretrained(cfg.checkpoint_dir, device=device, dtype=dtype)[0]
+    apply_method(model, cfg)
+    return model
+
+
+def check_lengths(cfg: TrainConfig, mcfg: LlamaConfig, vocab_size: int) -> int:
+    """The training sequence length, checked against the model.
+
+    Raises:
+        ConfigError: ``seq_len`` exceeds the model's context, chunked cross-entropy has more chunks than tokens,
+            or the tokenizer has more ids than the embedding.
+    """
+    seq_len = cfg.seq_len or mcfg.max_seq_len
+    if seq_len > mcfg.max_seq_len:
+        raise ConfigError(
+            f"config key 'seq_len': {seq_len} exceeds the model's max_seq_len {mcfg.max_seq_len}; lower seq_len"
+        )
+    if cfg.chunked_cross_entropy > cfg.batch_size * seq_len:
+        raise ConfigError(
+            f"config key 'chunked_cross_entropy': {cfg.chunked_cross_entropy} chunks exceed the "
+            f"{cfg.batch_size * seq_len} tokens of a micro-batch; use at most that many (4-16 is typical)"
+        )
+    if cfg.method == "lora" and "lm_head" in cfg.lora.target_modules and mcfg.tie_word_embeddings:
+        raise ConfigError(
+            "config key 'lora.target_modules': this model ties lm_head to the input embedding, so a LoRA update "
+            "of lm_head would also change the embedding when merged; leave lm_head out"
+        )
+    if cfg.method == "adapter" and cfg.adapter.num_layers > mcfg.num_layers:
+        raise ConfigError(
+            f"config key 'adapter.num_layers': {cfg.adapter.num_layers} exceeds the model's {mcfg.num_layers} "
+            f"layers; use at most {mcfg.num_layers} (0 adapts all)"
+        )
+    if vocab_size > mcfg.vocab_size:
+        raise ConfigError(
+            f"config key 'checkpoint_dir': the tokenizer has {vocab_size} ids but the model only "
+            f"{mcfg.vocab_size} embeddings; the tokenizer does not belong to these weights"
+        )
+    return seq_len
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # The loop
 # ----------------------------------------------------------------------------------------------------------------
 
 
 def train(cfg: TrainConfig) -> dict[str, Any]:
-    """Run pretraining as ``cfg`` describes (the config must come from :func:`memfit.config.load_config`).
+    """Run pretraining or fine-tuning as ``cfg`` describes (the config must come from
+    :func:`memfit.config.load_config`).
 
     Returns:
         A summary: ``final_val_loss``, ``steps``, ``tokens_per_second_per_gpu`` (mean over the run),
@@ -315,13 +522,14 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     Raises:
         ConfigError, DataError, CheckpointError: bad input, reported before anything is allocated or overwritten.
     """
-    # --- set-up: output dir, resume state, data, tokenizer ------------------------------------------------------
+    # --- set-up: output dir, resume state, tokenizer, data (all checked before any weight is allocated) -------
     device = resolve_device(cfg.device)
     out = Path(cfg.output_dir)
     resume_dir, resume_state = _load_run_state(cfg)
     from memfit.tokenizer import load_tokenizer
 
     tokenizer_key = tokenizer_settings(cfg)
+    fixed_tokenizer = None  # None: trained on the corpus (bpe, char)
     if resume_dir is not None:
         saved_cfg = resume_state.get("config", {})
         saved_key = tokenizer_settings(config_from_dict(saved_cfg)) if saved_cfg else None
@@ -331,24 +539,37 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                 f"the config asks for {tokenizer_key}; resume with the same tokenizer settings or choose another "
                 f"output_dir"
             )
-        saved_tok = load_tokenizer(resume_dir / "tokenizer")
-        make, load = (lambda _text: saved_tok), (lambda _d: saved_tok)
+        fixed_tokenizer = load_tokenizer(resume_dir / "tokenizer")
+    elif cfg.checkpoint_dir is not None:
+        fixed_tokenizer = checkpoint_tokenizer(cfg.checkpoint_dir)
+    elif cfg.data.format != "text":
+        fixed_tokenizer = load_tokenizer(cfg.tokenizer.path)
+    start_config = checkpoint_model_config(cfg.checkpoint_dir) if cfg.checkpoint_dir is not None else None
+    if cfg.data.format == "text":
+        if fixed_tokenizer is not None:
+            make, load = (lambda _text: fixed_tokenizer), (lambda _d: fixed_tokenizer)
+        else:
+            make, load = (lambda text: make_tokenizer(cfg, text)), load_tokenizer
+        tokenizer, corpus = prepare_corpus(
+            cfg.data.path, cfg.data.val_fraction, make, out / "data", load, tokenizer_key=tokenizer_key
+        )
     else:
-        make, load = (lambda text: make_tokenizer(cfg, text)), load_tokenizer
-    tokenizer, corpus = prepare_corpus(
-        cfg.data.path, cfg.data.val_fraction, make, out / "data", load, tokenizer_key=tokenizer_key
+        tokenizer = fixed_tokenizer
+    out.mkdir(parents=True, exist_ok=True)
+    mcfg = start_config or resolve_model_config(cfg, tokenizer.vocab_size)
+    seq_len = check_lengths(cfg, mcfg, tokenizer.vocab_size)
+    data = (
+        text_data(cfg, corpus, seq_len)
+        if cfg.data.format == "text"
+        else instruct_data(cfg, tokenizer, seq_len)
     )
-    mcfg = resolve_model_config(cfg, tokenizer.vocab_size)
-    seq_len = cfg.seq_len or mcfg.max_seq_len
-    train_windows = TokenWindows(corpus.train_path, seq_len)
-    val_windows = TokenWindows(corpus.val_path, seq_len)
 
     # --- model and optimizer ----------------------------------------------------------------------------------
-    torch.manual_seed(cfg.seed)
-    model: Llama = build_llama(mcfg, device=device, dtype=PARAM_DTYPES[cfg.dtype], seed=cfg.seed)
+    model: Llama = build_model(cfg, mcfg, device)
     apply_activation_checkpointing(model, cfg.activation_checkpointing, cfg.activation_checkpointing_interval)
     optimizer = build_optimizer(model, cfg.optimizer, in_backward=cfg.optimizer_in_backward)
     num_params = sum(p.numel() for p in model.parameters())
+    num_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     start_step = 0
     if resume_dir is not None:
         if ckpt_io.read_model_config(resume_dir) != mcfg:
@@ -358,17 +579,19 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             )
         state = ckpt_io.load_checkpoint(resume_dir, model, optimizer)
         start_step = int(state["step"])
+    verb = "pretrain" if cfg.checkpoint_dir is None else f"finetune ({cfg.method})"
+    source = cfg.model if cfg.checkpoint_dir is None else cfg.checkpoint_dir
+    trainable = "" if num_trainable == num_params else f", {num_trainable:,} trainable"
     tqdm.write(
-        f"memfit pretrain: model {cfg.model} ({num_params:,} parameters), tokenizer {tokenizer.kind} "
-        f"({tokenizer.vocab_size:,} ids), {corpus.train_tokens:,} train / {corpus.val_tokens:,} val tokens, "
-        f"batch {cfg.batch_size} x {cfg.gradient_accumulation_steps} x {seq_len} tokens, dtype {cfg.dtype}, "
-        f"device {device}" + (f", resuming at step {start_step}" if start_step else "")
+        f"memfit {verb}: model {source} ({num_params:,} parameters{trainable}), tokenizer {tokenizer.kind} "
+        f"({tokenizer.vocab_size:,} ids), {data.summary}, batch {cfg.batch_size} x "
+        f"{cfg.gradient_accumulation_steps} x {seq_len} tokens, dtype {cfg.dtype}, device {device}"
+        + (f", resuming at step {start_step}" if start_step else "")
     )
 
     logger = MetricsLogger(out, tensorboard=cfg.tensorboard, resume_step=start_step if resume_dir else None)
     memory = PeakMemory(device)
     run_peak: dict[str, float] = {}
-    tokens_per_step = cfg.batch_size * cfg.gradient_accumulation_steps * seq_len
     interval_time, interval_tokens, total_time, total_tokens = 0.0, 0, 0.0, 0
     val_loss = math.nan
     trainer_state = {"config": config_to_dict(cfg), "data_position": "step"}
@@ -379,9 +602,6 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         "offload_activations": cfg.activation_offloading,
     }
     eval_options = {
-        "batch_size": cfg.batch_size,
-        "num_batches": cfg.eval_batches,
-        "seed": cfg.seed,
         "dtype": cfg.dtype,
         "device": device,
         "chunked_cross_entropy_chunks": cfg.chunked_cross_entropy,
@@ -394,7 +614,15 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
 
     def save(step: int) -> Path:
         return ckpt_io.save_checkpoint(
-            out, step, model, mcfg, optimizer, trainer_state, tokenizer, cfg.keep_last_checkpoints
+            out,
+            step,
+            model,
+            mcfg,
+            optimizer,
+            trainer_state,
+            tokenizer,
+            cfg.keep_last_checkpoints,
+            trainable_only=cfg.method != "full",
         )
 
     # --- the loop ---------------------------------------------------------------------------------------------
@@ -402,7 +630,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     bar = tqdm(
         total=cfg.max_steps,
         initial=start_step,
-        desc="pretrain",
+        desc=verb.split(" ")[0],
         unit="step",
         disable=not cfg.progress_bar,
         dynamic_ncols=True,
@@ -420,12 +648,10 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         for group in optimizer.param_groups:
             group["lr"] = lr
         micro_batches = [
-            tuple(
-                t.to(device, non_blocking=True)
-                for t in train_windows.batch(cfg.batch_size, batch_rng(cfg.seed, TRAIN, step, m))
-            )
+            tuple(t if t is None else t.to(device, non_blocking=True) for t in data.train_batch(step, m))
             for m in range(cfg.gradient_accumulation_steps)
         ]
+        tokens_this_step = sum(mb[0].numel() for mb in micro_batches)
         if tracker is None:
             result = train_step(model, optimizer, micro_batches, **step_options)
         else:
@@ -452,7 +678,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             interval_time += time.perf_counter() - t0
-            interval_tokens += tokens_per_step
+            interval_tokens += tokens_this_step
             record = {
                 "step": done,
                 "loss": loss,
@@ -475,11 +701,11 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             interval_time, interval_tokens = 0.0, 0
         else:
             interval_time += time.perf_counter() - t0
-            interval_tokens += tokens_per_step
+            interval_tokens += tokens_this_step
 
         # once in a while: evaluate
         if cfg.eval_every and done % cfg.eval_every == 0 and done != cfg.max_steps:
-            val_loss = evaluate(model, val_windows, **eval_options)
+            val_loss = evaluate(model, data.val_batches(), **eval_options)
             logger.log({"step": done, "val_loss": val_loss})
 
         # once in a while: checkpoint
@@ -488,7 +714,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     bar.close()
 
     # --- the end: final evaluation, checkpoint, plot, sample --------------------------------------------------
-    val_loss = evaluate(model, val_windows, **eval_options)
+    val_loss = evaluate(model, data.val_batches(), **eval_options)
     if start_step < cfg.max_steps:
         logger.log({"step": cfg.max_steps, "val_loss": val_loss})
         last_ckpt = save(cfg.max_steps)
@@ -511,11 +737,13 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             top_k=cfg.sample.top_k,
             seed=cfg.seed,
             dtype=cfg.dtype,
+            template=run_template(cfg),
         )
     summary = {
         "final_val_loss": val_loss,
         "steps": cfg.max_steps,
         "num_params": num_params,
+        "num_trainable_params": num_trainable,
         "tokens_per_second_per_gpu": total_tokens / total_time if total_time else None,
         **{k: v for k, v in run_peak.items()},
         "checkpoint": str(last_ckpt),

@@ -57,8 +57,11 @@ PEFT_CONFIG = "adapter_config.json"
 """File name of the adapter config in Hugging Face PEFT's format."""
 PEFT_PREFIX = "base_model.model."
 """What PEFT's ``PeftModelForCausalLM`` puts before the base model's module names."""
-ADAPTER_PROMPT_STD = 0.02
-"""Standard deviation of the normal initialisation of the LLaMA-Adapter prompt."""
+ADAPTER_PROMPT_STD = 1.0
+"""Standard deviation of the normal initialisation of the LLaMA-Adapter prompt. The prompt feeds ``k_proj`` and
+``v_proj`` directly, in place of RMS-normed hidden states whose elements have unit scale, so it starts at that
+scale (as Hugging Face PEFT's adaption prompt does); the zero gate keeps the model unchanged at init whatever the
+scale. At 0.02 (an embedding's scale) the prompt's values are ~50x too small and the adapter barely learns."""
 
 _LORA_SUFFIXES = (".lora_A", ".lora_B")
 _ADAPTER_SUFFIXES = (".adapter_prompt", ".adapter_gate")
@@ -618,7 +621,7 @@ def apply_adapter(
 ) -> list[str]:
     """Add LLaMA-Adapter prompts and zero gates to the top decoder layers and freeze everything else.
 
-    Each adapted ``self_attn`` gets ``adapter_prompt`` (L, C), normal(0, 0.02), and ``adapter_gate``
+    Each adapted ``self_attn`` gets ``adapter_prompt`` (L, C), normal(0, ADAPTER_PROMPT_STD), and ``adapter_gate``
     (1, nh, 1, 1), zeros, on the base weights' device and in their dtype; its ``forward`` adds
     ``gate * attention(q, k_proj(prompt), v_proj(prompt))`` to the causal attention output before ``o_proj``.
 

@@ -1,0 +1,244 @@
+"""Fine-tuning end to end through the CLI: a small pretrained checkpoint, the real Dolly sample, every method.
+
+The base is a tiny Llama pretrained here on Shakespeare and exported to Hugging Face form; fine-tuning moves it to
+the Dolly records' format and words. Exact numbers asserted: resume equals an uninterrupted run, frozen weights
+stay bit-identical, exported directories load in transformers with equal logits.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from memfit.cli import main
+from tests.conftest import ASSETS
+
+transformers = pytest.importorskip("transformers")
+
+DOLLY = ASSETS / "dolly_sample.json"
+
+
+@pytest.fixture(scope="module")
+def hf_checkpoint(tmp_path_factory, small_corpus) -> Path:
+    """A small pretrained checkpoint in Hugging Face form: the tiny GQA Llama pretrained by memfit for 80 steps on
+    Shakespeare (byte-level BPE, 512 ids), then written by ``memfit export`` (config.json, model.safetensors,
+    tokenizer.json). That it is a valid transformers checkpoint is checked below and in tests/test_convert.py."""
+    root = tmp_path_factory.mktemp("base")
+    overrides = {
+        "model": "tiny",
+        "model_args.vocab_size": 512,
+        "model_args.max_seq_len": 1024,
+        "tokenizer.vocab_size": 512,
+        "data.path": str(small_corpus),
+        "output_dir": str(root / "pretrain"),
+        "seq_len": 128,
+        "batch_size": 8,
+        "max_steps": 80,
+        "optimizer.lr": 1e-2,
+        "optimizer.min_lr": 1e-3,
+        "optimizer.warmup_steps": 5,
+        "eval_every": 0,
+        "eval_batches": 1,
+        "checkpoint_every": 0,
+        "sample.max_new_tokens": 0,
+        "tensorboard": False,
+        "progress_bar": False,
+    }
+    assert main(["pretrain", *[f"{k}={v}" for k, v in overrides.items()]]) == 0
+    assert main(["export", "--checkpoint", str(root / "pretrain"), "--out", str(root / "hf")]) == 0
+    return root / "hf"
+
+
+def test_the_base_checkpoint_is_a_transformers_model(hf_checkpoint):
+    model = transformers.LlamaForCausalLM.from_pretrained(hf_checkpoint)
+    assert model.config.num_key_value_heads < model.config.num_attention_heads  # GQA
+    tok = transformers.AutoTokenizer.from_pretrained(hf_checkpoint)
+    assert tok.encode("ROMEO:", add_special_tokens=False)
+
+
+def finetune_overrides(checkpoint: Path, out: Path, **extra) -> list[str]:
+    base = {
+        "checkpoint_dir": str(checkpoint),
+        "data.path": str(DOLLY),
+        "data.format": "dolly",
+        "data.template": "alpaca",
+        "output_dir": str(out),
+        "seq_len": 1024,
+        "batch_size": 10,  # the 10 training samples (12 records, 1 held out, 1 left with no reply): full batches
+        "max_steps": 12,
+        "log_every": 1,
+        "eval_every": 6,
+        "eval_batches": 2,
+        "checkpoint_every": 6,
+        "keep_last_checkpoints": 5,
+        "optimizer.lr": 1e-2,
+        "optimizer.min_lr": 1e-3,
+        "optimizer.warmup_steps": 2,
+        "sample.prompt": "What is a llama?",
+        "sample.max_new_tokens": 8,
+        "tensorboard": False,
+        "progress_bar": False,
+    }
+    base.update(extra)
+    return [f"{k}={v}" for k, v in base.items()]
+
+
+def read_metrics(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def losses(out: Path) -> list[float]:
+    return [r["loss"] for r in read_metrics(out) if "loss" in r]
+
+
+LR = {"full": 3e-3, "lora": 1e-2, "adapter": 5e-2}
+# How far the full-batch loss falls in 12 steps, at least. Every step sees the same 10 samples, so the curve is
+# deterministic (no sampling noise) and any fall is learning. LLaMA-Adapter starts exactly at the base model
+# (zero gates) and moves it slowly: ~0.015 nats here, measured; LoRA ~0.3, full ~0.8.
+MIN_FALL = {"full": 0.5, "lora": 0.2, "adapter": 0.008}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, hf_checkpoint) -> dict[str, Path]:
+    """One 12-step fine-tuning run per method (shared by the tests below)."""
+    root = tmp_path_factory.mktemp("finetune")
+    out = {}
+    for method in ("full", "lora", "adapter"):
+        extra = {"method": method, "optimizer.lr": LR[method], "optimizer.min_lr": LR[method] / 10}
+        if method == "lora":
+            extra["lora.target_modules"] = "[q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj]"
+            extra["lora.dropout"] = 0.0
+        assert main(["finetune", *finetune_overrides(hf_checkpoint, root / method, **extra)]) == 0
+        out[method] = root / method
+    return out
+
+
+@pytest.mark.parametrize("method", ["full", "lora", "adapter"])
+def test_loss_falls_and_checkpoint_holds_what_trains(runs, method):
+    out = runs[method]
+    curve = losses(out)
+    assert len(curve) == 12
+    assert curve[-1] < curve[0] - MIN_FALL[method], curve
+    assert all(b <= a + 1e-3 for a, b in zip(curve[2:], curve[3:], strict=False)), curve  # after warm-up it only falls
+    assert any("val_loss" in r for r in read_metrics(out))
+    ckpt = out / "checkpoints" / "step_00000012"
+    if method == "full":
+        assert (ckpt / "model.safetensors").is_file() and not (ckpt / "adapter.safetensors").exists()
+    else:  # only the trained weights are saved; the base stays in checkpoint_dir
+        assert (ckpt / "adapter.safetensors").is_file() and not (ckpt / "model.safetensors").exists()
+
+
+@pytest.mark.parametrize("method", ["lora", "adapter"])
+def test_frozen_base_is_unchanged(runs, hf_checkpoint, method):
+    from safetensors.torch import load_file
+
+    from memfit.generate import load_for_generation
+
+    model, _, _ = load_for_generation(runs[method])
+    base = load_file(str(hf_checkpoint / "model.safetensors"))
+    params = dict(model.named_parameters())
+    for name, tensor in base.items():
+        torch.testing.assert_close(params[name].detach(), tensor, rtol=0, atol=0)
+    trained = {n for n, p in params.items() if n not in base}
+    assert trained and all(("lora_" in n) or ("adapter_" in n) for n in trained)
+
+
+def test_generate_applies_the_run_template(runs, capsys):
+    from memfit.data.instruct import encode_prompt, stop_token_ids
+    from memfit.generate import generate, load_for_generation
+
+    out = runs["lora"]
+    capsys.readouterr()
+    args = ["generate", "--checkpoint", str(out), "--prompt", "What is a llama?", "--temperature", "0"]
+    assert main([*args, "--max-new-tokens", "12", "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert shown["template"] == "alpaca"
+    # the same greedy reply, computed by hand from the alpaca rendering of one user turn
+    model, tokenizer, template = load_for_generation(out)
+    prompt = encode_prompt([{"role": "user", "content": "What is a llama?"}], "alpaca", tokenizer)
+    assert tokenizer.decode(prompt).endswith("### Instruction:\nWhat is a llama?\n\n### Response:\n")
+    ids = generate(
+        model,
+        torch.tensor([prompt]),
+        max_new_tokens=12,
+        temperature=0,
+        eos_id=stop_token_ids(template, tokenizer),
+    )
+    specials = set(tokenizer.special_tokens.values())
+    expected = tokenizer.decode([i for i in ids[0, len(prompt) :].tolist() if i not in specials])
+    assert shown["text"] == expected
+    assert main([*args, "--max-new-tokens", "12", "--json", "--template", "none"]) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert plain["template"] is None and plain["text"].startswith("What is a llama?")
+
+
+@pytest.mark.parametrize("method", ["full", "lora"])
+def test_export_loads_in_transformers_with_equal_logits(runs, tmp_path, method):
+    from memfit.generate import load_for_generation
+
+    hf_dir = tmp_path / "hf"
+    assert main(["export", "--checkpoint", str(runs[method]), "--out", str(hf_dir)]) == 0
+    model, tokenizer, _ = load_for_generation(runs[method])
+    ids = torch.tensor([tokenizer.encode("Instruction: tell me about Virgin Australia.", bos=True)])
+    hf = transformers.LlamaForCausalLM.from_pretrained(hf_dir).eval()
+    with torch.no_grad():
+        diff = (hf(ids).logits - model(ids)).abs().max().item()
+    assert diff <= 1e-5
+    # and it fine-tunes again from the exported directory
+    assert (hf_dir / "tokenizer.json").is_file() or (hf_dir / "tokenizer.model").is_file()
+
+
+def test_export_adapter_only_and_adapter_method(runs, tmp_path, capsys):
+    assert (
+        main(["export", "--checkpoint", str(runs["lora"]), "--out", str(tmp_path / "peft"), "--adapter-only"])
+        == 0
+    )
+    config = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
+    assert config["peft_type"] == "LORA" and config["r"] == 8
+    capsys.readouterr()
+    assert main(["export", "--checkpoint", str(runs["adapter"]), "--out", str(tmp_path / "x")]) == 1
+    assert "adapter" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
+
+
+def test_lora_resume_equals_uninterrupted_run(runs, tmp_path, hf_checkpoint):
+    """Drop the final checkpoint of the LoRA run and resume from step 6: steps 7-12 reproduce exactly."""
+    out = tmp_path / "lora"
+    shutil.copytree(runs["lora"], out)
+    shutil.rmtree(out / "checkpoints" / "step_00000012")
+    reference = read_metrics(runs["lora"])
+    extra = {
+        "optimizer.lr": LR["lora"],
+        "optimizer.min_lr": LR["lora"] / 10,
+        "method": "lora",
+        "lora.target_modules": "[q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj]",
+        "lora.dropout": 0.0,
+        "resume": True,
+    }
+    assert main(["finetune", *finetune_overrides(hf_checkpoint, out, **extra)]) == 0
+    keys = ("step", "loss", "lr", "grad_norm", "val_loss")  # everything but timings and memory peaks
+    resumed = [{k: r[k] for k in keys if k in r} for r in read_metrics(out)]
+    assert resumed == [{k: r[k] for k in keys if k in r} for r in reference]
+    assert len(resumed) == len(reference) > 12
+
+
+@pytest.mark.parametrize(
+    "extra, status, message",
+    [
+        ({"method": "lora", "checkpoint_dir": None}, 2, "checkpoint_dir"),
+        ({"data.template": "llama3-chat"}, 1, "<|start_header_id|>"),
+        ({"data.format": "sharegpt"}, 1, "dolly_sample.json"),
+        ({"data.format": "alpaca", "data.packing": True, "seq_len": 0}, 2, "seq_len"),
+    ],
+)
+def test_bad_input_is_reported_before_training(hf_checkpoint, tmp_path, capsys, extra, status, message):
+    overrides = finetune_overrides(hf_checkpoint, tmp_path / "out", **extra)
+    overrides = [o for o in overrides if not o.endswith("=None")]
+    capsys.readouterr()
+    assert main(["finetune", *overrides]) == status
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "out" / "checkpoints").exists()
