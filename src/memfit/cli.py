@@ -80,7 +80,15 @@ def _generate(args: argparse.Namespace) -> int:
 def _export(args: argparse.Namespace) -> int:
     from memfit.convert import export_run
 
-    out = export_run(args.checkpoint, args.out, adapter_only=args.adapter_only, dtype=args.dtype)
+    if args.max_shard_size <= 0:
+        raise ConfigError("--max-shard-size must be > 0 (GiB per safetensors file)")
+    out = export_run(
+        args.checkpoint,
+        args.out,
+        adapter_only=args.adapter_only,
+        dtype=args.dtype,
+        max_shard_size=int(args.max_shard_size * 1024**3),
+    )
     print(f"exported to {out}")
     return 0
 
@@ -165,6 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument(
         "--dtype", default="auto", choices=["auto", "fp32", "bf16"], help="auto keeps the weights' dtype"
     )
+    e.add_argument("--max-shard-size", type=float, default=5.0, help="GiB per safetensors file")
     e.set_defaults(func=_export)
     return parser
 
