@@ -23,10 +23,11 @@ import sys
 import tempfile
 from pathlib import Path
 
+from docs_section import write_section
+
 ROOT = Path(__file__).resolve().parents[1]
 MIB = 1024**2
 GIB = 1024**3
-START, END = "<!-- finetune:start -->", "<!-- finetune:end -->"
 
 METHODS: dict[str, dict[str, object]] = {
     "full": {"method": "full", "optimizer.lr": 3e-4, "optimizer.min_lr": 3e-5},
@@ -98,8 +99,6 @@ def measure(base: Path, data: Path, fmt: str, template: str, steps: int) -> dict
 def table(results: dict[str, dict], command: str, base: Path, data: Path, steps: int) -> str:
     ref = results["full"]
     lines = [
-        START,
-        "",
         "## Fine-tuning methods side by side",
         "",
         f"Reproduce: `{command}`",
@@ -130,26 +129,15 @@ def table(results: dict[str, dict], command: str, base: Path, data: Path, steps:
         "Memory columns after peak RSS are live bytes by category at the peak of one tracked step "
         "(`track_memory=true`): LoRA and adapter runs hold gradients and AdamW state for their small trainable "
         "weights only, while the frozen base weights are the same bytes in every row.",
-        "",
-        END,
     ]
     return "\n".join(lines)
 
 
-def write_section(path: Path, section: str) -> None:
-    text = path.read_text() if path.exists() else ""
-    if START in text and END in text:
-        before, rest = text.split(START, 1)
-        after = rest.split(END, 1)[1]
-        text = before + section + after
-    else:
-        text = text.rstrip("\n") + "\n\n" + section + "\n"
-    path.write_text(text)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--base", type=Path, required=True, help="HF, Meta or memfit checkpoint to start from")
+    parser.add_argument(
+        "--base", type=Path, required=True, help="HF, Meta or memfit checkpoint to start from"
+    )
     parser.add_argument("--data", type=Path, default=ROOT / "tests" / "assets" / "dolly_sample.json")
     parser.add_argument("--format", default="dolly")
     parser.add_argument("--template", default="alpaca")
@@ -161,7 +149,7 @@ def main() -> None:
     section = table(results, command, args.base, args.data, args.steps)
     print(section)
     if args.out is not None:
-        write_section(args.out, section)
+        write_section(args.out, "finetune", section)
 
 
 if __name__ == "__main__":

@@ -30,6 +30,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from docs_section import write_section
+
 GIB = 1024**3
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -165,18 +167,6 @@ def make_checkpoints(workdir: Path, dim: int, layers: int, vocab: int) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
-def _write_section(doc: Path, section: str) -> None:
-    start, end = "<!-- loading:start -->", "<!-- loading:end -->"
-    text = doc.read_text() if doc.exists() else "# Benchmarks\n"
-    block = f"{start}\n{section}\n{end}"
-    if start in text and end in text:
-        text = text[: text.index(start)] + block + text[text.index(end) + len(end) :]
-    else:
-        text = text.rstrip("\n") + "\n\n" + block + "\n"
-    doc.parent.mkdir(parents=True, exist_ok=True)
-    doc.write_text(text)
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dim", type=int, default=1024)
@@ -247,7 +237,7 @@ def main() -> int:
     section = "\n".join(lines) + "\n"
     print(section)
     if args.out != "-":
-        _write_section(Path(args.out), section)
+        write_section(Path(args.out), "loading", section)
     return 0
 
 

@@ -24,6 +24,8 @@ import sys
 import time
 from pathlib import Path
 
+from docs_section import write_section
+
 GIB = 1024**3
 MIB = 1024**2
 MIN_TIMED_SECONDS = (
@@ -187,18 +189,6 @@ def _plot(results: dict[str, dict], path: Path) -> None:
     plt.close(fig)
 
 
-def _write_section(doc: Path, section: str) -> None:
-    start, end = "<!-- techniques:start -->", "<!-- techniques:end -->"
-    text = doc.read_text() if doc.exists() else "# Benchmarks\n"
-    block = f"{start}\n{section}\n{end}"
-    if start in text and end in text:
-        text = text[: text.index(start)] + block + text[text.index(end) + len(end) :]
-    else:
-        text = text.rstrip("\n") + "\n\n" + block + "\n"
-    doc.parent.mkdir(parents=True, exist_ok=True)
-    doc.write_text(text)
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batch-size", type=int, default=1)
@@ -262,7 +252,7 @@ def main() -> int:
         "![timeline](techniques_timeline.png)\n"
     )
     _plot(results, docs / "techniques_memory.png")
-    _write_section(Path(args.out), section)
+    write_section(Path(args.out), "techniques", section)
     (docs / "techniques_results.json").write_text(json.dumps(results, indent=1))
     print(section)
     return 0

@@ -19,11 +19,13 @@ one intact. Only then are checkpoints beyond the newest ``keep_last`` deleted.
 from __future__ import annotations
 
 import base64
+import contextlib
 import dataclasses
 import json
 import os
 import re
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -132,6 +134,48 @@ def fsync_tree(path: Path) -> None:
         fsync_dir(d)
 
 
+@contextlib.contextmanager
+def atomic_directory(final: Path, what: str) -> Iterator[Path]:
+    """Write a directory aside, then rename it into place: readers see the old one or the complete new one.
+
+    Yields a hidden sibling ``.tmp-<name>-<pid>`` to fill. On success its files are fsync'ed and it replaces
+    ``final`` (an existing ``final`` is moved aside first and deleted after). On any error it is deleted and
+    ``final`` is left as it was.
+
+    Args:
+        final: the directory to create or replace.
+        what: what is being written, for the error message (e.g. "checkpoint").
+
+    Raises:
+        CheckpointError: writing or renaming failed (disk full, permissions).
+    """
+    tmp = final.parent / f".tmp-{final.name}-{os.getpid()}"
+    try:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+        yield tmp
+        fsync_tree(tmp)
+        if final.exists():
+            old = final.parent / f".old-{final.name}-{os.getpid()}"
+            os.replace(final, old)
+            os.replace(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, final)
+        fsync_dir(final.parent)
+    except OSError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(
+            f"could not write {what} '{final}' ({exc}); what was there before is untouched. Free disk space or "
+            f"choose another directory"
+        ) from None
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
 def model_config_to_dict(config: LlamaConfig) -> dict[str, Any]:
     return dataclasses.asdict(config)
 
@@ -218,14 +262,9 @@ def save_checkpoint(
     Raises:
         CheckpointError: writing failed (the previous checkpoints are untouched).
     """
-    root = checkpoints_dir(output_dir)
-    final = root / f"step_{step:08d}"
-    tmp = root / f".tmp-step_{step:08d}-{os.getpid()}"
-    try:
-        root.mkdir(parents=True, exist_ok=True)
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.mkdir()
+    final = checkpoints_dir(output_dir) / f"step_{step:08d}"
+    # a checkpoint of the same step from an earlier (interrupted) attempt is replaced
+    with atomic_directory(final, "checkpoint") as tmp:
         weights = trainable_state_dict(model) if trainable_only else _weights_state_dict(model)
         save_file(
             weights,
@@ -241,21 +280,6 @@ def save_checkpoint(
             str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()
         }
         (tmp / TRAINER_STATE).write_text(json.dumps(state, indent=2))
-        fsync_tree(tmp)
-        if final.exists():  # a checkpoint of the same step from an earlier (interrupted) attempt: replace it
-            old = root / f".old-{final.name}-{os.getpid()}"
-            os.replace(final, old)
-            os.replace(tmp, final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, final)
-        fsync_dir(root)
-    except OSError as exc:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise CheckpointError(
-            f"could not write checkpoint '{final}' ({exc}); earlier checkpoints in '{root}' are untouched. "
-            f"Free disk space or choose another output_dir."
-        ) from None
     for old in list_checkpoints(output_dir)[:-keep_last]:
         shutil.rmtree(old, ignore_errors=True)
     return final

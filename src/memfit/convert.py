@@ -29,7 +29,6 @@ import dataclasses
 import json
 import logging
 import mmap
-import os
 import re
 import shutil
 import sys
@@ -47,10 +46,9 @@ from memfit.checkpoint import (
     MODEL_CONFIG,
     TRAINER_STATE,
     WEIGHTS,
+    atomic_directory,
     check_files,
     check_writable,
-    fsync_dir,
-    fsync_tree,
     latest_checkpoint,
     read_model_config,
     read_trainer_state,
@@ -1244,12 +1242,7 @@ def export_hf(
         gen["eos_token_id"] = ids[0] if len(ids) == 1 else (ids or None)
     gen = {k: v for k, v in gen.items() if v is not None}
 
-    tmp = out.parent / f".tmp-{out.name}-{os.getpid()}"
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.mkdir()
+    with atomic_directory(out, "Hugging Face directory") as tmp:  # out is absent or empty (checked above)
         weight_map: dict[str, str] = {}
         total = 0
         for names, file in zip(shards, files, strict=True):
@@ -1272,19 +1265,6 @@ def export_hf(
         _write_json(tmp / HF_GENERATION_CONFIG, gen)
         if tokenizer is not None:
             _save_hf_tokenizer(tokenizer, tmp, config.max_seq_len, chat_template)
-        fsync_tree(tmp)
-        if out.exists():
-            out.rmdir()  # empty (checked above)
-        os.replace(tmp, out)
-        fsync_dir(out.parent)
-    except OSError as exc:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise CheckpointError(
-            f"could not write '{out}' ({exc}); nothing was left there. Free space or choose another directory"
-        ) from None
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out
 
 

@@ -33,8 +33,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import shutil
 import types
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -46,6 +44,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
+from memfit.checkpoint import atomic_directory
 from memfit.errors import CheckpointError
 from memfit.models.llama import Attention, Llama, causal_attention
 
@@ -434,19 +433,6 @@ def _peft_config(settings: LoraSettings, base_model_name_or_path: str) -> dict[s
     }
 
 
-def _fsync(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 def save_peft_adapter(model: Llama, out_dir: str | Path, *, base_model_name_or_path: str = "") -> Path:
     """Write the LoRA adapter alone in Hugging Face PEFT's format, atomically.
 
@@ -474,28 +460,10 @@ def save_peft_adapter(model: Llama, out_dir: str | Path, *, base_model_name_or_p
         module_name, which = name.rsplit(".", 1)  # which: lora_A or lora_B
         tensors[f"{PEFT_PREFIX}{module_name}.{which}.weight"] = tensor.cpu().contiguous()
     out = Path(out_dir)
-    tmp = out.parent / f".tmp-{out.name}-{os.getpid()}"
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.mkdir()
+    with atomic_directory(out, "adapter") as tmp:
         save_file(tensors, str(tmp / PEFT_WEIGHTS), metadata={"format": "pt"})
         config = _peft_config(settings, base_model_name_or_path)
         (tmp / PEFT_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-        for path in (tmp / PEFT_WEIGHTS, tmp / PEFT_CONFIG, tmp):
-            _fsync(path)
-        if out.exists():
-            old = out.parent / f".old-{out.name}-{os.getpid()}"
-            os.replace(out, old)
-            os.replace(tmp, out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, out)
-        _fsync(out.parent)
-    except OSError as exc:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise CheckpointError(f"could not write the adapter to '{out}' ({exc})") from None
     return out
 
 
