@@ -182,20 +182,11 @@ def test_merge_in_bf16_is_done_in_fp32():
 
 
 def _hf_llama(config):
+    """An untrained transformers Llama of the same architecture (config written by memfit's exporter)."""
     transformers = pytest.importorskip("transformers")
-    hf_config = transformers.LlamaConfig(
-        vocab_size=config.vocab_size,
-        hidden_size=config.dim,
-        intermediate_size=config.intermediate_size,
-        num_hidden_layers=config.num_layers,
-        num_attention_heads=config.num_heads,
-        num_key_value_heads=config.num_kv_heads,
-        rms_norm_eps=config.norm_eps,
-        max_position_embeddings=config.max_seq_len,
-        tie_word_embeddings=config.tie_word_embeddings,
-        rope_parameters={"rope_type": "default", "rope_theta": config.rope_theta},
-        attn_implementation="eager",
-    )
+    from memfit.convert import llama_to_hf_config
+
+    hf_config = transformers.LlamaConfig(**llama_to_hf_config(config), attn_implementation="eager")
     return transformers.LlamaForCausalLM(hf_config).eval()
 
 
