@@ -123,7 +123,9 @@ def test_loss_falls_and_checkpoint_holds_what_trains(runs, method):
     curve = losses(out)
     assert len(curve) == 12
     assert curve[-1] < curve[0] - MIN_FALL[method], curve
-    assert all(b <= a + 1e-3 for a, b in zip(curve[2:], curve[3:], strict=False)), curve  # after warm-up it only falls
+    assert all(b <= a + 1e-3 for a, b in zip(curve[2:], curve[3:], strict=False)), (
+        curve
+    )  # after warm-up it only falls
     assert any("val_loss" in r for r in read_metrics(out))
     ckpt = out / "checkpoints" / "step_00000012"
     if method == "full":
@@ -233,6 +235,10 @@ def test_lora_resume_equals_uninterrupted_run(runs, tmp_path, hf_checkpoint):
         ({"data.template": "llama3-chat"}, 1, "<|start_header_id|>"),
         ({"data.format": "sharegpt"}, 1, "dolly_sample.json"),
         ({"data.format": "alpaca", "data.packing": True, "seq_len": 0}, 2, "seq_len"),
+        ({"method": "adapter", "adapter.num_layers": 5}, 2, "'adapter.num_layers'"),
+        ({"seq_len": 2048}, 2, "'seq_len'"),
+        ({"data.column_map": "{instructoin: question}"}, 2, "'data.column_map'"),
+        ({"data.path": "/nonexistent/records.json"}, 1, "/nonexistent/records.json"),
     ],
 )
 def test_bad_input_is_reported_before_training(hf_checkpoint, tmp_path, capsys, extra, status, message):
@@ -240,5 +246,55 @@ def test_bad_input_is_reported_before_training(hf_checkpoint, tmp_path, capsys, 
     overrides = [o for o in overrides if not o.endswith("=None")]
     capsys.readouterr()
     assert main(["finetune", *overrides]) == status
-    assert message in capsys.readouterr().err
-    assert not (tmp_path / "out" / "checkpoints").exists()
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_run_works_from_any_directory_and_notices_a_changed_base(
+    runs, hf_checkpoint, tmp_path, monkeypatch, capsys
+):
+    """The base path is recorded absolute; a base whose weights changed since training is refused."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    base = tmp_path / "base"
+    shutil.copytree(hf_checkpoint, base)
+    monkeypatch.chdir(tmp_path)
+    extra = {
+        "method": "lora",
+        "max_steps": 2,
+        "eval_every": 0,
+        "checkpoint_every": 0,
+        "checkpoint_dir": "base",
+    }
+    assert main(["finetune", *finetune_overrides(hf_checkpoint, tmp_path / "run", **extra)]) == 0
+    monkeypatch.chdir(runs["lora"])  # elsewhere
+    args = ["generate", "--checkpoint", str(tmp_path / "run"), "--prompt", "Hi", "--max-new-tokens", "2"]
+    assert main(args) == 0
+    weights = load_file(str(base / "model.safetensors"))
+    weights["model.norm.weight"] = weights["model.norm.weight"] * 2
+    save_file(weights, str(base / "model.safetensors"), metadata={"format": "pt"})
+    capsys.readouterr()
+    assert main(args) == 1
+    assert "is not the one the lora run" in capsys.readouterr().err
+    shutil.rmtree(base)
+    assert main(args) == 1
+    assert "does not exist" in capsys.readouterr().err
+
+
+def test_resume_refuses_a_different_template(runs, tmp_path, hf_checkpoint, capsys):
+    out = tmp_path / "full"
+    shutil.copytree(runs["full"], out)
+    extra = {"method": "full", "resume": True, "data.template": "chatml", "max_steps": 13}
+    capsys.readouterr()
+    assert main(["finetune", *finetune_overrides(hf_checkpoint, out, **extra)]) == 2
+    assert "'data.template'" in capsys.readouterr().err
+
+
+def test_no_validation_split(hf_checkpoint, tmp_path, capsys):
+    extra = {"data.val_fraction": 0, "max_steps": 2, "eval_every": 1, "checkpoint_every": 0}
+    assert main(["finetune", *finetune_overrides(hf_checkpoint, tmp_path / "out", **extra)]) == 0
+    assert not any("val_loss" in r for r in read_metrics(tmp_path / "out"))
+    assert "no validation samples" in capsys.readouterr().out

@@ -229,3 +229,30 @@ def test_bad_corpus_creates_no_output_dir(tmp_path, capsys):
     out = tmp_path / "never"
     assert main(["pretrain", *tiny_run_overrides(tmp_path / "missing.txt", out)]) == 1
     assert not out.exists()
+
+
+def test_sentencepiece_continuation_keeps_its_leading_space():
+    """SentencePiece drops the space that starts a continuation decoded alone; generate decodes prompt and
+    continuation together, so the text is the decoding of all ids."""
+    import torch
+
+    from memfit.generate import generate_text
+    from memfit.models.llama import build_llama
+    from memfit.models.presets import model_config
+    from memfit.tokenizer import load_tokenizer
+    from tests.conftest import ASSETS
+
+    tokenizer = load_tokenizer(ASSETS / "sentencepiece_2k.model")
+    model = build_llama(model_config("tiny", vocab_size=tokenizer.vocab_size), seed=0).eval()
+    prompt = "What is a llama?"
+    text = generate_text(model, tokenizer, prompt, max_new_tokens=8, temperature=0, top_k=0)
+    ids = tokenizer.encode(prompt)
+    with torch.no_grad():
+        for _ in range(8):
+            nxt = int(model(torch.tensor([ids]))[0, -1, : tokenizer.vocab_size].argmax())
+            ids.append(nxt)
+            if nxt == tokenizer.eos_id:
+                break
+    specials = set(tokenizer.special_tokens.values())
+    assert text == tokenizer.decode([i for i in ids if i not in specials])
+    assert text.startswith(prompt)

@@ -38,7 +38,10 @@ def _pretrain(args: argparse.Namespace) -> int:
         cfg = load_config(args.config, args.overrides)
     summary = train(cfg)
     print()
-    print(f"final validation loss: {summary['final_val_loss']:.4f} nats/token")
+    if summary["final_val_loss"] is None:
+        print("final validation loss: none (no validation samples; data.val_fraction=0)")
+    else:
+        print(f"final validation loss: {summary['final_val_loss']:.4f} nats/token")
     if summary.get("tokens_per_second_per_gpu"):
         print(f"tokens_per_second_per_gpu: {summary['tokens_per_second_per_gpu']:,.0f}")
     for key in ("peak_memory_rss", "peak_memory_alloc", "peak_memory_device"):

@@ -79,7 +79,8 @@ class DataConfig:
     """Skip (and count) malformed records instead of stopping with an error that names the file and record."""
     val_fraction: float = 0.1
     """Fraction held out for validation: of the text (by characters, cut at a line boundary, taken from the end;
-    the tokenizer is trained on the training part only), or of the records (a seeded random choice)."""
+    the tokenizer is trained on the training part only), or of the records (a seeded random choice; 0 turns
+    validation off)."""
 
 
 @dataclass
@@ -499,11 +500,11 @@ def validate(cfg: TrainConfig) -> None:
         )
     if tok.kind == "file":
         _require(tok.path is not None, "tokenizer.path", "is required when tokenizer.kind is 'file'")
-    _require(
-        0.0 < cfg.data.val_fraction < 1.0,
-        "data.val_fraction",
-        f"must be in (0, 1), got {cfg.data.val_fraction}",
-    )
+    vf = cfg.data.val_fraction
+    if cfg.data.format == "text":
+        _require(0.0 < vf < 1.0, "data.val_fraction", f"must be in (0, 1), got {vf}")
+    else:
+        _require(0.0 <= vf < 1.0, "data.val_fraction", f"must be in [0, 1) (0: no validation), got {vf}")
     _validate_finetuning(cfg)
 
     opt = cfg.optimizer
@@ -647,6 +648,15 @@ def _validate_finetuning(cfg: TrainConfig) -> None:
             f"data.column_map.{key}",
             f"must name a record field (a string), got {data.column_map[key]!r}",
         )
+    if data.column_map:
+        _require(data.format != "text", "data.column_map", "renames fields of instruction / chat records")
+        from memfit.data.instruct import format_columns
+        from memfit.errors import DataError
+
+        try:
+            format_columns(data.format, data.column_map)
+        except DataError as exc:
+            raise ConfigError(f"config key 'data.column_map': {exc}") from None
     lora = cfg.lora
     _require(lora.rank >= 1, "lora.rank", f"must be >= 1, got {lora.rank}")
     _require(lora.alpha > 0, "lora.alpha", f"must be > 0, got {lora.alpha}")

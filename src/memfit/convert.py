@@ -279,6 +279,38 @@ def read_config(path: str | Path, fmt: str | None = None) -> tuple[LlamaConfig, 
     return scan.config, scan.info
 
 
+def weights_fingerprint(path: str | Path, fmt: str | None = None) -> str:
+    """A cheap fingerprint of a checkpoint's weight files, to notice that a base model changed under a LoRA run.
+
+    sha256 over each weight file's name, size and its first and last MiB (not the whole file: a 16 GiB base is
+    fingerprinted in milliseconds). A copy or move of the same files keeps the fingerprint; different weights of
+    the same shapes change it (their bytes differ within the first MiB of every file).
+
+    Args:
+        path: a checkpoint directory of any format.
+        fmt: the format, or None to detect it.
+
+    Returns:
+        A hex digest.
+
+    Raises:
+        CheckpointError: see :func:`detect_format`.
+    """
+    import hashlib
+
+    digest = hashlib.sha256()
+    files = sorted({entry.file for entry in _scan(Path(path), fmt).entries})
+    chunk = 1024**2
+    for file in files:
+        size = file.stat().st_size
+        digest.update(f"{file.name}:{size}".encode())
+        with open(file, "rb") as f:
+            digest.update(f.read(chunk))
+            f.seek(max(size - chunk, 0))
+            digest.update(f.read(chunk))
+    return digest.hexdigest()
+
+
 def _config_file(path: Path, name: str) -> Path:
     if path.is_dir():
         path = path / name

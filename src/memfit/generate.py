@@ -126,8 +126,13 @@ def generate_text(
     # special tokens (BOS, EOS, <unk>, ...) are not text: leave them out of what is shown
     specials = set(tokenizer.special_tokens.values())
     new_ids = [i for i in out[0, len(ids) :].tolist() if i not in specials]
-    reply = tokenizer.decode(new_ids)
-    return reply if template is not None else prompt + reply
+    if template is not None:
+        return tokenizer.decode(new_ids)
+    # decode prompt and continuation together: SentencePiece drops the space that starts a continuation decoded
+    # on its own ("llama?" + "writing" instead of "llama? writing")
+    prompt_ids = [i for i in ids if i not in specials]
+    full, head = tokenizer.decode(prompt_ids + new_ids), tokenizer.decode(prompt_ids)
+    return prompt + (full[len(head) :] if full.startswith(head) else tokenizer.decode(new_ids))
 
 
 def load_for_generation(
@@ -151,7 +156,7 @@ def load_for_generation(
     from memfit.config import config_from_dict
     from memfit.convert import detect_format, load_pretrained
     from memfit.tokenizer import load_tokenizer
-    from memfit.train import apply_method, run_template
+    from memfit.train import apply_method, check_base, run_template
 
     if detect_format(path) != "memfit":
         model, tokenizer, _ = load_pretrained(path, device=device)
@@ -170,6 +175,7 @@ def load_for_generation(
     if cfg.method == "full":
         model = build_llama(mcfg, device=device, dtype=dtype, init=False)
     else:  # the frozen base, then the method's weights from the checkpoint
+        check_base(cfg, state, ckpt)
         model = load_pretrained(cfg.checkpoint_dir, device=device, dtype=dtype)[0]
         apply_method(model, cfg)
     ckpt_io.load_weights(ckpt, model)

@@ -21,6 +21,7 @@ Dtype policy (``dtype``):
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import math
 import time
@@ -387,12 +388,13 @@ def instruct_data(cfg: TrainConfig, tokenizer, seq_len: int) -> RunData:
 
     stats = data.stats
     summary = (
-        f"{stats.num_records:,} records ({d.format}, template {d.template}): {len(data.train):,} train / "
+        f"{stats.num_records:,} record{'s' * (stats.num_records != 1)} ({d.format}, template {d.template}): "
+        f"{len(data.train):,} train / "
         f"{len(data.val):,} val {'rows' if d.packing else 'samples'}"
         + (f" ({stats.packing_efficiency:.0%} tokens, the rest padding)" if d.packing else "")
         + f", {stats.num_tokens:,} tokens ({stats.num_label_tokens:,} trained), {stats.num_truncated:,} truncated to "
-        f"{seq_len + 1} tokens, {stats.num_dropped:,} dropped (no reply left), {stats.num_skipped:,} malformed "
-        f"skipped"
+        f"{seq_len + 1} tokens (of which {stats.num_dropped:,} dropped: no reply left), {stats.num_skipped:,} "
+        f"malformed skipped"
     )
     return RunData(train_batch, val_batches, summary)
 
@@ -427,6 +429,70 @@ def checkpoint_model_config(path: str | Path) -> LlamaConfig:
 def run_template(cfg: TrainConfig) -> str | None:
     """The prompt template a run's samples were rendered with (``None`` for a text corpus)."""
     return None if cfg.data.format == "text" else cfg.data.template
+
+
+def with_absolute_paths(cfg: TrainConfig) -> TrainConfig:
+    """``checkpoint_dir`` and ``data.path`` as absolute paths (``~`` expanded), so that what a run records (and
+    what generate, export and resume read back) does not depend on the directory it was started from."""
+
+    def absolute(path: str | None) -> str | None:
+        return None if path is None else str(Path(path).expanduser().absolute())
+
+    data = dataclasses.replace(cfg.data, path=absolute(cfg.data.path))
+    return dataclasses.replace(
+        cfg,
+        checkpoint_dir=absolute(cfg.checkpoint_dir),
+        data=data,
+        output_dir=str(Path(cfg.output_dir).expanduser()),
+    )
+
+
+def check_resume_matches(cfg: TrainConfig, saved: TrainConfig, output_dir: str) -> None:
+    """Refuse to resume a run with settings that change what trains or what it trains on.
+
+    Raises:
+        ConfigError: naming the first key that differs from the run's.
+    """
+    keys = {
+        "checkpoint_dir": (cfg.checkpoint_dir, saved.checkpoint_dir),
+        "method": (cfg.method, saved.method),
+        "data.format": (cfg.data.format, saved.data.format),
+        "data.packing": (cfg.data.packing, saved.data.packing),
+    }
+    if cfg.data.format != "text":
+        keys["data.template"] = (cfg.data.template, saved.data.template)
+    if cfg.method == "lora":
+        keys["lora"] = (dataclasses.asdict(cfg.lora), dataclasses.asdict(saved.lora))
+    if cfg.method == "adapter":
+        keys["adapter"] = (dataclasses.asdict(cfg.adapter), dataclasses.asdict(saved.adapter))
+    for key, (now, then) in keys.items():
+        if now != then:
+            raise ConfigError(
+                f"config key '{key}': the run in '{output_dir}' was trained with {then!r}, the config asks for "
+                f"{now!r}; resume with the run's setting, or choose another output_dir for a new run"
+            )
+
+
+def check_base(cfg: TrainConfig, state: dict[str, Any], ckpt: Path) -> None:
+    """Check that a LoRA / adapter run's frozen base is still the one it was trained on.
+
+    Raises:
+        CheckpointError: the base directory is gone, or its weights differ from those recorded at training.
+    """
+    from memfit.convert import weights_fingerprint
+
+    base = cfg.checkpoint_dir
+    if base is None or not Path(base).exists():
+        raise CheckpointError(
+            f"'{ckpt}' holds only the {cfg.method} weights of a run trained on the base model '{base}', which "
+            f"does not exist (any more); put the base back at that path"
+        )
+    recorded = state.get("base_fingerprint")
+    if recorded is not None and weights_fingerprint(base) != recorded:
+        raise CheckpointError(
+            f"the base model '{base}' is not the one the {cfg.method} run in '{ckpt}' was trained on (its weight "
+            f"files differ); applying the trained weights to other base weights would give a different model"
+        )
 
 
 def apply_method(model: Llama, cfg: TrainConfig) -> None:
@@ -523,6 +589,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         ConfigError, DataError, CheckpointError: bad input, reported before anything is allocated or overwritten.
     """
     # --- set-up: output dir, resume state, tokenizer, data (all checked before any weight is allocated) -------
+    cfg = with_absolute_paths(cfg)
     device = resolve_device(cfg.device)
     out = Path(cfg.output_dir)
     resume_dir, resume_state = _load_run_state(cfg)
@@ -539,11 +606,20 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                 f"the config asks for {tokenizer_key}; resume with the same tokenizer settings or choose another "
                 f"output_dir"
             )
+        if saved_cfg:
+            check_resume_matches(cfg, config_from_dict(saved_cfg, check=False), cfg.output_dir)
+        if cfg.method != "full":
+            check_base(cfg, resume_state, resume_dir)
         fixed_tokenizer = load_tokenizer(resume_dir / "tokenizer")
     elif cfg.checkpoint_dir is not None:
         fixed_tokenizer = checkpoint_tokenizer(cfg.checkpoint_dir)
     elif cfg.data.format != "text":
         fixed_tokenizer = load_tokenizer(cfg.tokenizer.path)
+    if cfg.data.format == "text" and str(cfg.data.path or "").endswith((".json", ".jsonl")):
+        tqdm.write(
+            f"note: data.format is 'text', so '{cfg.data.path}' is read as plain text; for instruction or chat "
+            f"records set data.format (alpaca, dolly, sharegpt, openai)"
+        )
     start_config = checkpoint_model_config(cfg.checkpoint_dir) if cfg.checkpoint_dir is not None else None
     if cfg.data.format == "text":
         if fixed_tokenizer is not None:
@@ -555,7 +631,6 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         )
     else:
         tokenizer = fixed_tokenizer
-    out.mkdir(parents=True, exist_ok=True)
     mcfg = start_config or resolve_model_config(cfg, tokenizer.vocab_size)
     seq_len = check_lengths(cfg, mcfg, tokenizer.vocab_size)
     data = (
@@ -563,6 +638,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         if cfg.data.format == "text"
         else instruct_data(cfg, tokenizer, seq_len)
     )
+    out.mkdir(parents=True, exist_ok=True)  # only now: bad input above leaves no output_dir behind
 
     # --- model and optimizer ----------------------------------------------------------------------------------
     model: Llama = build_model(cfg, mcfg, device)
@@ -595,6 +671,10 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     interval_time, interval_tokens, total_time, total_tokens = 0.0, 0, 0.0, 0
     val_loss = math.nan
     trainer_state = {"config": config_to_dict(cfg), "data_position": "step"}
+    if cfg.method != "full":  # the base stays in checkpoint_dir: remember which weights it held
+        from memfit.convert import weights_fingerprint
+
+        trainer_state["base_fingerprint"] = weights_fingerprint(cfg.checkpoint_dir)
     step_options = {
         "max_grad_norm": cfg.max_grad_norm,
         "dtype": cfg.dtype,
@@ -706,7 +786,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         # once in a while: evaluate
         if cfg.eval_every and done % cfg.eval_every == 0 and done != cfg.max_steps:
             val_loss = evaluate(model, data.val_batches(), **eval_options)
-            logger.log({"step": done, "val_loss": val_loss})
+            if not math.isnan(val_loss):  # NaN: no validation samples (data.val_fraction=0)
+                logger.log({"step": done, "val_loss": val_loss})
 
         # once in a while: checkpoint
         if cfg.checkpoint_every and done % cfg.checkpoint_every == 0 and done != cfg.max_steps:
@@ -716,7 +797,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     # --- the end: final evaluation, checkpoint, plot, sample --------------------------------------------------
     val_loss = evaluate(model, data.val_batches(), **eval_options)
     if start_step < cfg.max_steps:
-        logger.log({"step": cfg.max_steps, "val_loss": val_loss})
+        if not math.isnan(val_loss):
+            logger.log({"step": cfg.max_steps, "val_loss": val_loss})
         last_ckpt = save(cfg.max_steps)
     else:  # resumed a finished run: report, but add nothing to its records or checkpoints
         tqdm.write(f"the run in '{out}' is already complete at step {start_step}; nothing to train")
@@ -740,7 +822,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             template=run_template(cfg),
         )
     summary = {
-        "final_val_loss": val_loss,
+        "final_val_loss": None if math.isnan(val_loss) else val_loss,
         "steps": cfg.max_steps,
         "num_params": num_params,
         "num_trainable_params": num_trainable,

@@ -161,7 +161,12 @@ def load_conversations(
     return [r.messages for r in records], skipped
 
 
-def _columns(fmt: str, column_map: dict[str, str] | None) -> dict[str, str]:
+def format_columns(fmt: str, column_map: dict[str, str] | None) -> dict[str, str]:
+    """A format's fields (canonical name -> name in the file) with ``column_map`` applied.
+
+    Raises:
+        DataError: unknown format, a ``column_map`` key that is not a field of the format, or an empty name.
+    """
     if fmt not in FORMATS:
         raise DataError(f"unknown data format {fmt!r}; expected one of {', '.join(FORMATS)}")
     columns = dict(_COLUMNS[fmt])
@@ -234,7 +239,7 @@ def _read_raw(path: Path) -> list[tuple[int | None, Any]]:
 def _load_records(
     path: Path, fmt: str, column_map: dict[str, str] | None, skip_malformed: bool
 ) -> tuple[list[_Record], int]:
-    columns = _columns(fmt, column_map)
+    columns = format_columns(fmt, column_map)
     records: list[_Record] = []
     reasons: list[str] = []
     for index, (line, item) in enumerate(_read_raw(path)):
