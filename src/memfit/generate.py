@@ -7,6 +7,7 @@ architecture-only and is fast enough for the small models memfit samples from at
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Collection
 from pathlib import Path
 
@@ -111,6 +112,12 @@ def generate_text(
         stop = tokenizer.eos_id
     if not ids:
         ids = [tokenizer.bos_id if tokenizer.bos_id is not None else 0]
+    if len(ids) > model.config.max_seq_len:
+        warnings.warn(
+            f"the prompt has {len(ids)} tokens, more than the model's context of {model.config.max_seq_len}: "
+            f"only its last {model.config.max_seq_len} tokens are seen",
+            stacklevel=2,
+        )
     generator = torch.Generator(device=device).manual_seed(seed)
     out = generate(
         model,

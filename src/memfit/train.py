@@ -640,6 +640,12 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     )
     out.mkdir(parents=True, exist_ok=True)  # only now: bad input above leaves no output_dir behind
 
+    if cfg.optimizer.warmup_steps >= cfg.max_steps:
+        tqdm.write(
+            f"note: optimizer.warmup_steps ({cfg.optimizer.warmup_steps}) >= max_steps ({cfg.max_steps}): the "
+            f"learning rate never reaches optimizer.lr ({cfg.optimizer.lr:g})"
+        )
+
     # --- model and optimizer ----------------------------------------------------------------------------------
     model: Llama = build_model(cfg, mcfg, device)
     apply_activation_checkpointing(model, cfg.activation_checkpointing, cfg.activation_checkpointing_interval)

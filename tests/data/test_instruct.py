@@ -285,14 +285,18 @@ def test_malformed_record_named_by_file_record_and_line(tmp_path, case):
     path = write_jsonl(
         tmp_path / "data.jsonl", [good, "", bad, good]
     )  # the bad record is record 1, on line 3
-    with pytest.raises(DataError, match=rf"'{re.escape(str(path))}' record 1 \(line 3\) is malformed: {why}"):
+    with pytest.raises(
+        DataError, match=rf"'{re.escape(str(path))}' record 1 \(0-based; line 3\) is malformed: {why}"
+    ):
         load_conversations(path, fmt)
     convs, skipped = load_conversations(path, fmt, skip_malformed=True)
     assert (len(convs), skipped) == (2, 1)
     if case != "invalid json":  # a .json file names the record index (no line)
         json_path = tmp_path / "data.json"
         json_path.write_text(f"[{good}, {bad}]")
-        with pytest.raises(DataError, match=rf"'{re.escape(str(json_path))}' record 1 is malformed: {why}"):
+        with pytest.raises(
+            DataError, match=rf"'{re.escape(str(json_path))}' record 1 \(0-based\) is malformed: {why}"
+        ):
             load_conversations(json_path, fmt)
         assert load_conversations(json_path, fmt, skip_malformed=True)[1] == 1
 
@@ -552,10 +556,11 @@ def test_prepare_template_errors_name_the_record_or_are_skipped(tmp_path, bpe):
     )  # the invalid line at loading, the multi-turn chat at rendering
     assert (data.stats.num_records, data.stats.num_skipped, len(data.train)) == (3, 2, 2)
     path = write_jsonl(tmp_path / "chat.jsonl", [lines[0], "", lines[2]])
-    with pytest.raises(DataError, match=r"record 1 \(line 3\): template 'alpaca' is single-turn"):
+    with pytest.raises(DataError, match=r"record 1 \(0-based; line 3\): template 'alpaca' is single-turn"):
         prepare_instruct(path, "openai", "alpaca", bpe, max_seq_len=256, val_fraction=0.0, seed=0)
     with pytest.raises(
-        DataError, match=rf"'{re.escape(str(SHAREGPT_TINY))}' record 0: template 'alpaca' is single-turn"
+        DataError,
+        match=rf"'{re.escape(str(SHAREGPT_TINY))}' record 0 \(0-based\): template 'alpaca' is single-turn",
     ):
         prepare_instruct(SHAREGPT_TINY, "sharegpt", "alpaca", bpe, max_seq_len=64, val_fraction=0.0, seed=0)
     with pytest.raises(DataError, match="leaves no training sample"):

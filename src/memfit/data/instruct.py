@@ -109,7 +109,7 @@ class _Record:
 
 
 def _where(path: Path, index: int, line: int | None) -> str:
-    return f"'{path}' record {index}" + (f" (line {line})" if line is not None else "")
+    return f"'{path}' record {index} (0-based" + (f"; line {line})" if line is not None else ")")
 
 
 class _Malformed(Exception):
