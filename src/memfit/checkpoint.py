@@ -241,6 +241,8 @@ def save_checkpoint(
     tokenizer,
     keep_last: int,
     trainable_only: bool = False,
+    weights: dict[str, torch.Tensor] | None = None,
+    optimizer_state: dict[str, Any] | None = None,
 ) -> Path:
     """Write a checkpoint atomically, then prune old ones.
 
@@ -255,6 +257,9 @@ def save_checkpoint(
         keep_last: how many newest checkpoints to keep.
         trainable_only: write only the trainable parameters, as ``adapter.safetensors`` (LoRA / adapter runs,
             whose frozen base stays where ``checkpoint_dir`` points).
+        weights: the whole state dict to write instead of ``model``'s (a sharded run's, gathered on one rank);
+            a tied ``lm_head.weight`` is dropped as above.
+        optimizer_state: the state dict to write instead of ``optimizer``'s (a sharded run's, gathered).
 
     Returns:
         The final checkpoint directory.
@@ -265,14 +270,20 @@ def save_checkpoint(
     final = checkpoints_dir(output_dir) / f"step_{step:08d}"
     # a checkpoint of the same step from an earlier (interrupted) attempt is replaced
     with atomic_directory(final, "checkpoint") as tmp:
-        weights = trainable_state_dict(model) if trainable_only else _weights_state_dict(model)
+        if weights is None:
+            weights = trainable_state_dict(model) if trainable_only else _weights_state_dict(model)
+        elif model_config.tie_word_embeddings:
+            weights = {k: v for k, v in weights.items() if k != "lm_head.weight"}
+        weights = {k: v.detach().contiguous() for k, v in weights.items()}
         save_file(
             weights,
             str(tmp / (ADAPTER_WEIGHTS if trainable_only else WEIGHTS)),
             metadata={"format": "pt", "step": str(step)},
         )
         (tmp / MODEL_CONFIG).write_text(json.dumps(model_config_to_dict(model_config), indent=2))
-        if optimizer is not None:
+        if optimizer_state is not None:
+            torch.save(optimizer_state, tmp / OPTIMIZER)
+        elif optimizer is not None:
             torch.save(optimizer.state_dict(), tmp / OPTIMIZER)
         tokenizer.save(tmp / "tokenizer")
         state = {**trainer_state, "step": step, "rng": rng_state()}

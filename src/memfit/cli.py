@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from memfit.errors import ConfigError, MemfitError
@@ -36,7 +37,18 @@ def _pretrain(args: argparse.Namespace) -> int:
             )
     else:
         cfg = load_config(args.config, args.overrides)
-    summary = train(cfg)
+    from memfit import distributed
+
+    try:
+        summary = train(cfg)
+    finally:
+        distributed.destroy_distributed()
+    if not distributed.launched_distributed() or int(os.environ.get("RANK", "0")) == 0:
+        _print_summary(summary)
+    return 0
+
+
+def _print_summary(summary: dict) -> None:
     print()
     if summary["final_val_loss"] is None:
         print("final validation loss: none (no validation samples; data.val_fraction=0)")
@@ -53,7 +65,6 @@ def _pretrain(args: argparse.Namespace) -> int:
     if summary["sample"]:
         print("sample:")
         print(summary["sample"])
-    return 0
 
 
 def _generate(args: argparse.Namespace) -> int:

@@ -143,6 +143,28 @@ class SampleConfig:
 
 
 @dataclass
+class DistributedConfig:
+    """Sharding over the ranks of a ``torchrun`` launch (ignored in a single process). See
+    :mod:`memfit.distributed`. Each rank trains on its own ``batch_size`` sequences: a step sees
+    ``batch_size * gradient_accumulation_steps * world_size`` sequences."""
+
+    strategy: str = "fsdp2"
+    """``fsdp2`` (``fully_shard`` per decoder layer plus the root; DTensor parameters) or ``fsdp1``
+    (``FullyShardedDataParallel``, one unit per decoder layer, ``use_orig_params``)."""
+    reshard_after_forward: bool = True
+    """Free each layer's gathered weights after its forward and gather them again for backward (ZeRO-3: least
+    memory); false keeps them until backward (ZeRO-2-like: one all-gather fewer per layer, more memory)."""
+    prefetch: int = 1
+    """Layers whose all-gather is issued ahead of use (overlaps communication with compute; each costs one
+    layer's unsharded weights). 0 leaves it to FSDP's defaults (fsdp1: no prefetching)."""
+    cpu_offload: bool = False
+    """Keep parameter shards, gradients and the optimizer step on the host (FSDP2 ``CPUOffloadPolicy`` / FSDP1
+    ``CPUOffload``); CUDA only: on CPU everything is already in host memory."""
+    limit_all_gathers: bool = True
+    """fsdp1 only: rate-limit all-gathers issued ahead so at most two layers' unsharded weights exist at once."""
+
+
+@dataclass
 class TrainConfig:
     """One run: pretraining, or fine-tuning (``checkpoint_dir`` set) with ``method`` full, lora or adapter.
 
@@ -156,6 +178,7 @@ class TrainConfig:
     data: DataConfig = field(default_factory=DataConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     sample: SampleConfig = field(default_factory=SampleConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
 
     method: str = "full"
     """``full`` (every weight trains), ``lora`` or ``adapter`` (only the small added weights train: they alone
@@ -567,6 +590,8 @@ def validate(cfg: TrainConfig) -> None:
         "in host memory. Use activation_checkpointing to save activation memory here",
     )
 
+    _validate_distributed(cfg, device_type)
+
     smp = cfg.sample
     _require(smp.max_new_tokens >= 0, "sample.max_new_tokens", f"must be >= 0, got {smp.max_new_tokens}")
     _require(smp.temperature >= 0, "sample.temperature", f"must be >= 0, got {smp.temperature}")
@@ -602,6 +627,68 @@ def validate(cfg: TrainConfig) -> None:
         cfg.seq_len <= mcfg.max_seq_len,
         "seq_len",
         f"{cfg.seq_len} exceeds the model's max_seq_len {mcfg.max_seq_len}; lower seq_len or set model_args.max_seq_len",
+    )
+
+
+def _validate_distributed(cfg: TrainConfig, device_type: str) -> None:
+    """The ``distributed.*`` keys, and the memory switches that do not (yet) work sharded.
+
+    The keys are checked in every run; the combinations only when torchrun launched more than one rank.
+    """
+    from memfit.distributed import STRATEGIES, launched_distributed
+
+    d = cfg.distributed
+    _one_of(d.strategy, STRATEGIES, "distributed.strategy")
+    _require(d.prefetch >= 0, "distributed.prefetch", f"must be >= 0 (0: FSDP's defaults), got {d.prefetch}")
+    _require(
+        d.strategy == "fsdp1" or d.limit_all_gathers,
+        "distributed.limit_all_gathers",
+        "applies to distributed.strategy=fsdp1 only; FSDP2 bounds its all-gathers by distributed.prefetch",
+    )
+    if not launched_distributed():
+        return
+    _require(
+        not d.cpu_offload or device_type == "cuda",
+        "distributed.cpu_offload",
+        "moves parameter shards, gradients and the optimizer step from GPU to host memory and needs CUDA; on "
+        "CPU they already live in host memory. Turn it off",
+    )
+    _require(
+        not (cfg.optimizer_in_backward and d.strategy == "fsdp1"),
+        "optimizer_in_backward",
+        "does not work with distributed.strategy=fsdp1: FSDP1 reduces gradients into flat shards after autograd "
+        "has run the per-parameter hooks, so the updates would see unreduced gradients. Use "
+        "distributed.strategy=fsdp2 (which runs the hooks after its reduce-scatter) or turn the switch off",
+    )
+    _require(
+        cfg.chunked_cross_entropy == 0,
+        "chunked_cross_entropy",
+        "is not supported sharded yet: it reads lm_head's weight outside the model's forward, where FSDP has not "
+        "gathered it. Set chunked_cross_entropy=0 (each rank's logits are only batch_size * seq_len * vocab_size)",
+    )
+    _require(
+        not cfg.optimizer.cpu_offload,
+        "optimizer.cpu_offload",
+        "is not supported sharded; use distributed.cpu_offload, which offloads the shards and their optimizer "
+        "step to the host",
+    )
+    _require(
+        cfg.optimizer.name == "adamw",
+        "optimizer.name",
+        f"{cfg.optimizer.name!r} is not supported sharded yet (its quantized state would have to be sharded with "
+        f"the DTensor parameters); use adamw",
+    )
+    _require(
+        not cfg.track_memory,
+        "track_memory",
+        "is not supported sharded yet (it counts whole parameters, not DTensor shards); turn it off, the "
+        "peak_memory_* fields are still logged (maximum over ranks)",
+    )
+    _require(
+        cfg.method == "full",
+        "method",
+        f"{cfg.method!r} is not supported sharded yet (its checkpoints hold only the trainable weights, which "
+        f"the sharded save does not gather yet); use method=full, or one process",
     )
 
 

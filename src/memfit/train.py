@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from memfit import checkpoint as ckpt_io
+from memfit import distributed as dist_
 from memfit.config import TrainConfig, config_from_dict, config_to_dict
 from memfit.data.corpus import TRAIN, VAL, TokenWindows, batch_rng, prepare_corpus
 from memfit.errors import CheckpointError, ConfigError
@@ -101,11 +102,11 @@ class StepResult:
     """What one optimizer step returns: device tensors, read by the host only at logging boundaries."""
 
     loss: torch.Tensor
-    """0-dim: mean cross-entropy per counted token over all micro-batches of the step."""
+    """0-dim: mean cross-entropy per counted token over all micro-batches of the step (of all ranks)."""
     grad_norm: torch.Tensor
     """0-dim: global L2 norm of the gradients before clipping."""
     num_tokens: torch.Tensor
-    """0-dim int64: tokens that counted in the loss."""
+    """0-dim int64: tokens that counted in the loss (of all ranks)."""
 
 
 def _phase(tracker, name: str) -> None:
@@ -182,7 +183,12 @@ def train_step(
         A :class:`StepResult` of device tensors (no host sync happened).
     """
     in_backward = isinstance(optimizer, OptimizerInBackward)
-    num_tokens = torch.stack([(mb[1] != IGNORE_INDEX).sum() for mb in micro_batches]).sum()
+    # sharded: the token count of the global batch (all ranks), and FSDP averages gradients over the ranks, so
+    # each rank's backward is scaled by world_size to make the average the global batch's gradient
+    world = dist_.world_size()
+    num_tokens = dist_.all_reduce_sum(
+        torch.stack([(mb[1] != IGNORE_INDEX).sum() for mb in micro_batches]).sum()
+    )
     denom = num_tokens.clamp(min=1).float()
     total = torch.zeros((), dtype=torch.float32, device=micro_batches[0][0].device)
     for inputs, targets, *rest in micro_batches:
@@ -200,21 +206,17 @@ def train_step(
             / denom
         )
         _phase(tracker, "backward")
-        loss.backward()
+        (loss * world if world > 1 else loss).backward()
         total = total + loss.detach()
     _phase(tracker, "optimizer_step")
     if in_backward:
         grad_norm = optimizer.consume_grad_norm()
     else:
-        params = [p for p in model.parameters() if p.grad is not None]
-        if max_grad_norm > 0:
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
-        else:
-            grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+        grad_norm = dist_.grad_norm_and_clip(model, max_grad_norm)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     _phase(tracker, "other")
-    return StepResult(loss=total, grad_norm=grad_norm, num_tokens=num_tokens)
+    return StepResult(loss=dist_.all_reduce_sum(total), grad_norm=grad_norm, num_tokens=num_tokens)
 
 
 @torch.no_grad()
@@ -227,6 +229,9 @@ def evaluate(
     chunked_cross_entropy_chunks: int = 0,
 ) -> float:
     """Mean cross-entropy per counted token over ``batches`` (the same fixed validation batches at every call).
+
+    Sharded, each rank passes its own part of the batches, and the sums are all-reduced: every rank returns the
+    loss over all ranks' batches.
 
     Args:
         model: the model (put in eval mode for the call).
@@ -241,7 +246,7 @@ def evaluate(
     was_training = model.training
     model.eval()
     total = torch.zeros((), dtype=torch.float64, device=device)
-    count = 0
+    count = torch.zeros((), dtype=torch.int64, device=device)
     for inputs, targets, doc_ids in batches:
         loss = micro_batch_loss(
             model,
@@ -252,8 +257,9 @@ def evaluate(
             doc_ids=None if doc_ids is None else doc_ids.to(device),
         )
         total += loss.double()
-        count += int((targets != IGNORE_INDEX).sum())
+        count += (targets != IGNORE_INDEX).sum().to(device)
     model.train(was_training)
+    total, count = dist_.all_reduce_sum(total), int(dist_.all_reduce_sum(count).item())
     return float(total.item() / count) if count else math.nan
 
 
@@ -344,12 +350,18 @@ def text_data(cfg: TrainConfig, corpus, seq_len: int) -> RunData:
     train_windows = TokenWindows(corpus.train_path, seq_len)
     val_windows = TokenWindows(corpus.val_path, seq_len)
 
+    B, rank, world = cfg.batch_size, dist_.rank(), dist_.world_size()
+
     def train_batch(step: int, micro: int) -> Batch:
-        return (*train_windows.batch(cfg.batch_size, batch_rng(cfg.seed, TRAIN, step, micro)), None)
+        # the global batch of world * B windows, drawn alike on every rank, of which this rank takes its B: so N
+        # ranks with batch_size B train on exactly what one process with batch_size N * B does
+        inputs, targets = train_windows.batch(world * B, batch_rng(cfg.seed, TRAIN, step, micro))
+        return inputs[rank * B : (rank + 1) * B], targets[rank * B : (rank + 1) * B], None
 
     def val_batches() -> Iterator[Batch]:
         for i in range(cfg.eval_batches):
-            yield (*val_windows.batch(cfg.batch_size, batch_rng(cfg.seed, VAL, i)), None)
+            inputs, targets = val_windows.batch(world * B, batch_rng(cfg.seed, VAL, i))
+            yield inputs[rank * B : (rank + 1) * B], targets[rank * B : (rank + 1) * B], None
 
     return RunData(
         train_batch, val_batches, f"{corpus.train_tokens:,} train / {corpus.val_tokens:,} val tokens"
@@ -380,11 +392,17 @@ def instruct_data(cfg: TrainConfig, tokenizer, seq_len: int) -> RunData:
     )
 
     def train_batch(step: int, micro: int) -> Batch:
-        position = batch_position(step, micro, cfg.batch_size, cfg.gradient_accumulation_steps)
+        position = batch_position(
+            step, micro, cfg.batch_size, cfg.gradient_accumulation_steps, dist_.rank(), dist_.world_size()
+        )
         return data.train.batch(cfg.batch_size, position, cfg.seed)
 
+    B, rank, world = cfg.batch_size, dist_.rank(), dist_.world_size()
+
     def val_batches() -> Iterator[Batch]:
-        return itertools.islice(data.val.epoch_batches(cfg.batch_size), cfg.eval_batches)
+        # global batches of world * B samples, of which this rank takes its B rows (see text_data)
+        for batch in itertools.islice(data.val.epoch_batches(world * B), cfg.eval_batches):
+            yield tuple(None if t is None else t[rank * B : (rank + 1) * B] for t in batch)
 
     stats = data.stats
     summary = (
@@ -590,9 +608,15 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     """
     # --- set-up: output dir, resume state, tokenizer, data (all checked before any weight is allocated) -------
     cfg = with_absolute_paths(cfg)
-    device = resolve_device(cfg.device)
+    device = dist_.init_distributed(resolve_device(cfg.device))  # under torchrun: this rank's device
+    main_rank = dist_.is_main()
     out = Path(cfg.output_dir)
     resume_dir, resume_state = _load_run_state(cfg)
+    if resume_dir is not None and dist_.is_distributed():
+        raise CheckpointError(
+            f"resuming a sharded run is not supported yet ('{resume_dir}' exists); resume it in one process, or "
+            f"choose another output_dir"
+        )
     from memfit.tokenizer import load_tokenizer
 
     tokenizer_key = tokenizer_settings(cfg)
@@ -626,9 +650,13 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             make, load = (lambda _text: fixed_tokenizer), (lambda _d: fixed_tokenizer)
         else:
             make, load = (lambda text: make_tokenizer(cfg, text)), load_tokenizer
+        if not main_rank:  # rank 0 tokenizes and writes the token files; the others then reuse them
+            dist_.barrier()
         tokenizer, corpus = prepare_corpus(
             cfg.data.path, cfg.data.val_fraction, make, out / "data", load, tokenizer_key=tokenizer_key
         )
+        if main_rank:
+            dist_.barrier()
     else:
         tokenizer = fixed_tokenizer
     mcfg = start_config or resolve_model_config(cfg, tokenizer.vocab_size)
@@ -649,9 +677,12 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     # --- model and optimizer ----------------------------------------------------------------------------------
     model: Llama = build_model(cfg, mcfg, device)
     apply_activation_checkpointing(model, cfg.activation_checkpointing, cfg.activation_checkpointing_interval)
-    optimizer = build_optimizer(model, cfg.optimizer, in_backward=cfg.optimizer_in_backward)
     num_params = sum(p.numel() for p in model.parameters())
     num_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    world = dist_.world_size()
+    if world > 1:  # every rank built the same weights from the seed; each now keeps only its shards
+        model = dist_.shard_model(model, cfg, device)
+    optimizer = build_optimizer(model, cfg.optimizer, in_backward=cfg.optimizer_in_backward)
     start_step = 0
     if resume_dir is not None:
         if ckpt_io.read_model_config(resume_dir) != mcfg:
@@ -664,14 +695,21 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     verb = "pretrain" if cfg.checkpoint_dir is None else f"finetune ({cfg.method})"
     source = cfg.model if cfg.checkpoint_dir is None else cfg.checkpoint_dir
     trainable = "" if num_trainable == num_params else f", {num_trainable:,} trainable"
-    tqdm.write(
-        f"memfit {verb}: model {source} ({num_params:,} parameters{trainable}), tokenizer {tokenizer.kind} "
-        f"({tokenizer.vocab_size:,} ids), {data.summary}, batch {cfg.batch_size} x "
-        f"{cfg.gradient_accumulation_steps} x {seq_len} tokens, dtype {cfg.dtype}, device {device}"
-        + (f", resuming at step {start_step}" if start_step else "")
-    )
+    sharded = f" x {world} ranks ({cfg.distributed.strategy})" if world > 1 else ""
+    if main_rank:
+        tqdm.write(
+            f"memfit {verb}: model {source} ({num_params:,} parameters{trainable}), tokenizer {tokenizer.kind} "
+            f"({tokenizer.vocab_size:,} ids), {data.summary}, batch {cfg.batch_size} x "
+            f"{cfg.gradient_accumulation_steps} x {seq_len} tokens{sharded}, dtype {cfg.dtype}, device {device}"
+            + (f", resuming at step {start_step}" if start_step else "")
+        )
 
-    logger = MetricsLogger(out, tensorboard=cfg.tensorboard, resume_step=start_step if resume_dir else None)
+    logger = MetricsLogger(
+        out,
+        tensorboard=cfg.tensorboard,
+        resume_step=start_step if resume_dir else None,
+        enabled=main_rank,
+    )
     memory = PeakMemory(device)
     run_peak: dict[str, float] = {}
     interval_time, interval_tokens, total_time, total_tokens = 0.0, 0, 0.0, 0
@@ -699,17 +737,38 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         tracker = MemoryTracker(model, optimizer)
 
     def save(step: int) -> Path:
-        return ckpt_io.save_checkpoint(
-            out,
-            step,
-            model,
-            mcfg,
-            optimizer,
-            trainer_state,
-            tokenizer,
-            cfg.keep_last_checkpoints,
-            trainable_only=cfg.method != "full",
-        )
+        if world == 1:
+            return ckpt_io.save_checkpoint(
+                out,
+                step,
+                model,
+                mcfg,
+                optimizer,
+                trainer_state,
+                tokenizer,
+                cfg.keep_last_checkpoints,
+                trainable_only=cfg.method != "full",
+            )
+        # sharded: gather the whole weights and optimizer state onto rank 0's host (collective), which writes one
+        # ordinary checkpoint (generate, export and a one-process resume read it as any other)
+        weights = dist_.full_model_state_dict(model)
+        optimizer_state = dist_.full_optimizer_state_dict(model, optimizer)
+        final = ckpt_io.checkpoints_dir(out) / f"step_{step:08d}"
+        if main_rank:
+            final = ckpt_io.save_checkpoint(
+                out,
+                step,
+                dist_.unwrap(model),
+                mcfg,
+                optimizer,
+                trainer_state,
+                tokenizer,
+                cfg.keep_last_checkpoints,
+                weights=weights,
+                optimizer_state=optimizer_state,
+            )
+        dist_.barrier()
+        return final
 
     # --- the loop ---------------------------------------------------------------------------------------------
     model.train()
@@ -718,7 +777,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         initial=start_step,
         desc=verb.split(" ")[0],
         unit="step",
-        disable=not cfg.progress_bar,
+        disable=not (cfg.progress_bar and main_rank),
         dynamic_ncols=True,
     )
     last_ckpt = None
@@ -770,8 +829,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                 "loss": loss,
                 "lr": lr,
                 "grad_norm": result.grad_norm.item(),
-                "tokens_per_second_per_gpu": interval_tokens / max(interval_time, 1e-9),
-                **memory.read_and_reset(),
+                "tokens_per_second_per_gpu": interval_tokens / max(interval_time, 1e-9),  # this rank's
+                **dist_.max_over_ranks(memory.read_and_reset()),  # the peaks of the fullest rank
             }
             if tracker is not None:
                 record["memory_breakdown"] = {k: to_gib(v) for k, v in tracker.peak_breakdown.items()}
@@ -810,14 +869,19 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         tqdm.write(f"the run in '{out}' is already complete at step {start_step}; nothing to train")
         last_ckpt = resume_dir
     logger.close()
-    plot = plot_losses(out / "metrics.jsonl", out / "loss.png")
+    plot = plot_losses(out / "metrics.jsonl", out / "loss.png") if main_rank else None
 
     from memfit.generate import generate_text
 
     sample = ""
-    if cfg.sample.max_new_tokens > 0:
+    sample_model = model
+    if world > 1 and main_rank and cfg.sample.max_new_tokens > 0:
+        from memfit.generate import load_for_generation
+
+        sample_model = load_for_generation(last_ckpt, device=device)[0]  # the whole model, on rank 0 alone
+    if cfg.sample.max_new_tokens > 0 and main_rank:
         sample = generate_text(
-            model,
+            sample_model,
             tokenizer,
             cfg.sample.prompt,
             max_new_tokens=cfg.sample.max_new_tokens,

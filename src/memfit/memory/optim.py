@@ -102,7 +102,7 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
-        if p.ndim == 2:
+        if getattr(p, "_memfit_ndim", p.ndim) == 2:  # FSDP1 flattens parameters in place; it records ndim
             decay.append(p)
             decay_names.append(name)
         else:
@@ -424,6 +424,7 @@ class OptimizerInBackward(torch.optim.Optimizer):
         self._inner: dict[torch.Tensor, torch.optim.Optimizer] = {}
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
         self._sq_sum: torch.Tensor | None = None
+        self._sharded_over = None  # the process group of DTensor (FSDP2) gradients, once one was seen
         self._device: torch.device | None = None
         super().__init__(params, {})
         self.state = _StateView({p: (opt, p) for p, opt in self._inner.items()})  # type: ignore[assignment]
@@ -452,7 +453,11 @@ class OptimizerInBackward(torch.optim.Optimizer):
     def _update(self, p: torch.Tensor) -> None:
         """The hook: norm, update, free. Runs in backward, once per parameter and backward."""
         with torch.no_grad():
-            sq = torch.linalg.vector_norm(p.grad, dtype=torch.float32).square()
+            grad = p.grad
+            if hasattr(grad, "to_local"):  # a DTensor shard (FSDP2): this rank's part of the sum of squares
+                self._sharded_over = grad.device_mesh.get_group()
+                grad = grad.to_local()
+            sq = torch.linalg.vector_norm(grad, dtype=torch.float32).square()
             self._sq_sum = sq if self._sq_sum is None else self._sq_sum + sq
         inner = self._inner[p]
         inner_group = inner.param_groups[0]
@@ -478,6 +483,10 @@ class OptimizerInBackward(torch.optim.Optimizer):
         self._sq_sum = None
         if sq_sum is None:
             sq_sum = torch.zeros((), dtype=torch.float32, device=self._device)
+        if self._sharded_over is not None:  # sum the shards' squares over the ranks
+            import torch.distributed as dist
+
+            dist.all_reduce(sq_sum, op=dist.ReduceOp.SUM, group=self._sharded_over)
         return sq_sum.sqrt()
 
     @torch.no_grad()
