@@ -6,6 +6,7 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 
 from memfit.data.corpus import default_corpus_path
 
@@ -46,3 +47,13 @@ def tiny_run_overrides(corpus: Path, output_dir: Path, **extra) -> list[str]:
     }
     base.update(extra)
     return [f"{k}={v}" for k, v in base.items()]
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny ops on one thread: quick, and timings not at the mercy of a second busy core. Use it in a module with
+    ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

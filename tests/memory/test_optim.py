@@ -45,13 +45,7 @@ SMALL_NAMES = sorted([*SMALL, "model.norm.weight"])
 LOW_BIT = ("adamw8bit", "paged_adamw8bit", "torchao_adamw8bit", "torchao_adamw4bit", "torchao_adamw_fp8")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors on 2 shared cores: a second intra-op thread makes each kernel ~100x slower, not faster."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _require(name):

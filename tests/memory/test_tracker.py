@@ -32,13 +32,7 @@ ADAMW_STATE_BYTES = 8 * P + 4 * NUM_PARAM_TENSORS  # exp_avg + exp_avg_sq in fp3
 B, T = 2, 16
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny ops on one thread: quick, and timings not at the mercy of a second busy core."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def make(implementation: str = "foreach", in_backward: bool = False):

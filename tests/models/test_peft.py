@@ -51,13 +51,7 @@ LORA_QV_PARAMS = 2 * ((8 * 64 + 64 * 8) + (8 * 64 + 32 * 8))
 ADAPTER_PARAMS = 2 * (10 * 64 + 4)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny ops on one thread: quick, and not at the mercy of a second busy core."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def batch(seed: int = 0, b: int = B, t: int = T, vocab: int = CFG.vocab_size):

@@ -39,6 +39,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from memfit.data.corpus import read_utf8
 from memfit.errors import DataError
 from memfit.memory.techniques import IGNORE_INDEX
 
@@ -193,17 +194,7 @@ def _read_raw(path: Path) -> list[tuple[int | None, Any]]:
         )
     if not path.is_file():
         raise DataError(f"data file '{path}' does not exist")
-    try:
-        raw = path.read_bytes()
-    except OSError as exc:
-        raise DataError(f"cannot read data file '{path}': {exc.strerror}") from None
-    try:
-        text = raw.decode("utf-8-sig")
-    except UnicodeDecodeError as exc:
-        line = raw.count(b"\n", 0, exc.start) + 1
-        raise DataError(
-            f"data file '{path}' is not valid UTF-8 (byte offset {exc.start}, line {line})"
-        ) from None
+    text = read_utf8(path, "data file", encoding="utf-8-sig")
     if suffix == ".jsonl":
         out: list[tuple[int | None, Any]] = []
         for lineno, line_text in enumerate(text.splitlines(), start=1):
