@@ -197,6 +197,20 @@ def test_sharded_checkpoint_resumes_in_one_process(sharded_run, small_corpus, tm
     assert (out / "checkpoints" / "step_00000004" / WEIGHTS).is_file()  # one process writes an ordinary one
 
 
+@pytest.mark.parametrize("strategy", ["fsdp2", "fsdp1"])
+def test_one_process_checkpoint_resumes_on_two_ranks(strategy, single_runs, small_corpus, tmp_path):
+    """1 process x batch 8 -> 2 ranks x batch 4: the ordinary step-2 checkpoint is sharded on load."""
+    out = _interrupted_at_step_3(single_runs["plain"], tmp_path / "two")
+    over = _overrides(small_corpus, out, batch_size=4, resume="true", **{"distributed.strategy": strategy})
+    assert "resuming at step 2" in _torchrun(["pretrain", *over]).stdout
+    resumed, reference = _losses(out), _losses(single_runs["plain"])
+    assert [s for s, _ in resumed] == [s for s, _ in reference] == [1, 2, 3, 4]
+    diff = max(abs(a - b) for (_, a), (_, b) in zip(resumed, reference, strict=True))
+    print(f"max |resumed on 2 ranks ({strategy}) - 1 process| loss: {diff}")
+    assert diff <= TOL
+    assert (out / "checkpoints" / "step_00000004" / "dcp" / ".metadata").is_file()
+
+
 def test_export_of_a_sharded_checkpoint(sharded_run, tmp_path):
     from memfit.convert import load_pretrained
 

@@ -477,8 +477,11 @@ def load_checkpoint(
     """
     state = read_trainer_state(ckpt)
     check_files(ckpt, state, need_optimizer=optimizer is not None)
-    if is_sharded(ckpt):
-        load_sharded(ckpt, model, optimizer)
+    if is_sharded(ckpt) or _process_group_size() > 1:
+        if is_sharded(ckpt):
+            load_sharded(ckpt, model, optimizer)
+        else:
+            _load_full_into_sharded(ckpt, model, optimizer)
         if "rng" in state:
             set_rng_state(state["rng"])
         return state
@@ -679,6 +682,69 @@ def load_sharded(ckpt: Path, model: torch.nn.Module, optimizer: torch.optim.Opti
         raise _dcp_error(Path(ckpt), exc) from None
     if optimizer is not None and not state["optim"].get("state") and _has_optimizer_state(ckpt):
         raise _dcp_error(Path(ckpt), ValueError("no optimizer state was restored"))
+
+
+def _process_group_size() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _load_full_into_sharded(
+    ckpt: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None
+) -> None:
+    """A one-process checkpoint (``model.safetensors`` + ``optimizer.pt``) into a sharded model and optimizer.
+    Collective: every rank reads the files and keeps its shards.
+
+    ``optimizer.pt`` numbers the parameters group by group, in the order of the optimizer's groups, which sharding
+    keeps: the i-th is the i-th name of the sharded optimizer's (name-keyed) state dict.
+    """
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_optimizer_state_dict,
+        set_state_dict,
+    )
+
+    if (ckpt / ADAPTER_WEIGHTS).is_file() and not (ckpt / WEIGHTS).is_file():
+        raise CheckpointError(f"checkpoint '{ckpt}' holds adapter weights only; resume it in one process")
+    weights = _read_safetensors(ckpt / WEIGHTS)
+    cfg = getattr(model, "config", None) or getattr(getattr(model, "module", None), "config", None)
+    if getattr(cfg, "tie_word_embeddings", False) and "lm_head.weight" not in weights:
+        weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
+    options = StateDictOptions(full_state_dict=True)
+    optim_sd = None
+    try:
+        if optimizer is not None:
+            saved = torch.load(ckpt / OPTIMIZER, map_location="cpu", weights_only=True)
+            _init_optimizer_state(optimizer)
+            names = [
+                n for g in get_optimizer_state_dict(model, optimizer)["param_groups"] for n in g["params"]
+            ]
+            groups, i = [], 0
+            for group in saved["param_groups"]:
+                count = len(group["params"])
+                groups.append({**group, "params": names[i : i + count]})
+                i += count
+            if i != len(names):
+                raise ValueError(
+                    f"{i} parameters in the checkpoint's optimizer state, {len(names)} in the model"
+                )
+            optim_sd = {"state": {names[k]: v for k, v in saved["state"].items()}, "param_groups": groups}
+        if optim_sd is None:
+            from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+            set_model_state_dict(model, weights, options=options)
+        else:
+            set_state_dict(
+                model, optimizer, model_state_dict=weights, optim_state_dict=optim_sd, options=options
+            )
+    except CheckpointError:
+        raise
+    except Exception as exc:
+        raise CheckpointError(
+            f"checkpoint '{ckpt}' does not load into the sharded model and optimizer ({exc}); resume it in one "
+            f"process"
+        ) from None
 
 
 def _has_optimizer_state(ckpt: Path) -> bool:

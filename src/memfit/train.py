@@ -612,11 +612,6 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     main_rank = dist_.is_main()
     out = Path(cfg.output_dir)
     resume_dir, resume_state = _load_run_state(cfg)
-    if resume_dir is not None and dist_.is_distributed() and not ckpt_io.is_sharded(resume_dir):
-        raise CheckpointError(
-            f"resuming under torchrun from a one-process checkpoint is not supported yet ('{resume_dir}' has no "
-            f"'{ckpt_io.DCP_DIR}/'); resume it in one process, or choose another output_dir"
-        )
     from memfit.tokenizer import load_tokenizer
 
     tokenizer_key = tokenizer_settings(cfg)
