@@ -3,7 +3,9 @@ what one process with batch_size 2B does (losses, gradient norms, validation los
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -13,12 +15,15 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from memfit import checkpoint as ckpt_io
 from memfit.cli import main
 from memfit.config import load_config
 from memfit.errors import ConfigError
 from memfit.metrics import read_records
 
 from .conftest import tiny_run_overrides
+
+WEIGHTS = ckpt_io.WEIGHTS
 
 TOL = 1e-5  # fp32; 2 ranks sum their gradients in another order than one process's batched matmuls
 RUN = dict(max_steps=4, eval_every=2, checkpoint_every=2, optimizer__warmup_steps=2, sample__max_new_tokens=8)
@@ -64,8 +69,10 @@ def _assert_same_run(sharded: Path, single: Path) -> dict[str, float]:
         "grad_norm": max(abs(a["grad_norm"] - b["grad_norm"]) for a, b in zip(train2, train1, strict=True)),
         "val_loss": max(abs(a["val_loss"] - b["val_loss"]) for a, b in zip(val2, val1, strict=True)),
     }
-    w2 = load_file(sharded / "checkpoints" / "step_00000004" / "model.safetensors")
-    w1 = load_file(single / "checkpoints" / "step_00000004" / "model.safetensors")
+    w2 = ckpt_io.read_sharded_weights(sharded / "checkpoints" / "step_00000004")  # consolidated from dcp/
+    w1 = load_file(single / "checkpoints" / "step_00000004" / WEIGHTS)
+    if "lm_head.weight" not in w1:  # tied: stored once, under the embedding's name
+        w2.pop("lm_head.weight", None)
     assert w2.keys() == w1.keys()
     diffs["weights"] = max((w2[k] - w1[k]).abs().max().item() for k in w1)
     print(f"max |2 ranks - 1 process|: {diffs}")
@@ -97,7 +104,9 @@ def test_two_ranks_train_what_one_process_does(strategy, single_runs, small_corp
     _assert_same_run(out, single_runs["plain"])
     assert proc.stdout.count("final validation loss") == 1  # rank 0 alone reports
     assert proc.stdout.count("step 1 |") == 1
-    # the gathered checkpoint is an ordinary one: one process samples from it
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_00000002", "step_00000004"]
+    assert (out / "checkpoints" / "step_00000004" / "dcp" / ".metadata").is_file()
+    # the sharded checkpoint is consolidated on load: one process samples from it
     assert main(["generate", "--checkpoint", str(out), "--prompt", "ROMEO:", "--max-new-tokens", "8"]) == 0
 
 
@@ -106,13 +115,124 @@ def test_two_ranks_with_optimizer_in_backward(single_runs, small_corpus, tmp_pat
     extra = {"optimizer_in_backward": "true", "max_grad_norm": 0, "distributed.strategy": "fsdp2"}
     _torchrun(["pretrain", *_overrides(small_corpus, out, batch_size=4, **extra)])
     _assert_same_run(out, single_runs["in_backward"])
-    saved = torch.load(out / "checkpoints" / "step_00000004" / "optimizer.pt", weights_only=True)
+    # the optimizer state of the sharded checkpoint, loaded into one process, is that of the one-process run
+    saved = _one_process_optimizer_state(out / "checkpoints" / "step_00000004")
     reference = torch.load(
         single_runs["in_backward"] / "checkpoints" / "step_00000004" / "optimizer.pt", weights_only=True
     )
     assert saved["state"].keys() == reference["state"].keys()
     for i, state in reference["state"].items():
         torch.testing.assert_close(saved["state"][i]["exp_avg"], state["exp_avg"], atol=TOL, rtol=0)
+
+
+def _one_process_optimizer_state(ckpt: Path) -> dict:
+    """A sharded checkpoint loaded into one process's model and optimizer (no process group): the optimizer's
+    ``state_dict``."""
+    from memfit.config import config_from_dict
+    from memfit.memory.optim import build_optimizer
+    from memfit.models.llama import build_llama
+
+    cfg = config_from_dict(ckpt_io.read_trainer_state(ckpt)["config"], check=False)
+    model = build_llama(ckpt_io.read_model_config(ckpt), device="cpu", dtype=torch.float32, init=False)
+    optimizer = build_optimizer(model, cfg.optimizer, in_backward=cfg.optimizer_in_backward)
+    ckpt_io.load_checkpoint(ckpt, model, optimizer)
+    return optimizer.state_dict()
+
+
+def _interrupted_at_step_3(finished: Path, dest: Path) -> Path:
+    """The state a kill at step 3 leaves behind: the step-2 checkpoint, records up to step 3, no final artefacts."""
+    shutil.copytree(finished, dest)
+    shutil.rmtree(dest / "checkpoints" / "step_00000004")
+    records = [r for r in read_records(dest / "metrics.jsonl") if r["step"] <= 3]
+    (dest / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    return dest
+
+
+def _losses(out: Path) -> list[tuple[int, float]]:
+    return [(r["step"], r["loss"]) for r in _records(out)[0]]
+
+
+@pytest.fixture(scope="module")
+def sharded_run(tmp_path_factory, small_corpus) -> Path:
+    """An uninterrupted 2-rank FSDP2 run of 4 steps, sharded checkpoints at steps 2 and 4."""
+    out = tmp_path_factory.mktemp("sharded") / "run"
+    _torchrun(["pretrain", *_overrides(small_corpus, out, batch_size=4, **{"distributed.strategy": "fsdp2"})])
+    return out
+
+
+@pytest.mark.parametrize("strategy, tol", [("fsdp2", 1e-6), ("fsdp1", TOL)])
+def test_sharded_resume_on_two_ranks(strategy, tol, sharded_run, small_corpus, tmp_path):
+    """The FSDP2 run's step-2 shards resume on 2 ranks: exactly with FSDP2, and with FSDP1 (same names)."""
+    out = _interrupted_at_step_3(sharded_run, tmp_path / "resumed")
+    over = _overrides(small_corpus, out, batch_size=4, resume="true", **{"distributed.strategy": strategy})
+    proc = _torchrun(["pretrain", *over])
+    assert "resuming at step 2" in proc.stdout
+    resumed, reference = _losses(out), _losses(sharded_run)
+    assert [s for s, _ in resumed] == [s for s, _ in reference] == [1, 2, 3, 4]
+    diff = max(abs(a - b) for (_, a), (_, b) in zip(resumed, reference, strict=True))
+    print(f"max |resumed on 2 ranks ({strategy}) - uninterrupted| loss: {diff}")
+    assert diff <= tol
+    assert (out / "checkpoints" / "step_00000004" / "dcp" / ".metadata").is_file()
+
+
+def test_truncated_shard_is_one_clear_error(sharded_run, tmp_path, capsys):
+    broken = tmp_path / "broken"
+    shutil.copytree(sharded_run / "checkpoints" / "step_00000002", broken)
+    shard = next((broken / "dcp").glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:100])
+    assert main(["generate", "--checkpoint", str(broken), "--prompt", "A", "--max-new-tokens", "2"]) == 1
+    err = capsys.readouterr().err
+    assert "truncated" in err and "Traceback" not in err
+
+
+def test_sharded_checkpoint_resumes_in_one_process(sharded_run, small_corpus, tmp_path):
+    """2 ranks x batch 4 -> 1 process x batch 8: the step-2 shards are resharded into one plain model."""
+    out = _interrupted_at_step_3(sharded_run, tmp_path / "one")
+    assert main(["pretrain", *_overrides(small_corpus, out, batch_size=8, resume="true")]) == 0
+    resumed, reference = _losses(out), _losses(sharded_run)
+    assert [s for s, _ in resumed] == [s for s, _ in reference] == [1, 2, 3, 4]
+    diff = max(abs(a - b) for (_, a), (_, b) in zip(resumed, reference, strict=True))
+    print(f"max |resumed in 1 process - 2 ranks| loss: {diff}")
+    assert diff <= TOL
+    assert (out / "checkpoints" / "step_00000004" / WEIGHTS).is_file()  # one process writes an ordinary one
+
+
+@pytest.mark.parametrize("strategy", ["fsdp2", "fsdp1"])
+def test_one_process_checkpoint_resumes_on_two_ranks(strategy, single_runs, small_corpus, tmp_path):
+    """1 process x batch 8 -> 2 ranks x batch 4: the ordinary step-2 checkpoint is sharded on load."""
+    out = _interrupted_at_step_3(single_runs["plain"], tmp_path / "two")
+    over = _overrides(small_corpus, out, batch_size=4, resume="true", **{"distributed.strategy": strategy})
+    assert "resuming at step 2" in _torchrun(["pretrain", *over]).stdout
+    resumed, reference = _losses(out), _losses(single_runs["plain"])
+    assert [s for s, _ in resumed] == [s for s, _ in reference] == [1, 2, 3, 4]
+    diff = max(abs(a - b) for (_, a), (_, b) in zip(resumed, reference, strict=True))
+    print(f"max |resumed on 2 ranks ({strategy}) - 1 process| loss: {diff}")
+    assert diff <= TOL
+    assert (out / "checkpoints" / "step_00000004" / "dcp" / ".metadata").is_file()
+
+
+def test_export_of_a_sharded_checkpoint(sharded_run, tmp_path):
+    from memfit.convert import load_pretrained
+
+    ckpt = sharded_run / "checkpoints" / "step_00000004"
+    hf = tmp_path / "hf"
+    assert main(["export", "--checkpoint", str(sharded_run), "--out", str(hf)]) == 0
+    gathered = ckpt_io.read_sharded_weights(ckpt)
+    exported = load_pretrained(hf, device="cpu", dtype=torch.float32)[0].eval()
+    reference = load_pretrained(ckpt, device="cpu", dtype=torch.float32)[0].eval()
+    for name, tensor in reference.state_dict().items():
+        torch.testing.assert_close(tensor, gathered[name], atol=0, rtol=0)
+    ids = torch.randint(0, reference.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        diff = (exported(ids) - reference(ids)).abs().max().item()
+    print(f"max |exported - gathered| logit: {diff}")
+    assert diff == 0
+    transformers = pytest.importorskip("transformers")
+    hf_model = transformers.LlamaForCausalLM.from_pretrained(hf, torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        hf_diff = (hf_model(ids).logits - reference(ids)).abs().max().item()
+    print(f"max |transformers - gathered| logit: {hf_diff}")
+    assert hf_diff <= 1e-4
 
 
 def _sharded_config(monkeypatch, *overrides: str):

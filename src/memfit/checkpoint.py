@@ -11,6 +11,10 @@ Layout of ``output_dir/checkpoints/step_00000250/``:
   (so a truncated file is caught before it is read);
 - ``tokenizer/``: the tokenizer, reloadable with :func:`memfit.tokenizer.load_tokenizer`.
 
+A sharded run (torchrun, more than one rank) writes ``dcp/`` (``torch.distributed.checkpoint``: every rank's shards
+of the weights and of the optimizer state, plus ``.metadata``) in place of ``model.safetensors`` and ``optimizer.pt``;
+see :func:`save_sharded_checkpoint`.
+
 A checkpoint is written into a hidden ``.tmp-step_...`` directory, each file fsync'ed, then renamed into place, so
 a run killed at any moment (SIGKILL included) leaves either the complete new checkpoint or none, and the previous
 one intact. Only then are checkpoints beyond the newest ``keep_last`` deleted.
@@ -42,6 +46,7 @@ ADAPTER_WEIGHTS = "adapter.safetensors"
 MODEL_CONFIG = "model_config.json"
 OPTIMIZER = "optimizer.pt"
 TRAINER_STATE = "trainer_state.json"
+DCP_DIR = "dcp"  # a sharded run's weights and optimizer state, written by torch.distributed.checkpoint
 
 
 def checkpoints_dir(output_dir: str | Path) -> Path:
@@ -316,8 +321,11 @@ def check_files(ckpt: Path, state: dict[str, Any], need_optimizer: bool) -> None
     Raises:
         CheckpointError: a file is missing or truncated; the message says which and what to do.
     """
-    weights = ADAPTER_WEIGHTS if (ckpt / ADAPTER_WEIGHTS).is_file() else WEIGHTS
-    needed = [weights, MODEL_CONFIG] + ([OPTIMIZER] if need_optimizer else [])
+    if is_sharded(ckpt):  # weights and optimizer state both live in dcp/
+        needed = [f"{DCP_DIR}/.metadata", MODEL_CONFIG]
+    else:
+        weights = ADAPTER_WEIGHTS if (ckpt / ADAPTER_WEIGHTS).is_file() else WEIGHTS
+        needed = [weights, MODEL_CONFIG] + ([OPTIMIZER] if need_optimizer else [])
     for name in needed:
         if not (ckpt / name).is_file():
             raise CheckpointError(
@@ -381,13 +389,17 @@ def load_weights(ckpt: Path, model: torch.nn.Module) -> None:
     Raises:
         CheckpointError: the file is missing, truncated, or its tensors do not match the model.
     """
-    if (ckpt / ADAPTER_WEIGHTS).is_file() and not (ckpt / WEIGHTS).is_file():
-        _load_trainable(ckpt / ADAPTER_WEIGHTS, model)
-        return
-    path = ckpt / WEIGHTS
-    if not path.is_file():
-        raise CheckpointError(f"checkpoint weights '{path}' do not exist")
-    tensors = _read_safetensors(path)
+    if is_sharded(ckpt):  # consolidated here (no collective), whatever the number of ranks that wrote it
+        path = ckpt / DCP_DIR
+        tensors = read_sharded_weights(ckpt)
+    else:
+        if (ckpt / ADAPTER_WEIGHTS).is_file() and not (ckpt / WEIGHTS).is_file():
+            _load_trainable(ckpt / ADAPTER_WEIGHTS, model)
+            return
+        path = ckpt / WEIGHTS
+        if not path.is_file():
+            raise CheckpointError(f"checkpoint weights '{path}' do not exist")
+        tensors = _read_safetensors(path)
     expected = model.state_dict()
     missing = [k for k in expected if k not in tensors and not _is_tied_alias(model, k, tensors)]
     unexpected = [k for k in tensors if k not in expected]
@@ -465,6 +477,14 @@ def load_checkpoint(
     """
     state = read_trainer_state(ckpt)
     check_files(ckpt, state, need_optimizer=optimizer is not None)
+    if is_sharded(ckpt) or _process_group_size() > 1:
+        if is_sharded(ckpt):
+            load_sharded(ckpt, model, optimizer)
+        else:
+            _load_full_into_sharded(ckpt, model, optimizer)
+        if "rng" in state:
+            set_rng_state(state["rng"])
+        return state
     load_weights(ckpt, model)
     if optimizer is not None:
         path = ckpt / OPTIMIZER
@@ -478,3 +498,271 @@ def load_checkpoint(
     if "rng" in state:
         set_rng_state(state["rng"])
     return state
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Sharded checkpoints (torch.distributed.checkpoint)
+# ----------------------------------------------------------------------------------------------------------------
+#
+# A run under torchrun with more than one rank writes ``dcp/`` instead of ``model.safetensors`` + ``optimizer.pt``:
+# each rank writes its own shards of ``{"model": get_model_state_dict, "optim": get_optimizer_state_dict}`` (names
+# of the unwrapped model, so FSDP2, FSDP1 and one process agree), rank 0 the metadata. Reading it back reshards to
+# whatever loads it: another number of ranks, one process (no process group), or a consolidated full state dict
+# (generate, export).
+
+
+def is_sharded(ckpt: Path) -> bool:
+    """The checkpoint holds a ``dcp/`` directory (a sharded run's)."""
+    return (Path(ckpt) / DCP_DIR).is_dir()
+
+
+def _agree(error: str | None) -> str | None:
+    """Rank 0's error (or ``None``), known to every rank, so that all raise or none does."""
+    import torch.distributed as dist
+
+    box = [error]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def save_sharded_checkpoint(
+    output_dir: str | Path,
+    step: int,
+    model: torch.nn.Module,
+    model_config: LlamaConfig,
+    optimizer: torch.optim.Optimizer,
+    trainer_state: dict[str, Any],
+    tokenizer,
+    keep_last: int,
+) -> Path:
+    """Write a sharded checkpoint with ``torch.distributed.checkpoint``, atomically. Collective: every rank calls it.
+
+    Every rank writes its shards into the hidden ``.tmp-step_..-sharded/dcp/``; after a barrier rank 0 adds
+    ``model_config.json``, ``tokenizer/`` and ``trainer_state.json`` (with the byte size of every file, shards
+    included), fsyncs, renames the directory into place and prunes checkpoints beyond the newest ``keep_last``.
+
+    Returns:
+        The final checkpoint directory.
+
+    Raises:
+        CheckpointError: writing failed, on every rank (the previous checkpoints are untouched).
+    """
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    final = checkpoints_dir(output_dir) / f"step_{step:08d}"
+    tmp = final.parent / f".tmp-{final.name}-sharded"  # one name all ranks know
+    main = dist.get_rank() == 0
+    error = None
+    if main:
+        try:
+            final.parent.mkdir(parents=True, exist_ok=True)
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            (tmp / DCP_DIR).mkdir(parents=True)
+        except OSError as exc:
+            error = str(exc)
+    error = _agree(error)
+    if error is None:
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        try:
+            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp / DCP_DIR)
+        except Exception as exc:  # a rank's write failed: dcp.save raises the same on every rank
+            error = str(exc)
+        dist.barrier()
+        if main and error is None:
+            try:
+                (tmp / MODEL_CONFIG).write_text(json.dumps(model_config_to_dict(model_config), indent=2))
+                tokenizer.save(tmp / "tokenizer")
+                state = {
+                    **trainer_state,
+                    "step": step,
+                    "rng": rng_state(),
+                    "world_size": dist.get_world_size(),
+                }
+                state["file_sizes"] = {
+                    str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()
+                }
+                (tmp / TRAINER_STATE).write_text(json.dumps(state, indent=2))
+                fsync_tree(tmp)
+                if final.exists():  # the same step from an earlier (interrupted) attempt
+                    old = final.parent / f".old-{final.name}-{os.getpid()}"
+                    os.replace(final, old)
+                    os.replace(tmp, final)
+                    shutil.rmtree(old, ignore_errors=True)
+                else:
+                    os.replace(tmp, final)
+                fsync_dir(final.parent)
+                for old in list_checkpoints(output_dir)[:-keep_last]:
+                    shutil.rmtree(old, ignore_errors=True)
+            except OSError as exc:
+                error = str(exc)
+        error = _agree(error)
+    if error is not None:
+        if main:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(
+            f"could not write checkpoint '{final}' ({error}); what was there before is untouched. Free disk space "
+            f"or choose another directory"
+        )
+    return final
+
+
+def _dcp_error(ckpt: Path, exc: BaseException) -> CheckpointError:
+    return CheckpointError(
+        f"sharded checkpoint '{ckpt / DCP_DIR}' is truncated, corrupt or does not match the model ({exc}); delete "
+        f"'{ckpt}' to fall back to the previous checkpoint"
+    )
+
+
+def read_sharded_weights(ckpt: Path) -> dict[str, torch.Tensor]:
+    """The whole model state dict of a sharded checkpoint, consolidated on this process's host.
+
+    Reads the shards of every rank that wrote it, with no collective (a process group may be up or not).
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    where = Path(ckpt) / DCP_DIR
+    try:
+        meta = dcp.FileSystemReader(str(where)).read_metadata()
+        weights = {}
+        for key, m in meta.state_dict_metadata.items():
+            path = (meta.planner_data or {}).get(key)
+            if path is not None and len(path) == 2 and path[0] == "model":
+                name = path[1]
+            elif path is None and key.startswith("model."):
+                name = key[len("model.") :]
+            else:
+                continue
+            if isinstance(m, TensorStorageMetadata):
+                weights[name] = torch.empty(m.size, dtype=m.properties.dtype)
+        dcp.load({"model": weights}, checkpoint_id=where, no_dist=True)
+    except CheckpointError:
+        raise
+    except Exception as exc:
+        raise _dcp_error(Path(ckpt), exc) from None
+    if not weights:
+        raise _dcp_error(Path(ckpt), ValueError("no model weights in it"))
+    return weights
+
+
+def load_sharded(ckpt: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+    """Load a sharded checkpoint into ``model`` (and ``optimizer``), resharding to however they are laid out.
+
+    Collective when a process group with more than one rank is up (every rank calls it): each rank reads the parts
+    of the shards it holds. A single process (no process group) reads everything into its plain model.
+    """
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_state_dict,
+        set_model_state_dict,
+        set_state_dict,
+    )
+
+    distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    try:
+        if optimizer is None:
+            state = {"model": get_model_state_dict(model)}
+        else:
+            _init_optimizer_state(optimizer)
+            model_sd, optim_sd = get_state_dict(model, optimizer)
+            state = {"model": model_sd, "optim": optim_sd}
+        dcp.load(state, checkpoint_id=Path(ckpt) / DCP_DIR, no_dist=not distributed)
+        if optimizer is None:
+            set_model_state_dict(model, state["model"])
+        else:
+            set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    except CheckpointError:
+        raise
+    except Exception as exc:
+        raise _dcp_error(Path(ckpt), exc) from None
+    if optimizer is not None and not state["optim"].get("state") and _has_optimizer_state(ckpt):
+        raise _dcp_error(Path(ckpt), ValueError("no optimizer state was restored"))
+
+
+def _process_group_size() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _load_full_into_sharded(
+    ckpt: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None
+) -> None:
+    """A one-process checkpoint (``model.safetensors`` + ``optimizer.pt``) into a sharded model and optimizer.
+    Collective: every rank reads the files and keeps its shards.
+
+    ``optimizer.pt`` numbers the parameters group by group, in the order of the optimizer's groups, which sharding
+    keeps: the i-th is the i-th name of the sharded optimizer's (name-keyed) state dict.
+    """
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_optimizer_state_dict,
+        set_state_dict,
+    )
+
+    if (ckpt / ADAPTER_WEIGHTS).is_file() and not (ckpt / WEIGHTS).is_file():
+        raise CheckpointError(f"checkpoint '{ckpt}' holds adapter weights only; resume it in one process")
+    weights = _read_safetensors(ckpt / WEIGHTS)
+    cfg = getattr(model, "config", None) or getattr(getattr(model, "module", None), "config", None)
+    if getattr(cfg, "tie_word_embeddings", False) and "lm_head.weight" not in weights:
+        weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
+    options = StateDictOptions(full_state_dict=True)
+    optim_sd = None
+    try:
+        if optimizer is not None:
+            saved = torch.load(ckpt / OPTIMIZER, map_location="cpu", weights_only=True)
+            _init_optimizer_state(optimizer)
+            names = [
+                n for g in get_optimizer_state_dict(model, optimizer)["param_groups"] for n in g["params"]
+            ]
+            groups, i = [], 0
+            for group in saved["param_groups"]:
+                count = len(group["params"])
+                groups.append({**group, "params": names[i : i + count]})
+                i += count
+            if i != len(names):
+                raise ValueError(
+                    f"{i} parameters in the checkpoint's optimizer state, {len(names)} in the model"
+                )
+            optim_sd = {"state": {names[k]: v for k, v in saved["state"].items()}, "param_groups": groups}
+        if optim_sd is None:
+            from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+            set_model_state_dict(model, weights, options=options)
+        else:
+            set_state_dict(
+                model, optimizer, model_state_dict=weights, optim_state_dict=optim_sd, options=options
+            )
+    except CheckpointError:
+        raise
+    except Exception as exc:
+        raise CheckpointError(
+            f"checkpoint '{ckpt}' does not load into the sharded model and optimizer ({exc}); resume it in one "
+            f"process"
+        ) from None
+
+
+def _has_optimizer_state(ckpt: Path) -> bool:
+    import torch.distributed.checkpoint as dcp
+
+    meta = dcp.FileSystemReader(str(Path(ckpt) / DCP_DIR)).read_metadata()
+    return any(key.startswith("optim.state.") for key in meta.state_dict_metadata)
+
+
+def _init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Create the (lazily made) optimizer state, so that there are tensors for ``dcp.load`` to fill.
+
+    torch's own initialiser steps once with zero gradients and lr 0; an
+    :class:`~memfit.memory.optim.OptimizerInBackward` steps inside backward only, so each of its per-parameter
+    optimizers is initialised instead.
+    """
+    from torch.distributed.checkpoint.state_dict import _init_optim_state
+
+    inner = getattr(optimizer, "_inner", None)
+    for opt in inner.values() if isinstance(inner, dict) else [optimizer]:
+        _init_optim_state(opt)

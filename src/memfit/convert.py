@@ -43,14 +43,17 @@ from safetensors.torch import save_file
 from torch import Tensor, nn
 
 from memfit.checkpoint import (
+    DCP_DIR,
     MODEL_CONFIG,
     TRAINER_STATE,
     WEIGHTS,
     atomic_directory,
     check_files,
     check_writable,
+    is_sharded,
     latest_checkpoint,
     read_model_config,
+    read_sharded_weights,
     read_trainer_state,
     resolve_checkpoint,
 )
@@ -670,6 +673,8 @@ def _hf_token_ids(directory: Path, config_path: Path) -> tuple[int | None, tuple
 def _scan_memfit(path: Path) -> _Scan:
     ckpt = resolve_checkpoint(path)
     weights = ckpt / WEIGHTS
+    if is_sharded(ckpt) and not weights.is_file():
+        return _scan_sharded_memfit(ckpt)
     if not weights.is_file():
         if (ckpt / "adapter.safetensors").is_file():
             raise CheckpointError(
@@ -690,6 +695,32 @@ def _scan_memfit(path: Path) -> _Scan:
         notes=() if tokenizer_dir.is_dir() else (f"no tokenizer directory '{tokenizer_dir}'",),
     )
     return _Scan(config, info, entries, lambda: _read_safetensors(entries))
+
+
+def _scan_sharded_memfit(ckpt: Path) -> _Scan:
+    """A sharded run's checkpoint (``dcp/``): consolidated into one full state dict on this host."""
+    state = read_trainer_state(ckpt)
+    check_files(ckpt, state, need_optimizer=False)
+    if state.get("config", {}).get("method", "full") != "full":
+        raise CheckpointError(
+            f"checkpoint '{ckpt}' is a sharded LoRA/adapter run's; merge the adapters into the base before exporting "
+            f"full weights"
+        )
+    config = read_model_config(ckpt)
+    tensors = read_sharded_weights(ckpt)
+    if config.tie_word_embeddings:  # stored once, under the embedding's name (as model.safetensors does)
+        tensors.pop("lm_head.weight", None)
+    where = ckpt / DCP_DIR / ".metadata"  # what names it (and what a fingerprint hashes)
+    entries = [_Entry(n, tuple(t.shape), t.dtype, where) for n, t in tensors.items()]
+    tokenizer_dir = ckpt / "tokenizer"
+    info = PretrainedInfo(
+        format="memfit",
+        path=ckpt,
+        stored_dtype=_first_float_dtype(entries),
+        tokenizer_path=tokenizer_dir if tokenizer_dir.is_dir() else None,
+        notes=() if tokenizer_dir.is_dir() else (f"no tokenizer directory '{tokenizer_dir}'",),
+    )
+    return _Scan(config, info, entries, lambda: ((e, tensors[e.name]) for e in entries))
 
 
 # ---------------------------------------------------------------------------------------------------------- meta

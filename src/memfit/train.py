@@ -612,11 +612,6 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     main_rank = dist_.is_main()
     out = Path(cfg.output_dir)
     resume_dir, resume_state = _load_run_state(cfg)
-    if resume_dir is not None and dist_.is_distributed():
-        raise CheckpointError(
-            f"resuming a sharded run is not supported yet ('{resume_dir}' exists); resume it in one process, or "
-            f"choose another output_dir"
-        )
     from memfit.tokenizer import load_tokenizer
 
     tokenizer_key = tokenizer_settings(cfg)
@@ -749,26 +744,11 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                 cfg.keep_last_checkpoints,
                 trainable_only=cfg.method != "full",
             )
-        # sharded: gather the whole weights and optimizer state onto rank 0's host (collective), which writes one
-        # ordinary checkpoint (generate, export and a one-process resume read it as any other)
-        weights = dist_.full_model_state_dict(model)
-        optimizer_state = dist_.full_optimizer_state_dict(model, optimizer)
-        final = ckpt_io.checkpoints_dir(out) / f"step_{step:08d}"
-        if main_rank:
-            final = ckpt_io.save_checkpoint(
-                out,
-                step,
-                dist_.unwrap(model),
-                mcfg,
-                optimizer,
-                trainer_state,
-                tokenizer,
-                cfg.keep_last_checkpoints,
-                weights=weights,
-                optimizer_state=optimizer_state,
-            )
-        dist_.barrier()
-        return final
+        # sharded: every rank writes its own shards (torch.distributed.checkpoint); generate, export and a resume
+        # on any number of ranks (one process included) reshard them on load
+        return ckpt_io.save_sharded_checkpoint(
+            out, step, model, mcfg, optimizer, trainer_state, tokenizer, cfg.keep_last_checkpoints
+        )
 
     # --- the loop ---------------------------------------------------------------------------------------------
     model.train()
