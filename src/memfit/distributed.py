@@ -228,46 +228,9 @@ def shard_model(model: torch.nn.Module, cfg: TrainConfig, device: torch.device) 
     )
 
 
-def full_model_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The whole unsharded state dict, gathered onto the host of rank 0 (other ranks get ``{}``). Collective:
-    every rank must call it. A plain model returns its own ``state_dict``.
-
-    Names are those of the unwrapped model (FSDP1's ``_fsdp_wrapped_module.`` prefixes removed).
-    """
-    if not is_distributed():
-        return model.state_dict()
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    return get_model_state_dict(
-        model, options=StateDictOptions(full_state_dict=True, cpu_offload=_on_cuda(model))
-    )
-
-
 def _on_cuda(model: torch.nn.Module) -> bool:
     # cpu_offload on CPU buys nothing, and FSDP1's rank0_only offload then clones freed storage (SIGSEGV, torch 2.13)
     return next(model.parameters()).device.type == "cuda"
-
-
-def full_optimizer_state_dict(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
-    """The whole optimizer state, gathered onto the host of rank 0, laid out as one process's
-    ``optimizer.state_dict()`` (state by parameter index, in group order) so that a checkpoint of a sharded run
-    reads back like any other. Other ranks get ``{}``. Collective: every rank must call it.
-    """
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-
-    osd = get_optimizer_state_dict(
-        model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=_on_cuda(model))
-    )
-    if not is_main():
-        return {}
-    index: dict[str, int] = {}
-    groups = []
-    for group in osd["param_groups"]:
-        names = list(group["params"])
-        for name in names:
-            index[name] = len(index)
-        groups.append({**group, "params": [index[n] for n in names], "param_names": names})
-    return {"state": {index[n]: v for n, v in osd["state"].items()}, "param_groups": groups}
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
