@@ -29,6 +29,7 @@ import json
 import os
 import re
 import shutil
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -179,6 +180,14 @@ def atomic_directory(final: Path, what: str) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+@contextlib.contextmanager
+def _single_process_dcp() -> Iterator[None]:
+    """Silence DCP's warning that it loads in one process: memfit asks for exactly that (``no_dist``)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process.*")
+        yield
 
 
 def model_config_to_dict(config: LlamaConfig) -> dict[str, Any]:
@@ -638,7 +647,8 @@ def read_sharded_weights(ckpt: Path) -> dict[str, torch.Tensor]:
                 continue
             if isinstance(m, TensorStorageMetadata):
                 weights[name] = torch.empty(m.size, dtype=m.properties.dtype)
-        dcp.load({"model": weights}, checkpoint_id=where, no_dist=True)
+        with _single_process_dcp():
+            dcp.load({"model": weights}, checkpoint_id=where, no_dist=True)
     except CheckpointError:
         raise
     except Exception as exc:
@@ -671,7 +681,8 @@ def load_sharded(ckpt: Path, model: torch.nn.Module, optimizer: torch.optim.Opti
             _init_optimizer_state(optimizer)
             model_sd, optim_sd = get_state_dict(model, optimizer)
             state = {"model": model_sd, "optim": optim_sd}
-        dcp.load(state, checkpoint_id=Path(ckpt) / DCP_DIR, no_dist=not distributed)
+        with _single_process_dcp():
+            dcp.load(state, checkpoint_id=Path(ckpt) / DCP_DIR, no_dist=not distributed)
         if optimizer is None:
             set_model_state_dict(model, state["model"])
         else:
