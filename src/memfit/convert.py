@@ -686,15 +686,20 @@ def _scan_memfit(path: Path) -> _Scan:
         check_files(ckpt, read_trainer_state(ckpt), need_optimizer=False)
     config = read_model_config(ckpt)
     entries = [_Entry(n, s, d, weights) for n, (s, d) in _safetensors_header(weights).items()]
+    info = _memfit_info(ckpt, entries)
+    return _Scan(config, info, entries, lambda: _read_safetensors(entries))
+
+
+def _memfit_info(ckpt: Path, entries: list[_Entry]) -> PretrainedInfo:
+    """What a memfit checkpoint tells besides its tensors: stored dtype and its ``tokenizer/`` directory."""
     tokenizer_dir = ckpt / "tokenizer"
-    info = PretrainedInfo(
+    return PretrainedInfo(
         format="memfit",
         path=ckpt,
         stored_dtype=_first_float_dtype(entries),
         tokenizer_path=tokenizer_dir if tokenizer_dir.is_dir() else None,
         notes=() if tokenizer_dir.is_dir() else (f"no tokenizer directory '{tokenizer_dir}'",),
     )
-    return _Scan(config, info, entries, lambda: _read_safetensors(entries))
 
 
 def _scan_sharded_memfit(ckpt: Path) -> _Scan:
@@ -712,14 +717,7 @@ def _scan_sharded_memfit(ckpt: Path) -> _Scan:
         tensors.pop("lm_head.weight", None)
     where = ckpt / DCP_DIR / ".metadata"  # what names it (and what a fingerprint hashes)
     entries = [_Entry(n, tuple(t.shape), t.dtype, where) for n, t in tensors.items()]
-    tokenizer_dir = ckpt / "tokenizer"
-    info = PretrainedInfo(
-        format="memfit",
-        path=ckpt,
-        stored_dtype=_first_float_dtype(entries),
-        tokenizer_path=tokenizer_dir if tokenizer_dir.is_dir() else None,
-        notes=() if tokenizer_dir.is_dir() else (f"no tokenizer directory '{tokenizer_dir}'",),
-    )
+    info = _memfit_info(ckpt, entries)
     return _Scan(config, info, entries, lambda: ((e, tensors[e.name]) for e in entries))
 
 
