@@ -1,4 +1,5 @@
-"""Shared fixtures: a small real corpus and the overrides of a tiny, fast pretraining run."""
+"""Shared fixtures: a small real corpus, the overrides of a tiny, fast pretraining run, and a small pretrained
+Hugging Face checkpoint with the overrides of a fine-tuning run on the real Dolly sample."""
 
 from __future__ import annotations
 
@@ -8,9 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from memfit.cli import main
 from memfit.data.corpus import default_corpus_path
 
 ASSETS = Path(__file__).parent / "assets"
+DOLLY = ASSETS / "dolly_sample.json"
 
 # Tests never download: make any attempt fail loudly instead of hanging.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -57,3 +60,61 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session")
+def hf_checkpoint(tmp_path_factory, small_corpus) -> Path:
+    """A small pretrained checkpoint in Hugging Face form: the tiny GQA Llama pretrained by memfit for 80 steps on
+    Shakespeare (byte-level BPE, 512 ids), then written by ``memfit export`` (config.json, model.safetensors,
+    tokenizer.json). That it is a valid transformers checkpoint is checked below and in tests/test_convert.py."""
+    root = tmp_path_factory.mktemp("base")
+    overrides = {
+        "model": "tiny",
+        "model_args.vocab_size": 512,
+        "model_args.max_seq_len": 1024,
+        "tokenizer.vocab_size": 512,
+        "data.path": str(small_corpus),
+        "output_dir": str(root / "pretrain"),
+        "seq_len": 128,
+        "batch_size": 8,
+        "max_steps": 80,
+        "optimizer.lr": 1e-2,
+        "optimizer.min_lr": 1e-3,
+        "optimizer.warmup_steps": 5,
+        "eval_every": 0,
+        "eval_batches": 1,
+        "checkpoint_every": 0,
+        "sample.max_new_tokens": 0,
+        "tensorboard": False,
+        "progress_bar": False,
+    }
+    assert main(["pretrain", *[f"{k}={v}" for k, v in overrides.items()]]) == 0
+    assert main(["export", "--checkpoint", str(root / "pretrain"), "--out", str(root / "hf")]) == 0
+    return root / "hf"
+
+
+def finetune_overrides(checkpoint: Path, out: Path, **extra) -> list[str]:
+    base = {
+        "checkpoint_dir": str(checkpoint),
+        "data.path": str(DOLLY),
+        "data.format": "dolly",
+        "data.template": "alpaca",
+        "output_dir": str(out),
+        "seq_len": 1024,
+        "batch_size": 10,  # the 10 training samples (12 records, 1 held out, 1 left with no reply): full batches
+        "max_steps": 12,
+        "log_every": 1,
+        "eval_every": 6,
+        "eval_batches": 2,
+        "checkpoint_every": 6,
+        "keep_last_checkpoints": 5,
+        "optimizer.lr": 1e-2,
+        "optimizer.min_lr": 1e-3,
+        "optimizer.warmup_steps": 2,
+        "sample.prompt": "What is a llama?",
+        "sample.max_new_tokens": 8,
+        "tensorboard": False,
+        "progress_bar": False,
+    }
+    base.update(extra)
+    return [f"{k}={v}" for k, v in base.items()]

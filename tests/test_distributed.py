@@ -21,7 +21,7 @@ from memfit.config import load_config
 from memfit.errors import ConfigError
 from memfit.metrics import read_records
 
-from .conftest import tiny_run_overrides
+from .conftest import finetune_overrides, tiny_run_overrides
 
 WEIGHTS = ckpt_io.WEIGHTS
 
@@ -89,6 +89,7 @@ def single_runs(tmp_path_factory, small_corpus) -> dict[str, Path]:
     runs = {
         "plain": {},
         "in_backward": {"optimizer_in_backward": "true", "max_grad_norm": 0},
+        "chunked": {"chunked_cross_entropy": 4},
     }
     for name, extra in runs.items():
         assert main(["pretrain", *_overrides(small_corpus, root / name, batch_size=8, **extra)]) == 0
@@ -123,6 +124,72 @@ def test_two_ranks_with_optimizer_in_backward(single_runs, small_corpus, tmp_pat
     assert saved["state"].keys() == reference["state"].keys()
     for i, state in reference["state"].items():
         torch.testing.assert_close(saved["state"][i]["exp_avg"], state["exp_avg"], atol=TOL, rtol=0)
+
+
+def test_two_ranks_with_chunked_cross_entropy(single_runs, small_corpus, tmp_path):
+    """The loss reads lm_head's weight outside the decoder: it must be the gathered one, with its gradient reduced."""
+    out = tmp_path / "chunked"
+    extra = {"chunked_cross_entropy": 4, "distributed.strategy": "fsdp2"}
+    _torchrun(["pretrain", *_overrides(small_corpus, out, batch_size=4, **extra)])
+    _assert_same_run(out, single_runs["chunked"])
+
+
+FINETUNE = dict(max_steps=4, eval_every=2, checkpoint_every=2, log_every=1, sample__max_new_tokens=4)
+LORA = {
+    "method": "lora",
+    "optimizer.lr": 1e-2,
+    "lora.dropout": 0.0,
+    "lora.target_modules": "[q_proj,v_proj,lm_head]",
+}
+ADAPTER = {"method": "adapter", "optimizer.lr": 5e-2, "adapter.num_layers": 1}
+
+
+@pytest.mark.parametrize(
+    "strategy, method", [("fsdp2", LORA), ("fsdp1", ADAPTER)], ids=["lora-fsdp2", "adapter-fsdp1"]
+)
+def test_two_ranks_finetune_what_one_process_does(strategy, method, hf_checkpoint, tmp_path):
+    """LoRA and LLaMA-Adapter sharded: each rank fills its shards of the frozen base from the Hugging Face files;
+    the few trainable weights are gathered into the same checkpoint one process writes (adapter.safetensors +
+    optimizer.pt), which resumes in one process onto the 2-rank run's losses."""
+    extra = {k.replace("__", "."): v for k, v in {**FINETUNE, **method}.items()}
+    single, sharded = tmp_path / "single", tmp_path / "sharded"
+    assert main(["finetune", *finetune_overrides(hf_checkpoint, single, batch_size=10, **extra)]) == 0
+    over = finetune_overrides(
+        hf_checkpoint, sharded, batch_size=5, **extra, **{"distributed.strategy": strategy}
+    )
+    proc = _torchrun(["finetune", *over], timeout=180)
+    assert proc.stdout.count("final validation loss") == 1
+    train1, val1 = _records(single)
+    train2, val2 = _records(sharded)
+    assert [r["step"] for r in train2] == [r["step"] for r in train1] == [1, 2, 3, 4]
+    diffs = {
+        "loss": max(abs(a["loss"] - b["loss"]) for a, b in zip(train2, train1, strict=True)),
+        "val_loss": max(abs(a["val_loss"] - b["val_loss"]) for a, b in zip(val2, val1, strict=True)),
+    }
+    final = "checkpoints/step_00000004"
+    assert sorted(p.name for p in (sharded / final).iterdir()) == sorted(
+        p.name for p in (single / final).iterdir()
+    )
+    w1, w2 = (
+        load_file(single / final / ckpt_io.ADAPTER_WEIGHTS),
+        load_file(sharded / final / ckpt_io.ADAPTER_WEIGHTS),
+    )
+    assert w1.keys() == w2.keys() and w1
+    diffs["weights"] = max((w2[k] - w1[k]).abs().max().item() for k in w1)
+    print(f"max |2 ranks - 1 process| ({strategy}, {method['method']}): {diffs}")
+    assert all(d <= TOL for d in diffs.values()), diffs
+    # it trained: the weights that start at zero (lora_B, adapter_gate) moved, so the comparison is not of idle runs
+    assert all(w1[k].abs().max() > 0 for k in w1 if k.endswith(("lora_B", "adapter_gate")))
+
+    # the gathered step-2 checkpoint resumes in one process (batch 10) onto the 2-rank run's steps 3 and 4
+    resumed = _interrupted_at_step_3(sharded, tmp_path / "resumed")
+    assert (
+        main(["finetune", *finetune_overrides(hf_checkpoint, resumed, batch_size=10, resume="true", **extra)])
+        == 0
+    )
+    diff = max(abs(a - b) for (_, a), (_, b) in zip(_losses(resumed), _losses(sharded), strict=True))
+    print(f"max |resumed in 1 process - 2 ranks| loss: {diff}")
+    assert [s for s, _ in _losses(resumed)] == [1, 2, 3, 4] and diff <= TOL
 
 
 def _one_process_optimizer_state(ckpt: Path) -> dict:
@@ -251,7 +318,7 @@ def _sharded_config(monkeypatch, *overrides: str):
             ["distributed.strategy=fsdp1", "optimizer_in_backward=true", "max_grad_norm=0"],
             "optimizer_in_backward",
         ),
-        (["chunked_cross_entropy=4"], "chunked_cross_entropy"),
+        (["distributed.strategy=fsdp1", "chunked_cross_entropy=4"], "chunked_cross_entropy"),
         (["track_memory=true"], "track_memory"),
     ],
 )

@@ -618,6 +618,78 @@ def save_sharded_checkpoint(
     return final
 
 
+def save_gathered_trainable_checkpoint(
+    output_dir: str | Path,
+    step: int,
+    model: torch.nn.Module,
+    model_config: LlamaConfig,
+    optimizer: torch.optim.Optimizer,
+    trainer_state: dict[str, Any],
+    tokenizer,
+    keep_last: int,
+) -> Path:
+    """A sharded LoRA / adapter run's checkpoint: its trainable weights and their optimizer state (a few MiB) are
+    gathered on rank 0, which writes exactly what one process writes (``adapter.safetensors`` + ``optimizer.pt``,
+    see :func:`save_checkpoint`); the frozen base stays where ``checkpoint_dir`` points. Such a checkpoint resumes
+    on any number of ranks and is read by ``generate`` and ``export`` as a one-process run's. Collective.
+
+    Returns:
+        The final checkpoint directory.
+
+    Raises:
+        CheckpointError: writing failed, on every rank (the previous checkpoints are untouched).
+    """
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    # gathered on every rank, or on rank 0 alone with cpu_offload: only worth it on CUDA (and on CPU, FSDP1's
+    # rank-0-only offload copies freed storage: SIGSEGV in torch 2.13)
+    on_cuda = next(model.parameters()).device.type == "cuda"
+    options = StateDictOptions(full_state_dict=True, cpu_offload=on_cuda, ignore_frozen_params=True)
+    weights = get_model_state_dict(model, options=options)  # rank 0 alone keeps the gathered tensors
+    optim_sd = get_optimizer_state_dict(model, optimizer, options=options)
+    final, error = None, None
+    if dist.get_rank() == 0:
+        try:
+            final = save_checkpoint(
+                output_dir,
+                step,
+                model,
+                model_config,
+                None,
+                trainer_state,
+                tokenizer,
+                keep_last,
+                trainable_only=True,
+                weights=weights,
+                optimizer_state=_indexed_optimizer_state(optim_sd),
+            )
+        except CheckpointError as exc:
+            error = str(exc)
+    error = _agree(error)
+    if error is not None:
+        raise CheckpointError(error)
+    return checkpoints_dir(output_dir) / f"step_{step:08d}" if final is None else final
+
+
+def _indexed_optimizer_state(optim_sd: dict[str, Any]) -> dict[str, Any]:
+    """A name-keyed optimizer state dict (``get_optimizer_state_dict``) as ``Optimizer.state_dict()`` lays it
+    out: parameters numbered group by group."""
+    index = {}
+    groups = []
+    for group in optim_sd["param_groups"]:
+        ids = []
+        for name in group["params"]:
+            index[name] = len(index)
+            ids.append(index[name])
+        groups.append({**group, "params": ids})
+    return {"state": {index[n]: v for n, v in optim_sd["state"].items()}, "param_groups": groups}
+
+
 def _dcp_error(ckpt: Path, exc: BaseException) -> CheckpointError:
     return CheckpointError(
         f"sharded checkpoint '{ckpt / DCP_DIR}' is truncated, corrupt or does not match the model ({exc}); delete "
@@ -704,8 +776,9 @@ def _process_group_size() -> int:
 def _load_full_into_sharded(
     ckpt: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None
 ) -> None:
-    """A one-process checkpoint (``model.safetensors`` + ``optimizer.pt``) into a sharded model and optimizer.
-    Collective: every rank reads the files and keeps its shards.
+    """A one-process checkpoint (``model.safetensors``, or a LoRA / adapter run's ``adapter.safetensors``, +
+    ``optimizer.pt``) into a sharded model and optimizer. Collective: every rank reads the files and keeps its
+    shards.
 
     ``optimizer.pt`` numbers the parameters group by group, in the order of the optimizer's groups, which sharding
     keeps: the i-th is the i-th name of the sharded optimizer's (name-keyed) state dict.
@@ -716,13 +789,13 @@ def _load_full_into_sharded(
         set_state_dict,
     )
 
-    if (ckpt / ADAPTER_WEIGHTS).is_file() and not (ckpt / WEIGHTS).is_file():
-        raise CheckpointError(f"checkpoint '{ckpt}' holds adapter weights only; resume it in one process")
-    weights = _read_safetensors(ckpt / WEIGHTS)
+    trainable_only = (ckpt / ADAPTER_WEIGHTS).is_file() and not (ckpt / WEIGHTS).is_file()
+    weights = _read_safetensors(ckpt / (ADAPTER_WEIGHTS if trainable_only else WEIGHTS))
     cfg = getattr(model, "config", None) or getattr(getattr(model, "module", None), "config", None)
-    if getattr(cfg, "tie_word_embeddings", False) and "lm_head.weight" not in weights:
+    if not trainable_only and getattr(cfg, "tie_word_embeddings", False) and "lm_head.weight" not in weights:
         weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
-    options = StateDictOptions(full_state_dict=True)
+    # a LoRA / adapter checkpoint holds the trainable weights only: the frozen base is already in place
+    options = StateDictOptions(full_state_dict=True, strict=not trainable_only)
     optim_sd = None
     try:
         if optimizer is not None:

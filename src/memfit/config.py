@@ -661,10 +661,12 @@ def _validate_distributed(cfg: TrainConfig, device_type: str) -> None:
         "distributed.strategy=fsdp2 (which runs the hooks after its reduce-scatter) or turn the switch off",
     )
     _require(
-        cfg.chunked_cross_entropy == 0,
+        not (cfg.chunked_cross_entropy and d.strategy == "fsdp1"),
         "chunked_cross_entropy",
-        "is not supported sharded yet: it reads lm_head's weight outside the model's forward, where FSDP has not "
-        "gathered it. Set chunked_cross_entropy=0 (each rank's logits are only batch_size * seq_len * vocab_size)",
+        "does not work with distributed.strategy=fsdp1: the loss applies lm_head's weight after the model's "
+        "forward, where FSDP1 has put its flat shard back in place of the gathered weight. Use "
+        "distributed.strategy=fsdp2 (which keeps the root's weights gathered until the backward) or "
+        "chunked_cross_entropy=0",
     )
     _require(
         not cfg.optimizer.cpu_offload,
@@ -683,12 +685,6 @@ def _validate_distributed(cfg: TrainConfig, device_type: str) -> None:
         "track_memory",
         "is not supported sharded yet (it counts whole parameters, not DTensor shards); turn it off, the "
         "peak_memory_* fields are still logged (maximum over ranks)",
-    )
-    _require(
-        cfg.method == "full",
-        "method",
-        f"{cfg.method!r} is not supported sharded yet (its checkpoints hold only the trainable weights, which "
-        f"the sharded save does not gather yet); use method=full, or one process",
     )
 
 

@@ -1132,20 +1132,53 @@ def load_pretrained(
     return _load(_scan(Path(path), fmt), torch.device(device), dtype)
 
 
+def pretrained_parameters(path: str | Path, fmt: str | None = None) -> Iterator[tuple[str, Tensor]]:
+    """A checkpoint's parameters one at a time, checked first against the model its config describes.
+
+    Every tensor's name, shape and dtype is checked from the file headers *before* this returns (so a bad
+    checkpoint fails before anything is allocated); the returned iterator then reads one tensor per step. Tensors
+    the model derives or shares (a tied ``lm_head.weight``, ``rotary_emb.inv_freq``) are left out, so the names
+    are exactly the model's ``named_parameters()``. A sharded run fills its shards from it
+    (:func:`memfit.distributed.materialize_sharded`), holding one whole tensor at a time.
+
+    Args:
+        path: a checkpoint directory (see :func:`detect_format`).
+        fmt: the format, or None to detect it.
+
+    Returns:
+        An iterator of ``(name, tensor)`` in stored dtype, each tensor owning its memory.
+
+    Raises:
+        CheckpointError: as :func:`load_pretrained`.
+    """
+    scan = _scan(Path(path), fmt)
+    return _checked_tensors(scan, build_llama(scan.config, device="meta"))
+
+
+def _checked_tensors(scan: _Scan, model: Llama) -> Iterator[tuple[str, Tensor]]:
+    skip = _check_entries(model, scan)  # now, not at the first read
+
+    def tensors() -> Iterator[tuple[str, Tensor]]:
+        for entry, tensor in scan.read():
+            if entry.name not in skip:
+                yield entry.name, tensor
+            del tensor  # the caller's copy is the only one left while the next tensor is read
+
+    return tensors()
+
+
 def _load(
     scan: _Scan, device: torch.device, dtype: torch.dtype | None
 ) -> tuple[Llama, Tokenizer | None, PretrainedInfo]:
     config = scan.config
     model = build_llama(config, device="meta")
-    skip = _check_entries(model, scan)
+    tensors = _checked_tensors(scan, model)
     tokenizer, info = _load_tokenizer(scan.info, config)  # small, and may fail: before the weights
 
     # ---- materialise one parameter at a time: read, convert, assign, drop the stored copy
     with torch.no_grad():
-        for entry, tensor in scan.read():
-            if entry.name in skip:
-                continue
-            module_name, _, attr = entry.name.rpartition(".")
+        for name, tensor in tensors:
+            module_name, _, attr = name.rpartition(".")
             value = tensor.to(device=device, dtype=dtype if tensor.is_floating_point() else None)
             del tensor
             model.get_submodule(module_name)._parameters[attr] = nn.Parameter(value, requires_grad=True)

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import datetime
 import os
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 import torch
@@ -207,6 +208,7 @@ def shard_model(model: torch.nn.Module, cfg: TrainConfig, device: torch.device) 
         p
     ) in model.parameters():  # use_orig_params keeps the Parameters but makes them 1-D views of the shard:
         p._memfit_ndim = p.ndim  # remember which are matrices (weight decay, see memfit.memory.optim)
+    on_meta = any(p.is_meta for p in model.parameters())
     return FSDP1(
         model,
         auto_wrap_policy=ModuleWrapPolicy({DecoderLayer}),
@@ -224,13 +226,147 @@ def shard_model(model: torch.nn.Module, cfg: TrainConfig, device: torch.device) 
         limit_all_gathers=d.limit_all_gathers,
         use_orig_params=True,
         device_id=device,
-        sync_module_states=False,  # every rank built the same weights from the same seed
+        sync_module_states=False,  # every rank built the same weights, or fills its shards (materialize_sharded)
+        # a meta-built model: each unit gets uninitialised memory just before it is flattened and sharded, so no
+        # rank ever holds more than one unit unsharded; materialize_sharded then writes the values
+        param_init_fn=_materialize_unit(model, device) if on_meta else None,
     )
 
 
-def _on_cuda(model: torch.nn.Module) -> bool:
-    # cpu_offload on CPU buys nothing, and FSDP1's rank0_only offload then clones freed storage (SIGSEGV, torch 2.13)
-    return next(model.parameters()).device.type == "cuda"
+def _materialize_unit(model: torch.nn.Module, device: torch.device):
+    """FSDP1's ``param_init_fn``: uninitialised memory for one module's own tensors, keeping a tied ``lm_head``
+    tied (FSDP1 materialises ``lm_head`` and the embedding separately, and would flatten two matrices)."""
+
+    def materialize(module: torch.nn.Module) -> None:
+        module.to_empty(
+            device=device, recurse=False
+        )  # new Parameter objects: mark them again (see shard_model)
+        for p in module.parameters(recurse=False):
+            p._memfit_ndim = p.ndim
+        if module is model.lm_head or module is model.model.embed_tokens:
+            model.tie_weights()
+
+    return materialize
+
+
+def materialize_sharded(
+    model: torch.nn.Module, tensors: Iterable[tuple[str, torch.Tensor]], device: torch.device
+) -> int:
+    """Give a model that was built on the meta device and then sharded its values, one whole tensor at a time.
+
+    Every rank passes the same tensors in the same order (they are read from a checkpoint or drawn from the same
+    seed) and keeps only its part, so no rank holds more than its shards plus one unsharded tensor (FSDP2) or one
+    unsharded FSDP unit (FSDP1) at any time; then the RoPE buffer is recomputed. Collective under FSDP1.
+
+    - FSDP2: the parameters are ``DTensor`` s sharded on dim 0 in ``torch.chunk``'s layout; the model is moved to
+      ``device`` with ``to_empty`` and each rank copies its rows of every tensor into its local shard.
+    - FSDP1: each tensor's FSDP unit is gathered (``summon_full_params(recurse=False, writeback=True)``, kept
+      while consecutive tensors belong to it), the tensor copied into the unsharded view, and the unit's shards
+      written back when it is released.
+
+    Args:
+        model: the output of :func:`shard_model` on a meta-built model.
+        tensors: ``(name, tensor)`` with the names of the unwrapped model's ``named_parameters()`` (a tied weight
+            once), each a whole parameter in any floating dtype (converted to the parameter's).
+        device: this rank's device.
+
+    Returns:
+        How many parameters were filled.
+
+    Raises:
+        ValueError: a name the model does not have, a shape that differs, or parameters left unfilled.
+    """
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
+
+    fsdp1 = isinstance(model, FSDP1)
+    if not fsdp1 and any(p.is_meta for p in model.parameters()):
+        model.to_empty(device=device)
+    inner = unwrap(model)
+    params = {_clean_name(n): p for n, p in inner.named_parameters()}
+    units = _fsdp1_units(model) if fsdp1 else {}
+    filled: set[str] = set()
+    summoned, current = None, None
+    try:
+        with torch.no_grad():
+            for name, full in tensors:
+                param = params.get(name)
+                if param is None or name in filled:
+                    raise ValueError(f"tensor '{name}' is not a parameter of the model (or was given twice)")
+                if fsdp1:
+                    unit = _owner(units, name)
+                    if unit is not current:
+                        if summoned is not None:
+                            summoned.__exit__(None, None, None)
+                        summoned, current = (
+                            FSDP1.summon_full_params(unit, recurse=False, writeback=True),
+                            unit,
+                        )
+                        summoned.__enter__()
+                    param = inner.get_parameter(name)  # the unsharded view while the unit is summoned
+                    _check_shape(name, full, tuple(param.shape))
+                    param.copy_(full)
+                else:
+                    _check_shape(name, full, tuple(param.shape))
+                    _copy_own_rows(param, full)
+                filled.add(name)
+                del full
+    finally:
+        if summoned is not None:
+            summoned.__exit__(None, None, None)
+    missing = [n for n in params if n not in filled]
+    if missing:
+        raise ValueError(f"parameters {missing[:5]} were not filled ({len(missing)} in all)")
+    with torch.no_grad():
+        inner.model.rotary_emb.reset_parameters()  # a buffer: to_empty left it uninitialised
+    return len(filled)
+
+
+def _check_shape(name: str, full: torch.Tensor, shape: tuple[int, ...]) -> None:
+    if tuple(full.shape) != shape:
+        raise ValueError(f"tensor '{name}' has shape {tuple(full.shape)}, the parameter {shape}")
+
+
+def _copy_own_rows(param: torch.Tensor, full: torch.Tensor) -> None:
+    """Copy this rank's dim-0 chunk of ``full`` into ``param``'s local shard (a DTensor, or a plain tensor)."""
+    if not hasattr(param, "to_local"):
+        param.copy_(full)
+        return
+    from torch.distributed.tensor import Shard
+
+    local = param.to_local()
+    placements = param.placements
+    if len(placements) != 1 or placements[0] != Shard(0):
+        raise ValueError(f"expected parameters sharded on dim 0 over one mesh dimension, got {placements}")
+    mesh = param.device_mesh
+    chunk = -(-full.shape[0] // mesh.size())  # torch.chunk's chunk size: the last ranks may get fewer rows
+    start = min(mesh.get_local_rank() * chunk, full.shape[0])
+    rows = full[start : start + local.shape[0]]
+    if rows.shape != local.shape:
+        raise ValueError(
+            f"a shard of shape {tuple(local.shape)} does not match rows {start}.. of {tuple(full.shape)}"
+        )
+    local.copy_(rows)
+
+
+def _fsdp1_units(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    """FSDP1 units by the unwrapped model's name of the module they wrap (``""`` for the root)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
+
+    return {_clean_name(n): m for n, m in model.named_modules() if isinstance(m, FSDP1)}
+
+
+def _clean_name(name: str) -> str:
+    """A name under FSDP1 wrappers as the unwrapped model has it."""
+    return ".".join(p for p in name.split(".") if p != "_fsdp_wrapped_module")
+
+
+def _owner(units: dict[str, torch.nn.Module], name: str) -> torch.nn.Module:
+    """The innermost FSDP1 unit whose module holds parameter ``name``."""
+    best = ""
+    for prefix in units:
+        if prefix and name.startswith(prefix + ".") and len(prefix) > len(best):
+            best = prefix
+    return units[best]
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:

@@ -141,7 +141,9 @@ def micro_batch_loss(
     """
     with autocast_context(dtype, inputs.device.type), activation_offloading(offload_activations):
         if chunked_cross_entropy_chunks > 0:
-            hidden = model.model(inputs, doc_ids)  # (B, T, dim)
+            hidden = model(
+                inputs, doc_ids, return_hidden=True
+            )  # (B, T, dim); one call of the whole model (FSDP)
             weight = lora_effective_weight(model.lm_head)  # (V, dim); with LoRA on lm_head: W + scale * B @ A
             return chunked_cross_entropy(hidden, weight, targets, chunked_cross_entropy_chunks)
         logits = model(inputs, doc_ids)  # (B, T, V)
@@ -542,10 +544,16 @@ def apply_method(model: Llama, cfg: TrainConfig) -> None:
 
 def build_model(cfg: TrainConfig, mcfg: LlamaConfig, device: torch.device) -> Llama:
     """The model a run starts from: random init (pretraining) or ``checkpoint_dir``'s weights, with the method
-    applied. Weights are materialised tensor by tensor in the dtype policy's parameter dtype."""
+    applied. Weights are materialised tensor by tensor in the dtype policy's parameter dtype.
+
+    On the meta device nothing is read or drawn: a sharded run shards that model first and then fills each rank's
+    shards from :func:`initial_parameters`, which yields exactly the values built here.
+    """
     dtype = PARAM_DTYPES[cfg.dtype]
-    if cfg.checkpoint_dir is None:
-        torch.manual_seed(cfg.seed)
+    torch.manual_seed(cfg.seed)  # the global RNG (dropout) starts from the seed in every case
+    if device.type == "meta":
+        model = build_llama(mcfg, device="meta", dtype=dtype)
+    elif cfg.checkpoint_dir is None:
         model = build_llama(mcfg, device=device, dtype=dtype, seed=cfg.seed)
     else:
         from memfit.convert import load_pretrained
@@ -553,6 +561,50 @@ def build_model(cfg: TrainConfig, mcfg: LlamaConfig, device: torch.device) -> Ll
         model = load_pretrained(cfg.checkpoint_dir, device=device, dtype=dtype)[0]
     apply_method(model, cfg)
     return model
+
+
+def initial_parameters(
+    cfg: TrainConfig, mcfg: LlamaConfig, model: Llama, device: torch.device
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The starting value of every parameter of ``model`` (built by ``build_model(..., meta)``), one whole tensor
+    at a time: what :func:`build_model` gives a materialised model, for a sharded run to keep its part of.
+
+    Base weights are read from ``checkpoint_dir`` (checked against the model before this returns) or drawn in
+    ``named_parameters`` order from a generator seeded with ``cfg.seed`` on ``device``, as ``build_llama`` draws
+    them; LoRA / adapter weights are drawn as :func:`memfit.models.peft.apply_lora` / ``apply_adapter`` draw them.
+
+    Raises:
+        CheckpointError: ``checkpoint_dir``'s tensors do not match the model (before anything is read).
+    """
+    from memfit.models.llama import init_parameter_
+    from memfit.models.peft import METHOD_PARAMETERS, init_method_parameter_
+
+    dtype = PARAM_DTYPES[cfg.dtype]
+    shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    method = [n for n in shapes if n.rsplit(".", 1)[-1] in METHOD_PARAMETERS]
+    if cfg.checkpoint_dir is not None:
+        from memfit.convert import pretrained_parameters
+
+        base = pretrained_parameters(cfg.checkpoint_dir)
+    else:
+        generator = torch.Generator(device=device).manual_seed(cfg.seed)
+        base = (
+            (
+                n,
+                init_parameter_(
+                    n, torch.empty(shape, device=device, dtype=dtype), mcfg.num_layers, generator
+                ),
+            )
+            for n, shape in shapes.items()
+            if n not in method
+        )
+
+    def tensors() -> Iterator[tuple[str, torch.Tensor]]:
+        yield from base
+        for n in method:
+            yield n, init_method_parameter_(n, torch.empty(shapes[n], device=device, dtype=dtype), cfg.seed)
+
+    return tensors()
 
 
 def check_lengths(cfg: TrainConfig, mcfg: LlamaConfig, vocab_size: int) -> int:
@@ -670,13 +722,17 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         )
 
     # --- model and optimizer ----------------------------------------------------------------------------------
-    model: Llama = build_model(cfg, mcfg, device)
+    world = dist_.world_size()
+    # sharded: built on meta, sharded, then each rank fills its shards one whole tensor at a time (no rank ever
+    # holds the unsharded model)
+    model: Llama = build_model(cfg, mcfg, device if world == 1 else torch.device("meta"))
+    initial = initial_parameters(cfg, mcfg, model, device) if world > 1 else None  # checked before allocating
     apply_activation_checkpointing(model, cfg.activation_checkpointing, cfg.activation_checkpointing_interval)
     num_params = sum(p.numel() for p in model.parameters())
     num_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    world = dist_.world_size()
-    if world > 1:  # every rank built the same weights from the seed; each now keeps only its shards
+    if world > 1:
         model = dist_.shard_model(model, cfg, device)
+        dist_.materialize_sharded(model, initial, device)
     optimizer = build_optimizer(model, cfg.optimizer, in_backward=cfg.optimizer_in_backward)
     start_step = 0
     if resume_dir is not None:
@@ -743,6 +799,10 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                 tokenizer,
                 cfg.keep_last_checkpoints,
                 trainable_only=cfg.method != "full",
+            )
+        if cfg.method != "full":  # the few trainable weights, gathered: the same files as one process writes
+            return ckpt_io.save_gathered_trainable_checkpoint(
+                out, step, model, mcfg, optimizer, trainer_state, tokenizer, cfg.keep_last_checkpoints
             )
         # sharded: every rank writes its own shards (torch.distributed.checkpoint); generate, export and a resume
         # on any number of ranks (one process included) reshard them on load

@@ -544,17 +544,23 @@ class Llama(nn.Module):
             self.tie_weights()
         return self
 
-    def forward(self, input_ids: Tensor, doc_ids: Tensor | None = None) -> Tensor:
-        """Compute next-token logits.
+    def forward(
+        self, input_ids: Tensor, doc_ids: Tensor | None = None, return_hidden: bool = False
+    ) -> Tensor:
+        """Compute next-token logits, or the hidden states ``lm_head`` would project.
 
         Args:
             input_ids: (B, T) int64 token ids.
             doc_ids: None, or (B, T) ids of packed samples (see :meth:`LlamaModel.forward`).
+            return_hidden: return the final-normed hidden states instead of the logits (a loss that applies
+                ``lm_head.weight`` itself, chunk by chunk, calls the model this way so that wrappers of the whole
+                model, such as FSDP, see one forward).
 
         Returns:
-            (B, T, V) logits, in the dtype of the parameters.
+            (B, T, V) logits, or (B, T, C) hidden states with ``return_hidden``; in the dtype of the parameters.
         """
-        return self.lm_head(self.model(input_ids, doc_ids))  # (B, T, V)
+        hidden = self.model(input_ids, doc_ids)  # (B, T, C)
+        return hidden if return_hidden else self.lm_head(hidden)  # (B, T, V)
 
     @torch.no_grad()
     def init_weights(self, generator: torch.Generator | None = None) -> None:
@@ -570,15 +576,38 @@ class Llama(nn.Module):
             generator: random source; None uses the global RNG (seed it with ``torch.manual_seed``). It must live
                 on the parameters' device.
         """
-        residual_std = INIT_STD / math.sqrt(2 * self.config.num_layers)
         for name, param in self.named_parameters():  # a tied weight is visited once
-            if name.endswith(("o_proj.weight", "down_proj.weight")):
-                nn.init.normal_(param, mean=0.0, std=residual_std, generator=generator)
-            elif name.endswith("layernorm.weight") or name == "model.norm.weight":
-                nn.init.ones_(param)
-            else:  # embed_tokens, q/k/v_proj, gate/up_proj, lm_head
-                nn.init.normal_(param, mean=0.0, std=INIT_STD, generator=generator)
+            init_parameter_(name, param, self.config.num_layers, generator)
         self.model.rotary_emb.reset_parameters()
+
+
+@torch.no_grad()
+def init_parameter_(
+    name: str, tensor: Tensor, num_layers: int, generator: torch.Generator | None = None
+) -> Tensor:
+    """Initialise one parameter of a :class:`Llama` in place, by its name (the rule of :meth:`Llama.init_weights`).
+
+    :meth:`Llama.init_weights` calls it for every parameter in ``named_parameters`` order with one generator;
+    calling it in the same order on tensors of the same shape, dtype and device draws the same values, which is
+    how a sharded run materialises the weights one parameter at a time (:mod:`memfit.distributed`).
+
+    Args:
+        name: the parameter's name in the model (``model.layers.0.self_attn.o_proj.weight``, ...).
+        tensor: the tensor to fill, of the parameter's shape.
+        num_layers: the model's decoder layers (the residual projections' std depends on them).
+        generator: random source; None uses the global RNG.
+
+    Returns:
+        ``tensor``.
+    """
+    if name.endswith(("o_proj.weight", "down_proj.weight")):
+        return nn.init.normal_(
+            tensor, mean=0.0, std=INIT_STD / math.sqrt(2 * num_layers), generator=generator
+        )
+    if name.endswith("layernorm.weight") or name == "model.norm.weight":
+        return nn.init.ones_(tensor)
+    # embed_tokens, q/k/v_proj, gate/up_proj, lm_head
+    return nn.init.normal_(tensor, mean=0.0, std=INIT_STD, generator=generator)
 
 
 def build_llama(

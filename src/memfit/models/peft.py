@@ -173,6 +173,43 @@ def trainable_parameter_summary(model: nn.Module) -> dict[str, int | float]:
     }
 
 
+METHOD_PARAMETERS = ("lora_A", "lora_B", "adapter_prompt", "adapter_gate")
+"""Names (last component) of the parameters LoRA and LLaMA-Adapter add."""
+
+
+@torch.no_grad()
+def init_method_parameter_(name: str, tensor: Tensor, seed: int | None = None) -> Tensor:
+    """Initialise a LoRA or adapter parameter in place, by its name; what :func:`apply_lora` and
+    :func:`apply_adapter` draw, so a sharded run can materialise these parameters after sharding.
+
+    ``lora_A``: kaiming-uniform with ``a = sqrt(5)``; ``lora_B`` and ``adapter_gate``: zeros;
+    ``adapter_prompt``: normal(0, :data:`ADAPTER_PROMPT_STD`). Each random one draws from a fresh generator seeded
+    with ``seed`` on the tensor's device, so the values are a function of (seed, shape, dtype, device) alone.
+
+    Args:
+        name: the parameter's name; its last component must be one of :data:`METHOD_PARAMETERS`.
+        tensor: the tensor to fill (a meta tensor is left as it is).
+        seed: the run's seed; None draws from the global RNG.
+
+    Returns:
+        ``tensor``.
+
+    Raises:
+        ValueError: ``name`` is not a LoRA or adapter parameter.
+    """
+    kind = name.rsplit(".", 1)[-1]
+    if kind not in METHOD_PARAMETERS:
+        raise ValueError(f"'{name}' is not a LoRA or adapter parameter (one of {METHOD_PARAMETERS})")
+    if kind in ("lora_B", "adapter_gate"):
+        return nn.init.zeros_(tensor)
+    if tensor.is_meta:
+        return tensor
+    generator = _generator(seed, tensor.device)
+    if kind == "lora_A":
+        return nn.init.kaiming_uniform_(tensor, a=math.sqrt(5), generator=generator)
+    return nn.init.normal_(tensor, mean=0.0, std=ADAPTER_PROMPT_STD, generator=generator)
+
+
 def _generator(seed: int | None, device: torch.device) -> torch.Generator | None:
     if seed is None or device.type == "meta":
         return None
@@ -312,8 +349,9 @@ def apply_lora(
     for module_name, linear in targets:
         weight = linear.weight  # (out, in)
         a = torch.empty(rank, linear.in_features, device=weight.device, dtype=weight.dtype)  # (r, in)
-        nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=_generator(seed, weight.device))
-        b = torch.zeros(linear.out_features, rank, device=weight.device, dtype=weight.dtype)  # (out, r)
+        b = torch.empty(linear.out_features, rank, device=weight.device, dtype=weight.dtype)  # (out, r)
+        init_method_parameter_("lora_A", a, seed)
+        init_method_parameter_("lora_B", b, seed)
         linear.register_parameter("lora_A", nn.Parameter(a))
         linear.register_parameter("lora_B", nn.Parameter(b))
         linear.memfit_lora = settings
@@ -623,8 +661,9 @@ def apply_adapter(
         weight = attn.q_proj.weight
         dim = attn.k_proj.in_features
         prompt = torch.empty(prompt_length, dim, device=weight.device, dtype=weight.dtype)  # (L, C)
-        nn.init.normal_(prompt, mean=0.0, std=ADAPTER_PROMPT_STD, generator=_generator(seed, weight.device))
-        gate = torch.zeros(1, attn.num_heads, 1, 1, device=weight.device, dtype=weight.dtype)  # (1, nh, 1, 1)
+        gate = torch.empty(1, attn.num_heads, 1, 1, device=weight.device, dtype=weight.dtype)  # (1, nh, 1, 1)
+        init_method_parameter_("adapter_prompt", prompt, seed)
+        init_method_parameter_("adapter_gate", gate, seed)
         attn.register_parameter("adapter_prompt", nn.Parameter(prompt))
         attn.register_parameter("adapter_gate", nn.Parameter(gate))
         attn.forward = types.MethodType(_adapter_attention_forward, attn)
