@@ -674,11 +674,19 @@ def _validate_distributed(cfg: TrainConfig, device_type: str) -> None:
         "is not supported sharded; use distributed.cpu_offload, which offloads the shards and their optimizer "
         "step to the host",
     )
+    torchao = cfg.optimizer.name.startswith("torchao_")
     _require(
-        cfg.optimizer.name == "adamw",
+        cfg.optimizer.name == "adamw" or torchao,
         "optimizer.name",
-        f"{cfg.optimizer.name!r} is not supported sharded yet (its quantized state would have to be sharded with "
-        f"the DTensor parameters); use adamw",
+        f"{cfg.optimizer.name!r} (bitsandbytes) does not work sharded: its kernels take plain tensors, not the "
+        f"DTensor shards FSDP2 gives the optimizer. Use torchao_adamw8bit or torchao_adamw4bit (the same "
+        f"block-wise quantized AdamW state, DTensor-aware) with distributed.strategy=fsdp2",
+    )
+    _require(
+        not (torchao and d.strategy == "fsdp1"),
+        "optimizer.name",
+        f"{cfg.optimizer.name!r} does not work with distributed.strategy=fsdp1: FSDP1's checkpoints concatenate "
+        f"optimizer state, which torchao's quantized state tensors do not support. Use distributed.strategy=fsdp2",
     )
     _require(
         not cfg.track_memory,
