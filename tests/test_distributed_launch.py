@@ -14,9 +14,11 @@ from pathlib import Path
 
 import psutil
 import pytest
+import torch
 
 from memfit import launch
 from memfit.cli import main
+from memfit.errors import ConfigError
 from memfit.metrics import read_records
 
 from .conftest import tiny_run_overrides
@@ -191,3 +193,14 @@ def test_torchrun_arguments_keep_the_config_and_overrides():
         "checkpoint_dir=base",
         "sample.prompt=a b",
     ]
+
+
+def test_nproc_beyond_the_cuda_devices_is_refused(monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    launch.check_nproc(1, "cuda")
+    with pytest.raises(
+        ConfigError, match="config key 'nproc': 2 ranks need one CUDA device each, but torch sees 1"
+    ):
+        launch.check_nproc(2, "cuda")
+    launch.check_nproc(2, "cpu")  # CPU ranks share the cores
