@@ -82,7 +82,7 @@ def _alive(processes: list[psutil.Process]) -> list[psutil.Process]:
 
 def test_nproc_shortcut_trains_what_one_process_does(small_corpus, tmp_path, capsys):
     run = dict(
-        max_steps=4, eval_every=2, checkpoint_every=2, optimizer__warmup_steps=2, sample__max_new_tokens=0
+        max_steps=4, eval_every=2, checkpoint_every=2, optimizer__warmup_steps=4, sample__max_new_tokens=0
     )
     single, sharded = tmp_path / "single", tmp_path / "sharded"
     # nproc=1 runs in this process: no torchrun
@@ -96,7 +96,8 @@ def test_nproc_shortcut_trains_what_one_process_does(small_corpus, tmp_path, cap
     # one line tells the torchrun command it stands for, with the arguments less nproc
     launched = "memfit: starting torchrun --standalone --nproc_per_node 2 -m memfit pretrain model=tiny "
     assert output.count(launched) == 1 and "nproc=" not in output.split(launched)[1].splitlines()[0]
-    assert output.count("final validation loss") == 1  # rank 0 alone reports
+    assert output.count("final validation loss") == 1  # rank 0 alone reports, and notes
+    assert output.count("note: optimizer.warmup_steps (4) >= max_steps (4)") == 1
     assert "x 2 ranks (fsdp2)" in output
 
     records = {name: read_records(out / "metrics.jsonl") for name, out in [("1", single), ("2", sharded)]}
