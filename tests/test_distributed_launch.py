@@ -4,6 +4,7 @@ stops the launch and its workers; bad ``nproc`` values are configuration errors,
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -34,11 +35,12 @@ def _overrides(corpus: Path, out: Path, **extra) -> list[str]:
     return tiny_run_overrides(corpus, out, **extra)
 
 
-def _start(args: list[str]) -> subprocess.Popen:
-    """``python -m memfit args`` in a session of its own (so that a failed test can kill every process it made)."""
+def _start(args: list[str], *, code: str | None = None) -> subprocess.Popen:
+    """``python -m memfit args`` (or ``python -c code args``) in a session of its own, output captured."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
+    head = ["-m", "memfit"] if code is None else ["-c", code]
     return subprocess.Popen(
-        [sys.executable, "-m", "memfit", *args],
+        [sys.executable, *head, *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -47,13 +49,31 @@ def _start(args: list[str]) -> subprocess.Popen:
     )
 
 
-def _finish(proc: subprocess.Popen, timeout: float) -> str:
-    """Wait for ``proc`` at most ``timeout`` seconds; past it, kill its whole session and fail the test."""
+def _kill(proc: subprocess.Popen, known: list[psutil.Process]) -> str:
+    """SIGKILL a launch: memfit's session, and every process below it or in ``known``. torchrun starts each worker
+    in a session of its own, so killing memfit's session alone would leave the workers running (and holding the
+    output pipe open). Returns the output so far."""
+    try:
+        known = [*known, *psutil.Process(proc.pid).children(recursive=True)]
+    except psutil.Error:
+        pass
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    for p in known:
+        with contextlib.suppress(psutil.Error):
+            p.kill()
+    try:
+        return proc.communicate(timeout=30)[0]
+    except subprocess.TimeoutExpired:
+        return "(no output: the pipe is still held open)"
+
+
+def _finish(proc: subprocess.Popen, timeout: float, known: list[psutil.Process] = ()) -> str:
+    """Wait for ``proc`` at most ``timeout`` seconds; past it, kill the whole launch and fail the test."""
     try:
         return proc.communicate(timeout=timeout)[0]
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output = proc.communicate()[0]
+        output = _kill(proc, list(known))
         pytest.fail(f"the launch did not exit within {timeout} s:\n{output[-6000:]}")
 
 
@@ -63,8 +83,7 @@ def _wait_until_training(proc: subprocess.Popen, out: Path, timeout: float = 120
     metrics = out / "metrics.jsonl"
     while not (metrics.is_file() and read_records(metrics)):
         if proc.poll() is not None or time.monotonic() > deadline:
-            os.killpg(proc.pid, signal.SIGKILL)
-            pytest.fail(f"the launch never started training:\n{proc.communicate()[0][-6000:]}")
+            pytest.fail(f"the launch never started training:\n{_kill(proc, [])[-6000:]}")
         time.sleep(0.2)
     return psutil.Process(proc.pid).children(recursive=True)
 
@@ -94,7 +113,7 @@ def test_nproc_shortcut_trains_what_one_process_does(small_corpus, tmp_path, cap
     output = _finish(proc, timeout=180)
     assert proc.returncode == 0, output[-6000:]
     # one line tells the torchrun command it stands for, with the arguments less nproc
-    launched = "memfit: starting torchrun --standalone --nproc_per_node 2 -m memfit pretrain model=tiny "
+    launched = "memfit: running torchrun --standalone --nproc_per_node 2 -m memfit pretrain model=tiny "
     assert output.count(launched) == 1 and "nproc=" not in output.split(launched)[1].splitlines()[0]
     assert output.count("final validation loss") == 1  # rank 0 alone reports, and notes
     assert output.count("note: optimizer.warmup_steps (4) >= max_steps (4)") == 1
@@ -119,27 +138,49 @@ def test_a_killed_rank_ends_the_launch_with_a_report(small_corpus, tmp_path):
     assert len(rank1) == 1, [(p.pid, p.cmdline()) for p in processes]
     rank1[0].send_signal(signal.SIGKILL)
     killed_at = time.monotonic()
-    output = _finish(proc, timeout=FAIL_WITHIN_S)
+    output = _finish(proc, timeout=FAIL_WITHIN_S, known=processes)
     print(f"the launch exited {time.monotonic() - killed_at:.1f} s after rank 1 was killed")
     assert proc.returncode == 1, output[-6000:]
     # torchrun's report names the rank that failed first and how; memfit's last line points at it
     root_cause = output.split("Root Cause")[-1]
     assert re.search(r"rank\s*:\s*1 \(local_rank: 1\)", root_cause), output[-6000:]
     assert "SIGKILL" in root_cause
-    assert output.rstrip().splitlines()[-1].startswith("memfit: torchrun exited with status 1 (a rank failed")
+    assert "memfit: error: a rank failed, so the run stopped:" in output
     assert not _alive(processes)  # no worker left behind
 
 
-def test_sigterm_stops_the_launch_and_its_workers(small_corpus, tmp_path):
-    out = tmp_path / "run"
-    proc = _start(["pretrain", "nproc=2", *_overrides(small_corpus, out, **LONG_RUN)])
-    processes = _wait_until_training(proc, out)
-    assert sorted(_rank(p) for p in processes if _rank(p) is not None) == ["0", "1"]
-    proc.send_signal(signal.SIGTERM)  # to memfit alone: it forwards the signal to torchrun
-    output = _finish(proc, timeout=FAIL_WITHIN_S)
-    assert proc.returncode == 128 + signal.SIGTERM, output[-6000:]
-    assert "memfit: stopped by SIGTERM" in output
-    assert not _alive(processes)
+WORKER = """
+import os, pathlib, sys, time
+pathlib.Path(sys.argv[1], os.environ["RANK"]).write_text(str(os.getpid()))
+time.sleep(600)
+"""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_to_memfit_stops_torchrun_and_its_workers(sig, tmp_path):
+    """SIGTERM or SIGINT sent to memfit (torchrun's agent) stops every worker; memfit exits with 128 + signal.
+
+    The workers are tiny scripts (not memfit) so that the launch starts in seconds; memfit.launch is what runs them.
+    """
+    (tmp_path / "worker.py").write_text(WORKER)
+    started = tmp_path / "started"
+    started.mkdir()
+    args = ["--standalone", "--nproc_per_node", "2", str(tmp_path / "worker.py"), str(started)]
+    code = "import sys; from memfit.launch import run_torchrun; sys.exit(run_torchrun(sys.argv[1:]))"
+    proc = _start(args, code=code)
+    deadline = time.monotonic() + 120
+    while len(list(started.iterdir())) < 2:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            pytest.fail(f"the workers never started:\n{_kill(proc, [])[-6000:]}")
+        time.sleep(0.1)
+    workers = [psutil.Process(int(f.read_text())) for f in started.iterdir()]
+    proc.send_signal(sig)
+    output = _finish(proc, timeout=FAIL_WITHIN_S, known=workers)
+    assert proc.returncode == 128 + sig, output[-6000:]
+    assert output.startswith("memfit: running torchrun --standalone --nproc_per_node 2 ")
+    assert f"Received {int(sig)} death signal, shutting down workers" in output  # memfit is torchrun's agent
+    assert ("memfit: stopped by SIGTERM" in output) == (sig == signal.SIGTERM)  # on SIGINT rank 0 says so
+    assert not _alive(workers)
 
 
 @pytest.mark.parametrize("value", ["0", "-1", "two", "1.5", ""])
@@ -171,13 +212,14 @@ def test_sharded_only_checks_fail_before_any_worker_starts(small_corpus, tmp_pat
 
 
 def test_worker_threads_split_the_cores(monkeypatch):
-    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: set(range(8)), raising=False)
-    assert launch.worker_environment(3, "cpu")["OMP_NUM_THREADS"] == "2"
-    assert launch.worker_environment(16, "cpu")["OMP_NUM_THREADS"] == "1"
-    assert "OMP_NUM_THREADS" not in launch.worker_environment(2, "cuda")  # torchrun's default
+    for nproc, device, threads in [(3, "cpu", "2"), (16, "cpu", "1"), (2, "cuda", None)]:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+        launch.set_worker_threads(nproc, device)
+        assert os.environ.get("OMP_NUM_THREADS") == threads  # CUDA: torchrun's default
     monkeypatch.setenv("OMP_NUM_THREADS", "5")
-    assert launch.worker_environment(3, "cpu")["OMP_NUM_THREADS"] == "5"  # the user's choice stands
+    launch.set_worker_threads(3, "cpu")
+    assert os.environ["OMP_NUM_THREADS"] == "5"  # the user's choice stands
 
 
 def test_torchrun_arguments_keep_the_config_and_overrides():

@@ -4,7 +4,7 @@ Verbs: pretrain, finetune, generate, export. Examples::
 
     memfit pretrain                                   # the main job: Tiny Shakespeare, shipped in the package
     memfit pretrain --config configs/shakespeare_char.yaml max_steps=200 optimizer.lr=3e-4
-    memfit pretrain nproc=2 max_steps=200             # 2 ranks on this machine, sharded (starts torchrun)
+    memfit pretrain nproc=2 max_steps=200             # 2 ranks on this machine, sharded (runs torchrun)
     memfit generate --checkpoint out/shakespeare --prompt "ROMEO:" --max-new-tokens 200
     memfit finetune --config configs/finetune_lora.yaml checkpoint_dir=path/to/Llama-3.2-1B data.path=data.json
     memfit export --checkpoint out/finetune --out path/to/hf_dir   # a directory transformers loads
@@ -43,8 +43,8 @@ def _pretrain(args: argparse.Namespace) -> int:
     if nproc is not None:
         launch.check_nproc(nproc, device_type)
     if relaunch:
-        torchrun_args = launch.torchrun_args(nproc, args.verb, args.config, overrides)
-        return launch.run_torchrun(torchrun_args, launch.worker_environment(nproc, device_type))
+        launch.set_worker_threads(nproc, device_type)
+        return launch.run_torchrun(launch.torchrun_args(nproc, args.verb, args.config, overrides))
     from memfit import distributed
 
     try:

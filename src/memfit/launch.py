@@ -1,13 +1,14 @@
 """``memfit pretrain|finetune nproc=N ...``: start N ranks on this machine through torchrun.
 
 ``nproc=N`` is a CLI shortcut, not a :class:`~memfit.config.TrainConfig` key. With N > 1 and no launcher around
-this process yet, the CLI validates the config here (as each of the N ranks will), then runs::
+this process yet, the CLI validates the config here (as each of the N ranks will), prints the torchrun command the
+launch stands for and runs it with torchrun's own launcher, ``torch.distributed.run``, in this process::
 
-    python -m torch.distributed.run --standalone --nproc_per_node N -m memfit <verb> <the same arguments>
+    torchrun --standalone --nproc_per_node N -m memfit <verb> <the same arguments, less nproc>
 
-(``python -m torch.distributed.run`` is the ``torchrun`` command, run with this process's interpreter), waits for
-it and returns its exit status. Under torchrun already (``WORLD_SIZE`` set), ``nproc`` must equal the launch's
-``WORLD_SIZE``; multi-node runs use torchrun directly (see docs/distributed.md).
+This process is then torchrun's agent (one process fewer than a torchrun subprocess, and signals reach the agent
+directly). Under torchrun already (``WORLD_SIZE`` set), ``nproc`` must equal the launch's ``WORLD_SIZE``;
+multi-node runs use torchrun directly (see docs/distributed.md).
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ import contextlib
 import os
 import shlex
 import signal
-import subprocess
 import sys
 
 from memfit.errors import ConfigError
@@ -108,79 +108,53 @@ def validating_as_ranks(nproc: int):
             os.environ["WORLD_SIZE"] = saved
 
 
-def worker_environment(nproc: int, device_type: str) -> dict[str, str]:
-    """The environment of the launcher and its workers: this process's, plus ``OMP_NUM_THREADS`` on CPU.
-
-    On CPU each rank gets an equal part of this process's CPU cores (``max(1, cores // nproc)``) unless the user
-    set ``OMP_NUM_THREADS``; torchrun's own default is 1 thread per rank. On CUDA torchrun's default is kept.
-    """
-    env = dict(os.environ)
-    if device_type == "cpu" and "OMP_NUM_THREADS" not in env:
+def set_worker_threads(nproc: int, device_type: str) -> None:
+    """Set ``OMP_NUM_THREADS`` for the workers (they inherit this process's environment) on CPU: an equal part of
+    the CPU cores this process may run on, ``max(1, cores // nproc)``, unless the user set it. torchrun's own
+    default, kept on CUDA, is 1 thread per rank."""
+    if device_type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        env["OMP_NUM_THREADS"] = str(max(1, cores // nproc))
-    return env
+        os.environ["OMP_NUM_THREADS"] = str(max(1, cores // nproc))
 
 
-def _terminal_delivers_signals() -> bool:
-    """This process is in its terminal's foreground process group: Ctrl-C reaches its children (same group)
-    from the terminal itself."""
-    try:
-        fd = os.open("/dev/tty", os.O_RDONLY)
-    except OSError:
-        return False
-    try:
-        return os.tcgetpgrp(fd) == os.getpgrp()
-    except OSError:
-        return False
-    finally:
-        os.close(fd)
+def run_torchrun(args: list[str]) -> int:
+    """Run torchrun's launcher (``torch.distributed.run``, what the ``torchrun`` command runs) with ``args`` in
+    this process, and wait for its workers.
 
-
-def run_torchrun(args: list[str], env: dict[str, str]) -> int:
-    """Run ``torchrun args`` (as ``python -m torch.distributed.run``) and wait for it.
-
-    Prints the command first, so that users learn the launch it stands for. SIGTERM sent to this process is
-    forwarded to torchrun, which stops its workers; so is SIGINT, unless this process is in the terminal's
-    foreground, where Ctrl-C already reaches torchrun and the workers (one process group). Either way this
-    process keeps waiting until torchrun has exited.
+    Prints the command first, so that users learn the launch it stands for. This process is then torchrun's
+    agent: it starts the workers (each in a session of its own, with this process's environment), watches them,
+    and on SIGINT (Ctrl-C), SIGTERM, SIGHUP or SIGQUIT passes the signal on to them and stops them (SIGKILL after
+    torchrun's ``--shutdown_timeout``, 30 s). When a worker fails, it stops the others at once.
 
     Args:
         args: torchrun's arguments (see :func:`torchrun_args`).
-        env: the environment of torchrun and its workers.
 
     Returns:
-        torchrun's exit status (1 when a rank failed: torchrun's report above names it); ``128 + signal``
-        when this process got SIGINT or SIGTERM, or torchrun died of a signal.
+        0 when every rank finished; 1 when a rank failed (after torchrun's report, which names the rank that
+        failed first and its exit code or signal); ``128 + signal`` when a signal stopped the launch.
     """
-    print(f"memfit: starting {shlex.join(['torchrun', *args])}", flush=True)
-    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *args], env=env)
-    received: list[int] = []
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import main as torchrun_main
 
-    def forward(signum: int, _frame) -> None:
-        received.append(signum)
-        if proc.poll() is None and not (signum == signal.SIGINT and _terminal_delivers_signals()):
-            proc.send_signal(signum)
-
-    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
+    print(f"memfit: running {shlex.join(['torchrun', *args])}", flush=True)
+    handlers = {
+        sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
+    }
     try:
-        status = proc.wait()
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-    if received:  # on SIGINT rank 0 said so itself
-        if received[0] != signal.SIGINT:
+        torchrun_main(args)
+    except ChildFailedError as exc:
+        print(f"memfit: error: a rank failed, so the run stopped:\n{exc}", file=sys.stderr)
+        return 1
+    except SignalException as exc:
+        if exc.sigval != signal.SIGINT:  # on SIGINT (Ctrl-C) rank 0 says so itself
             print(
-                f"memfit: stopped by {signal.Signals(received[0]).name}; the newest complete checkpoint is kept "
+                f"memfit: stopped by {signal.Signals(exc.sigval).name}; the newest complete checkpoint is kept "
                 f"(resume=true continues)",
                 file=sys.stderr,
             )
-        return 128 + received[0]
-    if status < 0:  # torchrun itself died of a signal
-        print(f"memfit: torchrun was killed by {signal.Signals(-status).name}", file=sys.stderr)
-        return 128 - status
-    if status != 0:
-        print(
-            f"memfit: torchrun exited with status {status} (a rank failed; see its report above)",
-            file=sys.stderr,
-        )
-    return status
+        return 128 + int(exc.sigval)
+    finally:  # the agent's handlers raise SignalException: restore this process's own
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    return 0
