@@ -4,17 +4,22 @@ Verbs: pretrain, finetune, generate, export. Examples::
 
     memfit pretrain                                   # the main job: Tiny Shakespeare, shipped in the package
     memfit pretrain --config configs/shakespeare_char.yaml max_steps=200 optimizer.lr=3e-4
+    memfit pretrain nproc=2 max_steps=200             # 2 ranks on this machine, sharded (runs torchrun)
     memfit generate --checkpoint out/shakespeare --prompt "ROMEO:" --max-new-tokens 200
     memfit finetune --config configs/finetune_lora.yaml checkpoint_dir=path/to/Llama-3.2-1B data.path=data.json
     memfit export --checkpoint out/finetune --out path/to/hf_dir   # a directory transformers loads
 
 Errors in the input (config keys, data files, checkpoints, output directories) are printed as one paragraph and
 exit with status 2 (configuration) or 1 (everything else), before anything is allocated or overwritten.
+
+``nproc=N`` (pretrain and finetune; not a config key) starts N ranks on this machine with torchrun and prints the
+torchrun command it runs; see :mod:`memfit.launch` and docs/distributed.md for torchrun itself and multi-node runs.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -22,21 +27,24 @@ import sys
 from memfit.errors import ConfigError, MemfitError
 
 FINETUNE_DEFAULTS = {"output_dir": "out/finetune"}
+INTERRUPTED = "memfit: interrupted; the newest complete checkpoint is kept (resume=true continues)"
 
 
 def _pretrain(args: argparse.Namespace) -> int:
-    from memfit.config import load_config
-    from memfit.train import train
+    from memfit import launch
+    from memfit.train import resolve_device, train
 
-    if args.verb == "finetune":
-        cfg = load_config(args.config, args.overrides, defaults=FINETUNE_DEFAULTS)
-        if cfg.checkpoint_dir is None:
-            raise ConfigError(
-                "config key 'checkpoint_dir': memfit finetune starts from pretrained weights; set "
-                "checkpoint_dir=DIR (a Hugging Face, Meta or memfit checkpoint), or use memfit pretrain"
-            )
-    else:
-        cfg = load_config(args.config, args.overrides)
+    nproc, overrides = launch.split_nproc(args.overrides)
+    relaunch = nproc is not None and nproc > 1 and launch.launched_world_size() is None
+    # validated here, as each rank will, so that bad input fails before any worker starts
+    with launch.validating_as_ranks(nproc) if relaunch else contextlib.nullcontext():
+        cfg = _load_run_config(args.verb, args.config, overrides)
+    device_type = resolve_device(cfg.device).type
+    if nproc is not None:
+        launch.check_nproc(nproc, device_type)
+    if relaunch:
+        launch.set_worker_threads(nproc, device_type)
+        return launch.run_torchrun(launch.torchrun_args(nproc, args.verb, args.config, overrides))
     from memfit import distributed
 
     try:
@@ -46,6 +54,25 @@ def _pretrain(args: argparse.Namespace) -> int:
     if not distributed.launched_distributed() or int(os.environ.get("RANK", "0")) == 0:
         _print_summary(summary)
     return 0
+
+
+def _load_run_config(verb: str, config: str | None, overrides: list[str]):
+    """The validated config of ``memfit pretrain|finetune``.
+
+    Raises:
+        ConfigError: as :func:`memfit.config.load_config`; finetune without ``checkpoint_dir``.
+    """
+    from memfit.config import load_config
+
+    if verb != "finetune":
+        return load_config(config, overrides)
+    cfg = load_config(config, overrides, defaults=FINETUNE_DEFAULTS)
+    if cfg.checkpoint_dir is None:
+        raise ConfigError(
+            "config key 'checkpoint_dir': memfit finetune starts from pretrained weights; set "
+            "checkpoint_dir=DIR (a Hugging Face, Meta or memfit checkpoint), or use memfit pretrain"
+        )
+    return cfg
 
 
 def _print_summary(summary: dict) -> None:
@@ -123,14 +150,20 @@ def build_parser() -> argparse.ArgumentParser:
         "pretrain",
         help="pretrain a Llama on a text corpus (default: Tiny Shakespeare)",
         description="Pretrain a Llama on a text corpus. Keys are memfit.config.TrainConfig fields; "
-        "override any with dotted key=value (optimizer.lr=3e-4).",
+        "override any with dotted key=value (optimizer.lr=3e-4). nproc=N starts N sharded ranks on this machine "
+        "(torchrun --standalone --nproc_per_node N -m memfit pretrain ...).",
         epilog="keys and defaults (the defaults are the main job):\n  " + "\n  ".join(describe_keys()),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument(
         "--config", default=None, help="YAML preset, e.g. configs/shakespeare.yaml (default: built-in)"
     )
-    p.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. max_steps=100")
+    p.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="key=value",
+        help="dotted overrides, e.g. max_steps=100; nproc=N ranks",
+    )
     p.set_defaults(func=_pretrain)
 
     f = sub.add_parser(
@@ -139,7 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Fine-tune a Hugging Face, Meta or memfit checkpoint (checkpoint_dir) with method full, lora "
         "or adapter, on instruction / chat records (data.format alpaca, dolly, sharegpt, openai; data.template "
         "alpaca, llama2-chat, llama3-chat, chatml) or a text corpus. The same keys as pretrain; output_dir "
-        "defaults to out/finetune.",
+        "defaults to out/finetune. nproc=N starts N sharded ranks on this machine (through torchrun).",
         epilog="keys and defaults:\n  " + "\n  ".join(describe_keys()),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -216,10 +249,8 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         raise
     except KeyboardInterrupt:
-        print(
-            "memfit: interrupted; the newest complete checkpoint is kept (resume=true continues)",
-            file=sys.stderr,
-        )
+        if os.environ.get("RANK", "0") == "0":  # under torchrun every rank is interrupted: one says so
+            print(INTERRUPTED, file=sys.stderr)
         return 130
 
 

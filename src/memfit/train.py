@@ -322,7 +322,8 @@ def _load_run_state(cfg: TrainConfig) -> tuple[Path | None, dict[str, Any] | Non
             )
         return None, None
     if latest is None:
-        tqdm.write(f"resume=true but '{cfg.output_dir}' holds no checkpoint yet: starting from step 0")
+        if dist_.is_main():
+            tqdm.write(f"resume=true but '{cfg.output_dir}' holds no checkpoint yet: starting from step 0")
         return None, None
     state = ckpt_io.read_trainer_state(latest)
     return latest, state
@@ -686,7 +687,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         fixed_tokenizer = checkpoint_tokenizer(cfg.checkpoint_dir)
     elif cfg.data.format != "text":
         fixed_tokenizer = load_tokenizer(cfg.tokenizer.path)
-    if cfg.data.format == "text" and str(cfg.data.path or "").endswith((".json", ".jsonl")):
+    if main_rank and cfg.data.format == "text" and str(cfg.data.path or "").endswith((".json", ".jsonl")):
         tqdm.write(
             f"note: data.format is 'text', so '{cfg.data.path}' is read as plain text; for instruction or chat "
             f"records set data.format (alpaca, dolly, sharegpt, openai)"
@@ -715,7 +716,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     )
     out.mkdir(parents=True, exist_ok=True)  # only now: bad input above leaves no output_dir behind
 
-    if cfg.optimizer.warmup_steps >= cfg.max_steps:
+    if main_rank and cfg.optimizer.warmup_steps >= cfg.max_steps:
         tqdm.write(
             f"note: optimizer.warmup_steps ({cfg.optimizer.warmup_steps}) >= max_steps ({cfg.max_steps}): the "
             f"learning rate never reaches optimizer.lr ({cfg.optimizer.lr:g})"
@@ -906,7 +907,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             logger.log({"step": cfg.max_steps, "val_loss": val_loss})
         last_ckpt = save(cfg.max_steps)
     else:  # resumed a finished run: report, but add nothing to its records or checkpoints
-        tqdm.write(f"the run in '{out}' is already complete at step {start_step}; nothing to train")
+        if main_rank:
+            tqdm.write(f"the run in '{out}' is already complete at step {start_step}; nothing to train")
         last_ckpt = resume_dir
     logger.close()
     plot = plot_losses(out / "metrics.jsonl", out / "loss.png") if main_rank else None

@@ -1,0 +1,160 @@
+"""``memfit pretrain|finetune nproc=N ...``: start N ranks on this machine through torchrun.
+
+``nproc=N`` is a CLI shortcut, not a :class:`~memfit.config.TrainConfig` key. With N > 1 and no launcher around
+this process yet, the CLI validates the config here (as each of the N ranks will), prints the torchrun command the
+launch stands for and runs it with torchrun's own launcher, ``torch.distributed.run``, in this process::
+
+    torchrun --standalone --nproc_per_node N -m memfit <verb> <the same arguments, less nproc>
+
+This process is then torchrun's agent (one process fewer than a torchrun subprocess, and signals reach the agent
+directly). Under torchrun already (``WORLD_SIZE`` set), ``nproc`` must equal the launch's ``WORLD_SIZE``;
+multi-node runs use torchrun directly (see docs/distributed.md).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shlex
+import signal
+import sys
+
+from memfit.errors import ConfigError
+
+NPROC_KEY = "nproc"
+
+
+def split_nproc(overrides: list[str]) -> tuple[int | None, list[str]]:
+    """Take the ``nproc=N`` items out of the CLI's ``key=value`` overrides (the last one wins).
+
+    Args:
+        overrides: the CLI's ``key=value`` strings.
+
+    Returns:
+        ``(N or None when absent, the other overrides in their order)``.
+
+    Raises:
+        ConfigError: ``nproc`` is not an integer >= 1.
+    """
+    nproc, rest = None, []
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep or key.strip() != NPROC_KEY:
+            rest.append(item)
+            continue
+        value = value.strip()
+        if not value.isdigit() or int(value) < 1:
+            raise ConfigError(
+                f"config key '{NPROC_KEY}': the number of ranks to start on this machine must be an integer >= 1, "
+                f"got {value!r}"
+            )
+        nproc = int(value)
+    return nproc, rest
+
+
+def launched_world_size() -> int | None:
+    """``WORLD_SIZE`` of the launcher this process runs under (torchrun sets it), or ``None`` outside one."""
+    value = os.environ.get("WORLD_SIZE")
+    return None if value is None else int(value)
+
+
+def check_nproc(nproc: int, device_type: str) -> None:
+    """Check ``nproc=N`` against the launch this process runs in and the devices it can use.
+
+    Args:
+        nproc: the ``nproc`` value.
+        device_type: ``cpu`` or ``cuda``, as ``device`` resolves.
+
+    Raises:
+        ConfigError: under torchrun with another ``WORLD_SIZE``, or more ranks than CUDA devices.
+    """
+    world = launched_world_size()
+    if world is not None and nproc != world:
+        raise ConfigError(
+            f"config key '{NPROC_KEY}': this process runs under a launcher with WORLD_SIZE={world}, but "
+            f"nproc={nproc}; the launcher decides the number of ranks, so drop nproc (or set torchrun's "
+            f"--nproc_per_node / --nnodes to give {nproc} ranks)"
+        )
+    if world is None and device_type == "cuda":
+        import torch
+
+        available = torch.cuda.device_count()
+        if nproc > available:
+            raise ConfigError(
+                f"config key '{NPROC_KEY}': {nproc} ranks need one CUDA device each, but torch sees {available}; "
+                f"use nproc={available} or fewer (or device=cpu)"
+            )
+
+
+def torchrun_args(nproc: int, verb: str, config: str | None, overrides: list[str]) -> list[str]:
+    """torchrun's arguments for N ranks on this machine running ``memfit <verb> [--config F] overrides``."""
+    memfit_args = [verb, *(["--config", config] if config is not None else []), *overrides]
+    return ["--standalone", "--nproc_per_node", str(nproc), "-m", "memfit", *memfit_args]
+
+
+@contextlib.contextmanager
+def validating_as_ranks(nproc: int):
+    """Set ``WORLD_SIZE=nproc`` for the duration: :func:`memfit.config.load_config` then applies the checks of
+    sharded runs (``distributed.*`` and the switches that do not work sharded) in this process, as each rank
+    will, so that a bad combination fails before any worker starts."""
+    saved = os.environ.get("WORLD_SIZE")
+    os.environ["WORLD_SIZE"] = str(nproc)
+    try:
+        yield
+    finally:
+        if saved is None:
+            del os.environ["WORLD_SIZE"]
+        else:
+            os.environ["WORLD_SIZE"] = saved
+
+
+def set_worker_threads(nproc: int, device_type: str) -> None:
+    """Set ``OMP_NUM_THREADS`` for the workers (they inherit this process's environment) on CPU: an equal part of
+    the CPU cores this process may run on, ``max(1, cores // nproc)``, unless the user set it. torchrun's own
+    default, kept on CUDA, is 1 thread per rank."""
+    if device_type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        os.environ["OMP_NUM_THREADS"] = str(max(1, cores // nproc))
+
+
+def run_torchrun(args: list[str]) -> int:
+    """Run torchrun's launcher (``torch.distributed.run``, what the ``torchrun`` command runs) with ``args`` in
+    this process, and wait for its workers.
+
+    Prints the command first, so that users learn the launch it stands for. This process is then torchrun's
+    agent: it starts the workers (each in a session of its own, with this process's environment), watches them,
+    and on SIGINT (Ctrl-C), SIGTERM, SIGHUP or SIGQUIT passes the signal on to them and stops them (SIGKILL after
+    torchrun's ``--shutdown_timeout``, 30 s). When a worker fails, it stops the others at once.
+
+    Args:
+        args: torchrun's arguments (see :func:`torchrun_args`).
+
+    Returns:
+        0 when every rank finished; 1 when a rank failed (after torchrun's report, which names the rank that
+        failed first and its exit code or signal); ``128 + signal`` when a signal stopped the launch.
+    """
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import main as torchrun_main
+
+    print(f"memfit: running {shlex.join(['torchrun', *args])}", flush=True)
+    handlers = {
+        sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
+    }
+    try:
+        torchrun_main(args)
+    except ChildFailedError as exc:
+        print(f"memfit: error: a rank failed, so the run stopped:\n{exc}", file=sys.stderr)
+        return 1
+    except SignalException as exc:
+        if exc.sigval != signal.SIGINT:  # on SIGINT (Ctrl-C) rank 0 says so itself
+            print(
+                f"memfit: stopped by {signal.Signals(exc.sigval).name}; the newest complete checkpoint is kept "
+                f"(resume=true continues)",
+                file=sys.stderr,
+            )
+        return 128 + int(exc.sigval)
+    finally:  # the agent's handlers raise SignalException: restore this process's own
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    return 0

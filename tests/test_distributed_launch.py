@@ -1,0 +1,249 @@
+"""``memfit pretrain nproc=N``: the CLI starts torchrun itself. 2 ranks through the shortcut train what one process
+with twice the batch does; a rank that dies ends the whole launch at once with torchrun's report naming it; SIGTERM
+stops the launch and its workers; bad ``nproc`` values are configuration errors, reported before anything starts."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+from memfit import launch
+from memfit.cli import main
+from memfit.errors import ConfigError
+from memfit.metrics import read_records
+
+from .conftest import tiny_run_overrides
+
+TOL = 1e-5  # as tests/test_distributed.py: fp32, 2 ranks reduce in another order than one process
+FAIL_WITHIN_S = 60  # a launch whose rank died must have exited by then (gloo sees the closed socket at once)
+# a run that is still training when the test acts on it (a few steps per second on 2 busy cores)
+LONG_RUN = dict(max_steps=100_000, eval_every=0, checkpoint_every=0, sample__max_new_tokens=0)
+
+
+def _overrides(corpus: Path, out: Path, **extra) -> list[str]:
+    extra = {k.replace("__", "."): v for k, v in extra.items()}
+    return tiny_run_overrides(corpus, out, **extra)
+
+
+def _start(args: list[str], *, code: str | None = None) -> subprocess.Popen:
+    """``python -m memfit args`` (or ``python -c code args``) in a session of its own, output captured."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
+    head = ["-m", "memfit"] if code is None else ["-c", code]
+    return subprocess.Popen(
+        [sys.executable, *head, *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
+
+
+def _kill(proc: subprocess.Popen, known: list[psutil.Process]) -> str:
+    """SIGKILL a launch: memfit's session, and every process below it or in ``known``. torchrun starts each worker
+    in a session of its own, so killing memfit's session alone would leave the workers running (and holding the
+    output pipe open). Returns the output so far."""
+    try:
+        known = [*known, *psutil.Process(proc.pid).children(recursive=True)]
+    except psutil.Error:
+        pass
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    for p in known:
+        with contextlib.suppress(psutil.Error):
+            p.kill()
+    try:
+        return proc.communicate(timeout=30)[0]
+    except subprocess.TimeoutExpired:
+        return "(no output: the pipe is still held open)"
+
+
+def _finish(proc: subprocess.Popen, timeout: float, known: list[psutil.Process] = ()) -> str:
+    """Wait for ``proc`` at most ``timeout`` seconds; past it, kill the whole launch and fail the test."""
+    try:
+        return proc.communicate(timeout=timeout)[0]
+    except subprocess.TimeoutExpired:
+        output = _kill(proc, list(known))
+        pytest.fail(f"the launch did not exit within {timeout} s:\n{output[-6000:]}")
+
+
+def _wait_until_training(proc: subprocess.Popen, out: Path, timeout: float = 120) -> list[psutil.Process]:
+    """Wait until rank 0 has logged a step (with a timeout); returns the launch's processes (torchrun, workers)."""
+    deadline = time.monotonic() + timeout
+    metrics = out / "metrics.jsonl"
+    while not (metrics.is_file() and read_records(metrics)):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            pytest.fail(f"the launch never started training:\n{_kill(proc, [])[-6000:]}")
+        time.sleep(0.2)
+    return psutil.Process(proc.pid).children(recursive=True)
+
+
+def _rank(process: psutil.Process) -> str | None:
+    try:
+        return process.environ().get("RANK")
+    except psutil.Error:
+        return None
+
+
+def _alive(processes: list[psutil.Process]) -> list[psutil.Process]:
+    return [p for p in processes if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+
+
+def test_nproc_shortcut_trains_what_one_process_does(small_corpus, tmp_path, capsys):
+    run = dict(
+        max_steps=4, eval_every=2, checkpoint_every=2, optimizer__warmup_steps=4, sample__max_new_tokens=0
+    )
+    single, sharded = tmp_path / "single", tmp_path / "sharded"
+    # nproc=1 runs in this process: no torchrun
+    assert main(["pretrain", "nproc=1", *_overrides(small_corpus, single, batch_size=8, **run)]) == 0
+    assert "torchrun" not in capsys.readouterr().out
+
+    args = ["pretrain", *_overrides(small_corpus, sharded, batch_size=4, **run), "nproc=2"]
+    proc = _start(args)
+    output = _finish(proc, timeout=180)
+    assert proc.returncode == 0, output[-6000:]
+    # one line tells the torchrun command it stands for, with the arguments less nproc
+    launched = "memfit: running torchrun --standalone --nproc_per_node 2 -m memfit pretrain model=tiny "
+    assert output.count(launched) == 1 and "nproc=" not in output.split(launched)[1].splitlines()[0]
+    assert output.count("final validation loss") == 1  # rank 0 alone reports, and notes
+    assert output.count("note: optimizer.warmup_steps (4) >= max_steps (4)") == 1
+    assert "x 2 ranks (fsdp2)" in output
+
+    records = {name: read_records(out / "metrics.jsonl") for name, out in [("1", single), ("2", sharded)]}
+    for key in ("loss", "grad_norm", "val_loss"):
+        one = [(r["step"], r[key]) for r in records["1"] if key in r]
+        two = [(r["step"], r[key]) for r in records["2"] if key in r]
+        assert [s for s, _ in two] == [s for s, _ in one] and one
+        diff = max(abs(a - b) for (_, a), (_, b) in zip(one, two, strict=True))
+        print(f"max |nproc=2 x batch 4 - 1 process x batch 8| {key}: {diff:.2e}")
+        assert diff <= TOL
+    assert (sharded / "checkpoints" / "step_00000004" / "dcp" / ".metadata").is_file()
+
+
+def test_a_killed_rank_ends_the_launch_with_a_report(small_corpus, tmp_path):
+    out = tmp_path / "run"
+    proc = _start(["pretrain", "nproc=2", *_overrides(small_corpus, out, **LONG_RUN)])
+    processes = _wait_until_training(proc, out)
+    rank1 = [p for p in processes if _rank(p) == "1"]
+    assert len(rank1) == 1, [(p.pid, p.cmdline()) for p in processes]
+    rank1[0].send_signal(signal.SIGKILL)
+    killed_at = time.monotonic()
+    output = _finish(proc, timeout=FAIL_WITHIN_S, known=processes)
+    print(f"the launch exited {time.monotonic() - killed_at:.1f} s after rank 1 was killed")
+    assert proc.returncode == 1, output[-6000:]
+    # torchrun's report names the rank that failed first and how; memfit's last line points at it
+    root_cause = output.split("Root Cause")[-1]
+    assert re.search(r"rank\s*:\s*1 \(local_rank: 1\)", root_cause), output[-6000:]
+    assert "SIGKILL" in root_cause
+    assert "memfit: error: a rank failed, so the run stopped:" in output
+    assert not _alive(processes)  # no worker left behind
+
+
+WORKER = """
+import os, pathlib, sys, time
+pathlib.Path(sys.argv[1], os.environ["RANK"]).write_text(str(os.getpid()))
+time.sleep(600)
+"""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_to_memfit_stops_torchrun_and_its_workers(sig, tmp_path):
+    """SIGTERM or SIGINT sent to memfit (torchrun's agent) stops every worker; memfit exits with 128 + signal.
+
+    The workers are tiny scripts (not memfit) so that the launch starts in seconds; memfit.launch is what runs them.
+    """
+    (tmp_path / "worker.py").write_text(WORKER)
+    started = tmp_path / "started"
+    started.mkdir()
+    args = ["--standalone", "--nproc_per_node", "2", str(tmp_path / "worker.py"), str(started)]
+    code = "import sys; from memfit.launch import run_torchrun; sys.exit(run_torchrun(sys.argv[1:]))"
+    proc = _start(args, code=code)
+    deadline = time.monotonic() + 120
+    while len(list(started.iterdir())) < 2:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            pytest.fail(f"the workers never started:\n{_kill(proc, [])[-6000:]}")
+        time.sleep(0.1)
+    workers = [psutil.Process(int(f.read_text())) for f in started.iterdir()]
+    proc.send_signal(sig)
+    output = _finish(proc, timeout=FAIL_WITHIN_S, known=workers)
+    assert proc.returncode == 128 + sig, output[-6000:]
+    assert output.startswith("memfit: running torchrun --standalone --nproc_per_node 2 ")
+    assert f"Received {int(sig)} death signal, shutting down workers" in output  # memfit is torchrun's agent
+    assert ("memfit: stopped by SIGTERM" in output) == (sig == signal.SIGTERM)  # on SIGINT rank 0 says so
+    assert not _alive(workers)
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "two", "1.5", ""])
+def test_bad_nproc_is_a_config_error(value, small_corpus, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(["pretrain", f"nproc={value}", *_overrides(small_corpus, out)]) == 2
+    captured = capsys.readouterr()
+    assert "config key 'nproc'" in captured.err and "integer >= 1" in captured.err
+    assert "torchrun" not in captured.out and not out.exists()
+
+
+def test_nproc_must_agree_with_the_launcher(monkeypatch, small_corpus, tmp_path, capsys):
+    monkeypatch.setenv("WORLD_SIZE", "2")  # as under torchrun --nproc_per_node 2
+    out = tmp_path / "run"
+    assert main(["pretrain", "nproc=4", *_overrides(small_corpus, out)]) == 2
+    err = capsys.readouterr().err
+    assert "config key 'nproc'" in err and "WORLD_SIZE=2" in err and not out.exists()
+
+
+def test_sharded_only_checks_fail_before_any_worker_starts(small_corpus, tmp_path, capsys):
+    """A combination that only sharded runs refuse is refused by the launching process, as each rank would."""
+    out = tmp_path / "run"
+    over = _overrides(small_corpus, out, **{"distributed.cpu_offload": "true", "device": "cpu"})
+    assert main(["pretrain", "nproc=2", *over]) == 2
+    captured = capsys.readouterr()
+    assert "config key 'distributed.cpu_offload'" in captured.err
+    assert "torchrun" not in captured.out and not out.exists()
+    assert "WORLD_SIZE" not in os.environ  # set only while validating
+
+
+def test_worker_threads_split_the_cores(monkeypatch):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: set(range(8)), raising=False)
+    for nproc, device, threads in [(3, "cpu", "2"), (16, "cpu", "1"), (2, "cuda", None)]:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+        launch.set_worker_threads(nproc, device)
+        assert os.environ.get("OMP_NUM_THREADS") == threads  # CUDA: torchrun's default
+    monkeypatch.setenv("OMP_NUM_THREADS", "5")
+    launch.set_worker_threads(3, "cpu")
+    assert os.environ["OMP_NUM_THREADS"] == "5"  # the user's choice stands
+
+
+def test_torchrun_arguments_keep_the_config_and_overrides():
+    args = launch.torchrun_args(3, "finetune", "my config.yaml", ["checkpoint_dir=base", "sample.prompt=a b"])
+    assert args == [
+        "--standalone",
+        "--nproc_per_node",
+        "3",
+        "-m",
+        "memfit",
+        "finetune",
+        "--config",
+        "my config.yaml",
+        "checkpoint_dir=base",
+        "sample.prompt=a b",
+    ]
+
+
+def test_nproc_beyond_the_cuda_devices_is_refused(monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    launch.check_nproc(1, "cuda")
+    with pytest.raises(
+        ConfigError, match="config key 'nproc': 2 ranks need one CUDA device each, but torch sees 1"
+    ):
+        launch.check_nproc(2, "cuda")
+    launch.check_nproc(2, "cpu")  # CPU ranks share the cores
