@@ -3,9 +3,13 @@ Hugging Face checkpoint with the overrides of a fine-tuning run on the real Doll
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
+import subprocess
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 
@@ -118,3 +122,31 @@ def finetune_overrides(checkpoint: Path, out: Path, **extra) -> list[str]:
     }
     base.update(extra)
     return [f"{k}={v}" for k, v in base.items()]
+
+
+def kill_launch(proc: subprocess.Popen, known: list[psutil.Process]) -> str:
+    """SIGKILL a launch: memfit's session, and every process below it or in ``known``. torchrun starts each worker
+    in a session of its own, so killing memfit's session alone would leave the workers running (and holding the
+    output pipe open). Returns the output so far."""
+    try:
+        known = [*known, *psutil.Process(proc.pid).children(recursive=True)]
+    except psutil.Error:
+        pass
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    for p in known:
+        with contextlib.suppress(psutil.Error):
+            p.kill()
+    try:
+        return proc.communicate(timeout=30)[0]
+    except subprocess.TimeoutExpired:
+        return "(no output: the pipe is still held open)"
+
+
+def finish_launch(proc: subprocess.Popen, timeout: float, known: list[psutil.Process] = ()) -> str:
+    """Wait for ``proc`` at most ``timeout`` seconds; past it, kill the whole launch and fail the test."""
+    try:
+        return proc.communicate(timeout=timeout)[0]
+    except subprocess.TimeoutExpired:
+        output = kill_launch(proc, list(known))
+        pytest.fail(f"the launch did not exit within {timeout} s:\n{output[-6000:]}")

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -21,7 +20,7 @@ from memfit.config import load_config
 from memfit.errors import ConfigError
 from memfit.metrics import read_records
 
-from .conftest import finetune_overrides, tiny_run_overrides
+from .conftest import finetune_overrides, kill_launch, tiny_run_overrides
 
 WEIGHTS = ckpt_io.WEIGHTS
 
@@ -39,16 +38,14 @@ def _torchrun(args: list[str], nproc: int = 2, timeout: float = 120) -> subproce
     torchrun = Path(sys.executable).with_name("torchrun")
     cmd = [str(torchrun), "--standalone", "--nproc_per_node", str(nproc), "-m", "memfit", *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
-    # a session of its own, so that on a timeout the launcher and its workers all go
     proc = subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True
     )
     try:
         stdout, stderr = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        stdout, stderr = proc.communicate()
-        pytest.fail(f"torchrun did not finish in {timeout} s: {stdout[-2000:]}{stderr[-4000:]}")
+        output = kill_launch(proc, [])  # torchrun's workers too: each runs in a session of its own
+        pytest.fail(f"torchrun did not finish in {timeout} s: {output[-4000:]}")
     assert proc.returncode == 0, stdout[-3000:] + stderr[-5000:]
     return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
 

@@ -4,7 +4,6 @@ stops the launch and its workers; bad ``nproc`` values are configuration errors,
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
 import signal
@@ -22,7 +21,7 @@ from memfit.cli import main
 from memfit.errors import ConfigError
 from memfit.metrics import read_records
 
-from .conftest import tiny_run_overrides
+from .conftest import finish_launch, kill_launch, tiny_run_overrides
 
 TOL = 1e-5  # as tests/test_distributed.py: fp32, 2 ranks reduce in another order than one process
 FAIL_WITHIN_S = 60  # a launch whose rank died must have exited by then (gloo sees the closed socket at once)
@@ -49,41 +48,13 @@ def _start(args: list[str], *, code: str | None = None) -> subprocess.Popen:
     )
 
 
-def _kill(proc: subprocess.Popen, known: list[psutil.Process]) -> str:
-    """SIGKILL a launch: memfit's session, and every process below it or in ``known``. torchrun starts each worker
-    in a session of its own, so killing memfit's session alone would leave the workers running (and holding the
-    output pipe open). Returns the output so far."""
-    try:
-        known = [*known, *psutil.Process(proc.pid).children(recursive=True)]
-    except psutil.Error:
-        pass
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    for p in known:
-        with contextlib.suppress(psutil.Error):
-            p.kill()
-    try:
-        return proc.communicate(timeout=30)[0]
-    except subprocess.TimeoutExpired:
-        return "(no output: the pipe is still held open)"
-
-
-def _finish(proc: subprocess.Popen, timeout: float, known: list[psutil.Process] = ()) -> str:
-    """Wait for ``proc`` at most ``timeout`` seconds; past it, kill the whole launch and fail the test."""
-    try:
-        return proc.communicate(timeout=timeout)[0]
-    except subprocess.TimeoutExpired:
-        output = _kill(proc, list(known))
-        pytest.fail(f"the launch did not exit within {timeout} s:\n{output[-6000:]}")
-
-
 def _wait_until_training(proc: subprocess.Popen, out: Path, timeout: float = 120) -> list[psutil.Process]:
     """Wait until rank 0 has logged a step (with a timeout); returns the launch's processes (torchrun, workers)."""
     deadline = time.monotonic() + timeout
     metrics = out / "metrics.jsonl"
     while not (metrics.is_file() and read_records(metrics)):
         if proc.poll() is not None or time.monotonic() > deadline:
-            pytest.fail(f"the launch never started training:\n{_kill(proc, [])[-6000:]}")
+            pytest.fail(f"the launch never started training:\n{kill_launch(proc, [])[-6000:]}")
         time.sleep(0.2)
     return psutil.Process(proc.pid).children(recursive=True)
 
@@ -110,7 +81,7 @@ def test_nproc_shortcut_trains_what_one_process_does(small_corpus, tmp_path, cap
 
     args = ["pretrain", *_overrides(small_corpus, sharded, batch_size=4, **run), "nproc=2"]
     proc = _start(args)
-    output = _finish(proc, timeout=180)
+    output = finish_launch(proc, timeout=180)
     assert proc.returncode == 0, output[-6000:]
     # one line tells the torchrun command it stands for, with the arguments less nproc
     launched = "memfit: running torchrun --standalone --nproc_per_node 2 -m memfit pretrain model=tiny "
@@ -138,7 +109,7 @@ def test_a_killed_rank_ends_the_launch_with_a_report(small_corpus, tmp_path):
     assert len(rank1) == 1, [(p.pid, p.cmdline()) for p in processes]
     rank1[0].send_signal(signal.SIGKILL)
     killed_at = time.monotonic()
-    output = _finish(proc, timeout=FAIL_WITHIN_S, known=processes)
+    output = finish_launch(proc, timeout=FAIL_WITHIN_S, known=processes)
     print(f"the launch exited {time.monotonic() - killed_at:.1f} s after rank 1 was killed")
     assert proc.returncode == 1, output[-6000:]
     # torchrun's report names the rank that failed first and how; memfit's last line points at it
@@ -171,11 +142,11 @@ def test_a_signal_to_memfit_stops_torchrun_and_its_workers(sig, tmp_path):
     deadline = time.monotonic() + 120
     while len(list(started.iterdir())) < 2:
         if proc.poll() is not None or time.monotonic() > deadline:
-            pytest.fail(f"the workers never started:\n{_kill(proc, [])[-6000:]}")
+            pytest.fail(f"the workers never started:\n{kill_launch(proc, [])[-6000:]}")
         time.sleep(0.1)
     workers = [psutil.Process(int(f.read_text())) for f in started.iterdir()]
     proc.send_signal(sig)
-    output = _finish(proc, timeout=FAIL_WITHIN_S, known=workers)
+    output = finish_launch(proc, timeout=FAIL_WITHIN_S, known=workers)
     assert proc.returncode == 128 + sig, output[-6000:]
     assert output.startswith("memfit: running torchrun --standalone --nproc_per_node 2 ")
     assert f"Received {int(sig)} death signal, shutting down workers" in output  # memfit is torchrun's agent
