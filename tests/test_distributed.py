@@ -33,10 +33,14 @@ def _overrides(corpus: Path, out: Path, **extra) -> list[str]:
     return tiny_run_overrides(corpus, out, **extra)
 
 
-def _torchrun(args: list[str], nproc: int = 2, timeout: float = 120) -> subprocess.CompletedProcess:
-    """``torchrun --nproc_per_node nproc -m memfit ...`` with a timeout (a hang fails the test, not the suite)."""
+def _torchrun(
+    args: list[str], nproc: int = 2, timeout: float = 120, script: Path | None = None
+) -> subprocess.CompletedProcess:
+    """``torchrun --nproc_per_node nproc -m memfit ...`` (or ``... script ...``) with a timeout (a hang fails the
+    test, not the suite)."""
     torchrun = Path(sys.executable).with_name("torchrun")
-    cmd = [str(torchrun), "--standalone", "--nproc_per_node", str(nproc), "-m", "memfit", *args]
+    program = ["-m", "memfit"] if script is None else [str(script)]
+    cmd = [str(torchrun), "--standalone", "--nproc_per_node", str(nproc), *program, *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
     proc = subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True
@@ -210,6 +214,15 @@ def test_two_ranks_finetune_what_one_process_does(strategy, method, hf_checkpoin
     diff = max(abs(a - b) for (_, a), (_, b) in zip(_losses(resumed), _losses(sharded), strict=True))
     print(f"max |resumed in 1 process - 2 ranks| loss: {diff}")
     assert [s for s, _ in _losses(resumed)] == [1, 2, 3, 4] and diff <= TOL
+
+
+def test_sharded_weights_are_filled_shard_by_shard(hf_checkpoint):
+    """Built on meta and filled one whole tensor at a time (drawn from the seed, or read from a Hugging Face
+    checkpoint with LoRA applied): the weights equal one process's bit for bit, under FSDP2 and FSDP1, tied or not,
+    each rank holds half of the elements, and each whole tensor is released before the next is read."""
+    script = Path(__file__).parent / "scripts" / "materialize_check.py"
+    output = _torchrun([str(hf_checkpoint)], script=script).stdout
+    assert output.count("parameters equal") == 2 * 6  # 2 ranks x (2 strategies x 3 cases)
 
 
 def _one_process_optimizer_state(ckpt: Path) -> dict:
