@@ -543,6 +543,16 @@ def apply_method(model: Llama, cfg: TrainConfig) -> None:
         )
 
 
+def train_step_options(cfg: TrainConfig) -> dict[str, Any]:
+    """The keyword arguments of :func:`train_step` that ``cfg`` sets (the loop and the estimator pass the same)."""
+    return {
+        "max_grad_norm": cfg.max_grad_norm,
+        "dtype": cfg.dtype,
+        "chunked_cross_entropy_chunks": cfg.chunked_cross_entropy,
+        "offload_activations": cfg.activation_offloading,
+    }
+
+
 def build_model(cfg: TrainConfig, mcfg: LlamaConfig, device: torch.device) -> Llama:
     """The model a run starts from: random init (pretraining) or ``checkpoint_dir``'s weights, with the method
     applied. Weights are materialised tensor by tensor in the dtype policy's parameter dtype.
@@ -771,12 +781,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         from memfit.convert import weights_fingerprint
 
         trainer_state["base_fingerprint"] = weights_fingerprint(cfg.checkpoint_dir)
-    step_options = {
-        "max_grad_norm": cfg.max_grad_norm,
-        "dtype": cfg.dtype,
-        "chunked_cross_entropy_chunks": cfg.chunked_cross_entropy,
-        "offload_activations": cfg.activation_offloading,
-    }
+    step_options = train_step_options(cfg)
     eval_options = {
         "dtype": cfg.dtype,
         "device": device,

@@ -1,0 +1,450 @@
+"""Predict a run's peak memory before anything is allocated, by running its own training step on fake tensors.
+
+:func:`estimate_run` builds the run's model on the meta device, makes every parameter a fake tensor
+(``torch._subclasses.fake_tensor.FakeTensorMode``: shapes, dtypes and devices, no storage), applies the method,
+activation checkpointing and (for ``world_size`` > 1) FSDP sharding over a fake process group in which this
+process plays rank 0, builds the run's optimizer, and runs :func:`memfit.train.train_step` -- the very function the
+training loop calls -- twice (the first step creates the optimizer state) under a
+:class:`~memfit.memory.tracker.MemoryTracker`. What the tracker sees is what a real step allocates: the peak of
+live bytes, its breakdown by category and the phase it falls in.
+
+What the caching allocator cannot see is moved out of the device peak and reported apart, from the same trace:
+
+- paged optimizers (``paged_adamw8bit``, ``paged_adamw``): the optimizer state lives in CUDA unified memory. The
+  driver counts it on the device while it is resident (``device_total``), the allocator does not (``peak``).
+- ``optimizer.cpu_offload`` (torchao ``CPUOffloadOptimizer``): optimizer state, a host copy of each parameter and
+  of each gradient live in pinned host memory (``host``).
+- ``distributed.cpu_offload`` (FSDP ``CPUOffloadPolicy``): parameter shards, gradient shards and optimizer state
+  live on the host; the device keeps the gathered layers in flight and the activations.
+- ``activation_offloading``: tensors saved for backward live in pinned host memory.
+
+The trace runs on CPU fake tensors whatever ``device`` says (a CPU build of torch cannot make CUDA tensors, fake or
+not); sizes are the same, but kernels may differ in their workspaces, which no tracker sees (see docs/memory.md).
+
+A closed-form bytes model (:func:`model_state_bytes_closed_form`) gives parameters, gradients and optimizer
+state from the shapes and dtypes alone, beside the traced numbers; the two agree exactly on model states.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import time
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from memfit.memory.tracker import CATEGORIES, GIB
+
+if TYPE_CHECKING:
+    from memfit.config import TrainConfig
+    from memfit.models.llama import LlamaConfig
+
+STEPS = 2
+"""Steps traced: the first creates the optimizer state, the second runs with it (usually the peak)."""
+
+
+@dataclass
+class Estimate:
+    """A run's predicted memory, for one rank. Bytes throughout (``to_json`` gives GiB, 1024**3 bytes)."""
+
+    peak_bytes: int
+    """The highest live bytes the caching allocator would hold (tensor storages; its rounding and cache excluded)."""
+    breakdown: dict[str, int]
+    """Bytes by category (see :data:`memfit.memory.tracker.CATEGORIES`) at that peak."""
+    phase: str
+    """The phase of the step the peak falls in (``forward``, ``backward``, ``optimizer_step``, ``other``)."""
+    device_total_bytes: int
+    """What the driver would show at the peak: the allocator's bytes plus resident paged (unified) memory."""
+    host_bytes: int
+    """Pinned / host memory the run keeps there by design (offloaded state, parameters, activations)."""
+    unseen: dict[str, int]
+    """The allocator-invisible parts by name (``paged_optimizer_state``, ``offloaded_optimizer_state``, ...)."""
+    model_states: dict[str, int]
+    """Closed-form bytes of ``parameters``, ``gradients`` and ``optimizer_state`` of this rank."""
+    traced_model_states: dict[str, int]
+    """The same three, as traced after the last step (``gradients``: their most at any moment of the step)."""
+    num_params: int
+    num_trainable_params: int
+    world_size: int
+    batch_size: int
+    seq_len: int
+    seconds: float
+    """Wall time of the estimate."""
+    config: dict[str, Any] = field(default_factory=dict)
+    """The switches that decide memory, for reports."""
+
+    def to_json(self) -> dict[str, Any]:
+        """The contract of ``memfit estimate --json``: ``peak_memory_gib``, ``breakdown`` (category -> GiB),
+        ``phase``, ``device_total_gib``, ``host_gib``, and more detail."""
+        return {
+            "peak_memory_gib": self.peak_bytes / GIB,
+            "breakdown": {k: v / GIB for k, v in self.breakdown.items()},
+            "phase": self.phase,
+            "device_total_gib": self.device_total_bytes / GIB,
+            "host_gib": self.host_bytes / GIB,
+            "unseen_gib": {k: v / GIB for k, v in self.unseen.items()},
+            "model_states_gib": {k: v / GIB for k, v in self.model_states.items()},
+            "traced_model_states_gib": {k: v / GIB for k, v in self.traced_model_states.items()},
+            "num_params": self.num_params,
+            "num_trainable_params": self.num_trainable_params,
+            "world_size": self.world_size,
+            "batch_size": self.batch_size,
+            "seq_len": self.seq_len,
+            "seconds": self.seconds,
+            "config": self.config,
+        }
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The trace
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def estimate_run(
+    cfg: TrainConfig,
+    *,
+    world_size: int = 1,
+    seq_len: int | None = None,
+    model_config: LlamaConfig | None = None,
+) -> Estimate:
+    """Predict the peak memory of one rank of the run ``cfg`` describes, without allocating it.
+
+    Args:
+        cfg: a validated run config (``memfit.config.load_config``); its ``device`` says what the run targets
+            (paging, offloading and CUDA-only switches count as on CUDA when it is ``cuda``).
+        world_size: ranks of a sharded run (this process plays rank 0 of a fake process group); 1 for one device.
+        seq_len: the sequence length to trace (the longest the data can produce); default ``cfg.seq_len`` or the
+            model's ``max_seq_len``.
+        model_config: the architecture; default from ``cfg.checkpoint_dir``'s config (headers only) or the preset
+            with ``model_args`` (``vocab_size`` from ``tokenizer.vocab_size`` when the preset has none).
+
+    Returns:
+        The :class:`Estimate`.
+
+    Raises:
+        ValueError: ``world_size`` < 1.
+        memfit.errors.ConfigError, memfit.errors.CheckpointError: as the run itself would raise them.
+    """
+    from memfit.train import PARAM_DTYPES, check_lengths, train_step, train_step_options
+
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    start = time.perf_counter()
+    mcfg = model_config or run_model_config(cfg)
+    seq_len = seq_len or cfg.seq_len or mcfg.max_seq_len
+    check_lengths(dataclasses.replace(cfg, seq_len=seq_len), mcfg, 0)
+    target = "cuda" if cfg.device == "cuda" else "cpu"
+    trace_cfg = _traceable(cfg)
+    with _fake_process_group(world_size), _quiet(), _fake_mode() as fake:
+        model, optimizer = _build(trace_cfg, mcfg, world_size)
+        num_params = sum(p.numel() for p in model.parameters())  # DTensor: the global count
+        num_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        batches = [
+            (fake_ids(cfg.batch_size, seq_len, mcfg.vocab_size),) * 2
+            for _ in range(cfg.gradient_accumulation_steps)
+        ]
+        from memfit.memory.tracker import MemoryTracker, model_state_bytes
+
+        tracker = MemoryTracker(model, optimizer)
+        tracker.record_timeline = True
+        with tracker:
+            for _ in range(STEPS):
+                train_step(model, optimizer, batches, tracker=tracker, **train_step_options(trace_cfg))
+        traced = model_state_bytes(model, optimizer)
+        max_grads = max((b["gradients"] for _, _, b in tracker.timeline), default=0)
+        traced["gradients"] = max_grads
+        del fake
+    closed = model_state_bytes_closed_form(cfg, mcfg, world_size)
+    peak, breakdown, phase, unseen, host = _split_unseen(cfg, target, tracker, closed)
+    return Estimate(
+        peak_bytes=peak,
+        breakdown=breakdown,
+        phase=phase,
+        device_total_bytes=peak + unseen.get("paged_optimizer_state", 0),
+        host_bytes=host,
+        unseen=unseen,
+        model_states=closed,
+        traced_model_states=traced,
+        num_params=num_params,
+        num_trainable_params=num_trainable,
+        world_size=world_size,
+        batch_size=cfg.batch_size,
+        seq_len=seq_len,
+        seconds=time.perf_counter() - start,
+        config=_switches(cfg, PARAM_DTYPES),
+    )
+
+
+def run_model_config(cfg: TrainConfig) -> LlamaConfig:
+    """The architecture a run would build, without reading weights or data: ``checkpoint_dir``'s config, or the
+    preset with ``model_args`` (``vocab_size`` from ``tokenizer.vocab_size`` when the preset has none)."""
+    from memfit.train import checkpoint_model_config, resolve_model_config
+
+    if cfg.checkpoint_dir is not None:
+        return checkpoint_model_config(cfg.checkpoint_dir)
+    return resolve_model_config(cfg, cfg.tokenizer.vocab_size)
+
+
+def fake_ids(batch_size: int, seq_len: int, vocab_size: int) -> torch.Tensor:
+    """A ``(B, T)`` int64 batch of token ids (fake inside a ``FakeTensorMode``)."""
+    return torch.randint(0, vocab_size, (batch_size, seq_len))
+
+
+def _traceable(cfg: TrainConfig) -> TrainConfig:
+    """The config the trace runs: the run's, with the switches that need a CUDA device at build time turned into
+    their on-device equivalent (their bytes are moved to host / unified memory afterwards, see the module doc)."""
+    opt = dataclasses.replace(cfg.optimizer, cpu_offload=False)
+    dist = dataclasses.replace(cfg.distributed, cpu_offload=False)
+    return dataclasses.replace(
+        cfg, optimizer=opt, distributed=dist, activation_offloading=False, device="cpu", track_memory=False
+    )
+
+
+def _build(cfg: TrainConfig, mcfg: LlamaConfig, world_size: int) -> tuple[torch.nn.Module, Any]:
+    """The run's model and optimizer as :func:`memfit.train.train` builds them, on fake tensors."""
+    from memfit import distributed as dist_
+    from memfit.memory.optim import build_optimizer
+    from memfit.memory.techniques import apply_activation_checkpointing
+    from memfit.models.llama import build_llama
+    from memfit.train import PARAM_DTYPES, apply_method
+
+    dtype = PARAM_DTYPES[cfg.dtype]
+    device = torch.device("cpu")
+    if world_size == 1:
+        model = build_llama(mcfg, device=device, dtype=dtype, init=False)
+        apply_method(model, cfg)
+        apply_activation_checkpointing(model, cfg.activation_checkpointing, cfg.activation_checkpointing_interval)
+    else:
+        model = build_llama(mcfg, device="meta", dtype=dtype)
+        apply_method(model, cfg)
+        apply_activation_checkpointing(model, cfg.activation_checkpointing, cfg.activation_checkpointing_interval)
+        model = dist_.shard_model(model, cfg, device)
+        if any(p.is_meta for p in model.parameters()):
+            model.to_empty(device=device)
+    optimizer = build_optimizer(model, cfg.optimizer, in_backward=cfg.optimizer_in_backward)
+    return model, optimizer
+
+
+@contextlib.contextmanager
+def _fake_mode() -> Iterator[Any]:
+    """A ``FakeTensorMode`` in which the low-bit optimizers' quantization tables (a few hundred floats each,
+    computed with data-dependent ops that fake tensors cannot run) are computed for real."""
+    from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
+
+    with contextlib.ExitStack() as stack:
+        with contextlib.suppress(ImportError):
+            import torchao.optim.subclass_4bit as ao4
+            import torchao.optim.subclass_8bit as ao8
+
+            for table in (ao8.get_qmap_signed, ao8.get_qmap_unsigned, ao4.get_qmap_signed, ao4.get_qmap_unsigned):
+                table()  # lru-cached: computed once, here, for real
+        with contextlib.suppress(ImportError):
+            import bitsandbytes.functional as bnb_functional
+
+            original = bnb_functional.create_dynamic_map
+
+            def real_dynamic_map(*args: Any, **kwargs: Any) -> torch.Tensor:
+                with unset_fake_temporarily():
+                    return original(*args, **kwargs)
+
+            bnb_functional.create_dynamic_map = real_dynamic_map
+            stack.callback(setattr, bnb_functional, "create_dynamic_map", original)
+        yield stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # paged optimizers' "unpaged on CPU" and torch's fake-mode notes
+        yield
+
+
+@contextlib.contextmanager
+def _fake_process_group(world_size: int) -> Iterator[None]:
+    """A process group of ``world_size`` ranks in which this process is rank 0 and collectives do nothing
+    (torch's testing ``fake`` backend), so FSDP shards and communicates as on rank 0 of a real run."""
+    if world_size == 1:
+        yield
+        return
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise RuntimeError("estimate_run(world_size > 1) needs a process without a process group")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# What the allocator does not see
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _split_unseen(
+    cfg: TrainConfig, target: str, tracker: Any, closed: dict[str, int]
+) -> tuple[int, dict[str, int], str, dict[str, int], int]:
+    """From the trace's timeline: the device peak, its breakdown and phase, once the categories that live in
+    unified or host memory are taken out; those by name; and the host bytes."""
+    moved: dict[str, str] = {}  # category -> the name it is reported under
+    if target == "cuda":
+        if cfg.optimizer.name.startswith("paged_"):
+            moved["optimizer_state"] = "paged_optimizer_state"
+        if cfg.optimizer.cpu_offload:
+            moved["optimizer_state"] = "offloaded_optimizer_state"
+        if cfg.distributed.cpu_offload:
+            moved["optimizer_state"] = "offloaded_optimizer_state"
+        if cfg.activation_offloading:
+            moved["activations"] = "offloaded_activations"
+    best, best_total, unseen = None, -1, dict.fromkeys(moved.values(), 0)
+    for _, phase, b in tracker.timeline:
+        total = sum(v for k, v in b.items() if k not in moved)
+        if total > best_total:
+            best_total, best = total, (phase, b)
+        for k, name in moved.items():
+            unseen[name] = max(unseen[name], b[k])
+    if best is None:  # nothing ran
+        return 0, dict.fromkeys(CATEGORIES, 0), "other", {}, 0
+    phase, b = best
+    breakdown = {k: (0 if k in moved else v) for k, v in b.items()}
+    host = sum(v for k, v in unseen.items() if k != "paged_optimizer_state")
+    if target == "cuda" and cfg.optimizer.cpu_offload:
+        # torchao CPUOffloadOptimizer: a pinned host copy of every trainable parameter and of its gradient
+        unseen["host_parameter_copies"] = closed["trainable_parameters"]
+        unseen["host_gradient_copies"] = closed["gradients"]
+        host += closed["trainable_parameters"] + closed["gradients"]
+    if target == "cuda" and cfg.distributed.cpu_offload:
+        # FSDP CPUOffloadPolicy: the shards and their gradients stay on the host; the device sees gathered layers
+        unseen["offloaded_parameter_shards"] = closed["parameters"]
+        unseen["offloaded_gradient_shards"] = closed["gradients"]
+        host += closed["parameters"] + closed["gradients"]
+        best_total -= min(breakdown["parameters"], closed["parameters"])
+        best_total -= min(breakdown["gradients"], closed["gradients"])
+        breakdown["parameters"] -= min(breakdown["parameters"], closed["parameters"])
+        breakdown["gradients"] -= min(breakdown["gradients"], closed["gradients"])
+    return best_total, breakdown, phase, unseen, host
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The closed-form bytes model
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def model_state_bytes_closed_form(cfg: TrainConfig, mcfg: LlamaConfig, world_size: int = 1) -> dict[str, int]:
+    """Parameters, gradients and optimizer state of one rank, in bytes, from shapes and dtypes alone.
+
+    - parameters: every parameter once (a tied ``lm_head`` is the embedding) in the dtype policy's parameter dtype
+      (fp32 for ``fp32`` and ``bf16_mixed``, bf16 for ``bf16``), plus the fp32 RoPE buffer;
+    - gradients: every trainable parameter in its dtype (all of them at once; with the optimizer in backward only
+      one parameter's at a time, which the trace shows and this model does not);
+    - optimizer state: AdamW keeps ``exp_avg`` and ``exp_avg_sq`` in the parameter dtype and a 4-byte fp32 ``step``
+      per parameter; low-bit optimizers as :func:`optimizer_state_bytes` says.
+
+    Sharded (``world_size`` > 1): every parameter is split on dim 0 into ``ceil(rows / world_size)``-row chunks
+    (``torch.chunk``'s layout) and rank 0's chunk counts; FSDP1 flattens a unit's parameters into one padded buffer
+    and gives each rank ``ceil(numel / world_size)`` elements.
+
+    Returns:
+        ``{"parameters", "gradients", "optimizer_state", "trainable_parameters"}`` in bytes.
+    """
+    from memfit.models.llama import build_llama
+    from memfit.train import PARAM_DTYPES, apply_method
+
+    dtype = PARAM_DTYPES[cfg.dtype]
+    model = build_llama(mcfg, device="meta", dtype=dtype)
+    apply_method(model, cfg)
+    size = torch.tensor([], dtype=dtype).element_size()
+    buffers = sum(b.numel() * b.element_size() for b in model.buffers())
+    params = {n: p for n, p in model.named_parameters()}
+    local = {n: _local_numel(tuple(p.shape), world_size) for n, p in params.items()}
+    trainable = [n for n, p in params.items() if p.requires_grad]
+    state = optimizer_state_bytes(cfg.optimizer.name, [(local[n], size) for n in trainable])
+    return {
+        "parameters": sum(local.values()) * size + buffers,
+        "gradients": sum(local[n] for n in trainable) * size,
+        "optimizer_state": state,
+        "trainable_parameters": sum(local[n] for n in trainable) * size,
+    }
+
+
+def _local_numel(shape: tuple[int, ...], world_size: int) -> int:
+    """Elements of rank 0's dim-0 chunk (``torch.chunk`` layout, as FSDP2 shards)."""
+    if world_size == 1 or not shape:
+        return math.prod(shape)
+    rows = -(-shape[0] // world_size)
+    return min(rows, shape[0]) * math.prod(shape[1:])
+
+
+def optimizer_state_bytes(name: str, tensors: list[tuple[int, int]]) -> int:
+    """Bytes of optimizer state for trainable tensors given as ``(numel, element_size)``.
+
+    - ``adamw``, ``paged_adamw``: two moments in the parameter dtype, and a 4-byte ``step`` per tensor
+      (torch keeps it as a 0-dim fp32 tensor; bitsandbytes keeps its step in the param group, no tensor);
+    - ``adamw8bit``, ``paged_adamw8bit`` (bitsandbytes block-wise): tensors of >= 4,096 elements keep two uint8
+      moments and one fp32 absmax per 256-element block of each, and the optimizer two 256-entry fp32
+      quantization maps shared by all tensors; smaller tensors keep fp32 moments; no ``step`` tensor;
+    - torchao low-bit AdamW (8-bit, fp8: 1 byte per element; 4-bit: half a byte): tensors of >= 4,096 elements
+      whose size is a multiple of the block (256; 128 for 4-bit) keep two quantized moments with one fp32 scale per
+      block each, and their own copy of the quantization map (256 fp32 entries per moment for 8-bit, 16 for
+      4-bit, none for fp8); others keep moments in the parameter dtype. Every tensor has a 4-byte ``step``.
+
+    Returns:
+        Bytes.
+    """
+    from memfit.memory.optim import (
+        BNB_MIN_8BIT_SIZE,
+        TORCHAO_BLOCK_SIZES,
+        TORCHAO_MIN_QUANTIZED_SIZE,
+    )
+
+    total = 0
+    if name in ("adamw8bit", "paged_adamw8bit") and any(n >= BNB_MIN_8BIT_SIZE for n, _ in tensors):
+        total += 2 * 256 * 4  # the signed and unsigned quantization maps, shared by all tensors
+    for numel, size in tensors:
+        if name == "adamw":
+            total += 2 * numel * size + 4
+        elif name == "paged_adamw":
+            total += 2 * numel * 4
+        elif name in ("adamw8bit", "paged_adamw8bit"):
+            if numel >= BNB_MIN_8BIT_SIZE:
+                blocks = -(-numel // 256)
+                total += 2 * numel + 2 * blocks * 4
+            else:
+                total += 2 * numel * 4
+        else:
+            block = TORCHAO_BLOCK_SIZES[name]
+            if numel >= TORCHAO_MIN_QUANTIZED_SIZE and numel % block == 0:
+                per = 0.5 if name == "torchao_adamw4bit" else 1
+                code = int(2 * numel * per)
+                total += code + 2 * (numel // block) * 4 + 4
+                if name == "torchao_adamw4bit":
+                    total += 2 * 16 * 4  # the 4-bit code books
+                elif name == "torchao_adamw8bit":
+                    total += 2 * 256 * 4
+            else:
+                total += 2 * numel * size + 4
+    return total
+
+
+def _switches(cfg: TrainConfig, param_dtypes: dict[str, torch.dtype]) -> dict[str, Any]:
+    return {
+        "model": cfg.model if cfg.checkpoint_dir is None else str(cfg.checkpoint_dir),
+        "method": cfg.method,
+        "dtype": cfg.dtype,
+        "optimizer": cfg.optimizer.name,
+        "optimizer_implementation": cfg.optimizer.implementation,
+        "optimizer_in_backward": cfg.optimizer_in_backward,
+        "optimizer_cpu_offload": cfg.optimizer.cpu_offload,
+        "activation_checkpointing": cfg.activation_checkpointing,
+        "activation_offloading": cfg.activation_offloading,
+        "chunked_cross_entropy": cfg.chunked_cross_entropy,
+        "gradient_accumulation_steps": cfg.gradient_accumulation_steps,
+        "distributed": dataclasses.asdict(cfg.distributed),
+    }
