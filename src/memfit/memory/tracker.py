@@ -307,6 +307,14 @@ class _Sharding:
     def __init__(self, model: nn.Module) -> None:
         self.fsdp2 = fsdp2_params(model)
         self.flat = fsdp1_flat_params(model)
+        # where FSDP computes (with CPU offload the shards live on the host, the gathered parameters do not)
+        self.compute_device: torch.device | None = None
+        if self.fsdp2:
+            self.compute_device = self.fsdp2[0].device
+        elif self.flat:
+            self.compute_device = next(
+                m.compute_device for m in model.modules() if getattr(m, "_handle", None) is not None
+            )
         managed: set[int] = set()
         for fp in self.fsdp2:
             managed.add(id(fp.sharded_param))
@@ -314,7 +322,10 @@ class _Sharding:
                 managed.add(id(fp._unsharded_param))
         for flat in self.flat:
             managed.add(id(flat))
-            for p in [*(flat._params or []), *(flat._shared_params or [])]:
+            for p in [
+                *(getattr(flat, "_params", None) or []),
+                *(getattr(flat, "_shared_params", None) or []),
+            ]:
                 managed.add(id(p))  # use_orig_params: views into the shard or the unsharded flat parameter
         # the parameters whose storage is this rank's shard, and the ones FSDP does not manage
         self.params: list[torch.Tensor] = [fp.sharded_param for fp in self.fsdp2]
@@ -447,7 +458,8 @@ class MemoryTracker:
         optimizer: its optimizer (a ``torch.optim.Optimizer`` or a wrapper of optimizers), or None.
         device: count only storages on this device; None means the device of the model's first parameter when
             the tracker is entered (so a CUDA run counts GPU memory, not host copies of offloaded activations nor
-            AdamW's host ``step`` counters), or every device for a model without parameters.
+            AdamW's host ``step`` counters), FSDP's compute device for a sharded model (with CPU offload its
+            shards are on the host and not counted), or every device for a model without parameters.
         record_timeline: keep a :attr:`timeline` entry after every op (a few hundred bytes each: turn it off,
             or :meth:`clear_timeline`, when tracking every step of a long run).
 
@@ -473,6 +485,7 @@ class MemoryTracker:
         self.model = model
         self.optimizer = optimizer
         self._device_arg = None if device is None else torch.device(device)
+        self._sharding = _Sharding(model)
         self.device = self._device_arg or self._model_device()
         self.record_timeline = record_timeline
         self.timeline: list[tuple[int, str, dict[str, int]]] = []
@@ -491,7 +504,6 @@ class MemoryTracker:
         self._event = 0
         self._active = 0
         self._plain_types: set[type] = {torch.Tensor, nn.Parameter}
-        self._sharding = _Sharding(model)
         self._params: list[torch.Tensor] = self._sharding.params
         self._buffers: list[torch.Tensor] = list(model.buffers())
         self._pending_fsdp: list[Any] = []  # FSDP params not yet gathered when last looked
@@ -503,6 +515,8 @@ class MemoryTracker:
         self._exit_stack: contextlib.ExitStack | None = None
 
     def _model_device(self) -> torch.device | None:
+        if self._sharding.compute_device is not None:  # a sharded model: where FSDP gathers and computes
+            return self._sharding.compute_device
         first = next(iter(self.model.parameters()), None)
         return None if first is None else first.device
 
@@ -880,8 +894,8 @@ class MemoryTracker:
             return self
         stack = contextlib.ExitStack()
         try:
-            self.device = self._device_arg or self._model_device()
             self._sharding = _Sharding(self.model)  # fixed while tracking (refreshed at each enter)
+            self.device = self._device_arg or self._model_device()
             self._params = self._sharding.params
             self._buffers = list(self.model.buffers())
             self._optimizers = _optimizers(self.optimizer)
