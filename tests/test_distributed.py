@@ -354,7 +354,6 @@ def _sharded_config(monkeypatch, *overrides: str):
         (["distributed.strategy=fsdp1", "chunked_cross_entropy=4"], "chunked_cross_entropy"),
         (["optimizer.name=adamw8bit"], "optimizer.name"),
         (["distributed.strategy=fsdp1", "optimizer.name=torchao_adamw8bit"], "optimizer.name"),
-        (["track_memory=true"], "track_memory"),
     ],
 )
 def test_sharded_combinations_that_cannot_work_are_rejected(monkeypatch, overrides, key):

@@ -228,9 +228,11 @@ class TrainConfig:
     """Compute the loss in this many chunks of tokens, recomputing each chunk's logits in backward, so the full
     ``(B, T, vocab_size)`` logits never exist; 0 is off."""
     track_memory: bool = False
-    """Track live bytes by category (parameters, gradients, optimizer_state, activations, temporaries); adds
-    ``memory_breakdown`` (GiB at the interval's peak) and ``memory_peak_phase`` to step records and writes
-    ``memory_timeline.png`` of one step. Costs speed."""
+    """Track live bytes by category (parameters, gradients, optimizer_state, activations, temporaries; sharded,
+    also unsharded_parameters, what FSDP has all-gathered); adds ``memory_breakdown`` (GiB at the interval's
+    peak), ``memory_peak_phase`` and ``memory_category_peaks`` (each category's own peak) to step records and
+    writes ``memory_timeline.png`` of one step. Sharded, each rank tracks its own memory and the record holds the
+    breakdown of the rank with the highest peak (``memory_peak_rank``). Costs speed."""
 
     log_every: int = 10
     """Steps between step records (stdout, metrics.jsonl, TensorBoard). Memory peaks are since the last record."""
@@ -687,12 +689,6 @@ def _validate_distributed(cfg: TrainConfig, device_type: str) -> None:
         "optimizer.name",
         f"{cfg.optimizer.name!r} does not work with distributed.strategy=fsdp1: FSDP1's checkpoints concatenate "
         f"optimizer state, which torchao's quantized state tensors do not support. Use distributed.strategy=fsdp2",
-    )
-    _require(
-        not cfg.track_memory,
-        "track_memory",
-        "is not supported sharded yet (it counts whole parameters, not DTensor shards); turn it off, the "
-        "peak_memory_* fields are still logged (maximum over ranks)",
     )
 
 

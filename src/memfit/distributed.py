@@ -1,5 +1,6 @@
 """Sharded training over torch.distributed: process-group set-up, FSDP2 / FSDP1 wrapping, and the few
-collectives the training loop needs (global token count, logged loss, gradient norm, memory peaks).
+collectives the training loop needs (global token count, logged loss, gradient norm, memory peaks and the tracked
+breakdown of the fullest rank).
 
 Launch with torchrun (``torchrun --nproc_per_node N -m memfit pretrain ...``): every rank runs the same
 :func:`memfit.train.train`; a single process (no torchrun environment) runs it unchanged, and every helper here is
@@ -28,7 +29,7 @@ from __future__ import annotations
 import datetime
 import os
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -133,6 +134,15 @@ def max_over_ranks(values: dict[str, float | None]) -> dict[str, float | None]:
         t = t.cuda()
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return {**values, **dict(zip(keys, t.tolist(), strict=True))}
+
+
+def all_gather_objects(obj: Any) -> list[Any]:
+    """``obj`` (picklable) of every rank, in rank order; ``[obj]`` in a single process. A host sync: logging only."""
+    if not is_distributed():
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
 
 
 def grad_norm_and_clip(model: torch.nn.Module, max_grad_norm: float) -> torch.Tensor:

@@ -40,8 +40,9 @@ def format_record(record: dict[str, Any]) -> str:
     breakdown = record.get("memory_breakdown")
     if breakdown:
         cats = ", ".join(f"{k} {v:.3f}" for k, v in breakdown.items())
+        rank = f" on rank {record['memory_peak_rank']}" if "memory_peak_rank" in record else ""
         parts.append(
-            f"tracked peak {sum(breakdown.values()):.3f} GiB in {record.get('memory_peak_phase')} ({cats})"
+            f"tracked peak {sum(breakdown.values()):.3f} GiB in {record.get('memory_peak_phase')}{rank} ({cats})"
         )
     return " | ".join(parts)
 

@@ -653,6 +653,37 @@ def check_lengths(cfg: TrainConfig, mcfg: LlamaConfig, vocab_size: int) -> int:
     return seq_len
 
 
+def tracked_memory_fields(tracker) -> dict[str, Any]:
+    """The step record's tracked-memory fields since the last record; the tracker then starts a new peak.
+
+    Sharded, every rank tracked itself: the breakdown logged is that of the rank whose tracked peak is highest
+    (the ranks' results are gathered here, a host sync, so call it at logging boundaries only), and each
+    category's own peak is its maximum over ranks.
+
+    Args:
+        tracker: the run's :class:`~memfit.memory.tracker.MemoryTracker` (on every rank).
+
+    Returns:
+        ``memory_breakdown`` (GiB by category at the peak), ``memory_peak_phase``, ``memory_category_peaks`` (GiB,
+        each category's own maximum, reached at different moments), and, sharded, ``memory_peak_rank``.
+        Categories are :attr:`~memfit.memory.tracker.MemoryTracker.categories` (``unsharded_parameters`` only
+        for a sharded model).
+    """
+    mine = (tracker.peak_bytes, tracker.peak_breakdown, tracker.peak_phase, tracker.category_peaks)
+    tracker.reset_peak()
+    ranks = dist_.all_gather_objects(mine)
+    fullest = max(range(len(ranks)), key=lambda r: ranks[r][0])  # the lowest such rank on a tie
+    _, breakdown, phase, _ = ranks[fullest]
+    fields = {
+        "memory_breakdown": {c: to_gib(breakdown[c]) for c in tracker.categories},
+        "memory_peak_phase": phase,
+        "memory_category_peaks": {c: to_gib(max(r[3][c] for r in ranks)) for c in tracker.categories},
+    }
+    if len(ranks) > 1:
+        fields["memory_peak_rank"] = fullest
+    return fields
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # The loop
 # ----------------------------------------------------------------------------------------------------------------
@@ -846,8 +877,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         if tracker is None:
             result = train_step(model, optimizer, micro_batches, **step_options)
         else:
-            # draw the run's second step (optimizer state exists by then), or its only step
-            plot_this = step == start_step + 1 or step == cfg.max_steps - 1 == start_step
+            # draw the run's second step (optimizer state exists by then), or its only step; rank 0 draws its own
+            plot_this = main_rank and (step == start_step + 1 or step == cfg.max_steps - 1 == start_step)
             tracker.record_timeline = plot_this
             if plot_this:
                 tracker.clear_timeline()
@@ -878,10 +909,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                 "tokens_per_second_per_gpu": interval_tokens / max(interval_time, 1e-9),  # this rank's
                 **dist_.max_over_ranks(memory.read_and_reset()),  # the peaks of the fullest rank
             }
-            if tracker is not None:
-                record["memory_breakdown"] = {k: to_gib(v) for k, v in tracker.peak_breakdown.items()}
-                record["memory_peak_phase"] = tracker.peak_phase
-                tracker.reset_peak()
+            if tracker is not None:  # sharded: the breakdown of the rank with the highest tracked peak
+                record.update(tracked_memory_fields(tracker))
             for k, v in record.items():
                 if k.startswith("peak_memory") and v is not None:
                     run_peak[k] = max(run_peak.get(k, 0.0), v)

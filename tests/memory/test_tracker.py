@@ -149,6 +149,20 @@ def test_storage_resized_outside_ops_is_followed():
         assert tracker.timeline[-1][2]["temporaries"] == 400 + 4
 
 
+def test_storage_resize_is_followed_at_once_and_only_while_tracking():
+    model = nn.Linear(4, 4, bias=False)
+    with MemoryTracker(model) as tracker:
+        t = torch.ones(1000)
+        t.untyped_storage().resize_(0)  # FSDP's free_storage, within one phase
+        torch.zeros(())
+        assert tracker.timeline[-1][2]["temporaries"] == 4
+        t.untyped_storage().resize_(400)  # FSDP's alloc_storage before an all-gather's copy-out
+        torch.zeros(())
+        assert tracker.timeline[-1][2]["temporaries"] == 400 + 4
+        assert tracker.categories == tuple(c for c in CATEGORIES if c != "unsharded_parameters")
+    assert "resize_" not in torch.UntypedStorage.__dict__  # the class is as it was
+
+
 def test_only_the_model_device_counts():
     model = nn.Linear(4, 4, bias=False)
     with MemoryTracker(model) as tracker:

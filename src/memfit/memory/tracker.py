@@ -1,22 +1,33 @@
 """Live bytes by category over training steps: where the memory of a run went.
 
 :class:`MemoryTracker` watches every tensor operation (a ``TorchDispatchMode``) and every tensor saved for
-backward (``saved_tensors_hooks``), and keeps the bytes of each live storage under one of five categories:
+backward (``saved_tensors_hooks``), and keeps the bytes of each live storage under one of six categories:
 
-==================  ===========================================================================================
-``parameters``      storages of the model's parameters and buffers
-``gradients``       storages of ``p.grad``
-``optimizer_state`` storages of tensors in ``optimizer.state`` (nested dicts, sub-optimizers of a wrapper, and the
-                    inner tensors of tensor subclasses such as torchao's low-bit states)
-``activations``     storages saved for backward by autograd, while the graph holds them (and, in the backward,
-                    tensors recomputed for backward by activation checkpointing, until they are freed)
-``temporaries``     everything else: inputs, logits, gradients in flight, the optimizer's scratch tensors, ...
-==================  ===========================================================================================
+========================  =====================================================================================
+``parameters``            storages of the model's parameters and buffers; on a sharded model (FSDP2 or FSDP1),
+                          this rank's shards (padded, as FSDP stores them)
+``unsharded_parameters``  a sharded model's all-gathered (unsharded) parameters while FSDP holds them, from a
+                          module's all-gather to its reshard: FSDP2's per-parameter unsharded storages and its
+                          flat all-gather buffer (a module's gathered parameters from the all-gather, issued
+                          ahead when prefetching, to their copy-out), FSDP1's padded unsharded flat parameters;
+                          always 0 for a model that is not sharded
+``gradients``             storages of ``p.grad``; on a sharded model, the sharded gradients and, in the backward,
+                          the unsharded gradients of a module until FSDP has reduce-scattered them (FSDP2's
+                          reduce-scatter input buffer included)
+``optimizer_state``       storages of tensors in ``optimizer.state`` (nested dicts, sub-optimizers of a wrapper,
+                          and the inner tensors of tensor subclasses such as torchao's low-bit states or DTensor)
+``activations``           storages saved for backward by autograd, while the graph holds them (and, in the
+                          backward, tensors recomputed for backward by activation checkpointing, until they are
+                          freed)
+``temporaries``           everything else: inputs, logits, gradients in flight, the optimizer's scratch tensors,
+                          FSDP's other scratch tensors (the copy-in of the shards before an all-gather), ...
+========================  =====================================================================================
 
 A storage counts once, at ``untyped_storage().nbytes()`` (views share it), from when it is created or first seen
 until it is freed (a weak reference on the storage's Python object, which torch keeps alive exactly as long as the
-storage). A storage's category follows the priority order of the table, decided by identity: a parameter saved for
-backward is a parameter. Nothing reads tensor data, so it works the same on CPU, CUDA, and under
+storage), following ``UntypedStorage.resize_`` as it happens (FSDP frees and re-allocates its unsharded parameters
+that way, keeping the storage objects). A storage's category follows the priority order of the table, decided by
+identity: a parameter saved for backward is a parameter. Nothing reads tensor data, so it works the same on CPU, CUDA, and under
 ``torch._subclasses.fake_tensor.FakeTensorMode`` (enter the tracker *inside* the fake mode), where it sees the
 bytes a real run would allocate.
 
@@ -32,15 +43,21 @@ Example:
     >>> tracker.summary_gib()
     {'peak_gib': ..., 'phase': 'optimizer_step', 'breakdown_gib': {'parameters': ..., ...}}
 
+Sharded models (FSDP2 ``fully_shard``, FSDP1 ``FullyShardedDataParallel``): each rank tracks itself (its shards,
+what it gathered, its activations); the training loop gathers the ranks' results at logging time. The roles come
+from FSDP's own objects (see "Sharded models" below). The ops inside a ``DTensor`` op (its local computation) run
+below the dispatch mode and are not seen one by one; the op's outputs are. FSDP1's sharded gradients are placed at
+the end of the backward (they are ``temporaries`` from their reduce-scatter until then).
+
 What it does not see: memory inside a single kernel (workspaces, the allocator's rounding and caching, CUDA
-context), storages resized with ``UntypedStorage.resize_`` outside tensor ops until the next phase change, and
-tensors that no tracked operation touches.
+context), and tensors that no tracked operation touches.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import weakref
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -51,13 +68,22 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
-CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "temporaries")
+CATEGORIES = (
+    "parameters",
+    "unsharded_parameters",
+    "gradients",
+    "optimizer_state",
+    "activations",
+    "temporaries",
+)
 """Memory categories, in the priority order that decides a storage's category."""
+UNSHARDED_ONLY = ("unsharded_parameters",)
+"""Categories that only a sharded (FSDP) model has; see :attr:`MemoryTracker.categories`."""
 PHASES = ("forward", "backward", "optimizer_step", "other")
 """Phases of a training step."""
 GIB = 1024**3
 
-_PARAMS, _GRADS, _OPT_STATE, _ACTIVATIONS, _TEMPORARIES = range(len(CATEGORIES))
+_PARAMS, _UNSHARDED, _GRADS, _OPT_STATE, _ACTIVATIONS, _TEMPORARIES = range(len(CATEGORIES))
 # Ops that never allocate and are no step of the computation: no event. (``detach`` is what the pack hook calls,
 # ``prim.device`` is ``Tensor.device`` of a fake tensor, the profiler ops mark ``Optimizer.step``.)
 _NO_EVENT_OPS = frozenset(
@@ -217,6 +243,127 @@ def model_state_bytes(
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# Sharded models: where FSDP keeps shards, gathered parameters and gradients
+# ----------------------------------------------------------------------------------------------------------------
+#
+# FSDP2 (``fully_shard``) keeps one ``FSDPParam`` per parameter. ``sharded_param`` is the module's parameter between
+# all-gathers: a DTensor whose local tensor views this rank's padded shard. ``all_gather_outputs`` are the unsharded
+# storages, created by the first all-gather and kept for the whole run (resized to 0 bytes at a reshard and back
+# to full size by the next all-gather); ``_unsharded_param`` views them and is the module's parameter while
+# gathered, so autograd accumulates the unsharded gradient into its ``grad``. The post-backward reduce-scatters
+# that gradient into ``sharded_param.grad`` and runs the sharded parameter's post-accumulate-grad hooks.
+#
+# FSDP1 (``FullyShardedDataParallel``) keeps one ``FlatParameter`` per unit: ``_local_shard`` is this rank's padded
+# flat shard, ``_full_param_padded`` the unsharded flat parameter (resized like FSDP2's); the flat parameter's
+# ``grad`` is the unsharded gradient in the backward and the sharded one after it (``_saved_grad_shard`` between),
+# and with ``use_orig_params`` the original parameters are views into whichever of them is current.
+
+
+def fsdp2_params(model: nn.Module) -> list[Any]:
+    """The ``FSDPParam`` of every parameter FSDP2 manages in ``model`` (empty for a model without FSDP2)."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # a torch built without distributed
+        return []
+    out = []
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            group = module._get_fsdp_state()._fsdp_param_group
+            if group is not None:
+                out.extend(group.fsdp_params)
+    return out
+
+
+def fsdp1_flat_params(model: nn.Module) -> list[nn.Parameter]:
+    """The ``FlatParameter`` of every FSDP1 unit in ``model`` (empty for a model without FSDP1)."""
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+    except ImportError:
+        return []
+    return [
+        m._handle.flat_param
+        for m in model.modules()
+        if isinstance(m, FullyShardedDataParallel) and m._handle is not None
+    ]
+
+
+def _fsdp2_buffer_ops() -> dict[int, tuple[int, str | None]]:
+    """FSDP2's ops that fill its flat communication buffers: ``id(op) -> (role, None for the op's outputs or the
+    name of its ``out`` argument)``. The all-gather buffer holds a whole group's gathered parameters (from the
+    all-gather, issued ahead when prefetching, until the copy-out to the per-parameter storages), the
+    reduce-scatter input a whole group's unsharded gradients (until FSDP lets it go, a few groups later)."""
+    try:
+        return {
+            id(torch.ops.fsdp.all_gather_copy_in.default): (_UNSHARDED, None),
+            id(torch.ops.fsdp.chunk_cat.default): (_GRADS, "out"),
+        }
+    except (AttributeError, RuntimeError):  # a torch without these ops: the buffers count as temporaries
+        return {}
+
+
+class _Sharding:
+    """A sharded model's tensors by role, read from FSDP's own objects at each call (they change over a step)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.fsdp2 = fsdp2_params(model)
+        self.flat = fsdp1_flat_params(model)
+        # where FSDP computes (with CPU offload the shards live on the host, the gathered parameters do not)
+        self.compute_device: torch.device | None = None
+        if self.fsdp2:
+            self.compute_device = self.fsdp2[0].device
+        elif self.flat:
+            self.compute_device = next(
+                m.compute_device for m in model.modules() if getattr(m, "_handle", None) is not None
+            )
+        managed: set[int] = set()
+        for fp in self.fsdp2:
+            managed.add(id(fp.sharded_param))
+            if hasattr(fp, "_unsharded_param"):
+                managed.add(id(fp._unsharded_param))
+        for flat in self.flat:
+            managed.add(id(flat))
+            for p in [
+                *(getattr(flat, "_params", None) or []),
+                *(getattr(flat, "_shared_params", None) or []),
+            ]:
+                managed.add(id(p))  # use_orig_params: views into the shard or the unsharded flat parameter
+        # the parameters whose storage is this rank's shard, and the ones FSDP does not manage
+        self.params: list[torch.Tensor] = [fp.sharded_param for fp in self.fsdp2]
+        self.params += [getattr(flat, "_local_shard", flat) for flat in self.flat]  # (set at first forward)
+        self.params += [p for p in model.parameters() if id(p) not in managed]
+        # the leaves autograd accumulates into (sharded FSDP2 parameters: FSDP runs their hooks)
+        self.grad_leaves: list[torch.Tensor] = [fp.sharded_param for fp in self.fsdp2]
+        self.grad_leaves += self.flat + [p for p in model.parameters() if id(p) not in managed]
+
+    @property
+    def sharded(self) -> bool:
+        return bool(self.fsdp2 or self.flat)
+
+    def unsharded(self) -> Iterator[torch.Tensor]:
+        """The gathered (unsharded) parameters' tensors, at whatever size FSDP holds them now."""
+        for fp in self.fsdp2:
+            yield from fp.all_gather_outputs
+            yield from getattr(fp, "_unsharded_inner_tensors", ())
+        for flat in self.flat:
+            for name in ("_full_param_padded", "_full_prec_full_param_padded"):
+                t = getattr(flat, name, None)
+                if isinstance(t, torch.Tensor):
+                    yield t
+
+    def grads(self) -> Iterator[torch.Tensor]:
+        """Gradients FSDP holds besides ``p.grad`` of :attr:`params`: unsharded ones, and FSDP1's flat ones."""
+        for fp in self.fsdp2:
+            unsharded = getattr(fp, "_unsharded_param", None)
+            for g in (getattr(unsharded, "grad", None), getattr(fp, "unsharded_accumulated_grad", None)):
+                if g is not None:
+                    yield g
+        for flat in self.flat:
+            for g in (flat.grad, getattr(flat, "_saved_grad_shard", None)):
+                if g is not None:
+                    yield g
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # Bookkeeping of one storage and of one tensor saved for backward
 # ----------------------------------------------------------------------------------------------------------------
 
@@ -286,6 +433,10 @@ class _Observer(TorchDispatchMode):
             for o in out:
                 if isinstance(o, torch.Tensor):
                     see(o, True)
+        buffer_op = self.tracker._buffer_ops.get(id(func))
+        if buffer_op is not None:
+            role, kwarg = buffer_op
+            self.tracker._mark_buffer(out if kwarg is None else kwargs[kwarg], role)
         self.tracker._after_op()
         return out
 
@@ -307,7 +458,8 @@ class MemoryTracker:
         optimizer: its optimizer (a ``torch.optim.Optimizer`` or a wrapper of optimizers), or None.
         device: count only storages on this device; None means the device of the model's first parameter when
             the tracker is entered (so a CUDA run counts GPU memory, not host copies of offloaded activations nor
-            AdamW's host ``step`` counters), or every device for a model without parameters.
+            AdamW's host ``step`` counters), FSDP's compute device for a sharded model (with CPU offload its
+            shards are on the host and not counted), or every device for a model without parameters.
         record_timeline: keep a :attr:`timeline` entry after every op (a few hundred bytes each: turn it off,
             or :meth:`clear_timeline`, when tracking every step of a long run).
 
@@ -316,6 +468,10 @@ class MemoryTracker:
         peak_breakdown: bytes by category at that peak.
         peak_phase: the phase of the op that reached the peak.
         timeline: ``(event index, phase, {category: bytes})`` after each op.
+
+    A sharded model (FSDP2 ``fully_shard`` or FSDP1 ``FullyShardedDataParallel``, see the module docstring) is
+    tracked on each rank for that rank alone: its shards are ``parameters``, what FSDP has all-gathered is
+    ``unsharded_parameters``.
     """
 
     def __init__(
@@ -329,6 +485,7 @@ class MemoryTracker:
         self.model = model
         self.optimizer = optimizer
         self._device_arg = None if device is None else torch.device(device)
+        self._sharding = _Sharding(model)
         self.device = self._device_arg or self._model_device()
         self.record_timeline = record_timeline
         self.timeline: list[tuple[int, str, dict[str, int]]] = []
@@ -336,6 +493,7 @@ class MemoryTracker:
         self.peak_breakdown: dict[str, int] = dict.fromkeys(CATEGORIES, 0)
         self.peak_phase = "other"
         self._totals = [0] * len(CATEGORIES)
+        self._category_peaks = [0] * len(CATEGORIES)
         # id(storage) -> entry: torch keeps a storage's Python object alive exactly as long as the storage
         self._live: dict[int, _Entry] = {}
         self._roled: set[int] = set()  # keys of the entries with a role
@@ -346,13 +504,19 @@ class MemoryTracker:
         self._event = 0
         self._active = 0
         self._plain_types: set[type] = {torch.Tensor, nn.Parameter}
-        self._params: list[torch.Tensor] = list(model.parameters())
+        self._params: list[torch.Tensor] = self._sharding.params
         self._buffers: list[torch.Tensor] = list(model.buffers())
+        self._pending_fsdp: list[Any] = []  # FSDP params not yet gathered when last looked
+        self._buffer_ops: dict[int, tuple[int, str | None]] = {}  # see _fsdp2_buffer_ops
+        self._op_roled: set[int] = set()  # keys of the entries whose role an op gave (FSDP2's flat buffers)
+        self._lazy_hooks: list[Any] = []  # handles of hooks put on unsharded parameters while tracking
         self._optimizers: list[Any] = _optimizers(optimizer)
         self._state_count = -1  # _state_fingerprint at the last refresh
         self._exit_stack: contextlib.ExitStack | None = None
 
     def _model_device(self) -> torch.device | None:
+        if self._sharding.compute_device is not None:  # a sharded model: where FSDP gathers and computes
+            return self._sharding.compute_device
         first = next(iter(self.model.parameters()), None)
         return None if first is None else first.device
 
@@ -402,6 +566,23 @@ class MemoryTracker:
 
     # --- results --------------------------------------------------------------------------------------------
 
+    @property
+    def categories(self) -> tuple[str, ...]:
+        """The categories that apply to the model: :data:`CATEGORIES`, less :data:`UNSHARDED_ONLY` for a model
+        that is not sharded (whose ``unsharded_parameters`` are always 0). Breakdowns still hold every category."""
+        if self._sharding.sharded:
+            return CATEGORIES
+        return tuple(c for c in CATEGORIES if c not in UNSHARDED_ONLY)
+
+    @property
+    def category_peaks(self) -> dict[str, int]:
+        """Each category's own maximum (bytes) since the last :meth:`reset_peak` (or since creation).
+
+        They are reached at different moments (activations at the end of the forward, gradients at the end of the
+        backward, ...), so their sum is at least :attr:`peak_bytes`.
+        """
+        return dict(zip(CATEGORIES, self._category_peaks, strict=True))
+
     def current_breakdown(self) -> dict[str, int]:
         """Bytes live now, by category (roles refreshed first, so new gradients or state are placed).
 
@@ -418,6 +599,7 @@ class MemoryTracker:
         self.peak_bytes = sum(self._totals)
         self.peak_breakdown = dict(zip(CATEGORIES, self._totals, strict=True))
         self.peak_phase = self._base_phase
+        self._category_peaks = list(self._totals)
 
     def clear_timeline(self) -> None:
         """Forget the timeline so far (to keep, or plot, one step of a long run; the peak is kept)."""
@@ -485,6 +667,7 @@ class MemoryTracker:
         if self._live.get(entry.key) is entry:
             del self._live[entry.key]
             self._roled.discard(entry.key)
+            self._op_roled.discard(entry.key)
             self._totals[entry.cat] -= entry.nbytes
 
     def _recategorize(self, entry: _Entry) -> None:
@@ -515,7 +698,8 @@ class MemoryTracker:
         params = self._params
         groups = (
             (_PARAMS, params + self._buffers),
-            (_GRADS, [p.grad for p in params if p.grad is not None]),
+            (_UNSHARDED, self._sharding.unsharded()),
+            (_GRADS, itertools.chain((p.grad for p in params if p.grad is not None), self._sharding.grads())),
             (_OPT_STATE, _state_tensors(self._optimizers)),
         )
         roles: dict[int, tuple[int, _Entry]] = {}
@@ -528,7 +712,7 @@ class MemoryTracker:
                     if key not in roles:
                         entry = self._live.get(key)
                         roles[key] = (role, entry if entry is not None else self._add(st))
-        for key in self._roled - roles.keys():
+        for key in self._roled - roles.keys() - self._op_roled:
             entry = self._live.get(key)
             if entry is not None:
                 entry.role = None
@@ -550,6 +734,10 @@ class MemoryTracker:
         elif phase == "optimizer_step" and _state_fingerprint(self._optimizers) != self._state_count:
             self._refresh_roles()  # the step added state (its first step, or a lazily built optimizer)
         totals = self._totals
+        peaks = self._category_peaks
+        for i, nbytes in enumerate(totals):
+            if nbytes > peaks[i]:
+                peaks[i] = nbytes
         total = sum(totals)
         if total > self.peak_bytes:
             if phase == "optimizer_step":  # exact at the peak, even for state replaced under the same key
@@ -572,8 +760,81 @@ class MemoryTracker:
                 self._recategorize(entry)
 
     def _forward_pre_hook(self, _module: nn.Module, _args: Any) -> None:
+        if self._pending_fsdp:  # (runs after FSDP's own pre-forward hook, which all-gathers the module's)
+            self._adopt_unsharded()
         if torch._C._current_graph_task_id() == -1:  # not a recomputation inside a backward
             self._base_phase = "forward"
+
+    def _adopt_unsharded(self) -> None:
+        """Place the unsharded parameters FSDP created since we last looked (FSDP2's first all-gather creates
+        them, FSDP1's lazy initialisation at the first forward): their storages are ``unsharded_parameters``, and
+        the gradients of FSDP2's unsharded parameters are ``gradients`` (a hook, as for any parameter)."""
+        pending = []
+        for item in self._pending_fsdp:
+            if hasattr(item, "all_gather_outputs"):  # an FSDP2 FSDPParam
+                unsharded = getattr(item, "_unsharded_param", None)
+                tensors = [*item.all_gather_outputs, *getattr(item, "_unsharded_inner_tensors", ())]
+                if unsharded is None or not tensors:
+                    pending.append(item)
+                    continue
+                if unsharded.requires_grad:
+                    hook = unsharded.register_post_accumulate_grad_hook(self._grad_accumulated)
+                    self._lazy_hooks.append(hook)
+            else:  # an FSDP1 FlatParameter
+                tensors = [getattr(item, "_full_param_padded", None)]
+                if tensors[0] is None:
+                    pending.append(item)
+                    continue
+            for t in tensors:
+                for entry in self._entries(t):
+                    if entry.role != _UNSHARDED:
+                        entry.role = _UNSHARDED
+                        self._roled.add(entry.key)
+                        self._recategorize(entry)
+        self._pending_fsdp = pending
+
+    def _mark_buffer(self, tensors: Any, role: int) -> None:
+        """Give ``role`` to the storages of an FSDP2 communication buffer, for as long as they live."""
+        for t in _tensors_in(tensors):
+            for entry in self._entries(t):
+                self._op_roled.add(entry.key)
+                if entry.role != role:
+                    entry.role = role
+                    self._recategorize(entry)
+
+    def _resized(self, storage: torch.UntypedStorage) -> None:
+        """Follow a storage that ``UntypedStorage.resize_`` just resized (FSDP's free and re-allocation)."""
+        entry = self._live.get(id(storage))
+        if entry is not None:
+            nbytes = storage.nbytes()
+            self._totals[entry.cat] += nbytes - entry.nbytes
+            entry.nbytes = nbytes
+
+    def _patch_storage_resize(self) -> contextlib.AbstractContextManager:
+        """While active, ``UntypedStorage.resize_`` (FSDP's ``free_storage``/``alloc_storage``) reports to us."""
+        cls = torch.UntypedStorage
+        had_own = "resize_" in cls.__dict__
+        original = cls.__dict__.get("resize_")
+        inner = cls.resize_
+        resized = self._resized
+
+        def resize_(storage: torch.UntypedStorage, size: int) -> torch.UntypedStorage:
+            out = inner(storage, size)
+            resized(storage)
+            return out
+
+        @contextlib.contextmanager
+        def patched() -> Iterator[None]:
+            cls.resize_ = resize_
+            try:
+                yield
+            finally:
+                if had_own:
+                    cls.resize_ = original
+                else:
+                    del cls.resize_
+
+        return patched()
 
     def _optimizer_pre_hook(self, _optimizer: Any, _args: Any, _kwargs: Any) -> None:
         self._opt_depth += 1
@@ -633,15 +894,21 @@ class MemoryTracker:
             return self
         stack = contextlib.ExitStack()
         try:
+            self._sharding = _Sharding(self.model)  # fixed while tracking (refreshed at each enter)
             self.device = self._device_arg or self._model_device()
-            self._params = list(self.model.parameters())  # fixed while tracking (refreshed at each enter)
+            self._params = self._sharding.params
             self._buffers = list(self.model.buffers())
             self._optimizers = _optimizers(self.optimizer)
+            stack.enter_context(self._patch_storage_resize())
             self._refresh_roles()
             self._last_phase = self._base_phase
-            for p in self.model.parameters():
+            for p in self._sharding.grad_leaves:
                 if p.requires_grad:
                     stack.callback(p.register_post_accumulate_grad_hook(self._grad_accumulated).remove)
+            stack.callback(self._remove_lazy_hooks)
+            self._pending_fsdp = [*self._sharding.fsdp2, *self._sharding.flat]
+            self._adopt_unsharded()
+            self._buffer_ops = _fsdp2_buffer_ops() if self._sharding.fsdp2 else {}
             for module in self.model.modules():  # any of them: a chunked loss calls the backbone directly
                 stack.callback(module.register_forward_pre_hook(self._forward_pre_hook).remove)
             stack.callback(register_optimizer_step_pre_hook(self._optimizer_pre_hook).remove)
@@ -661,6 +928,12 @@ class MemoryTracker:
         self._exit_stack = stack
         return self
 
+    def _remove_lazy_hooks(self) -> None:
+        for handle in self._lazy_hooks:
+            handle.remove()
+        self._lazy_hooks = []
+        self._pending_fsdp = []
+
     def __exit__(self, *exc: object) -> None:
         """Stop watching; the results stay readable."""
         self._active -= 1
@@ -678,6 +951,7 @@ class MemoryTracker:
 
 _COLORS = {
     "parameters": "#4c72b0",
+    "unsharded_parameters": "#64b5cd",
     "gradients": "#dd8452",
     "optimizer_state": "#55a868",
     "activations": "#c44e52",
@@ -688,6 +962,9 @@ _PHASE_SHADES = {"forward": "#f2f2f2", "backward": "#e0e0e0", "optimizer_step": 
 
 def plot_timeline(timeline: list[tuple[int, str, dict[str, int]]], path: str | Path, title: str = "") -> Path:
     """Stacked-area plot of live bytes by category over the tracked ops, phases shaded behind.
+
+    Categories that are 0 over the whole timeline (``unsharded_parameters`` of a model that is not sharded, say)
+    are left out of the plot and its legend.
 
     Args:
         timeline: :attr:`MemoryTracker.timeline`.
@@ -721,8 +998,9 @@ def plot_timeline(timeline: list[tuple[int, str, dict[str, int]]], path: str | P
                 x_mid = (lo + hi) / 2
                 ax.text(x_mid, 1.01, name, transform=ax.get_xaxis_transform(), ha="center", fontsize=8)
             start = i
-    ax.stackplot(events, *[[b[c] / divisor for _, _, b in timeline] for c in CATEGORIES],
-                 labels=list(CATEGORIES), colors=[_COLORS[c] for c in CATEGORIES], zorder=1)  # fmt: skip
+    shown = [c for c in CATEGORIES if any(b.get(c, 0) for _, _, b in timeline)]
+    ax.stackplot(events, *[[b[c] / divisor for _, _, b in timeline] for c in shown],
+                 labels=shown, colors=[_COLORS[c] for c in shown], zorder=1)  # fmt: skip
     ax.set_xlabel("op (event index)")
     ax.set_ylabel(f"live memory ({unit}, {'1024**3' if unit == 'GiB' else 'powers of 1024'} bytes)")
     ax.set_title(title or "memory by category", pad=14)
