@@ -750,7 +750,7 @@ def load_sharded(ckpt: Path, model: torch.nn.Module, optimizer: torch.optim.Opti
         if optimizer is None:
             state = {"model": get_model_state_dict(model)}
         else:
-            _init_optimizer_state(optimizer)
+            init_optimizer_state(optimizer)
             model_sd, optim_sd = get_state_dict(model, optimizer)
             state = {"model": model_sd, "optim": optim_sd}
         with _single_process_dcp():
@@ -800,7 +800,7 @@ def _load_full_into_sharded(
     try:
         if optimizer is not None:
             saved = torch.load(ckpt / OPTIMIZER, map_location="cpu", weights_only=True)
-            _init_optimizer_state(optimizer)
+            init_optimizer_state(optimizer)
             names = [
                 n for g in get_optimizer_state_dict(model, optimizer)["param_groups"] for n in g["params"]
             ]
@@ -838,7 +838,7 @@ def _has_optimizer_state(ckpt: Path) -> bool:
     return any(key.startswith("optim.state.") for key in meta.state_dict_metadata)
 
 
-def _init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     """Create the (lazily made) optimizer state, so that there are tensors for ``dcp.load`` to fill.
 
     torch's own initialiser steps once with zero gradients and lr 0; an

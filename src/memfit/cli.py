@@ -1,6 +1,6 @@
 """memfit: pretrain, fine-tune and sample Llama models in the least memory.
 
-Verbs: pretrain, finetune, generate, export. Examples::
+Verbs: pretrain, finetune, estimate, generate, export. Examples::
 
     memfit pretrain                                   # the main job: Tiny Shakespeare, shipped in the package
     memfit pretrain --config configs/shakespeare_char.yaml max_steps=200 optimizer.lr=3e-4
@@ -8,6 +8,7 @@ Verbs: pretrain, finetune, generate, export. Examples::
     memfit generate --checkpoint out/shakespeare --prompt "ROMEO:" --max-new-tokens 200
     memfit finetune --config configs/finetune_lora.yaml checkpoint_dir=path/to/Llama-3.2-1B data.path=data.json
     memfit export --checkpoint out/finetune --out path/to/hf_dir   # a directory transformers loads
+    memfit estimate model=llama3-8b dtype=bf16 seq_len=2048 device=cuda   # peak memory, before allocating
 
 Errors in the input (config keys, data files, checkpoints, output directories) are printed as one paragraph and
 exit with status 2 (configuration) or 1 (everything else), before anything is allocated or overwritten.
@@ -92,6 +93,22 @@ def _print_summary(summary: dict) -> None:
     if summary["sample"]:
         print("sample:")
         print(summary["sample"])
+
+
+def _estimate(args: argparse.Namespace) -> int:
+    from memfit.config import load_config
+    from memfit.launch import split_count, validating_as_ranks
+    from memfit.memory.estimate import estimate_run, format_estimate
+
+    world_size, overrides = split_count(
+        args.overrides, "world_size", "the number of ranks of the sharded run"
+    )
+    world_size = world_size or 1
+    with validating_as_ranks(world_size) if world_size > 1 else contextlib.nullcontext():
+        cfg = load_config(args.config, overrides)
+    estimate = estimate_run(cfg, world_size=world_size)
+    print(json.dumps(estimate.to_json()) if args.json else format_estimate(estimate))
+    return 0
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -179,6 +196,26 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--config", default=None, help="YAML preset, e.g. configs/finetune_lora.yaml")
     f.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. checkpoint_dir=DIR method=lora")
     f.set_defaults(func=_pretrain)
+
+    est = sub.add_parser(
+        "estimate",
+        help="predict a run's peak memory on fake tensors, before allocating anything",
+        description="Predict the peak memory of one rank of a run (the same config and overrides as pretrain / "
+        "finetune) by running its training step on fake tensors: peak in GiB, its breakdown by category and "
+        "phase, what the allocator cannot see (paged, offloaded), and the closed-form model states beside the "
+        "traced ones. world_size=N estimates one rank of an N-rank FSDP2 run. device=cuda estimates a GPU run "
+        "(on any machine).",
+        epilog="keys and defaults:\n  " + "\n  ".join(describe_keys()),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    est.add_argument(
+        "--config", default=None, help="YAML preset, e.g. configs/llama3_8b_full_single_device.yaml"
+    )
+    est.add_argument(
+        "--json", action="store_true", help="print one JSON object (peak_memory_gib, breakdown, ...)"
+    )
+    est.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. model=llama3-8b world_size=8")
+    est.set_defaults(func=_estimate)
 
     g = sub.add_parser(
         "generate",

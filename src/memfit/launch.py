@@ -36,20 +36,35 @@ def split_nproc(overrides: list[str]) -> tuple[int | None, list[str]]:
     Raises:
         ConfigError: ``nproc`` is not an integer >= 1.
     """
-    nproc, rest = None, []
+    return split_count(overrides, NPROC_KEY, "the number of ranks to start on this machine")
+
+
+def split_count(overrides: list[str], key: str, meaning: str) -> tuple[int | None, list[str]]:
+    """Take the ``key=N`` items (a count that is not a config key, such as ``nproc`` or ``world_size``) out of
+    the CLI's ``key=value`` overrides; the last one wins.
+
+    Args:
+        overrides: the CLI's ``key=value`` strings.
+        key: the key to take out.
+        meaning: what the count is, for the error message.
+
+    Returns:
+        ``(N or None when absent, the other overrides in their order)``.
+
+    Raises:
+        ConfigError: the value is not an integer >= 1.
+    """
+    count, rest = None, []
     for item in overrides:
-        key, sep, value = item.partition("=")
-        if not sep or key.strip() != NPROC_KEY:
+        name, sep, value = item.partition("=")
+        if not sep or name.strip() != key:
             rest.append(item)
             continue
         value = value.strip()
         if not value.isdigit() or int(value) < 1:
-            raise ConfigError(
-                f"config key '{NPROC_KEY}': the number of ranks to start on this machine must be an integer >= 1, "
-                f"got {value!r}"
-            )
-        nproc = int(value)
-    return nproc, rest
+            raise ConfigError(f"config key '{key}': {meaning} must be an integer >= 1, got {value!r}")
+        count = int(value)
+    return count, rest
 
 
 def launched_world_size() -> int | None:

@@ -4,8 +4,9 @@
 (``torch._subclasses.fake_tensor.FakeTensorMode``: shapes, dtypes and devices, no storage), applies the method,
 activation checkpointing and (for ``world_size`` > 1) FSDP sharding over a fake process group in which this
 process plays rank 0, builds the run's optimizer, and runs :func:`memfit.train.train_step` -- the very function the
-training loop calls -- twice (the first step creates the optimizer state) under a
-:class:`~memfit.memory.tracker.MemoryTracker`. What the tracker sees is what a real step allocates: the peak of
+training loop calls -- under a :class:`~memfit.memory.tracker.MemoryTracker`, as the second step of the run: the
+first only creates the optimizer state (an optimizer step on zero gradients at lr 0, as torch's distributed
+checkpointing lays the state out; a whole first train step would double the time and allocate the same state). What the tracker sees is what a real step allocates: the peak of
 live bytes, its breakdown by category and the phase it falls in.
 
 What the caching allocator cannot see is moved out of the device peak and reported apart, from the same trace:
@@ -38,14 +39,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from memfit.errors import ConfigError
 from memfit.memory.tracker import CATEGORIES, GIB
 
 if TYPE_CHECKING:
     from memfit.config import TrainConfig
     from memfit.models.llama import LlamaConfig
-
-STEPS = 2
-"""Steps traced: the first creates the optimizer state, the second runs with it (usually the peak)."""
 
 
 @dataclass
@@ -67,7 +66,7 @@ class Estimate:
     model_states: dict[str, int]
     """Closed-form bytes of ``parameters``, ``gradients`` and ``optimizer_state`` of this rank."""
     traced_model_states: dict[str, int]
-    """The same three, as traced after the last step (``gradients``: their most at any moment of the step)."""
+    """The same three, as traced (``gradients``: those live when the optimizer phase of the step starts)."""
     num_params: int
     num_trainable_params: int
     world_size: int
@@ -130,6 +129,7 @@ def estimate_run(
         ValueError: ``world_size`` < 1.
         memfit.errors.ConfigError, memfit.errors.CheckpointError: as the run itself would raise them.
     """
+    from memfit.checkpoint import init_optimizer_state
     from memfit.train import PARAM_DTYPES, check_lengths, train_step, train_step_options
 
     if world_size < 1:
@@ -140,25 +140,39 @@ def estimate_run(
     check_lengths(dataclasses.replace(cfg, seq_len=seq_len), mcfg, 0)
     target = "cuda" if cfg.device == "cuda" else "cpu"
     trace_cfg = _traceable(cfg)
-    with _fake_process_group(world_size), _quiet(), _fake_mode() as fake:
-        model, optimizer = _build(trace_cfg, mcfg, world_size)
-        num_params = sum(p.numel() for p in model.parameters())  # DTensor: the global count
-        num_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        batches = [
-            (fake_ids(cfg.batch_size, seq_len, mcfg.vocab_size),) * 2
-            for _ in range(cfg.gradient_accumulation_steps)
-        ]
-        from memfit.memory.tracker import MemoryTracker, model_state_bytes
+    if world_size > 1 and cfg.distributed.strategy != "fsdp2":
+        raise ConfigError(
+            "config key 'distributed.strategy': estimates of sharded runs trace FSDP2; FSDP1 shards a whole unit "
+            "into one flat buffer, so its model states are those of FSDP2 to within padding. Estimate with "
+            "distributed.strategy=fsdp2"
+        )
+    with _fake_process_group(world_size), _quiet():
+        meta = _build_meta(trace_cfg, mcfg, world_size)
+        with _fake_mode() as fake:
+            model, optimizer = _materialize(meta, trace_cfg)
+            num_params = sum(p.numel() for p in model.parameters())  # DTensor: the global count
+            num_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+            batches = [
+                tuple(fake_ids(cfg.batch_size, seq_len, mcfg.vocab_size) for _ in ("inputs", "targets"))
+                for _ in range(cfg.gradient_accumulation_steps)
+            ]
+            from memfit.memory.tracker import MemoryTracker, model_state_bytes
 
-        tracker = MemoryTracker(model, optimizer)
-        tracker.record_timeline = True
-        with tracker:
-            for _ in range(STEPS):
+            # step 1 only creates the optimizer state: an optimizer step on zero gradients at lr 0 (what torch's
+            # distributed checkpointing does to lay the state out); step 2, the run's train_step, is traced
+            init_optimizer_state(optimizer)
+            tracker = MemoryTracker(model, optimizer)
+            tracker.record_timeline = True
+            tracker._refresh_at_peak = False
+            with tracker:
                 train_step(model, optimizer, batches, tracker=tracker, **train_step_options(trace_cfg))
-        traced = model_state_bytes(model, optimizer)
-        max_grads = max((b["gradients"] for _, _, b in tracker.timeline), default=0)
-        traced["gradients"] = max_grads
-        del fake
+            traced = model_state_bytes(model, optimizer)
+            # the gradients a step holds for its update: those live when the optimizer phase starts (sharded: the
+            # reduced shards; unsharded gradients in flight are gone by then; in backward: none)
+            traced["gradients"] = next(
+                (b["gradients"] for _, ph, b in tracker.timeline if ph == "optimizer_step"), 0
+            )
+            del fake
     closed = model_state_bytes_closed_form(cfg, mcfg, world_size)
     peak, breakdown, phase, unseen, host = _split_unseen(cfg, target, tracker, closed)
     return Estimate(
@@ -205,29 +219,29 @@ def _traceable(cfg: TrainConfig) -> TrainConfig:
     )
 
 
-def _build(cfg: TrainConfig, mcfg: LlamaConfig, world_size: int) -> tuple[torch.nn.Module, Any]:
-    """The run's model and optimizer as :func:`memfit.train.train` builds them, on fake tensors."""
+def _build_meta(cfg: TrainConfig, mcfg: LlamaConfig, world_size: int) -> torch.nn.Module:
+    """The run's model as :func:`memfit.train.train` builds it, on the meta device: method, activation
+    checkpointing and (sharded) FSDP2 applied. Outside the fake mode: FSDP builds its device mesh from real data."""
     from memfit import distributed as dist_
-    from memfit.memory.optim import build_optimizer
     from memfit.memory.techniques import apply_activation_checkpointing
     from memfit.models.llama import build_llama
     from memfit.train import PARAM_DTYPES, apply_method
 
-    dtype = PARAM_DTYPES[cfg.dtype]
-    device = torch.device("cpu")
-    if world_size == 1:
-        model = build_llama(mcfg, device=device, dtype=dtype, init=False)
-        apply_method(model, cfg)
-        apply_activation_checkpointing(model, cfg.activation_checkpointing, cfg.activation_checkpointing_interval)
-    else:
-        model = build_llama(mcfg, device="meta", dtype=dtype)
-        apply_method(model, cfg)
-        apply_activation_checkpointing(model, cfg.activation_checkpointing, cfg.activation_checkpointing_interval)
-        model = dist_.shard_model(model, cfg, device)
-        if any(p.is_meta for p in model.parameters()):
-            model.to_empty(device=device)
-    optimizer = build_optimizer(model, cfg.optimizer, in_backward=cfg.optimizer_in_backward)
-    return model, optimizer
+    model = build_llama(mcfg, device="meta", dtype=PARAM_DTYPES[cfg.dtype])
+    apply_method(model, cfg)
+    apply_activation_checkpointing(model, cfg.activation_checkpointing, cfg.activation_checkpointing_interval)
+    if world_size > 1:
+        model = dist_.shard_model(model, cfg, torch.device("cpu"))
+    return model
+
+
+def _materialize(model: torch.nn.Module, cfg: TrainConfig) -> tuple[torch.nn.Module, Any]:
+    """Inside the fake mode: fake storage for every parameter (shards, when sharded) and the run's optimizer."""
+    from memfit.memory.optim import build_optimizer
+
+    model.to_empty(device=torch.device("cpu"))
+    model.model.rotary_emb.reset_parameters()
+    return model, build_optimizer(model, cfg.optimizer, in_backward=cfg.optimizer_in_backward)
 
 
 @contextlib.contextmanager
@@ -241,7 +255,12 @@ def _fake_mode() -> Iterator[Any]:
             import torchao.optim.subclass_4bit as ao4
             import torchao.optim.subclass_8bit as ao8
 
-            for table in (ao8.get_qmap_signed, ao8.get_qmap_unsigned, ao4.get_qmap_signed, ao4.get_qmap_unsigned):
+            for table in (
+                ao8.get_qmap_signed,
+                ao8.get_qmap_unsigned,
+                ao4.get_qmap_signed,
+                ao4.get_qmap_unsigned,
+            ):
                 table()  # lru-cached: computed once, here, for real
         with contextlib.suppress(ImportError):
             import bitsandbytes.functional as bnb_functional
@@ -342,8 +361,8 @@ def model_state_bytes_closed_form(cfg: TrainConfig, mcfg: LlamaConfig, world_siz
 
     - parameters: every parameter once (a tied ``lm_head`` is the embedding) in the dtype policy's parameter dtype
       (fp32 for ``fp32`` and ``bf16_mixed``, bf16 for ``bf16``), plus the fp32 RoPE buffer;
-    - gradients: every trainable parameter in its dtype (all of them at once; with the optimizer in backward only
-      one parameter's at a time, which the trace shows and this model does not);
+    - gradients: every trainable parameter in its dtype, as the optimizer step finds them (0 with the optimizer
+      in backward, which frees each gradient as soon as its update ran);
     - optimizer state: AdamW keeps ``exp_avg`` and ``exp_avg_sq`` in the parameter dtype and a 4-byte fp32 ``step``
       per parameter; low-bit optimizers as :func:`optimizer_state_bytes` says.
 
@@ -368,7 +387,7 @@ def model_state_bytes_closed_form(cfg: TrainConfig, mcfg: LlamaConfig, world_siz
     state = optimizer_state_bytes(cfg.optimizer.name, [(local[n], size) for n in trainable])
     return {
         "parameters": sum(local.values()) * size + buffers,
-        "gradients": sum(local[n] for n in trainable) * size,
+        "gradients": 0 if cfg.optimizer_in_backward else sum(local[n] for n in trainable) * size,
         "optimizer_state": state,
         "trainable_parameters": sum(local[n] for n in trainable) * size,
     }
@@ -448,3 +467,34 @@ def _switches(cfg: TrainConfig, param_dtypes: dict[str, torch.dtype]) -> dict[st
         "gradient_accumulation_steps": cfg.gradient_accumulation_steps,
         "distributed": dataclasses.asdict(cfg.distributed),
     }
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Report
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def format_estimate(e: Estimate) -> str:
+    """A human-readable report of an :class:`Estimate` (GiB = 1024**3 bytes)."""
+    ranks = f" per rank of {e.world_size}" if e.world_size > 1 else ""
+    lines = [
+        f"model {e.config.get('model')} ({e.num_params:,} parameters, {e.num_trainable_params:,} trainable), "
+        f"method {e.config.get('method')}, dtype {e.config.get('dtype')}, batch {e.batch_size} x "
+        f"{e.config.get('gradient_accumulation_steps')} x {e.seq_len} tokens, optimizer {e.config.get('optimizer')}",
+        f"peak memory{ranks}: {e.peak_bytes / GIB:.2f} GiB (allocator), in {e.phase}",
+    ]
+    width = max(len(k) for k in e.breakdown)
+    for k, v in e.breakdown.items():
+        if v or k != "unsharded_parameters":
+            lines.append(f"  {k:<{width}}  {v / GIB:8.2f} GiB")
+    lines.append(f"device total (as the driver shows it): {e.device_total_bytes / GIB:.2f} GiB")
+    lines.append(f"host memory kept there by design: {e.host_bytes / GIB:.2f} GiB")
+    for k, v in e.unseen.items():
+        lines.append(f"  {k}: {v / GIB:.2f} GiB")
+    lines.append("model states, closed form vs traced:")
+    for k in ("parameters", "gradients", "optimizer_state"):
+        closed, traced = e.model_states[k], e.traced_model_states[k]
+        mark = "" if closed == traced else "  (differ)"
+        lines.append(f"  {k:<15}  {closed / GIB:8.3f} GiB  {traced / GIB:8.3f} GiB{mark}")
+    lines.append(f"estimated in {e.seconds:.1f} s")
+    return "\n".join(lines)

@@ -512,6 +512,11 @@ class MemoryTracker:
         self._lazy_hooks: list[Any] = []  # handles of hooks put on unsharded parameters while tracking
         self._optimizers: list[Any] = _optimizers(optimizer)
         self._state_count = -1  # _state_fingerprint at the last refresh
+        self._state_sizes: dict[tuple[int, int], int] = {}  # (optimizer, param) -> entries of its state seen
+        # a full role refresh at every new peak of an optimizer step: exact for optimizers that replace state
+        # tensors under the same key, but O(parameters) per op while a first step creates state (each op is a new
+        # peak then); the estimator turns it off and relies on the incremental _add_new_state
+        self._refresh_at_peak = True
         self._exit_stack: contextlib.ExitStack | None = None
 
     def _model_device(self) -> torch.device | None:
@@ -723,6 +728,31 @@ class MemoryTracker:
                 self._recategorize(entry)
         self._roled = set(roles)
 
+    def _add_new_state(self) -> None:
+        """Give the optimizer-state role to the state the step just created: only the parameters whose state
+        gained entries are looked at (a full refresh per op of a first step would cost O(parameters^2))."""
+        self._state_count = _state_fingerprint(self._optimizers)
+        for opt in self._optimizers:
+            state = getattr(opt, "state", None)
+            if not isinstance(state, Mapping):
+                continue
+            for param, value in state.items():
+                size = len(value) if isinstance(value, Mapping) else 1
+                key = (id(opt), id(param))
+                if self._state_sizes.get(key) == size:
+                    continue
+                self._state_sizes[key] = size
+                for t in _tensors_in(value):
+                    if self.device is not None and t.device != self.device:
+                        continue
+                    for st in tensor_storages(t):
+                        entry = self._live.get(id(st))
+                        entry = entry if entry is not None else self._add(st)
+                        if entry.role is None:
+                            entry.role = _OPT_STATE
+                            self._roled.add(entry.key)
+                            self._recategorize(entry)
+
     def _after_op(self) -> None:
         """Snapshot after one op: phase, peak, timeline."""
         self._event += 1
@@ -732,7 +762,7 @@ class MemoryTracker:
             self._refresh_roles()
             self._last_phase = phase
         elif phase == "optimizer_step" and _state_fingerprint(self._optimizers) != self._state_count:
-            self._refresh_roles()  # the step added state (its first step, or a lazily built optimizer)
+            self._add_new_state()  # the step added state (its first step, or a lazily built optimizer)
         totals = self._totals
         peaks = self._category_peaks
         for i, nbytes in enumerate(totals):
@@ -740,8 +770,8 @@ class MemoryTracker:
                 peaks[i] = nbytes
         total = sum(totals)
         if total > self.peak_bytes:
-            if phase == "optimizer_step":  # exact at the peak, even for state replaced under the same key
-                self._refresh_roles()
+            if phase == "optimizer_step" and self._refresh_at_peak:
+                self._refresh_roles()  # exact at the peak, even for state replaced under the same key
             self.peak_bytes = total
             self.peak_breakdown = dict(zip(CATEGORIES, totals, strict=True))
             self.peak_phase = phase
