@@ -227,6 +227,9 @@ class TrainConfig:
     chunked_cross_entropy: int = 0
     """Compute the loss in this many chunks of tokens, recomputing each chunk's logits in backward, so the full
     ``(B, T, vocab_size)`` logits never exist; 0 is off."""
+    preflight: bool = True
+    """Before allocating, check that the run fits (free CUDA memory, or available host RAM) and refuse it with the
+    predicted breakdown and the planner's cheapest fix when it does not (see :func:`memfit.train.preflight`)."""
     track_memory: bool = False
     """Track live bytes by category (parameters, gradients, optimizer_state, activations, temporaries; sharded,
     also unsharded_parameters, what FSDP has all-gathered); adds ``memory_breakdown`` (GiB at the interval's

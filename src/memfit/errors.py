@@ -19,3 +19,7 @@ class DataError(MemfitError, ValueError):
 
 class CheckpointError(MemfitError, OSError):
     """A checkpoint is missing, truncated or inconsistent, or an output directory cannot be written."""
+
+
+class PreflightError(MemfitError, MemoryError):
+    """The run is predicted not to fit in the memory available (``preflight``); nothing was allocated."""

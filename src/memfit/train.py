@@ -38,7 +38,7 @@ from memfit import checkpoint as ckpt_io
 from memfit import distributed as dist_
 from memfit.config import TrainConfig, config_from_dict, config_to_dict
 from memfit.data.corpus import TRAIN, VAL, TokenWindows, batch_rng, prepare_corpus
-from memfit.errors import CheckpointError, ConfigError
+from memfit.errors import CheckpointError, ConfigError, PreflightError
 from memfit.memory.optim import OptimizerInBackward, build_optimizer, lr_at
 from memfit.memory.stats import PeakMemory, to_gib
 from memfit.memory.techniques import (
@@ -346,6 +346,8 @@ class RunData:
     """The fixed validation batches."""
     summary: str
     """One line for the start-of-run banner."""
+    longest: int
+    """Tokens per row of the widest training batch the data can produce (the worst case for memory)."""
 
 
 def text_data(cfg: TrainConfig, corpus, seq_len: int) -> RunData:
@@ -367,7 +369,7 @@ def text_data(cfg: TrainConfig, corpus, seq_len: int) -> RunData:
             yield inputs[rank * B : (rank + 1) * B], targets[rank * B : (rank + 1) * B], None
 
     return RunData(
-        train_batch, val_batches, f"{corpus.train_tokens:,} train / {corpus.val_tokens:,} val tokens"
+        train_batch, val_batches, f"{corpus.train_tokens:,} train / {corpus.val_tokens:,} val tokens", seq_len
     )
 
 
@@ -417,7 +419,8 @@ def instruct_data(cfg: TrainConfig, tokenizer, seq_len: int) -> RunData:
         f"{seq_len + 1} tokens (of which {stats.num_dropped:,} dropped: no reply left), {stats.num_skipped:,} "
         f"malformed skipped"
     )
-    return RunData(train_batch, val_batches, summary)
+    longest = seq_len if d.packing else data.train.max_length  # padded to the batch's longest item
+    return RunData(train_batch, val_batches, summary, longest)
 
 
 def checkpoint_tokenizer(path: str | Path):
@@ -618,6 +621,90 @@ def initial_parameters(
     return tensors()
 
 
+def preflight(cfg: TrainConfig, mcfg: LlamaConfig, seq_len: int, device: torch.device) -> str:
+    """Check that the run will fit before anything is allocated, and refuse it when it will not.
+
+    A cheap bound comes first: the closed-form model states plus a generous activation bound (34 bytes per token
+    and hidden unit per layer in 16 bits, doubled for fp32, after Korthikanti et al. 2022, "Reducing Activation
+    Recomputation in Large Transformer Models", plus three copies of the fp32 logits). When the bound is under
+    half of what is available, the run fits and no trace is made. Otherwise the run's own step is traced on fake
+    tensors (:func:`memfit.memory.estimate.estimate_run`) at the widest batch the data can produce, and compared
+    with free device memory (CUDA: ``torch.cuda.mem_get_info``; the driver's total, paged memory included) or the
+    host's available memory (CPU: allocator peak plus host-side bytes). Sharded ranks check the bound only (the
+    trace needs a process of its own: ``memfit estimate world_size=N``).
+
+    Args:
+        cfg: the run config.
+        mcfg: the architecture.
+        seq_len: the widest batch's tokens per row.
+        device: this rank's device.
+
+    Returns:
+        One line for the log saying what was checked.
+
+    Raises:
+        PreflightError: the run is predicted not to fit; the message holds the predicted breakdown, what is
+            available and the planner's cheapest fix.
+    """
+    from memfit.memory.estimate import estimate_run, model_state_bytes_closed_form
+    from memfit.memory.tracker import GIB
+
+    world = dist_.world_size()
+    if device.type == "cuda":
+        available = torch.cuda.mem_get_info(device)[0]
+        where = f"free on {device}"
+    else:
+        import psutil
+
+        available = psutil.virtual_memory().available
+        where = "available host memory"
+    states = model_state_bytes_closed_form(cfg, mcfg, world)
+    tokens = cfg.batch_size * seq_len
+    act_bytes = 2 if cfg.dtype != "fp32" else 4
+    bound = (
+        states["parameters"]
+        + states["gradients"]
+        + states["optimizer_state"]
+        + 17 * act_bytes * tokens * mcfg.dim * mcfg.num_layers
+        + 3 * 4 * tokens * mcfg.vocab_size
+    )
+    if bound < available / 2:
+        return f"pre-flight: fits (bound {bound / GIB:.2f} GiB, {available / GIB:.1f} GiB {where})"
+    if world > 1:
+        if bound > available:
+            tqdm.write(
+                f"note: pre-flight bound {bound / GIB:.2f} GiB per rank exceeds the {available / GIB:.1f} GiB "
+                f"{where}; `memfit estimate world_size={world} ...` traces the exact peak"
+            )
+        return f"pre-flight: bound {bound / GIB:.2f} GiB per rank, {available / GIB:.1f} GiB {where}"
+    estimate = estimate_run(cfg, seq_len=seq_len, model_config=mcfg)
+    need = estimate.device_total_bytes if device.type == "cuda" else estimate.peak_bytes + estimate.host_bytes
+    if need <= available:
+        return (
+            f"pre-flight: predicted peak {need / GIB:.2f} GiB of {available / GIB:.1f} GiB {where} "
+            f"(traced in {estimate.seconds:.1f} s)"
+        )
+    from memfit.memory.estimate import format_estimate
+
+    fix = _cheapest_fix(cfg, available)
+    raise PreflightError(
+        f"the run is predicted not to fit: it needs {need / GIB:.2f} GiB at its peak, {available / GIB:.2f} GiB are "
+        f"{where}.\n{format_estimate(estimate)}\n{fix}\nSet preflight=false to start anyway."
+    )
+
+
+def _cheapest_fix(cfg: TrainConfig, available: int) -> str:
+    """The planner's cheapest configuration that fits ``available`` bytes, as one line (or why there is none)."""
+    try:
+        from memfit.memory.plan import cheapest_fix
+    except ImportError:
+        return "`memfit plan` searches for the switches that fit."
+    fix = cheapest_fix(cfg, available)
+    if fix is None:
+        return "No combination of memory switches fits; use more ranks (nproc=N), a smaller batch or seq_len."
+    return f"Cheapest fix (memfit plan): {fix}"
+
+
 def check_lengths(cfg: TrainConfig, mcfg: LlamaConfig, vocab_size: int) -> int:
     """The training sequence length, checked against the model.
 
@@ -755,6 +842,10 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         if cfg.data.format == "text"
         else instruct_data(cfg, tokenizer, seq_len)
     )
+    if cfg.preflight:
+        check = preflight(cfg, mcfg, data.longest, device)
+        if main_rank:
+            tqdm.write(check)
     out.mkdir(parents=True, exist_ok=True)  # only now: bad input above leaves no output_dir behind
 
     if main_rank and cfg.optimizer.warmup_steps >= cfg.max_steps:

@@ -695,6 +695,11 @@ class InstructSplit:
         self.num_label_tokens = int((self._targets != IGNORE_INDEX).sum())
         self._perms: dict[tuple[int, int], np.ndarray] = {}
 
+    @property
+    def max_length(self) -> int:
+        """Tokens of the longest item (0 for an empty split): the widest batch this split can produce."""
+        return int(self._lengths.max()) if len(self._lengths) else 0
+
     def __len__(self) -> int:
         """Number of items: samples, or packed rows."""
         return len(self._lengths)

@@ -148,7 +148,7 @@ def estimate_run(
         )
     with _fake_process_group(world_size), _quiet():
         meta = _build_meta(trace_cfg, mcfg, world_size)
-        with _fake_mode() as fake:
+        with _fake_mode(cfg.optimizer.name) as fake:
             model, optimizer = _materialize(meta, trace_cfg)
             num_params = sum(p.numel() for p in model.parameters())  # DTensor: the global count
             num_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -196,12 +196,22 @@ def estimate_run(
 
 def run_model_config(cfg: TrainConfig) -> LlamaConfig:
     """The architecture a run would build, without reading weights or data: ``checkpoint_dir``'s config, or the
-    preset with ``model_args`` (``vocab_size`` from ``tokenizer.vocab_size`` when the preset has none)."""
+    preset with ``model_args``; when the preset has no ``vocab_size``, the tokenizer's (``tokenizer.vocab_size``
+    for BPE, the file's for ``file``, 256 for ``char``, whose real size the corpus decides)."""
     from memfit.train import checkpoint_model_config, resolve_model_config
 
     if cfg.checkpoint_dir is not None:
         return checkpoint_model_config(cfg.checkpoint_dir)
-    return resolve_model_config(cfg, cfg.tokenizer.vocab_size)
+    tok = cfg.tokenizer
+    if tok.kind == "file":
+        from memfit.tokenizer import load_tokenizer
+
+        vocab_size = load_tokenizer(tok.path).vocab_size
+    elif tok.kind == "char":
+        vocab_size = 256  # the corpus decides; a preset's own vocabulary wins (see resolve_model_config)
+    else:
+        vocab_size = tok.vocab_size
+    return resolve_model_config(cfg, vocab_size)
 
 
 def fake_ids(batch_size: int, seq_len: int, vocab_size: int) -> torch.Tensor:
@@ -245,13 +255,13 @@ def _materialize(model: torch.nn.Module, cfg: TrainConfig) -> tuple[torch.nn.Mod
 
 
 @contextlib.contextmanager
-def _fake_mode() -> Iterator[Any]:
+def _fake_mode(optimizer_name: str) -> Iterator[Any]:
     """A ``FakeTensorMode`` in which the low-bit optimizers' quantization tables (a few hundred floats each,
     computed with data-dependent ops that fake tensors cannot run) are computed for real."""
     from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 
     with contextlib.ExitStack() as stack:
-        with contextlib.suppress(ImportError):
+        if optimizer_name.startswith("torchao_"):
             import torchao.optim.subclass_4bit as ao4
             import torchao.optim.subclass_8bit as ao8
 
@@ -262,7 +272,7 @@ def _fake_mode() -> Iterator[Any]:
                 ao4.get_qmap_unsigned,
             ):
                 table()  # lru-cached: computed once, here, for real
-        with contextlib.suppress(ImportError):
+        if optimizer_name in ("adamw8bit", "paged_adamw8bit", "paged_adamw"):
             import bitsandbytes.functional as bnb_functional
 
             original = bnb_functional.create_dynamic_map
