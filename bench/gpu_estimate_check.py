@@ -1,0 +1,213 @@
+"""Predicted vs measured peak memory on a real CUDA device, for the estimator (``memfit estimate``).
+
+Two halves, because the estimate needs no GPU and GPU time is scarce:
+
+- ``--measure OUT.json`` (on the GPU machine): for each configuration, build the run's model, optimizer and switches
+  exactly as ``memfit pretrain`` does (random init, ``device=cuda``), run two steps of ``train_step`` on random
+  token ids and record the CUDA caching allocator's peak over the second step (``torch.cuda.max_memory_allocated``,
+  after ``reset_peak_memory_stats``), its reserved peak, and the device's used memory as the driver reports it.
+- ``--compare OUT.json`` (anywhere): estimate each configuration on fake tensors and write the table into
+  docs/benchmarks.md (section ``gpu-estimate``).
+
+Reproduce: on a GPU machine ``python bench/gpu_estimate_check.py --measure gpu.json``, then here
+``.venv/bin/python bench/gpu_estimate_check.py --compare gpu.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+GIB = 1024**3
+BASE = ["dtype=bf16", "batch_size=1", "seq_len=2048", "device=cuda", "max_grad_norm=1.0"]
+IN_BACKWARD = ["optimizer_in_backward=true", "max_grad_norm=0"]
+CONFIGS = {
+    "1B AdamW foreach": ["model=llama3.2-1b"],
+    "1B AdamW fused": ["model=llama3.2-1b", "optimizer.implementation=fused"],
+    "1B bf16_mixed AdamW fused": ["model=llama3.2-1b", "dtype=bf16_mixed", "optimizer.implementation=fused"],
+    "1B AC full + chunked CE 8": [
+        "model=llama3.2-1b",
+        "activation_checkpointing=full",
+        "chunked_cross_entropy=8",
+    ],
+    "1B batch 4, AC full": ["model=llama3.2-1b", "batch_size=4", "activation_checkpointing=full"],
+    "1B bnb AdamW8bit": ["model=llama3.2-1b", "optimizer.name=adamw8bit"],
+    "1B torchao AdamW8bit": ["model=llama3.2-1b", "optimizer.name=torchao_adamw8bit"],
+    "1B optimizer in backward": ["model=llama3.2-1b", *IN_BACKWARD],
+    "1B activation offloading": ["model=llama3.2-1b", "activation_offloading=true"],
+    "8B paged AdamW8bit + in backward + AC + chunked CE": [
+        "model=llama3-8b",
+        "optimizer.name=paged_adamw8bit",
+        *IN_BACKWARD,
+        "activation_checkpointing=full",
+        "chunked_cross_entropy=8",
+    ],
+    "8B AdamW8bit + in backward + AC + chunked CE": [
+        "model=llama3-8b",
+        "optimizer.name=adamw8bit",
+        *IN_BACKWARD,
+        "activation_checkpointing=full",
+        "chunked_cross_entropy=8",
+    ],
+}
+
+
+def _config(overrides: list[str]):
+    from memfit.config import load_config
+
+    return load_config(None, [*BASE, *overrides])  # device=cuda validates on any machine; the run needs CUDA
+
+
+def measure(path: Path, dry_run: bool = False) -> None:
+    from memfit.memory.estimate import run_model_config
+    from memfit.memory.optim import build_optimizer
+    from memfit.memory.techniques import apply_activation_checkpointing
+    from memfit.train import build_model, train_step, train_step_options
+
+    device = torch.device("cpu" if dry_run else "cuda")
+    cuda = torch.cuda if not dry_run else _NoCuda()
+    configs = {"tiny (dry run)": ["model=tiny", "seq_len=64", "tokenizer.kind=char"]} if dry_run else CONFIGS
+    results = {}
+    for name, overrides in configs.items():
+        t0 = time.perf_counter()
+        try:
+            cfg = _config(overrides)
+            if dry_run:
+                cfg = dataclasses.replace(cfg, device="cpu")
+            mcfg = run_model_config(cfg)
+            model = build_model(cfg, mcfg, device)
+            apply_activation_checkpointing(
+                model, cfg.activation_checkpointing, cfg.activation_checkpointing_interval
+            )
+            optimizer = build_optimizer(model, cfg.optimizer, in_backward=cfg.optimizer_in_backward)
+            T = cfg.seq_len
+            g = torch.Generator(device=device).manual_seed(0)
+            result = None
+            batches = [
+                (
+                    torch.randint(0, mcfg.vocab_size, (cfg.batch_size, T), device=device, generator=g),
+                    torch.randint(0, mcfg.vocab_size, (cfg.batch_size, T), device=device, generator=g),
+                )
+                for _ in range(cfg.gradient_accumulation_steps)
+            ]
+            for group in optimizer.param_groups:
+                group["lr"] = 1e-5
+            train_step(model, optimizer, batches, **train_step_options(cfg))
+            cuda.synchronize()
+            cuda.reset_peak_memory_stats()
+            start = time.perf_counter()
+            result = train_step(model, optimizer, batches, **train_step_options(cfg))
+            loss = result.loss.item()
+            cuda.synchronize()
+            step_s = time.perf_counter() - start
+            free, total = cuda.mem_get_info()
+            results[name] = {
+                "overrides": overrides,
+                "peak_alloc_bytes": cuda.max_memory_allocated(),
+                "peak_reserved_bytes": cuda.max_memory_reserved(),
+                "device_used_bytes_after": total - free,
+                "step_seconds": step_s,
+                "tokens_per_second": cfg.batch_size * T * cfg.gradient_accumulation_steps / step_s,
+                "loss": loss,
+                "wall_seconds": time.perf_counter() - t0,
+            }
+        except Exception as exc:  # one failing configuration must not lose the others' numbers
+            results[name] = {"overrides": overrides, "error": f"{type(exc).__name__}: {exc}"[:2000]}
+        print(name, json.dumps(results[name]), flush=True)
+        model = optimizer = batches = result = None
+        gc.collect()
+        cuda.empty_cache()
+    info = {"device": cuda.get_device_name(), "torch": torch.__version__}
+    path.write_text(json.dumps({"info": info, "results": results}, indent=2))
+
+
+class _NoCuda:
+    """torch.cuda's memory statistics as zeros, for a dry run of the script on CPU."""
+
+    def __getattr__(self, name: str):
+        return lambda *args, **kwargs: (
+            (0, 0) if name == "mem_get_info" else "cpu" if name == "get_device_name" else 0
+        )
+
+
+def compare(path: Path, doc: Path) -> None:
+    from bench.docs_section import write_section
+    from memfit.memory.estimate import estimate_run
+
+    data = json.loads(path.read_text())
+    rows = []
+    errors = []
+    for name, m in data["results"].items():
+        if "error" in m:
+            rows.append(f"| {name} | - | - | - | - | - | failed on the GPU: {m['error'][:120]} |")
+            continue
+        e = estimate_run(_config(m["overrides"]))
+        err = (e.peak_bytes - m["peak_alloc_bytes"]) / m["peak_alloc_bytes"]
+        errors.append(abs(err))
+        rows.append(
+            f"| {name} | {e.peak_bytes / GIB:.2f} | {m['peak_alloc_bytes'] / GIB:.2f} | {err:+.1%} | "
+            f"{m['peak_reserved_bytes'] / GIB:.2f} | {e.device_total_bytes / GIB:.2f} | {e.phase}, "
+            f"{m['tokens_per_second']:,.0f} tok/s |"
+        )
+        print(rows[-1], flush=True)
+    errors.sort()
+    summary = (
+        f"max |error| {errors[-1]:.1%}, median {errors[len(errors) // 2]:.1%} over {len(errors)} configurations"
+        if errors
+        else "no configuration measured"
+    )
+    section = "\n".join(
+        [
+            "## Estimated vs measured on a GPU",
+            "",
+            f"Measured on one {data['info']['device']} (torch {data['info']['torch']}): each configuration built as "
+            "`memfit pretrain` builds it (random init), two `train_step`s on random ids, batch 1 x 2,048 tokens "
+            "unless noted, bf16. *measured* is the CUDA caching allocator's `max_memory_allocated` over the second "
+            "step; *estimated* is `memfit estimate` for the same configuration, traced on fake tensors on a CPU "
+            "machine (its allocator-visible peak); *reserved* is the allocator's reserved peak (its cache and "
+            "rounding, which no estimate of tensors sees); *device total* adds what the driver holds outside the "
+            "allocator (paged optimizer state). GiB = 1024**3 bytes.",
+            "",
+            f"Summary: {summary}.",
+            "",
+            "Reproduce: on a GPU machine `python bench/gpu_estimate_check.py --measure gpu.json`, then "
+            "`.venv/bin/python bench/gpu_estimate_check.py --compare gpu.json`.",
+            "",
+            "| configuration | estimated (GiB) | measured (GiB) | error | reserved (GiB) | estimated device total (GiB) "
+            "| phase of peak, throughput |",
+            "|---|---|---|---|---|---|---|",
+            *rows,
+        ]
+    )
+    write_section(doc, "gpu-estimate", section)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--measure", type=Path, help="run on the GPU and write measurements here")
+    parser.add_argument(
+        "--compare", type=Path, help="estimate the configurations and write docs/benchmarks.md"
+    )
+    parser.add_argument("--dry-run", action="store_true", help="--measure one tiny configuration on CPU")
+    parser.add_argument(
+        "--doc", type=Path, default=Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md"
+    )
+    args = parser.parse_args()
+    if args.measure:
+        measure(args.measure, dry_run=args.dry_run)
+    if args.compare:
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+        compare(args.compare, args.doc)
+
+
+if __name__ == "__main__":
+    main()
