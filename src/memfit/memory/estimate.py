@@ -11,8 +11,10 @@ live bytes, its breakdown by category and the phase it falls in.
 
 What the caching allocator cannot see is moved out of the device peak and reported apart, from the same trace:
 
-- paged optimizers (``paged_adamw8bit``, ``paged_adamw``): the optimizer state lives in CUDA unified memory. The
-  driver counts it on the device while it is resident (``device_total``), the allocator does not (``peak``).
+- paged optimizers (``paged_adamw8bit``, ``paged_adamw``): the moments of tensors of >= 100,000 elements live in
+  CUDA unified memory (bitsandbytes' ``get_state_buffer``; smaller tensors' state, the absmax and the code tables
+  stay in device memory). The driver counts them on the device while resident (``device_total``), the allocator
+  does not (``peak``).
 - ``optimizer.cpu_offload`` (torchao ``CPUOffloadOptimizer``): optimizer state, a host copy of each parameter and
   of each gradient live in pinned host memory (``host``).
 - ``distributed.cpu_offload`` (FSDP ``CPUOffloadPolicy``): parameter shards, gradient shards and optimizer state
@@ -167,10 +169,12 @@ def estimate_run(
             with tracker:
                 train_step(model, optimizer, batches, tracker=tracker, **train_step_options(trace_cfg))
             traced = model_state_bytes(model, optimizer)
-            # the gradients a step holds for its update: those live when the optimizer phase starts (sharded: the
-            # reduced shards; unsharded gradients in flight are gone by then; in backward: none)
+            # the gradients a step holds for its update: those live at the last op of the optimizer phase, when
+            # the update has read them all (sharded: the reduced shards, the unsharded ones in flight are gone by
+            # then; in backward: none, each was freed after its update -- the first ops labelled optimizer_step
+            # are updates inside the backward, with a gradient live)
             traced["gradients"] = next(
-                (b["gradients"] for _, ph, b in tracker.timeline if ph == "optimizer_step"), 0
+                (b["gradients"] for _, ph, b in reversed(tracker.timeline) if ph == "optimizer_step"), 0
             )
             del fake
     closed = model_state_bytes_closed_form(cfg, mcfg, world_size)
@@ -257,33 +261,43 @@ def _materialize(model: torch.nn.Module, cfg: TrainConfig) -> tuple[torch.nn.Mod
 @contextlib.contextmanager
 def _fake_mode(optimizer_name: str) -> Iterator[Any]:
     """A ``FakeTensorMode`` in which the low-bit optimizers' quantization tables (a few hundred floats each,
-    computed with data-dependent ops that fake tensors cannot run) are computed for real."""
-    from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
+    computed with data-dependent ops that fake tensors cannot run) are computed for real. Only the library that
+    ``optimizer_name`` uses is imported (torchao and bitsandbytes take seconds each to import)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
 
     with contextlib.ExitStack() as stack:
         if optimizer_name.startswith("torchao_"):
-            import torchao.optim.subclass_4bit as ao4
-            import torchao.optim.subclass_8bit as ao8
-
-            for table in (
-                ao8.get_qmap_signed,
-                ao8.get_qmap_unsigned,
-                ao4.get_qmap_signed,
-                ao4.get_qmap_unsigned,
-            ):
-                table()  # lru-cached: computed once, here, for real
+            _compute_torchao_tables()
         if optimizer_name in ("adamw8bit", "paged_adamw8bit", "paged_adamw"):
-            import bitsandbytes.functional as bnb_functional
-
-            original = bnb_functional.create_dynamic_map
-
-            def real_dynamic_map(*args: Any, **kwargs: Any) -> torch.Tensor:
-                with unset_fake_temporarily():
-                    return original(*args, **kwargs)
-
-            bnb_functional.create_dynamic_map = real_dynamic_map
-            stack.callback(setattr, bnb_functional, "create_dynamic_map", original)
+            _real_bnb_dynamic_map(stack)
         yield stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
+
+
+def _compute_torchao_tables() -> None:
+    """torchao's 8-bit and 4-bit code tables, computed once, for real (they are lru-cached)."""
+    with contextlib.suppress(ImportError):
+        import torchao.optim.subclass_4bit as ao4
+        import torchao.optim.subclass_8bit as ao8
+
+        for table in (ao8.get_qmap_signed, ao8.get_qmap_unsigned, ao4.get_qmap_signed, ao4.get_qmap_unsigned):
+            table()
+
+
+def _real_bnb_dynamic_map(stack: contextlib.ExitStack) -> None:
+    """Until ``stack`` closes, bitsandbytes computes its code tables (``create_dynamic_map``) for real."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with contextlib.suppress(ImportError):
+        import bitsandbytes.functional as bnb_functional
+
+        original = bnb_functional.create_dynamic_map
+
+        def real_dynamic_map(*args: Any, **kwargs: Any) -> torch.Tensor:
+            with unset_fake_temporarily():
+                return original(*args, **kwargs)
+
+        bnb_functional.create_dynamic_map = real_dynamic_map
+        stack.callback(setattr, bnb_functional, "create_dynamic_map", original)
 
 
 @contextlib.contextmanager
@@ -323,26 +337,33 @@ def _split_unseen(
     """From the trace's timeline: the device peak, its breakdown and phase, once the categories that live in
     unified or host memory are taken out; those by name; and the host bytes."""
     moved: dict[str, str] = {}  # category -> the name it is reported under
+    paged = 0  # the part of optimizer_state in unified memory (bitsandbytes pages big tensors only)
     if target == "cuda":
         if cfg.optimizer.name.startswith("paged_"):
-            moved["optimizer_state"] = "paged_optimizer_state"
+            paged = closed["paged_optimizer_state"]
         if cfg.optimizer.cpu_offload:
             moved["optimizer_state"] = "offloaded_optimizer_state"
         if cfg.distributed.cpu_offload:
             moved["optimizer_state"] = "offloaded_optimizer_state"
         if cfg.activation_offloading:
             moved["activations"] = "offloaded_activations"
-    best, best_total, unseen = None, -1, dict.fromkeys(moved.values(), 0)
+    best, best_total, best_paged, unseen = None, -1, 0, dict.fromkeys(moved.values(), 0)
+    if paged:
+        unseen["paged_optimizer_state"] = 0
     for _, phase, b in tracker.timeline:
-        total = sum(v for k, v in b.items() if k not in moved)
+        now_paged = min(b["optimizer_state"], paged)
+        total = sum(v for k, v in b.items() if k not in moved) - now_paged
         if total > best_total:
-            best_total, best = total, (phase, b)
+            best_total, best, best_paged = total, (phase, b), now_paged
         for k, name in moved.items():
             unseen[name] = max(unseen[name], b[k])
+        if paged:
+            unseen["paged_optimizer_state"] = max(unseen["paged_optimizer_state"], now_paged)
     if best is None:  # nothing ran
         return 0, dict.fromkeys(CATEGORIES, 0), "other", {}, 0
     phase, b = best
     breakdown = {k: (0 if k in moved else v) for k, v in b.items()}
+    breakdown["optimizer_state"] -= best_paged
     host = sum(v for k, v in unseen.items() if k != "paged_optimizer_state")
     if target == "cuda" and cfg.optimizer.cpu_offload:
         # torchao CPUOffloadOptimizer: a pinned host copy of every trainable parameter and of its gradient
@@ -381,7 +402,8 @@ def model_state_bytes_closed_form(cfg: TrainConfig, mcfg: LlamaConfig, world_siz
     and gives each rank ``ceil(numel / world_size)`` elements.
 
     Returns:
-        ``{"parameters", "gradients", "optimizer_state", "trainable_parameters"}`` in bytes.
+        ``{"parameters", "gradients", "optimizer_state", "trainable_parameters", "paged_optimizer_state"}`` in
+        bytes (the last: the part of ``optimizer_state`` a paged optimizer keeps in unified memory on CUDA).
     """
     from memfit.models.llama import build_llama
     from memfit.train import PARAM_DTYPES, apply_method
@@ -394,12 +416,13 @@ def model_state_bytes_closed_form(cfg: TrainConfig, mcfg: LlamaConfig, world_siz
     params = {n: p for n, p in model.named_parameters()}
     local = {n: _local_numel(tuple(p.shape), world_size) for n, p in params.items()}
     trainable = [n for n, p in params.items() if p.requires_grad]
-    state = optimizer_state_bytes(cfg.optimizer.name, [(local[n], size) for n in trainable])
+    tensors = [(local[n], size) for n in trainable]
     return {
         "parameters": sum(local.values()) * size + buffers,
         "gradients": 0 if cfg.optimizer_in_backward else sum(local[n] for n in trainable) * size,
-        "optimizer_state": state,
+        "optimizer_state": optimizer_state_bytes(cfg.optimizer.name, tensors),
         "trainable_parameters": sum(local[n] for n in trainable) * size,
+        "paged_optimizer_state": paged_optimizer_state_bytes(cfg.optimizer.name, tensors),
     }
 
 
@@ -460,6 +483,29 @@ def optimizer_state_bytes(name: str, tensors: list[tuple[int, int]]) -> int:
             else:
                 total += 2 * numel * size + 4
     return total
+
+
+BNB_PAGED_MIN_NUMEL = 100_000
+"""bitsandbytes' paged optimizers page the moments of tensors of at least this many elements (its
+``get_state_buffer``); smaller tensors' moments, every absmax and the code tables are ordinary device memory."""
+
+
+def paged_optimizer_state_bytes(name: str, tensors: list[tuple[int, int]]) -> int:
+    """Bytes of optimizer state that a paged optimizer keeps in CUDA unified memory (0 for the others).
+
+    Args:
+        name: ``optimizer.name``.
+        tensors: the trainable tensors as ``(numel, element_size)``.
+
+    Returns:
+        Bytes: for each tensor of >= :data:`BNB_PAGED_MIN_NUMEL` elements, two uint8 moments
+        (``paged_adamw8bit``; such a tensor is always above bitsandbytes' 8-bit threshold) or two fp32 moments
+        (``paged_adamw``).
+    """
+    if name not in ("paged_adamw8bit", "paged_adamw"):
+        return 0
+    per_element = 2 if name == "paged_adamw8bit" else 2 * 4
+    return sum(per_element * numel for numel, _ in tensors if numel >= BNB_PAGED_MIN_NUMEL)
 
 
 def _switches(cfg: TrainConfig, param_dtypes: dict[str, torch.dtype]) -> dict[str, Any]:

@@ -1,0 +1,222 @@
+"""``memfit estimate``: the closed-form model states equal the traced ones byte for byte, the predicted peak is
+within 5% of the tracked peak of a real run, the JSON contract of the CLI, paged optimizer state, bad input.
+
+The tiny preset (vocab 256, dim 64, 2 layers, 4 query / 2 kv heads, SwiGLU 128) has P = 106,816 parameters in 21
+tensors and one fp32 buffer of 8 values (RoPE's ``inv_freq``); see tests/memory/test_tracker.py. Every dim 0 of it
+is even, so 2 ranks of FSDP2 hold exactly half of every parameter.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from memfit.cli import main
+from memfit.config import load_config
+from memfit.convert import export_hf
+from memfit.launch import validating_as_ranks
+from memfit.memory.estimate import estimate_run
+from memfit.memory.tracker import CATEGORIES, GIB, PHASES
+from memfit.metrics import read_records
+from memfit.models.llama import build_llama
+from memfit.models.presets import model_config
+from memfit.tokenizer import train_bpe
+
+from ..conftest import tiny_run_overrides
+from ..test_distributed import _torchrun
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+P, NUM_TENSORS = 106_816, 21  # the tiny preset's parameters and parameter tensors
+BUFFER_BYTES = 4 * 8  # inv_freq, fp32, head_dim / 2 values
+# estimates of a tiny run: the char tokenizer of Tiny Shakespeare has 65 ids (the preset's 256 embeddings hold them)
+BASE = {"model": "tiny", "tokenizer.kind": "char", "tokenizer.vocab_size": 65, "device": "cpu"}
+MODEL_STATES = ("parameters", "gradients", "optimizer_state")
+# LoRA on a tiny checkpoint with 512 embeddings and lm_head rows: rank 8 on q_proj (64 -> 64) and v_proj (64 -> 32),
+# each target an A (r, in) and a B (out, r), in each of the 2 layers
+LORA_BASE = P + 2 * (512 - 256) * 64
+LORA = 2 * ((8 * 64 + 64 * 8) + (8 * 64 + 32 * 8))
+# predicted vs measured peak: the issue's bound (bench/estimate_accuracy.py finds them a few bytes apart)
+TOLERANCE = 0.05
+
+
+def estimate(world_size: int = 1, **overrides):
+    """``estimate_run`` of the tiny run with ``overrides`` (batch 2 x 16 tokens unless they say otherwise)."""
+    items = {**BASE, "batch_size": 2, "seq_len": 16, **overrides}
+    with validating_as_ranks(world_size) if world_size > 1 else contextlib.nullcontext():
+        cfg = load_config(None, [f"{k}={v}" for k, v in items.items()])
+    return estimate_run(cfg, world_size=world_size)
+
+
+@pytest.fixture(scope="module")
+def hf_tiny(tmp_path_factory, small_corpus) -> Path:
+    """A Hugging Face checkpoint of the tiny preset with 512 embeddings (random weights) and a 512-id byte-level
+    BPE trained on the corpus: the base of the LoRA / adapter cases (estimates read its config and headers only)."""
+    out = tmp_path_factory.mktemp("hf_tiny") / "hf"
+    tokenizer = train_bpe(small_corpus.read_text(encoding="utf-8"), 512)
+    return export_hf(build_llama(model_config("tiny", vocab_size=512), seed=0), out, tokenizer=tokenizer)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Closed form = traced, exactly
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def by_hand(size: int, params: int, trainable: int, tensors: int) -> dict[str, int]:
+    """AdamW's model states: parameters (and the fp32 RoPE buffer) and gradients in the parameter dtype, two
+    moments in it and a 4-byte fp32 ``step`` per trainable tensor."""
+    return {
+        "parameters": size * params + BUFFER_BYTES,
+        "gradients": size * trainable,
+        "optimizer_state": 2 * size * trainable + 4 * tensors,
+    }
+
+
+# case -> (world_size, overrides, the model states by hand or None)
+STATE_CASES = {
+    "adamw_fp32": (1, {}, by_hand(4, P, P, NUM_TENSORS)),
+    "adamw_bf16": (1, {"dtype": "bf16"}, by_hand(2, P, P, NUM_TENSORS)),
+    "bf16_mixed": (1, {"dtype": "bf16_mixed"}, by_hand(4, P, P, NUM_TENSORS)),  # fp32 master weights
+    "fsdp2_2_ranks": (2, {}, by_hand(4, P // 2, P // 2, NUM_TENSORS)),  # half of every (even) dim 0
+    "adamw8bit": (1, {"optimizer.name": "adamw8bit"}, None),
+    "torchao_adamw8bit": (1, {"optimizer.name": "torchao_adamw8bit"}, None),
+    "torchao_adamw4bit": (1, {"optimizer.name": "torchao_adamw4bit"}, None),
+    "optimizer_in_backward": (1, {"optimizer_in_backward": "true", "max_grad_norm": 0}, None),
+    "lora": (1, {"method": "lora"}, by_hand(4, LORA_BASE + LORA, LORA, 8)),  # only the adapters train
+    "adapter": (1, {"method": "adapter"}, None),
+    "fsdp2_2_ranks_lora": (2, {"method": "lora"}, None),
+}
+
+
+def test_tiny_preset_counts():
+    numels = [p.numel() for p in build_llama(model_config("tiny"), device="meta").parameters()]
+    assert (sum(numels), len(numels)) == (P, NUM_TENSORS)
+
+
+@pytest.mark.parametrize("case", list(STATE_CASES))
+def test_closed_form_model_states_equal_traced(case, hf_tiny):
+    world_size, overrides, expected = STATE_CASES[case]
+    if overrides.get("method"):
+        overrides = {**overrides, "checkpoint_dir": hf_tiny}
+    e = estimate(world_size, **overrides)
+    closed = {k: e.model_states[k] for k in MODEL_STATES}
+    assert closed == e.traced_model_states
+    assert closed["parameters"] > 0 and closed["optimizer_state"] > 0
+    assert (closed["gradients"] == 0) == (case == "optimizer_in_backward")
+    if expected is not None:
+        assert closed == expected
+    if case == "lora":
+        assert (e.num_params, e.num_trainable_params) == (LORA_BASE + LORA, LORA)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Predicted vs the tracked peak of a real run
+# ----------------------------------------------------------------------------------------------------------------
+
+PEAK_CASES = {
+    "adamw_fp32": {},
+    "bf16_mixed": {"dtype": "bf16_mixed"},
+    "adamw8bit": {"optimizer.name": "adamw8bit"},
+    "torchao_adamw4bit": {"optimizer.name": "torchao_adamw4bit"},
+    "optimizer_in_backward": {"optimizer_in_backward": "true", "max_grad_norm": 0},
+    "activation_checkpointing": {"activation_checkpointing": "full"},
+    "chunked_cross_entropy": {"chunked_cross_entropy": 4},
+    "gradient_accumulation": {"gradient_accumulation_steps": 2},
+    "lora": {"method": "lora"},
+}
+RUN = {
+    "tokenizer.vocab_size": 65,  # (what the estimate takes as the char tokenizer's ids; the run counts its own)
+    "max_steps": 3,
+    "log_every": 1,
+    "eval_every": 0,
+    "checkpoint_every": 0,
+    "sample.max_new_tokens": 0,
+    "track_memory": "true",
+}
+
+
+def measured_peak(out: Path) -> int:
+    """The tracked peak of a run, from its records: the highest sum of ``memory_breakdown`` over the steps (GiB
+    values are bytes / 2**30, exact in float64, so this is the byte count)."""
+    records = [r for r in read_records(out / "metrics.jsonl") if "memory_breakdown" in r]
+    assert len(records) == RUN["max_steps"]
+    return max(round(sum(r["memory_breakdown"].values()) * GIB) for r in records)
+
+
+@pytest.mark.parametrize("case", list(PEAK_CASES))
+def test_predicted_peak_within_5_percent_of_a_real_run(case, tmp_path, small_corpus, hf_tiny):
+    overrides = {**RUN, **PEAK_CASES[case]}
+    if case == "lora":
+        overrides.update({"checkpoint_dir": hf_tiny, "seq_len": 64})
+    run = tiny_run_overrides(small_corpus, tmp_path / "run", **overrides)
+    assert main(["finetune" if case == "lora" else "pretrain", *run]) == 0
+    measured = measured_peak(tmp_path / "run")
+    predicted = estimate_run(load_config(None, run)).peak_bytes
+    assert abs(predicted - measured) <= TOLERANCE * measured, (predicted, measured)
+    # in fact to a few bytes: the loop holds the previous step's loss, norm and token count (16 bytes) meanwhile
+    assert 0 <= measured - predicted <= 64, (predicted, measured)
+
+
+def test_predicted_peak_of_rank_0_of_two_within_5_percent(tmp_path, small_corpus):
+    """FSDP2 over 2 ranks (torchrun, gloo) against ``world_size=2``: what FSDP gathers, each rank's shards."""
+    run = tiny_run_overrides(small_corpus, tmp_path / "run", **RUN)
+    _torchrun(["pretrain", *run])
+    records = [r for r in read_records(tmp_path / "run" / "metrics.jsonl") if "memory_breakdown" in r]
+    measured = max(round(sum(r["memory_breakdown"].values()) * GIB) for r in records)  # the fullest rank's
+    with validating_as_ranks(2):
+        cfg = load_config(None, run)
+    e = estimate_run(cfg, world_size=2)
+    assert e.breakdown["unsharded_parameters"] > 0
+    assert abs(e.peak_bytes - measured) <= TOLERANCE * measured, (e.peak_bytes, measured)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The CLI, paged state, bad input
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def test_cli_json_contract(capsys):
+    args = [f"{k}={v}" for k, v in {**BASE, "batch_size": 2, "seq_len": 16}.items()]
+    assert main(["estimate", *args, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert {"peak_memory_gib", "breakdown", "phase", "device_total_gib", "host_gib"} <= out.keys()
+    assert set(out["breakdown"]) == set(CATEGORIES)
+    assert out["phase"] in PHASES
+    assert out["peak_memory_gib"] == pytest.approx(sum(out["breakdown"].values()), rel=1e-12)
+    assert out["device_total_gib"] == out["peak_memory_gib"] and out["host_gib"] == 0
+    assert 0 < out["peak_memory_gib"] < 0.01
+
+
+@pytest.mark.parametrize("name, state_bytes", [("paged_adamw8bit", 1), ("paged_adamw", 4)])
+def test_paged_optimizer_state_leaves_the_allocator_peak_on_cuda(name, state_bytes):
+    """bitsandbytes pages the two moments of tensors of >= 100,000 elements (here the 2048 x 64 embedding and
+    lm_head); their absmax, the code tables and smaller tensors' moments stay in device memory. The trace is that
+    of the same optimizer unpaged (as on CPU), so the peak falls by exactly the paged bytes, which the device
+    total adds back."""
+    paged = 2 * 2 * (2048 * 64) * state_bytes  # two tensors, two moments each
+    model = {"model_args.vocab_size": 2048, "tokenizer.vocab_size": 2048, "optimizer.name": name}
+    e = estimate(**model, device="cuda")
+    on_cpu = estimate(**model)  # the same run on CPU: nothing paged
+    assert e.unseen == {"paged_optimizer_state": paged} and on_cpu.unseen == {}
+    assert e.model_states["paged_optimizer_state"] == paged
+    assert e.peak_bytes == on_cpu.peak_bytes - paged and e.phase == on_cpu.phase
+    assert e.device_total_bytes == e.peak_bytes + paged == on_cpu.device_total_bytes
+    assert e.breakdown["optimizer_state"] == on_cpu.breakdown["optimizer_state"] - paged > 0
+    assert e.host_bytes == on_cpu.host_bytes == 0
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "two", "1.5", ""])
+def test_bad_world_size_is_a_config_error(value, capsys):
+    assert main(["estimate", *[f"{k}={v}" for k, v in BASE.items()], f"world_size={value}"]) == 2
+    assert "world_size" in capsys.readouterr().err
+
+
+def test_sharded_estimate_of_fsdp1_is_a_config_error(capsys):
+    args = [f"{k}={v}" for k, v in BASE.items()]
+    assert main(["estimate", *args, "world_size=2", "distributed.strategy=fsdp1"]) == 2
+    assert "distributed.strategy" in capsys.readouterr().err
+    assert not torch.distributed.is_initialized()
