@@ -989,9 +989,10 @@ def format_plan(p: Plan, top: int = 10) -> str:
         if best.changes:
             lines.append("  changes: " + ", ".join(f"{k}={_get(best.config, k)}" for k in best.changes))
         if p.base is not None and best.config.max_grad_norm != p.base.max_grad_norm:
+            needs = "optimizer_in_backward" if best.config.optimizer_in_backward else "optimizer.cpu_offload"
             lines.append(
                 f"  max_grad_norm={best.config.max_grad_norm:g} (was {p.base.max_grad_norm:g}): no global-norm "
-                f"clipping, which optimizer_in_backward and optimizer.cpu_offload need"
+                f"clipping, which {needs} needs (grad_norm is still logged)"
             )
         if best.config.dtype == "bf16":
             lines.append("  dtype bf16: weights and optimizer state in bf16 (small updates round away; fine for "
