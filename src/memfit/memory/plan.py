@@ -33,6 +33,7 @@ Rows that were not estimated carry their bounds: peak bytes ``>=``, throughput `
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import math
@@ -168,7 +169,8 @@ class PlanRow:
     host_bytes: int = 0
     """Host memory kept there by design (estimated, or a lower bound)."""
     cost: dict[str, float] = field(default_factory=dict)
-    """Seconds of one step by component (:func:`step_cost`); a lower bound while not estimated."""
+    """Seconds of one step by component (:func:`memfit.memory.cost.step_cost`); a lower bound while not
+    estimated."""
     relative_throughput: float = 0.0
     """Baseline step seconds / this row's (an upper bound while not estimated)."""
     tokens_per_second_per_gpu: float = 0.0
@@ -282,8 +284,8 @@ class Plan:
 
 def default_dtypes(cfg: TrainConfig) -> tuple[str, ...]:
     """The dtype policies ``memfit plan`` considers when the user sets none: ``bf16_mixed`` and ``bf16`` on
-    CUDA (fp32 keeps the same model states as ``bf16_mixed``, fp32 activations, and is slower), and ``fp32`` first on CPU (CPUs
-    without bf16 matrix units emulate bf16 matmuls, ~25x slower)."""
+    CUDA (``fp32`` keeps the model states of ``bf16_mixed`` with fp32 activations, and is slower), and ``fp32``
+    first on CPU (CPUs without bf16 matrix units emulate bf16 matmuls, ~25x slower)."""
     return ("bf16_mixed", "bf16") if target_device(cfg) == "cuda" else ("fp32", "bf16_mixed", "bf16")
 
 
@@ -377,7 +379,7 @@ def candidates(
         dict.fromkeys(reshard),
         dict.fromkeys(fsdp_offload),
     )
-    with validating_as_ranks(world_size) if sharded else _nothing():
+    with validating_as_ranks(world_size) if sharded else contextlib.nullcontext():
         for dtype, (name, impl), in_bwd, opt_off, (ac, every), ce, act_off, resh, fsdp_off in grid:
             key = (dtype, name, impl, in_bwd, opt_off, ac, every if ac == "every_n" else 0, ce, act_off, resh)
             key += (fsdp_off,)
@@ -427,14 +429,6 @@ def _with(
     if fsdp_off is not None:
         tree["distributed"]["cpu_offload"] = fsdp_off
     return tree
-
-
-class _nothing:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: Any) -> None:
-        return None
 
 
 # ----------------------------------------------------------------------------------------------------------------
