@@ -1,6 +1,6 @@
 """memfit: pretrain, fine-tune and sample Llama models in the least memory.
 
-Verbs: pretrain, finetune, estimate, generate, export. Examples::
+Verbs: pretrain, finetune, estimate, plan, generate, export. Examples::
 
     memfit pretrain                                   # the main job: Tiny Shakespeare, shipped in the package
     memfit pretrain --config configs/shakespeare_char.yaml max_steps=200 optimizer.lr=3e-4
@@ -9,6 +9,7 @@ Verbs: pretrain, finetune, estimate, generate, export. Examples::
     memfit finetune --config configs/finetune_lora.yaml checkpoint_dir=path/to/Llama-3.2-1B data.path=data.json
     memfit export --checkpoint out/finetune --out path/to/hf_dir   # a directory transformers loads
     memfit estimate model=llama3-8b dtype=bf16 seq_len=2048 device=cuda   # peak memory, before allocating
+    memfit plan model=llama3-8b budget=24GiB batch_size=1 seq_len=2048 device=cuda --out plan.yaml
 
 Errors in the input (config keys, data files, checkpoints, output directories) are printed as one paragraph and
 exit with status 2 (configuration) or 1 (everything else), before anything is allocated or overwritten.
@@ -111,6 +112,69 @@ def _estimate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plan(args: argparse.Namespace) -> int:
+    from memfit.config import load_config
+    from memfit.launch import split_count, validating_as_ranks
+    from memfit.memory import plan as plan_
+
+    world_size, overrides = split_count(
+        args.overrides, "world_size", "the number of ranks of the sharded run"
+    )
+    world_size = world_size or 1
+    budget, overrides = plan_.split_budget(overrides)
+    if budget is None:
+        raise ConfigError(
+            "config key 'budget': memfit plan needs the memory of one device, e.g. budget=24GiB (GiB = 1024**3 "
+            "bytes) or budget=24GB (GB = 10**9 bytes)"
+        )
+    if not 0 <= args.margin < 1:
+        raise ConfigError(f"--margin must be in [0, 1) (a fraction of the budget), got {args.margin}")
+    if args.top < 1 or args.fits < 1:
+        raise ConfigError("--top and --fits must be >= 1")
+    with validating_as_ranks(world_size) if world_size > 1 else contextlib.nullcontext():
+        cfg = load_config(args.config, overrides)
+    dtypes = None if _sets_key(args.config, overrides, "dtype") else plan_.default_dtypes(cfg)
+    progress = None if args.json else (lambda line: print(line, file=sys.stderr, flush=True))
+    if progress:
+        progress(f"memfit plan: {cfg.model}, budget {plan_.format_bytes(budget)}, world_size {world_size}")
+    result = plan_.plan(
+        cfg, budget, world_size, margin=args.margin, dtypes=dtypes, fits=args.fits, progress=progress
+    )
+    best = result.best
+    if args.json:
+        print(json.dumps({**result.to_json(), "out": args.out if best and args.out else None}))
+    else:
+        if args.explain:
+            print(plan_.format_constants(result.target))
+            print()
+        print(plan_.format_plan(result, top=args.top))
+    if best is None:
+        raise plan_.NoPlanError(plan_.no_fit_message(result))
+    if args.out:
+        path = plan_.write_plan_yaml(args.out, best, result)
+        if not args.json:
+            print(
+                f"wrote {path}: memfit pretrain --config {path}"
+                + (f" nproc={world_size}" if world_size > 1 else "")
+            )
+    return 0
+
+
+def _sets_key(config: str | None, overrides: list[str], key: str) -> bool:
+    """Whether the config file or the overrides give ``key`` (a top-level key) a value."""
+    import yaml
+
+    from memfit.config import parse_overrides
+
+    if key in parse_overrides(overrides):
+        return True
+    if config is None:
+        return False
+    with open(config, encoding="utf-8") as f:
+        tree = yaml.safe_load(f)
+    return isinstance(tree, dict) and key in tree
+
+
 def _generate(args: argparse.Namespace) -> int:
     from memfit.generate import generate_text, load_for_generation
     from memfit.train import resolve_device
@@ -161,6 +225,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     from memfit import __version__
     from memfit.config import describe_keys
+    from memfit.memory.plan import DEFAULT_MARGIN
 
     parser.add_argument("--version", action="version", version=f"memfit {__version__}")
     p = sub.add_parser(
@@ -216,6 +281,41 @@ def build_parser() -> argparse.ArgumentParser:
     )
     est.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. model=llama3-8b world_size=8")
     est.set_defaults(func=_estimate)
+
+    pl = sub.add_parser(
+        "plan",
+        help="pick the fastest memory switches that fit a memory budget, and write them as a config",
+        description="Enumerate combinations of the memory switches (dtype, optimizer, optimizer in backward, "
+        "activation checkpointing, chunked cross-entropy, offloading; sharded: FSDP resharding and CPU offload), "
+        "estimate their peak memory on fake tensors (as memfit estimate), rank those that fit budget=SIZE on each "
+        "device by a throughput cost model (docs/memory.md, Planner) and write the fastest as a runnable YAML. "
+        "budget is required: 24GiB (GiB = 1024**3 bytes; also MiB, TiB) or 24GB (GB = 10**9 bytes; also MB, TB). "
+        "world_size=N plans one rank of an N-rank FSDP2 run. dtype: kept when given, else bf16_mixed and bf16 "
+        "(on CPU also fp32) are considered. device=cuda plans a GPU run on any machine.",
+        epilog="keys and defaults:\n  " + "\n  ".join(describe_keys()),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    pl.add_argument("--config", default=None, help="YAML preset to plan from (its keys are kept)")
+    pl.add_argument("--out", default=None, help="write the best plan here as a config for memfit pretrain")
+    pl.add_argument("--json", action="store_true", help="print one JSON object (rows, best, constants)")
+    pl.add_argument("--top", type=int, default=10, help="rows of the table to print")
+    pl.add_argument(
+        "--fits", type=int, default=1, help="fastest fitting combinations to establish (more: more estimates)"
+    )
+    pl.add_argument(
+        "--margin",
+        type=float,
+        default=DEFAULT_MARGIN,
+        help="part of the budget kept free for what the trace does not see (fragmentation, CUDA context)",
+    )
+    pl.add_argument("--explain", action="store_true", help="also print the cost model's constants")
+    pl.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="key=value",
+        help="budget=24GiB (required), model=llama3-8b, world_size=N, batch_size=B, seq_len=T, ...",
+    )
+    pl.set_defaults(func=_plan)
 
     g = sub.add_parser(
         "generate",

@@ -1,0 +1,210 @@
+"""The planner's throughput cost model: predicted seconds of one training step from a run's switches.
+
+:func:`step_cost` is explicit arithmetic over the model's shapes and a few constants (:data:`COST_CONSTANTS`):
+matmul FLOPs at an effective rate, the optimizer update at memory bandwidth, bytes over the host link and the
+interconnect. Its sources are in docs/memory.md ("Planner"); ``memfit plan --explain`` prints the constants.
+It ranks combinations of switches (:mod:`memfit.memory.plan`); it does not predict a GPU's absolute speed.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from memfit.config import TrainConfig
+    from memfit.models.llama import LlamaConfig
+
+_CUDA_CONSTANTS: dict[str, Any] = {
+    # forward + backward: 6 FLOPs per weight and token, + 12 * T * dim per layer and token for attention
+    # (Kaplan et al. 2020; PaLM, Chowdhery et al. 2022, appendix B), at this effective rate: ~40% of an H100 SXM's
+    # dense peak (989 TFLOP/s bf16; 67 TFLOP/s fp32 without TF32, torch's default for fp32 matmuls)
+    "matmul_flops_per_second": {"bf16": 400e12, "bf16_mixed": 400e12, "fp32": 25e12},
+    # an AdamW update reads p, g, m, v and writes p, m, v: 7 x bytes(param dtype) per parameter, memory-bound at
+    # this rate (~60% of an H100 SXM's 3.35 TB/s HBM3)
+    "device_memory_bytes_per_second": 2.0e12,
+    # other optimizers' updates, as multiples of AdamW's at the same dtype. bitsandbytes 8-bit: 1.4, the ratio
+    # measured on CPU (docs/memory.md, "optimizer.name"); no GPU measurement yet, the same 1.4 is assumed for
+    # torchao's (torch.compile'd on CUDA) and for paged state that is resident
+    "optimizer_update_factor": {
+        "adamw": 1.0,
+        "paged_adamw": 1.0,
+        "adamw8bit": 1.4,
+        "paged_adamw8bit": 1.4,
+        "torchao_adamw8bit": 1.4,
+        "torchao_adamw4bit": 1.4,
+        "torchao_adamw_fp8": 1.4,
+    },
+    # one optimizer per tensor (optimizer_in_backward, implementation for_loop): kernel launches per tensor update
+    # (AdamW's for-loop runs ~10 elementwise kernels per tensor) at this CPU-side cost each
+    "kernels_per_tensor_update": 10,
+    "kernel_launch_seconds": 5e-6,
+    # host <-> device copies of pinned memory (PCIe 4.0 x16: 32 GB/s per direction; ~25 achieved): activation
+    # offloading (synchronous here: not overlapped), paged-out optimizer state, offloaded parameters and gradients
+    "host_link_bytes_per_second": 25e9,
+    # the CPU's AdamW update of offloaded state (optimizer.cpu_offload, distributed.cpu_offload): 7 x bytes(param
+    # dtype) per parameter at this host memory rate
+    "host_memory_bytes_per_second": 50e9,
+    # FSDP all-gathers and reduce-scatters, per rank (an NVLink node; PCIe or Ethernet is 10-20x less); they
+    # overlap compute (prefetch), so a step takes the longer of the two
+    "interconnect_bytes_per_second": 200e9,
+    # chunked cross-entropy recomputes each chunk's logits in backward: this many extra lm_head forwards
+    "chunked_ce_extra_head_forwards": 1.0,
+}
+
+COST_CONSTANTS: dict[str, dict[str, Any]] = {
+    "cuda": _CUDA_CONSTANTS,
+    # a device=cpu run: the rates measured in docs/benchmarks.md ("Memory techniques on CPU", 2 cores): the fp32
+    # baseline ran 203 tokens/s of a 56.4M model (253 MFLOP/token) -> ~50 GFLOP/s with its update; bf16 and
+    # bf16 autocast 25x slower (no bf16 matrix units); torchao's optimizers step eagerly on CPU (~8x torch's
+    # step, docs/memory.md); chunked cross-entropy measured 0.58x (the model's 1 extra lm_head forward predicts
+    # 0.90x; 6 extra forwards reproduce it); no kernel launches, no host link
+    "cpu": {
+        **_CUDA_CONSTANTS,
+        "matmul_flops_per_second": {"fp32": 50e9, "bf16": 2e9, "bf16_mixed": 2e9},
+        "device_memory_bytes_per_second": 10e9,
+        "optimizer_update_factor": {
+            **_CUDA_CONSTANTS["optimizer_update_factor"],
+            "torchao_adamw8bit": 8.0,
+            "torchao_adamw4bit": 8.0,
+            "torchao_adamw_fp8": 8.0,
+        },
+        "kernel_launch_seconds": 0.0,
+        "chunked_ce_extra_head_forwards": 6.0,
+    },
+}
+"""Constants of :func:`step_cost` by target device (``cuda``: an H100-class GPU; ``cpu``). Documented with their
+sources in docs/memory.md ("Planner"); ``memfit plan --explain`` prints them."""
+
+
+def param_bytes(dtype: str) -> int:
+    """Bytes per element of parameters (and gradients, AdamW state) under a dtype policy."""
+    return 2 if dtype == "bf16" else 4
+
+
+def model_flops_per_token(mcfg: LlamaConfig, seq_len: int) -> dict[str, float]:
+    """Forward FLOPs per token of the decoder layers (weights + attention) and of ``lm_head``.
+
+    Per layer: ``2 * weights`` (q, k, v, o projections and the SwiGLU MLP) ``+ 4 * T * dim`` (scores and
+    weighted values, causal masking not discounted). The head: ``2 * dim * V``. A training step costs 3 forwards
+    (backward = 2 forwards).
+
+    Returns:
+        ``{"layers": ..., "head": ...}`` in FLOPs per token.
+    """
+    d, hd = mcfg.dim, mcfg.dim // mcfg.num_heads
+    weights = 2 * d * mcfg.num_heads * hd + 2 * d * mcfg.num_kv_heads * hd + 3 * d * mcfg.intermediate_size
+    return {
+        "layers": mcfg.num_layers * (2.0 * weights + 4.0 * seq_len * d),
+        "head": 2.0 * d * mcfg.vocab_size,
+    }
+
+
+def step_cost(
+    cfg: TrainConfig,
+    mcfg: LlamaConfig,
+    *,
+    world_size: int,
+    seq_len: int,
+    states: dict[str, int],
+    offloaded_activation_bytes: int = 0,
+    paged_out_bytes: int = 0,
+    constants: dict[str, Any] | None = None,
+) -> dict[str, float]:
+    """Predicted seconds of one optimizer step of one rank, by component.
+
+    - ``compute``: ``tokens * (3 * (layers + head) + recompute) / matmul_flops_per_second[dtype]``, with the
+      per-token FLOPs of :func:`model_flops_per_token`, ``tokens = batch_size * seq_len *
+      gradient_accumulation_steps``; activation checkpointing recomputes the forward of each checkpointed layer
+      (``full``: +1/3 of the layers' FLOPs; ``every_n``: that for every n-th layer), chunked cross-entropy
+      recomputes ``chunked_ce_extra_head_forwards`` lm_head forwards;
+    - ``communication`` (sharded): all-gathers of the parameters (2 per step, 1 without
+      ``reshard_after_forward``) and a reduce-scatter of the gradients, ``(N - 1) / N`` of their bytes each, at
+      ``interconnect_bytes_per_second``; overlapped with compute, so the step pays ``max(compute,
+      communication)``;
+    - ``optimizer``: ``trainable parameters * 7 * bytes(dtype) / device_memory_bytes_per_second *
+      optimizer_update_factor[name]`` (on the host at ``host_memory_bytes_per_second`` when offloaded), plus
+      ``kernels_per_tensor_update * kernel_launch_seconds`` per trainable tensor when each tensor is updated on
+      its own (``optimizer_in_backward``, ``implementation: for_loop``);
+    - ``transfers``: bytes over the host link at ``host_link_bytes_per_second``: offloaded activations out and
+      back (2x), paged-out optimizer state out and back (2x), offloaded parameters in and gradients out
+      (``optimizer.cpu_offload``; ``distributed.cpu_offload``: shards, in twice when resharding).
+
+    Args:
+        cfg: the run's config (its switches, ``batch_size``, ``gradient_accumulation_steps``, ``device``).
+        mcfg: the architecture.
+        world_size: ranks.
+        seq_len: tokens per sequence.
+        states: closed-form model states of one rank (``trainable_parameters``, ``parameters``, ``gradients``
+            in bytes; :func:`memfit.memory.estimate.model_state_bytes_closed_form`).
+        offloaded_activation_bytes: activations moved to the host in a step (``activation_offloading``).
+        paged_out_bytes: paged optimizer state that does not fit on the device and moves out and back each step.
+        constants: default ``COST_CONSTANTS[target device]``.
+
+    Returns:
+        ``{"compute", "communication", "optimizer", "transfers", "total"}`` in seconds.
+    """
+    from memfit.memory.techniques import checkpointed_layers
+
+    target = target_device(cfg)
+    c = constants or COST_CONSTANTS[target]
+    tokens = cfg.batch_size * seq_len * cfg.gradient_accumulation_steps
+    flops = model_flops_per_token(mcfg, seq_len)
+    recomputed = len(
+        checkpointed_layers(
+            mcfg.num_layers, cfg.activation_checkpointing, cfg.activation_checkpointing_interval
+        )
+    )
+    per_token = 3 * (flops["layers"] + flops["head"]) + flops["layers"] * recomputed / mcfg.num_layers
+    if cfg.chunked_cross_entropy:
+        per_token += c["chunked_ce_extra_head_forwards"] * flops["head"]
+    compute = tokens * per_token / c["matmul_flops_per_second"][cfg.dtype]
+
+    communication = 0.0
+    if world_size > 1:
+        gathers = 2 if cfg.distributed.reshard_after_forward else 1
+        full = states["parameters"] * world_size  # the unsharded bytes, to within padding
+        moved = (gathers + 1) * full * (world_size - 1) / world_size
+        communication = moved / c["interconnect_bytes_per_second"]
+
+    trainable = states["trainable_parameters"]
+    factor = c["optimizer_update_factor"].get(cfg.optimizer.name, 1.0)
+    host_update = cfg.optimizer.cpu_offload or cfg.distributed.cpu_offload
+    rate = c["host_memory_bytes_per_second"] if host_update else c["device_memory_bytes_per_second"]
+    optimizer = trainable * 7 * factor / rate
+    per_tensor = cfg.optimizer_in_backward or (
+        cfg.optimizer.name == "adamw" and cfg.optimizer.implementation == "for_loop"
+    )
+    if per_tensor:
+        tensors = _trainable_tensor_count(cfg, mcfg)
+        optimizer += tensors * c["kernels_per_tensor_update"] * c["kernel_launch_seconds"]
+
+    moved = 2 * offloaded_activation_bytes + 2 * paged_out_bytes
+    if cfg.optimizer.cpu_offload:
+        moved += 2 * trainable  # gradients out, updated parameters in
+    if cfg.distributed.cpu_offload:
+        moved += (2 if cfg.distributed.reshard_after_forward else 1) * states["parameters"]
+        moved += states["gradients"]
+    transfers = moved / c["host_link_bytes_per_second"] if target == "cuda" else 0.0
+
+    total = max(compute, communication) + optimizer + transfers
+    return {
+        "compute": compute,
+        "communication": communication,
+        "optimizer": optimizer,
+        "transfers": transfers,
+        "total": total,
+    }
+
+
+def _trainable_tensor_count(cfg: TrainConfig, mcfg: LlamaConfig) -> int:
+    if cfg.method != "full":
+        return 2 * mcfg.num_layers  # a few small tensors per layer: launches are what count, and they are few
+    per_layer = 9  # q, k, v, o, gate, up, down, 2 norms
+    return mcfg.num_layers * per_layer + 2 + (0 if mcfg.tie_word_embeddings else 1)
+
+
+def target_device(cfg: TrainConfig) -> str:
+    """``cuda`` or ``cpu``: the device the run's ``device`` resolves to (``auto``: CUDA when available)."""
+    from memfit.config import _device_type
+
+    return _device_type(cfg.device)

@@ -1,0 +1,1151 @@
+"""Pick the fastest memory techniques that fit a memory budget: ``memfit plan``.
+
+:func:`plan` enumerates combinations of the memory switches of a run (dtype policy, optimizer, optimizer in
+backward, activation checkpointing, chunked cross-entropy, offloading and, sharded, FSDP's resharding and CPU
+offload), keeps those that config validation accepts, and ranks the ones that fit the budget by a throughput cost
+model (:func:`memfit.memory.cost.step_cost`; its constants are ``COST_CONSTANTS`` there, documented with their
+sources in docs/memory.md, "Planner"). :func:`cheapest_fix` answers the pre-flight question "what is the smallest change of
+this config that fits?".
+
+Every combination reported as fitting was estimated with :func:`memfit.memory.estimate.estimate_run` -- the run's
+own training step on fake tensors -- exactly as it would run. An 8B estimate takes 15-45 s on two CPU cores, so
+the search avoids estimating what cannot matter, with bounds that are proven, never guessed:
+
+1. **Closed-form lower bound.** A step holds at least the parameters and the optimizer state that live on the
+   device (closed form, :func:`~memfit.memory.estimate.model_state_bytes_closed_form`), plus the larger of the
+   gradients (at the optimizer step) and every layer's saved input ``B * T * dim`` (at the end of the forward;
+   0 with activation offloading). A combination whose bound is over budget is never estimated.
+2. **Bound from an estimated sibling.** Optimizer state does not change what the forward and backward allocate:
+   when a combination's peak falls in the forward or backward, a sibling that differs only in the optimizer holds,
+   at that same moment, the same bytes with the other optimizer's state in place of this one's. That is a lower
+   bound on the sibling's peak.
+3. **Branch and bound on speed.** The cost model is evaluated first with lower bounds of the bytes that only an
+   estimate knows (offloaded activations, paged-out state), which gives an upper bound on each combination's
+   throughput. Combinations are estimated fastest-first; the search stops once ``fits`` combinations fit and no
+   combination left could be faster than the slowest of them.
+4. **Least-memory probe.** After a few estimates without a fit, the combination with the smallest lower bound
+   (every switch that saves memory on) is estimated; if even it does not fit, nothing is expected to and the
+   search stops. This is the one rule that is not a proof (a combination with a larger bound could, in principle,
+   peak lower); the report says so.
+
+Rows that were not estimated carry their bounds: peak bytes ``>=``, throughput ``<=``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import itertools
+import math
+import re
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import yaml
+
+from memfit.errors import ConfigError, MemfitError
+from memfit.memory.cost import COST_CONSTANTS, param_bytes, step_cost, target_device
+from memfit.memory.tracker import GIB
+
+if TYPE_CHECKING:
+    from memfit.config import TrainConfig
+    from memfit.memory.estimate import Estimate
+
+# ----------------------------------------------------------------------------------------------------------------
+# Budgets
+# ----------------------------------------------------------------------------------------------------------------
+
+BYTE_UNITS: dict[str, int] = {
+    "b": 1,
+    "kib": 1024,
+    "mib": 1024**2,
+    "gib": 1024**3,
+    "tib": 1024**4,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+}
+"""Units of a budget: binary ``KiB``, ``MiB``, ``GiB`` (1024**3 bytes), ``TiB``; decimal ``KB``, ``MB``, ``GB``
+(10**9 bytes), ``TB``; ``B``. Case does not matter; the ``i`` does."""
+
+
+def parse_bytes(text: str, key: str = "budget") -> int:
+    """Bytes from a size with a unit: ``24GiB`` is 24 * 1024**3, ``24GB`` 24 * 10**9, ``512MiB``, ``1.5TiB``.
+
+    Args:
+        text: a number followed by a unit of :data:`BYTE_UNITS` (spaces allowed between them).
+        key: the config key to name in errors.
+
+    Returns:
+        Bytes, rounded down to an integer.
+
+    Raises:
+        ConfigError: naming ``key``, when the text is not a positive number with a known unit.
+    """
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]+)\s*", str(text))
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in BYTE_UNITS:
+        raise ConfigError(
+            f"config key '{key}': {text!r} is not a size with a unit; write e.g. {key}=24GiB (GiB = 1024**3 "
+            f"bytes; also KiB, MiB, TiB) or {key}=24GB (GB = 10**9 bytes; also KB, MB, TB)"
+        )
+    value = float(match.group(1)) * BYTE_UNITS[unit]
+    if value < 1:
+        raise ConfigError(f"config key '{key}': must be > 0, got {text!r}")
+    return int(value)
+
+
+def split_budget(overrides: list[str], key: str = "budget") -> tuple[int | None, list[str]]:
+    """Take ``budget=SIZE`` (not a config key) out of the CLI's ``key=value`` overrides; the last one wins.
+
+    Returns:
+        ``(bytes or None when absent, the other overrides in their order)``.
+
+    Raises:
+        ConfigError: naming ``budget``, when a value is not a size with a unit (see :func:`parse_bytes`).
+    """
+    budget, rest = None, []
+    for item in overrides:
+        name, sep, value = item.partition("=")
+        if sep and name.strip() == key:
+            budget = parse_bytes(value.strip(), key)
+        else:
+            rest.append(item)
+    return budget, rest
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Candidates
+# ----------------------------------------------------------------------------------------------------------------
+
+SWITCH_KEYS: tuple[str, ...] = (
+    "dtype",
+    "optimizer.name",
+    "optimizer.implementation",
+    "optimizer_in_backward",
+    "optimizer.cpu_offload",
+    "activation_checkpointing",
+    "chunked_cross_entropy",
+    "activation_offloading",
+    "distributed.reshard_after_forward",
+    "distributed.cpu_offload",
+)
+"""The switches a plan sets (each counts as one change; ``activation_checkpointing`` includes its interval,
+``optimizer_in_backward`` and ``optimizer.cpu_offload`` the ``max_grad_norm=0`` they need)."""
+
+PLAN_OPTIMIZERS = ("adamw", "adamw8bit", "paged_adamw8bit", "torchao_adamw8bit", "torchao_adamw4bit")
+PLAN_CHECKPOINTING = (("none", None), ("every_n", 2), ("full", None))
+PLAN_CHUNKS = (0, 8)
+DEFAULT_MARGIN = 0.1
+"""Part of the budget kept free by default: the caching allocator's rounding and fragmentation, the CUDA context
+and kernel workspaces, none of which the trace sees (docs/memory.md, "Planner")."""
+
+
+@dataclass
+class PlanRow:
+    """One combination of switches and what the planner knows of it. Bytes; seconds."""
+
+    config: TrainConfig
+    """The whole run config with these switches (validated)."""
+    switches: dict[str, Any]
+    """Dotted switch key (:data:`SWITCH_KEYS`) -> value."""
+    changes: tuple[str, ...]
+    """The switch keys whose value differs from the config planned from."""
+    status: str = "not estimated"
+    """``fits`` and ``over budget`` (estimated), ``over budget (bound)`` (a lower bound is over budget: not
+    estimated), ``not estimated`` (could not be faster than the plans kept), ``error`` (the estimate failed)."""
+    estimated: bool = False
+    """True: ``peak_bytes``, ``device_total_bytes``, ``host_bytes`` come from ``estimate_run`` of exactly
+    ``config``. False: they are lower bounds."""
+    peak_bytes: int = 0
+    """Allocator peak of one rank (estimated, or a lower bound)."""
+    device_total_bytes: int = 0
+    """What the driver sees: the allocator's bytes plus resident paged state (estimated, or a lower bound)."""
+    host_bytes: int = 0
+    """Host memory kept there by design (estimated, or a lower bound)."""
+    cost: dict[str, float] = field(default_factory=dict)
+    """Seconds of one step by component (:func:`memfit.memory.cost.step_cost`); a lower bound while not
+    estimated."""
+    relative_throughput: float = 0.0
+    """Baseline step seconds / this row's (an upper bound while not estimated)."""
+    tokens_per_second_per_gpu: float = 0.0
+    """Tokens of one rank per predicted step second (the cost model's; an upper bound while not estimated)."""
+    estimate: Estimate | None = None
+    note: str = ""
+    _bound_peak: int = 0
+    _bound_total: int = 0
+
+    @property
+    def fits(self) -> bool:
+        return self.status == "fits"
+
+    def label(self) -> str:
+        """Short names of the switches: ``bf16 paged_adamw8bit in_bwd ac=full ce=8``."""
+        s = self.switches
+        opt = s["optimizer.name"]
+        if opt == "adamw":
+            opt += f":{s['optimizer.implementation']}"
+        parts = [s["dtype"], opt]
+        if s["optimizer_in_backward"]:
+            parts.append("in_bwd")
+        if s["optimizer.cpu_offload"]:
+            parts.append("opt_offload")
+        ac = s["activation_checkpointing"]
+        if ac == "every_n":
+            parts.append(f"ac=every_{self.config.activation_checkpointing_interval}")
+        elif ac != "none":
+            parts.append(f"ac={ac}")
+        if s["chunked_cross_entropy"]:
+            parts.append(f"ce={s['chunked_cross_entropy']}")
+        if s["activation_offloading"]:
+            parts.append("act_offload")
+        if "distributed.reshard_after_forward" in s and not s["distributed.reshard_after_forward"]:
+            parts.append("no_reshard")
+        if s.get("distributed.cpu_offload"):
+            parts.append("fsdp_offload")
+        return " ".join(parts)
+
+    def to_json(self) -> dict[str, Any]:
+        """GiB (1024**3 bytes) and seconds; ``estimated`` says whether the memory numbers are estimates or
+        lower bounds."""
+        return {
+            "switches": self.label(),
+            "config": dict(self.switches),
+            "changes": list(self.changes),
+            "status": self.status,
+            "fits": self.fits,
+            "estimated": self.estimated,
+            "peak_memory_gib": self.peak_bytes / GIB,
+            "device_total_gib": self.device_total_bytes / GIB,
+            "host_gib": self.host_bytes / GIB,
+            "relative_throughput": self.relative_throughput,
+            "tokens_per_second_per_gpu": self.tokens_per_second_per_gpu,
+            "step_seconds": self.cost.get("total", 0.0),
+            "cost_seconds": dict(self.cost),
+            "phase": self.estimate.phase if self.estimate else None,
+            "estimate_seconds": self.estimate.seconds if self.estimate else None,
+            "note": self.note,
+        }
+
+
+@dataclass
+class Plan:
+    """The result of :func:`plan`: rows sorted (fitting first, fastest first), and what was searched."""
+
+    rows: list[PlanRow]
+    budget_bytes: int
+    usable_bytes: int
+    """The budget less the margin: a row fits when its allocator peak is at most this."""
+    margin: float
+    world_size: int
+    seq_len: int
+    target: str
+    """``cuda`` or ``cpu``: the device the run's ``device`` resolves to."""
+    baseline_seconds: float
+    """Step seconds of the baseline (:func:`plan`) that ``relative_throughput`` divides."""
+    seconds: float
+    """Wall time of the search."""
+    estimates: int
+    """How many combinations were estimated."""
+    probe: PlanRow | None = None
+    """The least-memory combination, when it was estimated."""
+    base: TrainConfig | None = None
+    """The config planned from."""
+    search: Any = field(default=None, repr=False)
+    """The search's state (bounds, estimates by activation switches), for inspection."""
+
+    @property
+    def best(self) -> PlanRow | None:
+        """The fastest combination that fits, or None."""
+        return self.rows[0] if self.rows and self.rows[0].fits else None
+
+    def to_json(self) -> dict[str, Any]:
+        best = self.best
+        return {
+            "budget_gib": self.budget_bytes / GIB,
+            "usable_gib": self.usable_bytes / GIB,
+            "margin": self.margin,
+            "world_size": self.world_size,
+            "seq_len": self.seq_len,
+            "target": self.target,
+            "baseline_step_seconds": self.baseline_seconds,
+            "best": best.to_json() if best else None,
+            "rows": [r.to_json() for r in self.rows],
+            "estimates": self.estimates,
+            "seconds": self.seconds,
+            "constants": COST_CONSTANTS[self.target],
+        }
+
+
+def default_dtypes(cfg: TrainConfig) -> tuple[str, ...]:
+    """The dtype policies ``memfit plan`` considers when the user sets none: ``bf16_mixed`` and ``bf16`` on
+    CUDA (``fp32`` keeps the model states of ``bf16_mixed`` with fp32 activations, and is slower), and ``fp32``
+    first on CPU (CPUs without bf16 matrix units emulate bf16 matmuls, ~25x slower)."""
+    return ("bf16_mixed", "bf16") if target_device(cfg) == "cuda" else ("fp32", "bf16_mixed", "bf16")
+
+
+def _get(cfg: TrainConfig, dotted: str) -> Any:
+    obj: Any = cfg
+    for part in dotted.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _switches_of(cfg: TrainConfig, world_size: int) -> dict[str, Any]:
+    keys = SWITCH_KEYS if world_size > 1 else SWITCH_KEYS[:-2]
+    return {k: _get(cfg, k) for k in keys}
+
+
+def _changes(cfg: TrainConfig, base: TrainConfig, world_size: int) -> tuple[str, ...]:
+    out = []
+    for key, value in _switches_of(cfg, world_size).items():
+        before = _get(base, key)
+        if key == "optimizer.implementation" and cfg.optimizer.name != "adamw":
+            continue  # only AdamW has implementations
+        if key == "activation_checkpointing" and value == "every_n" and before == "every_n":
+            if cfg.activation_checkpointing_interval != base.activation_checkpointing_interval:
+                out.append(key)
+            continue
+        if value != before:
+            out.append(key)
+    return tuple(out)
+
+
+def candidates(
+    cfg: TrainConfig, world_size: int = 1, dtypes: Iterable[str] | None = None
+) -> list[TrainConfig]:
+    """Every combination of the plan's switches over ``cfg`` that config validation accepts.
+
+    Enumerated: ``dtype`` in ``dtypes`` (default: ``cfg.dtype`` alone); ``optimizer.name`` in
+    :data:`PLAN_OPTIMIZERS` and ``cfg``'s own (AdamW with ``cfg``'s implementation and ``fused``; paged
+    optimizers only on CUDA, where they differ from the unpaged ones); ``optimizer_in_backward`` (with
+    ``max_grad_norm=0``; only when ``gradient_accumulation_steps`` is 1: the planner never changes the
+    batch of a step); ``optimizer.cpu_offload`` (with ``max_grad_norm=0``); ``activation_checkpointing`` none,
+    every_n with interval 2, full (and ``cfg``'s own); ``chunked_cross_entropy`` 0 and 8 (and ``cfg``'s own);
+    ``activation_offloading`` with full checkpointing (so that only the layer inputs cross PCIe: offloading
+    every saved tensor moves ~34 x ``dim`` bytes per token and layer (Korthikanti et al. 2022), which the cost
+    model makes 10-20x slower than recomputing them at Llama widths 4096-8192, for about the same device
+    memory), or as ``cfg`` has it; sharded, ``distributed.reshard_after_forward`` and ``distributed.cpu_offload``.
+    Combinations validation rejects (CUDA-only switches on CPU, offload with paging, ...) are left out.
+
+    Args:
+        cfg: the run config to plan from (its model, batch, sequence length, device and other keys stay).
+        world_size: ranks of the sharded run (validation then applies the sharded rules).
+        dtypes: dtype policies to consider.
+
+    Returns:
+        Validated configs, ``cfg``'s own switches first when valid; no two with the same switches.
+    """
+    from memfit.config import _device_type, config_from_dict, config_to_dict
+    from memfit.launch import validating_as_ranks
+
+    cuda = _device_type(cfg.device) == "cuda"
+    dtypes = tuple(dict.fromkeys(dtypes or (cfg.dtype,)))
+    optimizers: list[tuple[str, str]] = [(cfg.optimizer.name, cfg.optimizer.implementation)]
+    for name in PLAN_OPTIMIZERS:
+        if name.startswith("paged_") and not cuda:
+            continue  # on CPU paged state is ordinary memory: the same as the unpaged optimizer
+        impls = (
+            (cfg.optimizer.implementation, "fused") if name == "adamw" else (cfg.optimizer.implementation,)
+        )
+        optimizers += [(name, impl) for impl in impls]
+    checkpointing = [(cfg.activation_checkpointing, cfg.activation_checkpointing_interval)]
+    checkpointing += [(m, n or cfg.activation_checkpointing_interval) for m, n in PLAN_CHECKPOINTING]
+    chunks = (cfg.chunked_cross_entropy, *PLAN_CHUNKS)
+    in_backward = (cfg.optimizer_in_backward, False) + (
+        (True,) if cfg.gradient_accumulation_steps == 1 else ()
+    )
+    bools = (False, True)
+    sharded = world_size > 1
+    reshard = (cfg.distributed.reshard_after_forward, True, False) if sharded else (None,)
+    fsdp_offload = (cfg.distributed.cpu_offload, False, True) if sharded and cuda else (None,)
+
+    base = config_to_dict(cfg)
+    out: list[TrainConfig] = []
+    seen: set[tuple] = set()
+    grid = itertools.product(
+        dtypes,
+        dict.fromkeys(optimizers),
+        dict.fromkeys(in_backward),
+        (cfg.optimizer.cpu_offload, *bools),
+        dict.fromkeys(checkpointing),
+        dict.fromkeys(chunks),
+        (cfg.activation_offloading, *bools),
+        dict.fromkeys(reshard),
+        dict.fromkeys(fsdp_offload),
+    )
+    with validating_as_ranks(world_size) if sharded else contextlib.nullcontext():
+        for dtype, (name, impl), in_bwd, opt_off, (ac, every), ce, act_off, resh, fsdp_off in grid:
+            key = (dtype, name, impl, in_bwd, opt_off, ac, every if ac == "every_n" else 0, ce, act_off, resh)
+            key += (fsdp_off,)
+            own = (ac, act_off) == (cfg.activation_checkpointing, cfg.activation_offloading)
+            if key in seen or (act_off and ac != "full" and not own):
+                continue
+            seen.add(key)
+            tree = _with(
+                base, dtype, name, impl, in_bwd, opt_off, ac, every, ce, act_off, resh, fsdp_off, cfg
+            )
+            try:
+                out.append(config_from_dict(tree))
+            except ConfigError:
+                continue
+    return out
+
+
+def _with(
+    base: dict[str, Any],
+    dtype: str,
+    name: str,
+    impl: str,
+    in_bwd: bool,
+    opt_off: bool,
+    ac: str,
+    every: int,
+    ce: int,
+    act_off: bool,
+    resh: bool | None,
+    fsdp_off: bool | None,
+    cfg: TrainConfig,
+) -> dict[str, Any]:
+    tree = {**base, "optimizer": dict(base["optimizer"]), "distributed": dict(base["distributed"])}
+    tree["dtype"] = dtype
+    tree["optimizer"]["name"] = name
+    tree["optimizer"]["implementation"] = impl
+    tree["optimizer"]["cpu_offload"] = opt_off
+    tree["optimizer_in_backward"] = in_bwd
+    if (in_bwd and not cfg.optimizer_in_backward) or (opt_off and not cfg.optimizer.cpu_offload):
+        tree["max_grad_norm"] = 0.0  # what both need: no global-norm clipping (grad_norm is still reported)
+    tree["activation_checkpointing"] = ac
+    tree["activation_checkpointing_interval"] = every
+    tree["chunked_cross_entropy"] = ce
+    tree["activation_offloading"] = act_off
+    if resh is not None:
+        tree["distributed"]["reshard_after_forward"] = resh
+    if fsdp_off is not None:
+        tree["distributed"]["cpu_offload"] = fsdp_off
+    return tree
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Bounds
+# ----------------------------------------------------------------------------------------------------------------
+
+
+class _Context:
+    """What every row of one search shares: architecture, closed forms (cached), budget, constants."""
+
+    def __init__(
+        self, cfg: TrainConfig, world_size: int, budget: int, margin: float, constants: dict[str, Any] | None
+    ) -> None:
+        from memfit.memory.estimate import run_model_config
+
+        self.cfg = cfg
+        self.world_size = world_size
+        self.mcfg = run_model_config(cfg)
+        self.seq_len = cfg.seq_len or self.mcfg.max_seq_len
+        self.target = target_device(cfg)
+        self.constants = constants or COST_CONSTANTS[self.target]
+        self.budget = budget
+        self.margin = margin
+        self.usable = int(budget * (1 - margin))
+        self._closed: dict[tuple, dict[str, int]] = {}
+        self._grad_sizes: dict[tuple, tuple[int, int]] = {}
+
+    def closed(self, cfg: TrainConfig) -> dict[str, int]:
+        from memfit.memory.estimate import model_state_bytes_closed_form
+
+        key = (cfg.dtype, cfg.optimizer.name, cfg.optimizer_in_backward)
+        if key not in self._closed:
+            self._closed[key] = model_state_bytes_closed_form(cfg, self.mcfg, self.world_size)
+        return self._closed[key]
+
+    def moved_state(self, cfg: TrainConfig) -> str | None:
+        """Where the optimizer state lives when not in the allocator: ``paged``, ``host`` or None."""
+        if self.target != "cuda":
+            return None
+        if cfg.optimizer.name.startswith("paged_"):
+            return "paged"
+        if cfg.optimizer.cpu_offload or cfg.distributed.cpu_offload:
+            return "host"
+        return None
+
+    def device_state(self, cfg: TrainConfig) -> int:
+        return 0 if self.moved_state(cfg) else self.closed(cfg)["optimizer_state"]
+
+    def lower_bounds(self, cfg: TrainConfig) -> tuple[int, int, int]:
+        """``(allocator peak, device total, host)`` lower bounds, from closed forms.
+
+        The device always holds its parameters and optimizer state (unless paged or offloaded), and at some
+        moment of the step at least one of: every tensor the forward saved for backward (its end); those of the
+        decoder layers and ``lm_head``'s weight gradient (the first gradient of the backward, computed while
+        every layer's saved tensors are still alive); every gradient (the optimizer step); the largest single
+        gradient (optimizer in backward, before its update frees it).
+        """
+        closed = self.closed(cfg)
+        fsdp_off = self.target == "cuda" and cfg.distributed.cpu_offload
+        params = 0 if fsdp_off else closed["parameters"]
+        grads = 0 if fsdp_off else closed["gradients"]
+        layers, loss = (0, 0) if self.offloads_activations(cfg) else self.saved_activations(cfg)
+        head, largest = (0, 0) if fsdp_off else self.gradient_sizes(cfg)
+        peak = params + self.device_state(cfg) + max(layers + loss, layers + head, grads, largest)
+        moved = self.moved_state(cfg)
+        total = peak + (closed["optimizer_state"] if moved == "paged" else 0)
+        host = closed["optimizer_state"] if moved == "host" else 0
+        if self.target == "cuda" and cfg.optimizer.cpu_offload:
+            host += closed["trainable_parameters"] + closed["gradients"]
+        if fsdp_off:
+            host += closed["parameters"] + closed["gradients"]
+        return peak, total, host
+
+    def offloads_activations(self, cfg: TrainConfig) -> bool:
+        return self.target == "cuda" and cfg.activation_offloading
+
+    def saved_activations(self, cfg: TrainConfig) -> tuple[int, int]:
+        """Lower bounds of the bytes the forward saves for backward: ``(decoder layers, loss)``.
+
+        Each layer saves its input ``(B, T, dim)`` (its first RMSNorm does; a checkpointed layer keeps only that)
+        at the residual stream's dtype (bf16 for ``bf16``, else fp32). A layer that is not checkpointed, with
+        trainable weights (``method: full``), also saves the input of each projection for its weight's gradient:
+        the normed input of q/k/v, the attention output, the normed input of gate/up (``dim`` each) and the input
+        of down_proj (``intermediate_size``), at the matmul dtype (bf16 under ``bf16`` and ``bf16_mixed``). The
+        loss without chunking saves the fp32 log-probabilities ``(B * T, V)``.
+        """
+        from memfit.memory.techniques import checkpointed_layers
+
+        m = self.mcfg
+        tokens = cfg.batch_size * self.seq_len
+        resid = param_bytes(cfg.dtype)
+        matmul = 4 if cfg.dtype == "fp32" else 2
+        checkpointed = len(
+            checkpointed_layers(
+                m.num_layers, cfg.activation_checkpointing, cfg.activation_checkpointing_interval
+            )
+        )
+        inner = (3 * m.dim + m.intermediate_size) * matmul if cfg.method == "full" else 0
+        layers = tokens * (m.num_layers * m.dim * resid + (m.num_layers - checkpointed) * inner)
+        loss = 0 if cfg.chunked_cross_entropy else tokens * m.vocab_size * 4
+        return layers, loss
+
+    def gradient_sizes(self, cfg: TrainConfig) -> tuple[int, int]:
+        """Bytes of one rank's ``lm_head`` weight gradient (0 when it is frozen) and of its largest gradient."""
+        key = (cfg.dtype, cfg.method)
+        if key not in self._grad_sizes:
+            from memfit.models.llama import build_llama
+            from memfit.train import PARAM_DTYPES, apply_method
+
+            model = build_llama(self.mcfg, device="meta", dtype=PARAM_DTYPES[cfg.dtype])
+            apply_method(model, cfg)
+            size, ws = param_bytes(cfg.dtype), self.world_size
+
+            def local(p: Any) -> int:
+                shape = tuple(p.shape)
+                rows = -(-shape[0] // ws) if shape else 1
+                return min(rows, shape[0] if shape else 1) * math.prod(shape[1:]) * size
+
+            head = getattr(getattr(model, "lm_head", None), "weight", None)
+            head_bytes = local(head) if isinstance(head, torch.nn.Parameter) and head.requires_grad else 0
+            largest = max((local(p) for p in model.parameters() if p.requires_grad), default=0)
+            self._grad_sizes[key] = (head_bytes, largest)
+        return self._grad_sizes[key]
+
+    def cost(self, cfg: TrainConfig, offloaded_activations: int, device_total: int) -> dict[str, float]:
+        paged_out = max(0, device_total - self.usable) if self.moved_state(cfg) == "paged" else 0
+        return step_cost(
+            cfg,
+            self.mcfg,
+            world_size=self.world_size,
+            seq_len=self.seq_len,
+            states=self.closed(cfg),
+            offloaded_activation_bytes=offloaded_activations if self.target == "cuda" else 0,
+            paged_out_bytes=paged_out,
+            constants=self.constants,
+        )
+
+    def tokens(self, cfg: TrainConfig) -> int:
+        return cfg.batch_size * self.seq_len * cfg.gradient_accumulation_steps
+
+
+def _activation_key(cfg: TrainConfig) -> tuple:
+    """Switches that decide what forward and backward allocate (all but the optimizer's)."""
+    return (
+        cfg.dtype,
+        cfg.optimizer_in_backward,
+        cfg.activation_checkpointing,
+        cfg.activation_checkpointing_interval if cfg.activation_checkpointing == "every_n" else 0,
+        cfg.chunked_cross_entropy,
+        cfg.activation_offloading,
+        cfg.distributed.reshard_after_forward,
+        cfg.distributed.cpu_offload,
+    )
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The search
+# ----------------------------------------------------------------------------------------------------------------
+
+PROBE_AFTER = 3
+"""Estimates without a fit after which the least-memory combination is estimated (see the module doc, 4)."""
+
+
+class _Search:
+    def __init__(
+        self,
+        ctx: _Context,
+        rows: list[PlanRow],
+        progress: Callable[[str], None] | None,
+        estimator: Callable[..., Estimate] | None,
+    ) -> None:
+        from memfit.memory.estimate import estimate_run
+
+        self.ctx = ctx
+        self.rows = rows
+        self.progress = progress or (lambda _msg: None)
+        self.estimator = estimator or estimate_run
+        self.estimates = 0
+        self.failed_since_fit = 0
+        self.probe: PlanRow | None = None
+        self.by_activation: dict[tuple, list[PlanRow]] = {}
+        self.nothing_fits = False
+
+    def bound(self, row: PlanRow) -> None:
+        """Fill a row's lower bounds and its optimistic cost."""
+        ctx, cfg = self.ctx, row.config
+        peak, total, host = ctx.lower_bounds(cfg)
+        peak = max(peak, self.sibling_bound(row))
+        paged = ctx.closed(cfg)["optimizer_state"] if ctx.moved_state(cfg) == "paged" else 0
+        total = max(total, peak + paged)
+        row._bound_peak, row._bound_total = peak, total
+        row.peak_bytes, row.device_total_bytes, row.host_bytes = peak, total, host
+        acts = sum(ctx.saved_activations(cfg)) if ctx.offloads_activations(cfg) else 0
+        row.cost = ctx.cost(cfg, acts, total)
+
+    def sibling_bound(self, row: PlanRow) -> int:
+        """The bound from an estimated row with the same activation switches whose peak fell in forward or
+        backward (module doc, 2)."""
+        best = 0
+        for other in self.by_activation.get(_activation_key(row.config), []):
+            e = other.estimate
+            if e is None or e.phase not in ("forward", "backward"):
+                continue
+            state_there = e.breakdown.get("optimizer_state", 0)
+            best = max(best, e.peak_bytes - state_there + self.ctx.device_state(row.config))
+        return best
+
+    def run_estimate(self, row: PlanRow, why: str = "") -> None:
+        ctx = self.ctx
+        start = time.perf_counter()
+        self.estimates += 1
+        try:
+            e = self.estimator(row.config, world_size=ctx.world_size, seq_len=ctx.seq_len)
+        except Exception as exc:  # noqa: BLE001 -- one combination failing must not end the search
+            row.status, row.estimated = "error", False
+            row.note = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:200]
+            self.progress(f"  estimate {self.estimates}{why}: {row.label()}: {row.note}")
+            return
+        row.estimate, row.estimated = e, True
+        row.peak_bytes, row.device_total_bytes, row.host_bytes = (
+            e.peak_bytes,
+            e.device_total_bytes,
+            e.host_bytes,
+        )
+        acts = e.unseen.get("offloaded_activations", 0)
+        row.cost = ctx.cost(row.config, acts, e.device_total_bytes)
+        row.status = "fits" if e.peak_bytes <= ctx.usable else "over budget"
+        self.by_activation.setdefault(_activation_key(row.config), []).append(row)
+        self.failed_since_fit = 0 if row.fits else self.failed_since_fit + 1
+        self.progress(
+            f"  estimate {self.estimates}{why}: {row.label()}: peak {format_bytes(e.peak_bytes)}, "
+            f"{row.status} ({time.perf_counter() - start:.0f} s)"
+        )
+
+    def least_memory(self) -> PlanRow:
+        """The row with the smallest lower bound (ties: the most switches changed, then the slowest: full
+        checkpointing before every_n)."""
+        return min(
+            self.rows,
+            key=lambda r: (r._bound_peak, r._bound_total, -len(r.changes), -r.cost["total"]),
+        )
+
+    def probe_if_due(self) -> bool:
+        """Estimate the least-memory row after PROBE_AFTER failures; True when it does not fit either."""
+        if self.probe is not None or self.failed_since_fit < PROBE_AFTER:
+            return self.nothing_fits
+        self.probe = self.least_memory()
+        if not self.probe.estimated and self.probe.status != "error":
+            self.run_estimate(self.probe, " (least-memory probe)")
+        self.nothing_fits = self.probe.status == "over budget"  # an estimate that failed proves nothing
+        return self.nothing_fits
+
+    def search(self, group: list[PlanRow], want: int) -> list[PlanRow]:
+        """Branch and bound over ``group``: estimate fastest-first until ``want`` rows fit and nothing left
+        could be faster than the slowest of them."""
+        usable = self.ctx.usable
+        pending = sorted(((r.cost["total"], r._bound_peak, i), r) for i, r in enumerate(group))
+        found = [r for r in group if r.fits]
+        for i, ((optimistic, _, _), row) in enumerate(pending):
+            if row.estimated or row.status == "error":
+                continue
+            found.sort(key=lambda r: r.cost["total"])
+            if len(found) >= want and optimistic >= found[want - 1].cost["total"]:
+                for _, rest in pending[i:]:
+                    if not rest.estimated and rest.status != "over budget (bound)":
+                        rest.status = "not estimated"
+                        rest.note = f"cannot be faster than the {want} kept"
+                break
+            self.bound(row)  # estimates made since the first bound may give a sibling bound now
+            if row._bound_peak > usable:
+                row.status = "over budget (bound)"
+                continue
+            if self.probe_if_due():
+                break
+            self.run_estimate(row)
+            if row.fits:
+                found.append(row)
+        return found
+
+
+def _build(
+    cfg: TrainConfig,
+    budget_bytes: int,
+    world_size: int,
+    margin: float,
+    dtypes: Iterable[str] | None,
+    constants: dict[str, Any] | None,
+    progress: Callable[[str], None] | None,
+    estimator: Callable[..., Estimate] | None,
+) -> tuple[_Search, float]:
+    if budget_bytes <= 0:
+        raise ConfigError(f"config key 'budget': must be > 0 bytes, got {budget_bytes}")
+    if not 0 <= margin < 1:
+        raise ConfigError(f"config key 'margin': must be in [0, 1) (a fraction of the budget), got {margin}")
+    if world_size < 1:
+        raise ConfigError(f"config key 'world_size': must be >= 1, got {world_size}")
+    if world_size > 1 and cfg.distributed.strategy != "fsdp2":
+        raise ConfigError(
+            "config key 'distributed.strategy': plans of sharded runs are estimated with FSDP2; set "
+            "distributed.strategy=fsdp2"
+        )
+    ctx = _Context(cfg, world_size, budget_bytes, margin, constants)
+    configs = candidates(cfg, world_size, dtypes)
+    if not configs:
+        raise ConfigError(
+            "config key 'dtype': no combination of switches over this config passes validation; check it with "
+            "memfit estimate first"
+        )
+    rows = [PlanRow(c, _switches_of(c, world_size), _changes(c, cfg, world_size)) for c in configs]
+    search = _Search(ctx, rows, progress, estimator)
+    for row in rows:
+        search.bound(row)
+    # the baseline: the first dtype considered, fused AdamW, no switch that costs time
+    base = dataclasses.replace(
+        cfg,
+        dtype=next(iter(dtypes or (cfg.dtype,))),
+        optimizer=dataclasses.replace(cfg.optimizer, name="adamw", implementation="fused", cpu_offload=False),
+        optimizer_in_backward=False,
+        activation_checkpointing="none",
+        chunked_cross_entropy=0,
+        activation_offloading=False,
+        distributed=dataclasses.replace(cfg.distributed, reshard_after_forward=True, cpu_offload=False),
+    )
+    baseline = ctx.cost(base, 0, 0)["total"]
+    return search, baseline
+
+
+def _finish(search: _Search, baseline: float, start: float) -> Plan:
+    ctx = search.ctx
+    for row in search.rows:
+        row.relative_throughput = baseline / row.cost["total"]
+        row.tokens_per_second_per_gpu = ctx.tokens(row.config) / row.cost["total"]
+        if row.status == "over budget (bound)" and not row.note:
+            row.note = "its lower bound is over budget"
+        if row.status == "not estimated" and not row.note:
+            row.note = "the search stopped: the least-memory combination does not fit"
+    order = {"fits": 0, "over budget": 1, "error": 3}
+    rows = sorted(
+        search.rows,
+        key=lambda r: (order.get(r.status, 2), -r.relative_throughput, r.peak_bytes, len(r.changes)),
+    )
+    return Plan(
+        rows=rows,
+        budget_bytes=ctx.budget,
+        usable_bytes=ctx.usable,
+        margin=ctx.margin,
+        world_size=ctx.world_size,
+        seq_len=ctx.seq_len,
+        target=ctx.target,
+        baseline_seconds=baseline,
+        seconds=time.perf_counter() - start,
+        estimates=search.estimates,
+        probe=search.probe,
+        base=ctx.cfg,
+        search=search,
+    )
+
+
+def plan(
+    cfg: TrainConfig,
+    budget_bytes: int,
+    world_size: int = 1,
+    *,
+    margin: float = DEFAULT_MARGIN,
+    dtypes: Iterable[str] | None = None,
+    fits: int = 1,
+    constants: dict[str, Any] | None = None,
+    progress: Callable[[str], None] | None = None,
+    estimator: Callable[..., Estimate] | None = None,
+) -> Plan:
+    """The fastest combinations of memory switches over ``cfg`` whose peak fits ``budget_bytes`` on one rank.
+
+    A combination fits when its estimated allocator peak (``estimate_run`` of exactly that config) is at most
+    ``budget_bytes * (1 - margin)``; paged optimizer state beyond that pays its PCIe traffic in the cost model
+    instead. Rows are ranked by :func:`step_cost`; ``relative_throughput`` is against a baseline of the fastest
+    dtype considered, fused AdamW and no switch that costs time (which need not fit).
+
+    Args:
+        cfg: the run to plan (model, batch_size, seq_len, device -- ``cuda`` plans a GPU run on any machine --
+            and every other key are kept).
+        budget_bytes: memory of one device (see :func:`parse_bytes`).
+        world_size: ranks of the (FSDP2) run; each gets ``batch_size`` sequences.
+        margin: part of the budget kept free for what the trace does not see (allocator fragmentation, CUDA
+            context, kernel workspaces).
+        dtypes: dtype policies to consider; default ``cfg.dtype`` alone.
+        fits: how many fitting combinations to establish (more means more estimates).
+        constants: cost-model constants; default ``COST_CONSTANTS[target device]``.
+        progress: called with one line per estimate (wall time is minutes for 8B models).
+        estimator: ``estimate_run`` (tests may pass a stand-in).
+
+    Returns:
+        The :class:`Plan`; ``plan(...).best`` is the fastest fitting row, None when nothing fits.
+
+    Raises:
+        ConfigError: a bad budget, margin, world size or strategy; no valid combination.
+    """
+    start = time.perf_counter()
+    search, baseline = _build(cfg, budget_bytes, world_size, margin, dtypes, constants, progress, estimator)
+    search.search(search.rows, max(1, fits))
+    if not any(r.fits for r in search.rows) and search.probe is None:
+        search.failed_since_fit = PROBE_AFTER
+        search.probe_if_due()  # estimated for the report: the smallest peak there is
+    return _finish(search, baseline, start)
+
+
+def cheapest_fix(
+    cfg: TrainConfig,
+    budget_bytes: int,
+    world_size: int = 1,
+    *,
+    margin: float = DEFAULT_MARGIN,
+    dtypes: Iterable[str] | None = None,
+    constants: dict[str, Any] | None = None,
+    progress: Callable[[str], None] | None = None,
+    estimator: Callable[..., Estimate] | None = None,
+) -> PlanRow | None:
+    """The combination that fits with the **fewest switches changed** from ``cfg``, the fastest of those.
+
+    Combinations are searched by the number of :data:`SWITCH_KEYS` they change (0: ``cfg`` itself, then one
+    switch, then two, ...), each group fastest-first (branch and bound, as :func:`plan`); the first group with a
+    fit gives the answer. ``changes`` of the row names the keys to set and ``config`` is the whole fixed
+    config. Without a fit after a few estimates, the least-memory combination is estimated; when even it does not
+    fit, the answer is None.
+
+    Args:
+        cfg, budget_bytes, world_size, margin, dtypes, constants, progress, estimator: as :func:`plan`.
+
+    Returns:
+        The row (``changes == ()`` when ``cfg`` fits as it is; its peak is estimated), or None when nothing fits.
+
+    Raises:
+        ConfigError: as :func:`plan`.
+    """
+    start = time.perf_counter()
+    search, baseline = _build(cfg, budget_bytes, world_size, margin, dtypes, constants, progress, estimator)
+    levels = sorted({len(r.changes) for r in search.rows})
+    for level in levels:
+        group = [r for r in search.rows if len(r.changes) == level]
+        found = search.search(group, 1)
+        if found:
+            _finish(search, baseline, start)
+            return min(found, key=lambda r: r.cost["total"])
+        if search.nothing_fits:
+            return None
+    return None
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Reports
+# ----------------------------------------------------------------------------------------------------------------
+
+
+class NoPlanError(MemfitError):
+    """No combination of switches fits the budget."""
+
+
+def format_bytes(n: float) -> str:
+    """``24.00 GiB``, ``512.00 MiB`` or ``12.50 KiB`` (binary units: GiB = 1024**3 bytes)."""
+    for unit, size in (("GiB", GIB), ("MiB", 1024**2)):
+        if abs(n) >= 0.1 * size or (n == 0 and unit == "GiB"):
+            return f"{n / size:.2f} {unit}"
+    return f"{n / 1024:.2f} KiB"
+
+
+def no_fit_message(p: Plan) -> str:
+    """Why nothing fits, the smallest peak seen, and what would be needed (budget, ranks, shorter batches)."""
+    estimated = [r for r in p.rows if r.estimated]
+    least = p.probe if p.probe is not None and p.probe.estimated else None
+    if least is None and estimated:
+        least = min(estimated, key=lambda r: r.peak_bytes)
+    if least is None:
+        least = min(p.rows, key=lambda r: r.peak_bytes)
+    kind = "estimated" if least.estimated else "a lower bound"
+    need = least.peak_bytes / (1 - p.margin)
+    msg = (
+        f"nothing fits in {format_bytes(p.budget_bytes)} ({format_bytes(p.usable_bytes)} usable after the "
+        f"{p.margin:.0%} margin) on each of {p.world_size} rank(s): the least memory, with {least.label()}, is "
+        f"{format_bytes(least.peak_bytes)} ({kind}). Needs a budget of at least {format_bytes(need)}"
+    )
+    e = least.estimate
+    if e is not None:
+        states = e.breakdown.get("parameters", 0) + e.breakdown.get("gradients", 0)
+        states += e.breakdown.get("optimizer_state", 0)
+        rest = e.peak_bytes - states
+        if rest < p.usable_bytes and states > 0:
+            ranks = p.world_size * math.ceil(states / (p.usable_bytes - rest))
+            msg += (
+                f", or about world_size={ranks} (parameters, gradients and optimizer state, "
+                f"{format_bytes(states)} here, fall as 1/N; bitsandbytes optimizers do not run sharded)"
+            )
+        msg += (
+            f", or a smaller batch_size or seq_len (activations and temporaries are {format_bytes(rest)} "
+            f"at that peak)"
+        )
+    return msg
+
+
+def format_plan(p: Plan, top: int = 10) -> str:
+    """The table of ``memfit plan``: rank, switches, peak (allocator), device total, host (GiB = 1024**3
+    bytes), relative throughput, fits, and whether the numbers are estimated or bounds."""
+    unit, size = ("GiB", GIB) if p.budget_bytes >= GIB else ("MiB", 1024**2)
+    lines = [
+        f"budget {format_bytes(p.budget_bytes)} per device, {format_bytes(p.usable_bytes)} usable "
+        f"(margin {p.margin:.0%}), {p.world_size} rank(s), target {p.target}, seq_len {p.seq_len}",
+        f"{len(p.rows)} combinations, {p.estimates} estimated in {p.seconds:.0f} s; speed: relative throughput "
+        f"of the cost model (docs/memory.md, Planner), 1.00 = baseline step of {p.baseline_seconds * 1e3:.0f} ms",
+        "estimated: numbers from estimate_run of that exact config; bound: >= peak / <= speed, not estimated",
+        "",
+    ]
+    shown = p.rows[:top]
+    width = max([len(r.label()) for r in shown] + [8])
+    head = (
+        f"{'rank':>4}  {'switches':<{width}}  {'peak ' + unit:>9}  {'device ' + unit:>10}  {'host ' + unit:>8}  "
+        f"{'speed':>6}  {'fits':<4}  source"
+    )
+    lines += [head, "-" * len(head)]
+    for i, r in enumerate(shown, 1):
+        ge, le = ("", "") if r.estimated else (">=", "<=")
+        fits = "yes" if r.fits else ("?" if r.status in ("not estimated", "error") else "no")
+        source = "estimated" if r.estimated else ("error" if r.status == "error" else "bound")
+        if r.status == "not estimated":
+            source = "bound (not estimated: slower)"
+        lines.append(
+            f"{i:>4}  {r.label():<{width}}  {ge + f'{r.peak_bytes / size:.2f}':>9}  "
+            f"{ge + f'{r.device_total_bytes / size:.2f}':>10}  {ge + f'{r.host_bytes / size:.2f}':>8}  "
+            f"{le + f'{r.relative_throughput:.2f}':>6}  {fits:<4}  {source}"
+        )
+    rest = p.rows[top:]
+    if rest:
+        counts: dict[str, int] = {}
+        for r in rest:
+            counts[r.status] = counts.get(r.status, 0) + 1
+        lines.append(
+            f"... {len(rest)} more: "
+            + ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))
+            + " (--top N)"
+        )
+    errors = [r for r in p.rows if r.status == "error"]
+    for r in errors[:3]:
+        lines.append(f"error: {r.label()}: {r.note}")
+    best = p.best
+    if best is not None:
+        c = best.cost
+        lines += [
+            "",
+            f"best: {best.label()}",
+            f"  step {c['total'] * 1e3:.0f} ms (compute {c['compute'] * 1e3:.0f}, communication "
+            f"{c['communication'] * 1e3:.0f}, optimizer {c['optimizer'] * 1e3:.0f}, transfers "
+            f"{c['transfers'] * 1e3:.0f}), {best.tokens_per_second_per_gpu:,.0f} tokens_per_second_per_gpu "
+            f"(cost model)",
+        ]
+        if best.changes:
+            lines.append("  changes: " + ", ".join(f"{k}={_get(best.config, k)}" for k in best.changes))
+        if p.base is not None and best.config.max_grad_norm != p.base.max_grad_norm:
+            needs = "optimizer_in_backward" if best.config.optimizer_in_backward else "optimizer.cpu_offload"
+            lines.append(
+                f"  max_grad_norm={best.config.max_grad_norm:g} (was {p.base.max_grad_norm:g}): no global-norm "
+                f"clipping, which {needs} needs (grad_norm is still logged)"
+            )
+        if best.config.dtype == "bf16":
+            lines.append("  dtype bf16: weights and optimizer state in bf16 (small updates round away; fine for "
+                         "fine-tuning, watch long pretraining)")  # fmt: skip
+    return "\n".join(lines)
+
+
+def format_constants(target: str) -> str:
+    """The cost-model constants of a target, one per line (``memfit plan --explain``)."""
+    lines = [f"cost-model constants ({target}; sources in docs/memory.md, Planner):"]
+    for k, v in COST_CONSTANTS[target].items():
+        if isinstance(v, dict):
+            lines.append(f"  {k}:")
+            lines += [f"    {name}: {value:g}" for name, value in v.items()]
+        else:
+            lines.append(f"  {k}: {v:g}")
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The runnable YAML
+# ----------------------------------------------------------------------------------------------------------------
+
+_COMMENTS: dict[str, Callable[[Any], str]] = {
+    "dtype": lambda v: {
+        "bf16": "weights, gradients and optimizer state bf16 (loss in fp32)",
+        "bf16_mixed": "fp32 weights, gradients and state; forward/backward under bf16 autocast",
+        "fp32": "everything fp32",
+    }[v],
+    "optimizer.name": lambda v: {
+        "adamw": "torch AdamW: 2 moments in the parameter dtype",
+        "adamw8bit": "bitsandbytes 8-bit AdamW: ~2 bytes/parameter of state",
+        "paged_adamw8bit": "8-bit state in CUDA unified memory: the driver pages it to host RAM when short",
+        "paged_adamw": "32-bit state in CUDA unified memory",
+        "torchao_adamw8bit": "torchao 8-bit AdamW: ~2 bytes/parameter of state",
+        "torchao_adamw4bit": "torchao 4-bit AdamW: ~1 byte/parameter of state",
+        "torchao_adamw_fp8": "torchao fp8 AdamW state: ~2 bytes/parameter",
+    }.get(v, ""),
+    "optimizer.implementation": lambda v: {
+        "fused": "one fused kernel: fewest temporaries, fastest",
+        "foreach": "multi-tensor: one parameter-sized set of temporaries at the step",
+        "for_loop": "one tensor at a time",
+    }[v],
+    "optimizer.cpu_offload": lambda v: (
+        "state and update on the host (torchao CPUOffloadOptimizer)" if v else ""
+    ),
+    "optimizer_in_backward": lambda v: (
+        "no gradient memory; needs gradient_accumulation_steps == 1" if v else ""
+    ),
+    "max_grad_norm": lambda v: "0: no global-norm clipping (grad_norm is still logged)" if v == 0 else "",
+    "activation_checkpointing": lambda v: {
+        "full": "recompute every layer in backward: ~1/3 more compute",
+        "every_n": "recompute every n-th layer in backward",
+        "none": "",
+    }[v],
+    "chunked_cross_entropy": lambda v: "never materialise the whole (B, T, vocab) logits" if v else "",
+    "activation_offloading": lambda v: (
+        "saved activations in pinned host memory (PCIe each step)" if v else ""
+    ),
+    "distributed.reshard_after_forward": lambda v: (
+        "" if v else "keep gathered layers to backward: fewer all-gathers"
+    ),
+    "distributed.cpu_offload": lambda v: "shards, gradients and the step on the host" if v else "",
+}
+
+
+def plan_yaml(row: PlanRow, p: Plan, command: str | None = None) -> str:
+    """A config file (the format of ``configs/*.yaml``) that runs ``row``: every key that differs from
+    :class:`~memfit.config.TrainConfig`'s defaults, plus the model, sizes and every planned switch, with each
+    switch's trade-off beside it and the prediction in a header comment. ``load_config`` of it gives
+    ``row.config`` back.
+    """
+    from memfit.config import TrainConfig, config_to_dict
+
+    cfg = dataclasses.replace(row.config, device=p.target, seq_len=p.seq_len)
+    tree, default = config_to_dict(cfg), config_to_dict(TrainConfig())
+    always = {
+        "model",
+        "dtype",
+        "device",
+        "batch_size",
+        "seq_len",
+        "gradient_accumulation_steps",
+        "max_grad_norm",
+    }
+    always |= set(SWITCH_KEYS)
+    if cfg.optimizer.name != "adamw":
+        always.discard("optimizer.implementation")  # AdamW's only
+    if cfg.activation_checkpointing == "every_n":
+        always.add("activation_checkpointing_interval")
+    out: dict[str, Any] = {}
+    first = ["model", "model_args", "checkpoint_dir", "method", "dtype", "device", "batch_size", "seq_len"]
+    for key in first + [k for k in tree if k not in first]:
+        value = tree[key]
+        if (
+            isinstance(value, dict)
+            and key != "model_args"
+            and key in default
+            and isinstance(default[key], dict)
+        ):
+            sub = {k: v for k, v in value.items() if v != default[key].get(k) or f"{key}.{k}" in always}
+            if key == "distributed" and p.world_size == 1:
+                sub = {k: v for k, v in sub.items() if v != default[key].get(k)}
+            if sub:
+                out[key] = sub
+        elif value != default.get(key) or key in always:
+            out[key] = value
+    body = yaml.safe_dump(out, sort_keys=False, default_flow_style=False, width=100)
+    e = row.estimate
+    run = command or (
+        "memfit pretrain --config FILE.yaml" + (f" nproc={p.world_size}" if p.world_size > 1 else "")
+    )
+    header = [
+        f"# memfit plan: {row.label()}",
+        f"# budget {format_bytes(p.budget_bytes)} per device ({format_bytes(p.usable_bytes)} usable, margin "
+        f"{p.margin:.0%}), {p.world_size} rank(s), GiB = 1024**3 bytes",
+    ]
+    if e is not None:
+        header.append(
+            f"# predicted (estimate_run of this config): peak {format_bytes(e.peak_bytes)} (allocator, in "
+            f"{e.phase}), device total {format_bytes(e.device_total_bytes)}, host {format_bytes(e.host_bytes)}"
+        )
+    header.append(
+        f"# cost model: {row.relative_throughput:.2f}x the baseline's throughput, "
+        f"{row.tokens_per_second_per_gpu:,.0f} tokens_per_second_per_gpu (docs/memory.md, Planner)"
+    )
+    header.append(f"# run: {run}")
+    return "\n".join(header) + "\n" + _commented(body) + ""
+
+
+def _commented(body: str) -> str:
+    """Put each switch's trade-off beside it (``key: value  # comment``)."""
+    out, section = [], ""
+    for line in body.splitlines():
+        indent = len(line) - len(line.lstrip())
+        stripped = line.strip()
+        if indent == 0:
+            section = ""
+        key, sep, raw = stripped.partition(":")
+        if sep and not raw.strip() and indent == 0:
+            section = key
+        dotted = f"{section}.{key}" if indent and section else key
+        comment = ""
+        if sep and raw.strip() and dotted in _COMMENTS:
+            try:
+                comment = _COMMENTS[dotted](yaml.safe_load(raw))
+            except (KeyError, yaml.YAMLError):
+                comment = ""
+        out.append(f"{line:<40}  # {comment}" if comment else line)
+    return "\n".join(out) + "\n"
+
+
+def write_plan_yaml(path: str | Path, row: PlanRow, p: Plan) -> Path:
+    """Write :func:`plan_yaml` of ``row`` to ``path`` (parents created); returns the path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(plan_yaml(row, p, f"memfit pretrain --config {path}" + _nproc(p)), encoding="utf-8")
+    return path
+
+
+def _nproc(p: Plan) -> str:
+    return f" nproc={p.world_size}" if p.world_size > 1 else ""
