@@ -694,15 +694,22 @@ def preflight(cfg: TrainConfig, mcfg: LlamaConfig, seq_len: int, device: torch.d
 
 
 def _cheapest_fix(cfg: TrainConfig, available: int) -> str:
-    """The planner's cheapest configuration that fits ``available`` bytes, as one line (or why there is none)."""
-    try:
-        from memfit.memory.plan import cheapest_fix
-    except ImportError:
-        return "`memfit plan` searches for the switches that fit."
+    """The planner's fix that changes the fewest switches and fits ``available`` bytes, as override text."""
+    from memfit.memory.plan import cheapest_fix
+    from memfit.memory.tracker import GIB
+
     fix = cheapest_fix(cfg, available)
     if fix is None:
-        return "No combination of memory switches fits; use more ranks (nproc=N), a smaller batch or seq_len."
-    return f"Cheapest fix (memfit plan): {fix}"
+        return "No combination of memory switches fits; use more ranks (nproc=N), a smaller batch_size or seq_len."
+    keys = " ".join(f"{k}={_yaml_scalar(fix.switches[k])}" for k in fix.changes)
+    return (
+        f"Cheapest fix (memfit plan): {keys} (predicted peak {fix.peak_bytes / GIB:.2f} GiB, relative throughput "
+        f"{fix.relative_throughput:.2f})"
+    )
+
+
+def _yaml_scalar(value: Any) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
 
 
 def check_lengths(cfg: TrainConfig, mcfg: LlamaConfig, vocab_size: int) -> int:
