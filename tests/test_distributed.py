@@ -354,6 +354,7 @@ def _sharded_config(monkeypatch, *overrides: str):
         (["distributed.strategy=fsdp1", "chunked_cross_entropy=4"], "chunked_cross_entropy"),
         (["optimizer.name=adamw8bit"], "optimizer.name"),
         (["distributed.strategy=fsdp1", "optimizer.name=torchao_adamw8bit"], "optimizer.name"),
+        (["dtype=bf16", "optimizer.name=torchao_adamw4bit"], "optimizer.name"),
     ],
 )
 def test_sharded_combinations_that_cannot_work_are_rejected(monkeypatch, overrides, key):

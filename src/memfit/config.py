@@ -688,6 +688,13 @@ def _validate_distributed(cfg: TrainConfig, device_type: str) -> None:
         f"block-wise quantized AdamW state, DTensor-aware) with distributed.strategy=fsdp2",
     )
     _require(
+        not (torchao and cfg.dtype == "bf16"),
+        "optimizer.name",
+        f"{cfg.optimizer.name!r} with dtype=bf16 fails on FSDP2's bf16 shards (torchao's quantized update mixes a "
+        f"bf16 shard with fp32 state: 'expected dtype torch.bfloat16 for end'). Use dtype=bf16_mixed (fp32 shards, "
+        f"bf16 compute) or torchao with one process",
+    )
+    _require(
         not (torchao and d.strategy == "fsdp1"),
         "optimizer.name",
         f"{cfg.optimizer.name!r} does not work with distributed.strategy=fsdp1: FSDP1's checkpoints concatenate "
