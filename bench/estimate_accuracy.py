@@ -430,6 +430,10 @@ steady steps (`first step / steady steps`), so the highest step of the run is a 
   saved for backward by the embedding (`activations`), the other a temporary. On a GPU the copy to the device holds
   the rank's rows only, which is what the estimate counts.
 
+Rows 11-13 (activation checkpointing, chunked cross-entropy) have the baseline's peak, rightly: at 4 x 128 tokens
+the foreach AdamW update (its temporaries as large as the gradients) peaks above the activations they save, and
+both sides put the peak in `optimizer_step`.
+
 No row is off by more than 5%, so there was nothing in the estimate to fix for this table; the two changes this
 benchmark led to are in `memfit/memory/estimate.py` (see the commit): with `optimizer_in_backward` the traced
 gradients of the closed-form check are those live at the end of the optimizer phase (the first ops labelled
@@ -446,9 +450,9 @@ it is large, except in the rows whose optimizer works inside one op on CPU:
   (in row 7 the backward's activations peak higher, so it does not show). On CUDA the update is one fused kernel
   with no such buffers.
 - torchao's low-bit AdamW on CPU runs its update eagerly through the state's tensor subclass, whose dequantized fp32
-  copies live inside the subclass's ops (+12 MiB at 5M, about 6 x 4 bytes x the 2,048 x 256 embedding); on CUDA it
+  copies live inside the subclass's ops (+13 MiB at 5M, about 6 x 4 bytes x the 2,048 x 256 embedding); on CUDA it
   is compiled into fused kernels.
-- bf16 matmuls on a CPU without bf16 units convert and pack their operands inside the kernel (+1.5 MiB here).
+- bf16 matmuls on a CPU without bf16 units convert and pack their operands inside the kernel (+1-2 MiB here).
 
 On CUDA the caching allocator adds its rounding and cached blocks on top of the live bytes (see docs/memory.md);
 that is not measured here."""
