@@ -530,8 +530,8 @@ time is DTensor sharding propagation of the foreach ops (AdamW's update and the 
 723 parameter shards: torch does not cache it for foreach ops and rescans every argument for each tensor (quadratic
 in the number of tensors), once in the zero-gradient step and once in the traced step. Creating the state with a
 for-loop step instead only moved that cost into the traced step (whose fake-tensor cache was then cold), so it
-stays; both estimates fit the issue's bounds as measured here: 8B under 10 s of `estimate_run`
-(`Estimate.seconds`; the process, with its ~5 s of imports, takes longer), 70B x 8 under 2 minutes."""
+stays. Against the issue's bounds (10 s for 8B, 2 minutes for 70B x 8), read `Estimate.seconds` in the table: it
+varies with what else runs on the 2 cores; the process adds its ~5 s of imports."""
 
 
 # ----------------------------------------------------------------------------------------------------------------
