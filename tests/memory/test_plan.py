@@ -266,9 +266,11 @@ def test_candidates_respect_validation_and_the_device():
             assert c.max_grad_norm == 0
     # the planner never changes the batch of a step: no optimizer in backward with accumulation
     assert not any(s["optimizer_in_backward"] for s in switches(tiny("gradient_accumulation_steps=2")))
-    # sharded: bitsandbytes optimizers are rejected, FSDP's switches are enumerated
+    # sharded: bitsandbytes optimizers are rejected, and torchao's with bf16 shards; FSDP's switches are enumerated
     sharded = switches(tiny(), world_size=2)
-    assert {s["optimizer.name"] for s in sharded} == {"adamw", "torchao_adamw8bit", "torchao_adamw4bit"}
+    assert {s["optimizer.name"] for s in sharded} == {"adamw"}
+    mixed = switches(tiny("dtype=bf16_mixed"), world_size=2)
+    assert {s["optimizer.name"] for s in mixed} == {"adamw", "torchao_adamw8bit", "torchao_adamw4bit"}
     assert {s["distributed.reshard_after_forward"] for s in sharded} == {True, False}
     assert {s["distributed.cpu_offload"] for s in sharded} == {True, False}
 
