@@ -507,9 +507,9 @@ def speed(args) -> str:
     return (
         "## Estimate speed: Llama-3-8B and Llama-3-70B x 8\n\n"
         "`memfit estimate` of the two large runs the issue names, each in a fresh process on this machine's 2 "
-        f"CPU cores (`OMP_NUM_THREADS=2`; load average {load:.1f} when it finished). Process wall includes "
-        "Python's start and the imports (torch ~2.5 s, torch._dynamo, which fake tensors import, ~3 s); "
-        "`Estimate.seconds` is `estimate_run` alone.\n\n"
+        f"CPU cores (`OMP_NUM_THREADS=2`; load average {load:.1f} when it finished). Process wall adds "
+        "Python's start and the imports before `estimate_run` (torch and memfit, 3.5-4.5 s) to `Estimate.seconds`, "
+        "which is `estimate_run` alone (its first fake op imports torch._dynamo, ~2.5 s).\n\n"
         "Reproduce: `PYTHONPATH=src OMP_NUM_THREADS=2 .venv/bin/python bench/estimate_accuracy.py --speed`\n\n"
         + "\n".join(lines)
         + "\n\n"
@@ -520,8 +520,8 @@ def speed(args) -> str:
 
 
 _SPEED_NOTES = """\
-**Where the time goes** (cProfile). Llama-3-8B: about 5 s are fixed, Python's start with torch (~2.5 s) and
-torch._dynamo (~2.5 s; fake tensors import it at their first op); creating the optimizer state (one zero-gradient
+**Where the time goes** (cProfile). Llama-3-8B: about 6.5 s are fixed, Python's start with torch and memfit
+(3.5-4.5 s) and torch._dynamo (~2.5 s; fake tensors import it at their first op); creating the optimizer state (one zero-gradient
 AdamW step) takes ~1.3 s and the traced step ~5 s, nearly all inside `FakeTensorMode`'s dispatch (hashing the cache
 key of ops with hundreds of tensor arguments, such as the foreach AdamW ops over 291 tensors, and the meta
 kernels); the tracker's own bookkeeping is under 1 s. The estimate imported torchao and bitsandbytes whatever the
@@ -530,8 +530,8 @@ time is DTensor sharding propagation of the foreach ops (AdamW's update and the 
 723 parameter shards: torch does not cache it for foreach ops and rescans every argument for each tensor (quadratic
 in the number of tensors), once in the zero-gradient step and once in the traced step. Creating the state with a
 for-loop step instead only moved that cost into the traced step (whose fake-tensor cache was then cold), so it
-stays. Against the issue's bounds (10 s for 8B, 2 minutes for 70B x 8), read `Estimate.seconds` in the table: it
-varies with what else runs on the 2 cores; the process adds its ~5 s of imports."""
+stays; both estimates fit the issue's bounds as measured here: 8B under 10 s of `estimate_run`
+(`Estimate.seconds`; the process, with its ~4.5 s of imports before it, takes longer), 70B x 8 under 2 minutes."""
 
 
 # ----------------------------------------------------------------------------------------------------------------
