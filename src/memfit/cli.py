@@ -25,6 +25,7 @@ import contextlib
 import json
 import os
 import sys
+from typing import Any
 
 from memfit.errors import ConfigError, MemfitError
 
@@ -215,6 +216,18 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _config_verb(
+    sub: Any, name: str, func: Any, config_help: str, overrides_help: str, **kwargs: Any
+) -> argparse.ArgumentParser:
+    """A verb that takes a run config: ``--config FILE`` and ``key=value`` overrides (``kwargs``: help, description,
+    epilog of the sub-parser)."""
+    parser = sub.add_parser(name, formatter_class=argparse.RawDescriptionHelpFormatter, **kwargs)
+    parser.add_argument("--config", default=None, help=config_help)
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help=overrides_help)
+    parser.set_defaults(func=func)
+    return parser
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="memfit",
@@ -228,42 +241,39 @@ def build_parser() -> argparse.ArgumentParser:
     from memfit.memory.plan import DEFAULT_MARGIN
 
     parser.add_argument("--version", action="version", version=f"memfit {__version__}")
-    p = sub.add_parser(
+    _config_verb(
+        sub,
         "pretrain",
+        _pretrain,
+        "YAML preset, e.g. configs/shakespeare.yaml (default: built-in)",
+        "dotted overrides, e.g. max_steps=100; nproc=N ranks",
         help="pretrain a Llama on a text corpus (default: Tiny Shakespeare)",
         description="Pretrain a Llama on a text corpus. Keys are memfit.config.TrainConfig fields; "
         "override any with dotted key=value (optimizer.lr=3e-4). nproc=N starts N sharded ranks on this machine "
         "(torchrun --standalone --nproc_per_node N -m memfit pretrain ...).",
         epilog="keys and defaults (the defaults are the main job):\n  " + "\n  ".join(describe_keys()),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument(
-        "--config", default=None, help="YAML preset, e.g. configs/shakespeare.yaml (default: built-in)"
-    )
-    p.add_argument(
-        "overrides",
-        nargs="*",
-        metavar="key=value",
-        help="dotted overrides, e.g. max_steps=100; nproc=N ranks",
-    )
-    p.set_defaults(func=_pretrain)
 
-    f = sub.add_parser(
+    _config_verb(
+        sub,
         "finetune",
+        _pretrain,
+        "YAML preset, e.g. configs/finetune_lora.yaml",
+        "e.g. checkpoint_dir=DIR method=lora",
         help="fine-tune pretrained weights (full, LoRA or adapter) on instructions, chats or text",
         description="Fine-tune a Hugging Face, Meta or memfit checkpoint (checkpoint_dir) with method full, lora "
         "or adapter, on instruction / chat records (data.format alpaca, dolly, sharegpt, openai; data.template "
         "alpaca, llama2-chat, llama3-chat, chatml) or a text corpus. The same keys as pretrain; output_dir "
         "defaults to out/finetune. nproc=N starts N sharded ranks on this machine (through torchrun).",
         epilog="keys and defaults:\n  " + "\n  ".join(describe_keys()),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    f.add_argument("--config", default=None, help="YAML preset, e.g. configs/finetune_lora.yaml")
-    f.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. checkpoint_dir=DIR method=lora")
-    f.set_defaults(func=_pretrain)
 
-    est = sub.add_parser(
+    est = _config_verb(
+        sub,
         "estimate",
+        _estimate,
+        "YAML preset, e.g. configs/llama3_8b_full_single_device.yaml",
+        "e.g. model=llama3-8b world_size=8",
         help="predict a run's peak memory on fake tensors, before allocating anything",
         description="Predict the peak memory of one rank of a run (the same config and overrides as pretrain / "
         "finetune) by running its training step on fake tensors: peak in GiB, its breakdown by category and "
@@ -271,19 +281,17 @@ def build_parser() -> argparse.ArgumentParser:
         "traced ones. world_size=N estimates one rank of an N-rank FSDP2 run. device=cuda estimates a GPU run "
         "(on any machine).",
         epilog="keys and defaults:\n  " + "\n  ".join(describe_keys()),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    est.add_argument(
-        "--config", default=None, help="YAML preset, e.g. configs/llama3_8b_full_single_device.yaml"
     )
     est.add_argument(
         "--json", action="store_true", help="print one JSON object (peak_memory_gib, breakdown, ...)"
     )
-    est.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. model=llama3-8b world_size=8")
-    est.set_defaults(func=_estimate)
 
-    pl = sub.add_parser(
+    pl = _config_verb(
+        sub,
         "plan",
+        _plan,
+        "YAML preset to plan from (its keys are kept)",
+        "budget=24GiB (required), model=llama3-8b, world_size=N, batch_size=B, seq_len=T, ...",
         help="pick the fastest memory switches that fit a memory budget, and write them as a config",
         description="Enumerate combinations of the memory switches (dtype, optimizer, optimizer in backward, "
         "activation checkpointing, chunked cross-entropy, offloading; sharded: FSDP resharding and CPU offload), "
@@ -293,9 +301,7 @@ def build_parser() -> argparse.ArgumentParser:
         "world_size=N plans one rank of an N-rank FSDP2 run. dtype: kept when given, else bf16_mixed and bf16 "
         "(on CPU also fp32) are considered. device=cuda plans a GPU run on any machine.",
         epilog="keys and defaults:\n  " + "\n  ".join(describe_keys()),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    pl.add_argument("--config", default=None, help="YAML preset to plan from (its keys are kept)")
     pl.add_argument("--out", default=None, help="write the best plan here as a config for memfit pretrain")
     pl.add_argument("--json", action="store_true", help="print one JSON object (rows, best, constants)")
     pl.add_argument("--top", type=int, default=10, help="rows of the table to print")
@@ -309,13 +315,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="part of the budget kept free for what the trace does not see (fragmentation, CUDA context)",
     )
     pl.add_argument("--explain", action="store_true", help="also print the cost model's constants")
-    pl.add_argument(
-        "overrides",
-        nargs="*",
-        metavar="key=value",
-        help="budget=24GiB (required), model=llama3-8b, world_size=N, batch_size=B, seq_len=T, ...",
-    )
-    pl.set_defaults(func=_plan)
 
     g = sub.add_parser(
         "generate",
