@@ -2,7 +2,7 @@
 
 Each configuration is estimated and then trained for real, each in a fresh process of its own:
 
-- **predicted**: :func:`memfit.memory.estimate.estimate_run` (the run's own ``train_step`` on fake tensors, on a
+- **predicted**: :func:`memfit.planner.estimate.estimate_run` (the run's own ``train_step`` on fake tensors, on a
   model built on meta; ``world_size=2`` predicts rank 0 of a 2-rank FSDP2 run over a fake process group);
 - **measured**: the run itself, ``memfit.train.train`` with ``track_memory=true`` for ``--steps`` steps on the
   bundled Tiny Shakespeare (2 ranks: ``torchrun --standalone``, gloo): the tracked peak of rank 0, read from the
@@ -29,7 +29,6 @@ It rewrites the section between the ``estimate-accuracy`` markers of ``docs/benc
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import signal
@@ -161,11 +160,9 @@ def as_list(overrides: dict) -> list[str]:
 def child_estimate(overrides: list[str], world_size: int) -> dict:
     """The estimate of one row, in bytes."""
     from memfit.config import load_config
-    from memfit.launch import validating_as_ranks
-    from memfit.memory.estimate import estimate_run
+    from memfit.planner.estimate import estimate_run
 
-    with validating_as_ranks(world_size) if world_size > 1 else contextlib.nullcontext():
-        cfg = load_config(None, overrides)
+    cfg = load_config(None, overrides, world_size=world_size)
     e = estimate_run(cfg, world_size=world_size)
     return {
         "peak_bytes": e.peak_bytes,
@@ -215,7 +212,7 @@ def child_measure(overrides: list[str], results: Path) -> None:
         return out
 
     train_mod.train_step = measured_step
-    cfg = load_config(None, overrides)
+    cfg = load_config(None, overrides, world_size=int(os.environ.get("WORLD_SIZE", "1")))
     train_mod.train(cfg)
     results.mkdir(parents=True, exist_ok=True)
     (results / f"rank{os.environ.get('RANK', '0')}.json").write_text(json.dumps(steps))

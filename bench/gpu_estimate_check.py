@@ -68,10 +68,10 @@ def _config(overrides: list[str]):
 
 
 def measure(path: Path, dry_run: bool = False) -> None:
-    from memfit.memory.estimate import run_model_config
+    from memfit.build import build_model, run_model_config
     from memfit.memory.optim import build_optimizer
     from memfit.memory.techniques import apply_activation_checkpointing
-    from memfit.train import build_model, train_step, train_step_options
+    from memfit.step import train_step, train_step_options
 
     device = torch.device("cpu" if dry_run else "cuda")
     cuda = torch.cuda if not dry_run else _NoCuda()
@@ -141,7 +141,7 @@ class _NoCuda:
 
 def compare(path: Path, doc: Path) -> None:
     from bench.docs_section import write_section
-    from memfit.memory.estimate import estimate_run
+    from memfit.planner.estimate import estimate_run
 
     data = json.loads(path.read_text())
     rows = []

@@ -70,7 +70,7 @@ def main() -> int:
     from memfit.memory.techniques import apply_activation_checkpointing
     from memfit.models.llama import build_llama
     from memfit.models.presets import model_config
-    from memfit.train import train_step
+    from memfit.step import train_step
 
     device = torch.device("cuda")
     cfg = model_config(args.model)

@@ -65,7 +65,7 @@ def run_rank(spec: dict, global_batch: int, seq_len: int, timed_steps: int) -> d
     from memfit.memory.stats import PeakMemory
     from memfit.memory.tracker import MemoryTracker
     from memfit.models.llama import LlamaConfig, build_llama
-    from memfit.train import train_step
+    from memfit.step import train_step
 
     device = dist_.init_distributed(torch.device("cpu"))
     world, rank = dist_.world_size(), dist_.rank()

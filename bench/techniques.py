@@ -76,13 +76,14 @@ def run_one(spec: dict, batch_size: int, seq_len: int, timed_steps: int, timelin
     """Run one configuration in this process and return its measurements."""
     import torch
 
+    from memfit.build import PARAM_DTYPES
     from memfit.config import OptimizerConfig
     from memfit.memory.optim import build_optimizer, optimizer_state_bytes
     from memfit.memory.stats import PeakMemory
     from memfit.memory.techniques import apply_activation_checkpointing
     from memfit.memory.tracker import MemoryTracker, plot_timeline
     from memfit.models.llama import LlamaConfig, build_llama
-    from memfit.train import PARAM_DTYPES, train_step
+    from memfit.step import train_step
 
     torch.manual_seed(0)
     dtype = spec.get("dtype", "fp32")

@@ -11,8 +11,8 @@ from memfit.errors import CheckpointError
 from memfit.memory.optim import build_optimizer
 from memfit.models.llama import build_llama
 from memfit.models.presets import model_config
+from memfit.step import train_step
 from memfit.tokenizer import CharTokenizer
-from memfit.train import train_step
 
 TOK = CharTokenizer.from_text("abcdefgh")
 

@@ -336,8 +336,7 @@ def test_export_of_a_sharded_checkpoint(sharded_run, tmp_path):
 
 
 def _sharded_config(monkeypatch, *overrides: str):
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    return load_config(None, list(overrides))
+    return load_config(None, list(overrides), world_size=2)
 
 
 @pytest.mark.parametrize(
@@ -370,5 +369,4 @@ def test_sharded_switches_accepted(monkeypatch):
         "distributed.prefetch=2",
     )
     assert cfg.distributed.strategy == "fsdp1" and not cfg.distributed.reshard_after_forward
-    monkeypatch.setenv("WORLD_SIZE", "1")
     assert load_config(None, ["chunked_cross_entropy=4"]).chunked_cross_entropy == 4  # one process: no limit

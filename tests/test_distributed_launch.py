@@ -179,7 +179,7 @@ def test_sharded_only_checks_fail_before_any_worker_starts(small_corpus, tmp_pat
     captured = capsys.readouterr()
     assert "config key 'distributed.cpu_offload'" in captured.err
     assert "torchrun" not in captured.out and not out.exists()
-    assert "WORLD_SIZE" not in os.environ  # set only while validating
+    assert "WORLD_SIZE" not in os.environ  # validation takes the world size as an argument: nothing is set
 
 
 def test_worker_threads_split_the_cores(monkeypatch):

@@ -178,7 +178,7 @@ def test_tracked_two_ranks_train_what_one_untracked_process_does(tracked_run, sm
 
 
 class _Rank:
-    """What :func:`memfit.train.tracked_memory_fields` reads of a tracker."""
+    """What :func:`memfit.memory.stats.tracked_memory_fields` reads of a tracker."""
 
     categories = CATEGORIES
 
@@ -193,7 +193,7 @@ class _Rank:
 
 def test_the_record_holds_the_breakdown_of_the_fullest_rank(monkeypatch):
     from memfit import distributed as dist_
-    from memfit.train import tracked_memory_fields
+    from memfit.memory.stats import tracked_memory_fields
 
     def bytes_of(**kw):
         return {c: kw.get(c, 0) * GIB for c in CATEGORIES}

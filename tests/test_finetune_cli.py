@@ -78,7 +78,7 @@ def test_loss_falls_and_checkpoint_holds_what_trains(runs, method):
 def test_frozen_base_is_unchanged(runs, hf_checkpoint, method):
     from safetensors.torch import load_file
 
-    from memfit.generate import load_for_generation
+    from memfit.build import load_for_generation
 
     model, _, _ = load_for_generation(runs[method])
     base = load_file(str(hf_checkpoint / "model.safetensors"))
@@ -90,8 +90,9 @@ def test_frozen_base_is_unchanged(runs, hf_checkpoint, method):
 
 
 def test_generate_applies_the_run_template(runs, capsys):
+    from memfit.build import load_for_generation
     from memfit.data.instruct import encode_prompt, stop_token_ids
-    from memfit.generate import generate, load_for_generation
+    from memfit.generate import generate
 
     out = runs["lora"]
     capsys.readouterr()
@@ -120,7 +121,7 @@ def test_generate_applies_the_run_template(runs, capsys):
 
 @pytest.mark.parametrize("method", ["full", "lora"])
 def test_export_loads_in_transformers_with_equal_logits(runs, tmp_path, method):
-    from memfit.generate import load_for_generation
+    from memfit.build import load_for_generation
 
     hf_dir = tmp_path / "hf"
     assert main(["export", "--checkpoint", str(runs[method]), "--out", str(hf_dir)]) == 0

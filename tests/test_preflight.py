@@ -9,8 +9,8 @@ import pytest
 
 from memfit.cli import main
 from memfit.config import load_config
-from memfit.memory.estimate import estimate_run
 from memfit.metrics import read_records
+from memfit.planner.estimate import estimate_run
 
 from .conftest import tiny_run_overrides
 

@@ -8,9 +8,10 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from memfit.config import OptimizerConfig
 from memfit.memory.optim import build_optimizer, lr_at, param_groups
+from memfit.memory.techniques import IGNORE_INDEX
 from memfit.models.llama import build_llama
 from memfit.models.presets import model_config
-from memfit.train import IGNORE_INDEX, train_step
+from memfit.step import train_step
 
 
 def _model_and_opt(seed=0, dtype=torch.float32):

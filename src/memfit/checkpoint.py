@@ -310,6 +310,52 @@ def save_checkpoint(
     return final
 
 
+def save(
+    output_dir: str | Path,
+    step: int,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    *,
+    model_config: LlamaConfig,
+    trainer_state: dict[str, Any],
+    tokenizer,
+    keep_last: int,
+    trainable_only: bool = False,
+) -> Path:
+    """Write a run's checkpoint ``output_dir/checkpoints/step_N`` atomically, the one way that fits the run:
+
+    - one process: the weights as safetensors and the optimizer state (:func:`save_checkpoint`);
+    - sharded, ``trainable_only`` (LoRA / adapter): the few trainable weights and their state gathered on rank 0,
+      the same files as one process writes (:func:`save_gathered_trainable_checkpoint`);
+    - sharded, every weight: each rank writes its own shards with ``torch.distributed.checkpoint``
+      (:func:`save_sharded_checkpoint`); generate, export and a resume on any number of ranks reshard them.
+
+    Sharded, every rank must call it (collective).
+
+    Args:
+        output_dir: the run directory.
+        step: the optimizer steps taken.
+        model: the model (sharded or not).
+        optimizer: its optimizer.
+        model_config: the architecture (``model_config.json``).
+        trainer_state: ``trainer_state.json``'s contents (the run config, data position, ...).
+        tokenizer: saved into ``tokenizer/``.
+        keep_last: how many of the newest checkpoints to keep.
+        trainable_only: only the trainable weights (LoRA / adapter: the frozen base stays in ``checkpoint_dir``).
+
+    Returns:
+        The checkpoint directory.
+    """
+    import torch.distributed as dist
+
+    args = (output_dir, step, model, model_config, optimizer, trainer_state, tokenizer, keep_last)
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return save_checkpoint(*args, trainable_only=trainable_only)
+    if trainable_only:
+        return save_gathered_trainable_checkpoint(*args)
+    return save_sharded_checkpoint(*args)
+
+
 def remove_stale_temporaries(output_dir: str | Path) -> None:
     """Delete ``.tmp-*`` directories left by a run killed while writing a checkpoint."""
     root = checkpoints_dir(output_dir)

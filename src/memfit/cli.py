@@ -21,35 +21,42 @@ torchrun command it runs; see :mod:`memfit.launch` and docs/distributed.md for t
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import sys
 from typing import Any
 
-from memfit.errors import ConfigError, MemfitError
+import yaml
+
+from memfit import __version__, distributed, launch
+from memfit.build import load_for_generation, resolve_device
+from memfit.config import describe_keys, load_config, parse_overrides
+from memfit.convert import export_run
+from memfit.errors import ConfigError, MemfitError, NoPlanError
+from memfit.generate import generate_text
+from memfit.planner import plan as plan_
+from memfit.planner import report
+from memfit.planner.estimate import estimate_run
+from memfit.train import train
+from memfit.units import format_bytes, parse_bytes
 
 FINETUNE_DEFAULTS = {"output_dir": "out/finetune"}
 INTERRUPTED = "memfit: interrupted; the newest complete checkpoint is kept (resume=true continues)"
 
 
 def _pretrain(args: argparse.Namespace) -> int:
-    from memfit import launch
-    from memfit.train import resolve_device, train
-
     nproc, overrides = launch.split_nproc(args.overrides)
-    relaunch = nproc is not None and nproc > 1 and launch.launched_world_size() is None
-    # validated here, as each rank will, so that bad input fails before any worker starts
-    with launch.validating_as_ranks(nproc) if relaunch else contextlib.nullcontext():
-        cfg = _load_run_config(args.verb, args.config, overrides)
+    launched = launch.launched_world_size()
+    relaunch = nproc is not None and nproc > 1 and launched is None
+    # validated for the ranks the run will have (here, before any worker starts, as each rank will)
+    world_size = nproc if relaunch else (launched or 1)
+    cfg = _load_run_config(args.verb, args.config, overrides, world_size)
     device_type = resolve_device(cfg.device).type
     if nproc is not None:
         launch.check_nproc(nproc, device_type)
     if relaunch:
         launch.set_worker_threads(nproc, device_type)
         return launch.run_torchrun(launch.torchrun_args(nproc, args.verb, args.config, overrides))
-    from memfit import distributed
-
     try:
         summary = train(cfg)
     finally:
@@ -59,17 +66,15 @@ def _pretrain(args: argparse.Namespace) -> int:
     return 0
 
 
-def _load_run_config(verb: str, config: str | None, overrides: list[str]):
-    """The validated config of ``memfit pretrain|finetune``.
+def _load_run_config(verb: str, config: str | None, overrides: list[str], world_size: int):
+    """The validated config of ``memfit pretrain|finetune``, for a run of ``world_size`` ranks.
 
     Raises:
         ConfigError: as :func:`memfit.config.load_config`; finetune without ``checkpoint_dir``.
     """
-    from memfit.config import load_config
-
     if verb != "finetune":
-        return load_config(config, overrides)
-    cfg = load_config(config, overrides, defaults=FINETUNE_DEFAULTS)
+        return load_config(config, overrides, world_size=world_size)
+    cfg = load_config(config, overrides, defaults=FINETUNE_DEFAULTS, world_size=world_size)
     if cfg.checkpoint_dir is None:
         raise ConfigError(
             "config key 'checkpoint_dir': memfit finetune starts from pretrained weights; set "
@@ -98,31 +103,42 @@ def _print_summary(summary: dict) -> None:
 
 
 def _estimate(args: argparse.Namespace) -> int:
-    from memfit.config import load_config
-    from memfit.launch import split_count, validating_as_ranks
-    from memfit.memory.estimate import estimate_run, format_estimate
-
-    world_size, overrides = split_count(
+    world_size, overrides = launch.split_count(
         args.overrides, "world_size", "the number of ranks of the sharded run"
     )
     world_size = world_size or 1
-    with validating_as_ranks(world_size) if world_size > 1 else contextlib.nullcontext():
-        cfg = load_config(args.config, overrides)
+    cfg = load_config(args.config, overrides, world_size=world_size)
     estimate = estimate_run(cfg, world_size=world_size)
-    print(json.dumps(estimate.to_json()) if args.json else format_estimate(estimate))
+    print(json.dumps(estimate.to_json()) if args.json else report.format_estimate(estimate))
     return 0
 
 
-def _plan(args: argparse.Namespace) -> int:
-    from memfit.config import load_config
-    from memfit.launch import split_count, validating_as_ranks
-    from memfit.memory import plan as plan_
+def split_budget(overrides: list[str], key: str = "budget") -> tuple[int | None, list[str]]:
+    """Take ``budget=SIZE`` (not a config key) out of the CLI's ``key=value`` overrides; the last one wins.
 
-    world_size, overrides = split_count(
+    Returns:
+        ``(bytes or None when absent, the other overrides in their order)``.
+
+    Raises:
+        ConfigError: naming ``budget``, when a value is not a size with a unit (see
+            :func:`memfit.units.parse_bytes`).
+    """
+    budget, rest = None, []
+    for item in overrides:
+        name, sep, value = item.partition("=")
+        if sep and name.strip() == key:
+            budget = parse_bytes(value.strip(), key)
+        else:
+            rest.append(item)
+    return budget, rest
+
+
+def _plan(args: argparse.Namespace) -> int:
+    world_size, overrides = launch.split_count(
         args.overrides, "world_size", "the number of ranks of the sharded run"
     )
     world_size = world_size or 1
-    budget, overrides = plan_.split_budget(overrides)
+    budget, overrides = split_budget(overrides)
     if budget is None:
         raise ConfigError(
             "config key 'budget': memfit plan needs the memory of one device, e.g. budget=24GiB (GiB = 1024**3 "
@@ -132,12 +148,11 @@ def _plan(args: argparse.Namespace) -> int:
         raise ConfigError(f"--margin must be in [0, 1) (a fraction of the budget), got {args.margin}")
     if args.top < 1 or args.fits < 1:
         raise ConfigError("--top and --fits must be >= 1")
-    with validating_as_ranks(world_size) if world_size > 1 else contextlib.nullcontext():
-        cfg = load_config(args.config, overrides)
+    cfg = load_config(args.config, overrides, world_size=world_size)
     dtypes = None if _sets_key(args.config, overrides, "dtype") else plan_.default_dtypes(cfg)
     progress = None if args.json else (lambda line: print(line, file=sys.stderr, flush=True))
     if progress:
-        progress(f"memfit plan: {cfg.model}, budget {plan_.format_bytes(budget)}, world_size {world_size}")
+        progress(f"memfit plan: {cfg.model}, budget {format_bytes(budget)}, world_size {world_size}")
     result = plan_.plan(
         cfg, budget, world_size, margin=args.margin, dtypes=dtypes, fits=args.fits, progress=progress
     )
@@ -146,13 +161,13 @@ def _plan(args: argparse.Namespace) -> int:
         print(json.dumps({**result.to_json(), "out": args.out if best and args.out else None}))
     else:
         if args.explain:
-            print(plan_.format_constants(result.target))
+            print(report.format_constants(result.target))
             print()
-        print(plan_.format_plan(result, top=args.top))
+        print(report.format_plan(result, top=args.top))
     if best is None:
-        raise plan_.NoPlanError(plan_.no_fit_message(result))
+        raise NoPlanError(report.no_fit_message(result))
     if args.out:
-        path = plan_.write_plan_yaml(args.out, best, result)
+        path = report.write_plan_yaml(args.out, best, result)
         if not args.json:
             print(
                 f"wrote {path}: memfit pretrain --config {path}"
@@ -163,10 +178,6 @@ def _plan(args: argparse.Namespace) -> int:
 
 def _sets_key(config: str | None, overrides: list[str], key: str) -> bool:
     """Whether the config file or the overrides give ``key`` (a top-level key) a value."""
-    import yaml
-
-    from memfit.config import parse_overrides
-
     if key in parse_overrides(overrides):
         return True
     if config is None:
@@ -177,9 +188,6 @@ def _sets_key(config: str | None, overrides: list[str], key: str) -> bool:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from memfit.generate import generate_text, load_for_generation
-    from memfit.train import resolve_device
-
     device = resolve_device(args.device)
     model, tokenizer, run_template = load_for_generation(args.checkpoint, device=device)
     template = {"auto": run_template, "none": None}.get(args.template, args.template)
@@ -201,8 +209,6 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from memfit.convert import export_run
-
     if args.max_shard_size <= 0:
         raise ConfigError("--max-shard-size must be > 0 (GiB per safetensors file)")
     out = export_run(
@@ -235,10 +241,6 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sub = parser.add_subparsers(dest="verb", required=True)
-
-    from memfit import __version__
-    from memfit.config import describe_keys
-    from memfit.memory.plan import DEFAULT_MARGIN
 
     parser.add_argument("--version", action="version", version=f"memfit {__version__}")
     _config_verb(
@@ -311,7 +313,7 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument(
         "--margin",
         type=float,
-        default=DEFAULT_MARGIN,
+        default=plan_.DEFAULT_MARGIN,
         help="part of the budget kept free for what the trace does not see (fragmentation, CUDA context)",
     )
     pl.add_argument("--explain", action="store_true", help="also print the cost model's constants")
@@ -376,14 +378,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"memfit: config error: {exc}", file=sys.stderr)
         return 2
-    except MemfitError as exc:
+    except MemfitError as exc:  # every error memfit reports as a message (TokenizerError included)
         print(f"memfit: error: {exc}", file=sys.stderr)
         return 1
-    except ValueError as exc:  # TokenizerError and other input errors from libraries
-        if type(exc).__name__ == "TokenizerError":
-            print(f"memfit: error: {exc}", file=sys.stderr)
-            return 1
-        raise
     except KeyboardInterrupt:
         if os.environ.get("RANK", "0") == "0":  # under torchrun every rank is interrupted: one says so
             print(INTERRUPTED, file=sys.stderr)

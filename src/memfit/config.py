@@ -16,27 +16,59 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib.util
 import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
 import yaml
 
-from memfit.errors import ConfigError
-from memfit.memory.optim import OPTIMIZER_NAMES
-from memfit.memory.techniques import AC_MODES
+from memfit.errors import ConfigError, DataError
+from memfit.models.llama import LlamaConfig
+from memfit.models.presets import MODEL_PRESETS, model_config
+
+# ----------------------------------------------------------------------------------------------------------------
+# The allowed values of every switch, defined here once; the modules that implement a choice import them
+# ----------------------------------------------------------------------------------------------------------------
 
 DTYPES = ("fp32", "bf16", "bf16_mixed")
 DEVICES = ("auto", "cpu", "cuda")
 TOKENIZER_KINDS = ("bpe", "char", "file")
 METHODS = ("full", "lora", "adapter")
-DATA_FORMATS = ("text", "alpaca", "dolly", "sharegpt", "openai")
+INSTRUCT_FORMATS = ("alpaca", "dolly", "sharegpt", "openai")
+"""Record formats of instruction / chat data (:mod:`memfit.data.instruct`)."""
+DATA_FORMATS = ("text", *INSTRUCT_FORMATS)
 TEMPLATES = ("alpaca", "llama2-chat", "llama3-chat", "chatml")
+"""Prompt templates of instruction / chat data and of ``memfit generate``."""
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head")
-
+"""Linear layers LoRA can adapt (:func:`memfit.models.peft.apply_lora`)."""
+AC_MODES = ("none", "full", "every_n")
+"""``activation_checkpointing`` modes (:func:`memfit.memory.techniques.apply_activation_checkpointing`)."""
+STRATEGIES = ("fsdp2", "fsdp1")
+"""``distributed.strategy`` values (:func:`memfit.distributed.shard_model`)."""
+BNB_OPTIMIZERS = ("adamw8bit", "paged_adamw8bit", "paged_adamw")
+"""bitsandbytes optimizers (8-bit block-wise, and 32-bit paged)."""
+PAGED_OPTIMIZERS = ("paged_adamw8bit", "paged_adamw")
+"""bitsandbytes optimizers that keep big tensors' state in CUDA unified memory."""
+TORCHAO_OPTIMIZERS = ("torchao_adamw8bit", "torchao_adamw4bit", "torchao_adamw_fp8")
+"""torchao low-bit AdamW optimizers."""
+OPTIMIZER_NAMES = ("adamw", *BNB_OPTIMIZERS, *TORCHAO_OPTIMIZERS)
+"""Every ``optimizer.name`` (:func:`memfit.memory.optim.build_optimizer`)."""
 OPTIMIZER_IMPLEMENTATIONS = ("foreach", "for_loop", "fused")
+
+INSTRUCT_COLUMNS: dict[str, dict[str, str]] = {
+    "alpaca": {"instruction": "instruction", "input": "input", "output": "output"},
+    "dolly": {"instruction": "instruction", "input": "context", "output": "response"},
+    "sharegpt": {"conversations": "conversations", "from": "from", "value": "value"},
+    "openai": {"messages": "messages", "role": "role", "content": "content"},
+}
+"""Each instruction format's fields, by canonical name -> the name in the file; ``data.column_map`` overrides the
+right-hand side."""
+DOLLY_ALIASES = {"context": "input", "response": "output"}
+"""Dolly's own field names, accepted as ``column_map`` keys beside the canonical Alpaca ones."""
 
 
 @dataclass
@@ -229,7 +261,7 @@ class TrainConfig:
     ``(B, T, vocab_size)`` logits never exist; 0 is off."""
     preflight: bool = True
     """Before allocating, check that the run fits (free CUDA memory, or available host RAM) and refuse it with the
-    predicted breakdown and the planner's cheapest fix when it does not (see :func:`memfit.train.preflight`)."""
+    predicted breakdown and the planner's cheapest fix when it does not (see :func:`memfit.planner.preflight.preflight`)."""
     track_memory: bool = False
     """Track live bytes by category (parameters, gradients, optimizer_state, activations, temporaries; sharded,
     also unsharded_parameters, what FSDP has all-gathered); adds ``memory_breakdown`` (GiB at the interval's
@@ -402,7 +434,11 @@ def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
 
 
 def load_config(
-    path: str | Path | None, overrides: list[str] | None = None, defaults: dict[str, Any] | None = None
+    path: str | Path | None,
+    overrides: list[str] | None = None,
+    defaults: dict[str, Any] | None = None,
+    *,
+    world_size: int = 1,
 ) -> TrainConfig:
     """Build a validated :class:`TrainConfig` from an optional YAML file and dotted overrides.
 
@@ -412,6 +448,7 @@ def load_config(
         overrides: ``key=value`` strings applied after the file, e.g. ``["optimizer.lr=3e-4"]``.
         defaults: nested values applied before the file (a verb's own defaults, e.g. ``memfit finetune``'s
             ``output_dir``).
+        world_size: the ranks the run will have (see :func:`validate`).
 
     Returns:
         The configuration, validated.
@@ -437,30 +474,46 @@ def load_config(
             raise ConfigError(f"config file '{path}' must hold a mapping of keys to values")
         tree = loaded
     tree = _merge(_merge(defaults or {}, tree), parse_overrides(overrides or []))
-    cfg = config_from_dict(tree)
-    return cfg
+    return config_from_dict(tree, world_size=world_size)
 
 
-def config_from_dict(tree: dict[str, Any], check: bool = True) -> TrainConfig:
+def config_from_dict(tree: dict[str, Any], check: bool = True, *, world_size: int = 1) -> TrainConfig:
     """Build and validate a :class:`TrainConfig` from a nested dict (as saved in a checkpoint).
 
     Args:
         tree: nested keys and values.
         check: run :func:`validate` (off to read back a finished run's settings on another machine, e.g. one
             trained with ``device: cuda``).
+        world_size: the ranks the run will have (see :func:`validate`).
 
     Raises:
         ConfigError: as :func:`load_config`.
     """
     cfg = _from_dict(TrainConfig, tree)
     if check:
-        validate(cfg)
+        validate(cfg, world_size)
     return cfg
 
 
 def config_to_dict(cfg: TrainConfig) -> dict[str, Any]:
     """The configuration as plain nested dicts (YAML/JSON serialisable)."""
     return dataclasses.asdict(cfg)
+
+
+def with_absolute_paths(cfg: TrainConfig) -> TrainConfig:
+    """``checkpoint_dir`` and ``data.path`` as absolute paths (``~`` expanded), so that what a run records (and
+    what generate, export and resume read back) does not depend on the directory it was started from."""
+
+    def absolute(path: str | None) -> str | None:
+        return None if path is None else str(Path(path).expanduser().absolute())
+
+    data = dataclasses.replace(cfg.data, path=absolute(cfg.data.path))
+    return dataclasses.replace(
+        cfg,
+        checkpoint_dir=absolute(cfg.checkpoint_dir),
+        data=data,
+        output_dir=str(Path(cfg.output_dir).expanduser()),
+    )
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -477,22 +530,27 @@ def _one_of(value: str, choices: tuple[str, ...], key: str) -> None:
     _require(value in choices, key, f"{value!r} is not one of {', '.join(choices)}")
 
 
-def _device_type(device: str) -> str:
+def device_type(device: str) -> str:
+    """The device type a ``device`` value resolves to: ``auto`` is ``cuda`` when torch sees one, else ``cpu``."""
     if device == "auto":
-        import torch
-
         return "cuda" if torch.cuda.is_available() else "cpu"
     return device
 
 
-def validate(cfg: TrainConfig) -> None:
+def validate(cfg: TrainConfig, world_size: int = 1) -> None:
     """Check every value and combination before anything is allocated.
+
+    Args:
+        cfg: the configuration.
+        world_size: the number of ranks the run will have (torchrun's ``WORLD_SIZE``, ``nproc``, or the
+            estimator's ``world_size``); above 1 the switches that do not work sharded are refused too.
 
     Raises:
         ConfigError: naming the first offending key and what to use instead.
+        ValueError: ``world_size`` < 1.
     """
-    from memfit.models.presets import MODEL_PRESETS, model_config
-
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
     _require(
         cfg.model in MODEL_PRESETS,
         "model",
@@ -573,12 +631,10 @@ def validate(cfg: TrainConfig) -> None:
             "cannot clip by the global gradient norm (max_grad_norm > 0): each parameter is updated before the "
             "other gradients exist. Set max_grad_norm=0 (grad_norm is still reported) or turn the switch off",
         )
-    from memfit.memory.optim import check_optimizer_supported
-
-    device_type = _device_type(cfg.device)
+    target = device_type(cfg.device)
     reason = check_optimizer_supported(
         opt.name,
-        device_type,
+        target,
         cpu_offload=opt.cpu_offload,
         in_backward=cfg.optimizer_in_backward,
         max_grad_norm=cfg.max_grad_norm,
@@ -589,13 +645,13 @@ def validate(cfg: TrainConfig) -> None:
         str(reason),
     )
     _require(
-        not cfg.activation_offloading or device_type == "cuda",
+        not cfg.activation_offloading or target == "cuda",
         "activation_offloading",
         "moves saved activations from GPU to host memory and needs a CUDA device; on CPU they already live "
         "in host memory. Use activation_checkpointing to save activation memory here",
     )
 
-    _validate_distributed(cfg, device_type)
+    _validate_distributed(cfg, target, world_size)
 
     smp = cfg.sample
     _require(smp.max_new_tokens >= 0, "sample.max_new_tokens", f"must be >= 0, got {smp.max_new_tokens}")
@@ -621,27 +677,124 @@ def validate(cfg: TrainConfig) -> None:
             f"{tok.vocab_size} ids do not fit the model's {preset_vocab} embeddings; lower it or set "
             f"model_args.vocab_size",
         )
-    tokens_per_micro_batch = cfg.batch_size * (cfg.seq_len or mcfg.max_seq_len)
+    check_lengths(cfg, mcfg, 0)
+
+
+def check_optimizer_supported(
+    name: str,
+    device_type: str,
+    *,
+    cpu_offload: bool = False,
+    in_backward: bool = False,
+    max_grad_norm: float = 0.0,
+) -> str | None:
+    """Why the optimizer ``name`` cannot run as asked, or ``None`` when it can. Allocates nothing.
+
+    Config validation calls this before anything is built; :func:`memfit.memory.optim.build_optimizer` raises
+    ``ValueError`` with the same reason. Every reason that concerns ``cpu_offload`` contains the word "offload".
+
+    Args:
+        name: ``optimizer.name``.
+        device_type: where the parameters live: ``"cpu"`` or ``"cuda"``.
+        cpu_offload: ``optimizer.cpu_offload`` (torchao ``CPUOffloadOptimizer``).
+        in_backward: the step runs inside backward (:class:`OptimizerInBackward`).
+        max_grad_norm: the clipping threshold of the run; 0 is no clipping.
+
+    Returns:
+        A sentence saying what is wrong and what to do instead, or ``None``.
+    """
+    if name not in OPTIMIZER_NAMES:
+        return f"unknown optimizer {name!r}; known: {', '.join(OPTIMIZER_NAMES)}"
+    if name in BNB_OPTIMIZERS and importlib.util.find_spec("bitsandbytes") is None:
+        return f"optimizer {name!r} needs bitsandbytes, which is not installed (pip install bitsandbytes)"
+    if (name in TORCHAO_OPTIMIZERS or cpu_offload) and importlib.util.find_spec("torchao") is None:
+        what = "optimizer.cpu_offload" if cpu_offload else f"optimizer {name!r}"
+        return f"{what} needs torchao, which is not installed (pip install torchao)"
+    if name == "torchao_adamw_fp8" and device_type == "cuda" and torch.cuda.is_available():
+        major, minor = torch.cuda.get_device_capability()
+        if (major, minor) < (8, 9):
+            return (
+                f"torchao_adamw_fp8 compiles float8 (e4m3) casts that need CUDA compute capability >= 8.9 "
+                f"(Ada, Hopper); this GPU is {major}.{minor}. Use torchao_adamw8bit (same memory) instead"
+            )
+    if cpu_offload:
+        if device_type != "cuda":
+            return (
+                "optimizer.cpu_offload moves optimizer state and the update from GPU memory to host memory "
+                "(torchao CPUOffloadOptimizer) and needs a CUDA device; on CPU the state already lives in host "
+                "memory. Turn cpu_offload off, or shrink the state with a low-bit optimizer (adamw8bit, "
+                "torchao_adamw4bit)"
+            )
+        if name in PAGED_OPTIMIZERS:
+            return (
+                f"optimizer.cpu_offload cannot be combined with {name!r}: paging keeps the state in CUDA unified "
+                f"memory, offload keeps it in pinned host memory. Use one: cpu_offload with adamw or adamw8bit, "
+                f"or {name!r} without offload"
+            )
+        if in_backward:
+            return (
+                "optimizer.cpu_offload cannot be combined with optimizer_in_backward: the offloaded update runs on "
+                "the CPU after backward, from gradients copied during backward. Turn one of them off"
+            )
+        if max_grad_norm > 0:
+            return (
+                "optimizer.cpu_offload cannot clip gradients (max_grad_norm > 0): each gradient is copied to the "
+                "host as soon as backward produces it, before the global norm is known, so clipping would not "
+                "reach the update. Set max_grad_norm=0 (grad_norm is still reported) or turn cpu_offload off"
+            )
+    return None
+
+
+def check_lengths(cfg: TrainConfig, mcfg: LlamaConfig, vocab_size: int) -> int:
+    """The training sequence length, checked against the model (validation does this for a preset; a run and
+    the estimator again once the architecture of ``checkpoint_dir`` or the tokenizer's vocabulary is known).
+
+    Args:
+        cfg: the run config.
+        mcfg: the architecture.
+        vocab_size: the tokenizer's ids (0: not known yet).
+
+    Raises:
+        ConfigError: ``seq_len`` exceeds the model's context, chunked cross-entropy has more chunks than tokens,
+            or the tokenizer has more ids than the embedding.
+    """
+    seq_len = cfg.seq_len or mcfg.max_seq_len
+    # a preset's context can be raised with model_args; a checkpoint's is what it was trained with
+    fix = "lower seq_len" + (" or set model_args.max_seq_len" if cfg.checkpoint_dir is None else "")
     _require(
-        cfg.chunked_cross_entropy <= tokens_per_micro_batch,
+        seq_len <= mcfg.max_seq_len,
+        "seq_len",
+        f"{seq_len} exceeds the model's max_seq_len {mcfg.max_seq_len}; {fix}",
+    )
+    _require(
+        cfg.chunked_cross_entropy <= cfg.batch_size * seq_len,
         "chunked_cross_entropy",
-        f"{cfg.chunked_cross_entropy} chunks exceed the {tokens_per_micro_batch} tokens of a micro-batch "
+        f"{cfg.chunked_cross_entropy} chunks exceed the {cfg.batch_size * seq_len} tokens of a micro-batch "
         f"(batch_size * seq_len); use at most that many (4-16 is typical)",
     )
-    _require(
-        cfg.seq_len <= mcfg.max_seq_len,
-        "seq_len",
-        f"{cfg.seq_len} exceeds the model's max_seq_len {mcfg.max_seq_len}; lower seq_len or set model_args.max_seq_len",
-    )
+    if cfg.method == "lora" and "lm_head" in cfg.lora.target_modules and mcfg.tie_word_embeddings:
+        raise ConfigError(
+            "config key 'lora.target_modules': this model ties lm_head to the input embedding, so a LoRA update "
+            "of lm_head would also change the embedding when merged; leave lm_head out"
+        )
+    if cfg.method == "adapter" and cfg.adapter.num_layers > mcfg.num_layers:
+        raise ConfigError(
+            f"config key 'adapter.num_layers': {cfg.adapter.num_layers} exceeds the model's {mcfg.num_layers} "
+            f"layers; use at most {mcfg.num_layers} (0 adapts all)"
+        )
+    if vocab_size > mcfg.vocab_size:
+        raise ConfigError(
+            f"config key 'checkpoint_dir': the tokenizer has {vocab_size} ids but the model only "
+            f"{mcfg.vocab_size} embeddings; the tokenizer does not belong to these weights"
+        )
+    return seq_len
 
 
-def _validate_distributed(cfg: TrainConfig, device_type: str) -> None:
+def _validate_distributed(cfg: TrainConfig, target: str, world_size: int) -> None:
     """The ``distributed.*`` keys, and the memory switches that do not (yet) work sharded.
 
-    The keys are checked in every run; the combinations only when torchrun launched more than one rank.
+    The keys are checked in every run; the combinations only for more than one rank.
     """
-    from memfit.distributed import STRATEGIES, launched_distributed
-
     d = cfg.distributed
     _one_of(d.strategy, STRATEGIES, "distributed.strategy")
     _require(d.prefetch >= 0, "distributed.prefetch", f"must be >= 0 (0: FSDP's defaults), got {d.prefetch}")
@@ -650,10 +803,10 @@ def _validate_distributed(cfg: TrainConfig, device_type: str) -> None:
         "distributed.limit_all_gathers",
         "applies to distributed.strategy=fsdp1 only; FSDP2 bounds its all-gathers by distributed.prefetch",
     )
-    if not launched_distributed():
+    if world_size == 1:
         return
     _require(
-        not d.cpu_offload or device_type == "cuda",
+        not d.cpu_offload or target == "cuda",
         "distributed.cpu_offload",
         "moves parameter shards, gradients and the optimizer step from GPU to host memory and needs CUDA; on "
         "CPU they already live in host memory. Turn it off",
@@ -747,9 +900,6 @@ def _validate_finetuning(cfg: TrainConfig) -> None:
         )
     if data.column_map:
         _require(data.format != "text", "data.column_map", "renames fields of instruction / chat records")
-        from memfit.data.instruct import format_columns
-        from memfit.errors import DataError
-
         try:
             format_columns(data.format, data.column_map)
         except DataError as exc:
@@ -771,3 +921,25 @@ def _validate_finetuning(cfg: TrainConfig) -> None:
         "adapter.num_layers",
         f"must be >= 0 (0 = all), got {cfg.adapter.num_layers}",
     )
+
+
+def format_columns(fmt: str, column_map: dict[str, str] | None) -> dict[str, str]:
+    """An instruction format's fields (canonical name -> name in the file) with ``column_map`` applied.
+
+    Raises:
+        DataError: unknown format, a ``column_map`` key that is not a field of the format, or an empty name.
+    """
+    if fmt not in INSTRUCT_FORMATS:
+        raise DataError(f"unknown data format {fmt!r}; expected one of {', '.join(INSTRUCT_FORMATS)}")
+    columns = dict(INSTRUCT_COLUMNS[fmt])
+    for key, name in (column_map or {}).items():
+        canonical = DOLLY_ALIASES.get(key, key) if fmt == "dolly" else key
+        if canonical not in columns:
+            raise DataError(
+                f"column_map key {key!r} is not a field of the {fmt} format; its fields are "
+                f"{', '.join(columns)} (map each to the name used in your file)"
+            )
+        if not isinstance(name, str) or not name:
+            raise DataError(f"column_map[{key!r}] must be a non-empty field name, got {name!r}")
+        columns[canonical] = name
+    return columns

@@ -1556,7 +1556,7 @@ def export_run(
             raise CheckpointError(f"--adapter-only applies to LoRA runs; '{src}' holds a full model")
         return export_checkpoint(src, out, dtype=torch_dtype, max_shard_size=max_shard_size)
 
-    from memfit.generate import load_for_generation
+    from memfit.build import load_for_generation
     from memfit.models.peft import merge_lora, save_peft_adapter
 
     model, tokenizer, _ = load_for_generation(src)

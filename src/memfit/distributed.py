@@ -27,18 +27,15 @@ Strategies (``distributed.strategy``):
 from __future__ import annotations
 
 import datetime
+import math
 import os
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-if TYPE_CHECKING:
-    from memfit.config import TrainConfig
-
-STRATEGIES = ("fsdp2", "fsdp1")
-
+from memfit.config import TrainConfig
 
 # ----------------------------------------------------------------------------------------------------------------
 # Process group and rank helpers
@@ -241,6 +238,24 @@ def shard_model(model: torch.nn.Module, cfg: TrainConfig, device: torch.device) 
         # rank ever holds more than one unit unsharded; materialize_sharded then writes the values
         param_init_fn=_materialize_unit(model, device) if on_meta else None,
     )
+
+
+def shard_numel(shape: tuple[int, ...], world_size: int) -> int:
+    """Elements of rank 0's shard of a parameter of ``shape``: its dim-0 chunk of ``ceil(rows / world_size)`` rows
+    (``torch.chunk``'s layout, as FSDP2 shards; rank 0's chunk is the largest). The whole tensor for one rank or
+    a 0-dim tensor.
+
+    Args:
+        shape: the unsharded parameter's shape.
+        world_size: ranks it is sharded over.
+
+    Returns:
+        Elements (multiply by the element size for bytes).
+    """
+    if world_size == 1 or not shape:
+        return math.prod(shape)
+    rows = -(-shape[0] // world_size)
+    return min(rows, shape[0]) * math.prod(shape[1:])
 
 
 def _materialize_unit(model: torch.nn.Module, device: torch.device):

@@ -23,3 +23,19 @@ class CheckpointError(MemfitError, OSError):
 
 class PreflightError(MemfitError, MemoryError):
     """The run is predicted not to fit in the memory available (``preflight``); nothing was allocated."""
+
+
+class TokenizerError(MemfitError, ValueError):
+    """A tokenizer file is missing, unrecognised or corrupt, or a tokenizer was asked for what it lacks."""
+
+
+class UnknownPresetError(ValueError, KeyError):
+    """A model preset name that ``MODEL_PRESETS`` does not hold (a ValueError, and a KeyError for dict-like
+    callers). Config validation turns it into a :class:`ConfigError` naming the key ``model``."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0])
+
+
+class NoPlanError(MemfitError):
+    """``memfit plan``: no combination of memory switches fits the budget."""

@@ -1,4 +1,5 @@
-"""Autoregressive sampling from a trained model: temperature, top-k, greedy at temperature 0.
+"""Autoregressive sampling from a trained model: temperature, top-k, greedy at temperature 0. ``memfit generate``
+loads the model with :func:`memfit.build.load_for_generation` and samples with :func:`generate_text`.
 
 Each new token re-runs the model over the (cropped) context: there is no KV cache, which keeps the model file
 architecture-only and is fast enough for the small models memfit samples from at the end of a run.
@@ -9,13 +10,11 @@ from __future__ import annotations
 import contextlib
 import warnings
 from collections.abc import Collection
-from pathlib import Path
 
 import torch
 
-from memfit import checkpoint as ckpt_io
-from memfit.errors import CheckpointError
-from memfit.models.llama import Llama, build_llama
+from memfit.data.instruct import encode_prompt, stop_token_ids
+from memfit.models.llama import Llama
 
 
 @torch.no_grad()
@@ -103,8 +102,6 @@ def generate_text(
     """
     device = next(model.parameters()).device
     if template is not None:
-        from memfit.data.instruct import encode_prompt, stop_token_ids
-
         ids = encode_prompt([{"role": "user", "content": prompt}], template, tokenizer)
         stop: int | list[int] | None = stop_token_ids(template, tokenizer)
     else:
@@ -140,51 +137,3 @@ def generate_text(
     prompt_ids = [i for i in ids if i not in specials]
     full, head = tokenizer.decode(prompt_ids + new_ids), tokenizer.decode(prompt_ids)
     return prompt + (full[len(head) :] if full.startswith(head) else tokenizer.decode(new_ids))
-
-
-def load_for_generation(
-    path: str | Path, device: str | torch.device = "cpu"
-) -> tuple[Llama, object, str | None]:
-    """Load a model, its tokenizer and its prompt template for sampling.
-
-    Args:
-        path: a memfit run directory (its newest checkpoint) or checkpoint directory — a LoRA / adapter run's
-            checkpoint is its base (``checkpoint_dir``) with the trained weights applied — or a Hugging Face or
-            Meta checkpoint directory.
-        device: where to put the model.
-
-    Returns:
-        ``(model, tokenizer, template)``; ``template`` is the one the run fine-tuned with, ``None`` for a text
-        corpus or a foreign checkpoint.
-
-    Raises:
-        CheckpointError: nothing loadable is there, or a file is truncated.
-    """
-    from memfit.config import config_from_dict
-    from memfit.convert import detect_format, load_pretrained
-    from memfit.tokenizer import load_tokenizer
-    from memfit.train import apply_method, check_base, run_template
-
-    if detect_format(path) != "memfit":
-        model, tokenizer, _ = load_pretrained(path, device=device)
-        if tokenizer is None:
-            raise CheckpointError(f"checkpoint '{path}' has no tokenizer (tokenizer.json or tokenizer.model)")
-        return model.eval(), tokenizer, None
-    ckpt = ckpt_io.resolve_checkpoint(path)
-    mcfg = ckpt_io.read_model_config(ckpt)
-    state = ckpt_io.read_trainer_state(ckpt)
-    ckpt_io.check_files(ckpt, state, need_optimizer=False)
-    cfg = config_from_dict(state.get("config", {}), check=False)
-    dtype = {"bf16": torch.bfloat16}.get(cfg.dtype, torch.float32)
-    if not (ckpt / "tokenizer").is_dir():
-        raise CheckpointError(f"checkpoint '{ckpt}' has no tokenizer/ directory; it is incomplete")
-    tokenizer = load_tokenizer(ckpt / "tokenizer")
-    if cfg.method == "full":
-        model = build_llama(mcfg, device=device, dtype=dtype, init=False)
-    else:  # the frozen base, then the method's weights from the checkpoint
-        check_base(cfg, state, ckpt)
-        model = load_pretrained(cfg.checkpoint_dir, device=device, dtype=dtype)[0]
-        apply_method(model, cfg)
-    ckpt_io.load_weights(ckpt, model)
-    model.eval()
-    return model, tokenizer, run_template(cfg)

@@ -13,7 +13,6 @@ multi-node runs use torchrun directly (see docs/distributed.md).
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shlex
 import signal
@@ -105,22 +104,6 @@ def torchrun_args(nproc: int, verb: str, config: str | None, overrides: list[str
     """torchrun's arguments for N ranks on this machine running ``memfit <verb> [--config F] overrides``."""
     memfit_args = [verb, *(["--config", config] if config is not None else []), *overrides]
     return ["--standalone", "--nproc_per_node", str(nproc), "-m", "memfit", *memfit_args]
-
-
-@contextlib.contextmanager
-def validating_as_ranks(nproc: int):
-    """Set ``WORLD_SIZE=nproc`` for the duration: :func:`memfit.config.load_config` then applies the checks of
-    sharded runs (``distributed.*`` and the switches that do not work sharded) in this process, as each rank
-    will, so that a bad combination fails before any worker starts."""
-    saved = os.environ.get("WORLD_SIZE")
-    os.environ["WORLD_SIZE"] = str(nproc)
-    try:
-        yield
-    finally:
-        if saved is None:
-            del os.environ["WORLD_SIZE"]
-        else:
-            os.environ["WORLD_SIZE"] = saved
 
 
 def set_worker_threads(nproc: int, device_type: str) -> None:

@@ -28,7 +28,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from memfit.errors import MemfitError
+from memfit.errors import TokenizerError
 
 log = logging.getLogger(__name__)
 
@@ -80,10 +80,6 @@ _TIKTOKEN_LINE = re.compile(rb"^[A-Za-z0-9+/]+=*[ \t]+[0-9]+[ \t]*\r?$")
 # Names tried, in order, when a tokenizer.json comes without a config that names its BOS/EOS tokens.
 _BOS_NAMES = ("<|begin_of_text|>", "<s>", "<bos>", "<|startoftext|>", "[BOS]")
 _EOS_NAMES = ("<|end_of_text|>", "</s>", "<eos>", "<|endoftext|>", "[EOS]")
-
-
-class TokenizerError(MemfitError, ValueError):
-    """A tokenizer file is missing, unrecognised or corrupt, or a tokenizer was asked for what it lacks."""
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -18,9 +18,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from memfit.config import TEMPLATES
 from memfit.data.instruct import (
     IGNORE_INDEX,
-    TEMPLATES,
     InstructSplit,
     batch_position,
     encode_conversation,

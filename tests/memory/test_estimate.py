@@ -8,7 +8,6 @@ is even, so 2 ranks of FSDP2 hold exactly half of every parameter.
 
 from __future__ import annotations
 
-import contextlib
 import json
 from pathlib import Path
 
@@ -18,12 +17,11 @@ import torch
 from memfit.cli import main
 from memfit.config import load_config
 from memfit.convert import export_hf
-from memfit.launch import validating_as_ranks
-from memfit.memory.estimate import estimate_run
 from memfit.memory.tracker import CATEGORIES, GIB, PHASES
 from memfit.metrics import read_records
 from memfit.models.llama import build_llama
 from memfit.models.presets import model_config
+from memfit.planner.estimate import estimate_run
 from memfit.tokenizer import train_bpe
 
 from ..conftest import tiny_run_overrides
@@ -47,8 +45,7 @@ TOLERANCE = 0.05
 def estimate(world_size: int = 1, **overrides):
     """``estimate_run`` of the tiny run with ``overrides`` (batch 2 x 16 tokens unless they say otherwise)."""
     items = {**BASE, "batch_size": 2, "seq_len": 16, **overrides}
-    with validating_as_ranks(world_size) if world_size > 1 else contextlib.nullcontext():
-        cfg = load_config(None, [f"{k}={v}" for k, v in items.items()])
+    cfg = load_config(None, [f"{k}={v}" for k, v in items.items()], world_size=world_size)
     return estimate_run(cfg, world_size=world_size)
 
 
@@ -167,8 +164,7 @@ def test_predicted_peak_of_rank_0_of_two_within_5_percent(tmp_path, small_corpus
     _torchrun(["pretrain", *run])
     records = [r for r in read_records(tmp_path / "run" / "metrics.jsonl") if "memory_breakdown" in r]
     measured = max(round(sum(r["memory_breakdown"].values()) * GIB) for r in records)  # the fullest rank's
-    with validating_as_ranks(2):
-        cfg = load_config(None, run)
+    cfg = load_config(None, run, world_size=2)
     e = estimate_run(cfg, world_size=2)
     assert e.breakdown["unsharded_parameters"] > 0
     assert abs(e.peak_bytes - measured) <= TOLERANCE * measured, (e.peak_bytes, measured)

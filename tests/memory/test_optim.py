@@ -15,18 +15,16 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from memfit.config import OptimizerConfig
+from memfit.config import OPTIMIZER_NAMES, OptimizerConfig, check_optimizer_supported
 from memfit.memory.optim import (
-    OPTIMIZER_NAMES,
     OptimizerInBackward,
     build_optimizer,
-    check_optimizer_supported,
     optimizer_state_bytes,
     unquantized_state_params,
 )
 from memfit.models.llama import build_llama
 from memfit.models.presets import model_config
-from memfit.train import train_step
+from memfit.step import train_step
 
 NUM_PARAMS = 106_816
 NUM_TENSORS = 21

@@ -7,12 +7,16 @@ import json
 
 import pytest
 
-from memfit.cli import main
+from memfit.build import run_model_config
+from memfit.cli import main, split_budget
 from memfit.config import config_to_dict, load_config
 from memfit.errors import ConfigError
-from memfit.memory import plan as P
-from memfit.memory.cost import COST_CONSTANTS, model_flops_per_token, step_cost
-from memfit.memory.estimate import estimate_run, model_state_bytes_closed_form, run_model_config
+from memfit.planner import plan as P
+from memfit.planner import report
+from memfit.planner.closed_form import model_state_bytes_closed_form
+from memfit.planner.cost import COST_CONSTANTS, model_flops_per_token, step_cost
+from memfit.planner.estimate import estimate_run
+from memfit.units import format_bytes, parse_bytes
 
 MIB = 1024**2
 TINY = [
@@ -58,19 +62,19 @@ def cached_estimate(cfg, **kwargs):
     ],
 )
 def test_parse_bytes(text, expected):
-    assert P.parse_bytes(text) == expected
+    assert parse_bytes(text) == expected
 
 
 @pytest.mark.parametrize("text", ["24", "24G", "GiB", "-1GiB", "0GiB", "24 parsecs", ""])
 def test_parse_bytes_rejects_and_names_the_key(text):
     with pytest.raises(ConfigError, match="'budget'"):
-        P.parse_bytes(text)
+        parse_bytes(text)
 
 
 def test_split_budget_takes_it_out_of_the_overrides():
-    budget, rest = P.split_budget(["model=tiny", "budget=2GiB", "batch_size=1"])
+    budget, rest = split_budget(["model=tiny", "budget=2GiB", "batch_size=1"])
     assert budget == 2 * 1024**3 and rest == ["model=tiny", "batch_size=1"]
-    assert P.split_budget(["model=tiny"]) == (None, ["model=tiny"])
+    assert split_budget(["model=tiny"]) == (None, ["model=tiny"])
 
 
 def test_cli_requires_a_budget(capsys):
@@ -205,7 +209,7 @@ def test_nothing_fits_exits_1_naming_the_smallest_peak(capsys, peaks):
     assert main(["plan", *TINY, f"budget={budget}B", "--top", "3"]) == 1
     captured = capsys.readouterr()
     assert "nothing fits" in captured.err
-    assert f"{P.format_bytes(least.peak_bytes)} (estimated)" in captured.err
+    assert f"{format_bytes(least.peak_bytes)} (estimated)" in captured.err
     # what would be needed
     assert "about world_size=2" in captured.err and "smaller batch_size" in captured.err
     assert "rank  switches" in captured.out  # the table still shows what was found
@@ -213,14 +217,14 @@ def test_nothing_fits_exits_1_naming_the_smallest_peak(capsys, peaks):
 
 def test_plan_yaml_round_trips_through_load_config(tight_plan, tmp_path):
     best = tight_plan.best
-    path = P.write_plan_yaml(tmp_path / "plan.yaml", best, tight_plan)
+    path = report.write_plan_yaml(tmp_path / "plan.yaml", best, tight_plan)
     text = path.read_text()
     assert text.startswith("# memfit plan: ") and "peak" in text
     loaded = load_config(path)
     planned = dataclasses.replace(best.config, device="cuda", seq_len=tight_plan.seq_len)
     assert config_to_dict(loaded) == config_to_dict(planned)
     for key, value in best.switches.items():
-        assert P._get(loaded, key) == value
+        assert P.switch_value(loaded, key) == value
 
 
 def test_cli_writes_a_runnable_plan(tmp_path, capsys, peaks):
@@ -279,6 +283,6 @@ def test_sharded_plan_writes_the_launch(tmp_path):
     p = P.plan(tiny("dtype=fp32"), 64 * MIB, world_size=2, estimator=cached_estimate)
     best = p.best
     assert best is not None and best.estimate.world_size == 2 and p.world_size == 2
-    path = P.write_plan_yaml(tmp_path / "sharded.yaml", best, p)
+    path = report.write_plan_yaml(tmp_path / "sharded.yaml", best, p)
     assert f"# run: memfit pretrain --config {path} nproc=2" in path.read_text()
     assert P._switches_of(load_config(path), 2) == best.switches

@@ -10,7 +10,7 @@ from memfit.memory.techniques import (
 )
 from memfit.models.llama import build_llama
 from memfit.models.presets import model_config
-from memfit.train import loss_sum
+from memfit.step import loss_sum
 
 
 def _data(seed=0, B=3, T=20, vocab=256):

@@ -21,7 +21,7 @@ from memfit.memory.techniques import apply_activation_checkpointing
 from memfit.memory.tracker import CATEGORIES, PHASES, MemoryTracker, model_state_bytes, plot_timeline
 from memfit.models.llama import build_llama
 from memfit.models.presets import model_config
-from memfit.train import train_step
+from memfit.step import train_step
 
 CFG = model_config("tiny")
 P = 106_816  # parameters of the tiny preset (checked against the closed form and the model below)

@@ -10,8 +10,9 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from memfit.errors import UnknownPresetError
 from memfit.models.llama import Llama, LlamaConfig, RopeScaling, build_llama, causal_attention, rope_inv_freq
-from memfit.models.presets import MODEL_PRESETS, UnknownPresetError, model_config
+from memfit.models.presets import MODEL_PRESETS, model_config
 
 # Parameter counts of the Meta checkpoints as published (Hugging Face model cards / safetensors metadata).
 PUBLISHED_PARAMS = {

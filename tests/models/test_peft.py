@@ -16,13 +16,12 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
-from memfit.config import OptimizerConfig
+from memfit.config import LORA_TARGETS, OptimizerConfig
 from memfit.memory.optim import build_optimizer
 from memfit.memory.techniques import apply_activation_checkpointing, chunked_cross_entropy
 from memfit.memory.tracker import MemoryTracker
 from memfit.models.llama import build_llama
 from memfit.models.peft import (
-    LORA_TARGETS,
     PEFT_CONFIG,
     PEFT_WEIGHTS,
     adapter_state_dict,
@@ -40,7 +39,7 @@ from memfit.models.peft import (
     trainable_parameter_summary,
 )
 from memfit.models.presets import model_config
-from memfit.train import train_step
+from memfit.step import train_step
 
 CFG = model_config("tiny")
 P = 106_816

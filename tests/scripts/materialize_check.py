@@ -15,10 +15,10 @@ import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from memfit import distributed as dist_
+from memfit.build import build_model, initial_parameters
 from memfit.config import load_config
 from memfit.convert import read_config
 from memfit.models.presets import model_config
-from memfit.train import build_model, initial_parameters
 
 
 def watched(tensors, released: list[bool]):

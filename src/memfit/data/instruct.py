@@ -3,7 +3,7 @@
 Three stages, each a function of its inputs alone:
 
 1. :func:`load_conversations` reads a ``.json`` file (a list of records, or one record as an object) or a
-   ``.jsonl`` file (one record per line, blank lines ignored) in one of :data:`FORMATS` and turns every record into a
+   ``.jsonl`` file (one record per line, blank lines ignored) in one of :data:`memfit.config.INSTRUCT_FORMATS` and turns every record into a
    conversation: a list of messages ``{"role": "system" | "user" | "assistant", "content": str}``. Alpaca and Dolly
    records become ``[user, assistant]``; a non-empty ``input`` (Dolly's ``context``) rides on the user message as an
    extra ``"input"`` key, so the ``alpaca`` template can render its ``### Input:`` section (the chat templates append
@@ -39,25 +39,15 @@ from typing import Any
 import numpy as np
 import torch
 
+from memfit.config import TEMPLATES, format_columns
 from memfit.data.corpus import read_utf8
 from memfit.errors import DataError
 from memfit.memory.techniques import IGNORE_INDEX
 
 log = logging.getLogger(__name__)
 
-FORMATS = ("alpaca", "dolly", "sharegpt", "openai")
-TEMPLATES = ("alpaca", "llama2-chat", "llama3-chat", "chatml")
 ROLES = ("system", "user", "assistant")
 
-# Each format's fields, by canonical name -> the name in the file. ``column_map`` overrides the right-hand side.
-_COLUMNS: dict[str, dict[str, str]] = {
-    "alpaca": {"instruction": "instruction", "input": "input", "output": "output"},
-    "dolly": {"instruction": "instruction", "input": "context", "output": "response"},
-    "sharegpt": {"conversations": "conversations", "from": "from", "value": "value"},
-    "openai": {"messages": "messages", "role": "role", "content": "content"},
-}
-# Dolly's own field names, accepted as column_map keys beside the canonical Alpaca ones.
-_DOLLY_ALIASES = {"context": "input", "response": "output"}
 _SHAREGPT_ROLES = {
     "human": "user",
     "user": "user",
@@ -140,7 +130,7 @@ def load_conversations(
 
     Args:
         path: A ``.json`` file (a list of records, or a single record as an object) or a ``.jsonl`` file.
-        fmt: One of :data:`FORMATS`.
+        fmt: One of :data:`memfit.config.INSTRUCT_FORMATS`.
         column_map: Canonical field name -> field name in the file, for example ``{"instruction": "question"}``.
             Canonical names: ``instruction``, ``input``, ``output`` (alpaca, dolly; dolly also accepts
             ``context`` and ``response``), ``conversations``, ``from``, ``value`` (sharegpt), ``messages``,
@@ -160,28 +150,6 @@ def load_conversations(
     """
     records, skipped = _load_records(Path(path), fmt, column_map, skip_malformed)
     return [r.messages for r in records], skipped
-
-
-def format_columns(fmt: str, column_map: dict[str, str] | None) -> dict[str, str]:
-    """A format's fields (canonical name -> name in the file) with ``column_map`` applied.
-
-    Raises:
-        DataError: unknown format, a ``column_map`` key that is not a field of the format, or an empty name.
-    """
-    if fmt not in FORMATS:
-        raise DataError(f"unknown data format {fmt!r}; expected one of {', '.join(FORMATS)}")
-    columns = dict(_COLUMNS[fmt])
-    for key, name in (column_map or {}).items():
-        canonical = _DOLLY_ALIASES.get(key, key) if fmt == "dolly" else key
-        if canonical not in columns:
-            raise DataError(
-                f"column_map key {key!r} is not a field of the {fmt} format; its fields are "
-                f"{', '.join(columns)} (map each to the name used in your file)"
-            )
-        if not isinstance(name, str) or not name:
-            raise DataError(f"column_map[{key!r}] must be a non-empty field name, got {name!r}")
-        columns[canonical] = name
-    return columns
 
 
 def _read_raw(path: Path) -> list[tuple[int | None, Any]]:
@@ -916,7 +884,7 @@ def prepare_instruct(
 
     Args:
         path: The data file (see :func:`load_conversations`).
-        fmt: One of :data:`FORMATS`.
+        fmt: One of :data:`memfit.config.INSTRUCT_FORMATS`.
         template: One of :data:`TEMPLATES`.
         tokenizer: A ``memfit.tokenizer.Tokenizer``.
         max_seq_len: Model inputs per sample ``T``; samples hold at most ``T + 1`` tokens (longer ones are cut

@@ -36,28 +36,15 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import importlib.util
 import math
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-if TYPE_CHECKING:
-    from memfit.config import OptimizerConfig
-
-OPTIMIZER_NAMES = (
-    "adamw",
-    "adamw8bit",
-    "paged_adamw8bit",
-    "paged_adamw",
-    "torchao_adamw8bit",
-    "torchao_adamw4bit",
-    "torchao_adamw_fp8",
-)
-"""Every ``optimizer.name`` that :func:`build_optimizer` knows."""
+from memfit.config import PAGED_OPTIMIZERS, OptimizerConfig, check_optimizer_supported
 
 _ADAMW_IMPLEMENTATIONS = {
     "foreach": {"foreach": True, "fused": False},
@@ -70,7 +57,6 @@ _TORCHAO_CLASSES = {
     "torchao_adamw4bit": "AdamW4bit",
     "torchao_adamw_fp8": "AdamWFp8",
 }
-_PAGED = ("paged_adamw8bit", "paged_adamw")
 
 BNB_MIN_8BIT_SIZE = 4096
 """bitsandbytes keeps 32-bit state for tensors with fewer elements than this (its ``min_8bit_size``)."""
@@ -138,71 +124,6 @@ def lr_at(step: int, *, lr: float, min_lr: float, warmup_steps: int, max_steps: 
 # ----------------------------------------------------------------------------------------------------------------
 # What runs where
 # ----------------------------------------------------------------------------------------------------------------
-
-
-def check_optimizer_supported(
-    name: str,
-    device_type: str,
-    *,
-    cpu_offload: bool = False,
-    in_backward: bool = False,
-    max_grad_norm: float = 0.0,
-) -> str | None:
-    """Why the optimizer ``name`` cannot run as asked, or ``None`` when it can. Allocates nothing.
-
-    Config validation calls this before anything is built; :func:`build_optimizer` raises ``ValueError`` with
-    the same reason. Every reason that concerns ``cpu_offload`` contains the word "offload".
-
-    Args:
-        name: ``optimizer.name``.
-        device_type: where the parameters live: ``"cpu"`` or ``"cuda"``.
-        cpu_offload: ``optimizer.cpu_offload`` (torchao ``CPUOffloadOptimizer``).
-        in_backward: the step runs inside backward (:class:`OptimizerInBackward`).
-        max_grad_norm: the clipping threshold of the run; 0 is no clipping.
-
-    Returns:
-        A sentence saying what is wrong and what to do instead, or ``None``.
-    """
-    if name not in OPTIMIZER_NAMES:
-        return f"unknown optimizer {name!r}; known: {', '.join(OPTIMIZER_NAMES)}"
-    if name in _BNB_CLASSES and importlib.util.find_spec("bitsandbytes") is None:
-        return f"optimizer {name!r} needs bitsandbytes, which is not installed (pip install bitsandbytes)"
-    if (name in _TORCHAO_CLASSES or cpu_offload) and importlib.util.find_spec("torchao") is None:
-        what = "optimizer.cpu_offload" if cpu_offload else f"optimizer {name!r}"
-        return f"{what} needs torchao, which is not installed (pip install torchao)"
-    if name == "torchao_adamw_fp8" and device_type == "cuda" and torch.cuda.is_available():
-        major, minor = torch.cuda.get_device_capability()
-        if (major, minor) < (8, 9):
-            return (
-                f"torchao_adamw_fp8 compiles float8 (e4m3) casts that need CUDA compute capability >= 8.9 "
-                f"(Ada, Hopper); this GPU is {major}.{minor}. Use torchao_adamw8bit (same memory) instead"
-            )
-    if cpu_offload:
-        if device_type != "cuda":
-            return (
-                "optimizer.cpu_offload moves optimizer state and the update from GPU memory to host memory "
-                "(torchao CPUOffloadOptimizer) and needs a CUDA device; on CPU the state already lives in host "
-                "memory. Turn cpu_offload off, or shrink the state with a low-bit optimizer (adamw8bit, "
-                "torchao_adamw4bit)"
-            )
-        if name in _PAGED:
-            return (
-                f"optimizer.cpu_offload cannot be combined with {name!r}: paging keeps the state in CUDA unified "
-                f"memory, offload keeps it in pinned host memory. Use one: cpu_offload with adamw or adamw8bit, "
-                f"or {name!r} without offload"
-            )
-        if in_backward:
-            return (
-                "optimizer.cpu_offload cannot be combined with optimizer_in_backward: the offloaded update runs on "
-                "the CPU after backward, from gradients copied during backward. Turn one of them off"
-            )
-        if max_grad_norm > 0:
-            return (
-                "optimizer.cpu_offload cannot clip gradients (max_grad_norm > 0): each gradient is copied to the "
-                "host as soon as backward produces it, before the global norm is known, so clipping would not "
-                "reach the update. Set max_grad_norm=0 (grad_norm is still reported) or turn cpu_offload off"
-            )
-    return None
 
 
 def unquantized_state_params(model: torch.nn.Module, name: str) -> list[str]:
@@ -311,7 +232,7 @@ def build_optimizer(
     if reason is not None:
         raise ValueError(reason)
     cls, kwargs = _optimizer_class(cfg)
-    paged_on_cpu = cfg.name in _PAGED and device_type != "cuda"
+    paged_on_cpu = cfg.name in PAGED_OPTIMIZERS and device_type != "cuda"
     if paged_on_cpu:
         _paged_on_cpu_warning(cfg.name)
 

@@ -18,16 +18,13 @@ process's resident-set high-water mark (Linux ``VmHWM``), reset after every reco
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import psutil
 import torch
 
-GIB = 1024**3
-
-
-def to_gib(num_bytes: float) -> float:
-    """Bytes -> GiB (1024**3 bytes)."""
-    return num_bytes / GIB
+from memfit import distributed as dist_
+from memfit.units import to_gib
 
 
 def _read_vmhwm() -> int | None:
@@ -109,3 +106,34 @@ class PeakMemory:
             }
         self.reset()
         return out
+
+
+def tracked_memory_fields(tracker) -> dict[str, Any]:
+    """The step record's tracked-memory fields since the last record; the tracker then starts a new peak.
+
+    Sharded, every rank tracked itself: the breakdown logged is that of the rank whose tracked peak is highest
+    (the ranks' results are gathered here, a host sync, so call it at logging boundaries only), and each
+    category's own peak is its maximum over ranks.
+
+    Args:
+        tracker: the run's :class:`~memfit.memory.tracker.MemoryTracker` (on every rank).
+
+    Returns:
+        ``memory_breakdown`` (GiB by category at the peak), ``memory_peak_phase``, ``memory_category_peaks`` (GiB,
+        each category's own maximum, reached at different moments), and, sharded, ``memory_peak_rank``.
+        Categories are :attr:`~memfit.memory.tracker.MemoryTracker.categories` (``unsharded_parameters`` only
+        for a sharded model).
+    """
+    mine = (tracker.peak_bytes, tracker.peak_breakdown, tracker.peak_phase, tracker.category_peaks)
+    tracker.reset_peak()
+    ranks = dist_.all_gather_objects(mine)
+    fullest = max(range(len(ranks)), key=lambda r: ranks[r][0])  # the lowest such rank on a tie
+    _, breakdown, phase, _ = ranks[fullest]
+    fields = {
+        "memory_breakdown": {c: to_gib(breakdown[c]) for c in tracker.categories},
+        "memory_peak_phase": phase,
+        "memory_category_peaks": {c: to_gib(max(r[3][c] for r in ranks)) for c in tracker.categories},
+    }
+    if len(ranks) > 1:
+        fields["memory_peak_rank"] = fullest
+    return fields

@@ -26,8 +26,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from memfit.config import AC_MODES
+
 IGNORE_INDEX = -100
-AC_MODES = ("none", "full", "every_n")
 
 
 def checkpointed_layers(num_layers: int, mode: str, interval: int = 1) -> list[int]:

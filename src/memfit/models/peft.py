@@ -45,10 +45,10 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
 from memfit.checkpoint import atomic_directory
+from memfit.config import LORA_TARGETS
 from memfit.errors import CheckpointError
 from memfit.models.llama import Attention, Llama, causal_attention
 
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head")
 """Names of the linear layers LoRA can adapt (the last component of the module name)."""
 PEFT_WEIGHTS = "adapter_model.safetensors"
 """File name of the adapter tensors in Hugging Face PEFT's format."""

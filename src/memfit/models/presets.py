@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import fields
 from typing import Any
 
+from memfit.errors import UnknownPresetError
 from memfit.models.llama import LlamaConfig, RopeScaling
 
 # meta-llama/Llama-2-7b-hf config.json
@@ -106,13 +107,6 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
         "intermediate_size": 28672,
     },
 }
-
-
-class UnknownPresetError(ValueError, KeyError):
-    """A preset name that ``MODEL_PRESETS`` does not hold (a ValueError, and a KeyError for dict-like callers)."""
-
-    def __str__(self) -> str:  # KeyError would quote the message
-        return str(self.args[0])
 
 
 def model_config(name: str, **overrides: Any) -> LlamaConfig:

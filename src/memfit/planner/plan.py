@@ -3,16 +3,16 @@
 :func:`plan` enumerates combinations of the memory switches of a run (dtype policy, optimizer, optimizer in
 backward, activation checkpointing, chunked cross-entropy, offloading and, sharded, FSDP's resharding and CPU
 offload), keeps those that config validation accepts, and ranks the ones that fit the budget by a throughput cost
-model (:func:`memfit.memory.cost.step_cost`; its constants are ``COST_CONSTANTS`` there, documented with their
+model (:func:`memfit.planner.cost.step_cost`; its constants are ``COST_CONSTANTS`` there, documented with their
 sources in docs/memory.md, "Planner"). :func:`cheapest_fix` answers the pre-flight question "what is the smallest change of
 this config that fits?".
 
-Every combination reported as fitting was estimated with :func:`memfit.memory.estimate.estimate_run` -- the run's
+Every combination reported as fitting was estimated with :func:`memfit.planner.estimate.estimate_run` -- the run's
 own training step on fake tensors -- exactly as it would run. An 8B estimate takes 15-45 s on two CPU cores, so
 the search avoids estimating what cannot matter, with bounds that are proven, never guessed:
 
 1. **Closed-form lower bound.** A step holds at least the parameters and the optimizer state that live on the
-   device (closed form, :func:`~memfit.memory.estimate.model_state_bytes_closed_form`), plus the larger of the
+   device (closed form, :func:`~memfit.planner.closed_form.model_state_bytes_closed_form`), plus the larger of the
    gradients (at the optimizer step) and every layer's saved input ``B * T * dim`` (at the end of the forward;
    0 with activation offloading). A combination whose bound is over budget is never estimated.
 2. **Bound from an estimated sibling.** Optimizer state does not change what the forward and backward allocate:
@@ -33,91 +33,24 @@ Rows that were not estimated carry their bounds: peak bytes ``>=``, throughput `
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import itertools
-import math
-import re
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
-import yaml
 
-from memfit.errors import ConfigError, MemfitError
-from memfit.memory.cost import COST_CONSTANTS, param_bytes, step_cost, target_device
-from memfit.memory.tracker import GIB
-
-if TYPE_CHECKING:
-    from memfit.config import TrainConfig
-    from memfit.memory.estimate import Estimate
-
-# ----------------------------------------------------------------------------------------------------------------
-# Budgets
-# ----------------------------------------------------------------------------------------------------------------
-
-BYTE_UNITS: dict[str, int] = {
-    "b": 1,
-    "kib": 1024,
-    "mib": 1024**2,
-    "gib": 1024**3,
-    "tib": 1024**4,
-    "kb": 10**3,
-    "mb": 10**6,
-    "gb": 10**9,
-    "tb": 10**12,
-}
-"""Units of a budget: binary ``KiB``, ``MiB``, ``GiB`` (1024**3 bytes), ``TiB``; decimal ``KB``, ``MB``, ``GB``
-(10**9 bytes), ``TB``; ``B``. Case does not matter; the ``i`` does."""
-
-
-def parse_bytes(text: str, key: str = "budget") -> int:
-    """Bytes from a size with a unit: ``24GiB`` is 24 * 1024**3, ``24GB`` 24 * 10**9, ``512MiB``, ``1.5TiB``.
-
-    Args:
-        text: a number followed by a unit of :data:`BYTE_UNITS` (spaces allowed between them).
-        key: the config key to name in errors.
-
-    Returns:
-        Bytes, rounded down to an integer.
-
-    Raises:
-        ConfigError: naming ``key``, when the text is not a positive number with a known unit.
-    """
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]+)\s*", str(text))
-    unit = match.group(2).lower() if match else None
-    if match is None or unit not in BYTE_UNITS:
-        raise ConfigError(
-            f"config key '{key}': {text!r} is not a size with a unit; write e.g. {key}=24GiB (GiB = 1024**3 "
-            f"bytes; also KiB, MiB, TiB) or {key}=24GB (GB = 10**9 bytes; also KB, MB, TB)"
-        )
-    value = float(match.group(1)) * BYTE_UNITS[unit]
-    if value < 1:
-        raise ConfigError(f"config key '{key}': must be > 0, got {text!r}")
-    return int(value)
-
-
-def split_budget(overrides: list[str], key: str = "budget") -> tuple[int | None, list[str]]:
-    """Take ``budget=SIZE`` (not a config key) out of the CLI's ``key=value`` overrides; the last one wins.
-
-    Returns:
-        ``(bytes or None when absent, the other overrides in their order)``.
-
-    Raises:
-        ConfigError: naming ``budget``, when a value is not a size with a unit (see :func:`parse_bytes`).
-    """
-    budget, rest = None, []
-    for item in overrides:
-        name, sep, value = item.partition("=")
-        if sep and name.strip() == key:
-            budget = parse_bytes(value.strip(), key)
-        else:
-            rest.append(item)
-    return budget, rest
-
+from memfit.build import build_model, run_model_config
+from memfit.config import TrainConfig, config_from_dict, config_to_dict, device_type
+from memfit.distributed import shard_numel
+from memfit.errors import ConfigError
+from memfit.memory.techniques import checkpointed_layers
+from memfit.planner.closed_form import model_state_bytes_closed_form
+from memfit.planner.cost import COST_CONSTANTS, param_bytes, step_cost
+from memfit.planner.estimate import Estimate, estimate_run
+from memfit.units import GIB, format_bytes
 
 # ----------------------------------------------------------------------------------------------------------------
 # Candidates
@@ -169,7 +102,7 @@ class PlanRow:
     host_bytes: int = 0
     """Host memory kept there by design (estimated, or a lower bound)."""
     cost: dict[str, float] = field(default_factory=dict)
-    """Seconds of one step by component (:func:`memfit.memory.cost.step_cost`); a lower bound while not
+    """Seconds of one step by component (:func:`memfit.planner.cost.step_cost`); a lower bound while not
     estimated."""
     relative_throughput: float = 0.0
     """Baseline step seconds / this row's (an upper bound while not estimated)."""
@@ -286,10 +219,11 @@ def default_dtypes(cfg: TrainConfig) -> tuple[str, ...]:
     """The dtype policies ``memfit plan`` considers when the user sets none: ``bf16_mixed`` and ``bf16`` on
     CUDA (``fp32`` keeps the model states of ``bf16_mixed`` with fp32 activations, and is slower), and ``fp32``
     first on CPU (CPUs without bf16 matrix units emulate bf16 matmuls, ~25x slower)."""
-    return ("bf16_mixed", "bf16") if target_device(cfg) == "cuda" else ("fp32", "bf16_mixed", "bf16")
+    return ("bf16_mixed", "bf16") if device_type(cfg.device) == "cuda" else ("fp32", "bf16_mixed", "bf16")
 
 
-def _get(cfg: TrainConfig, dotted: str) -> Any:
+def switch_value(cfg: TrainConfig, dotted: str) -> Any:
+    """The value of a dotted key (``optimizer.name``) of ``cfg``."""
     obj: Any = cfg
     for part in dotted.split("."):
         obj = getattr(obj, part)
@@ -298,13 +232,13 @@ def _get(cfg: TrainConfig, dotted: str) -> Any:
 
 def _switches_of(cfg: TrainConfig, world_size: int) -> dict[str, Any]:
     keys = SWITCH_KEYS if world_size > 1 else SWITCH_KEYS[:-2]
-    return {k: _get(cfg, k) for k in keys}
+    return {k: switch_value(cfg, k) for k in keys}
 
 
 def _changes(cfg: TrainConfig, base: TrainConfig, world_size: int) -> tuple[str, ...]:
     out = []
     for key, value in _switches_of(cfg, world_size).items():
-        before = _get(base, key)
+        before = switch_value(base, key)
         if key == "optimizer.implementation" and cfg.optimizer.name != "adamw":
             continue  # only AdamW has implementations
         if key == "activation_checkpointing" and value == "every_n" and before == "every_n":
@@ -341,10 +275,7 @@ def candidates(
     Returns:
         Validated configs, ``cfg``'s own switches first when valid; no two with the same switches.
     """
-    from memfit.config import _device_type, config_from_dict, config_to_dict
-    from memfit.launch import validating_as_ranks
-
-    cuda = _device_type(cfg.device) == "cuda"
+    cuda = device_type(cfg.device) == "cuda"
     dtypes = tuple(dict.fromkeys(dtypes or (cfg.dtype,)))
     optimizers: list[tuple[str, str]] = [(cfg.optimizer.name, cfg.optimizer.implementation)]
     for name in PLAN_OPTIMIZERS:
@@ -379,21 +310,18 @@ def candidates(
         dict.fromkeys(reshard),
         dict.fromkeys(fsdp_offload),
     )
-    with validating_as_ranks(world_size) if sharded else contextlib.nullcontext():
-        for dtype, (name, impl), in_bwd, opt_off, (ac, every), ce, act_off, resh, fsdp_off in grid:
-            key = (dtype, name, impl, in_bwd, opt_off, ac, every if ac == "every_n" else 0, ce, act_off, resh)
-            key += (fsdp_off,)
-            own = (ac, act_off) == (cfg.activation_checkpointing, cfg.activation_offloading)
-            if key in seen or (act_off and ac != "full" and not own):
-                continue
-            seen.add(key)
-            tree = _with(
-                base, dtype, name, impl, in_bwd, opt_off, ac, every, ce, act_off, resh, fsdp_off, cfg
-            )
-            try:
-                out.append(config_from_dict(tree))
-            except ConfigError:
-                continue
+    for dtype, (name, impl), in_bwd, opt_off, (ac, every), ce, act_off, resh, fsdp_off in grid:
+        key = (dtype, name, impl, in_bwd, opt_off, ac, every if ac == "every_n" else 0, ce, act_off, resh)
+        key += (fsdp_off,)
+        own = (ac, act_off) == (cfg.activation_checkpointing, cfg.activation_offloading)
+        if key in seen or (act_off and ac != "full" and not own):
+            continue
+        seen.add(key)
+        tree = _with(base, dtype, name, impl, in_bwd, opt_off, ac, every, ce, act_off, resh, fsdp_off, cfg)
+        try:
+            out.append(config_from_dict(tree, world_size=world_size))
+        except ConfigError:
+            continue
     return out
 
 
@@ -442,13 +370,11 @@ class _Context:
     def __init__(
         self, cfg: TrainConfig, world_size: int, budget: int, margin: float, constants: dict[str, Any] | None
     ) -> None:
-        from memfit.memory.estimate import run_model_config
-
         self.cfg = cfg
         self.world_size = world_size
         self.mcfg = run_model_config(cfg)
         self.seq_len = cfg.seq_len or self.mcfg.max_seq_len
-        self.target = target_device(cfg)
+        self.target = device_type(cfg.device)
         self.constants = constants or COST_CONSTANTS[self.target]
         self.budget = budget
         self.margin = margin
@@ -457,8 +383,6 @@ class _Context:
         self._grad_sizes: dict[tuple, tuple[int, int]] = {}
 
     def closed(self, cfg: TrainConfig) -> dict[str, int]:
-        from memfit.memory.estimate import model_state_bytes_closed_form
-
         key = (cfg.dtype, cfg.optimizer.name, cfg.optimizer_in_backward)
         if key not in self._closed:
             self._closed[key] = model_state_bytes_closed_form(cfg, self.mcfg, self.world_size)
@@ -515,8 +439,6 @@ class _Context:
         of down_proj (``intermediate_size``), at the matmul dtype (bf16 under ``bf16`` and ``bf16_mixed``). The
         loss without chunking saves the fp32 log-probabilities ``(B * T, V)``.
         """
-        from memfit.memory.techniques import checkpointed_layers
-
         m = self.mcfg
         tokens = cfg.batch_size * self.seq_len
         resid = param_bytes(cfg.dtype)
@@ -535,17 +457,11 @@ class _Context:
         """Bytes of one rank's ``lm_head`` weight gradient (0 when it is frozen) and of its largest gradient."""
         key = (cfg.dtype, cfg.method)
         if key not in self._grad_sizes:
-            from memfit.models.llama import build_llama
-            from memfit.train import PARAM_DTYPES, apply_method
-
-            model = build_llama(self.mcfg, device="meta", dtype=PARAM_DTYPES[cfg.dtype])
-            apply_method(model, cfg)
-            size, ws = param_bytes(cfg.dtype), self.world_size
+            model = build_model(cfg, self.mcfg, torch.device("meta"))
+            size = param_bytes(cfg.dtype)
 
             def local(p: Any) -> int:
-                shape = tuple(p.shape)
-                rows = -(-shape[0] // ws) if shape else 1
-                return min(rows, shape[0] if shape else 1) * math.prod(shape[1:]) * size
+                return shard_numel(tuple(p.shape), self.world_size) * size
 
             head = getattr(getattr(model, "lm_head", None), "weight", None)
             head_bytes = local(head) if isinstance(head, torch.nn.Parameter) and head.requires_grad else 0
@@ -600,8 +516,6 @@ class _Search:
         progress: Callable[[str], None] | None,
         estimator: Callable[..., Estimate] | None,
     ) -> None:
-        from memfit.memory.estimate import estimate_run
-
         self.ctx = ctx
         self.rows = rows
         self.progress = progress or (lambda _msg: None)
@@ -874,278 +788,3 @@ def cheapest_fix(
         if search.nothing_fits:
             return None
     return None
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Reports
-# ----------------------------------------------------------------------------------------------------------------
-
-
-class NoPlanError(MemfitError):
-    """No combination of switches fits the budget."""
-
-
-def format_bytes(n: float) -> str:
-    """``24.00 GiB``, ``512.00 MiB`` or ``12.50 KiB`` (binary units: GiB = 1024**3 bytes)."""
-    for unit, size in (("GiB", GIB), ("MiB", 1024**2)):
-        if abs(n) >= 0.1 * size or (n == 0 and unit == "GiB"):
-            return f"{n / size:.2f} {unit}"
-    return f"{n / 1024:.2f} KiB"
-
-
-def no_fit_message(p: Plan) -> str:
-    """Why nothing fits, the smallest peak seen, and what would be needed (budget, ranks, shorter batches)."""
-    estimated = [r for r in p.rows if r.estimated]
-    least = p.probe if p.probe is not None and p.probe.estimated else None
-    if least is None and estimated:
-        least = min(estimated, key=lambda r: r.peak_bytes)
-    if least is None:
-        least = min(p.rows, key=lambda r: r.peak_bytes)
-    kind = "estimated" if least.estimated else "a lower bound"
-    need = least.peak_bytes / (1 - p.margin)
-    msg = (
-        f"nothing fits in {format_bytes(p.budget_bytes)} ({format_bytes(p.usable_bytes)} usable after the "
-        f"{p.margin:.0%} margin) on each of {p.world_size} rank(s): the least memory, with {least.label()}, is "
-        f"{format_bytes(least.peak_bytes)} ({kind}). Needs a budget of at least {format_bytes(need)}"
-    )
-    e = least.estimate
-    if e is not None:
-        states = e.breakdown.get("parameters", 0) + e.breakdown.get("gradients", 0)
-        states += e.breakdown.get("optimizer_state", 0)
-        rest = e.peak_bytes - states
-        if rest < p.usable_bytes and states > 0:
-            ranks = p.world_size * math.ceil(states / (p.usable_bytes - rest))
-            msg += (
-                f", or about world_size={ranks} (parameters, gradients and optimizer state, "
-                f"{format_bytes(states)} here, fall as 1/N; bitsandbytes optimizers do not run sharded)"
-            )
-        msg += (
-            f", or a smaller batch_size or seq_len (activations and temporaries are {format_bytes(rest)} "
-            f"at that peak)"
-        )
-    return msg
-
-
-def format_plan(p: Plan, top: int = 10) -> str:
-    """The table of ``memfit plan``: rank, switches, peak (allocator), device total, host (GiB = 1024**3
-    bytes), relative throughput, fits, and whether the numbers are estimated or bounds."""
-    unit, size = ("GiB", GIB) if p.budget_bytes >= GIB else ("MiB", 1024**2)
-    lines = [
-        f"budget {format_bytes(p.budget_bytes)} per device, {format_bytes(p.usable_bytes)} usable "
-        f"(margin {p.margin:.0%}), {p.world_size} rank(s), target {p.target}, seq_len {p.seq_len}",
-        f"{len(p.rows)} combinations, {p.estimates} estimated in {p.seconds:.0f} s; speed: relative throughput "
-        f"of the cost model (docs/memory.md, Planner), 1.00 = baseline step of {p.baseline_seconds * 1e3:.0f} ms",
-        "estimated: numbers from estimate_run of that exact config; bound: >= peak / <= speed, not estimated",
-        "",
-    ]
-    shown = p.rows[:top]
-    width = max([len(r.label()) for r in shown] + [8])
-    head = (
-        f"{'rank':>4}  {'switches':<{width}}  {'peak ' + unit:>9}  {'device ' + unit:>10}  {'host ' + unit:>8}  "
-        f"{'speed':>6}  {'fits':<4}  source"
-    )
-    lines += [head, "-" * len(head)]
-    for i, r in enumerate(shown, 1):
-        ge, le = ("", "") if r.estimated else (">=", "<=")
-        fits = "yes" if r.fits else ("?" if r.status in ("not estimated", "error") else "no")
-        source = "estimated" if r.estimated else ("error" if r.status == "error" else "bound")
-        if r.status == "not estimated":
-            source = "bound (not estimated: slower)"
-        lines.append(
-            f"{i:>4}  {r.label():<{width}}  {ge + f'{r.peak_bytes / size:.2f}':>9}  "
-            f"{ge + f'{r.device_total_bytes / size:.2f}':>10}  {ge + f'{r.host_bytes / size:.2f}':>8}  "
-            f"{le + f'{r.relative_throughput:.2f}':>6}  {fits:<4}  {source}"
-        )
-    rest = p.rows[top:]
-    if rest:
-        counts: dict[str, int] = {}
-        for r in rest:
-            counts[r.status] = counts.get(r.status, 0) + 1
-        lines.append(
-            f"... {len(rest)} more: "
-            + ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))
-            + " (--top N)"
-        )
-    errors = [r for r in p.rows if r.status == "error"]
-    for r in errors[:3]:
-        lines.append(f"error: {r.label()}: {r.note}")
-    best = p.best
-    if best is not None:
-        c = best.cost
-        lines += [
-            "",
-            f"best: {best.label()}",
-            f"  step {c['total'] * 1e3:.0f} ms (compute {c['compute'] * 1e3:.0f}, communication "
-            f"{c['communication'] * 1e3:.0f}, optimizer {c['optimizer'] * 1e3:.0f}, transfers "
-            f"{c['transfers'] * 1e3:.0f}), {best.tokens_per_second_per_gpu:,.0f} tokens_per_second_per_gpu "
-            f"(cost model)",
-        ]
-        if best.changes:
-            lines.append("  changes: " + ", ".join(f"{k}={_get(best.config, k)}" for k in best.changes))
-        if p.base is not None and best.config.max_grad_norm != p.base.max_grad_norm:
-            needs = "optimizer_in_backward" if best.config.optimizer_in_backward else "optimizer.cpu_offload"
-            lines.append(
-                f"  max_grad_norm={best.config.max_grad_norm:g} (was {p.base.max_grad_norm:g}): no global-norm "
-                f"clipping, which {needs} needs (grad_norm is still logged)"
-            )
-        if best.config.dtype == "bf16":
-            lines.append("  dtype bf16: weights and optimizer state in bf16 (small updates round away; fine for "
-                         "fine-tuning, watch long pretraining)")  # fmt: skip
-    return "\n".join(lines)
-
-
-def format_constants(target: str) -> str:
-    """The cost-model constants of a target, one per line (``memfit plan --explain``)."""
-    lines = [f"cost-model constants ({target}; sources in docs/memory.md, Planner):"]
-    for k, v in COST_CONSTANTS[target].items():
-        if isinstance(v, dict):
-            lines.append(f"  {k}:")
-            lines += [f"    {name}: {value:g}" for name, value in v.items()]
-        else:
-            lines.append(f"  {k}: {v:g}")
-    return "\n".join(lines)
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# The runnable YAML
-# ----------------------------------------------------------------------------------------------------------------
-
-_COMMENTS: dict[str, Callable[[Any], str]] = {
-    "dtype": lambda v: {
-        "bf16": "weights, gradients and optimizer state bf16 (loss in fp32)",
-        "bf16_mixed": "fp32 weights, gradients and state; forward/backward under bf16 autocast",
-        "fp32": "everything fp32",
-    }[v],
-    "optimizer.name": lambda v: {
-        "adamw": "torch AdamW: 2 moments in the parameter dtype",
-        "adamw8bit": "bitsandbytes 8-bit AdamW: ~2 bytes/parameter of state",
-        "paged_adamw8bit": "8-bit state in CUDA unified memory: the driver pages it to host RAM when short",
-        "paged_adamw": "32-bit state in CUDA unified memory",
-        "torchao_adamw8bit": "torchao 8-bit AdamW: ~2 bytes/parameter of state",
-        "torchao_adamw4bit": "torchao 4-bit AdamW: ~1 byte/parameter of state",
-        "torchao_adamw_fp8": "torchao fp8 AdamW state: ~2 bytes/parameter",
-    }.get(v, ""),
-    "optimizer.implementation": lambda v: {
-        "fused": "one fused kernel: fewest temporaries, fastest",
-        "foreach": "multi-tensor: one parameter-sized set of temporaries at the step",
-        "for_loop": "one tensor at a time",
-    }[v],
-    "optimizer.cpu_offload": lambda v: (
-        "state and update on the host (torchao CPUOffloadOptimizer)" if v else ""
-    ),
-    "optimizer_in_backward": lambda v: (
-        "no gradient memory; needs gradient_accumulation_steps == 1" if v else ""
-    ),
-    "max_grad_norm": lambda v: "0: no global-norm clipping (grad_norm is still logged)" if v == 0 else "",
-    "activation_checkpointing": lambda v: {
-        "full": "recompute every layer in backward: ~1/3 more compute",
-        "every_n": "recompute every n-th layer in backward",
-        "none": "",
-    }[v],
-    "chunked_cross_entropy": lambda v: "never materialise the whole (B, T, vocab) logits" if v else "",
-    "activation_offloading": lambda v: (
-        "saved activations in pinned host memory (PCIe each step)" if v else ""
-    ),
-    "distributed.reshard_after_forward": lambda v: (
-        "" if v else "keep gathered layers to backward: fewer all-gathers"
-    ),
-    "distributed.cpu_offload": lambda v: "shards, gradients and the step on the host" if v else "",
-}
-
-
-def plan_yaml(row: PlanRow, p: Plan, command: str | None = None) -> str:
-    """A config file (the format of ``configs/*.yaml``) that runs ``row``: every key that differs from
-    :class:`~memfit.config.TrainConfig`'s defaults, plus the model, sizes and every planned switch, with each
-    switch's trade-off beside it and the prediction in a header comment. ``load_config`` of it gives
-    ``row.config`` back.
-    """
-    from memfit.config import TrainConfig, config_to_dict
-
-    cfg = dataclasses.replace(row.config, device=p.target, seq_len=p.seq_len)
-    tree, default = config_to_dict(cfg), config_to_dict(TrainConfig())
-    always = {
-        "model",
-        "dtype",
-        "device",
-        "batch_size",
-        "seq_len",
-        "gradient_accumulation_steps",
-        "max_grad_norm",
-    }
-    always |= set(SWITCH_KEYS)
-    if cfg.optimizer.name != "adamw":
-        always.discard("optimizer.implementation")  # AdamW's only
-    if cfg.activation_checkpointing == "every_n":
-        always.add("activation_checkpointing_interval")
-    out: dict[str, Any] = {}
-    first = ["model", "model_args", "checkpoint_dir", "method", "dtype", "device", "batch_size", "seq_len"]
-    for key in first + [k for k in tree if k not in first]:
-        value = tree[key]
-        if (
-            isinstance(value, dict)
-            and key != "model_args"
-            and key in default
-            and isinstance(default[key], dict)
-        ):
-            sub = {k: v for k, v in value.items() if v != default[key].get(k) or f"{key}.{k}" in always}
-            if key == "distributed" and p.world_size == 1:
-                sub = {k: v for k, v in sub.items() if v != default[key].get(k)}
-            if sub:
-                out[key] = sub
-        elif value != default.get(key) or key in always:
-            out[key] = value
-    body = yaml.safe_dump(out, sort_keys=False, default_flow_style=False, width=100)
-    e = row.estimate
-    run = command or (
-        "memfit pretrain --config FILE.yaml" + (f" nproc={p.world_size}" if p.world_size > 1 else "")
-    )
-    header = [
-        f"# memfit plan: {row.label()}",
-        f"# budget {format_bytes(p.budget_bytes)} per device ({format_bytes(p.usable_bytes)} usable, margin "
-        f"{p.margin:.0%}), {p.world_size} rank(s), GiB = 1024**3 bytes",
-    ]
-    if e is not None:
-        header.append(
-            f"# predicted (estimate_run of this config): peak {format_bytes(e.peak_bytes)} (allocator, in "
-            f"{e.phase}), device total {format_bytes(e.device_total_bytes)}, host {format_bytes(e.host_bytes)}"
-        )
-    header.append(
-        f"# cost model: {row.relative_throughput:.2f}x the baseline's throughput, "
-        f"{row.tokens_per_second_per_gpu:,.0f} tokens_per_second_per_gpu (docs/memory.md, Planner)"
-    )
-    header.append(f"# run: {run}")
-    return "\n".join(header) + "\n" + _commented(body) + ""
-
-
-def _commented(body: str) -> str:
-    """Put each switch's trade-off beside it (``key: value  # comment``)."""
-    out, section = [], ""
-    for line in body.splitlines():
-        indent = len(line) - len(line.lstrip())
-        stripped = line.strip()
-        if indent == 0:
-            section = ""
-        key, sep, raw = stripped.partition(":")
-        if sep and not raw.strip() and indent == 0:
-            section = key
-        dotted = f"{section}.{key}" if indent and section else key
-        comment = ""
-        if sep and raw.strip() and dotted in _COMMENTS:
-            try:
-                comment = _COMMENTS[dotted](yaml.safe_load(raw))
-            except (KeyError, yaml.YAMLError):
-                comment = ""
-        out.append(f"{line:<40}  # {comment}" if comment else line)
-    return "\n".join(out) + "\n"
-
-
-def write_plan_yaml(path: str | Path, row: PlanRow, p: Plan) -> Path:
-    """Write :func:`plan_yaml` of ``row`` to ``path`` (parents created); returns the path."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(plan_yaml(row, p, f"memfit pretrain --config {path}" + _nproc(p)), encoding="utf-8")
-    return path
-
-
-def _nproc(p: Plan) -> str:
-    return f" nproc={p.world_size}" if p.world_size > 1 else ""

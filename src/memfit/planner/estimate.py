@@ -1,9 +1,10 @@
 """Predict a run's peak memory before anything is allocated, by running its own training step on fake tensors.
 
-:func:`estimate_run` builds the run's model on the meta device, makes every parameter a fake tensor
+:func:`estimate_run` builds the run's model through the run's own build sequence
+(:func:`memfit.build.build_training`) on the meta device, makes every parameter a fake tensor
 (``torch._subclasses.fake_tensor.FakeTensorMode``: shapes, dtypes and devices, no storage), applies the method,
 activation checkpointing and (for ``world_size`` > 1) FSDP sharding over a fake process group in which this
-process plays rank 0, builds the run's optimizer, and runs :func:`memfit.train.train_step` -- the very function the
+process plays rank 0, builds the run's optimizer, and runs :func:`memfit.step.train_step` -- the very function the
 training loop calls -- under a :class:`~memfit.memory.tracker.MemoryTracker`, as the second step of the run: the
 first only creates the optimizer state (an optimizer step on zero gradients at lr 0, as torch's distributed
 checkpointing lays the state out; a whole first train step would double the time and allocate the same state). What the tracker sees is what a real step allocates: the peak of
@@ -24,7 +25,7 @@ What the caching allocator cannot see is moved out of the device peak and report
 The trace runs on CPU fake tensors whatever ``device`` says (a CPU build of torch cannot make CUDA tensors, fake or
 not); sizes are the same, but kernels may differ in their workspaces, which no tracker sees (see docs/memory.md).
 
-A closed-form bytes model (:func:`model_state_bytes_closed_form`) gives parameters, gradients and optimizer
+A closed-form bytes model (:func:`memfit.planner.closed_form.model_state_bytes_closed_form`) gives parameters, gradients and optimizer
 state from the shapes and dtypes alone, beside the traced numbers; the two agree exactly on model states.
 """
 
@@ -32,21 +33,23 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 import time
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
+from memfit.build import build_training, run_model_config
+from memfit.checkpoint import init_optimizer_state
+from memfit.config import TrainConfig, check_lengths
 from memfit.errors import ConfigError
-from memfit.memory.tracker import CATEGORIES, GIB
-
-if TYPE_CHECKING:
-    from memfit.config import TrainConfig
-    from memfit.models.llama import LlamaConfig
+from memfit.memory.tracker import CATEGORIES, MemoryTracker, model_state_bytes
+from memfit.models.llama import LlamaConfig
+from memfit.planner.closed_form import model_state_bytes_closed_form
+from memfit.step import train_step, train_step_options
+from memfit.units import GIB
 
 
 @dataclass
@@ -131,9 +134,6 @@ def estimate_run(
         ValueError: ``world_size`` < 1.
         memfit.errors.ConfigError, memfit.errors.CheckpointError: as the run itself would raise them.
     """
-    from memfit.checkpoint import init_optimizer_state
-    from memfit.train import PARAM_DTYPES, check_lengths, train_step, train_step_options
-
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     start = time.perf_counter()
@@ -148,18 +148,15 @@ def estimate_run(
             "into one flat buffer, so its model states are those of FSDP2 to within padding. Estimate with "
             "distributed.strategy=fsdp2"
         )
-    with _fake_process_group(world_size), _quiet():
-        meta = _build_meta(trace_cfg, mcfg, world_size)
-        with _fake_mode(cfg.optimizer.name) as fake:
-            model, optimizer = _materialize(meta, trace_cfg)
-            num_params = sum(p.numel() for p in model.parameters())  # DTensor: the global count
-            num_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    with _fake_process_group(world_size), _quiet(), _fake_mode(cfg.optimizer.name) as fake:
+        # the run's own build sequence, on the meta device, materialised with fake storage
+        built = build_training(trace_cfg, mcfg, torch.device("cpu"), world_size=world_size, fake_mode=fake)
+        model, optimizer = built.model, built.optimizer
+        with fake:
             batches = [
                 tuple(fake_ids(cfg.batch_size, seq_len, mcfg.vocab_size) for _ in ("inputs", "targets"))
                 for _ in range(cfg.gradient_accumulation_steps)
             ]
-            from memfit.memory.tracker import MemoryTracker, model_state_bytes
-
             # step 1 only creates the optimizer state: an optimizer step on zero gradients at lr 0 (what torch's
             # distributed checkpointing does to lay the state out); step 2, the run's train_step, is traced
             init_optimizer_state(optimizer)
@@ -188,34 +185,14 @@ def estimate_run(
         unseen=unseen,
         model_states=closed,
         traced_model_states=traced,
-        num_params=num_params,
-        num_trainable_params=num_trainable,
+        num_params=built.num_params,
+        num_trainable_params=built.num_trainable,
         world_size=world_size,
         batch_size=cfg.batch_size,
         seq_len=seq_len,
         seconds=time.perf_counter() - start,
-        config=_switches(cfg, PARAM_DTYPES),
+        config=_switches(cfg),
     )
-
-
-def run_model_config(cfg: TrainConfig) -> LlamaConfig:
-    """The architecture a run would build, without reading weights or data: ``checkpoint_dir``'s config, or the
-    preset with ``model_args``; when the preset has no ``vocab_size``, the tokenizer's (``tokenizer.vocab_size``
-    for BPE, the file's for ``file``, 256 for ``char``, whose real size the corpus decides)."""
-    from memfit.train import checkpoint_model_config, resolve_model_config
-
-    if cfg.checkpoint_dir is not None:
-        return checkpoint_model_config(cfg.checkpoint_dir)
-    tok = cfg.tokenizer
-    if tok.kind == "file":
-        from memfit.tokenizer import load_tokenizer
-
-        vocab_size = load_tokenizer(tok.path).vocab_size
-    elif tok.kind == "char":
-        vocab_size = 256  # the corpus decides; a preset's own vocabulary wins (see resolve_model_config)
-    else:
-        vocab_size = tok.vocab_size
-    return resolve_model_config(cfg, vocab_size)
 
 
 def fake_ids(batch_size: int, seq_len: int, vocab_size: int) -> torch.Tensor:
@@ -233,34 +210,9 @@ def _traceable(cfg: TrainConfig) -> TrainConfig:
     )
 
 
-def _build_meta(cfg: TrainConfig, mcfg: LlamaConfig, world_size: int) -> torch.nn.Module:
-    """The run's model as :func:`memfit.train.train` builds it, on the meta device: method, activation
-    checkpointing and (sharded) FSDP2 applied. Outside the fake mode: FSDP builds its device mesh from real data."""
-    from memfit import distributed as dist_
-    from memfit.memory.techniques import apply_activation_checkpointing
-    from memfit.models.llama import build_llama
-    from memfit.train import PARAM_DTYPES, apply_method
-
-    model = build_llama(mcfg, device="meta", dtype=PARAM_DTYPES[cfg.dtype])
-    apply_method(model, cfg)
-    apply_activation_checkpointing(model, cfg.activation_checkpointing, cfg.activation_checkpointing_interval)
-    if world_size > 1:
-        model = dist_.shard_model(model, cfg, torch.device("cpu"))
-    return model
-
-
-def _materialize(model: torch.nn.Module, cfg: TrainConfig) -> tuple[torch.nn.Module, Any]:
-    """Inside the fake mode: fake storage for every parameter (shards, when sharded) and the run's optimizer."""
-    from memfit.memory.optim import build_optimizer
-
-    model.to_empty(device=torch.device("cpu"))
-    model.model.rotary_emb.reset_parameters()
-    return model, build_optimizer(model, cfg.optimizer, in_backward=cfg.optimizer_in_backward)
-
-
 @contextlib.contextmanager
 def _fake_mode(optimizer_name: str) -> Iterator[Any]:
-    """A ``FakeTensorMode`` in which the low-bit optimizers' quantization tables (a few hundred floats each,
+    """A ``FakeTensorMode`` (to enter where tensors are to be fake) in which the low-bit optimizers' quantization tables (a few hundred floats each,
     computed with data-dependent ops that fake tensors cannot run) are computed for real. Only the library that
     ``optimizer_name`` uses is imported (torchao and bitsandbytes take seconds each to import)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -270,7 +222,7 @@ def _fake_mode(optimizer_name: str) -> Iterator[Any]:
             _compute_torchao_tables()
         if optimizer_name in ("adamw8bit", "paged_adamw8bit", "paged_adamw"):
             _real_bnb_dynamic_map(stack)
-        yield stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
+        yield FakeTensorMode(allow_non_fake_inputs=True)
 
 
 def _compute_torchao_tables() -> None:
@@ -382,133 +334,7 @@ def _split_unseen(
     return best_total, breakdown, phase, unseen, host
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# The closed-form bytes model
-# ----------------------------------------------------------------------------------------------------------------
-
-
-def model_state_bytes_closed_form(cfg: TrainConfig, mcfg: LlamaConfig, world_size: int = 1) -> dict[str, int]:
-    """Parameters, gradients and optimizer state of one rank, in bytes, from shapes and dtypes alone.
-
-    - parameters: every parameter once (a tied ``lm_head`` is the embedding) in the dtype policy's parameter dtype
-      (fp32 for ``fp32`` and ``bf16_mixed``, bf16 for ``bf16``), plus the fp32 RoPE buffer;
-    - gradients: every trainable parameter in its dtype, as the optimizer step finds them (0 with the optimizer
-      in backward, which frees each gradient as soon as its update ran);
-    - optimizer state: AdamW keeps ``exp_avg`` and ``exp_avg_sq`` in the parameter dtype and a 4-byte fp32 ``step``
-      per parameter; low-bit optimizers as :func:`optimizer_state_bytes` says.
-
-    Sharded (``world_size`` > 1): every parameter is split on dim 0 into ``ceil(rows / world_size)``-row chunks
-    (``torch.chunk``'s layout) and rank 0's chunk counts; FSDP1 flattens a unit's parameters into one padded buffer
-    and gives each rank ``ceil(numel / world_size)`` elements.
-
-    Returns:
-        ``{"parameters", "gradients", "optimizer_state", "trainable_parameters", "paged_optimizer_state"}`` in
-        bytes (the last: the part of ``optimizer_state`` a paged optimizer keeps in unified memory on CUDA).
-    """
-    from memfit.models.llama import build_llama
-    from memfit.train import PARAM_DTYPES, apply_method
-
-    dtype = PARAM_DTYPES[cfg.dtype]
-    model = build_llama(mcfg, device="meta", dtype=dtype)
-    apply_method(model, cfg)
-    size = torch.tensor([], dtype=dtype).element_size()
-    buffers = sum(b.numel() * b.element_size() for b in model.buffers())
-    params = {n: p for n, p in model.named_parameters()}
-    local = {n: _local_numel(tuple(p.shape), world_size) for n, p in params.items()}
-    trainable = [n for n, p in params.items() if p.requires_grad]
-    tensors = [(local[n], size) for n in trainable]
-    return {
-        "parameters": sum(local.values()) * size + buffers,
-        "gradients": 0 if cfg.optimizer_in_backward else sum(local[n] for n in trainable) * size,
-        "optimizer_state": optimizer_state_bytes(cfg.optimizer.name, tensors),
-        "trainable_parameters": sum(local[n] for n in trainable) * size,
-        "paged_optimizer_state": paged_optimizer_state_bytes(cfg.optimizer.name, tensors),
-    }
-
-
-def _local_numel(shape: tuple[int, ...], world_size: int) -> int:
-    """Elements of rank 0's dim-0 chunk (``torch.chunk`` layout, as FSDP2 shards)."""
-    if world_size == 1 or not shape:
-        return math.prod(shape)
-    rows = -(-shape[0] // world_size)
-    return min(rows, shape[0]) * math.prod(shape[1:])
-
-
-def optimizer_state_bytes(name: str, tensors: list[tuple[int, int]]) -> int:
-    """Bytes of optimizer state for trainable tensors given as ``(numel, element_size)``.
-
-    - ``adamw``, ``paged_adamw``: two moments in the parameter dtype, and a 4-byte ``step`` per tensor
-      (torch keeps it as a 0-dim fp32 tensor; bitsandbytes keeps its step in the param group, no tensor);
-    - ``adamw8bit``, ``paged_adamw8bit`` (bitsandbytes block-wise): tensors of >= 4,096 elements keep two uint8
-      moments and one fp32 absmax per 256-element block of each, and the optimizer two 256-entry fp32
-      quantization maps shared by all tensors; smaller tensors keep fp32 moments; no ``step`` tensor;
-    - torchao low-bit AdamW (8-bit, fp8: 1 byte per element; 4-bit: half a byte): tensors of >= 4,096 elements
-      whose size is a multiple of the block (256; 128 for 4-bit) keep two quantized moments with one fp32 scale per
-      block each, and their own copy of the quantization map (256 fp32 entries per moment for 8-bit, 16 for
-      4-bit, none for fp8); others keep moments in the parameter dtype. Every tensor has a 4-byte ``step``.
-
-    Returns:
-        Bytes.
-    """
-    from memfit.memory.optim import (
-        BNB_MIN_8BIT_SIZE,
-        TORCHAO_BLOCK_SIZES,
-        TORCHAO_MIN_QUANTIZED_SIZE,
-    )
-
-    total = 0
-    if name in ("adamw8bit", "paged_adamw8bit") and any(n >= BNB_MIN_8BIT_SIZE for n, _ in tensors):
-        total += 2 * 256 * 4  # the signed and unsigned quantization maps, shared by all tensors
-    for numel, size in tensors:
-        if name == "adamw":
-            total += 2 * numel * size + 4
-        elif name == "paged_adamw":
-            total += 2 * numel * 4
-        elif name in ("adamw8bit", "paged_adamw8bit"):
-            if numel >= BNB_MIN_8BIT_SIZE:
-                blocks = -(-numel // 256)
-                total += 2 * numel + 2 * blocks * 4
-            else:
-                total += 2 * numel * 4
-        else:
-            block = TORCHAO_BLOCK_SIZES[name]
-            if numel >= TORCHAO_MIN_QUANTIZED_SIZE and numel % block == 0:
-                per = 0.5 if name == "torchao_adamw4bit" else 1
-                code = int(2 * numel * per)
-                total += code + 2 * (numel // block) * 4 + 4
-                if name == "torchao_adamw4bit":
-                    total += 2 * 16 * 4  # the 4-bit code books
-                elif name == "torchao_adamw8bit":
-                    total += 2 * 256 * 4
-            else:
-                total += 2 * numel * size + 4
-    return total
-
-
-BNB_PAGED_MIN_NUMEL = 100_000
-"""bitsandbytes' paged optimizers page the moments of tensors of at least this many elements (its
-``get_state_buffer``); smaller tensors' moments, every absmax and the code tables are ordinary device memory."""
-
-
-def paged_optimizer_state_bytes(name: str, tensors: list[tuple[int, int]]) -> int:
-    """Bytes of optimizer state that a paged optimizer keeps in CUDA unified memory (0 for the others).
-
-    Args:
-        name: ``optimizer.name``.
-        tensors: the trainable tensors as ``(numel, element_size)``.
-
-    Returns:
-        Bytes: for each tensor of >= :data:`BNB_PAGED_MIN_NUMEL` elements, two uint8 moments
-        (``paged_adamw8bit``; such a tensor is always above bitsandbytes' 8-bit threshold) or two fp32 moments
-        (``paged_adamw``).
-    """
-    if name not in ("paged_adamw8bit", "paged_adamw"):
-        return 0
-    per_element = 2 if name == "paged_adamw8bit" else 2 * 4
-    return sum(per_element * numel for numel, _ in tensors if numel >= BNB_PAGED_MIN_NUMEL)
-
-
-def _switches(cfg: TrainConfig, param_dtypes: dict[str, torch.dtype]) -> dict[str, Any]:
+def _switches(cfg: TrainConfig) -> dict[str, Any]:
     return {
         "model": cfg.model if cfg.checkpoint_dir is None else str(cfg.checkpoint_dir),
         "method": cfg.method,
@@ -523,34 +349,3 @@ def _switches(cfg: TrainConfig, param_dtypes: dict[str, torch.dtype]) -> dict[st
         "gradient_accumulation_steps": cfg.gradient_accumulation_steps,
         "distributed": dataclasses.asdict(cfg.distributed),
     }
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Report
-# ----------------------------------------------------------------------------------------------------------------
-
-
-def format_estimate(e: Estimate) -> str:
-    """A human-readable report of an :class:`Estimate` (GiB = 1024**3 bytes)."""
-    ranks = f" per rank of {e.world_size}" if e.world_size > 1 else ""
-    lines = [
-        f"model {e.config.get('model')} ({e.num_params:,} parameters, {e.num_trainable_params:,} trainable), "
-        f"method {e.config.get('method')}, dtype {e.config.get('dtype')}, batch {e.batch_size} x "
-        f"{e.config.get('gradient_accumulation_steps')} x {e.seq_len} tokens, optimizer {e.config.get('optimizer')}",
-        f"peak memory{ranks}: {e.peak_bytes / GIB:.2f} GiB (allocator), in {e.phase}",
-    ]
-    width = max(len(k) for k in e.breakdown)
-    for k, v in e.breakdown.items():
-        if v or k != "unsharded_parameters":
-            lines.append(f"  {k:<{width}}  {v / GIB:8.2f} GiB")
-    lines.append(f"device total (as the driver shows it): {e.device_total_bytes / GIB:.2f} GiB")
-    lines.append(f"host memory kept there by design: {e.host_bytes / GIB:.2f} GiB")
-    for k, v in e.unseen.items():
-        lines.append(f"  {k}: {v / GIB:.2f} GiB")
-    lines.append("model states, closed form vs traced:")
-    for k in ("parameters", "gradients", "optimizer_state"):
-        closed, traced = e.model_states[k], e.traced_model_states[k]
-        mark = "" if closed == traced else "  (differ)"
-        lines.append(f"  {k:<15}  {closed / GIB:8.3f} GiB  {traced / GIB:8.3f} GiB{mark}")
-    lines.append(f"estimated in {e.seconds:.1f} s")
-    return "\n".join(lines)

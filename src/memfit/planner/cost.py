@@ -3,16 +3,16 @@
 :func:`step_cost` is explicit arithmetic over the model's shapes and a few constants (:data:`COST_CONSTANTS`):
 matmul FLOPs at an effective rate, the optimizer update at memory bandwidth, bytes over the host link and the
 interconnect. Its sources are in docs/memory.md ("Planner"); ``memfit plan --explain`` prints the constants.
-It ranks combinations of switches (:mod:`memfit.memory.plan`); it does not predict a GPU's absolute speed.
+It ranks combinations of switches (:mod:`memfit.planner.plan`); it does not predict a GPU's absolute speed.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from memfit.config import TrainConfig
-    from memfit.models.llama import LlamaConfig
+from memfit.config import TrainConfig, device_type
+from memfit.memory.techniques import checkpointed_layers
+from memfit.models.llama import LlamaConfig
 
 _CUDA_CONSTANTS: dict[str, Any] = {
     # forward + backward: 6 FLOPs per weight and token, + 12 * T * dim per layer and token for attention
@@ -135,7 +135,7 @@ def step_cost(
         world_size: ranks.
         seq_len: tokens per sequence.
         states: closed-form model states of one rank (``trainable_parameters``, ``parameters``, ``gradients``
-            in bytes; :func:`memfit.memory.estimate.model_state_bytes_closed_form`).
+            in bytes; :func:`memfit.planner.closed_form.model_state_bytes_closed_form`).
         offloaded_activation_bytes: activations moved to the host in a step (``activation_offloading``).
         paged_out_bytes: paged optimizer state that does not fit on the device and moves out and back each step.
         constants: default ``COST_CONSTANTS[target device]``.
@@ -143,9 +143,7 @@ def step_cost(
     Returns:
         ``{"compute", "communication", "optimizer", "transfers", "total"}`` in seconds.
     """
-    from memfit.memory.techniques import checkpointed_layers
-
-    target = target_device(cfg)
+    target = device_type(cfg.device)
     c = constants or COST_CONSTANTS[target]
     tokens = cfg.batch_size * seq_len * cfg.gradient_accumulation_steps
     flops = model_flops_per_token(mcfg, seq_len)
@@ -201,10 +199,3 @@ def _trainable_tensor_count(cfg: TrainConfig, mcfg: LlamaConfig) -> int:
         return 2 * mcfg.num_layers  # a few small tensors per layer: launches are what count, and they are few
     per_layer = 9  # q, k, v, o, gate, up, down, 2 norms
     return mcfg.num_layers * per_layer + 2 + (0 if mcfg.tie_word_embeddings else 1)
-
-
-def target_device(cfg: TrainConfig) -> str:
-    """``cuda`` or ``cpu``: the device the run's ``device`` resolves to (``auto``: CUDA when available)."""
-    from memfit.config import _device_type
-
-    return _device_type(cfg.device)

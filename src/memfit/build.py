@@ -1,0 +1,353 @@
+"""One builder for every entry point: a validated config becomes the run's pieces.
+
+:func:`build_training` is THE build sequence of a run -- architecture, initial weights (random from the seed, or
+``checkpoint_dir``'s), the method (LoRA / adapter), activation checkpointing, sharding, materialisation and the
+optimizer -- and both the training loop (:mod:`memfit.train`) and the estimator (:mod:`memfit.planner.estimate`)
+reach the model through it: real tensors for a run, fake ones for an estimate. The closed-form bytes model and
+the planner build the bare architecture with the method through :func:`build_model` on the meta device.
+
+Loading a run back (generation, export) is :func:`load_for_generation`; a run's architecture without its
+weights is :func:`run_model_config`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from memfit import checkpoint as ckpt_io
+from memfit import distributed as dist_
+from memfit.config import TrainConfig, config_from_dict, device_type
+from memfit.convert import (
+    detect_format,
+    load_pretrained,
+    pretrained_parameters,
+    read_config,
+    weights_fingerprint,
+)
+from memfit.errors import CheckpointError, ConfigError
+from memfit.memory.optim import build_optimizer
+from memfit.memory.techniques import apply_activation_checkpointing
+from memfit.models import peft
+from memfit.models.llama import Llama, LlamaConfig, build_llama, init_parameter_
+from memfit.models.presets import MODEL_PRESETS, model_config
+from memfit.tokenizer import load_tokenizer
+
+PARAM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "bf16_mixed": torch.float32}
+"""The parameters' dtype under each dtype policy (see :mod:`memfit.step`)."""
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The architecture
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def resolve_device(name: str) -> torch.device:
+    """``auto`` -> CUDA when available, else CPU (:func:`memfit.config.device_type`).
+
+    Raises:
+        ConfigError: ``cuda`` was asked for and none is available.
+    """
+    if name == "auto":
+        return torch.device(device_type(name))
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(
+            "config key 'device': 'cuda' was asked for but torch sees no CUDA device; use device=cpu"
+        )
+    return torch.device(name)
+
+
+def resolve_model_config(cfg: TrainConfig, vocab_size: int) -> LlamaConfig:
+    """The preset with ``model_args`` applied; ``vocab_size`` from the tokenizer when the preset has none.
+
+    Raises:
+        ConfigError: the tokenizer has more ids than the model's embedding.
+    """
+    args = dict(cfg.model_args)
+    if "vocab_size" not in args and "vocab_size" not in MODEL_PRESETS[cfg.model]:
+        args["vocab_size"] = vocab_size
+    mcfg = model_config(cfg.model, **args)
+    if mcfg.vocab_size < vocab_size:
+        raise ConfigError(
+            f"config key 'model_args.vocab_size': the model has {mcfg.vocab_size} embeddings but the tokenizer has "
+            f"{vocab_size} ids; raise model_args.vocab_size or use a smaller tokenizer"
+        )
+    return mcfg
+
+
+def checkpoint_model_config(path: str | Path) -> LlamaConfig:
+    """The architecture of a Hugging Face, Meta or memfit checkpoint, read without the weights."""
+    return read_config(path)[0]
+
+
+def run_model_config(cfg: TrainConfig) -> LlamaConfig:
+    """The architecture a run would build, without reading weights or data: ``checkpoint_dir``'s config, or the
+    preset with ``model_args``; when the preset has no ``vocab_size``, the tokenizer's (``tokenizer.vocab_size``
+    for BPE, the file's for ``file``, 256 for ``char``, whose real size the corpus decides)."""
+    if cfg.checkpoint_dir is not None:
+        return checkpoint_model_config(cfg.checkpoint_dir)
+    tok = cfg.tokenizer
+    if tok.kind == "file":
+
+        vocab_size = load_tokenizer(tok.path).vocab_size
+    elif tok.kind == "char":
+        vocab_size = 256  # the corpus decides; a preset's own vocabulary wins (see resolve_model_config)
+    else:
+        vocab_size = tok.vocab_size
+    return resolve_model_config(cfg, vocab_size)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The model and optimizer of a run
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def apply_method(model: Llama, cfg: TrainConfig) -> None:
+    """Add and unfreeze the weights ``cfg.method`` trains (LoRA or adapter; ``full`` trains everything).
+
+    The new weights are initialised from ``cfg.seed``, so a run (and its resume) is a function of its config.
+    """
+    if cfg.method == "full":
+        return
+
+    if cfg.method == "lora":
+        peft.apply_lora(
+            model,
+            rank=cfg.lora.rank,
+            alpha=cfg.lora.alpha,
+            dropout=cfg.lora.dropout,
+            target_modules=tuple(cfg.lora.target_modules),
+            seed=cfg.seed,
+        )
+    else:
+        peft.apply_adapter(
+            model,
+            prompt_length=cfg.adapter.prompt_length,
+            num_layers=cfg.adapter.num_layers or None,
+            seed=cfg.seed,
+        )
+
+
+def build_model(cfg: TrainConfig, mcfg: LlamaConfig, device: torch.device) -> Llama:
+    """The model a run starts from: random init (pretraining) or ``checkpoint_dir``'s weights, with the method
+    applied. Weights are materialised tensor by tensor in the dtype policy's parameter dtype.
+
+    On the meta device nothing is read or drawn: a sharded run shards that model first and then fills each rank's
+    shards from :func:`initial_parameters`, which yields exactly the values built here.
+    """
+    dtype = PARAM_DTYPES[cfg.dtype]
+    torch.manual_seed(cfg.seed)  # the global RNG (dropout) starts from the seed in every case
+    if device.type == "meta":
+        model = build_llama(mcfg, device="meta", dtype=dtype)
+    elif cfg.checkpoint_dir is None:
+        model = build_llama(mcfg, device=device, dtype=dtype, seed=cfg.seed)
+    else:
+
+        model = load_pretrained(cfg.checkpoint_dir, device=device, dtype=dtype)[0]
+    apply_method(model, cfg)
+    return model
+
+
+def initial_parameters(
+    cfg: TrainConfig, mcfg: LlamaConfig, model: Llama, device: torch.device
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The starting value of every parameter of ``model`` (built by ``build_model(..., meta)``), one whole tensor
+    at a time: what :func:`build_model` gives a materialised model, for a sharded run to keep its part of.
+
+    Base weights are read from ``checkpoint_dir`` (checked against the model before this returns) or drawn in
+    ``named_parameters`` order from a generator seeded with ``cfg.seed`` on ``device``, as ``build_llama`` draws
+    them; LoRA / adapter weights are drawn as :func:`memfit.models.peft.apply_lora` / ``apply_adapter`` draw them.
+
+    Raises:
+        CheckpointError: ``checkpoint_dir``'s tensors do not match the model (before anything is read).
+    """
+    dtype = PARAM_DTYPES[cfg.dtype]
+    shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    method = [n for n in shapes if n.rsplit(".", 1)[-1] in peft.METHOD_PARAMETERS]
+    if cfg.checkpoint_dir is not None:
+
+        base = pretrained_parameters(cfg.checkpoint_dir)
+    else:
+        generator = torch.Generator(device=device).manual_seed(cfg.seed)
+        base = (
+            (
+                n,
+                init_parameter_(
+                    n, torch.empty(shape, device=device, dtype=dtype), mcfg.num_layers, generator
+                ),
+            )
+            for n, shape in shapes.items()
+            if n not in method
+        )
+
+    def tensors() -> Iterator[tuple[str, torch.Tensor]]:
+        yield from base
+        for n in method:
+            yield n, peft.init_method_parameter_(n, torch.empty(shapes[n], device=device, dtype=dtype), cfg.seed)
+
+    return tensors()
+
+
+@dataclass
+class TrainingModel:
+    """What :func:`build_training` returns: the run's model and optimizer, with its parameter counts."""
+
+    model: torch.nn.Module
+    """The model: a :class:`~memfit.models.llama.Llama` with the method and activation checkpointing applied;
+    sharded, FSDP2's module (parameters are DTensor shards) or FSDP1's wrapper."""
+    optimizer: torch.optim.Optimizer
+    """Over the trainable parameters (an :class:`~memfit.memory.optim.OptimizerInBackward` with
+    ``optimizer_in_backward``)."""
+    num_params: int
+    """Parameters of the whole (unsharded) model."""
+    num_trainable: int
+    """Of which trainable (all for ``method: full``)."""
+
+
+def build_training(
+    cfg: TrainConfig,
+    mcfg: LlamaConfig,
+    device: torch.device,
+    *,
+    world_size: int = 1,
+    fake_mode: Any = None,
+) -> TrainingModel:
+    """Build a run's model and optimizer: THE build sequence, shared by the training loop and the estimator.
+
+    1. The architecture with the method applied (:func:`build_model`): one process builds it on ``device`` with
+       its starting weights; sharded or fake, it is built on the meta device (no rank ever holds the unsharded
+       model).
+    2. Sharded: the starting tensors (:func:`initial_parameters`), checked against the model before anything is
+       allocated.
+    3. Activation checkpointing (``activation_checkpointing``).
+    4. Sharded: FSDP over the process group (:func:`memfit.distributed.shard_model`).
+    5. Sharded: each rank fills its shards one whole tensor at a time; fake: every parameter (or shard) gets fake
+       storage on the CPU inside ``fake_mode``.
+    6. The optimizer (inside ``fake_mode`` when given).
+
+    Args:
+        cfg: a validated run config.
+        mcfg: the architecture (:func:`run_model_config`, or the one the data's tokenizer decided).
+        device: this rank's device (ignored with ``fake_mode``: fake tensors live on the CPU).
+        world_size: ranks of the process group the model is sharded over (1: not sharded).
+        fake_mode: a ``torch._subclasses.fake_tensor.FakeTensorMode`` to materialise the model and create the
+            optimizer in (the estimator's), or ``None`` for real tensors. Steps 1-4 run outside it (FSDP builds
+            its device mesh from real data).
+
+    Returns:
+        The :class:`TrainingModel`.
+
+    Raises:
+        CheckpointError: ``checkpoint_dir``'s tensors do not match the model (before anything is allocated).
+    """
+    on_meta = fake_mode is not None or world_size > 1
+    model: torch.nn.Module = build_model(cfg, mcfg, torch.device("meta") if on_meta else device)
+    initial = initial_parameters(cfg, mcfg, model, device) if world_size > 1 and fake_mode is None else None
+    apply_activation_checkpointing(model, cfg.activation_checkpointing, cfg.activation_checkpointing_interval)
+    num_params = sum(p.numel() for p in model.parameters())
+    num_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    if world_size > 1:
+        model = dist_.shard_model(model, cfg, torch.device("cpu") if fake_mode is not None else device)
+    with fake_mode if fake_mode is not None else contextlib.nullcontext():
+        if fake_mode is not None:
+            model.to_empty(device=torch.device("cpu"))
+            dist_.unwrap(model).model.rotary_emb.reset_parameters()
+        elif world_size > 1:
+            dist_.materialize_sharded(model, initial, device)
+        optimizer = build_optimizer(model, cfg.optimizer, in_backward=cfg.optimizer_in_backward)
+    return TrainingModel(model, optimizer, num_params, num_trainable)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Loading a run back
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def run_template(cfg: TrainConfig) -> str | None:
+    """The prompt template a run's samples were rendered with (``None`` for a text corpus)."""
+    return None if cfg.data.format == "text" else cfg.data.template
+
+
+def check_base(cfg: TrainConfig, state: dict[str, Any], ckpt: Path) -> None:
+    """Check that a LoRA / adapter run's frozen base is still the one it was trained on.
+
+    Raises:
+        CheckpointError: the base directory is gone, or its weights differ from those recorded at training.
+    """
+    base = cfg.checkpoint_dir
+    if base is None or not Path(base).exists():
+        raise CheckpointError(
+            f"'{ckpt}' holds only the {cfg.method} weights of a run trained on the base model '{base}', which "
+            f"does not exist (any more); put the base back at that path"
+        )
+    recorded = state.get("base_fingerprint")
+    if recorded is not None and weights_fingerprint(base) != recorded:
+        raise CheckpointError(
+            f"the base model '{base}' is not the one the {cfg.method} run in '{ckpt}' was trained on (its weight "
+            f"files differ); applying the trained weights to other base weights would give a different model"
+        )
+
+
+def checkpoint_tokenizer(path: str | Path):
+    """The tokenizer stored with a Hugging Face, Meta or memfit checkpoint (read without the weights).
+
+    Raises:
+        CheckpointError: the checkpoint has no tokenizer.
+    """
+    fmt = detect_format(path)
+    where = ckpt_io.resolve_checkpoint(path) / "tokenizer" if fmt == "memfit" else Path(path)
+    try:
+        return load_tokenizer(where)
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(
+            f"checkpoint_dir '{path}' has no usable tokenizer ({exc}); fine-tuning needs the tokenizer the model was "
+            f"trained with (tokenizer.json or tokenizer.model beside the weights)"
+        ) from None
+
+
+def load_for_generation(
+    path: str | Path, device: str | torch.device = "cpu"
+) -> tuple[Llama, object, str | None]:
+    """Load a model, its tokenizer and its prompt template for sampling.
+
+    Args:
+        path: a memfit run directory (its newest checkpoint) or checkpoint directory — a LoRA / adapter run's
+            checkpoint is its base (``checkpoint_dir``) with the trained weights applied — or a Hugging Face or
+            Meta checkpoint directory.
+        device: where to put the model.
+
+    Returns:
+        ``(model, tokenizer, template)``; ``template`` is the one the run fine-tuned with, ``None`` for a text
+        corpus or a foreign checkpoint.
+
+    Raises:
+        CheckpointError: nothing loadable is there, or a file is truncated.
+    """
+    if detect_format(path) != "memfit":
+        model, tokenizer, _ = load_pretrained(path, device=device)
+        if tokenizer is None:
+            raise CheckpointError(f"checkpoint '{path}' has no tokenizer (tokenizer.json or tokenizer.model)")
+        return model.eval(), tokenizer, None
+    ckpt = ckpt_io.resolve_checkpoint(path)
+    mcfg = ckpt_io.read_model_config(ckpt)
+    state = ckpt_io.read_trainer_state(ckpt)
+    ckpt_io.check_files(ckpt, state, need_optimizer=False)
+    cfg = config_from_dict(state.get("config", {}), check=False)
+    dtype = {"bf16": torch.bfloat16}.get(cfg.dtype, torch.float32)
+    if not (ckpt / "tokenizer").is_dir():
+        raise CheckpointError(f"checkpoint '{ckpt}' has no tokenizer/ directory; it is incomplete")
+    tokenizer = load_tokenizer(ckpt / "tokenizer")
+    if cfg.method == "full":
+        model = build_llama(mcfg, device=device, dtype=dtype, init=False)
+    else:  # the frozen base, then the method's weights from the checkpoint
+        check_base(cfg, state, ckpt)
+        model = load_pretrained(cfg.checkpoint_dir, device=device, dtype=dtype)[0]
+        apply_method(model, cfg)
+    ckpt_io.load_weights(ckpt, model)
+    model.eval()
+    return model, tokenizer, run_template(cfg)

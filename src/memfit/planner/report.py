@@ -1,0 +1,301 @@
+"""The planner's reports: ``memfit estimate``'s (:func:`format_estimate`), and ``memfit plan``'s: the table, the
+no-fit message, the cost model's constants, and the best plan as a runnable, commented YAML config
+(:func:`plan_yaml`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from memfit.config import TrainConfig, config_to_dict
+from memfit.planner.cost import COST_CONSTANTS
+from memfit.planner.estimate import Estimate
+from memfit.planner.plan import SWITCH_KEYS, Plan, PlanRow, switch_value
+from memfit.units import GIB, MIB, format_bytes
+
+
+def format_estimate(e: Estimate) -> str:
+    """A human-readable report of an :class:`Estimate` (GiB = 1024**3 bytes)."""
+    ranks = f" per rank of {e.world_size}" if e.world_size > 1 else ""
+    lines = [
+        f"model {e.config.get('model')} ({e.num_params:,} parameters, {e.num_trainable_params:,} trainable), "
+        f"method {e.config.get('method')}, dtype {e.config.get('dtype')}, batch {e.batch_size} x "
+        f"{e.config.get('gradient_accumulation_steps')} x {e.seq_len} tokens, optimizer {e.config.get('optimizer')}",
+        f"peak memory{ranks}: {e.peak_bytes / GIB:.2f} GiB (allocator), in {e.phase}",
+    ]
+    width = max(len(k) for k in e.breakdown)
+    for k, v in e.breakdown.items():
+        if v or k != "unsharded_parameters":
+            lines.append(f"  {k:<{width}}  {v / GIB:8.2f} GiB")
+    lines.append(f"device total (as the driver shows it): {e.device_total_bytes / GIB:.2f} GiB")
+    lines.append(f"host memory kept there by design: {e.host_bytes / GIB:.2f} GiB")
+    for k, v in e.unseen.items():
+        lines.append(f"  {k}: {v / GIB:.2f} GiB")
+    lines.append("model states, closed form vs traced:")
+    for k in ("parameters", "gradients", "optimizer_state"):
+        closed, traced = e.model_states[k], e.traced_model_states[k]
+        mark = "" if closed == traced else "  (differ)"
+        lines.append(f"  {k:<15}  {closed / GIB:8.3f} GiB  {traced / GIB:8.3f} GiB{mark}")
+    lines.append(f"estimated in {e.seconds:.1f} s")
+    return "\n".join(lines)
+
+
+def no_fit_message(p: Plan) -> str:
+    """Why nothing fits, the smallest peak seen, and what would be needed (budget, ranks, shorter batches)."""
+    estimated = [r for r in p.rows if r.estimated]
+    least = p.probe if p.probe is not None and p.probe.estimated else None
+    if least is None and estimated:
+        least = min(estimated, key=lambda r: r.peak_bytes)
+    if least is None:
+        least = min(p.rows, key=lambda r: r.peak_bytes)
+    kind = "estimated" if least.estimated else "a lower bound"
+    need = least.peak_bytes / (1 - p.margin)
+    msg = (
+        f"nothing fits in {format_bytes(p.budget_bytes)} ({format_bytes(p.usable_bytes)} usable after the "
+        f"{p.margin:.0%} margin) on each of {p.world_size} rank(s): the least memory, with {least.label()}, is "
+        f"{format_bytes(least.peak_bytes)} ({kind}). Needs a budget of at least {format_bytes(need)}"
+    )
+    e = least.estimate
+    if e is not None:
+        states = e.breakdown.get("parameters", 0) + e.breakdown.get("gradients", 0)
+        states += e.breakdown.get("optimizer_state", 0)
+        rest = e.peak_bytes - states
+        if rest < p.usable_bytes and states > 0:
+            ranks = p.world_size * math.ceil(states / (p.usable_bytes - rest))
+            msg += (
+                f", or about world_size={ranks} (parameters, gradients and optimizer state, "
+                f"{format_bytes(states)} here, fall as 1/N; bitsandbytes optimizers do not run sharded)"
+            )
+        msg += (
+            f", or a smaller batch_size or seq_len (activations and temporaries are {format_bytes(rest)} "
+            f"at that peak)"
+        )
+    return msg
+
+
+def format_plan(p: Plan, top: int = 10) -> str:
+    """The table of ``memfit plan``: rank, switches, peak (allocator), device total, host (GiB = 1024**3
+    bytes), relative throughput, fits, and whether the numbers are estimated or bounds."""
+    unit, size = ("GiB", GIB) if p.budget_bytes >= GIB else ("MiB", MIB)
+    lines = [
+        f"budget {format_bytes(p.budget_bytes)} per device, {format_bytes(p.usable_bytes)} usable "
+        f"(margin {p.margin:.0%}), {p.world_size} rank(s), target {p.target}, seq_len {p.seq_len}",
+        f"{len(p.rows)} combinations, {p.estimates} estimated in {p.seconds:.0f} s; speed: relative throughput "
+        f"of the cost model (docs/memory.md, Planner), 1.00 = baseline step of {p.baseline_seconds * 1e3:.0f} ms",
+        "estimated: numbers from estimate_run of that exact config; bound: >= peak / <= speed, not estimated",
+        "",
+    ]
+    shown = p.rows[:top]
+    width = max([len(r.label()) for r in shown] + [8])
+    head = (
+        f"{'rank':>4}  {'switches':<{width}}  {'peak ' + unit:>9}  {'device ' + unit:>10}  {'host ' + unit:>8}  "
+        f"{'speed':>6}  {'fits':<4}  source"
+    )
+    lines += [head, "-" * len(head)]
+    for i, r in enumerate(shown, 1):
+        ge, le = ("", "") if r.estimated else (">=", "<=")
+        fits = "yes" if r.fits else ("?" if r.status in ("not estimated", "error") else "no")
+        source = "estimated" if r.estimated else ("error" if r.status == "error" else "bound")
+        if r.status == "not estimated":
+            source = "bound (not estimated: slower)"
+        lines.append(
+            f"{i:>4}  {r.label():<{width}}  {ge + f'{r.peak_bytes / size:.2f}':>9}  "
+            f"{ge + f'{r.device_total_bytes / size:.2f}':>10}  {ge + f'{r.host_bytes / size:.2f}':>8}  "
+            f"{le + f'{r.relative_throughput:.2f}':>6}  {fits:<4}  {source}"
+        )
+    rest = p.rows[top:]
+    if rest:
+        counts: dict[str, int] = {}
+        for r in rest:
+            counts[r.status] = counts.get(r.status, 0) + 1
+        lines.append(
+            f"... {len(rest)} more: "
+            + ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))
+            + " (--top N)"
+        )
+    errors = [r for r in p.rows if r.status == "error"]
+    for r in errors[:3]:
+        lines.append(f"error: {r.label()}: {r.note}")
+    best = p.best
+    if best is not None:
+        c = best.cost
+        lines += [
+            "",
+            f"best: {best.label()}",
+            f"  step {c['total'] * 1e3:.0f} ms (compute {c['compute'] * 1e3:.0f}, communication "
+            f"{c['communication'] * 1e3:.0f}, optimizer {c['optimizer'] * 1e3:.0f}, transfers "
+            f"{c['transfers'] * 1e3:.0f}), {best.tokens_per_second_per_gpu:,.0f} tokens_per_second_per_gpu "
+            f"(cost model)",
+        ]
+        if best.changes:
+            lines.append("  changes: " + ", ".join(f"{k}={switch_value(best.config, k)}" for k in best.changes))
+        if p.base is not None and best.config.max_grad_norm != p.base.max_grad_norm:
+            needs = "optimizer_in_backward" if best.config.optimizer_in_backward else "optimizer.cpu_offload"
+            lines.append(
+                f"  max_grad_norm={best.config.max_grad_norm:g} (was {p.base.max_grad_norm:g}): no global-norm "
+                f"clipping, which {needs} needs (grad_norm is still logged)"
+            )
+        if best.config.dtype == "bf16":
+            lines.append("  dtype bf16: weights and optimizer state in bf16 (small updates round away; fine for "
+                         "fine-tuning, watch long pretraining)")  # fmt: skip
+    return "\n".join(lines)
+
+
+def format_constants(target: str) -> str:
+    """The cost-model constants of a target, one per line (``memfit plan --explain``)."""
+    lines = [f"cost-model constants ({target}; sources in docs/memory.md, Planner):"]
+    for k, v in COST_CONSTANTS[target].items():
+        if isinstance(v, dict):
+            lines.append(f"  {k}:")
+            lines += [f"    {name}: {value:g}" for name, value in v.items()]
+        else:
+            lines.append(f"  {k}: {v:g}")
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The runnable YAML
+# ----------------------------------------------------------------------------------------------------------------
+
+_COMMENTS: dict[str, Callable[[Any], str]] = {
+    "dtype": lambda v: {
+        "bf16": "weights, gradients and optimizer state bf16 (loss in fp32)",
+        "bf16_mixed": "fp32 weights, gradients and state; forward/backward under bf16 autocast",
+        "fp32": "everything fp32",
+    }[v],
+    "optimizer.name": lambda v: {
+        "adamw": "torch AdamW: 2 moments in the parameter dtype",
+        "adamw8bit": "bitsandbytes 8-bit AdamW: ~2 bytes/parameter of state",
+        "paged_adamw8bit": "8-bit state in CUDA unified memory: the driver pages it to host RAM when short",
+        "paged_adamw": "32-bit state in CUDA unified memory",
+        "torchao_adamw8bit": "torchao 8-bit AdamW: ~2 bytes/parameter of state",
+        "torchao_adamw4bit": "torchao 4-bit AdamW: ~1 byte/parameter of state",
+        "torchao_adamw_fp8": "torchao fp8 AdamW state: ~2 bytes/parameter",
+    }.get(v, ""),
+    "optimizer.implementation": lambda v: {
+        "fused": "one fused kernel: fewest temporaries, fastest",
+        "foreach": "multi-tensor: one parameter-sized set of temporaries at the step",
+        "for_loop": "one tensor at a time",
+    }[v],
+    "optimizer.cpu_offload": lambda v: (
+        "state and update on the host (torchao CPUOffloadOptimizer)" if v else ""
+    ),
+    "optimizer_in_backward": lambda v: (
+        "no gradient memory; needs gradient_accumulation_steps == 1" if v else ""
+    ),
+    "max_grad_norm": lambda v: "0: no global-norm clipping (grad_norm is still logged)" if v == 0 else "",
+    "activation_checkpointing": lambda v: {
+        "full": "recompute every layer in backward: ~1/3 more compute",
+        "every_n": "recompute every n-th layer in backward",
+        "none": "",
+    }[v],
+    "chunked_cross_entropy": lambda v: "never materialise the whole (B, T, vocab) logits" if v else "",
+    "activation_offloading": lambda v: (
+        "saved activations in pinned host memory (PCIe each step)" if v else ""
+    ),
+    "distributed.reshard_after_forward": lambda v: (
+        "" if v else "keep gathered layers to backward: fewer all-gathers"
+    ),
+    "distributed.cpu_offload": lambda v: "shards, gradients and the step on the host" if v else "",
+}
+
+
+def plan_yaml(row: PlanRow, p: Plan, command: str | None = None) -> str:
+    """A config file (the format of ``configs/*.yaml``) that runs ``row``: every key that differs from
+    :class:`~memfit.config.TrainConfig`'s defaults, plus the model, sizes and every planned switch, with each
+    switch's trade-off beside it and the prediction in a header comment. ``load_config`` of it gives
+    ``row.config`` back.
+    """
+    cfg = dataclasses.replace(row.config, device=p.target, seq_len=p.seq_len)
+    tree, default = config_to_dict(cfg), config_to_dict(TrainConfig())
+    always = {
+        "model",
+        "dtype",
+        "device",
+        "batch_size",
+        "seq_len",
+        "gradient_accumulation_steps",
+        "max_grad_norm",
+    }
+    always |= set(SWITCH_KEYS)
+    if cfg.optimizer.name != "adamw":
+        always.discard("optimizer.implementation")  # AdamW's only
+    if cfg.activation_checkpointing == "every_n":
+        always.add("activation_checkpointing_interval")
+    out: dict[str, Any] = {}
+    first = ["model", "model_args", "checkpoint_dir", "method", "dtype", "device", "batch_size", "seq_len"]
+    for key in first + [k for k in tree if k not in first]:
+        value = tree[key]
+        if (
+            isinstance(value, dict)
+            and key != "model_args"
+            and key in default
+            and isinstance(default[key], dict)
+        ):
+            sub = {k: v for k, v in value.items() if v != default[key].get(k) or f"{key}.{k}" in always}
+            if key == "distributed" and p.world_size == 1:
+                sub = {k: v for k, v in sub.items() if v != default[key].get(k)}
+            if sub:
+                out[key] = sub
+        elif value != default.get(key) or key in always:
+            out[key] = value
+    body = yaml.safe_dump(out, sort_keys=False, default_flow_style=False, width=100)
+    e = row.estimate
+    run = command or (
+        "memfit pretrain --config FILE.yaml" + (f" nproc={p.world_size}" if p.world_size > 1 else "")
+    )
+    header = [
+        f"# memfit plan: {row.label()}",
+        f"# budget {format_bytes(p.budget_bytes)} per device ({format_bytes(p.usable_bytes)} usable, margin "
+        f"{p.margin:.0%}), {p.world_size} rank(s), GiB = 1024**3 bytes",
+    ]
+    if e is not None:
+        header.append(
+            f"# predicted (estimate_run of this config): peak {format_bytes(e.peak_bytes)} (allocator, in "
+            f"{e.phase}), device total {format_bytes(e.device_total_bytes)}, host {format_bytes(e.host_bytes)}"
+        )
+    header.append(
+        f"# cost model: {row.relative_throughput:.2f}x the baseline's throughput, "
+        f"{row.tokens_per_second_per_gpu:,.0f} tokens_per_second_per_gpu (docs/memory.md, Planner)"
+    )
+    header.append(f"# run: {run}")
+    return "\n".join(header) + "\n" + _commented(body) + ""
+
+
+def _commented(body: str) -> str:
+    """Put each switch's trade-off beside it (``key: value  # comment``)."""
+    out, section = [], ""
+    for line in body.splitlines():
+        indent = len(line) - len(line.lstrip())
+        stripped = line.strip()
+        if indent == 0:
+            section = ""
+        key, sep, raw = stripped.partition(":")
+        if sep and not raw.strip() and indent == 0:
+            section = key
+        dotted = f"{section}.{key}" if indent and section else key
+        comment = ""
+        if sep and raw.strip() and dotted in _COMMENTS:
+            try:
+                comment = _COMMENTS[dotted](yaml.safe_load(raw))
+            except (KeyError, yaml.YAMLError):
+                comment = ""
+        out.append(f"{line:<40}  # {comment}" if comment else line)
+    return "\n".join(out) + "\n"
+
+
+def write_plan_yaml(path: str | Path, row: PlanRow, p: Plan) -> Path:
+    """Write :func:`plan_yaml` of ``row`` to ``path`` (parents created); returns the path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(plan_yaml(row, p, f"memfit pretrain --config {path}" + _nproc(p)), encoding="utf-8")
+    return path
+
+
+def _nproc(p: Plan) -> str:
+    return f" nproc={p.world_size}" if p.world_size > 1 else ""

@@ -1,0 +1,233 @@
+"""The training step and evaluation: the functions the loop (:mod:`memfit.train`) and the estimator
+(:mod:`memfit.planner.estimate`) both call, so what the estimator predicts is what runs.
+
+:func:`train_step` is a pure tensor program: no ``.item()``, no host sync, no data-dependent Python branching, so
+it runs unchanged under ``FakeTensorMode`` on a meta-built model of any size.
+
+Dtype policy (``dtype``):
+
+=============  ==============  ==============  =================  =====================================
+``dtype``      weights         gradients       AdamW state (m, v)  forward / backward compute
+=============  ==============  ==============  =================  =====================================
+``fp32``       fp32            fp32            fp32                fp32
+``bf16``       bf16            bf16            bf16                bf16 (RoPE tables, RMSNorm and the loss in fp32)
+``bf16_mixed`` fp32            fp32            fp32                bf16 autocast (matmuls), fp32 master weights
+=============  ==============  ==============  =================  =====================================
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from memfit import distributed as dist_
+from memfit.config import TrainConfig
+from memfit.memory.optim import OptimizerInBackward
+from memfit.memory.techniques import IGNORE_INDEX, activation_offloading, chunked_cross_entropy
+from memfit.models.peft import lora_effective_weight
+
+
+def autocast_context(dtype: str, device_type: str) -> contextlib.AbstractContextManager:
+    """bf16 autocast for ``bf16_mixed``; nothing otherwise."""
+    if dtype == "bf16_mixed":
+        return torch.autocast(device_type=device_type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Summed token cross-entropy, computed in fp32.
+
+    Args:
+        logits: ``(B, T, vocab_size)``, any float dtype.
+        targets: ``(B, T)`` int64; ``-100`` marks tokens that do not count.
+
+    Returns:
+        A 0-dim fp32 tensor: the sum over counted tokens of ``-log p(target)``, in nats.
+    """
+    return F.cross_entropy(
+        logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+    )  # (B*T, V) vs (B*T,)
+
+
+@dataclass
+class StepResult:
+    """What one optimizer step returns: device tensors, read by the host only at logging boundaries."""
+
+    loss: torch.Tensor
+    """0-dim: mean cross-entropy per counted token over all micro-batches of the step (of all ranks)."""
+    grad_norm: torch.Tensor
+    """0-dim: global L2 norm of the gradients before clipping."""
+    num_tokens: torch.Tensor
+    """0-dim int64: tokens that counted in the loss (of all ranks)."""
+
+
+def _phase(tracker, name: str) -> None:
+    if tracker is not None:
+        tracker.set_phase(name)
+
+
+def micro_batch_loss(
+    model: torch.nn.Module,
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    dtype: str,
+    chunked_cross_entropy_chunks: int = 0,
+    offload_activations: bool = False,
+    doc_ids: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Summed cross-entropy of one micro-batch (the forward half of a step).
+
+    Args:
+        model: a :class:`~memfit.models.llama.Llama`.
+        inputs: ``(B, T)`` int64 ids.
+        targets: ``(B, T)`` int64; ``-100`` does not count.
+        dtype: the dtype policy (``bf16_mixed`` runs the forward under bf16 autocast).
+        chunked_cross_entropy_chunks: > 0 computes the loss chunk by chunk from the hidden states, never
+            materialising the ``(B, T, vocab_size)`` logits.
+        offload_activations: save tensors for backward in pinned host memory (CUDA).
+        doc_ids: ``(B, T)`` ids of the samples packed into each row, or ``None`` (one sequence per row).
+
+    Returns:
+        0-dim fp32 summed loss in nats.
+    """
+    with autocast_context(dtype, inputs.device.type), activation_offloading(offload_activations):
+        if chunked_cross_entropy_chunks > 0:
+            hidden = model(
+                inputs, doc_ids, return_hidden=True
+            )  # (B, T, dim); one call of the whole model (FSDP)
+            weight = lora_effective_weight(model.lm_head)  # (V, dim); with LoRA on lm_head: W + scale * B @ A
+            return chunked_cross_entropy(hidden, weight, targets, chunked_cross_entropy_chunks)
+        logits = model(inputs, doc_ids)  # (B, T, V)
+        return loss_sum(logits, targets)
+
+
+def train_step(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    micro_batches: list[tuple[torch.Tensor, ...]],
+    *,
+    max_grad_norm: float,
+    dtype: str,
+    chunked_cross_entropy_chunks: int = 0,
+    offload_activations: bool = False,
+    tracker=None,
+) -> StepResult:
+    """One optimizer step over ``gradient_accumulation_steps`` micro-batches.
+
+    Each micro-batch's summed loss is divided by the token count of the *whole* step before its backward, so the
+    accumulated gradient equals that of one big batch (token-weighted, not micro-batch-averaged), while only one
+    micro-batch's activations are alive at a time.
+
+    With an :class:`~memfit.memory.optim.OptimizerInBackward`, the updates run inside ``backward`` (one parameter
+    at a time, each gradient freed at once); ``grad_norm`` is then the norm of the gradients as each was consumed.
+
+    Args:
+        model: maps ``(B, T)`` int64 ids to ``(B, T, vocab_size)`` logits.
+        optimizer: over the model's trainable parameters; its learning rate is already set for this step.
+        micro_batches: ``[(inputs, targets), ...]`` or ``[(inputs, targets, doc_ids), ...]``, each ``(B, T)``
+            int64 on the model's device (``doc_ids``: packed samples, or ``None``).
+        max_grad_norm: clip the global gradient norm to this; 0 disables clipping.
+        dtype: the dtype policy (``fp32``, ``bf16``, ``bf16_mixed``).
+        chunked_cross_entropy_chunks: see :func:`micro_batch_loss`.
+        offload_activations: see :func:`micro_batch_loss`.
+        tracker: a :class:`~memfit.memory.tracker.MemoryTracker` to tell the phases to, or ``None``.
+
+    Returns:
+        A :class:`StepResult` of device tensors (no host sync happened).
+    """
+    in_backward = isinstance(optimizer, OptimizerInBackward)
+    # sharded: the token count of the global batch (all ranks), and FSDP averages gradients over the ranks, so
+    # each rank's backward is scaled by world_size to make the average the global batch's gradient
+    world = dist_.world_size()
+    num_tokens = dist_.all_reduce_sum(
+        torch.stack([(mb[1] != IGNORE_INDEX).sum() for mb in micro_batches]).sum()
+    )
+    denom = num_tokens.clamp(min=1).float()
+    total = torch.zeros((), dtype=torch.float32, device=micro_batches[0][0].device)
+    for inputs, targets, *rest in micro_batches:
+        _phase(tracker, "forward")
+        loss = (
+            micro_batch_loss(
+                model,
+                inputs,
+                targets,
+                dtype=dtype,
+                chunked_cross_entropy_chunks=chunked_cross_entropy_chunks,
+                offload_activations=offload_activations,
+                doc_ids=rest[0] if rest else None,
+            )
+            / denom
+        )
+        _phase(tracker, "backward")
+        (loss * world if world > 1 else loss).backward()
+        total = total + loss.detach()
+    _phase(tracker, "optimizer_step")
+    if in_backward:
+        grad_norm = optimizer.consume_grad_norm()
+    else:
+        grad_norm = dist_.grad_norm_and_clip(model, max_grad_norm)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    _phase(tracker, "other")
+    return StepResult(loss=dist_.all_reduce_sum(total), grad_norm=grad_norm, num_tokens=num_tokens)
+
+
+@torch.no_grad()
+def evaluate(
+    model: torch.nn.Module,
+    batches: Iterable[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]],
+    *,
+    dtype: str,
+    device: torch.device,
+    chunked_cross_entropy_chunks: int = 0,
+) -> float:
+    """Mean cross-entropy per counted token over ``batches`` (the same fixed validation batches at every call).
+
+    Sharded, each rank passes its own part of the batches, and the sums are all-reduced: every rank returns the
+    loss over all ranks' batches.
+
+    Args:
+        model: the model (put in eval mode for the call).
+        batches: ``(inputs, targets, doc_ids)`` on the CPU; ``targets`` ``-100`` does not count.
+        dtype: the dtype policy.
+        device: where the model is.
+        chunked_cross_entropy_chunks: see :func:`micro_batch_loss`.
+
+    Returns:
+        Validation loss in nats/token (NaN when no token counted).
+    """
+    was_training = model.training
+    model.eval()
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    count = torch.zeros((), dtype=torch.int64, device=device)
+    for inputs, targets, doc_ids in batches:
+        loss = micro_batch_loss(
+            model,
+            inputs.to(device),
+            targets.to(device),
+            dtype=dtype,
+            chunked_cross_entropy_chunks=chunked_cross_entropy_chunks,
+            doc_ids=None if doc_ids is None else doc_ids.to(device),
+        )
+        total += loss.double()
+        count += (targets != IGNORE_INDEX).sum().to(device)
+    model.train(was_training)
+    total, count = dist_.all_reduce_sum(total), int(dist_.all_reduce_sum(count).item())
+    return float(total.item() / count) if count else math.nan
+
+
+def train_step_options(cfg: TrainConfig) -> dict[str, Any]:
+    """The keyword arguments of :func:`train_step` that ``cfg`` sets (the loop and the estimator pass the same)."""
+    return {
+        "max_grad_norm": cfg.max_grad_norm,
+        "dtype": cfg.dtype,
+        "chunked_cross_entropy_chunks": cfg.chunked_cross_entropy,
+        "offload_activations": cfg.activation_offloading,
+    }
