@@ -34,9 +34,22 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import (  # _init_optim_state: torch's own lazy-state initialiser
+    StateDictOptions,
+    _init_optim_state,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
 
 from memfit.errors import CheckpointError
 from memfit.models.llama import LlamaConfig, RopeScaling
@@ -231,8 +244,6 @@ def rng_state() -> dict[str, Any]:
 
 def set_rng_state(state: dict[str, Any]) -> None:
     """Restore :func:`rng_state`."""
-    import numpy as np
-
     torch.set_rng_state(
         torch.from_numpy(np.frombuffer(base64.b64decode(state["torch_cpu"]), dtype=np.uint8).copy())
     )
@@ -346,7 +357,6 @@ def save(
     Returns:
         The checkpoint directory.
     """
-    import torch.distributed as dist
 
     args = (output_dir, step, model, model_config, optimizer, trainer_state, tokenizer, keep_last)
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
@@ -573,7 +583,6 @@ def is_sharded(ckpt: Path) -> bool:
 
 def _agree(error: str | None) -> str | None:
     """Rank 0's error (or ``None``), known to every rank, so that all raise or none does."""
-    import torch.distributed as dist
 
     box = [error]
     dist.broadcast_object_list(box, src=0)
@@ -602,9 +611,6 @@ def save_sharded_checkpoint(
     Raises:
         CheckpointError: writing failed, on every rank (the previous checkpoints are untouched).
     """
-    import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
 
     final = checkpoints_dir(output_dir) / f"step_{step:08d}"
     tmp = final.parent / f".tmp-{final.name}-sharded"  # one name all ranks know
@@ -685,12 +691,6 @@ def save_gathered_trainable_checkpoint(
     Raises:
         CheckpointError: writing failed, on every rank (the previous checkpoints are untouched).
     """
-    import torch.distributed as dist
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        get_model_state_dict,
-        get_optimizer_state_dict,
-    )
 
     # gathered on every rank, or on rank 0 alone with cpu_offload: only worth it on CUDA (and on CPU, FSDP1's
     # rank-0-only offload copies freed storage: SIGSEGV in torch 2.13)
@@ -748,8 +748,6 @@ def read_sharded_weights(ckpt: Path) -> dict[str, torch.Tensor]:
 
     Reads the shards of every rank that wrote it, with no collective (a process group may be up or not).
     """
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     where = Path(ckpt) / DCP_DIR
     try:
@@ -782,14 +780,6 @@ def load_sharded(ckpt: Path, model: torch.nn.Module, optimizer: torch.optim.Opti
     Collective when a process group with more than one rank is up (every rank calls it): each rank reads the parts
     of the shards it holds. A single process (no process group) reads everything into its plain model.
     """
-    import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (
-        get_model_state_dict,
-        get_state_dict,
-        set_model_state_dict,
-        set_state_dict,
-    )
 
     distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
     try:
@@ -814,7 +804,6 @@ def load_sharded(ckpt: Path, model: torch.nn.Module, optimizer: torch.optim.Opti
 
 
 def _process_group_size() -> int:
-    import torch.distributed as dist
 
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
@@ -829,11 +818,6 @@ def _load_full_into_sharded(
     ``optimizer.pt`` numbers the parameters group by group, in the order of the optimizer's groups, which sharding
     keeps: the i-th is the i-th name of the sharded optimizer's (name-keyed) state dict.
     """
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        get_optimizer_state_dict,
-        set_state_dict,
-    )
 
     trainable_only = (ckpt / ADAPTER_WEIGHTS).is_file() and not (ckpt / WEIGHTS).is_file()
     weights = _read_safetensors(ckpt / (ADAPTER_WEIGHTS if trainable_only else WEIGHTS))
@@ -861,7 +845,6 @@ def _load_full_into_sharded(
                 )
             optim_sd = {"state": {names[k]: v for k, v in saved["state"].items()}, "param_groups": groups}
         if optim_sd is None:
-            from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
             set_model_state_dict(model, weights, options=options)
         else:
@@ -878,7 +861,6 @@ def _load_full_into_sharded(
 
 
 def _has_optimizer_state(ckpt: Path) -> bool:
-    import torch.distributed.checkpoint as dcp
 
     meta = dcp.FileSystemReader(str(Path(ckpt) / DCP_DIR)).read_metadata()
     return any(key.startswith("optim.state.") for key in meta.state_dict_metadata)
@@ -891,8 +873,6 @@ def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     :class:`~memfit.memory.optim.OptimizerInBackward` steps inside backward only, so each of its per-parameter
     optimizers is initialised instead.
     """
-    from torch.distributed.checkpoint.state_dict import _init_optim_state
-
     inner = getattr(optimizer, "_inner", None)
     for opt in inner.values() if isinstance(inner, dict) else [optimizer]:
         _init_optim_state(opt)

@@ -34,8 +34,21 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import (
+    BackwardPrefetch,
+    CPUOffload,
+    CPUOffloadPolicy,
+    MixedPrecision,
+    MixedPrecisionPolicy,
+    ShardingStrategy,
+    fully_shard,
+)
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
+from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+from torch.distributed.tensor import Shard
 
 from memfit.config import TrainConfig
+from memfit.models.llama import DecoderLayer
 
 # ----------------------------------------------------------------------------------------------------------------
 # Process group and rank helpers
@@ -151,7 +164,6 @@ def grad_norm_and_clip(model: torch.nn.Module, max_grad_norm: float) -> torch.Te
     Returns:
         0-dim fp32 tensor: the norm before clipping.
     """
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
 
     if isinstance(model, FSDP1):
         return model.clip_grad_norm_(max_grad_norm if max_grad_norm > 0 else float("inf"))
@@ -187,8 +199,6 @@ def shard_model(model: torch.nn.Module, cfg: TrainConfig, device: torch.device) 
     d = cfg.distributed
     layers = list(model.model.layers)
     if d.strategy == "fsdp2":
-        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
-
         kwargs = {"reshard_after_forward": d.reshard_after_forward}
         if cfg.dtype == "bf16_mixed":
             kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -205,11 +215,7 @@ def shard_model(model: torch.nn.Module, cfg: TrainConfig, device: torch.device) 
                 layer.set_modules_to_backward_prefetch(layers[max(0, i - d.prefetch) : i][::-1])
         return model
 
-    from torch.distributed.fsdp import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
-    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
-    from memfit.models.llama import DecoderLayer
 
     for (
         p
@@ -301,7 +307,6 @@ def materialize_sharded(
     Raises:
         ValueError: a name the model does not have, a shape that differs, or parameters left unfilled.
     """
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
 
     fsdp1 = isinstance(model, FSDP1)
     if not fsdp1 and any(p.is_meta for p in model.parameters()):
@@ -356,7 +361,6 @@ def _copy_own_rows(param: torch.Tensor, full: torch.Tensor) -> None:
     if not hasattr(param, "to_local"):
         param.copy_(full)
         return
-    from torch.distributed.tensor import Shard
 
     local = param.to_local()
     placements = param.placements
@@ -375,7 +379,6 @@ def _copy_own_rows(param: torch.Tensor, full: torch.Tensor) -> None:
 
 def _fsdp1_units(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
     """FSDP1 units by the unwrapped model's name of the module they wrap (``""`` for the root)."""
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
 
     return {_clean_name(n): m for n, m in model.named_modules() if isinstance(m, FSDP1)}
 
@@ -396,6 +399,5 @@ def _owner(units: dict[str, torch.nn.Module], name: str) -> torch.nn.Module:
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     """The :class:`~memfit.models.llama.Llama` inside an FSDP1 wrapper (FSDP2 models are their own)."""
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
 
     return model.module if isinstance(model, FSDP1) else model

@@ -18,6 +18,11 @@ import shlex
 import signal
 import sys
 
+import torch
+from torch.distributed.elastic.multiprocessing.api import SignalException
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.run import main as torchrun_main
+
 from memfit.errors import ConfigError
 
 NPROC_KEY = "nproc"
@@ -90,8 +95,6 @@ def check_nproc(nproc: int, device_type: str) -> None:
             f"--nproc_per_node / --nnodes to give {nproc} ranks)"
         )
     if world is None and device_type == "cuda":
-        import torch
-
         available = torch.cuda.device_count()
         if nproc > available:
             raise ConfigError(
@@ -131,10 +134,6 @@ def run_torchrun(args: list[str]) -> int:
         0 when every rank finished; 1 when a rank failed (after torchrun's report, which names the rank that
         failed first and its exit code or signal); ``128 + signal`` when a signal stopped the launch.
     """
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import main as torchrun_main
-
     print(f"memfit: running {shlex.join(['torchrun', *args])}", flush=True)
     handlers = {
         sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)

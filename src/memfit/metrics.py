@@ -73,7 +73,7 @@ class MetricsLogger:
             truncate_records(self.path, resume_step)
         if tensorboard:
             try:
-                from torch.utils.tensorboard import SummaryWriter
+                from torch.utils.tensorboard import SummaryWriter  # deferred: optional, and slow to import
             except ImportError:
                 warnings.warn(
                     "tensorboard is not installed; skipping TensorBoard events (pip install tensorboard)",
@@ -137,7 +137,7 @@ def plot_losses(metrics_path: Path, png_path: Path) -> Path | None:
     Returns:
         ``png_path``, or ``None`` when there is nothing to plot.
     """
-    import matplotlib
+    import matplotlib  # deferred: slow to import, and needed only at the end of a run
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -328,7 +328,7 @@ class HFTokenizer(Tokenizer):
         eos_token: str | None,
         extra_special_tokens: Sequence[str] = (),
     ):
-        from tokenizers import AddedToken
+        from tokenizers import AddedToken  # deferred: each backend is imported only when it is used
 
         self._tok = tokenizer
         # Special tokens written in the text are encoded as text (the setting is not saved in tokenizer.json).
@@ -386,7 +386,7 @@ def train_bpe(texts: Iterable[str], vocab_size: int) -> Tokenizer:
     Raises:
         TokenizerError: ``vocab_size`` < 258.
     """
-    from tokenizers import Tokenizer as HFCore
+    from tokenizers import Tokenizer as HFCore  # deferred: each backend is imported only when it is used
     from tokenizers import decoders, models, pre_tokenizers, trainers
 
     if vocab_size < 258:
@@ -431,7 +431,7 @@ class SentencePieceTokenizer(Tokenizer):
     kind = "sentencepiece"
 
     def __init__(self, model: bytes, source: str = "<bytes>"):
-        import sentencepiece as spm
+        import sentencepiece as spm  # deferred: each backend is imported only when it is used
 
         try:
             sp = spm.SentencePieceProcessor(model_proto=model)
@@ -487,7 +487,7 @@ class SentencePieceTokenizer(Tokenizer):
 
 
 def _tiktoken_encoding(name: str, pattern: str, ranks: dict[bytes, int], specials: dict[str, int]) -> Any:
-    import tiktoken
+    import tiktoken  # deferred: each backend is imported only when it is used
 
     return tiktoken.Encoding(name=name, pat_str=pattern, mergeable_ranks=ranks, special_tokens=specials)
 
@@ -866,7 +866,7 @@ def _token_text(value: Any) -> str | None:
 
 def _load_hf(path: Path, bos_eos: tuple[Any, Any] | None = None) -> HFTokenizer:
     """Load a tokenizer.json; BOS/EOS from ``bos_eos`` (config entries) or else from the files beside it."""
-    from tokenizers import Tokenizer as HFCore
+    from tokenizers import Tokenizer as HFCore  # deferred: each backend is imported only when it is used
 
     data = _read_bytes(path)
     try:

@@ -42,6 +42,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from memfit.config import PAGED_OPTIMIZERS, OptimizerConfig, check_optimizer_supported
@@ -158,7 +159,7 @@ def unquantized_state_params(model: torch.nn.Module, name: str) -> list[str]:
 @functools.cache
 def _torchao_class(name: str) -> type[torch.optim.Optimizer]:
     """torchao's low-bit AdamW, made to accept a float ``lr`` and to step eagerly on CPU."""
-    import torchao.optim
+    import torchao.optim  # deferred: torchao and bitsandbytes take seconds each to import
 
     base = getattr(torchao.optim, _TORCHAO_CLASSES[name])
 
@@ -187,7 +188,7 @@ def _optimizer_class(cfg: OptimizerConfig) -> tuple[Callable[..., torch.optim.Op
             )
         return torch.optim.AdamW, {**kwargs, **_ADAMW_IMPLEMENTATIONS[cfg.implementation]}
     if cfg.name in _BNB_CLASSES:
-        import bitsandbytes as bnb
+        import bitsandbytes as bnb  # deferred: torchao and bitsandbytes take seconds each to import
 
         return getattr(bnb.optim, _BNB_CLASSES[cfg.name]), kwargs
     return _torchao_class(cfg.name), kwargs
@@ -265,7 +266,7 @@ def _cpu_offload_optimizer(
     groups: list[dict], cls: Callable[..., torch.optim.Optimizer], kwargs: dict[str, Any]
 ) -> torch.optim.Optimizer:
     """torchao's ``CPUOffloadOptimizer`` (CUDA only), with a ``state`` mapping like any optimizer's."""
-    from torchao.optim import CPUOffloadOptimizer
+    from torchao.optim import CPUOffloadOptimizer  # deferred: seconds to import
 
     # It gives each large parameter its own host optimizer over a one-tensor group, so group-wide names must go.
     stripped = [{k: v for k, v in g.items() if k != "param_names"} for g in groups]
@@ -405,8 +406,6 @@ class OptimizerInBackward(torch.optim.Optimizer):
         if sq_sum is None:
             sq_sum = torch.zeros((), dtype=torch.float32, device=self._device)
         if self._sharded_over is not None:  # sum the shards' squares over the ranks
-            import torch.distributed as dist
-
             dist.all_reduce(sq_sum, op=dist.ReduceOp.SUM, group=self._sharded_over)
         return sq_sum.sqrt()
 

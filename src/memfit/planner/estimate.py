@@ -40,6 +40,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
+from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from memfit.build import build_training, run_model_config
 from memfit.checkpoint import init_optimizer_state
@@ -215,8 +218,6 @@ def _fake_mode(optimizer_name: str) -> Iterator[Any]:
     """A ``FakeTensorMode`` (to enter where tensors are to be fake) in which the low-bit optimizers' quantization tables (a few hundred floats each,
     computed with data-dependent ops that fake tensors cannot run) are computed for real. Only the library that
     ``optimizer_name`` uses is imported (torchao and bitsandbytes take seconds each to import)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     with contextlib.ExitStack() as stack:
         if optimizer_name.startswith("torchao_"):
             _compute_torchao_tables()
@@ -228,7 +229,7 @@ def _fake_mode(optimizer_name: str) -> Iterator[Any]:
 def _compute_torchao_tables() -> None:
     """torchao's 8-bit and 4-bit code tables, computed once, for real (they are lru-cached)."""
     with contextlib.suppress(ImportError):
-        import torchao.optim.subclass_4bit as ao4
+        import torchao.optim.subclass_4bit as ao4  # deferred: seconds to import, only for torchao optimizers
         import torchao.optim.subclass_8bit as ao8
 
         for table in (ao8.get_qmap_signed, ao8.get_qmap_unsigned, ao4.get_qmap_signed, ao4.get_qmap_unsigned):
@@ -237,10 +238,8 @@ def _compute_torchao_tables() -> None:
 
 def _real_bnb_dynamic_map(stack: contextlib.ExitStack) -> None:
     """Until ``stack`` closes, bitsandbytes computes its code tables (``create_dynamic_map``) for real."""
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-
     with contextlib.suppress(ImportError):
-        import bitsandbytes.functional as bnb_functional
+        import bitsandbytes.functional as bnb_functional  # deferred: seconds to import, only for its optimizers
 
         original = bnb_functional.create_dynamic_map
 
@@ -266,9 +265,6 @@ def _fake_process_group(world_size: int) -> Iterator[None]:
     if world_size == 1:
         yield
         return
-    import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
     if dist.is_initialized():
         raise RuntimeError("estimate_run(world_size > 1) needs a process without a process group")
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
