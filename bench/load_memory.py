@@ -73,6 +73,8 @@ def run_case(spec: dict[str, str], workdir: Path) -> dict[str, float]:
     import transformers
 
     import memfit.convert
+    from memfit.convert.hf import hf_config_to_llama
+    from memfit.models.llama import build_llama
 
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     dtype = getattr(torch, spec["dtype"])
@@ -83,7 +85,7 @@ def run_case(spec: dict[str, str], workdir: Path) -> dict[str, float]:
     )
     with torch.device("meta"):
         transformers.LlamaForCausalLM(tiny)
-    memfit.convert.build_llama(memfit.convert.hf_config_to_llama(tiny.to_dict())[0], device="meta")
+    build_llama(hf_config_to_llama(tiny.to_dict())[0], device="meta")
     torch.ones(8).sum()
     gc.collect()
     try:
@@ -114,7 +116,7 @@ def make_checkpoints(workdir: Path, dim: int, layers: int, vocab: int) -> int:
     import torch
     import transformers
 
-    from memfit.convert import hf_to_meta_rows
+    from memfit.convert.meta import hf_to_meta_rows
 
     heads, kv_heads = dim // 64, max(1, dim // 256)
     intermediate = 256 * ((int(8 * dim / 3) + 255) // 256)

@@ -201,7 +201,7 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from memfit.convert import export_run
+    from memfit.export import export_run
 
     if args.max_shard_size <= 0:
         raise ConfigError("--max-shard-size must be > 0 (GiB per safetensors file)")

@@ -17,7 +17,7 @@ import torch
 
 from memfit.cli import main
 from memfit.config import load_config
-from memfit.convert import export_hf
+from memfit.convert.hf import export_hf
 from memfit.launch import validating_as_ranks
 from memfit.memory.estimate import estimate_run
 from memfit.memory.tracker import CATEGORIES, GIB, PHASES

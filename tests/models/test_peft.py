@@ -178,7 +178,7 @@ def test_merge_in_bf16_is_done_in_fp32():
 def _hf_llama(config):
     """An untrained transformers Llama of the same architecture (config written by memfit's exporter)."""
     transformers = pytest.importorskip("transformers")
-    from memfit.convert import llama_to_hf_config
+    from memfit.convert.hf import llama_to_hf_config
 
     hf_config = transformers.LlamaConfig(**llama_to_hf_config(config), attn_implementation="eager")
     return transformers.LlamaForCausalLM(hf_config).eval()
