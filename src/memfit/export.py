@@ -2,7 +2,7 @@
 
 It sits above :mod:`memfit.convert`: a full model goes through :func:`memfit.convert.export_checkpoint`; a LoRA run
 is merged and written with :func:`memfit.convert.hf.export_hf`, or its adapter alone with
-:func:`memfit.models.peft.save_peft_adapter`.
+:func:`memfit.convert.peft_adapter.save_peft_adapter`.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def export_run(
     :func:`memfit.convert.export_checkpoint`. A LoRA run is loaded as its base (``checkpoint_dir``) plus the trained
     LoRA weights, then merged into the base (``W + (alpha / r) B A``) and exported as a plain
     ``LlamaForCausalLM``; with ``adapter_only`` only the LoRA weights are written, in Hugging Face PEFT's adapter
-    format (:func:`memfit.models.peft.save_peft_adapter`).
+    format (:func:`memfit.convert.peft_adapter.save_peft_adapter`).
 
     Args:
         src: a memfit run or checkpoint directory, or a Hugging Face / Meta checkpoint directory.
@@ -71,8 +71,9 @@ def export_run(
             raise CheckpointError(f"--adapter-only applies to LoRA runs; '{src}' holds a full model")
         return export_checkpoint(src, out, dtype=torch_dtype, max_shard_size=max_shard_size)
 
+    from memfit.convert.peft_adapter import save_peft_adapter
     from memfit.generate import load_for_generation
-    from memfit.models.peft import merge_lora, save_peft_adapter
+    from memfit.models.peft import merge_lora
 
     model, tokenizer, _ = load_for_generation(src)
     if adapter_only:

@@ -17,26 +17,23 @@ from safetensors.torch import load_file
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 from memfit.config import OptimizerConfig
+from memfit.convert.peft_adapter import PEFT_CONFIG, PEFT_WEIGHTS, load_peft_adapter, save_peft_adapter
 from memfit.memory.optim import build_optimizer
 from memfit.memory.techniques import apply_activation_checkpointing, chunked_cross_entropy
 from memfit.memory.tracker import MemoryTracker
 from memfit.models.llama import build_llama
 from memfit.models.peft import (
     LORA_TARGETS,
-    PEFT_CONFIG,
-    PEFT_WEIGHTS,
     adapter_state_dict,
     apply_adapter,
     apply_lora,
     freeze_base,
     load_adapter_state_dict,
     load_lora_state_dict,
-    load_peft_adapter,
     lora_effective_weight,
     lora_state_dict,
     merge_lora,
     peft_method,
-    save_peft_adapter,
     trainable_parameter_summary,
 )
 from memfit.models.presets import model_config

@@ -20,7 +20,8 @@ the model on the meta device and materialises it one parameter at a time, straig
 dtype and device, so host memory peaks near one copy of the weights in the target dtype plus one tensor (measured in
 ``docs/benchmarks.md``, "Loading pretrained weights"). :func:`memfit.convert.hf.export_hf` writes a directory that
 ``LlamaForCausalLM.from_pretrained`` and ``AutoTokenizer.from_pretrained`` load, atomically and with one shard in
-memory at a time; :func:`export_checkpoint` converts any readable checkpoint to it.
+memory at a time; :func:`export_checkpoint` converts any readable checkpoint to it. Hugging Face PEFT adapters are
+read and written by :mod:`memfit.convert.peft_adapter`.
 
 Nothing is unpickled beyond tensors (``weights_only=True``) and nothing is downloaded.
 """
