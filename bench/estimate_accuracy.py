@@ -283,7 +283,7 @@ def run_row(label: str, size: str, ranks: int, spec: dict, hf_dir: Path | None, 
 def make_hf_checkpoint(directory: Path) -> Path:
     """A Hugging Face checkpoint of :data:`HF_BASE` (random weights) with a 512-id BPE trained on Tiny
     Shakespeare, for the LoRA / adapter rows."""
-    from memfit.convert import export_hf
+    from memfit.convert.hf import export_hf
     from memfit.data.corpus import default_corpus_path
     from memfit.models.llama import LlamaConfig, build_llama
     from memfit.tokenizer import train_bpe
@@ -397,7 +397,8 @@ def _section(rows: list[dict], args) -> str:
         "**RSS** (where meaningful): the resident-set growth of rank 0 during the last step (Linux `VmHWM`, reset "
         "just before the step, minus `VmRSS` just before it), beside the predicted growth (predicted peak minus "
         "the parameters and optimizer state a step starts with) and the tracked one; growth error = (predicted - "
-        "RSS) / RSS. It holds what no tracker sees (kernel workspaces, autograd's and Python's own objects, glibc's slack, with "
+        "RSS) / RSS. It holds what no tracker sees (kernel workspaces, autograd's and Python's own objects, "
+        "glibc's slack, with "
         "`MALLOC_MMAP_THRESHOLD_=131072` so that freed tensors go back to the OS) and misses what was allocated "
         "but never written; it is meaningful for the rows where the growth is far above a few MiB.\n\n"
         f"Reproduce: `PYTHONPATH=src OMP_NUM_THREADS=2 .venv/bin/python bench/estimate_accuracy.py --steps "
@@ -518,9 +519,9 @@ def speed(args) -> str:
 
 _SPEED_NOTES = """\
 **Where the time goes** (cProfile). Llama-3-8B: about 6.5 s are fixed, Python's start with torch and memfit
-(3.5-4.5 s) and torch._dynamo (~2.5 s; fake tensors import it at their first op); creating the optimizer state (one zero-gradient
-AdamW step) takes ~1.3 s and the traced step ~5 s, nearly all inside `FakeTensorMode`'s dispatch (hashing the cache
-key of ops with hundreds of tensor arguments, such as the foreach AdamW ops over 291 tensors, and the meta
+(3.5-4.5 s) and torch._dynamo (~2.5 s; fake tensors import it at their first op); creating the optimizer state
+(one zero-gradient AdamW step) takes ~1.3 s and the traced step ~5 s, nearly all inside `FakeTensorMode`'s
+dispatch (hashing the cache key of ops with hundreds of tensor arguments, such as the foreach AdamW ops over 291 tensors, and the meta
 kernels); the tracker's own bookkeeping is under 1 s. The estimate imported torchao and bitsandbytes whatever the
 optimizer (~4.5 s); it now imports them only for their own optimizers. Llama-3-70B x 8: more than half of the
 time is DTensor sharding propagation of the foreach ops (AdamW's update and the gradient-norm clipping) over the

@@ -182,7 +182,8 @@ def compare(path: Path, doc: Path) -> None:
             "Reproduce: on a GPU machine `python bench/gpu_estimate_check.py --measure gpu.json`, then "
             "`.venv/bin/python bench/gpu_estimate_check.py --compare gpu.json`.",
             "",
-            "| configuration | estimated (GiB) | measured (GiB) | error | reserved (GiB) | estimated device total (GiB) "
+            "| configuration | estimated (GiB) | measured (GiB) | error | reserved (GiB) "
+            "| estimated device total (GiB) "
             "| phase of peak, throughput |",
             "|---|---|---|---|---|---|---|",
             *rows,

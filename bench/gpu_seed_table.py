@@ -136,7 +136,8 @@ def main() -> int:
     for r in rows:
         lines.append(
             f"| {r['optimizer']} | {r['peak_memory_active_gib']:.2f} | {r['peak_memory_alloc_gib']:.2f} | "
-            f"{r['peak_memory_reserved_gib']:.2f} | {r['peak_memory_device_gib']:.2f} | {r['optimizer_state_gib']:.2f} | "
+            f"{r['peak_memory_reserved_gib']:.2f} | {r['peak_memory_device_gib']:.2f} | "
+            f"{r['optimizer_state_gib']:.2f} | "
             f"{r['tokens_per_second_per_gpu']:,.0f} |"
         )
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -73,6 +73,8 @@ def run_case(spec: dict[str, str], workdir: Path) -> dict[str, float]:
     import transformers
 
     import memfit.convert
+    from memfit.convert.hf import hf_config_to_llama
+    from memfit.models.llama import build_llama
 
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     dtype = getattr(torch, spec["dtype"])
@@ -83,7 +85,7 @@ def run_case(spec: dict[str, str], workdir: Path) -> dict[str, float]:
     )
     with torch.device("meta"):
         transformers.LlamaForCausalLM(tiny)
-    memfit.convert.build_llama(memfit.convert.hf_config_to_llama(tiny.to_dict())[0], device="meta")
+    build_llama(hf_config_to_llama(tiny.to_dict())[0], device="meta")
     torch.ones(8).sum()
     gc.collect()
     try:
@@ -114,7 +116,7 @@ def make_checkpoints(workdir: Path, dim: int, layers: int, vocab: int) -> int:
     import torch
     import transformers
 
-    from memfit.convert import hf_to_meta_rows
+    from memfit.convert.meta import hf_to_meta_rows
 
     heads, kv_heads = dim // 64, max(1, dim // 256)
     intermediate = 256 * ((int(8 * dim / 3) + 255) // 256)
@@ -207,7 +209,8 @@ def main() -> int:
         "",
         f"A Hugging Face checkpoint written by `save_pretrained` in bf16 ({file_bytes / GIB:.2f} GiB of safetensors; "
         f"Llama with dim {config.dim}, {config.num_layers} layers, {config.num_heads}/{config.num_kv_heads} heads, "
-        f"vocab {config.vocab_size:,}, {config.num_params() / 1e6:.0f}M parameters), and the same weights as a Meta `consolidated.00.pth`. One fresh process per row; the baseline is the "
+        f"vocab {config.vocab_size:,}, {config.num_params() / 1e6:.0f}M parameters), and the same weights as a "
+        "Meta `consolidated.00.pth`. One fresh process per row; the baseline is the "
         "resident memory after importing torch, transformers and memfit and building a tiny model on the meta device "
         "(which loads torch's meta kernels, ~75 MiB, once per process). After the load every weight is read once "
         "(as a first forward pass would: transformers may leave weights as lazily mapped file pages). *Peak* is the "

@@ -159,9 +159,11 @@ def _table(results: dict[str, dict], args) -> str:
             continue
         cells = " | ".join(f"{r['breakdown_bytes'].get(c, 0) / MIB:,.0f}" for c in cats)
         lines.append(
-            f"| {name} | {r['tracked_peak_bytes'] / MIB:,.0f} | {r['tracked_peak_bytes'] / base['tracked_peak_bytes']:.2f} "
+            f"| {name} | {r['tracked_peak_bytes'] / MIB:,.0f} "
+            f"| {r['tracked_peak_bytes'] / base['tracked_peak_bytes']:.2f} "
             f"| {cells} | {r['peak_phase']} | {r['max_over_step_bytes']['gradients'] / MIB:,.0f} "
-            f"| {r['max_over_step_bytes']['activations'] / MIB:,.0f} | {r['peak_rss_gib']:.2f} | {r['tokens_per_second']:,.0f} "
+            f"| {r['max_over_step_bytes']['activations'] / MIB:,.0f} | {r['peak_rss_gib']:.2f} "
+            f"| {r['tokens_per_second']:,.0f} "
             f"| {r['tokens_per_second'] / base['tokens_per_second']:.2f} |"
         )
     return "\n".join(lines)

@@ -18,14 +18,12 @@ from memfit.convert import (
     PretrainedInfo,
     detect_format,
     export_checkpoint,
-    export_hf,
     iter_state_dict,
     load_pretrained,
-    meta_to_hf_rows,
     read_config,
-    read_hf_config,
-    read_meta_params,
 )
+from memfit.convert.hf import export_hf, read_hf_config
+from memfit.convert.meta import meta_to_hf_rows, read_meta_params
 from memfit.errors import CheckpointError
 from memfit.models.llama import RopeScaling, RotaryEmbedding, apply_rope, build_llama
 from memfit.models.presets import model_config
@@ -139,11 +137,11 @@ def test_sharded_hf_checkpoint(tmp_path):
 
 def test_safetensors_without_the_pread_backend(tmp_path, monkeypatch):
     """Older safetensors memory-map only: tensors are copied out of the mapping before it closes."""
-    import memfit.convert
+    import memfit.convert.tensors
 
     hf = hf_model()
     hf.save_pretrained(tmp_path)
-    monkeypatch.setattr(memfit.convert, "_PREAD", False)
+    monkeypatch.setattr(memfit.convert.tensors, "_PREAD", False)
     model, _, _ = load_pretrained(tmp_path)
     assert max_logit_diff(model, hf, 96) <= 1e-5
 

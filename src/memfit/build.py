@@ -93,7 +93,6 @@ def run_model_config(cfg: TrainConfig) -> LlamaConfig:
         return checkpoint_model_config(cfg.checkpoint_dir)
     tok = cfg.tokenizer
     if tok.kind == "file":
-
         vocab_size = load_tokenizer(tok.path).vocab_size
     elif tok.kind == "char":
         vocab_size = 256  # the corpus decides; a preset's own vocabulary wins (see resolve_model_config)
@@ -147,7 +146,6 @@ def build_model(cfg: TrainConfig, mcfg: LlamaConfig, device: torch.device) -> Ll
     elif cfg.checkpoint_dir is None:
         model = build_llama(mcfg, device=device, dtype=dtype, seed=cfg.seed)
     else:
-
         model = load_pretrained(cfg.checkpoint_dir, device=device, dtype=dtype)[0]
     apply_method(model, cfg)
     return model
@@ -170,7 +168,6 @@ def initial_parameters(
     shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
     method = [n for n in shapes if n.rsplit(".", 1)[-1] in peft.METHOD_PARAMETERS]
     if cfg.checkpoint_dir is not None:
-
         base = pretrained_parameters(cfg.checkpoint_dir)
     else:
         generator = torch.Generator(device=device).manual_seed(cfg.seed)
@@ -188,7 +185,10 @@ def initial_parameters(
     def tensors() -> Iterator[tuple[str, torch.Tensor]]:
         yield from base
         for n in method:
-            yield n, peft.init_method_parameter_(n, torch.empty(shapes[n], device=device, dtype=dtype), cfg.seed)
+            yield (
+                n,
+                peft.init_method_parameter_(n, torch.empty(shapes[n], device=device, dtype=dtype), cfg.seed),
+            )
 
     return tensors()
 

@@ -421,7 +421,8 @@ def read_trainer_state(ckpt: Path) -> dict[str, Any]:
         ) from None
     except (OSError, ValueError) as exc:
         raise CheckpointError(
-            f"checkpoint file '{path}' is truncated or corrupt ({exc}); delete '{ckpt}' and resume from the previous one"
+            f"checkpoint file '{path}' is truncated or corrupt ({exc}); delete '{ckpt}' and resume from the "
+            f"previous one"
         ) from None
 
 
@@ -845,7 +846,6 @@ def _load_full_into_sharded(
                 )
             optim_sd = {"state": {names[k]: v for k, v in saved["state"].items()}, "param_groups": groups}
         if optim_sd is None:
-
             set_model_state_dict(model, weights, options=options)
         else:
             set_state_dict(

@@ -31,8 +31,8 @@ import yaml
 from memfit import __version__, distributed, launch
 from memfit.build import load_for_generation, resolve_device
 from memfit.config import describe_keys, load_config, parse_overrides
-from memfit.convert import export_run
 from memfit.errors import ConfigError, MemfitError, NoPlanError
+from memfit.export import export_run
 from memfit.generate import generate_text
 from memfit.planner import plan as plan_
 from memfit.planner import report

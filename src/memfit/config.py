@@ -261,7 +261,8 @@ class TrainConfig:
     ``(B, T, vocab_size)`` logits never exist; 0 is off."""
     preflight: bool = True
     """Before allocating, check that the run fits (free CUDA memory, or available host RAM) and refuse it with the
-    predicted breakdown and the planner's cheapest fix when it does not (see :func:`memfit.planner.preflight.preflight`)."""
+    predicted breakdown and the planner's cheapest fix when it does not (see
+    :func:`memfit.planner.preflight.preflight`)."""
     track_memory: bool = False
     """Track live bytes by category (parameters, gradients, optimizer_state, activations, temporaries; sharded,
     also unsharded_parameters, what FSDP has all-gathered); adds ``memory_breakdown`` (GiB at the interval's

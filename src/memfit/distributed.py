@@ -215,8 +215,6 @@ def shard_model(model: torch.nn.Module, cfg: TrainConfig, device: torch.device) 
                 layer.set_modules_to_backward_prefetch(layers[max(0, i - d.prefetch) : i][::-1])
         return model
 
-
-
     for (
         p
     ) in model.parameters():  # use_orig_params keeps the Parameters but makes them 1-D views of the shard:

@@ -103,7 +103,11 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     if cfg.method != "full":  # the base stays in checkpoint_dir: remember which weights it held
         trainer_state["base_fingerprint"] = weights_fingerprint(cfg.checkpoint_dir)
     step_options = train_step_options(cfg)
-    eval_options = {"dtype": cfg.dtype, "device": device, "chunked_cross_entropy_chunks": cfg.chunked_cross_entropy}
+    eval_options = {
+        "dtype": cfg.dtype,
+        "device": device,
+        "chunked_cross_entropy_chunks": cfg.chunked_cross_entropy,
+    }
     tracker = MemoryTracker(model, optimizer) if cfg.track_memory else None
 
     def save(step: int) -> Path:

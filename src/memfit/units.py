@@ -26,6 +26,7 @@ BYTE_UNITS: dict[str, int] = {
 """Units of a size: binary ``KiB``, ``MiB``, ``GiB`` (1024**3 bytes), ``TiB``; decimal ``KB``, ``MB``, ``GB``
 (10**9 bytes), ``TB``; ``B``. Case does not matter; the ``i`` does."""
 
+
 def to_gib(num_bytes: float) -> float:
     """Bytes -> GiB (1024**3 bytes)."""
     return num_bytes / GIB

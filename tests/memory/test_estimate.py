@@ -16,7 +16,7 @@ import torch
 
 from memfit.cli import main
 from memfit.config import load_config
-from memfit.convert import export_hf
+from memfit.convert.hf import export_hf
 from memfit.memory.tracker import CATEGORIES, GIB, PHASES
 from memfit.metrics import read_records
 from memfit.models.llama import build_llama

@@ -17,25 +17,22 @@ from safetensors.torch import load_file
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 from memfit.config import LORA_TARGETS, OptimizerConfig
+from memfit.convert.peft_adapter import PEFT_CONFIG, PEFT_WEIGHTS, load_peft_adapter, save_peft_adapter
 from memfit.memory.optim import build_optimizer
 from memfit.memory.techniques import apply_activation_checkpointing, chunked_cross_entropy
 from memfit.memory.tracker import MemoryTracker
 from memfit.models.llama import build_llama
 from memfit.models.peft import (
-    PEFT_CONFIG,
-    PEFT_WEIGHTS,
     adapter_state_dict,
     apply_adapter,
     apply_lora,
     freeze_base,
     load_adapter_state_dict,
     load_lora_state_dict,
-    load_peft_adapter,
     lora_effective_weight,
     lora_state_dict,
     merge_lora,
     peft_method,
-    save_peft_adapter,
     trainable_parameter_summary,
 )
 from memfit.models.presets import model_config
@@ -177,7 +174,7 @@ def test_merge_in_bf16_is_done_in_fp32():
 def _hf_llama(config):
     """An untrained transformers Llama of the same architecture (config written by memfit's exporter)."""
     transformers = pytest.importorskip("transformers")
-    from memfit.convert import llama_to_hf_config
+    from memfit.convert.hf import llama_to_hf_config
 
     hf_config = transformers.LlamaConfig(**llama_to_hf_config(config), attn_implementation="eager")
     return transformers.LlamaForCausalLM(hf_config).eval()

@@ -187,7 +187,8 @@ class TokenWindows:
             header = json.loads(header_path.read_text())
         except (OSError, ValueError):
             raise DataError(
-                f"token file header '{header_path}' is missing or unreadable; delete '{self.path.parent}' to re-tokenize"
+                f"token file header '{header_path}' is missing or unreadable; delete '{self.path.parent}' to "
+                f"re-tokenize"
             ) from None
         self.num_tokens = int(header["num_tokens"])
         if self.path.stat().st_size != self.num_tokens * np.dtype(header["dtype"]).itemsize:

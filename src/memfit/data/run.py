@@ -83,9 +83,7 @@ def checkpoint_tokenizer(path: str | Path) -> Tokenizer:
         ) from None
 
 
-def run_tokenizer(
-    cfg: TrainConfig, out: Path, resume_dir: Path | None
-) -> tuple[Tokenizer, Corpus | None]:
+def run_tokenizer(cfg: TrainConfig, out: Path, resume_dir: Path | None) -> tuple[Tokenizer, Corpus | None]:
     """The run's tokenizer, and for a text corpus its token files (tokenized once into ``out/data``).
 
     The tokenizer is the resumed run's, ``checkpoint_dir``'s, ``tokenizer.path``'s, or (``bpe``, ``char``) one
@@ -110,7 +108,11 @@ def run_tokenizer(
         fixed = checkpoint_tokenizer(cfg.checkpoint_dir)
     elif cfg.data.format != "text":
         fixed = load_tokenizer(cfg.tokenizer.path)
-    if dist_.is_main() and cfg.data.format == "text" and str(cfg.data.path or "").endswith((".json", ".jsonl")):
+    if (
+        dist_.is_main()
+        and cfg.data.format == "text"
+        and str(cfg.data.path or "").endswith((".json", ".jsonl"))
+    ):
         tqdm.write(
             f"note: data.format is 'text', so '{cfg.data.path}' is read as plain text; for instruction or chat "
             f"records set data.format (alpaca, dolly, sharegpt, openai)"

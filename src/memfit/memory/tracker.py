@@ -27,7 +27,8 @@ A storage counts once, at ``untyped_storage().nbytes()`` (views share it), from 
 until it is freed (a weak reference on the storage's Python object, which torch keeps alive exactly as long as the
 storage), following ``UntypedStorage.resize_`` as it happens (FSDP frees and re-allocates its unsharded parameters
 that way, keeping the storage objects). A storage's category follows the priority order of the table, decided by
-identity: a parameter saved for backward is a parameter. Nothing reads tensor data, so it works the same on CPU, CUDA, and under
+identity: a parameter saved for backward is a parameter. Nothing reads tensor data, so it works the same on CPU,
+CUDA, and under
 ``torch._subclasses.fake_tensor.FakeTensorMode`` (enter the tracker *inside* the fake mode), where it sees the
 bytes a real run would allocate.
 

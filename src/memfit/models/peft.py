@@ -11,7 +11,8 @@ optimizer state exist only for them (``memfit.memory.optim.param_groups`` skips 
   frozen. ``B`` starts at zero, so the model is unchanged at step 0. Memory: 2 small matrices per target, their
   gradients and optimizer state; the activations of the frozen base are still kept for the backward (the input
   gradient flows through ``W``), plus one (B, T, r) tensor per target. :func:`merge_lora` folds the update into
-  ``W`` for export; :func:`save_peft_adapter` writes Hugging Face PEFT's adapter format.
+  ``W`` for export; :mod:`memfit.convert.peft_adapter` reads and writes Hugging Face PEFT's adapter
+  format.
 - **LLaMA-Adapter** (Zhang et al. 2023, "LLaMA-Adapter: Efficient Fine-tuning of Language Models with Zero-init
   Attention", in lit-llama's formulation): each adapted attention layer learns ``prompt_length`` prompt vectors.
   Its (RoPE'd) queries also attend, without mask or position, over keys and values projected from the prompt by the
@@ -31,31 +32,19 @@ r LoRA rank, L adapter prompt length.
 
 from __future__ import annotations
 
-import json
 import math
 import types
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
-from memfit.checkpoint import atomic_directory
 from memfit.config import LORA_TARGETS
-from memfit.errors import CheckpointError
 from memfit.models.llama import Attention, Llama, causal_attention
 
 """Names of the linear layers LoRA can adapt (the last component of the module name)."""
-PEFT_WEIGHTS = "adapter_model.safetensors"
-"""File name of the adapter tensors in Hugging Face PEFT's format."""
-PEFT_CONFIG = "adapter_config.json"
-"""File name of the adapter config in Hugging Face PEFT's format."""
-PEFT_PREFIX = "base_model.model."
-"""What PEFT's ``PeftModelForCausalLM`` puts before the base model's module names."""
 ADAPTER_PROMPT_STD = 1.0
 """Standard deviation of the normal initialisation of the LLaMA-Adapter prompt. The prompt feeds ``k_proj`` and
 ``v_proj`` directly, in place of RMS-normed hidden states whose elements have unit scale, so it starts at that
@@ -368,7 +357,18 @@ def _lora_modules(model: nn.Module) -> list[tuple[str, nn.Linear]]:
     ]
 
 
-def _lora_settings(model: nn.Module) -> LoraSettings:
+def lora_settings(model: nn.Module) -> LoraSettings:
+    """The hyperparameters LoRA was applied to ``model`` with.
+
+    Args:
+        model: any module.
+
+    Returns:
+        The :class:`LoraSettings` kept on the model by :func:`apply_lora`.
+
+    Raises:
+        ValueError: the model has no LoRA (none was applied, or it was merged).
+    """
     settings = getattr(model, "memfit_peft", None)
     if not isinstance(settings, LoraSettings):
         raise ValueError("the model has no LoRA applied (call apply_lora first)")
@@ -407,7 +407,7 @@ def merge_lora(model: Llama) -> None:
     Raises:
         ValueError: the model has no LoRA.
     """
-    settings = _lora_settings(model)
+    settings = lora_settings(model)
     for _, linear in _lora_modules(model):
         delta = (linear.lora_B.float() @ linear.lora_A.float()) * settings.scale  # (out, in)
         linear.weight.copy_((linear.weight.float() + delta).to(linear.weight.dtype))
@@ -426,7 +426,7 @@ def lora_state_dict(model: Llama) -> dict[str, Tensor]:
         ``{"model.layers.0.self_attn.q_proj.lora_A": (r, in), "...lora_B": (out, r), ...}``, detached, sharing
         storage with the parameters.
     """
-    _lora_settings(model)
+    lora_settings(model)
     return _select_state_dict(model, _LORA_SUFFIXES)
 
 
@@ -440,132 +440,8 @@ def load_lora_state_dict(model: Llama, state_dict: Mapping[str, Tensor]) -> None
     Raises:
         ValueError: the model has no LoRA, a key is missing or unexpected, or a shape differs (nothing copied).
     """
-    _lora_settings(model)
+    lora_settings(model)
     _load_selected(model, state_dict, _LORA_SUFFIXES, "LoRA")
-
-
-def _peft_config(settings: LoraSettings, base_model_name_or_path: str) -> dict[str, Any]:
-    """``adapter_config.json`` as Hugging Face PEFT's ``LoraConfig.save_pretrained`` writes it."""
-    alpha = int(settings.alpha) if float(settings.alpha).is_integer() else settings.alpha
-    return {
-        "alpha_pattern": {},
-        "auto_mapping": None,
-        "base_model_name_or_path": base_model_name_or_path,
-        "bias": "none",
-        "fan_in_fan_out": False,
-        "inference_mode": True,
-        "init_lora_weights": True,
-        "layers_pattern": None,
-        "layers_to_transform": None,
-        "lora_alpha": alpha,
-        "lora_dropout": settings.dropout,
-        "modules_to_save": None,
-        "peft_type": "LORA",
-        "r": settings.rank,
-        "rank_pattern": {},
-        "revision": None,
-        "target_modules": list(settings.target_modules),
-        "task_type": "CAUSAL_LM",
-        "use_dora": False,
-        "use_rslora": False,
-    }
-
-
-def save_peft_adapter(model: Llama, out_dir: str | Path, *, base_model_name_or_path: str = "") -> Path:
-    """Write the LoRA adapter alone in Hugging Face PEFT's format, atomically.
-
-    ``adapter_model.safetensors`` holds ``base_model.model.<module>.lora_A.weight`` (r, in) and
-    ``...lora_B.weight`` (out, r) for every target; ``adapter_config.json`` holds ``peft_type`` LORA, ``r``,
-    ``lora_alpha``, ``lora_dropout``, ``target_modules``, ``task_type`` CAUSAL_LM, ... so that
-    ``peft.PeftModel.from_pretrained(LlamaForCausalLM..., out_dir)`` loads it. Both files are written into a
-    temporary sibling directory which is then renamed to ``out_dir`` (replacing an existing one).
-
-    Args:
-        model: a model with LoRA.
-        out_dir: the adapter directory to create.
-        base_model_name_or_path: recorded in the config (the Hub id or path of the base model).
-
-    Returns:
-        ``out_dir`` as a Path.
-
-    Raises:
-        ValueError: the model has no LoRA.
-        CheckpointError: writing failed (an existing ``out_dir`` is untouched).
-    """
-    settings = _lora_settings(model)
-    tensors = {}
-    for name, tensor in lora_state_dict(model).items():
-        module_name, which = name.rsplit(".", 1)  # which: lora_A or lora_B
-        tensors[f"{PEFT_PREFIX}{module_name}.{which}.weight"] = tensor.cpu().contiguous()
-    out = Path(out_dir)
-    with atomic_directory(out, "adapter") as tmp:
-        save_file(tensors, str(tmp / PEFT_WEIGHTS), metadata={"format": "pt"})
-        config = _peft_config(settings, base_model_name_or_path)
-        (tmp / PEFT_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    return out
-
-
-def load_peft_adapter(model: Llama, adapter_dir: str | Path, *, seed: int | None = None) -> list[str]:
-    """Apply LoRA as a Hugging Face PEFT adapter directory describes, and load its tensors.
-
-    Args:
-        model: a base model without any method applied.
-        adapter_dir: a directory with ``adapter_config.json`` and ``adapter_model.safetensors`` (as
-            :func:`save_peft_adapter` or PEFT write them).
-        seed: unused by the result (every tensor is overwritten); passed to :func:`apply_lora`.
-
-    Returns:
-        The names of the LoRA parameters (as :func:`apply_lora`).
-
-    Raises:
-        CheckpointError: a file is missing or unreadable.
-        ValueError: the config asks for what memfit's LoRA does not do (DoRA, rsLoRA, per-layer ranks, biases,
-            ``fan_in_fan_out``, extra saved modules, a regex ``target_modules``), or the tensors do not match.
-    """
-    adapter_dir = Path(adapter_dir)
-    try:
-        config = json.loads((adapter_dir / PEFT_CONFIG).read_text())
-        tensors = load_file(str(adapter_dir / PEFT_WEIGHTS))
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"cannot read the PEFT adapter in '{adapter_dir}' ({exc})") from None
-    if config.get("peft_type") != "LORA":
-        raise ValueError(f"'{adapter_dir / PEFT_CONFIG}': peft_type {config.get('peft_type')!r} is not LORA")
-    unsupported = {
-        "use_dora": False,
-        "use_rslora": False,
-        "fan_in_fan_out": False,
-        "bias": "none",
-        "rank_pattern": {},
-        "alpha_pattern": {},
-        "layers_to_transform": None,
-        "modules_to_save": None,
-    }
-    for key, plain in unsupported.items():
-        if config.get(key, plain) not in (plain, None):
-            raise ValueError(
-                f"'{adapter_dir / PEFT_CONFIG}': {key}={config[key]!r} is not supported by memfit"
-            )
-    targets = config.get("target_modules")
-    if not isinstance(targets, list):
-        raise ValueError(
-            f"'{adapter_dir / PEFT_CONFIG}': target_modules must be a list of names, got {targets!r}"
-        )
-    names = apply_lora(
-        model,
-        rank=config["r"],
-        alpha=config["lora_alpha"],
-        dropout=config.get("lora_dropout", 0.0),
-        target_modules=targets,
-        seed=seed,
-    )
-    state_dict = {}
-    for key, tensor in tensors.items():
-        name = key.removeprefix(PEFT_PREFIX)
-        if name.endswith((".lora_A.weight", ".lora_B.weight")):
-            name = name.removesuffix(".weight")
-        state_dict[name] = tensor
-    load_lora_state_dict(model, state_dict)
-    return names
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -7,8 +7,9 @@ activation checkpointing and (for ``world_size`` > 1) FSDP sharding over a fake 
 process plays rank 0, builds the run's optimizer, and runs :func:`memfit.step.train_step` -- the very function the
 training loop calls -- under a :class:`~memfit.memory.tracker.MemoryTracker`, as the second step of the run: the
 first only creates the optimizer state (an optimizer step on zero gradients at lr 0, as torch's distributed
-checkpointing lays the state out; a whole first train step would double the time and allocate the same state). What the tracker sees is what a real step allocates: the peak of
-live bytes, its breakdown by category and the phase it falls in.
+checkpointing lays the state out; a whole first train step would double the time and allocate the same state).
+What the tracker sees is what a real step allocates: the peak of live bytes, its breakdown by category and the
+phase it falls in.
 
 What the caching allocator cannot see is moved out of the device peak and reported apart, from the same trace:
 
@@ -25,8 +26,9 @@ What the caching allocator cannot see is moved out of the device peak and report
 The trace runs on CPU fake tensors whatever ``device`` says (a CPU build of torch cannot make CUDA tensors, fake or
 not); sizes are the same, but kernels may differ in their workspaces, which no tracker sees (see docs/memory.md).
 
-A closed-form bytes model (:func:`memfit.planner.closed_form.model_state_bytes_closed_form`) gives parameters, gradients and optimizer
-state from the shapes and dtypes alone, beside the traced numbers; the two agree exactly on model states.
+A closed-form bytes model (:func:`memfit.planner.closed_form.model_state_bytes_closed_form`) gives parameters,
+gradients and optimizer state from the shapes and dtypes alone, beside the traced numbers; the two agree exactly
+on model states.
 """
 
 from __future__ import annotations
@@ -215,7 +217,8 @@ def _traceable(cfg: TrainConfig) -> TrainConfig:
 
 @contextlib.contextmanager
 def _fake_mode(optimizer_name: str) -> Iterator[Any]:
-    """A ``FakeTensorMode`` (to enter where tensors are to be fake) in which the low-bit optimizers' quantization tables (a few hundred floats each,
+    """A ``FakeTensorMode`` (to enter where tensors are to be fake) in which the low-bit optimizers' quantization
+    tables (a few hundred floats each,
     computed with data-dependent ops that fake tensors cannot run) are computed for real. Only the library that
     ``optimizer_name`` uses is imported (torchao and bitsandbytes take seconds each to import)."""
     with contextlib.ExitStack() as stack:

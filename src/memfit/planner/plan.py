@@ -4,8 +4,8 @@
 backward, activation checkpointing, chunked cross-entropy, offloading and, sharded, FSDP's resharding and CPU
 offload), keeps those that config validation accepts, and ranks the ones that fit the budget by a throughput cost
 model (:func:`memfit.planner.cost.step_cost`; its constants are ``COST_CONSTANTS`` there, documented with their
-sources in docs/memory.md, "Planner"). :func:`cheapest_fix` answers the pre-flight question "what is the smallest change of
-this config that fits?".
+sources in docs/memory.md, "Planner"). :func:`cheapest_fix` answers the pre-flight question "what is the smallest
+change of this config that fits?".
 
 Every combination reported as fitting was estimated with :func:`memfit.planner.estimate.estimate_run` -- the run's
 own training step on fake tensors -- exactly as it would run. An 8B estimate takes 15-45 s on two CPU cores, so

@@ -133,7 +133,9 @@ def format_plan(p: Plan, top: int = 10) -> str:
             f"(cost model)",
         ]
         if best.changes:
-            lines.append("  changes: " + ", ".join(f"{k}={switch_value(best.config, k)}" for k in best.changes))
+            lines.append(
+                "  changes: " + ", ".join(f"{k}={switch_value(best.config, k)}" for k in best.changes)
+            )
         if p.base is not None and best.config.max_grad_norm != p.base.max_grad_norm:
             needs = "optimizer_in_backward" if best.config.optimizer_in_backward else "optimizer.cpu_offload"
             lines.append(

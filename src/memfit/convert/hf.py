@@ -1,0 +1,554 @@
+"""Hugging Face ``LlamaForCausalLM`` directories: config mapping, reading, and writing (:func:`export_hf`).
+
+A directory holds ``config.json`` and ``model.safetensors``, or the shards listed in
+``model.safetensors.index.json`` (what ``save_pretrained`` writes). ``config.json`` is read in both the
+transformers 4.x spelling (``rope_theta`` and ``rope_scaling`` at the top level, ``torch_dtype``) and the 5.x one
+(``rope_parameters``, ``dtype``), and written in both. :func:`export_hf` writes a directory that
+``LlamaForCausalLM.from_pretrained`` and ``AutoTokenizer.from_pretrained`` load, atomically and with one shard in
+memory at a time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+from torch import Tensor
+
+from memfit.checkpoint import atomic_directory, check_writable
+from memfit.convert.tensors import (
+    Entry,
+    PretrainedInfo,
+    Scan,
+    config_file,
+    first_float_dtype,
+    read_json,
+    read_safetensors,
+    safetensors_header,
+)
+from memfit.errors import CheckpointError
+from memfit.models.llama import Llama, LlamaConfig, RopeScaling, build_llama
+from memfit.tokenizer import CONFIG_NAME as TOKENIZER_CONFIG
+from memfit.tokenizer import Tokenizer
+
+__all__ = [
+    "DEFAULT_MAX_SHARD_SIZE",
+    "HF_CONFIG",
+    "HF_GENERATION_CONFIG",
+    "HF_INDEX",
+    "HF_WEIGHTS",
+    "check_out_dir",
+    "export_hf",
+    "hf_config_to_llama",
+    "llama_to_hf_config",
+    "read_chat_template",
+    "read_hf_config",
+    "scan_hf",
+]
+
+HF_CONFIG = "config.json"
+HF_GENERATION_CONFIG = "generation_config.json"
+HF_WEIGHTS = "model.safetensors"
+HF_INDEX = "model.safetensors.index.json"
+DEFAULT_MAX_SHARD_SIZE = 5 * 1024**3
+"""Bytes per safetensors shard that :func:`export_hf` writes by default (5 GiB, as ``save_pretrained`` does)."""
+
+_FLOAT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+# ================================================================================================================
+# Configs
+
+
+def read_hf_config(path: str | Path) -> LlamaConfig:
+    """The :class:`LlamaConfig` of a Hugging Face Llama ``config.json``.
+
+    Reads both spellings: transformers 4.x (``rope_theta`` at the top level, ``rope_scaling`` with ``rope_type``
+    or ``type``) and 5.x (``rope_parameters`` holding ``rope_theta`` and the scaling). As transformers does, a
+    non-null ``rope_scaling`` takes precedence over ``rope_parameters``, and ``rope_theta`` inside the dict over
+    the top-level one. Fields: ``hidden_size`` -> ``dim``, ``num_hidden_layers`` -> ``num_layers``,
+    ``num_attention_heads`` -> ``num_heads``, ``num_key_value_heads`` -> ``num_kv_heads`` (default
+    ``num_heads``), ``intermediate_size``, ``rms_norm_eps`` -> ``norm_eps`` (default 1e-6, transformers'),
+    ``max_position_embeddings`` -> ``max_seq_len`` (default 2048), ``vocab_size``, ``tie_word_embeddings``
+    (default False).
+
+    Args:
+        path: the checkpoint directory or its ``config.json``.
+
+    Returns:
+        The validated config.
+
+    Raises:
+        CheckpointError: naming the file and the key, when the file is missing or not JSON, a size key is
+            missing, ``model_type`` is not ``"llama"``, ``attention_bias`` or ``mlp_bias`` is true, ``hidden_act``
+            is not ``"silu"``, ``head_dim`` differs from ``hidden_size / num_attention_heads``, the rope type is
+            neither ``"default"`` nor ``"llama3"``, the weights are quantized, or the values fail validation.
+    """
+    config, _ = _hf_config_from_file(config_file(Path(path), HF_CONFIG))
+    return config
+
+
+def _hf_config_from_file(path: Path) -> tuple[LlamaConfig, torch.dtype | None]:
+    cfg = read_json(path)
+    if not isinstance(cfg, dict):
+        raise CheckpointError(f"'{path}' must hold a JSON object, got {type(cfg).__name__}")
+    return hf_config_to_llama(cfg, source=str(path))
+
+
+def hf_config_to_llama(
+    cfg: dict[str, Any], source: str = "config.json"
+) -> tuple[LlamaConfig, torch.dtype | None]:
+    """Translate a Hugging Face Llama config dict (4.x or 5.x spelling) to a :class:`LlamaConfig`.
+
+    Args:
+        cfg: the parsed ``config.json``.
+        source: the file, for error messages.
+
+    Returns:
+        ``(config, stored_dtype)``; ``stored_dtype`` is ``dtype`` (5.x) or ``torch_dtype`` (4.x) when it names a
+        floating dtype, else None.
+
+    Raises:
+        CheckpointError: see :func:`read_hf_config`.
+    """
+
+    def refuse(key: str, why: str) -> CheckpointError:
+        return CheckpointError(f"'{source}': {key} {why}")
+
+    model_type = cfg.get("model_type")
+    if model_type != "llama":
+        raise refuse(
+            "model_type", f"is {model_type!r}; memfit reads Llama checkpoints only (model_type 'llama')"
+        )
+    for key in ("attention_bias", "mlp_bias"):
+        if cfg.get(key):
+            raise refuse(key, "is true; memfit's Llama has no bias terms (Llama 2/3 checkpoints have none)")
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise refuse("hidden_act", f"is {cfg['hidden_act']!r}; memfit's Llama uses SwiGLU with 'silu'")
+    if cfg.get("quantization_config"):
+        raise refuse(
+            "quantization_config", "is set; quantized checkpoints are not supported: use the bf16 weights"
+        )
+    sizes = {}
+    for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size"):
+        if cfg.get(key) is None:
+            raise refuse(key, "is missing; a Llama config.json needs it")
+        sizes[key] = cfg[key]
+    heads = sizes["num_attention_heads"]
+    head_dim = cfg.get("head_dim")
+    if head_dim is not None and (
+        not isinstance(heads, int) or heads <= 0 or head_dim * heads != sizes["hidden_size"]
+    ):
+        raise refuse(
+            "head_dim",
+            f"is {head_dim} but hidden_size / num_attention_heads is {sizes['hidden_size']} / {heads}; memfit's "
+            f"Llama needs head_dim == hidden_size / num_attention_heads",
+        )
+    rope_key = "rope_scaling" if cfg.get("rope_scaling") else "rope_parameters"
+    rope = cfg.get(rope_key) or {}
+    if not isinstance(rope, dict):
+        raise refuse(rope_key, f"must be an object, got {rope!r}")
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    rope_theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    partial = rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor"))
+    if partial not in (None, 1, 1.0):
+        raise refuse("partial_rotary_factor", f"is {partial}; memfit rotates whole heads (1.0)")
+    scaling: RopeScaling | None = None
+    if rope_type == "llama3":
+        for key in ("factor", "low_freq_factor", "high_freq_factor"):
+            if key not in rope:
+                raise refuse(f"{rope_key}.{key}", "is missing; the 'llama3' rope type needs it")
+        try:
+            scaling = RopeScaling(
+                factor=float(rope["factor"]),
+                low_freq_factor=float(rope["low_freq_factor"]),
+                high_freq_factor=float(rope["high_freq_factor"]),
+                original_max_position_embeddings=int(
+                    rope.get("original_max_position_embeddings", cfg.get("max_position_embeddings", 2048))
+                ),
+            )
+        except (TypeError, ValueError) as exc:
+            raise refuse(rope_key, f"is invalid: {exc}") from None
+    elif rope_type != "default":
+        raise refuse(
+            f"{rope_key}.rope_type",
+            f"is {rope_type!r}; memfit implements the 'default' and 'llama3' RoPE only",
+        )
+    num_kv_heads = cfg.get("num_key_value_heads")
+    try:
+        config = LlamaConfig(
+            vocab_size=sizes["vocab_size"],
+            dim=sizes["hidden_size"],
+            num_layers=sizes["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=heads if num_kv_heads is None else num_kv_heads,
+            intermediate_size=sizes["intermediate_size"],
+            norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=rope_theta,
+            rope_scaling=scaling,
+            max_seq_len=cfg.get("max_position_embeddings", 2048),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        )
+    except ValueError as exc:
+        raise CheckpointError(f"'{source}': {exc}") from None
+    dtype_name = cfg.get("dtype", cfg.get("torch_dtype"))
+    return config, _FLOAT_DTYPES.get(dtype_name) if isinstance(dtype_name, str) else None
+
+
+def llama_to_hf_config(
+    config: LlamaConfig,
+    dtype: torch.dtype | None = None,
+    bos_token_id: int | None = None,
+    eos_token_id: int | list[int] | None = None,
+) -> dict[str, Any]:
+    """The ``config.json`` of a :class:`LlamaConfig` for ``LlamaForCausalLM``.
+
+    Readable by transformers 5.x (``rope_parameters``, ``dtype``) and 4.x (top-level ``rope_theta``,
+    ``rope_scaling``, ``torch_dtype``): both spellings are written and agree. transformers 5.24 accepts the 4.x
+    keys (it folds them into ``rope_parameters``).
+
+    Args:
+        config: the architecture.
+        dtype: dtype of the stored weights, or None to omit it.
+        bos_token_id: BOS id, or None.
+        eos_token_id: EOS id or ids, or None.
+
+    Returns:
+        A JSON-serialisable dict.
+    """
+    rope_parameters: dict[str, Any] = {"rope_type": "default", "rope_theta": float(config.rope_theta)}
+    rope_scaling = None
+    if config.rope_scaling is not None:
+        rope_scaling = {"rope_type": "llama3", **dataclasses.asdict(config.rope_scaling)}
+        rope_parameters = {**rope_scaling, "rope_theta": float(config.rope_theta)}
+    out: dict[str, Any] = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.dim,
+        "intermediate_size": config.intermediate_size,
+        "num_hidden_layers": config.num_layers,
+        "num_attention_heads": config.num_heads,
+        "num_key_value_heads": config.num_kv_heads,
+        "head_dim": config.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": config.max_seq_len,
+        "rms_norm_eps": config.norm_eps,
+        "tie_word_embeddings": config.tie_word_embeddings,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "attention_dropout": 0.0,
+        "initializer_range": 0.02,
+        "pretraining_tp": 1,
+        "use_cache": True,
+        "rope_parameters": rope_parameters,
+        "rope_theta": float(config.rope_theta),
+        "rope_scaling": rope_scaling,
+        "bos_token_id": bos_token_id,
+        "eos_token_id": eos_token_id,
+    }
+    if dtype is not None:
+        out["dtype"] = out["torch_dtype"] = str(dtype).removeprefix("torch.")
+    return out
+
+
+# ================================================================================================================
+# Reading a Hugging Face directory: config, info and the tensor list from headers only
+
+
+def scan_hf(directory: Path) -> Scan:
+    """A Hugging Face directory's config, info (token ids from ``generation_config.json``, tokenizer files) and
+    tensor list, from its config and safetensors headers only."""
+    config_path = config_file(directory, HF_CONFIG)
+    config, config_dtype = _hf_config_from_file(config_path)
+    entries = _safetensors_entries(directory)
+    bos, eos = _hf_token_ids(directory, config_path)
+    tokenizer_path = directory if _has_tokenizer_files(directory) else None
+    notes = (
+        () if tokenizer_path else (f"no tokenizer files (tokenizer.json, tokenizer.model) in '{directory}'",)
+    )
+    info = PretrainedInfo(
+        format="hf",
+        path=directory,
+        stored_dtype=first_float_dtype(entries) or config_dtype,
+        bos_token_id=bos,
+        eos_token_ids=eos,
+        tokenizer_path=tokenizer_path,
+        notes=notes,
+    )
+    return Scan(config, info, entries, lambda: read_safetensors(entries))
+
+
+def _has_tokenizer_files(directory: Path) -> bool:
+    return any((directory / n).is_file() for n in ("tokenizer.json", "tokenizer.model")) or (
+        (directory / TOKENIZER_CONFIG).is_file() and "kind" in (read_json(directory / TOKENIZER_CONFIG) or {})
+    )
+
+
+def _hf_token_ids(directory: Path, config_path: Path) -> tuple[int | None, tuple[int, ...]]:
+    """BOS id and EOS ids from generation_config.json, falling back to config.json."""
+    sources = [read_json(config_path)]
+    if (directory / HF_GENERATION_CONFIG).is_file():
+        sources.insert(0, read_json(directory / HF_GENERATION_CONFIG))
+    bos: int | None = None
+    eos: tuple[int, ...] = ()
+    for src in sources:
+        if not isinstance(src, dict):
+            continue
+        if bos is None and isinstance(src.get("bos_token_id"), int):
+            bos = src["bos_token_id"]
+        value = src.get("eos_token_id")
+        if not eos and value is not None:
+            ids = value if isinstance(value, list) else [value]
+            eos = tuple(int(i) for i in ids if isinstance(i, int))
+    return bos, eos
+
+
+def _safetensors_entries(directory: Path) -> list[Entry]:
+    """The tensors of ``model.safetensors``, or of the shards ``model.safetensors.index.json`` lists."""
+    index = directory / HF_INDEX
+    if not index.is_file():
+        single = directory / HF_WEIGHTS
+        if not single.is_file():
+            others = sorted(f.name for f in directory.glob("*.safetensors"))
+            raise CheckpointError(
+                f"'{directory}' has neither {HF_WEIGHTS} nor {HF_INDEX}"
+                + (f" (found {', '.join(others[:5])}, which Llama checkpoints do not use)" if others else "")
+                + "; the checkpoint is incomplete"
+            )
+        return [Entry(n, s, d, single) for n, (s, d) in safetensors_header(single).items()]
+    data = read_json(index)
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise CheckpointError(f"'{index}' has no 'weight_map' of tensor name -> shard file; is it corrupt?")
+    shards = list(dict.fromkeys(weight_map.values()))
+    missing = [s for s in shards if not (directory / s).is_file()]
+    if missing:
+        raise CheckpointError(
+            f"shard '{directory / missing[0]}' listed in '{index}' does not exist"
+            + (f" ({len(missing)} shards missing: {', '.join(missing[:5])})" if len(missing) > 1 else "")
+            + "; the download is incomplete: fetch the missing shard files"
+        )
+    headers = {s: safetensors_header(directory / s) for s in shards}  # validates every shard before any read
+    entries = []
+    for name, shard in weight_map.items():
+        if name not in headers[shard]:
+            raise CheckpointError(
+                f"'{directory / shard}' lacks tensor '{name}', which '{index}' places there; the shard is from "
+                f"another checkpoint or corrupt: download it again"
+            )
+        shape, dtype = headers[shard][name]
+        entries.append(Entry(name, shape, dtype, directory / shard))
+    return entries
+
+
+def read_chat_template(directory: Path | None) -> str | None:
+    """The chat template of a Hugging Face tokenizer directory: chat_template.jinja (transformers 5) or the
+    ``chat_template`` of tokenizer_config.json (4.x)."""
+    if directory is None or not directory.is_dir():
+        return None
+    if (directory / "chat_template.jinja").is_file():
+        return (directory / "chat_template.jinja").read_text(encoding="utf-8")
+    if (directory / TOKENIZER_CONFIG).is_file():
+        template = (read_json(directory / TOKENIZER_CONFIG) or {}).get("chat_template")
+        return template if isinstance(template, str) else None
+    return None
+
+
+# ================================================================================================================
+# Writing Hugging Face checkpoints
+
+
+def export_hf(
+    model: Llama,
+    out_dir: str | Path,
+    *,
+    tokenizer: Tokenizer | None = None,
+    dtype: torch.dtype | None = None,
+    max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
+    generation_config: dict[str, Any] | None = None,
+    chat_template: str | None = None,
+) -> Path:
+    """Write ``model`` as a Hugging Face ``LlamaForCausalLM`` directory.
+
+    Files: ``config.json`` (see :func:`llama_to_hf_config`), ``model.safetensors`` or
+    ``model-0000i-of-0000n.safetensors`` shards with ``model.safetensors.index.json`` (a tied ``lm_head`` stored
+    once, as ``model.embed_tokens.weight``, like ``save_pretrained``), ``generation_config.json`` and the tokenizer.
+    The tokenizer's memfit files (:meth:`Tokenizer.save`) are written, with ``tokenizer_config.json`` completed so
+    that ``AutoTokenizer.from_pretrained`` loads the same ids: a ``bpe`` tokenizer as ``tokenizer.json``
+    (``PreTrainedTokenizerFast``), ``sentencepiece`` and ``tiktoken`` as ``tokenizer.model`` (transformers 5
+    converts them; the 256 Llama 3 special tokens are listed), ``gpt2`` as ``vocab.json`` + ``merges.txt``; a
+    ``char`` tokenizer has no Hugging Face equivalent and is only readable by memfit.
+
+    Everything is written into a hidden sibling directory, fsync'ed, then renamed to ``out_dir``: an interrupted
+    export leaves no partial ``out_dir``. Host memory beyond the model stays under one shard (only when ``dtype``
+    or the device differ from the parameters').
+
+    Args:
+        model: a materialised memfit :class:`Llama` (merge LoRA/adapters first; gather FSDP shards first).
+        out_dir: the new directory; it must not exist or be empty.
+        tokenizer: written beside the weights, and the source of BOS/EOS ids; None writes no tokenizer.
+        dtype: dtype of the stored weights; None keeps the parameters' (the embedding's).
+        max_shard_size: bytes per shard (5 GiB = ``5 * 1024**3`` by default); one tensor larger than this gets a
+            shard of its own.
+        generation_config: keys for ``generation_config.json`` (``eos_token_id`` may be a list) that override
+            the BOS/EOS ids taken from the tokenizer.
+        chat_template: a Jinja chat template for ``tokenizer_config.json`` (with a tokenizer only).
+
+    Returns:
+        ``out_dir``.
+
+    Raises:
+        CheckpointError: ``out_dir`` exists and is not empty, or is a file, or cannot be written; the model has
+            parameters on the meta device or tensors a plain Llama does not have.
+        ValueError: ``max_shard_size`` is not positive.
+    """
+    out = Path(out_dir)
+    check_out_dir(out)
+    if not isinstance(max_shard_size, int) or max_shard_size <= 0:
+        raise ValueError(f"max_shard_size must be a positive number of bytes, got {max_shard_size!r}")
+    config = model.config
+    tensors = _export_tensors(model)
+    dtype = dtype or tensors["model.embed_tokens.weight"].dtype
+
+    # ---- shard plan: tensors in state-dict order, a new shard when the next one would overflow
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name, t in tensors.items():
+        nbytes = t.numel() * dtype.itemsize
+        if shards[-1] and size + nbytes > max_shard_size:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += nbytes
+    files = (
+        [HF_WEIGHTS]
+        if len(shards) == 1
+        else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    )
+
+    bos = tokenizer.bos_id if tokenizer is not None else None
+    eos: int | list[int] | None = tokenizer.eos_id if tokenizer is not None else None
+    gen: dict[str, Any] = {"bos_token_id": bos, "eos_token_id": eos}
+    gen.update(generation_config or {})
+    if isinstance(gen.get("eos_token_id"), (list, tuple)):
+        ids = list(gen["eos_token_id"])
+        gen["eos_token_id"] = ids[0] if len(ids) == 1 else (ids or None)
+    gen = {k: v for k, v in gen.items() if v is not None}
+
+    with atomic_directory(out, "Hugging Face directory") as tmp:  # out is absent or empty (checked above)
+        weight_map: dict[str, str] = {}
+        total = 0
+        for names, file in zip(shards, files, strict=True):
+            shard = {n: tensors[n].detach().to(device="cpu", dtype=dtype).contiguous() for n in names}
+            save_file(shard, str(tmp / file), metadata={"format": "pt"})
+            total += sum(t.numel() * t.element_size() for t in shard.values())
+            weight_map.update(dict.fromkeys(names, file))
+            del shard
+        if len(files) > 1:
+            index = {
+                "metadata": {
+                    "total_size": total,
+                    "total_parameters": sum(t.numel() for t in tensors.values()),
+                },
+                "weight_map": weight_map,
+            }
+            _write_json(tmp / HF_INDEX, index)
+        hf_config = llama_to_hf_config(config, dtype, gen.get("bos_token_id"), gen.get("eos_token_id"))
+        _write_json(tmp / HF_CONFIG, hf_config)
+        _write_json(tmp / HF_GENERATION_CONFIG, gen)
+        if tokenizer is not None:
+            _save_hf_tokenizer(tokenizer, tmp, config.max_seq_len, chat_template)
+    return out
+
+
+def check_out_dir(out: Path) -> None:
+    """Check, before anything is read, that an export can create ``out``.
+
+    Raises:
+        CheckpointError: ``out`` is a file, a directory that is not empty, or cannot be written.
+    """
+    if out.exists():
+        if not out.is_dir():
+            raise CheckpointError(f"export directory '{out}' is a file; choose a new directory")
+        if any(out.iterdir()):
+            raise CheckpointError(
+                f"export directory '{out}' exists and is not empty; export never overwrites: choose a new "
+                f"directory or delete this one"
+            )
+    check_writable(out)
+
+
+def _export_tensors(model: Llama) -> dict[str, Tensor]:
+    """The model's tensors under HF names, a tied lm_head stored once; checked against a plain Llama."""
+    if not isinstance(model, Llama):
+        raise TypeError(f"export_hf expects a memfit Llama, got {type(model).__name__}")
+    expected = dict(build_llama(model.config, device="meta").named_parameters())
+    state = dict(model.named_parameters())
+    if model.config.tie_word_embeddings and model.lm_head.weight is not model.model.embed_tokens.weight:
+        raise CheckpointError(
+            "the config ties the embeddings but lm_head.weight is a separate tensor; call model.tie_weights() or "
+            "set tie_word_embeddings=False"
+        )
+    unexpected = [n for n in state if n not in expected]
+    if unexpected:
+        raise CheckpointError(
+            f"the model has tensors a plain Llama does not ({unexpected[:3]}); merge LoRA/adapter weights into the "
+            f"base model before exporting"
+        )
+    missing = [n for n in expected if n not in state]
+    if missing:
+        raise CheckpointError(f"the model lacks tensors {missing[:3]}; it does not match its config")
+    on_meta = [n for n, t in state.items() if t.is_meta]
+    if on_meta:
+        raise CheckpointError(
+            f"parameters {on_meta[:3]} are on the meta device; load or initialise weights first"
+        )
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch built without distributed
+        DTensor = ()  # noqa: N806
+    if any(isinstance(t, DTensor) for t in state.values()):
+        raise CheckpointError(
+            "the model is sharded (DTensor parameters); gather a full copy on one rank before exporting"
+        )
+    return {n: state[n] for n in expected}
+
+
+def _write_json(path: Path, data: Any) -> None:
+    path.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+
+
+def _save_hf_tokenizer(
+    tokenizer: Tokenizer, directory: Path, max_seq_len: int, chat_template: str | None
+) -> None:
+    """memfit's tokenizer files plus what ``AutoTokenizer.from_pretrained`` needs to read the same ids."""
+    tokenizer.save(directory)
+    config_path = directory / TOKENIZER_CONFIG
+    cfg = json.loads(config_path.read_text(encoding="utf-8"))
+    cfg.update({"model_max_length": max_seq_len, "clean_up_tokenization_spaces": False})
+    if chat_template is not None:
+        cfg["chat_template"] = chat_template
+    specials = sorted(tokenizer.special_tokens.items(), key=lambda item: item[1])
+    if tokenizer.kind == "tiktoken":  # transformers numbers listed tokens after the ranks: all, in id order
+        extra = [t for t, _ in specials]
+    else:
+        extra = [t for t, _ in specials if t not in (cfg.get("bos_token"), cfg.get("eos_token"))]
+    if tokenizer.kind in ("bpe", "tiktoken"):
+        cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
+    elif tokenizer.kind == "gpt2":
+        shutil.copyfile(directory / "encoder.json", directory / "vocab.json")
+        shutil.copyfile(directory / "vocab.bpe", directory / "merges.txt")
+        cfg["tokenizer_class"] = "GPT2Tokenizer"
+        cfg["add_prefix_space"] = False
+    # sentencepiece: no class, so transformers 5 converts the model generically (its LlamaTokenizer would impose
+    # Llama's own normalisation) and 4.x takes the model_type's (LlamaTokenizerFast); char: memfit-only.
+    if extra and tokenizer.kind in ("tiktoken", "bpe"):
+        cfg["extra_special_tokens"] = extra  # transformers 5
+        cfg["additional_special_tokens"] = extra  # transformers 4
+    _write_json(config_path, cfg)

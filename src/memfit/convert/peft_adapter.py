@@ -1,0 +1,152 @@
+"""Hugging Face PEFT's LoRA adapter directories: write one from a LoRA model, load one into a base model.
+
+A directory holds ``adapter_config.json`` and ``adapter_model.safetensors``, as ``PeftModel.save_pretrained``
+writes them and ``peft.PeftModel.from_pretrained`` reads them. The LoRA itself (applying, merging, its state dict)
+is :mod:`memfit.models.peft`, which does no file I/O.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from safetensors.torch import load_file, save_file
+
+from memfit.checkpoint import atomic_directory
+from memfit.errors import CheckpointError
+from memfit.models.llama import Llama
+from memfit.models.peft import LoraSettings, apply_lora, load_lora_state_dict, lora_settings, lora_state_dict
+
+__all__ = ["PEFT_CONFIG", "PEFT_PREFIX", "PEFT_WEIGHTS", "load_peft_adapter", "save_peft_adapter"]
+
+PEFT_WEIGHTS = "adapter_model.safetensors"
+"""File name of the adapter tensors in Hugging Face PEFT's format."""
+PEFT_CONFIG = "adapter_config.json"
+"""File name of the adapter config in Hugging Face PEFT's format."""
+PEFT_PREFIX = "base_model.model."
+"""What PEFT's ``PeftModelForCausalLM`` puts before the base model's module names."""
+
+
+def _peft_config(settings: LoraSettings, base_model_name_or_path: str) -> dict[str, Any]:
+    """``adapter_config.json`` as Hugging Face PEFT's ``LoraConfig.save_pretrained`` writes it."""
+    alpha = int(settings.alpha) if float(settings.alpha).is_integer() else settings.alpha
+    return {
+        "alpha_pattern": {},
+        "auto_mapping": None,
+        "base_model_name_or_path": base_model_name_or_path,
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "inference_mode": True,
+        "init_lora_weights": True,
+        "layers_pattern": None,
+        "layers_to_transform": None,
+        "lora_alpha": alpha,
+        "lora_dropout": settings.dropout,
+        "modules_to_save": None,
+        "peft_type": "LORA",
+        "r": settings.rank,
+        "rank_pattern": {},
+        "revision": None,
+        "target_modules": list(settings.target_modules),
+        "task_type": "CAUSAL_LM",
+        "use_dora": False,
+        "use_rslora": False,
+    }
+
+
+def save_peft_adapter(model: Llama, out_dir: str | Path, *, base_model_name_or_path: str = "") -> Path:
+    """Write the LoRA adapter alone in Hugging Face PEFT's format, atomically.
+
+    ``adapter_model.safetensors`` holds ``base_model.model.<module>.lora_A.weight`` (r, in) and
+    ``...lora_B.weight`` (out, r) for every target; ``adapter_config.json`` holds ``peft_type`` LORA, ``r``,
+    ``lora_alpha``, ``lora_dropout``, ``target_modules``, ``task_type`` CAUSAL_LM, ... so that
+    ``peft.PeftModel.from_pretrained(LlamaForCausalLM..., out_dir)`` loads it. Both files are written into a
+    temporary sibling directory which is then renamed to ``out_dir`` (replacing an existing one).
+
+    Args:
+        model: a model with LoRA.
+        out_dir: the adapter directory to create.
+        base_model_name_or_path: recorded in the config (the Hub id or path of the base model).
+
+    Returns:
+        ``out_dir`` as a Path.
+
+    Raises:
+        ValueError: the model has no LoRA.
+        CheckpointError: writing failed (an existing ``out_dir`` is untouched).
+    """
+    settings = lora_settings(model)
+    tensors = {}
+    for name, tensor in lora_state_dict(model).items():
+        module_name, which = name.rsplit(".", 1)  # which: lora_A or lora_B
+        tensors[f"{PEFT_PREFIX}{module_name}.{which}.weight"] = tensor.cpu().contiguous()
+    out = Path(out_dir)
+    with atomic_directory(out, "adapter") as tmp:
+        save_file(tensors, str(tmp / PEFT_WEIGHTS), metadata={"format": "pt"})
+        config = _peft_config(settings, base_model_name_or_path)
+        (tmp / PEFT_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    return out
+
+
+def load_peft_adapter(model: Llama, adapter_dir: str | Path, *, seed: int | None = None) -> list[str]:
+    """Apply LoRA as a Hugging Face PEFT adapter directory describes, and load its tensors.
+
+    Args:
+        model: a base model without any method applied.
+        adapter_dir: a directory with ``adapter_config.json`` and ``adapter_model.safetensors`` (as
+            :func:`save_peft_adapter` or PEFT write them).
+        seed: unused by the result (every tensor is overwritten); passed to :func:`~memfit.models.peft.apply_lora`.
+
+    Returns:
+        The names of the LoRA parameters (as :func:`~memfit.models.peft.apply_lora`).
+
+    Raises:
+        CheckpointError: a file is missing or unreadable.
+        ValueError: the config asks for what memfit's LoRA does not do (DoRA, rsLoRA, per-layer ranks, biases,
+            ``fan_in_fan_out``, extra saved modules, a regex ``target_modules``), or the tensors do not match.
+    """
+    adapter_dir = Path(adapter_dir)
+    try:
+        config = json.loads((adapter_dir / PEFT_CONFIG).read_text())
+        tensors = load_file(str(adapter_dir / PEFT_WEIGHTS))
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"cannot read the PEFT adapter in '{adapter_dir}' ({exc})") from None
+    if config.get("peft_type") != "LORA":
+        raise ValueError(f"'{adapter_dir / PEFT_CONFIG}': peft_type {config.get('peft_type')!r} is not LORA")
+    unsupported = {
+        "use_dora": False,
+        "use_rslora": False,
+        "fan_in_fan_out": False,
+        "bias": "none",
+        "rank_pattern": {},
+        "alpha_pattern": {},
+        "layers_to_transform": None,
+        "modules_to_save": None,
+    }
+    for key, plain in unsupported.items():
+        if config.get(key, plain) not in (plain, None):
+            raise ValueError(
+                f"'{adapter_dir / PEFT_CONFIG}': {key}={config[key]!r} is not supported by memfit"
+            )
+    targets = config.get("target_modules")
+    if not isinstance(targets, list):
+        raise ValueError(
+            f"'{adapter_dir / PEFT_CONFIG}': target_modules must be a list of names, got {targets!r}"
+        )
+    names = apply_lora(
+        model,
+        rank=config["r"],
+        alpha=config["lora_alpha"],
+        dropout=config.get("lora_dropout", 0.0),
+        target_modules=targets,
+        seed=seed,
+    )
+    state_dict = {}
+    for key, tensor in tensors.items():
+        name = key.removeprefix(PEFT_PREFIX)
+        if name.endswith((".lora_A.weight", ".lora_B.weight")):
+            name = name.removesuffix(".weight")
+        state_dict[name] = tensor
+    load_lora_state_dict(model, state_dict)
+    return names
