@@ -521,8 +521,9 @@ _SPEED_NOTES = """\
 **Where the time goes** (cProfile). Llama-3-8B: about 6.5 s are fixed, Python's start with torch and memfit
 (3.5-4.5 s) and torch._dynamo (~2.5 s; fake tensors import it at their first op); creating the optimizer state
 (one zero-gradient AdamW step) takes ~1.3 s and the traced step ~5 s, nearly all inside `FakeTensorMode`'s
-dispatch (hashing the cache key of ops with hundreds of tensor arguments, such as the foreach AdamW ops over 291 tensors, and the meta
-kernels); the tracker's own bookkeeping is under 1 s. The estimate imported torchao and bitsandbytes whatever the
+dispatch (hashing the cache key of ops with hundreds of tensor arguments, such as the foreach AdamW ops over
+291 tensors, and the meta kernels); the tracker's own bookkeeping is under 1 s. The estimate imported torchao
+and bitsandbytes whatever the
 optimizer (~4.5 s); it now imports them only for their own optimizers. Llama-3-70B x 8: more than half of the
 time is DTensor sharding propagation of the foreach ops (AdamW's update and the gradient-norm clipping) over the
 723 parameter shards: torch does not cache it for foreach ops and rescans every argument for each tensor (quadratic

@@ -4,10 +4,10 @@ Three stages, each a function of its inputs alone:
 
 1. :func:`load_conversations` reads a ``.json`` file (a list of records, or one record as an object) or a
    ``.jsonl`` file (one record per line, blank lines ignored) in one of :data:`memfit.config.INSTRUCT_FORMATS` and
-   turns every record into a conversation: a list of messages
-   ``{"role": "system" | "user" | "assistant", "content": str}``. Alpaca and Dolly records become ``[user, assistant]``; a non-empty ``input`` (Dolly's ``context``) rides on the user message as an
-   extra ``"input"`` key, so the ``alpaca`` template can render its ``### Input:`` section (the chat templates append
-   it to the user's text after a blank line).
+   turns every record into a conversation: a list of messages ``{"role": "system" | "user" | "assistant",
+   "content": str}``. Alpaca and Dolly records become ``[user, assistant]``; a non-empty ``input`` (Dolly's
+   ``context``) rides on the user message as an extra ``"input"`` key, so the ``alpaca`` template can render
+   its ``### Input:`` section (the chat templates append it to the user's text after a blank line).
 2. :func:`encode_conversation` renders a conversation with one of :data:`TEMPLATES`, *segment by segment*: each
    piece of text is tokenized on its own and special tokens are inserted as ids, so the boundary between prompt and
    reply is a token boundary and the loss mask is exact. Labels equal the ids on assistant replies and on the
