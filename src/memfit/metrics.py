@@ -47,6 +47,36 @@ def format_record(record: dict[str, Any]) -> str:
     return " | ".join(parts)
 
 
+class Throughput:
+    """``tokens_per_second_per_gpu`` of the steps since the last record, and of the whole run.
+
+    A step's time runs from the start of its step to the moment its record is written (or, between records, to the
+    end of its step), so a logged interval includes its one host sync.
+    """
+
+    def __init__(self) -> None:
+        self.interval_seconds, self.interval_tokens = 0.0, 0
+        self.total_seconds, self.total_tokens = 0.0, 0
+
+    def add(self, seconds: float, tokens: int) -> None:
+        """Count one step: ``tokens`` of this rank in ``seconds``."""
+        self.interval_seconds += seconds
+        self.interval_tokens += tokens
+
+    def interval_rate(self) -> float:
+        """Tokens per second since the last call (or the start); the interval then starts anew."""
+        rate = self.interval_tokens / max(self.interval_seconds, 1e-9)
+        self.total_seconds += self.interval_seconds
+        self.total_tokens += self.interval_tokens
+        self.interval_seconds, self.interval_tokens = 0.0, 0
+        return rate
+
+    @property
+    def run_rate(self) -> float | None:
+        """Tokens per second over every logged interval of the run, ``None`` before the first."""
+        return self.total_tokens / self.total_seconds if self.total_seconds else None
+
+
 class MetricsLogger:
     """Writes step records to stdout (through tqdm, so the progress bar stays intact), JSONL and TensorBoard.
 

@@ -36,10 +36,10 @@ from memfit.generate import generate_text
 from memfit.memory.optim import lr_at
 from memfit.memory.stats import PeakMemory, tracked_memory_fields
 from memfit.memory.tracker import MemoryTracker, plot_timeline
-from memfit.metrics import MetricsLogger, plot_losses
+from memfit.metrics import MetricsLogger, Throughput, plot_losses
 from memfit.planner.preflight import preflight
 from memfit.resume import check_resume, find_resume
-from memfit.step import evaluate, train_step, train_step_options
+from memfit.step import StepResult, evaluate, train_step, train_step_options
 
 
 def train(cfg: TrainConfig) -> dict[str, Any]:
@@ -96,9 +96,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     logger = MetricsLogger(
         out, tensorboard=cfg.tensorboard, resume_step=start_step if resume_dir else None, enabled=main_rank
     )
-    memory = PeakMemory(device)
-    run_peak: dict[str, float] = {}
-    interval_time, interval_tokens, total_time, total_tokens = 0.0, 0, 0.0, 0
+    memory, throughput, run_peak = PeakMemory(device), Throughput(), {}
     trainer_state = {"config": config_to_dict(cfg), "data_position": "step"}
     if cfg.method != "full":  # the base stays in checkpoint_dir: remember which weights it held
         trainer_state["base_fingerprint"] = weights_fingerprint(cfg.checkpoint_dir)
@@ -155,14 +153,9 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         else:
             # draw the run's second step (optimizer state exists by then), or its only step; rank 0 draws its own
             plot_this = main_rank and (step == start_step + 1 or step == cfg.max_steps - 1 == start_step)
-            tracker.record_timeline = plot_this
-            if plot_this:
-                tracker.clear_timeline()
-            with tracker:
-                result = train_step(model, optimizer, micro_batches, tracker=tracker, **step_options)
-            if plot_this:
-                title = f"memory by category, step {step + 1} ({cfg.model})"
-                plot_timeline(tracker.timeline, out / "memory_timeline.png", title=title)
+            title = f"memory by category, step {step + 1} ({cfg.model})"
+            plot = (out / "memory_timeline.png", title) if plot_this else None
+            result = _tracked_step(tracker, model, optimizer, micro_batches, step_options, plot)
         memory.sample()
         done = step + 1
         bar.update(1)
@@ -172,29 +165,28 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             loss = result.loss.item()
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
-            interval_time += time.perf_counter() - t0
-            interval_tokens += tokens_this_step
+            throughput.add(time.perf_counter() - t0, tokens_this_step)
             record = {
                 "step": done,
                 "loss": loss,
                 "lr": lr,
                 "grad_norm": result.grad_norm.item(),
-                "tokens_per_second_per_gpu": interval_tokens / max(interval_time, 1e-9),  # this rank's
+                "tokens_per_second_per_gpu": throughput.interval_rate(),  # this rank's
                 **dist_.max_over_ranks(memory.read_and_reset()),  # the peaks of the fullest rank
             }
             if tracker is not None:  # sharded: the breakdown of the rank with the highest tracked peak
                 record.update(tracked_memory_fields(tracker))
-            for k, v in record.items():
-                if k.startswith("peak_memory") and v is not None:
-                    run_peak[k] = max(run_peak.get(k, 0.0), v)
+            run_peak.update(
+                {
+                    k: max(run_peak.get(k, 0.0), v)
+                    for k, v in record.items()
+                    if k.startswith("peak_memory") and v
+                }
+            )
             logger.log(record)
             bar.set_postfix(loss=f"{loss:.3f}")
-            total_time += interval_time
-            total_tokens += interval_tokens
-            interval_time, interval_tokens = 0.0, 0
         else:
-            interval_time += time.perf_counter() - t0
-            interval_tokens += tokens_this_step
+            throughput.add(time.perf_counter() - t0, tokens_this_step)
 
         # once in a while: evaluate
         if cfg.eval_every and done % cfg.eval_every == 0 and done != cfg.max_steps:
@@ -219,32 +211,51 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         last_ckpt = resume_dir
     logger.close()
     plot = plot_losses(out / "metrics.jsonl", out / "loss.png") if main_rank else None
-    sample = ""
-    if cfg.sample.max_new_tokens > 0 and main_rank:
-        # sharded: the whole model, gathered from the checkpoint, on rank 0 alone
-        sample_model = load_for_generation(last_ckpt, device=device)[0] if world > 1 else model
-        sample = generate_text(
-            sample_model,
-            tokenizer,
-            cfg.sample.prompt,
-            max_new_tokens=cfg.sample.max_new_tokens,
-            temperature=cfg.sample.temperature,
-            top_k=cfg.sample.top_k,
-            seed=cfg.seed,
-            dtype=cfg.dtype,
-            template=run_template(cfg),
-        )
+    sample = _sample(cfg, model, tokenizer, last_ckpt, device) if main_rank else ""
     return {
         "final_val_loss": None if math.isnan(val_loss) else val_loss,
         "steps": cfg.max_steps,
         "num_params": built.num_params,
         "num_trainable_params": built.num_trainable,
-        "tokens_per_second_per_gpu": total_tokens / total_time if total_time else None,
+        "tokens_per_second_per_gpu": throughput.run_rate,
         **run_peak,
         "checkpoint": str(last_ckpt),
         "loss_plot": str(plot) if plot else None,
         "sample": sample,
     }
+
+
+def _tracked_step(tracker, model, optimizer, micro_batches, step_options, plot) -> StepResult:
+    """:func:`~memfit.step.train_step` under the run's :class:`~memfit.memory.tracker.MemoryTracker`;
+    ``plot`` = ``(png path, title)`` also draws the step's memory timeline."""
+    tracker.record_timeline = plot is not None
+    if plot is not None:
+        tracker.clear_timeline()
+    with tracker:
+        result = train_step(model, optimizer, micro_batches, tracker=tracker, **step_options)
+    if plot is not None:
+        plot_timeline(tracker.timeline, plot[0], title=plot[1])
+    return result
+
+
+def _sample(cfg: TrainConfig, model, tokenizer, last_ckpt: Path | None, device: torch.device) -> str:
+    """The text sampled at the end of a run (``sample.*``); sharded, from the whole model gathered from the
+    checkpoint on rank 0 alone."""
+    if cfg.sample.max_new_tokens == 0:
+        return ""
+    if dist_.world_size() > 1:
+        model = load_for_generation(last_ckpt, device=device)[0]
+    return generate_text(
+        model,
+        tokenizer,
+        cfg.sample.prompt,
+        max_new_tokens=cfg.sample.max_new_tokens,
+        temperature=cfg.sample.temperature,
+        top_k=cfg.sample.top_k,
+        seed=cfg.seed,
+        dtype=cfg.dtype,
+        template=run_template(cfg),
+    )
 
 
 def _banner(cfg, verb, built, tokenizer, data_summary, seq_len, world, device, start_step) -> str:
