@@ -52,7 +52,9 @@ the end of the backward (they are ``temporaries`` from their reduce-scatter unti
 What it does not see: memory inside a single kernel (workspaces, the allocator's rounding and caching, CUDA
 context), and tensors that no tracked operation touches.
 
-:func:`memfit.memory.timeline.plot_timeline` draws a :attr:`MemoryTracker.timeline`.
+:func:`memfit.memory.optim.optimizer_state_tensors` finds the optimizer state (the walker that
+:func:`memfit.memory.optim.optimizer_state_bytes` counts too); :func:`memfit.memory.timeline.plot_timeline` draws a
+:attr:`MemoryTracker.timeline`.
 """
 
 from __future__ import annotations
@@ -68,6 +70,8 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+
+from memfit.memory.optim import optimizer_state_tensors, optimizers_in, state_tensors, tensors_in
 
 CATEGORIES = (
     "parameters",
@@ -126,69 +130,6 @@ def tensor_storages(t: torch.Tensor) -> list[torch.UntypedStorage]:
         return []
 
 
-def _tensors_in(obj: Any) -> Iterator[torch.Tensor]:
-    """Tensors in nested dicts, lists and tuples (the shape of ``optimizer.state``)."""
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, Mapping):
-        for value in obj.values():
-            yield from _tensors_in(value)
-    elif isinstance(obj, (list, tuple)):
-        for value in obj:
-            yield from _tensors_in(value)
-
-
-def _sub_optimizers(obj: Any) -> list[Any]:
-    """Optimizers in ``obj``, or directly in it when it is a dict, list or tuple (as wrappers hold them)."""
-    if isinstance(obj, torch.optim.Optimizer):
-        return [obj]
-    if isinstance(obj, Mapping):
-        return [v for v in obj.values() if isinstance(v, torch.optim.Optimizer)]
-    if isinstance(obj, (list, tuple)):
-        return [v for v in obj if isinstance(v, torch.optim.Optimizer)]
-    return []
-
-
-def optimizer_state_tensors(optimizer: Any) -> Iterator[torch.Tensor]:
-    """Every tensor of an optimizer's state, including that of sub-optimizers a wrapper holds.
-
-    Walks ``optimizer.state`` (a dict param -> state dict, nested containers allowed), then any optimizer held in
-    an attribute of it (directly, or in a dict, list or tuple), as an optimizer-in-backward wrapper holds one
-    optimizer per parameter. Tensors may repeat.
-
-    Args:
-        optimizer: a ``torch.optim.Optimizer``, a wrapper of optimizers, or None.
-
-    Yields:
-        Tensors of the state (the ``step`` counters, moments, quantization scales, ...).
-    """
-    yield from _state_tensors(_optimizers(optimizer))
-
-
-def _state_tensors(optimizers: list[Any]) -> Iterator[torch.Tensor]:
-    for opt in optimizers:
-        state = getattr(opt, "state", None)
-        if state is not None:
-            yield from _tensors_in(state)
-
-
-def _optimizers(optimizer: Any) -> list[Any]:
-    """The optimizer and every optimizer held in an attribute of it (directly, or in a dict, list or tuple)."""
-    if optimizer is None:
-        return []
-    todo, out, seen = [optimizer], [], set()
-    while todo:
-        opt = todo.pop()
-        if id(opt) in seen:
-            continue
-        seen.add(id(opt))
-        out.append(opt)
-        for name, value in getattr(opt, "__dict__", {}).items():
-            if name not in ("state", "param_groups", "defaults"):
-                todo.extend(_sub_optimizers(value))
-    return out
-
-
 def _state_fingerprint(optimizers: list[Any]) -> int:
     """A cheap number that changes when an optimizer's state gains or loses an entry (its keys, not its data)."""
     count = 0
@@ -213,7 +154,8 @@ def model_state_bytes(
 
     Args:
         model: the model; its parameters *and buffers* count as ``parameters``.
-        optimizer: its state counts as ``optimizer_state`` (see :func:`optimizer_state_tensors`); None for none.
+        optimizer: its state counts as ``optimizer_state`` (see
+            :func:`~memfit.memory.optim.optimizer_state_tensors`); None for none.
         device: count only tensors on this device (AdamW keeps its ``step`` counters on the host for a CUDA
             model, for one); None counts every device.
 
@@ -511,7 +453,7 @@ class MemoryTracker:
         self._buffer_ops: dict[int, tuple[int, str | None]] = {}  # see _fsdp2_buffer_ops
         self._op_roled: set[int] = set()  # keys of the entries whose role an op gave (FSDP2's flat buffers)
         self._lazy_hooks: list[Any] = []  # handles of hooks put on unsharded parameters while tracking
-        self._optimizers: list[Any] = _optimizers(optimizer)
+        self._optimizers: list[Any] = optimizers_in(optimizer)
         self._state_count = -1  # _state_fingerprint at the last refresh
         self._state_sizes: dict[tuple[int, int], int] = {}  # (optimizer, param) -> entries of its state seen
         # a full role refresh at every new peak of an optimizer step: exact for optimizers that replace state
@@ -706,7 +648,7 @@ class MemoryTracker:
             (_PARAMS, params + self._buffers),
             (_UNSHARDED, self._sharding.unsharded()),
             (_GRADS, itertools.chain((p.grad for p in params if p.grad is not None), self._sharding.grads())),
-            (_OPT_STATE, _state_tensors(self._optimizers)),
+            (_OPT_STATE, state_tensors(self._optimizers)),
         )
         roles: dict[int, tuple[int, _Entry]] = {}
         for role, tensors in groups:
@@ -743,7 +685,7 @@ class MemoryTracker:
                 if self._state_sizes.get(key) == size:
                     continue
                 self._state_sizes[key] = size
-                for t in _tensors_in(value):
+                for t in tensors_in(value):
                     if self.device is not None and t.device != self.device:
                         continue
                     for st in tensor_storages(t):
@@ -826,7 +768,7 @@ class MemoryTracker:
 
     def _mark_buffer(self, tensors: Any, role: int) -> None:
         """Give ``role`` to the storages of an FSDP2 communication buffer, for as long as they live."""
-        for t in _tensors_in(tensors):
+        for t in tensors_in(tensors):
             for entry in self._entries(t):
                 self._op_roled.add(entry.key)
                 if entry.role != role:
@@ -880,7 +822,7 @@ class MemoryTracker:
         def pack(x: torch.Tensor) -> _Saved:
             entries = self._entries(x)
             packed = x.detach() if inner is None else inner(x)
-            for t in _tensors_in(packed):  # what the inner hook keeps (a copy, when not on another device)
+            for t in tensors_in(packed):  # what the inner hook keeps (a copy, when not on another device)
                 if t is not x:
                     entries += [e for e in self._entries(t) if e not in entries]
             in_backward = torch._C._current_graph_task_id() != -1
@@ -929,7 +871,7 @@ class MemoryTracker:
             self.device = self._device_arg or self._model_device()
             self._params = self._sharding.params
             self._buffers = list(self.model.buffers())
-            self._optimizers = _optimizers(self.optimizer)
+            self._optimizers = optimizers_in(self.optimizer)
             stack.enter_context(self._patch_storage_resize())
             self._refresh_roles()
             self._last_phase = self._base_phase
