@@ -799,6 +799,14 @@ class MemoryTracker:
             shards are on the host and not counted), or every device for a model without parameters.
         record_timeline: keep a :attr:`timeline` entry after every op (a few hundred bytes each: turn it off,
             or :meth:`clear_timeline`, when tracking every step of a long run).
+        refresh_roles_at_peak: at every new peak reached inside an optimizer step, first re-derive the role of
+            every storage (a walk of the parameters, gradients and optimizer state), so that the breakdown at
+            the peak is exact even for an optimizer that replaces a state tensor under an existing key. The walk
+            costs O(parameters) per such op, and an optimizer step may set a new peak at nearly every op (a first
+            step, creating the state, does): up to O(parameters^2) over the step. Turn it off to track a model of
+            many parameters quickly (the estimator does): state that gains entries is still placed as the step
+            creates it, and only a state tensor replaced under an existing key counts as ``temporaries`` until
+            its optimizer step ends.
 
     Attributes:
         peak_bytes: the maximum over time of the total live bytes (all categories).
@@ -818,9 +826,11 @@ class MemoryTracker:
         *,
         device: torch.device | str | None = None,
         record_timeline: bool = True,
+        refresh_roles_at_peak: bool = True,
     ) -> None:
         self.model = model
         self.optimizer = optimizer
+        self.refresh_roles_at_peak = refresh_roles_at_peak
         self._device_arg = None if device is None else torch.device(device)
         self._sharding = _Sharding(model)
         self._ledger = _Ledger(self._device_arg or self._model_device(), record_timeline)
@@ -834,10 +844,6 @@ class MemoryTracker:
         self._state = _StateGrowth(optimizers_in(optimizer))
         self._lazy_hooks: list[Any] = []  # handles of hooks put on unsharded parameters while tracking
         self._buffer_ops: dict[int, tuple[int, str | None]] = {}  # see _fsdp2_buffer_ops
-        # a full role refresh at every new peak of an optimizer step: exact for optimizers that replace state
-        # tensors under the same key, but O(parameters) per op while a first step creates state (each op is a new
-        # peak then); the estimator turns it off and relies on the incremental _add_new_state
-        self._refresh_at_peak = True
         self._exit_stack: contextlib.ExitStack | None = None
 
     def _model_device(self) -> torch.device | None:
@@ -1006,7 +1012,7 @@ class MemoryTracker:
         elif phase == "optimizer_step" and self._state.changed():
             self._add_new_state()  # the step added state (its first step, or a lazily built optimizer)
         # a new peak in an optimizer step: roles refreshed first, exact even for state replaced under its key
-        exact_peak = phase == "optimizer_step" and self._refresh_at_peak
+        exact_peak = phase == "optimizer_step" and self.refresh_roles_at_peak
         self._ledger.record(phase, self._refresh_roles if exact_peak else None)
 
     # --- hooks ----------------------------------------------------------------------------------------------
