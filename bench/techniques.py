@@ -81,7 +81,8 @@ def run_one(spec: dict, batch_size: int, seq_len: int, timed_steps: int, timelin
     from memfit.memory.optim import build_optimizer, optimizer_state_bytes
     from memfit.memory.stats import PeakMemory
     from memfit.memory.techniques import apply_activation_checkpointing
-    from memfit.memory.tracker import MemoryTracker, plot_timeline
+    from memfit.memory.timeline import plot_timeline
+    from memfit.memory.tracker import MemoryTracker
     from memfit.models.llama import LlamaConfig, build_llama
     from memfit.step import train_step
 

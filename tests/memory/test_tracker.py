@@ -18,7 +18,8 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from memfit.config import OptimizerConfig
 from memfit.memory.optim import build_optimizer
 from memfit.memory.techniques import apply_activation_checkpointing
-from memfit.memory.tracker import CATEGORIES, PHASES, MemoryTracker, model_state_bytes, plot_timeline
+from memfit.memory.timeline import plot_timeline
+from memfit.memory.tracker import CATEGORIES, PHASES, MemoryTracker, model_state_bytes
 from memfit.models.llama import build_llama
 from memfit.models.presets import model_config
 from memfit.step import train_step

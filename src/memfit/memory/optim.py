@@ -29,7 +29,9 @@ even the tiny test model (one compile per parameter shape), which a CPU run neve
 
 :func:`build_optimizer` records on the optimizer it returns, as ``memfit_unquantized_state_params``, the names of
 the parameters whose state is *not* quantized (all of them for ``adamw`` and ``paged_adamw``), and
-:func:`optimizer_state_bytes` counts the bytes the state really holds.
+:func:`optimizer_state_bytes` counts the bytes the state really holds. Both it and
+:class:`~memfit.memory.tracker.MemoryTracker` find the state with one walker, :func:`optimizer_state_tensors`
+(sub-optimizers of a wrapper included; tensor subclasses are yielded whole, their inner tensors hold the bytes).
 """
 
 from __future__ import annotations
@@ -507,11 +509,100 @@ class OptimizerInBackward(torch.optim.Optimizer):
 # ----------------------------------------------------------------------------------------------------------------
 
 
+def tensors_in(obj: Any) -> Iterator[torch.Tensor]:
+    """Tensors in nested dicts, lists and tuples (the shape of ``optimizer.state`` and of one parameter's state).
+
+    Args:
+        obj: a tensor, a mapping, a list or a tuple, nested to any depth; anything else holds no tensor.
+
+    Yields:
+        Each tensor as it is held: a tensor subclass (torchao's ``OptimState8bit``, a DTensor) whole, not its inner
+        tensors. A tensor held twice is yielded twice.
+    """
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, Mapping):
+        for value in obj.values():
+            yield from tensors_in(value)
+    elif isinstance(obj, (list, tuple)):
+        for value in obj:
+            yield from tensors_in(value)
+
+
+def optimizers_in(optimizer: Any) -> list[Any]:
+    """The optimizer and every optimizer held in an attribute of it, directly or in a dict, list or tuple, at any
+    depth: :class:`OptimizerInBackward`'s per-parameter optimizers, torchao ``CPUOffloadOptimizer``'s host
+    optimizers (``optim_dict``) and device one (``d_opt``).
+
+    Args:
+        optimizer: a ``torch.optim.Optimizer``, a wrapper of optimizers, or None.
+
+    Returns:
+        The optimizers, each once, ``optimizer`` first; empty for None.
+    """
+    if optimizer is None:
+        return []
+    todo, out, seen = [optimizer], [], set()
+    while todo:
+        opt = todo.pop()
+        if id(opt) in seen:
+            continue
+        seen.add(id(opt))
+        out.append(opt)
+        for name, value in getattr(opt, "__dict__", {}).items():
+            if name not in ("state", "param_groups", "defaults"):
+                todo.extend(_held_optimizers(value))
+    return out
+
+
+def _held_optimizers(value: Any) -> list[Any]:
+    """Optimizers in an attribute's value: the value itself, or those directly in it when it is a dict, list or
+    tuple (as wrappers hold them)."""
+    if isinstance(value, torch.optim.Optimizer):
+        return [value]
+    if isinstance(value, Mapping):
+        return [v for v in value.values() if isinstance(v, torch.optim.Optimizer)]
+    if isinstance(value, (list, tuple)):
+        return [v for v in value if isinstance(v, torch.optim.Optimizer)]
+    return []
+
+
+def state_tensors(optimizers: Iterable[Any]) -> Iterator[torch.Tensor]:
+    """Every tensor in the ``state`` of each of ``optimizers`` (those of :func:`optimizers_in`, say).
+
+    Args:
+        optimizers: optimizers; one without a ``state`` attribute (torchao's ``CPUOffloadOptimizer`` not built by
+            :func:`build_optimizer`) holds none of its own.
+
+    Yields:
+        The tensors of :func:`tensors_in` of each ``state``. A wrapper's ``state`` that views its sub-optimizers'
+        (:class:`OptimizerInBackward`, an offload optimizer built here) yields their tensors again.
+    """
+    for opt in optimizers:
+        state = getattr(opt, "state", None)
+        if state is not None:
+            yield from tensors_in(state)
+
+
+def optimizer_state_tensors(optimizer: Any) -> Iterator[torch.Tensor]:
+    """Every tensor of an optimizer's state, including that of the sub-optimizers a wrapper holds: THE walker of
+    optimizer state, on which :func:`optimizer_state_bytes` and the tracker's ``optimizer_state`` category stand.
+
+    Args:
+        optimizer: a ``torch.optim.Optimizer``, a wrapper of optimizers, or None.
+
+    Yields:
+        Tensors of the state (the ``step`` counters, moments, quantization scales, ...), as
+        :func:`state_tensors` of :func:`optimizers_in`: tensor subclasses whole, tensors may repeat.
+    """
+    yield from state_tensors(optimizers_in(optimizer))
+
+
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer, *, device_type: str | None = None) -> int:
     """Bytes held by the optimizer's state tensors.
 
-    Walks ``optimizer.state`` (per-parameter optimizers included: :class:`OptimizerInBackward`, torchao's
-    ``CPUOffloadOptimizer``), descending into dicts and lists. A quantized tensor subclass (torchao's
+    Walks :func:`optimizer_state_tensors` (per-parameter optimizers included: :class:`OptimizerInBackward`,
+    torchao's ``CPUOffloadOptimizer``, built here or not). A quantized tensor subclass (torchao's
     ``OptimState8bit`` etc.) counts the inner tensors ``__tensor_flatten__`` names (codes, scales, code table).
     Each storage counts once, so a tensor shared by many parameters' states (bitsandbytes' code tables) counts
     once. Step counters count when they are tensors (``torch.optim.AdamW``, torchao: 4 bytes each), not when
@@ -526,39 +617,24 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer, *, device_type: str 
     """
     seen: set[int] = set()
     total = 0
-
-    def visit(value: Any) -> None:
-        nonlocal total
-        if isinstance(value, torch.Tensor):
-            if is_traceable_wrapper_subclass(value):
-                inner_names, _ = value.__tensor_flatten__()
-                for inner_name in inner_names:
-                    visit(getattr(value, inner_name))
-                return
-            if device_type is not None and value.device.type != device_type:
-                return
-            storage = value.untyped_storage()
+    for tensor in optimizer_state_tensors(optimizer):
+        for plain in _plain_tensors(tensor):
+            if device_type is not None and plain.device.type != device_type:
+                continue
+            storage = plain.untyped_storage()
             if storage._cdata not in seen:
                 seen.add(storage._cdata)
                 total += storage.nbytes()
-        elif isinstance(value, Mapping):
-            for v in value.values():
-                visit(v)
-        elif isinstance(value, list | tuple):
-            for v in value:
-                visit(v)
-
-    for state in _param_states(optimizer):
-        visit(state)
     return total
 
 
-def _param_states(optimizer: torch.optim.Optimizer) -> Iterator[Any]:
-    state = getattr(optimizer, "state", None)
-    if state is not None:
-        yield from state.values()
+def _plain_tensors(t: torch.Tensor) -> Iterator[torch.Tensor]:
+    """``t``, or the inner tensors of a traceable wrapper subclass (at any depth), which hold its storages."""
+    if not is_traceable_wrapper_subclass(t):
+        yield t
         return
-    # a CPUOffloadOptimizer not built here: its state lives in per-parameter host optimizers and one device one
-    for opt in [*getattr(optimizer, "optim_dict", {}).values(), getattr(optimizer, "d_opt", None)]:
-        if opt is not None:
-            yield from _param_states(opt)
+    names, _ = t.__tensor_flatten__()
+    for name in names:
+        inner = getattr(t, name)
+        if isinstance(inner, torch.Tensor):
+            yield from _plain_tensors(inner)

@@ -52,6 +52,14 @@ the end of the backward (they are ``temporaries`` from their reduce-scatter unti
 
 What it does not see: memory inside a single kernel (workspaces, the allocator's rounding and caching, CUDA
 context), and tensors that no tracked operation touches.
+
+Who does what. In this module, a ledger (``_Ledger``) keeps the books: every live storage and its category, the
+bytes per category, the peaks, the timeline; :class:`MemoryTracker` instruments the step to feed it: the dispatch
+mode, the ``resize_`` patch, the saved-tensor hooks, the gradient, forward and optimizer-step hooks, FSDP's
+objects, the role of each storage. :mod:`memfit.memory.optim` finds the optimizer state
+(:func:`~memfit.memory.optim.optimizer_state_tensors`, the walker that
+:func:`~memfit.memory.optim.optimizer_state_bytes` counts too); :mod:`memfit.memory.timeline` draws a
+:attr:`MemoryTracker.timeline`.
 """
 
 from __future__ import annotations
@@ -60,14 +68,15 @@ import contextlib
 import functools
 import itertools
 import weakref
-from collections.abc import Iterator, Mapping
-from pathlib import Path
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+
+from memfit.memory.optim import optimizer_state_tensors, optimizers_in, state_tensors, tensors_in
 
 CATEGORIES = (
     "parameters",
@@ -126,82 +135,6 @@ def tensor_storages(t: torch.Tensor) -> list[torch.UntypedStorage]:
         return []
 
 
-def _tensors_in(obj: Any) -> Iterator[torch.Tensor]:
-    """Tensors in nested dicts, lists and tuples (the shape of ``optimizer.state``)."""
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, Mapping):
-        for value in obj.values():
-            yield from _tensors_in(value)
-    elif isinstance(obj, (list, tuple)):
-        for value in obj:
-            yield from _tensors_in(value)
-
-
-def _sub_optimizers(obj: Any) -> list[Any]:
-    """Optimizers in ``obj``, or directly in it when it is a dict, list or tuple (as wrappers hold them)."""
-    if isinstance(obj, torch.optim.Optimizer):
-        return [obj]
-    if isinstance(obj, Mapping):
-        return [v for v in obj.values() if isinstance(v, torch.optim.Optimizer)]
-    if isinstance(obj, (list, tuple)):
-        return [v for v in obj if isinstance(v, torch.optim.Optimizer)]
-    return []
-
-
-def optimizer_state_tensors(optimizer: Any) -> Iterator[torch.Tensor]:
-    """Every tensor of an optimizer's state, including that of sub-optimizers a wrapper holds.
-
-    Walks ``optimizer.state`` (a dict param -> state dict, nested containers allowed), then any optimizer held in
-    an attribute of it (directly, or in a dict, list or tuple), as an optimizer-in-backward wrapper holds one
-    optimizer per parameter. Tensors may repeat.
-
-    Args:
-        optimizer: a ``torch.optim.Optimizer``, a wrapper of optimizers, or None.
-
-    Yields:
-        Tensors of the state (the ``step`` counters, moments, quantization scales, ...).
-    """
-    yield from _state_tensors(_optimizers(optimizer))
-
-
-def _state_tensors(optimizers: list[Any]) -> Iterator[torch.Tensor]:
-    for opt in optimizers:
-        state = getattr(opt, "state", None)
-        if state is not None:
-            yield from _tensors_in(state)
-
-
-def _optimizers(optimizer: Any) -> list[Any]:
-    """The optimizer and every optimizer held in an attribute of it (directly, or in a dict, list or tuple)."""
-    if optimizer is None:
-        return []
-    todo, out, seen = [optimizer], [], set()
-    while todo:
-        opt = todo.pop()
-        if id(opt) in seen:
-            continue
-        seen.add(id(opt))
-        out.append(opt)
-        for name, value in getattr(opt, "__dict__", {}).items():
-            if name not in ("state", "param_groups", "defaults"):
-                todo.extend(_sub_optimizers(value))
-    return out
-
-
-def _state_fingerprint(optimizers: list[Any]) -> int:
-    """A cheap number that changes when an optimizer's state gains or loses an entry (its keys, not its data)."""
-    count = 0
-    for opt in optimizers:
-        state = getattr(opt, "state", None)
-        if isinstance(state, Mapping):
-            count += len(state)
-            for value in state.values():
-                if isinstance(value, (dict, Mapping)):  # dict first: the fast check
-                    count += len(value)
-    return count
-
-
 def _model_tensors(model: nn.Module) -> list[torch.Tensor]:
     return [*model.parameters(), *model.buffers()]
 
@@ -213,7 +146,8 @@ def model_state_bytes(
 
     Args:
         model: the model; its parameters *and buffers* count as ``parameters``.
-        optimizer: its state counts as ``optimizer_state`` (see :func:`optimizer_state_tensors`); None for none.
+        optimizer: its state counts as ``optimizer_state`` (see
+            :func:`~memfit.memory.optim.optimizer_state_tensors`); None for none.
         device: count only tensors on this device (AdamW keeps its ``step`` counters on the host for a CUDA
             model, for one); None counts every device.
 
@@ -335,6 +269,8 @@ class _Sharding:
         # the leaves autograd accumulates into (sharded FSDP2 parameters: FSDP runs their hooks)
         self.grad_leaves: list[torch.Tensor] = [fp.sharded_param for fp in self.fsdp2]
         self.grad_leaves += self.flat + [p for p in model.parameters() if id(p) not in managed]
+        # FSDP parameters whose unsharded storages did not exist yet when last asked (see newly_gathered)
+        self.pending: list[Any] = [*self.fsdp2, *self.flat]
 
     @property
     def sharded(self) -> bool:
@@ -363,9 +299,34 @@ class _Sharding:
                 if g is not None:
                     yield g
 
+    def newly_gathered(self) -> Iterator[tuple[list[torch.Tensor], torch.Tensor | None]]:
+        """The unsharded parameters FSDP created since last asked (FSDP2's first all-gather creates them, FSDP1's
+        lazy initialisation at the first forward); those not created yet are asked about again next time.
+
+        Yields:
+            ``(tensors, param)``: the tensors whose storages hold one parameter unsharded, and FSDP2's unsharded
+            parameter (the one autograd accumulates the unsharded gradient into), None for FSDP1.
+        """
+        pending = []
+        for item in self.pending:
+            if hasattr(item, "all_gather_outputs"):  # an FSDP2 FSDPParam
+                unsharded = getattr(item, "_unsharded_param", None)
+                tensors = [*item.all_gather_outputs, *getattr(item, "_unsharded_inner_tensors", ())]
+                if unsharded is None or not tensors:
+                    pending.append(item)
+                    continue
+                yield tensors, unsharded
+            else:  # an FSDP1 FlatParameter
+                tensors = [getattr(item, "_full_param_padded", None)]
+                if tensors[0] is None:
+                    pending.append(item)
+                    continue
+                yield tensors, None
+        self.pending = pending
+
 
 # ----------------------------------------------------------------------------------------------------------------
-# Bookkeeping of one storage and of one tensor saved for backward
+# Bookkeeping: the ledger of live storages, their categories, the peaks and the timeline
 # ----------------------------------------------------------------------------------------------------------------
 
 
@@ -378,48 +339,272 @@ class _Entry:
         self.key = key
         self.nbytes = nbytes
         self.cat = _TEMPORARIES
-        self.role: int | None = None  # _PARAMS, _GRADS or _OPT_STATE
+        self.role: int | None = None  # _PARAMS, _UNSHARDED, _GRADS or _OPT_STATE
         self.saved = 0  # graph slots (saved-tensor hooks' packed objects) that hold this storage
         self.sticky = False  # saved during a backward (recomputation): an activation until freed
         self.alive = True
         self.ref: weakref.ref | None = None
 
 
-class _Saved:
-    """What the pack hook stores in the graph: the inner packed object, and a count on the saved storages.
+class _Ledger:
+    """The bookkeeping of a :class:`MemoryTracker`: every live storage and its category, the live bytes of each
+    category, the peak (its bytes, breakdown and phase), each category's own peak, and the timeline.
 
-    Autograd drops it when it frees the saved variable (after the node runs, or with the graph), which is when
-    the storages stop being activations (unless something else keeps them as such).
+    It knows nothing of models, optimizers, FSDP or autograd. The tracker tells it which tensors an op touched
+    (:meth:`see`), which storages have a role (:meth:`give_role`, :meth:`give_op_role`, :meth:`set_roles`),
+    which are saved for backward (``_Entry.saved``, then :meth:`recategorize`), and when an op ends
+    (:meth:`record`); a weak reference on each storage tells it when the storage is freed.
+
+    A storage's category is its role if it has one (parameters, unsharded parameters, gradients, optimizer state),
+    else ``activations`` while saved for backward, else ``temporaries``.
+
+    Args:
+        device: count only storages of tensors on this device; None counts every device.
+        record_timeline: append a :attr:`timeline` entry at each :meth:`record`.
+
+    Attributes:
+        device: as the argument (the tracker sets it again each time it is entered).
+        record_timeline: as the argument.
+        totals: live bytes by category now, in the order of :data:`CATEGORIES`.
+        peak_bytes: the maximum over the recorded ops of the total live bytes (all categories).
+        peak_breakdown: bytes by category at that peak.
+        peak_phase: the phase of the op that reached the peak.
+        timeline: ``(event index, phase, {category: bytes})`` after each recorded op.
     """
 
-    __slots__ = ("packed", "entries", "tracker")
+    def __init__(self, device: torch.device | None, record_timeline: bool) -> None:
+        self.device = device
+        self.record_timeline = record_timeline
+        self.timeline: list[tuple[int, str, dict[str, int]]] = []
+        self.peak_bytes = 0
+        self.peak_breakdown: dict[str, int] = dict.fromkeys(CATEGORIES, 0)
+        self.peak_phase = "other"
+        self.totals = [0] * len(CATEGORIES)
+        self._category_peaks = [0] * len(CATEGORIES)
+        self._event = 0
+        # id(storage) -> entry: torch keeps a storage's Python object alive exactly as long as the storage
+        self._live: dict[int, _Entry] = {}
+        self._roled: set[int] = set()  # keys of the entries with a role
+        self._op_roled: set[int] = set()  # keys of the entries whose role an op gave (FSDP2's flat buffers)
+        self._plain_types: set[type] = {torch.Tensor, nn.Parameter}
 
-    def __init__(self, packed: Any, entries: list[_Entry], tracker: MemoryTracker) -> None:
-        self.packed = packed
-        self.entries = entries
-        self.tracker = tracker
+    # --- storages -------------------------------------------------------------------------------------------
 
-    def __del__(self) -> None:
-        tracker = self.tracker
-        for entry in self.entries:
-            entry.saved -= 1
-            if entry.saved == 0 and entry.alive:
-                tracker._recategorize(entry)
+    def see(self, t: torch.Tensor, check_size: bool) -> None:
+        """Count ``t``'s storages if new; with ``check_size``, follow a known one that changed size."""
+        if type(t) in self._plain_types:
+            try:
+                storages = (t.untyped_storage(),)
+            except (RuntimeError, NotImplementedError, TypeError):
+                return
+        elif is_traceable_wrapper_subclass(t):
+            storages = tensor_storages(t)
+        else:
+            self._plain_types.add(type(t))  # FakeTensor and other subclasses with their own storage
+            self.see(t, check_size)
+            return
+        live = self._live
+        for st in storages:
+            entry = live.get(id(st))
+            if entry is None:
+                if self.device is None or t.device == self.device:
+                    self.add(st)
+            elif check_size:
+                nbytes = st.nbytes()
+                if nbytes != entry.nbytes:
+                    self.totals[entry.cat] += nbytes - entry.nbytes
+                    entry.nbytes = nbytes
+
+    def add(self, st: torch.UntypedStorage) -> _Entry:
+        """Count a storage not counted yet, as ``temporaries``, until it is freed."""
+        key = id(st)
+        entry = _Entry(key, st.nbytes())
+        entry.ref = weakref.ref(st, functools.partial(self._freed, entry))
+        self._live[key] = entry
+        self.totals[entry.cat] += entry.nbytes
+        return entry
+
+    def entries(self, t: torch.Tensor) -> list[_Entry]:
+        """The entries of ``t``'s storages, added if new; none for a tensor on another device."""
+        if self.device is not None and t.device != self.device:
+            return []
+        out = []
+        for st in tensor_storages(t):
+            entry = self._live.get(id(st))
+            out.append(entry if entry is not None else self.add(st))
+        return out
+
+    def _freed(self, entry: _Entry, _ref: weakref.ref) -> None:
+        entry.alive = False
+        if self._live.get(entry.key) is entry:
+            del self._live[entry.key]
+            self._roled.discard(entry.key)
+            self._op_roled.discard(entry.key)
+            self.totals[entry.cat] -= entry.nbytes
+
+    def recategorize(self, entry: _Entry) -> None:
+        """Move ``entry``'s bytes to the category its role and saved count say now."""
+        if entry.role is not None:
+            cat = entry.role
+        elif entry.saved > 0 or entry.sticky:
+            cat = _ACTIVATIONS
+        else:
+            cat = _TEMPORARIES
+        if cat != entry.cat:
+            self.totals[entry.cat] -= entry.nbytes
+            self.totals[cat] += entry.nbytes
+            entry.cat = cat
+
+    def check_sizes(self) -> None:
+        """Follow storages resized outside tensor ops (``UntypedStorage.resize_``, as FSDP does)."""
+        for entry in self._live.values():
+            st = entry.ref() if entry.ref is not None else None
+            if st is not None:
+                nbytes = st.nbytes()
+                if nbytes != entry.nbytes:
+                    self.totals[entry.cat] += nbytes - entry.nbytes
+                    entry.nbytes = nbytes
+
+    def resized(self, storage: torch.UntypedStorage) -> None:
+        """Follow a storage that ``UntypedStorage.resize_`` just resized (FSDP's free and re-allocation)."""
+        entry = self._live.get(id(storage))
+        if entry is not None:
+            nbytes = storage.nbytes()
+            self.totals[entry.cat] += nbytes - entry.nbytes
+            entry.nbytes = nbytes
+
+    # --- roles ----------------------------------------------------------------------------------------------
+
+    def give_role(self, entry: _Entry, role: int) -> None:
+        """Give ``entry`` a role until the next :meth:`set_roles` says otherwise (or the storage is freed)."""
+        entry.role = role
+        self._roled.add(entry.key)
+        self.recategorize(entry)
+
+    def give_op_role(self, tensors: Any, role: int) -> None:
+        """Give ``role`` to the storages of the tensors in ``tensors`` for as long as they live (an op's buffer,
+        which no object of the model or optimizer names: :meth:`set_roles` leaves it be)."""
+        for t in tensors_in(tensors):
+            for entry in self.entries(t):
+                self._op_roled.add(entry.key)
+                if entry.role != role:
+                    entry.role = role
+                    self.recategorize(entry)
+
+    def set_roles(self, groups: Iterable[tuple[int, Iterable[torch.Tensor]]]) -> None:
+        """Give the storages of each group's tensors the group's role (the first group that holds a storage wins;
+        storages are added if new), and take its role from every other storage that had one (except those an op
+        gave, see :meth:`give_op_role`).
+
+        Args:
+            groups: ``(role, tensors)`` in the priority order of :data:`CATEGORIES`.
+        """
+        roles: dict[int, tuple[int, _Entry]] = {}
+        for role, tensors in groups:
+            for t in tensors:
+                if self.device is not None and t.device != self.device:
+                    continue
+                for st in tensor_storages(t):
+                    key = id(st)
+                    if key not in roles:
+                        entry = self._live.get(key)
+                        roles[key] = (role, entry if entry is not None else self.add(st))
+        for key in self._roled - roles.keys() - self._op_roled:
+            entry = self._live.get(key)
+            if entry is not None:
+                entry.role = None
+                self.recategorize(entry)
+        for role, entry in roles.values():
+            if entry.role != role:
+                entry.role = role
+                self.recategorize(entry)
+        self._roled = set(roles)
+
+    # --- peaks and the timeline -----------------------------------------------------------------------------
+
+    def record(self, phase: str, before_new_peak: Callable[[], None] | None = None) -> None:
+        """Snapshot after one op: the category peaks, the peak, a timeline entry.
+
+        Args:
+            phase: the op's phase.
+            before_new_peak: called when the op makes a new peak, before its breakdown is taken (the tracker
+                re-derives the roles there, so that the breakdown at the peak is exact).
+        """
+        self._event += 1
+        totals = self.totals
+        peaks = self._category_peaks
+        for i, nbytes in enumerate(totals):
+            if nbytes > peaks[i]:
+                peaks[i] = nbytes
+        total = sum(totals)
+        if total > self.peak_bytes:
+            if before_new_peak is not None:
+                before_new_peak()
+            self.peak_bytes = total
+            self.peak_breakdown = dict(zip(CATEGORIES, totals, strict=True))
+            self.peak_phase = phase
+        if self.record_timeline:
+            self.timeline.append((self._event, phase, dict(zip(CATEGORIES, totals, strict=True))))
+
+    def breakdown(self) -> dict[str, int]:
+        """Bytes live now, ``{category: bytes}`` for every category of :data:`CATEGORIES`."""
+        return dict(zip(CATEGORIES, self.totals, strict=True))
+
+    @property
+    def category_peaks(self) -> dict[str, int]:
+        """Each category's own maximum (bytes) since the last :meth:`reset_peak` (or since creation)."""
+        return dict(zip(CATEGORIES, self._category_peaks, strict=True))
+
+    def reset_peak(self, phase: str) -> None:
+        """Start a new peak, and new category peaks, from the bytes live now, in ``phase``."""
+        self.peak_bytes = sum(self.totals)
+        self.peak_breakdown = self.breakdown()
+        self.peak_phase = phase
+        self._category_peaks = list(self.totals)
+
+    def clear_timeline(self) -> None:
+        """Forget the timeline so far (the peaks are kept)."""
+        self.timeline = []
+
+    def summary_gib(self) -> dict[str, Any]:
+        """The peak in GiB (1024**3 bytes): ``{"peak_gib": float, "phase": str, "breakdown_gib": {category:
+        float}}``."""
+        return {
+            "peak_gib": self.peak_bytes / GIB,
+            "phase": self.peak_phase,
+            "breakdown_gib": {k: v / GIB for k, v in self.peak_breakdown.items()},
+        }
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Instrumentation: what the tracker puts around a step to feed the ledger
+# ----------------------------------------------------------------------------------------------------------------
 
 
 class _Observer(TorchDispatchMode):
-    """The dispatch mode: lets every op run, then tells the tracker what it touched."""
+    """The dispatch mode: lets every op run, shows the ledger the tensors it touched, then ends the op.
 
-    def __init__(self, tracker: MemoryTracker) -> None:
+    Args:
+        ledger: counts the storages.
+        buffer_ops: ``id(op) -> (role, None or the name of an argument)``: ops whose outputs (or that argument)
+            are buffers of a role (see :func:`_fsdp2_buffer_ops`).
+        after_op: called after each op (the tracker's phase, roles and snapshot).
+    """
+
+    def __init__(
+        self, ledger: _Ledger, buffer_ops: dict[int, tuple[int, str | None]], after_op: Callable[[], None]
+    ) -> None:
         super().__init__()
-        self.tracker = tracker
+        self.ledger = ledger
+        self.buffer_ops = buffer_ops
+        self.after_op = after_op
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         if id(func) in _NO_EVENT_OPS:
             return out
-        see = self.tracker._see
+        see = self.ledger.see
         for group in (args, kwargs.values()):
             for a in group:
                 if isinstance(a, torch.Tensor):
@@ -434,11 +619,163 @@ class _Observer(TorchDispatchMode):
             for o in out:
                 if isinstance(o, torch.Tensor):
                     see(o, True)
-        buffer_op = self.tracker._buffer_ops.get(id(func))
+        buffer_op = self.buffer_ops.get(id(func))
         if buffer_op is not None:
             role, kwarg = buffer_op
-            self.tracker._mark_buffer(out if kwarg is None else kwargs[kwarg], role)
-        self.tracker._after_op()
+            self.ledger.give_op_role(out if kwarg is None else kwargs[kwarg], role)
+        self.after_op()
+        return out
+
+
+@contextlib.contextmanager
+def _resizes_reported(ledger: _Ledger) -> Iterator[None]:
+    """While active, ``UntypedStorage.resize_`` (FSDP's ``free_storage``/``alloc_storage``) reports to
+    ``ledger``."""
+    cls = torch.UntypedStorage
+    had_own = "resize_" in cls.__dict__
+    original = cls.__dict__.get("resize_")
+    inner = cls.resize_
+    resized = ledger.resized
+
+    def resize_(storage: torch.UntypedStorage, size: int) -> torch.UntypedStorage:
+        out = inner(storage, size)
+        resized(storage)
+        return out
+
+    cls.resize_ = resize_
+    try:
+        yield
+    finally:
+        if had_own:
+            cls.resize_ = original
+        else:
+            del cls.resize_
+
+
+class _Saved:
+    """What the pack hook stores in the graph: the inner packed object, and a count on the saved storages.
+
+    Autograd drops it when it frees the saved variable (after the node runs, or with the graph), which is when
+    the storages stop being activations (unless something else keeps them as such).
+    """
+
+    __slots__ = ("packed", "entries", "ledger")
+
+    def __init__(self, packed: Any, entries: list[_Entry], ledger: _Ledger) -> None:
+        self.packed = packed
+        self.entries = entries
+        self.ledger = ledger
+
+    def __del__(self) -> None:
+        ledger = self.ledger
+        for entry in self.entries:
+            entry.saved -= 1
+            if entry.saved == 0 and entry.alive:
+                ledger.recategorize(entry)
+
+
+def _pack_hook(ledger: _Ledger, inner: Any = None) -> Any:
+    """A pack hook that counts the saved storages, around ``inner`` (or saving a detached alias)."""
+
+    def pack(x: torch.Tensor) -> _Saved:
+        entries = ledger.entries(x)
+        packed = x.detach() if inner is None else inner(x)
+        for t in tensors_in(packed):  # what the inner hook keeps (a copy, when not on another device)
+            if t is not x:
+                entries += [e for e in ledger.entries(t) if e not in entries]
+        in_backward = torch._C._current_graph_task_id() != -1
+        for entry in entries:
+            entry.saved += 1
+            entry.sticky = entry.sticky or in_backward
+            ledger.recategorize(entry)
+        return _Saved(packed, entries, ledger)
+
+    return pack
+
+
+def _unpack_hook(inner: Any = None) -> Any:
+    """The unpack hook that goes with :func:`_pack_hook`."""
+
+    def unpack(saved: Any) -> torch.Tensor:
+        packed = saved.packed if isinstance(saved, _Saved) else saved
+        return packed if inner is None else inner(packed)
+
+    return unpack
+
+
+@contextlib.contextmanager
+def _saved_tensors_counted(ledger: _Ledger) -> Iterator[None]:
+    """While active, every tensor saved for backward is counted: our hooks go around the hooks in force (if any),
+    and around those others push meanwhile (activation checkpointing, offloading). Nothing while torch has
+    saved-tensor hooks disabled."""
+    if not torch._C._autograd._saved_tensors_hooks_is_enabled():
+        yield
+        return
+    top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    pack, unpack = (None, None) if top is None else top
+    module = torch._C._autograd
+    original = module._push_saved_tensors_default_hooks
+
+    def push(pack_hook: Any, unpack_hook: Any) -> None:
+        original(_pack_hook(ledger, pack_hook), _unpack_hook(unpack_hook))
+
+    with torch.autograd.graph.saved_tensors_hooks(_pack_hook(ledger, pack), _unpack_hook(unpack)):
+        module._push_saved_tensors_default_hooks = push
+        try:
+            yield
+        finally:
+            module._push_saved_tensors_default_hooks = original
+
+
+class _StateGrowth:
+    """Which parameters' optimizer state gained entries since it last looked: it lets the tracker place the state
+    that an optimizer step creates op by op (a first step, a lazily built optimizer) without a full role refresh
+    per op, which would cost O(parameters^2) over a first step.
+
+    Args:
+        optimizers: the optimizers to watch (:func:`~memfit.memory.optim.optimizers_in` of the tracked one).
+    """
+
+    def __init__(self, optimizers: list[Any]) -> None:
+        self.optimizers = optimizers
+        self._count = -1  # fingerprint() when last looked
+        self._sizes: dict[tuple[int, int], int] = {}  # (optimizer, param) -> entries of its state seen
+
+    def fingerprint(self) -> int:
+        """A cheap number that changes when a state gains or loses an entry (its keys, not its data)."""
+        count = 0
+        for opt in self.optimizers:
+            state = getattr(opt, "state", None)
+            if isinstance(state, Mapping):
+                count += len(state)
+                for value in state.values():
+                    if isinstance(value, (dict, Mapping)):  # dict first: the fast check
+                        count += len(value)
+        return count
+
+    def changed(self) -> bool:
+        """Whether the states gained or lost entries since the last :meth:`looked` or :meth:`new_tensors`."""
+        return self.fingerprint() != self._count
+
+    def looked(self) -> None:
+        """Note that all the state was looked at now (the tracker's full role refresh)."""
+        self._count = self.fingerprint()
+
+    def new_tensors(self) -> list[torch.Tensor]:
+        """The tensors of every parameter's state whose number of entries changed since it was last seen here."""
+        self._count = self.fingerprint()
+        out: list[torch.Tensor] = []
+        for opt in self.optimizers:
+            state = getattr(opt, "state", None)
+            if not isinstance(state, Mapping):
+                continue
+            for param, value in state.items():
+                size = len(value) if isinstance(value, Mapping) else 1
+                key = (id(opt), id(param))
+                if self._sizes.get(key) == size:
+                    continue
+                self._sizes[key] = size
+                out.extend(tensors_in(value))
         return out
 
 
@@ -463,6 +800,14 @@ class MemoryTracker:
             shards are on the host and not counted), or every device for a model without parameters.
         record_timeline: keep a :attr:`timeline` entry after every op (a few hundred bytes each: turn it off,
             or :meth:`clear_timeline`, when tracking every step of a long run).
+        refresh_roles_at_peak: at every new peak reached inside an optimizer step, first re-derive the role of
+            every storage (a walk of the parameters, gradients and optimizer state), so that the breakdown at
+            the peak is exact even for an optimizer that replaces a state tensor under an existing key. The walk
+            costs O(parameters) per such op, and an optimizer step may set a new peak at nearly every op (a first
+            step, creating the state, does): up to O(parameters^2) over the step. Turn it off to track a model of
+            many parameters quickly (the estimator does): state that gains entries is still placed as the step
+            creates it, and only a state tensor replaced under an existing key counts as ``temporaries`` until
+            its optimizer step ends.
 
     Attributes:
         peak_bytes: the maximum over time of the total live bytes (all categories).
@@ -482,42 +827,24 @@ class MemoryTracker:
         *,
         device: torch.device | str | None = None,
         record_timeline: bool = True,
+        refresh_roles_at_peak: bool = True,
     ) -> None:
         self.model = model
         self.optimizer = optimizer
+        self.refresh_roles_at_peak = refresh_roles_at_peak
         self._device_arg = None if device is None else torch.device(device)
         self._sharding = _Sharding(model)
-        self.device = self._device_arg or self._model_device()
-        self.record_timeline = record_timeline
-        self.timeline: list[tuple[int, str, dict[str, int]]] = []
-        self.peak_bytes = 0
-        self.peak_breakdown: dict[str, int] = dict.fromkeys(CATEGORIES, 0)
-        self.peak_phase = "other"
-        self._totals = [0] * len(CATEGORIES)
-        self._category_peaks = [0] * len(CATEGORIES)
-        # id(storage) -> entry: torch keeps a storage's Python object alive exactly as long as the storage
-        self._live: dict[int, _Entry] = {}
-        self._roled: set[int] = set()  # keys of the entries with a role
+        self._ledger = _Ledger(self._device_arg or self._model_device(), record_timeline)
         self._base_phase = "other"  # as marked by the loop, or by the model's forward / the end of backward
         self._last_phase = "other"
         self._in_backward = False
         self._opt_depth = 0
-        self._event = 0
         self._active = 0
-        self._plain_types: set[type] = {torch.Tensor, nn.Parameter}
         self._params: list[torch.Tensor] = self._sharding.params
         self._buffers: list[torch.Tensor] = list(model.buffers())
-        self._pending_fsdp: list[Any] = []  # FSDP params not yet gathered when last looked
-        self._buffer_ops: dict[int, tuple[int, str | None]] = {}  # see _fsdp2_buffer_ops
-        self._op_roled: set[int] = set()  # keys of the entries whose role an op gave (FSDP2's flat buffers)
+        self._state = _StateGrowth(optimizers_in(optimizer))
         self._lazy_hooks: list[Any] = []  # handles of hooks put on unsharded parameters while tracking
-        self._optimizers: list[Any] = _optimizers(optimizer)
-        self._state_count = -1  # _state_fingerprint at the last refresh
-        self._state_sizes: dict[tuple[int, int], int] = {}  # (optimizer, param) -> entries of its state seen
-        # a full role refresh at every new peak of an optimizer step: exact for optimizers that replace state
-        # tensors under the same key, but O(parameters) per op while a first step creates state (each op is a new
-        # peak then); the estimator turns it off and relies on the incremental _add_new_state
-        self._refresh_at_peak = True
+        self._buffer_ops: dict[int, tuple[int, str | None]] = {}  # see _fsdp2_buffer_ops
         self._exit_stack: contextlib.ExitStack | None = None
 
     def _model_device(self) -> torch.device | None:
@@ -570,7 +897,42 @@ class MemoryTracker:
             self._base_phase = "other"
         return self._base_phase
 
-    # --- results --------------------------------------------------------------------------------------------
+    # --- results (kept by the ledger) -----------------------------------------------------------------------
+
+    @property
+    def peak_bytes(self) -> int:
+        """The maximum over time of the total live bytes (all categories)."""
+        return self._ledger.peak_bytes
+
+    @property
+    def peak_breakdown(self) -> dict[str, int]:
+        """Bytes by category at :attr:`peak_bytes`."""
+        return self._ledger.peak_breakdown
+
+    @property
+    def peak_phase(self) -> str:
+        """The phase of the op that reached :attr:`peak_bytes`."""
+        return self._ledger.peak_phase
+
+    @property
+    def timeline(self) -> list[tuple[int, str, dict[str, int]]]:
+        """``(event index, phase, {category: bytes})`` after each op (to plot:
+        :func:`memfit.memory.timeline.plot_timeline`)."""
+        return self._ledger.timeline
+
+    @property
+    def record_timeline(self) -> bool:
+        """Whether each op appends to :attr:`timeline` (settable between steps, to record only some)."""
+        return self._ledger.record_timeline
+
+    @record_timeline.setter
+    def record_timeline(self, value: bool) -> None:
+        self._ledger.record_timeline = value
+
+    @property
+    def device(self) -> torch.device | None:
+        """The device whose storages count (None: every device); see the ``device`` argument."""
+        return self._ledger.device
 
     @property
     def categories(self) -> tuple[str, ...]:
@@ -587,7 +949,7 @@ class MemoryTracker:
         They are reached at different moments (activations at the end of the forward, gradients at the end of the
         backward, ...), so their sum is at least :attr:`peak_bytes`.
         """
-        return dict(zip(CATEGORIES, self._category_peaks, strict=True))
+        return self._ledger.category_peaks
 
     def current_breakdown(self) -> dict[str, int]:
         """Bytes live now, by category (roles refreshed first, so new gradients or state are placed).
@@ -595,21 +957,18 @@ class MemoryTracker:
         Returns:
             ``{category: bytes}`` for every category of :data:`CATEGORIES`.
         """
-        self._check_sizes()
+        self._ledger.check_sizes()
         self._refresh_roles()
-        return dict(zip(CATEGORIES, self._totals, strict=True))
+        return self._ledger.breakdown()
 
     def reset_peak(self) -> None:
         """Start a new peak from the bytes live now (the timeline is kept)."""
         self._refresh_roles()
-        self.peak_bytes = sum(self._totals)
-        self.peak_breakdown = dict(zip(CATEGORIES, self._totals, strict=True))
-        self.peak_phase = self._base_phase
-        self._category_peaks = list(self._totals)
+        self._ledger.reset_peak(self._base_phase)
 
     def clear_timeline(self) -> None:
         """Forget the timeline so far (to keep, or plot, one step of a long run; the peak is kept)."""
-        self.timeline = []
+        self._ledger.clear_timeline()
 
     def summary_gib(self) -> dict[str, Any]:
         """The peak in GiB (1024**3 bytes).
@@ -617,255 +976,73 @@ class MemoryTracker:
         Returns:
             ``{"peak_gib": float, "phase": str, "breakdown_gib": {category: float}}``.
         """
-        return {
-            "peak_gib": self.peak_bytes / GIB,
-            "phase": self.peak_phase,
-            "breakdown_gib": {k: v / GIB for k, v in self.peak_breakdown.items()},
-        }
+        return self._ledger.summary_gib()
 
-    # --- storages -------------------------------------------------------------------------------------------
-
-    def _see(self, t: torch.Tensor, check_size: bool) -> None:
-        """Count ``t``'s storages if new; with ``check_size``, follow a known one that changed size."""
-        if type(t) in self._plain_types:
-            try:
-                storages = (t.untyped_storage(),)
-            except (RuntimeError, NotImplementedError, TypeError):
-                return
-        elif is_traceable_wrapper_subclass(t):
-            storages = tensor_storages(t)
-        else:
-            self._plain_types.add(type(t))  # FakeTensor and other subclasses with their own storage
-            self._see(t, check_size)
-            return
-        live = self._live
-        for st in storages:
-            entry = live.get(id(st))
-            if entry is None:
-                if self.device is None or t.device == self.device:
-                    self._add(st)
-            elif check_size:
-                nbytes = st.nbytes()
-                if nbytes != entry.nbytes:
-                    self._totals[entry.cat] += nbytes - entry.nbytes
-                    entry.nbytes = nbytes
-
-    def _add(self, st: torch.UntypedStorage) -> _Entry:
-        key = id(st)
-        entry = _Entry(key, st.nbytes())
-        entry.ref = weakref.ref(st, functools.partial(self._freed, entry))
-        self._live[key] = entry
-        self._totals[entry.cat] += entry.nbytes
-        return entry
-
-    def _entries(self, t: torch.Tensor) -> list[_Entry]:
-        """The entries of ``t``'s storages, added if new; none for a tensor on another device."""
-        if self.device is not None and t.device != self.device:
-            return []
-        out = []
-        for st in tensor_storages(t):
-            entry = self._live.get(id(st))
-            out.append(entry if entry is not None else self._add(st))
-        return out
-
-    def _freed(self, entry: _Entry, _ref: weakref.ref) -> None:
-        entry.alive = False
-        if self._live.get(entry.key) is entry:
-            del self._live[entry.key]
-            self._roled.discard(entry.key)
-            self._op_roled.discard(entry.key)
-            self._totals[entry.cat] -= entry.nbytes
-
-    def _recategorize(self, entry: _Entry) -> None:
-        if entry.role is not None:
-            cat = entry.role
-        elif entry.saved > 0 or entry.sticky:
-            cat = _ACTIVATIONS
-        else:
-            cat = _TEMPORARIES
-        if cat != entry.cat:
-            self._totals[entry.cat] -= entry.nbytes
-            self._totals[cat] += entry.nbytes
-            entry.cat = cat
-
-    def _check_sizes(self) -> None:
-        """Follow storages resized outside tensor ops (``UntypedStorage.resize_``, as FSDP does)."""
-        for entry in self._live.values():
-            st = entry.ref() if entry.ref is not None else None
-            if st is not None:
-                nbytes = st.nbytes()
-                if nbytes != entry.nbytes:
-                    self._totals[entry.cat] += nbytes - entry.nbytes
-                    entry.nbytes = nbytes
+    # --- roles: which storages are parameters, gradients, optimizer state -----------------------------------
 
     def _refresh_roles(self) -> None:
         """Re-derive which live storages are parameters, gradients and optimizer state, by identity."""
-        self._state_count = _state_fingerprint(self._optimizers)
+        self._state.looked()
         params = self._params
-        groups = (
-            (_PARAMS, params + self._buffers),
-            (_UNSHARDED, self._sharding.unsharded()),
-            (_GRADS, itertools.chain((p.grad for p in params if p.grad is not None), self._sharding.grads())),
-            (_OPT_STATE, _state_tensors(self._optimizers)),
+        grads = itertools.chain((p.grad for p in params if p.grad is not None), self._sharding.grads())
+        self._ledger.set_roles(
+            (
+                (_PARAMS, params + self._buffers),
+                (_UNSHARDED, self._sharding.unsharded()),
+                (_GRADS, grads),
+                (_OPT_STATE, state_tensors(self._state.optimizers)),
+            )
         )
-        roles: dict[int, tuple[int, _Entry]] = {}
-        for role, tensors in groups:
-            for t in tensors:
-                if self.device is not None and t.device != self.device:
-                    continue
-                for st in tensor_storages(t):
-                    key = id(st)
-                    if key not in roles:
-                        entry = self._live.get(key)
-                        roles[key] = (role, entry if entry is not None else self._add(st))
-        for key in self._roled - roles.keys() - self._op_roled:
-            entry = self._live.get(key)
-            if entry is not None:
-                entry.role = None
-                self._recategorize(entry)
-        for role, entry in roles.values():
-            if entry.role != role:
-                entry.role = role
-                self._recategorize(entry)
-        self._roled = set(roles)
 
     def _add_new_state(self) -> None:
         """Give the optimizer-state role to the state the step just created: only the parameters whose state
         gained entries are looked at (a full refresh per op of a first step would cost O(parameters^2))."""
-        self._state_count = _state_fingerprint(self._optimizers)
-        for opt in self._optimizers:
-            state = getattr(opt, "state", None)
-            if not isinstance(state, Mapping):
-                continue
-            for param, value in state.items():
-                size = len(value) if isinstance(value, Mapping) else 1
-                key = (id(opt), id(param))
-                if self._state_sizes.get(key) == size:
-                    continue
-                self._state_sizes[key] = size
-                for t in _tensors_in(value):
-                    if self.device is not None and t.device != self.device:
-                        continue
-                    for st in tensor_storages(t):
-                        entry = self._live.get(id(st))
-                        entry = entry if entry is not None else self._add(st)
-                        if entry.role is None:
-                            entry.role = _OPT_STATE
-                            self._roled.add(entry.key)
-                            self._recategorize(entry)
+        ledger = self._ledger
+        for t in self._state.new_tensors():
+            for entry in ledger.entries(t):
+                if entry.role is None:
+                    ledger.give_role(entry, _OPT_STATE)
 
     def _after_op(self) -> None:
-        """Snapshot after one op: phase, peak, timeline."""
-        self._event += 1
+        """After one op: follow a change of phase or new optimizer state, then the ledger's snapshot."""
         phase = self._current_phase()
         if phase != self._last_phase:
-            self._check_sizes()
+            self._ledger.check_sizes()
             self._refresh_roles()
             self._last_phase = phase
-        elif phase == "optimizer_step" and _state_fingerprint(self._optimizers) != self._state_count:
+        elif phase == "optimizer_step" and self._state.changed():
             self._add_new_state()  # the step added state (its first step, or a lazily built optimizer)
-        totals = self._totals
-        peaks = self._category_peaks
-        for i, nbytes in enumerate(totals):
-            if nbytes > peaks[i]:
-                peaks[i] = nbytes
-        total = sum(totals)
-        if total > self.peak_bytes:
-            if phase == "optimizer_step" and self._refresh_at_peak:
-                self._refresh_roles()  # exact at the peak, even for state replaced under the same key
-            self.peak_bytes = total
-            self.peak_breakdown = dict(zip(CATEGORIES, totals, strict=True))
-            self.peak_phase = phase
-        if self.record_timeline:
-            self.timeline.append((self._event, phase, dict(zip(CATEGORIES, totals, strict=True))))
+        # a new peak in an optimizer step: roles refreshed first, exact even for state replaced under its key
+        exact_peak = phase == "optimizer_step" and self.refresh_roles_at_peak
+        self._ledger.record(phase, self._refresh_roles if exact_peak else None)
 
     # --- hooks ----------------------------------------------------------------------------------------------
 
     def _grad_accumulated(self, param: torch.Tensor) -> None:
         if param.grad is None:
             return
-        for entry in self._entries(param.grad):
+        for entry in self._ledger.entries(param.grad):
             if entry.role is None:
-                entry.role = _GRADS
-                self._roled.add(entry.key)
-                self._recategorize(entry)
+                self._ledger.give_role(entry, _GRADS)
 
     def _forward_pre_hook(self, _module: nn.Module, _args: Any) -> None:
-        if self._pending_fsdp:  # (runs after FSDP's own pre-forward hook, which all-gathers the module's)
+        if self._sharding.pending:  # (runs after FSDP's own pre-forward hook, which all-gathers the module's)
             self._adopt_unsharded()
         if torch._C._current_graph_task_id() == -1:  # not a recomputation inside a backward
             self._base_phase = "forward"
 
     def _adopt_unsharded(self) -> None:
-        """Place the unsharded parameters FSDP created since we last looked (FSDP2's first all-gather creates
-        them, FSDP1's lazy initialisation at the first forward): their storages are ``unsharded_parameters``, and
-        the gradients of FSDP2's unsharded parameters are ``gradients`` (a hook, as for any parameter)."""
-        pending = []
-        for item in self._pending_fsdp:
-            if hasattr(item, "all_gather_outputs"):  # an FSDP2 FSDPParam
-                unsharded = getattr(item, "_unsharded_param", None)
-                tensors = [*item.all_gather_outputs, *getattr(item, "_unsharded_inner_tensors", ())]
-                if unsharded is None or not tensors:
-                    pending.append(item)
-                    continue
-                if unsharded.requires_grad:
-                    hook = unsharded.register_post_accumulate_grad_hook(self._grad_accumulated)
-                    self._lazy_hooks.append(hook)
-            else:  # an FSDP1 FlatParameter
-                tensors = [getattr(item, "_full_param_padded", None)]
-                if tensors[0] is None:
-                    pending.append(item)
-                    continue
+        """Place the unsharded parameters FSDP created since we last looked: their storages are
+        ``unsharded_parameters``, and the gradients of FSDP2's unsharded parameters are ``gradients`` (a hook, as
+        for any parameter)."""
+        for tensors, unsharded in self._sharding.newly_gathered():
+            if unsharded is not None and unsharded.requires_grad:
+                hook = unsharded.register_post_accumulate_grad_hook(self._grad_accumulated)
+                self._lazy_hooks.append(hook)
             for t in tensors:
-                for entry in self._entries(t):
+                for entry in self._ledger.entries(t):
                     if entry.role != _UNSHARDED:
-                        entry.role = _UNSHARDED
-                        self._roled.add(entry.key)
-                        self._recategorize(entry)
-        self._pending_fsdp = pending
-
-    def _mark_buffer(self, tensors: Any, role: int) -> None:
-        """Give ``role`` to the storages of an FSDP2 communication buffer, for as long as they live."""
-        for t in _tensors_in(tensors):
-            for entry in self._entries(t):
-                self._op_roled.add(entry.key)
-                if entry.role != role:
-                    entry.role = role
-                    self._recategorize(entry)
-
-    def _resized(self, storage: torch.UntypedStorage) -> None:
-        """Follow a storage that ``UntypedStorage.resize_`` just resized (FSDP's free and re-allocation)."""
-        entry = self._live.get(id(storage))
-        if entry is not None:
-            nbytes = storage.nbytes()
-            self._totals[entry.cat] += nbytes - entry.nbytes
-            entry.nbytes = nbytes
-
-    def _patch_storage_resize(self) -> contextlib.AbstractContextManager:
-        """While active, ``UntypedStorage.resize_`` (FSDP's ``free_storage``/``alloc_storage``) reports to us."""
-        cls = torch.UntypedStorage
-        had_own = "resize_" in cls.__dict__
-        original = cls.__dict__.get("resize_")
-        inner = cls.resize_
-        resized = self._resized
-
-        def resize_(storage: torch.UntypedStorage, size: int) -> torch.UntypedStorage:
-            out = inner(storage, size)
-            resized(storage)
-            return out
-
-        @contextlib.contextmanager
-        def patched() -> Iterator[None]:
-            cls.resize_ = resize_
-            try:
-                yield
-            finally:
-                if had_own:
-                    cls.resize_ = original
-                else:
-                    del cls.resize_
-
-        return patched()
+                        self._ledger.give_role(entry, _UNSHARDED)
 
     def _optimizer_pre_hook(self, _optimizer: Any, _args: Any, _kwargs: Any) -> None:
         self._opt_depth += 1
@@ -874,49 +1051,7 @@ class MemoryTracker:
         self._opt_depth = max(0, self._opt_depth - 1)
         self._refresh_roles()
 
-    def _wrap_pack(self, inner: Any = None) -> Any:
-        """A pack hook that counts the saved storages, around ``inner`` (or saving a detached alias)."""
-
-        def pack(x: torch.Tensor) -> _Saved:
-            entries = self._entries(x)
-            packed = x.detach() if inner is None else inner(x)
-            for t in _tensors_in(packed):  # what the inner hook keeps (a copy, when not on another device)
-                if t is not x:
-                    entries += [e for e in self._entries(t) if e not in entries]
-            in_backward = torch._C._current_graph_task_id() != -1
-            for entry in entries:
-                entry.saved += 1
-                entry.sticky = entry.sticky or in_backward
-                self._recategorize(entry)
-            return _Saved(packed, entries, self)
-
-        return pack
-
-    @staticmethod
-    def _wrap_unpack(inner: Any = None) -> Any:
-        def unpack(saved: Any) -> torch.Tensor:
-            packed = saved.packed if isinstance(saved, _Saved) else saved
-            return packed if inner is None else inner(packed)
-
-        return unpack
-
-    def _patch_saved_tensors_hooks(self) -> contextlib.AbstractContextManager:
-        """While active, hooks pushed by others (checkpointing, offloading) get our counting around them."""
-        module = torch._C._autograd
-        original = module._push_saved_tensors_default_hooks
-
-        def push(pack_hook: Any, unpack_hook: Any) -> None:
-            original(self._wrap_pack(pack_hook), self._wrap_unpack(unpack_hook))
-
-        @contextlib.contextmanager
-        def patched() -> Iterator[None]:
-            module._push_saved_tensors_default_hooks = push
-            try:
-                yield
-            finally:
-                module._push_saved_tensors_default_hooks = original
-
-        return patched()
+    # --- entering and leaving -------------------------------------------------------------------------------
 
     def __enter__(self) -> MemoryTracker:
         """Seed with the existing state and start watching ops, saved tensors, gradients and optimizer steps."""
@@ -926,32 +1061,18 @@ class MemoryTracker:
         stack = contextlib.ExitStack()
         try:
             self._sharding = _Sharding(self.model)  # fixed while tracking (refreshed at each enter)
-            self.device = self._device_arg or self._model_device()
+            self._ledger.device = self._device_arg or self._model_device()
             self._params = self._sharding.params
             self._buffers = list(self.model.buffers())
-            self._optimizers = _optimizers(self.optimizer)
-            stack.enter_context(self._patch_storage_resize())
+            self._state.optimizers = optimizers_in(self.optimizer)
+            stack.enter_context(_resizes_reported(self._ledger))
             self._refresh_roles()
             self._last_phase = self._base_phase
-            for p in self._sharding.grad_leaves:
-                if p.requires_grad:
-                    stack.callback(p.register_post_accumulate_grad_hook(self._grad_accumulated).remove)
-            stack.callback(self._remove_lazy_hooks)
-            self._pending_fsdp = [*self._sharding.fsdp2, *self._sharding.flat]
-            self._adopt_unsharded()
-            self._buffer_ops = _fsdp2_buffer_ops() if self._sharding.fsdp2 else {}
-            for module in self.model.modules():  # any of them: a chunked loss calls the backbone directly
-                stack.callback(module.register_forward_pre_hook(self._forward_pre_hook).remove)
+            self._watch_model(stack)
             stack.callback(register_optimizer_step_pre_hook(self._optimizer_pre_hook).remove)
             stack.callback(register_optimizer_step_post_hook(self._optimizer_post_hook).remove)
-            if torch._C._autograd._saved_tensors_hooks_is_enabled():
-                top = torch._C._autograd._top_saved_tensors_default_hooks(False)
-                pack, unpack = (None, None) if top is None else top
-                stack.enter_context(
-                    torch.autograd.graph.saved_tensors_hooks(self._wrap_pack(pack), self._wrap_unpack(unpack))
-                )
-                stack.enter_context(self._patch_saved_tensors_hooks())
-            stack.enter_context(_Observer(self))
+            stack.enter_context(_saved_tensors_counted(self._ledger))
+            stack.enter_context(_Observer(self._ledger, self._buffer_ops, self._after_op))
         except BaseException:
             stack.close()
             self._active -= 1
@@ -959,11 +1080,23 @@ class MemoryTracker:
         self._exit_stack = stack
         return self
 
+    def _watch_model(self, stack: contextlib.ExitStack) -> None:
+        """The model's hooks, removed by ``stack``: gradients accumulated, FSDP's gathered parameters and
+        buffers, the start of a forward."""
+        for p in self._sharding.grad_leaves:
+            if p.requires_grad:
+                stack.callback(p.register_post_accumulate_grad_hook(self._grad_accumulated).remove)
+        stack.callback(self._remove_lazy_hooks)
+        self._adopt_unsharded()
+        self._buffer_ops = _fsdp2_buffer_ops() if self._sharding.fsdp2 else {}
+        for module in self.model.modules():  # any of them: a chunked loss calls the backbone directly
+            stack.callback(module.register_forward_pre_hook(self._forward_pre_hook).remove)
+
     def _remove_lazy_hooks(self) -> None:
         for handle in self._lazy_hooks:
             handle.remove()
         self._lazy_hooks = []
-        self._pending_fsdp = []
+        self._sharding.pending = []
 
     def __exit__(self, *exc: object) -> None:
         """Stop watching; the results stay readable."""
@@ -976,69 +1109,11 @@ class MemoryTracker:
         self._refresh_roles()
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Plot
-# ----------------------------------------------------------------------------------------------------------------
+def __getattr__(name: str) -> Any:
+    """``plot_timeline`` moved to :mod:`memfit.memory.timeline`; this keeps ``from memfit.memory.tracker import
+    plot_timeline`` working until every caller imports it from there (src/memfit/train.py), then goes."""
+    if name == "plot_timeline":
+        from memfit.memory.timeline import plot_timeline
 
-_COLORS = {
-    "parameters": "#4c72b0",
-    "unsharded_parameters": "#64b5cd",
-    "gradients": "#dd8452",
-    "optimizer_state": "#55a868",
-    "activations": "#c44e52",
-    "temporaries": "#8172b3",
-}
-_PHASE_SHADES = {"forward": "#f2f2f2", "backward": "#e0e0e0", "optimizer_step": "#cfcfcf", "other": "#ffffff"}
-
-
-def plot_timeline(timeline: list[tuple[int, str, dict[str, int]]], path: str | Path, title: str = "") -> Path:
-    """Stacked-area plot of live bytes by category over the tracked ops, phases shaded behind.
-
-    Categories that are 0 over the whole timeline (``unsharded_parameters`` of a model that is not sharded, say)
-    are left out of the plot and its legend.
-
-    Args:
-        timeline: :attr:`MemoryTracker.timeline`.
-        path: the PNG to write (its directory is created).
-        title: the plot title.
-
-    Returns:
-        ``path`` as a ``Path``.
-
-    Raises:
-        ValueError: the timeline is empty.
-    """
-    if not timeline:
-        raise ValueError("plot_timeline: the timeline is empty (was anything run inside the tracker?)")
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    events = [e for e, _, _ in timeline]
-    peak = max(sum(b.values()) for _, _, b in timeline)
-    unit, divisor = next((u, d) for u, d in (("GiB", GIB), ("MiB", 1024**2), ("KiB", 1024), ("B", 1))
-                         if peak >= d or d == 1)  # fmt: skip
-    fig = Figure(figsize=(9, 4.5), dpi=120)
-    FigureCanvasAgg(fig)
-    ax = fig.add_subplot()
-    start, width = 0, max(1, events[-1] - events[0])
-    for i in range(1, len(timeline) + 1):  # shade each run of one phase, named when wide enough
-        if i == len(timeline) or timeline[i][1] != timeline[start][1]:
-            lo, hi, name = events[start] - 0.5, events[i - 1] + 0.5, timeline[start][1]
-            ax.axvspan(lo, hi, color=_PHASE_SHADES[name], lw=0, zorder=0)
-            if hi - lo > 0.08 * width:
-                x_mid = (lo + hi) / 2
-                ax.text(x_mid, 1.01, name, transform=ax.get_xaxis_transform(), ha="center", fontsize=8)
-            start = i
-    shown = [c for c in CATEGORIES if any(b.get(c, 0) for _, _, b in timeline)]
-    ax.stackplot(events, *[[b[c] / divisor for _, _, b in timeline] for c in shown],
-                 labels=shown, colors=[_COLORS[c] for c in shown], zorder=1)  # fmt: skip
-    ax.set_xlabel("op (event index)")
-    ax.set_ylabel(f"live memory ({unit}, {'1024**3' if unit == 'GiB' else 'powers of 1024'} bytes)")
-    ax.set_title(title or "memory by category", pad=14)
-    ax.margins(x=0)
-    ax.legend(loc="upper left", fontsize="small")
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-    return path
+        return plot_timeline
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -165,9 +165,8 @@ def estimate_run(
             # step 1 only creates the optimizer state: an optimizer step on zero gradients at lr 0 (what torch's
             # distributed checkpointing does to lay the state out); step 2, the run's train_step, is traced
             init_optimizer_state(optimizer)
-            tracker = MemoryTracker(model, optimizer)
+            tracker = MemoryTracker(model, optimizer, refresh_roles_at_peak=False)
             tracker.record_timeline = True
-            tracker._refresh_at_peak = False
             with tracker:
                 train_step(model, optimizer, batches, tracker=tracker, **train_step_options(trace_cfg))
             traced = model_state_bytes(model, optimizer)
