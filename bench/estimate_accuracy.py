@@ -41,7 +41,8 @@ from pathlib import Path
 
 from docs_section import write_section
 
-GIB = 1024**3
+from memfit.units import GIB
+
 MIB = 1024**2
 ROOT = Path(__file__).resolve().parents[1]
 TOLERANCE = 0.05

@@ -25,9 +25,10 @@ from pathlib import Path
 
 from docs_section import write_section
 
+from memfit.units import GIB
+
 ROOT = Path(__file__).resolve().parents[1]
 MIB = 1024**2
-GIB = 1024**3
 
 METHODS: dict[str, dict[str, object]] = {
     "full": {"method": "full", "optimizer.lr": 3e-4, "optimizer.min_lr": 3e-5},

@@ -25,9 +25,10 @@ from pathlib import Path
 
 import torch
 
+from memfit.units import GIB
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-GIB = 1024**3
 BASE = ["dtype=bf16", "batch_size=1", "seq_len=2048", "device=cuda", "max_grad_norm=1.0"]
 IN_BACKWARD = ["optimizer_in_backward=true", "max_grad_norm=0"]
 CONFIGS = {

@@ -24,7 +24,8 @@ from pathlib import Path
 
 import torch
 
-GIB = 1024**3
+from memfit.units import GIB
+
 OPTIMIZERS = ("adamw8bit", "paged_adamw8bit", "paged_adamw")
 
 

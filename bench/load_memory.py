@@ -32,7 +32,8 @@ from pathlib import Path
 
 from docs_section import write_section
 
-GIB = 1024**3
+from memfit.units import GIB
+
 ROOT = Path(__file__).resolve().parents[1]
 
 CASES: dict[str, dict[str, str]] = {

@@ -26,7 +26,6 @@ from pathlib import Path
 
 from docs_section import write_section
 
-GIB = 1024**3
 MIB = 1024**2
 MIN_TIMED_SECONDS = (
     4.0  # time at least one step, more while under this (slow rows: bf16 on CPU, eager torchao)

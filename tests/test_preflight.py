@@ -11,10 +11,10 @@ from memfit.cli import main
 from memfit.config import load_config
 from memfit.metrics import read_records
 from memfit.planner.estimate import estimate_run
+from memfit.units import GIB
 
 from .conftest import tiny_run_overrides
 
-GIB = 1024**3
 VirtualMemory = collections.namedtuple("VirtualMemory", "available")
 RUN = {"batch_size": 16, "seq_len": 128, "max_steps": 2, "eval_every": 0, "checkpoint_every": 0}
 

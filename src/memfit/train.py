@@ -35,7 +35,8 @@ from memfit.errors import CheckpointError
 from memfit.generate import generate_text
 from memfit.memory.optim import lr_at
 from memfit.memory.stats import PeakMemory, tracked_memory_fields
-from memfit.memory.tracker import MemoryTracker, plot_timeline
+from memfit.memory.timeline import plot_timeline
+from memfit.memory.tracker import MemoryTracker
 from memfit.metrics import MetricsLogger, Throughput, plot_losses
 from memfit.planner.preflight import preflight
 from memfit.resume import check_resume, find_resume

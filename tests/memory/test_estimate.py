@@ -17,12 +17,13 @@ import torch
 from memfit.cli import main
 from memfit.config import load_config
 from memfit.convert.hf import export_hf
-from memfit.memory.tracker import CATEGORIES, GIB, PHASES
+from memfit.memory.tracker import CATEGORIES, PHASES
 from memfit.metrics import read_records
 from memfit.models.llama import build_llama
 from memfit.models.presets import model_config
 from memfit.planner.estimate import estimate_run
 from memfit.tokenizer import train_bpe
+from memfit.units import GIB
 
 from ..conftest import tiny_run_overrides
 from ..test_distributed import _torchrun

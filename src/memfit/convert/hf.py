@@ -35,6 +35,7 @@ from memfit.errors import CheckpointError
 from memfit.models.llama import Llama, LlamaConfig, RopeScaling, build_llama
 from memfit.tokenizer import CONFIG_NAME as TOKENIZER_CONFIG
 from memfit.tokenizer import Tokenizer
+from memfit.units import GIB
 
 __all__ = [
     "DEFAULT_MAX_SHARD_SIZE",
@@ -55,7 +56,7 @@ HF_CONFIG = "config.json"
 HF_GENERATION_CONFIG = "generation_config.json"
 HF_WEIGHTS = "model.safetensors"
 HF_INDEX = "model.safetensors.index.json"
-DEFAULT_MAX_SHARD_SIZE = 5 * 1024**3
+DEFAULT_MAX_SHARD_SIZE = 5 * GIB
 """Bytes per safetensors shard that :func:`export_hf` writes by default (5 GiB, as ``save_pretrained`` does)."""
 
 _FLOAT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from memfit.memory.tracker import CATEGORIES, GIB
+from memfit.memory.tracker import CATEGORIES
+from memfit.units import GIB
 
 _COLORS = {
     "parameters": "#4c72b0",

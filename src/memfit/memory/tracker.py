@@ -77,6 +77,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
 from memfit.memory.optim import optimizer_state_tensors, optimizers_in, state_tensors, tensors_in
+from memfit.units import GIB
 
 CATEGORIES = (
     "parameters",
@@ -91,7 +92,6 @@ UNSHARDED_ONLY = ("unsharded_parameters",)
 """Categories that only a sharded (FSDP) model has; see :attr:`MemoryTracker.categories`."""
 PHASES = ("forward", "backward", "optimizer_step", "other")
 """Phases of a training step."""
-GIB = 1024**3
 
 _PARAMS, _UNSHARDED, _GRADS, _OPT_STATE, _ACTIVATIONS, _TEMPORARIES = range(len(CATEGORIES))
 # Ops that never allocate and are no step of the computation: no event. (``detach`` is what the pack hook calls,
@@ -1107,13 +1107,3 @@ class MemoryTracker:
         stack.close()
         self._opt_depth = 0
         self._refresh_roles()
-
-
-def __getattr__(name: str) -> Any:
-    """``plot_timeline`` moved to :mod:`memfit.memory.timeline`; this keeps ``from memfit.memory.tracker import
-    plot_timeline`` working until every caller imports it from there (src/memfit/train.py), then goes."""
-    if name == "plot_timeline":
-        from memfit.memory.timeline import plot_timeline
-
-        return plot_timeline
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
