@@ -7,6 +7,7 @@ import contextlib
 import os
 import signal
 import subprocess
+import sys
 from pathlib import Path
 
 import psutil
@@ -150,3 +151,24 @@ def finish_launch(proc: subprocess.Popen, timeout: float, known: list[psutil.Pro
     except subprocess.TimeoutExpired:
         output = kill_launch(proc, list(known))
         pytest.fail(f"the launch did not exit within {timeout} s:\n{output[-6000:]}")
+
+
+def run_torchrun(
+    args: list[str], nproc: int = 2, timeout: float = 120, script: Path | None = None
+) -> subprocess.CompletedProcess:
+    """``torchrun --nproc_per_node nproc -m memfit ...`` (or ``... script ...``) with a timeout (a hang fails the
+    test, not the suite)."""
+    torchrun = Path(sys.executable).with_name("torchrun")
+    program = ["-m", "memfit"] if script is None else [str(script)]
+    cmd = [str(torchrun), "--standalone", "--nproc_per_node", str(nproc), *program, *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True
+    )
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        output = kill_launch(proc, [])  # torchrun's workers too: each runs in a session of its own
+        pytest.fail(f"torchrun did not finish in {timeout} s: {output[-4000:]}")
+    assert proc.returncode == 0, stdout[-3000:] + stderr[-5000:]
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)

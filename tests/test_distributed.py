@@ -4,10 +4,7 @@ what one process with batch_size 2B does (losses, gradient norms, validation los
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,7 +17,7 @@ from memfit.config import load_config
 from memfit.errors import ConfigError
 from memfit.metrics import read_records
 
-from .conftest import finetune_overrides, kill_launch, tiny_run_overrides
+from .conftest import finetune_overrides, run_torchrun, tiny_run_overrides
 
 WEIGHTS = ckpt_io.WEIGHTS
 
@@ -31,27 +28,6 @@ RUN = dict(max_steps=4, eval_every=2, checkpoint_every=2, optimizer__warmup_step
 def _overrides(corpus: Path, out: Path, **extra) -> list[str]:
     extra = {k.replace("__", "."): v for k, v in {**RUN, **extra}.items()}
     return tiny_run_overrides(corpus, out, **extra)
-
-
-def _torchrun(
-    args: list[str], nproc: int = 2, timeout: float = 120, script: Path | None = None
-) -> subprocess.CompletedProcess:
-    """``torchrun --nproc_per_node nproc -m memfit ...`` (or ``... script ...``) with a timeout (a hang fails the
-    test, not the suite)."""
-    torchrun = Path(sys.executable).with_name("torchrun")
-    program = ["-m", "memfit"] if script is None else [str(script)]
-    cmd = [str(torchrun), "--standalone", "--nproc_per_node", str(nproc), *program, *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
-    proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True
-    )
-    try:
-        stdout, stderr = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        output = kill_launch(proc, [])  # torchrun's workers too: each runs in a session of its own
-        pytest.fail(f"torchrun did not finish in {timeout} s: {output[-4000:]}")
-    assert proc.returncode == 0, stdout[-3000:] + stderr[-5000:]
-    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
 
 
 def _records(out: Path) -> tuple[list[dict], list[dict]]:
@@ -101,7 +77,7 @@ def single_runs(tmp_path_factory, small_corpus) -> dict[str, Path]:
 @pytest.mark.parametrize("strategy", ["fsdp2", "fsdp1"])
 def test_two_ranks_train_what_one_process_does(strategy, single_runs, small_corpus, tmp_path):
     out = tmp_path / strategy
-    proc = _torchrun(
+    proc = run_torchrun(
         ["pretrain", *_overrides(small_corpus, out, batch_size=4, **{"distributed.strategy": strategy})]
     )
     _assert_same_run(out, single_runs["plain"])
@@ -116,7 +92,7 @@ def test_two_ranks_train_what_one_process_does(strategy, single_runs, small_corp
 def test_two_ranks_with_optimizer_in_backward(single_runs, small_corpus, tmp_path):
     out = tmp_path / "oib"
     extra = {"optimizer_in_backward": "true", "max_grad_norm": 0, "distributed.strategy": "fsdp2"}
-    _torchrun(["pretrain", *_overrides(small_corpus, out, batch_size=4, **extra)])
+    run_torchrun(["pretrain", *_overrides(small_corpus, out, batch_size=4, **extra)])
     _assert_same_run(out, single_runs["in_backward"])
     # the optimizer state of the sharded checkpoint, loaded into one process, is that of the one-process run
     saved = _one_process_optimizer_state(out / "checkpoints" / "step_00000004")
@@ -132,7 +108,7 @@ def test_two_ranks_with_chunked_cross_entropy(single_runs, small_corpus, tmp_pat
     """The loss reads lm_head's weight outside the decoder: it must be the gathered one, with its gradient reduced."""
     out = tmp_path / "chunked"
     extra = {"chunked_cross_entropy": 4, "distributed.strategy": "fsdp2"}
-    _torchrun(["pretrain", *_overrides(small_corpus, out, batch_size=4, **extra)])
+    run_torchrun(["pretrain", *_overrides(small_corpus, out, batch_size=4, **extra)])
     _assert_same_run(out, single_runs["chunked"])
 
 
@@ -145,14 +121,14 @@ def test_two_ranks_with_torchao_8bit_adamw(single_runs, small_corpus, tmp_path):
     """torchao's quantized AdamW state on DTensor shards: close to one process, and its checkpoint resumes exactly."""
     out = tmp_path / "torchao8"
     extra = {"optimizer.name": "torchao_adamw8bit", "distributed.strategy": "fsdp2"}
-    _torchrun(["pretrain", *_overrides(small_corpus, out, batch_size=4, **extra)])
+    run_torchrun(["pretrain", *_overrides(small_corpus, out, batch_size=4, **extra)])
     sharded, single = _losses(out), _losses(single_runs["torchao8"])
     assert [s for s, _ in sharded] == [s for s, _ in single] == [1, 2, 3, 4]
     diff = max(abs(a - b) for (_, a), (_, b) in zip(sharded, single, strict=True))
     print(f"max |2 ranks - 1 process| loss, torchao AdamW8bit: {diff}")
     assert diff <= LOW_BIT_TOL
     resumed = _interrupted_at_step_3(out, tmp_path / "resumed")
-    _torchrun(["pretrain", *_overrides(small_corpus, resumed, batch_size=4, resume="true", **extra)])
+    run_torchrun(["pretrain", *_overrides(small_corpus, resumed, batch_size=4, resume="true", **extra)])
     diff = max(abs(a - b) for (_, a), (_, b) in zip(_losses(resumed), sharded, strict=True))
     print(f"max |resumed - uninterrupted| loss, torchao AdamW8bit on 2 ranks: {diff}")
     assert diff <= 1e-6
@@ -181,7 +157,7 @@ def test_two_ranks_finetune_what_one_process_does(strategy, method, hf_checkpoin
     over = finetune_overrides(
         hf_checkpoint, sharded, batch_size=5, **extra, **{"distributed.strategy": strategy}
     )
-    proc = _torchrun(["finetune", *over], timeout=180)
+    proc = run_torchrun(["finetune", *over], timeout=180)
     assert proc.stdout.count("final validation loss") == 1
     train1, val1 = _records(single)
     train2, val2 = _records(sharded)
@@ -221,7 +197,7 @@ def test_sharded_weights_are_filled_shard_by_shard(hf_checkpoint):
     checkpoint with LoRA applied): the weights equal one process's bit for bit, under FSDP2 and FSDP1, tied or not,
     each rank holds half of the elements, and each whole tensor is released before the next is read."""
     script = Path(__file__).parent / "scripts" / "materialize_check.py"
-    output = _torchrun([str(hf_checkpoint)], script=script).stdout
+    output = run_torchrun([str(hf_checkpoint)], script=script).stdout
     assert output.count("parameters equal") == 2 * 6  # 2 ranks x (2 strategies x 3 cases)
 
 
@@ -256,7 +232,9 @@ def _losses(out: Path) -> list[tuple[int, float]]:
 def sharded_run(tmp_path_factory, small_corpus) -> Path:
     """An uninterrupted 2-rank FSDP2 run of 4 steps, sharded checkpoints at steps 2 and 4."""
     out = tmp_path_factory.mktemp("sharded") / "run"
-    _torchrun(["pretrain", *_overrides(small_corpus, out, batch_size=4, **{"distributed.strategy": "fsdp2"})])
+    run_torchrun(
+        ["pretrain", *_overrides(small_corpus, out, batch_size=4, **{"distributed.strategy": "fsdp2"})]
+    )
     return out
 
 
@@ -265,7 +243,7 @@ def test_sharded_resume_on_two_ranks(strategy, tol, sharded_run, small_corpus, t
     """The FSDP2 run's step-2 shards resume on 2 ranks: exactly with FSDP2, and with FSDP1 (same names)."""
     out = _interrupted_at_step_3(sharded_run, tmp_path / "resumed")
     over = _overrides(small_corpus, out, batch_size=4, resume="true", **{"distributed.strategy": strategy})
-    proc = _torchrun(["pretrain", *over])
+    proc = run_torchrun(["pretrain", *over])
     assert "resuming at step 2" in proc.stdout
     resumed, reference = _losses(out), _losses(sharded_run)
     assert [s for s, _ in resumed] == [s for s, _ in reference] == [1, 2, 3, 4]
@@ -302,7 +280,7 @@ def test_one_process_checkpoint_resumes_on_two_ranks(strategy, single_runs, smal
     """1 process x batch 8 -> 2 ranks x batch 4: the ordinary step-2 checkpoint is sharded on load."""
     out = _interrupted_at_step_3(single_runs["plain"], tmp_path / "two")
     over = _overrides(small_corpus, out, batch_size=4, resume="true", **{"distributed.strategy": strategy})
-    assert "resuming at step 2" in _torchrun(["pretrain", *over]).stdout
+    assert "resuming at step 2" in run_torchrun(["pretrain", *over]).stdout
     resumed, reference = _losses(out), _losses(single_runs["plain"])
     assert [s for s, _ in resumed] == [s for s, _ in reference] == [1, 2, 3, 4]
     diff = max(abs(a - b) for (_, a), (_, b) in zip(resumed, reference, strict=True))

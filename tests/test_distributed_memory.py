@@ -22,8 +22,7 @@ from memfit.metrics import read_records
 from memfit.models.llama import build_llama
 from memfit.models.presets import model_config
 
-from .conftest import tiny_run_overrides
-from .test_distributed import _torchrun
+from .conftest import run_torchrun, tiny_run_overrides
 
 WORLD = 2
 PREFETCH = 1  # distributed.prefetch: the next layer's all-gather is issued ahead
@@ -57,7 +56,7 @@ def tracked_run(tmp_path_factory, small_corpus) -> Callable[[str], Path]:
         if strategy not in runs:
             out = tmp_path_factory.mktemp(f"tracked_{strategy}") / "run"
             over = {"batch_size": 4, "track_memory": "true", "distributed.strategy": strategy}
-            _torchrun(["pretrain", *_overrides(small_corpus, out, **over)])
+            run_torchrun(["pretrain", *_overrides(small_corpus, out, **over)])
             runs[strategy] = out
         return runs[strategy]
 

@@ -1,7 +1,7 @@
 """Optimizers, chosen by one name, with the usual parameter groups, the learning-rate schedule, and the
 optimizer step inside backward.
 
-Parameter groups: matrices (``ndim >= 2``: projections and embeddings) get weight decay; 1-D tensors (RMSNorm
+Parameter groups: matrices (``ndim == 2``: projections and embeddings) get weight decay; 1-D tensors (RMSNorm
 weights, biases) do not, as in GPT-2/nanoGPT, litgpt and torchtune practice.
 
 Optimizers (``optimizer.name``) and the bytes of state they keep per parameter:
