@@ -293,23 +293,6 @@ def check_base(cfg: TrainConfig, state: dict[str, Any], ckpt: Path) -> None:
         )
 
 
-def checkpoint_tokenizer(path: str | Path):
-    """The tokenizer stored with a Hugging Face, Meta or memfit checkpoint (read without the weights).
-
-    Raises:
-        CheckpointError: the checkpoint has no tokenizer.
-    """
-    fmt = detect_format(path)
-    where = ckpt_io.resolve_checkpoint(path) / "tokenizer" if fmt == "memfit" else Path(path)
-    try:
-        return load_tokenizer(where)
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(
-            f"checkpoint_dir '{path}' has no usable tokenizer ({exc}); fine-tuning needs the tokenizer the model was "
-            f"trained with (tokenizer.json or tokenizer.model beside the weights)"
-        ) from None
-
-
 def load_for_generation(
     path: str | Path, device: str | torch.device = "cpu"
 ) -> tuple[Llama, object, str | None]:
