@@ -25,8 +25,7 @@ from memfit.planner.estimate import estimate_run
 from memfit.tokenizer import train_bpe
 from memfit.units import GIB
 
-from ..conftest import tiny_run_overrides
-from ..test_distributed import _torchrun
+from ..conftest import run_torchrun, tiny_run_overrides
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -162,7 +161,7 @@ def test_predicted_peak_within_5_percent_of_a_real_run(case, tmp_path, small_cor
 def test_predicted_peak_of_rank_0_of_two_within_5_percent(tmp_path, small_corpus):
     """FSDP2 over 2 ranks (torchrun, gloo) against ``world_size=2``: what FSDP gathers, each rank's shards."""
     run = tiny_run_overrides(small_corpus, tmp_path / "run", **RUN)
-    _torchrun(["pretrain", *run])
+    run_torchrun(["pretrain", *run])
     records = [r for r in read_records(tmp_path / "run" / "metrics.jsonl") if "memory_breakdown" in r]
     measured = max(round(sum(r["memory_breakdown"].values()) * GIB) for r in records)  # the fullest rank's
     cfg = load_config(None, run, world_size=2)
