@@ -17,6 +17,8 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import importlib.util
+import math
+import os
 import types
 import typing
 from dataclasses import dataclass, field
@@ -90,9 +92,11 @@ class DataConfig:
     """The training data: a text corpus (pretraining) or instruction / chat records (fine-tuning)."""
 
     path: str | None = None
-    """``format: text``: a UTF-8 text file, or a directory whose ``*.txt`` files are read in sorted order;
-    ``None`` is the Tiny Shakespeare text shipped inside the package. Other formats: a ``.json`` or ``.jsonl``
-    file of records."""
+    """``format: text``: a prepared token dataset (a ``memfit prepare`` output directory, with ``manifest.json``),
+    or raw text that the run prepares into ``output_dir/data`` first (once; later runs reuse it): a file, a
+    directory or a glob of ``.txt``, ``.jsonl``, ``.jsonl.gz``, ``.jsonl.zst`` or ``.parquet`` files (one source),
+    or a directory of one sub-directory per source (RedPajama's layout). ``None`` is the Tiny Shakespeare text
+    shipped inside the package. Other formats: a ``.json`` or ``.jsonl`` file of records."""
     format: str = "text"
     """``text`` (a corpus, cut into random windows), ``alpaca`` (``instruction``, ``input``, ``output``),
     ``dolly`` (``instruction``, ``context``, ``response``), ``sharegpt`` (``conversations`` of ``from``/``value``)
@@ -110,9 +114,16 @@ class DataConfig:
     skip_malformed: bool = False
     """Skip (and count) malformed records instead of stopping with an error that names the file and record."""
     val_fraction: float = 0.1
-    """Fraction held out for validation: of the text (by characters, cut at a line boundary, taken from the end;
-    the tokenizer is trained on the training part only), or of the records (a seeded random choice; 0 turns
-    validation off)."""
+    """Fraction held out for validation: of the documents of raw text prepared by the run (chosen by a hash of
+    each document, see :func:`memfit.data.tokens.is_validation`; the tokenizer is trained on training documents
+    only), or of the records (a seeded random choice; 0 turns validation off). A prepared dataset keeps the split
+    it was prepared with."""
+    weights: dict[str, float] = field(default_factory=dict)
+    """Mixture weights of the sources of a text dataset, e.g. ``{web: 0.67, books: 0.045}`` (any scale; a source
+    left out or weighted 0 is not trained on). Empty: each source in proportion to its training tokens."""
+    cross_document_attention: bool = True
+    """``false``: attention and positions stay within each document of a training window (a block-diagonal mask
+    from the BOS/EOS separators, as packed samples use), instead of running across document boundaries."""
 
 
 @dataclass
@@ -194,6 +205,84 @@ class DistributedConfig:
     ``CPUOffload``); CUDA only: on CPU everything is already in host memory."""
     limit_all_gathers: bool = True
     """fsdp1 only: rate-limit all-gathers issued ahead so at most two layers' unsharded weights exist at once."""
+
+
+@dataclass
+class PrepareConfig:
+    """``memfit prepare``: raw text sources -> a prepared token dataset (see :mod:`memfit.data.prepare`). Field
+    names are the command's ``key=value`` options (``--out``, ``--tokenizer`` and ``--workers`` set the first
+    three)."""
+
+    out: str = ""
+    """The dataset directory to write (new or empty; or one this command prepared, to resume or extend it)."""
+    tokenizer: str | None = None
+    """A tokenizer file (``tokenizer.json``, ``tokenizer.model``) or a Hugging Face / Meta / memfit checkpoint
+    directory. ``None``: a byte-level BPE of ``vocab_size`` ids trained on a sample of the training documents."""
+    workers: int = 0
+    """Worker processes; 0 is one per CPU core this process may use."""
+    vocab_size: int = 2048
+    """Ids of the BPE trained when no ``tokenizer`` is given (its two special tokens included)."""
+    char_tokenizer: bool = False
+    """With no ``tokenizer``: one id per character of the sample instead of a BPE (no BOS/EOS separators)."""
+    tokenizer_sample_bytes: int = 64 * 1024**2
+    """Characters of training documents the BPE is trained on (the first ones, in source and file order)."""
+    val_fraction: float = 0.01
+    """Share of documents held out for validation, chosen by a hash of each document's text."""
+    text_field: str = "text"
+    """The JSON field (``.jsonl``) or column (``.parquet``) that holds each document's text."""
+    shard_tokens: int = 2**24
+    """Tokens per training shard (16,777,216: 32 MiB of ``uint16``); a shard ends at a document boundary."""
+    txt_document_chars: int = 32_768
+    """``.txt`` files are cut at blank lines into documents of at least this many characters."""
+    skip_malformed: bool = False
+    """Skip (and count) bad records instead of stopping at the first with its file and line."""
+    num_nodes: int = 1
+    """Machines preparing disjoint parts of the same corpus into one shared ``out`` (see docs/data.md)."""
+    node_rank: int = 0
+    """This machine's number, ``0 .. num_nodes - 1``."""
+
+
+def validate_prepare(cfg: PrepareConfig) -> None:
+    """Check :class:`PrepareConfig` before anything is read or written.
+
+    Raises:
+        ConfigError: naming the offending key.
+    """
+    _require(bool(cfg.out), "out", "is required: the directory to write the dataset to (--out DIR)")
+    _require(cfg.workers >= 0, "workers", f"must be >= 0 (0: one per core), got {cfg.workers}")
+    _require(cfg.vocab_size >= 258, "vocab_size", f"a byte-level BPE needs >= 258 ids, got {cfg.vocab_size}")
+    _require(cfg.tokenizer_sample_bytes >= 1, "tokenizer_sample_bytes", "must be >= 1")
+    _require(0 <= cfg.val_fraction < 1, "val_fraction", f"must be in [0, 1), got {cfg.val_fraction}")
+    _require(bool(cfg.text_field), "text_field", "must name a field")
+    _require(cfg.shard_tokens >= 1024, "shard_tokens", f"must be >= 1024, got {cfg.shard_tokens}")
+    _require(cfg.txt_document_chars >= 1, "txt_document_chars", f"must be >= 1, got {cfg.txt_document_chars}")
+    _require(cfg.num_nodes >= 1, "num_nodes", f"must be >= 1, got {cfg.num_nodes}")
+    _require(
+        0 <= cfg.node_rank < cfg.num_nodes,
+        "node_rank",
+        f"must be in [0, num_nodes), got {cfg.node_rank} with num_nodes={cfg.num_nodes}",
+    )
+    _require(
+        cfg.tokenizer is None or not cfg.char_tokenizer,
+        "char_tokenizer",
+        "makes a tokenizer from the text; it cannot be combined with a given tokenizer",
+    )
+
+
+def load_prepare_config(overrides: list[str], **given: Any) -> PrepareConfig:
+    """A validated :class:`PrepareConfig` from ``key=value`` overrides and the command's own options.
+
+    Raises:
+        ConfigError: an unknown key, a value of the wrong type or an impossible value (named).
+    """
+    tree = _merge({k: v for k, v in given.items() if v is not None}, parse_overrides(overrides))
+    cfg = _from_dict(PrepareConfig, tree)
+    if cfg.workers == 0:
+        cfg.workers = (
+            len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        )
+    validate_prepare(cfg)
+    return cfg
 
 
 @dataclass
@@ -593,6 +682,27 @@ def validate(cfg: TrainConfig, world_size: int = 1) -> None:
     else:
         _require(0.0 <= vf < 1.0, "data.val_fraction", f"must be in [0, 1) (0: no validation), got {vf}")
     _validate_finetuning(cfg)
+    for name, weight in cfg.data.weights.items():
+        _require(
+            isinstance(weight, int | float)
+            and not isinstance(weight, bool)
+            and math.isfinite(weight)
+            and weight >= 0,
+            f"data.weights.{name}",
+            f"must be a finite number >= 0, got {weight!r}",
+        )
+    if cfg.data.weights:
+        _require(cfg.data.format == "text", "data.weights", "weighs the sources of a text dataset")
+        _require(
+            any(w > 0 for w in cfg.data.weights.values()),
+            "data.weights",
+            "are all 0: no source would be trained on; give at least one source a weight > 0",
+        )
+    _require(
+        cfg.data.cross_document_attention or cfg.data.format == "text",
+        "data.cross_document_attention",
+        "applies to text datasets; instruction samples are kept apart by data.packing",
+    )
 
     opt = cfg.optimizer
     _one_of(opt.name, OPTIMIZER_NAMES, "optimizer.name")

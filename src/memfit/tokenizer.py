@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import hashlib
 import json
 import logging
 import re
@@ -76,6 +77,11 @@ GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|
 GPT2_EOS = "<|endoftext|>"
 
 _TIKTOKEN_LINE = re.compile(rb"^[A-Za-z0-9+/]+=*[ \t]+[0-9]+[ \t]*\r?$")
+
+_FINGERPRINT_PROBE = (
+    "The quick brown fox jumps over the lazy dog. 0123456789 +-*/=<>()[]{} \"quotes\" 'x'\n\tTabs   and    "
+    "runs\n\ndef f(x):\n    return x ** 2  # code\nÉté, naïve café, Straße, Ελληνικά, русский, 日本語, 한국어, 🙂"
+)
 
 # Names tried, in order, when a tokenizer.json comes without a config that names its BOS/EOS tokens.
 _BOS_NAMES = ("<|begin_of_text|>", "<s>", "<bos>", "<|startoftext|>", "[BOS]")
@@ -146,6 +152,34 @@ class Tokenizer(ABC):
                 raise TokenizerError(f"this {self.kind} tokenizer has no EOS token; encode with eos=False")
             ids.append(self.eos_id)
         return ids
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        """Encode many texts at once (the library's batch encoder where it has one), without BOS/EOS: what
+        ``[encode(t) for t in texts]`` gives.
+
+        Args:
+            texts: The texts.
+
+        Returns:
+            One list of ids per text.
+        """
+        return self._encode_batch(list(texts))
+
+    def _encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [self._encode(t) for t in texts]
+
+    def fingerprint(self) -> str:
+        """A hash of what this tokenizer does: its kind, vocabulary size, special tokens and the ids of a probe
+        text covering letters, digits, whitespace runs, punctuation and non-ASCII characters. Two tokenizers with
+        the same fingerprint encode alike, whatever files they were loaded from (a Hugging Face directory, a
+        memfit checkpoint's copy).
+
+        Returns:
+            16 hex digits.
+        """
+        probe = self._encode(_FINGERPRINT_PROBE)
+        data = json.dumps([self.kind, self.vocab_size, sorted(self.special_tokens.items()), probe])
+        return hashlib.sha256(data.encode("utf-8")).hexdigest()[:16]
 
     def decode(self, ids: Sequence[int]) -> str:
         """Decode ids to text, rendering special tokens as their text (``"<|end_of_text|>"``).
@@ -359,6 +393,9 @@ class HFTokenizer(Tokenizer):
 
     def _encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
+
+    def _encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=False)]
 
     def _decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=False)

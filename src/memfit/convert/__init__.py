@@ -37,7 +37,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from memfit.checkpoint import MODEL_CONFIG, latest_checkpoint
+from memfit.checkpoint import MODEL_CONFIG, latest_checkpoint, resolve_checkpoint
 from memfit.convert.hf import (
     DEFAULT_MAX_SHARD_SIZE,
     HF_CONFIG,
@@ -429,3 +429,20 @@ def export_checkpoint(
         generation_config=generation,
         chat_template=read_chat_template(info.tokenizer_path) if info.format == "hf" else None,
     )
+
+
+def checkpoint_tokenizer(path: str | Path) -> Tokenizer:
+    """The tokenizer stored with a Hugging Face, Meta or memfit checkpoint (read without the weights).
+
+    Raises:
+        CheckpointError: the checkpoint has no tokenizer.
+    """
+    fmt = detect_format(path)
+    where = resolve_checkpoint(path) / "tokenizer" if fmt == "memfit" else Path(path)
+    try:
+        return load_tokenizer(where)
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(
+            f"checkpoint_dir '{path}' has no usable tokenizer ({exc}); fine-tuning needs the tokenizer the model was "
+            f"trained with (tokenizer.json or tokenizer.model beside the weights)"
+        ) from None

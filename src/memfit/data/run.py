@@ -18,12 +18,10 @@ import torch
 from tqdm.auto import tqdm
 
 from memfit import distributed as dist_
-from memfit.checkpoint import resolve_checkpoint
 from memfit.config import TrainConfig
-from memfit.convert import detect_format
+from memfit.convert import checkpoint_tokenizer
 from memfit.data.corpus import TRAIN, VAL, Corpus, TokenWindows, batch_rng, prepare_corpus
 from memfit.data.instruct import batch_position, prepare_instruct
-from memfit.errors import CheckpointError
 from memfit.tokenizer import CharTokenizer, Tokenizer, load_tokenizer, train_bpe
 
 Batch = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
@@ -64,23 +62,6 @@ def tokenizer_settings(cfg: TrainConfig) -> dict[str, Any]:
     tok = cfg.tokenizer
     extra = {"bpe": {"vocab_size": tok.vocab_size}, "file": {"path": tok.path}}.get(tok.kind, {})
     return {"kind": tok.kind, **extra}
-
-
-def checkpoint_tokenizer(path: str | Path) -> Tokenizer:
-    """The tokenizer stored with a Hugging Face, Meta or memfit checkpoint (read without the weights).
-
-    Raises:
-        CheckpointError: the checkpoint has no tokenizer.
-    """
-    fmt = detect_format(path)
-    where = resolve_checkpoint(path) / "tokenizer" if fmt == "memfit" else Path(path)
-    try:
-        return load_tokenizer(where)
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(
-            f"checkpoint_dir '{path}' has no usable tokenizer ({exc}); fine-tuning needs the tokenizer the model was "
-            f"trained with (tokenizer.json or tokenizer.model beside the weights)"
-        ) from None
 
 
 def run_tokenizer(cfg: TrainConfig, out: Path, resume_dir: Path | None) -> tuple[Tokenizer, Corpus | None]:

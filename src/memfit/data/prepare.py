@@ -1,0 +1,716 @@
+"""``memfit prepare``: raw text sources -> a prepared token dataset (the format of :mod:`memfit.data.tokens`), once,
+independent of any run.
+
+Plan of work:
+
+1. **Check everything first**: the sources' files exist and have known formats, the tokenizer loads, and the
+   output directory is empty, an interrupted prepare of the same settings, or the same dataset (then a run is a
+   no-op, or prepares only files that were added or changed). Nothing is written before these checks pass.
+2. **The tokenizer**: the one given (a tokenizer file, or a Hugging Face / memfit checkpoint directory), or a
+   byte-level BPE trained on a bounded sample of the training documents (``tokenizer_sample_bytes``, read in
+   source and file order). Saved into ``tokenizer/`` with its fingerprint.
+3. **Units of work**: one per input file. A unit streams its file's documents, sends each to the training or the
+   validation split by a hash of its text (:func:`memfit.data.tokens.is_validation`), encodes them in batches of
+   about 1 MiB of text with the tokenizer's batch encoder, and appends ``[BOS] ids [EOS]`` to the split's current
+   shard. A shard pair (``NAME-k.train.bin``, ``NAME-k.val.bin``) closes at the first document boundary that would
+   take the training shard past ``shard_tokens``; its sidecar ``NAME-k.json`` (written after both shards are in
+   place) records the input documents it covers. After a SIGKILL the finished pairs are kept: the unit skips the
+   documents they cover and redoes only the pair it was writing. A unit's ``NAME.json`` index marks it done.
+   Memory is bounded by a batch of documents per worker, whatever the corpus size.
+4. **Fan-out**: the units run in ``workers`` processes through datatrove's ``LocalPipelineExecutor`` (Hugging Face's
+   data-processing library); ``num_nodes`` / ``node_rank`` give each machine a disjoint block of the units, all
+   writing into one shared directory (see docs/data.md). A unit's output depends on its file alone, so the bytes
+   are the same whatever the number of workers or machines. An advisory lock per unit keeps two processes off the
+   same unit (for example a worker that outlived a killed run).
+5. **The manifest**: when every unit is done, ``manifest.json`` (sources, documents and tokens per source, split
+   and shard, the tokenizer and its fingerprint, the settings, the format version) is written atomically, and a
+   table per source is printed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import re
+import shutil
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from memfit.config import PrepareConfig
+from memfit.convert import checkpoint_tokenizer, detect_format
+from memfit.data.sources import InputFile, ReadCounts, read_documents, resolve_sources
+from memfit.data.tokens import FORMAT, MANIFEST, SPLITS, VERSION, is_validation, token_dtype
+from memfit.errors import DataError, TokenizerError
+from memfit.tokenizer import CharTokenizer, Tokenizer, load_tokenizer, train_bpe
+
+STATE_DIR = ".prepare"
+"""Where an unfinished prepare keeps its settings and the executor's logs."""
+BATCH_CHARS = 1 << 20
+"""Characters of text encoded in one batch (bounds a worker's memory)."""
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Settings and the output directory
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One input file and the name its shards and index take in the source's directory."""
+
+    file: InputFile
+    name: str
+
+    @property
+    def source(self) -> str:
+        return self.file.source
+
+
+def unit_name(f: InputFile) -> str:
+    """``<file name>-<8 hex digits of the path's hash>``: stable when other files are added, distinct for files of
+    the same name in different directories."""
+    stem = re.sub(r"[^A-Za-z0-9._-]+", "_", f.path.name)
+    return f"{stem}-{hashlib.sha256(str(f.path).encode()).hexdigest()[:8]}"
+
+
+def dataset_key(cfg: PrepareConfig, tokenizer_fingerprint: str | None) -> dict[str, Any]:
+    """What makes two prepared datasets the same: the settings that change the bytes and the tokenizer (the input
+    files are not part of it: files may be added to a dataset)."""
+    return {
+        "format": FORMAT,
+        "version": VERSION,
+        "tokenizer": cfg.tokenizer,
+        "tokenizer_fingerprint": tokenizer_fingerprint,
+        "vocab_size": cfg.vocab_size if cfg.tokenizer is None else None,
+        "char_tokenizer": cfg.char_tokenizer,
+        "tokenizer_sample_bytes": cfg.tokenizer_sample_bytes if cfg.tokenizer is None else None,
+        "val_fraction": cfg.val_fraction,
+        "text_field": cfg.text_field,
+        "shard_tokens": cfg.shard_tokens,
+        "txt_document_chars": cfg.txt_document_chars,
+        "skip_malformed": cfg.skip_malformed,
+    }
+
+
+def _write_json(path: Path, data: Any) -> None:
+    """Write JSON atomically (aside, then renamed into place)."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
+    with open(tmp, "w", encoding="utf-8") as fh:
+        json.dump(data, fh, indent=1)
+        fh.write("\n")
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def _read_json(path: Path) -> Any | None:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+
+
+def _comparable(key: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in key.items() if k != "tokenizer_fingerprint"}
+
+
+def check_output_dir(out: Path, key: dict[str, Any]) -> str:
+    """What ``out`` holds: ``new`` (missing or empty), ``resume`` (an unfinished prepare of these settings) or
+    ``existing`` (a finished dataset of these settings).
+
+    Raises:
+        DataError: ``out`` is a file, holds something that is not a prepared dataset, or holds a dataset prepared
+            with other settings (nothing in it is changed).
+    """
+    if not out.exists():
+        return "new"
+    if not out.is_dir():
+        raise DataError(f"--out '{out}' is a file; give a directory for the prepared dataset")
+    if not any(out.iterdir()):
+        return "new"
+    saved = _read_json(out / STATE_DIR / "settings.json")
+    if saved is None:
+        manifest = _read_json(out / MANIFEST)
+        saved = manifest.get("settings") if isinstance(manifest, dict) else None
+    if not isinstance(saved, dict):
+        raise DataError(
+            f"--out '{out}' is not empty and holds no prepared dataset; choose an empty or new directory "
+            f"(nothing was changed)"
+        )
+    if _comparable(saved) != _comparable(key):
+        differ = sorted(k for k in key if k != "tokenizer_fingerprint" and saved.get(k) != key[k])
+        raise DataError(
+            f"--out '{out}' already holds a different dataset (prepared with other {', '.join(differ)}); choose "
+            f"another directory, or delete it to prepare it anew (nothing was changed)"
+        )
+    return "existing" if (out / MANIFEST).is_file() else "resume"
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The tokenizer
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def load_given_tokenizer(path: str) -> Tokenizer:
+    """A tokenizer file, a directory of tokenizer files, or a Hugging Face / Meta / memfit checkpoint directory.
+
+    Raises:
+        DataError: nothing usable is there.
+    """
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise DataError(f"tokenizer '{path}' does not exist; give a tokenizer file or a checkpoint directory")
+    try:
+        if p.is_dir():
+            try:
+                detect_format(p)
+            except Exception:  # a directory of tokenizer files, not a checkpoint
+                return load_tokenizer(p)
+            return checkpoint_tokenizer(p)
+        return load_tokenizer(p)
+    except (OSError, ValueError, TokenizerError) as exc:
+        raise DataError(f"tokenizer '{path}' cannot be loaded: {exc}") from None
+
+
+def _training_sample(units: list[Unit], cfg: PrepareConfig) -> Iterator[str]:
+    """Training documents (never validation ones), in source and file order, up to ``tokenizer_sample_bytes``."""
+    budget = cfg.tokenizer_sample_bytes
+    for unit in units:
+        for doc in _documents(unit, cfg, ReadCounts()):
+            if is_validation(doc, cfg.val_fraction):
+                continue
+            yield doc[:budget]
+            budget -= len(doc)
+            if budget <= 0:
+                return
+
+
+def make_tokenizer(units: list[Unit], cfg: PrepareConfig) -> Tokenizer:
+    """The dataset's tokenizer: ``cfg.tokenizer`` loaded, or one made from a bounded sample of the training
+    documents (a byte-level BPE of ``vocab_size`` ids, or with ``char_tokenizer`` one id per character)."""
+    if cfg.tokenizer is not None:
+        return load_given_tokenizer(cfg.tokenizer)
+    if cfg.char_tokenizer:
+        return CharTokenizer.from_text("".join(_training_sample(units, cfg)))
+    return train_bpe(_training_sample(units, cfg), cfg.vocab_size)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# One unit: an input file -> shard pairs
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _documents(unit: Unit, cfg: PrepareConfig, counts: ReadCounts) -> Iterator[str]:
+    return read_documents(
+        unit.file,
+        text_field=cfg.text_field,
+        skip_malformed=cfg.skip_malformed,
+        txt_document_chars=cfg.txt_document_chars,
+        counts=counts,
+    )
+
+
+@contextlib.contextmanager
+def _unit_lock(directory: Path, name: str) -> Iterator[None]:
+    """An advisory lock on one unit, released when this process ends however it ends."""
+    with open(directory / f".{name}.lock", "a+") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+class _ShardPair:
+    """The training and validation shards being written for one unit, appended to on disk as batches arrive."""
+
+    def __init__(self, directory: Path, unit: str, index: int, dtype: np.dtype) -> None:
+        self.directory, self.unit, self.index, self.dtype = directory, unit, index, dtype
+        self.files = {split: directory / f"{unit}-{index:05d}.{split}.bin" for split in SPLITS}
+        self.handles = {split: open(self._tmp(split), "wb") for split in SPLITS}
+        self.tokens = dict.fromkeys(SPLITS, 0)
+        self.documents = dict.fromkeys(SPLITS, 0)
+
+    def _tmp(self, split: str) -> Path:
+        return self.files[split].with_name(self.files[split].name + ".tmp")
+
+    def write(self, split: str, ids: np.ndarray) -> None:
+        self.handles[split].write(ids.tobytes())
+        self.tokens[split] += len(ids)
+        self.documents[split] += 1
+
+    def close(self, input_documents_end: int) -> dict[str, Any]:
+        """Put both shards in place, then the sidecar that marks the pair finished."""
+        for split in SPLITS:
+            fh = self.handles[split]
+            fh.flush()
+            os.fsync(fh.fileno())
+            fh.close()
+            os.replace(self._tmp(split), self.files[split])
+        record = {
+            "index": self.index,
+            "input_documents_end": input_documents_end,
+            "shards": [
+                {
+                    "file": self.files[s].name,
+                    "split": s,
+                    "tokens": self.tokens[s],
+                    "documents": self.documents[s],
+                }
+                for s in SPLITS
+            ],
+        }
+        _write_json(self.directory / f"{self.unit}-{self.index:05d}.json", record)
+        return record
+
+    def abandon(self) -> None:
+        for split in SPLITS:
+            self.handles[split].close()
+            self._tmp(split).unlink(missing_ok=True)
+
+
+def _finished_pairs(directory: Path, unit: str, dtype: np.dtype) -> list[dict[str, Any]]:
+    """The shard pairs of a unit that a previous, interrupted run finished (consecutive from 0, intact)."""
+    pairs = []
+    while True:
+        record = _read_json(directory / f"{unit}-{len(pairs):05d}.json")
+        if not isinstance(record, dict):
+            return pairs
+        for shard in record["shards"]:
+            path = directory / shard["file"]
+            if not path.is_file() or path.stat().st_size != shard["tokens"] * dtype.itemsize:
+                return pairs
+        pairs.append(record)
+
+
+def _remove_unit_files(directory: Path, unit: str, keep: int) -> None:
+    """Remove a unit's index and its shard pairs from number ``keep`` on (and any temporary file)."""
+    (directory / f"{unit}.json").unlink(missing_ok=True)
+    pattern = re.compile(rf"^{re.escape(unit)}-(\d{{5}})\.")
+    for path in directory.iterdir():
+        match = pattern.match(path.name)
+        if match and (int(match.group(1)) >= keep or path.name.endswith(".tmp")):
+            path.unlink(missing_ok=True)
+
+
+def unit_done(directory: Path, unit: Unit) -> dict[str, Any] | None:
+    """The index of a finished unit whose input file is unchanged, or None."""
+    index = _read_json(directory / f"{unit.name}.json")
+    if isinstance(index, dict) and index.get("input") == unit.file.fingerprint():
+        return index
+    return None
+
+
+class _UnitWriter:
+    """Routes a unit's documents, encoded in batches, into its shard pairs."""
+
+    def __init__(
+        self,
+        directory: Path,
+        unit: str,
+        tokenizer: Tokenizer,
+        shard_tokens: int,
+        finished: list[dict[str, Any]],
+        progress: Callable[[int, int, int], None] | None,
+    ) -> None:
+        self.directory, self.unit, self.tokenizer, self.shard_tokens = (
+            directory,
+            unit,
+            tokenizer,
+            shard_tokens,
+        )
+        self.dtype = token_dtype(tokenizer.vocab_size)
+        self.bos = [] if tokenizer.bos_id is None else [tokenizer.bos_id]
+        self.eos = [] if tokenizer.eos_id is None else [tokenizer.eos_id]
+        self.pairs = finished
+        self.consumed = (
+            finished[-1]["input_documents_end"] if finished else 0
+        )  # input documents in closed pairs
+        self.pair = _ShardPair(directory, unit, len(self.pairs), self.dtype)
+        self.pending: list[tuple[str, str]] = []  # (split, document) not encoded yet
+        self.pending_chars = 0
+        self.progress = progress
+
+    def add(self, split: str, document: str) -> None:
+        self.pending.append((split, document))
+        self.pending_chars += len(document)
+        if self.pending_chars >= BATCH_CHARS:
+            self.flush()
+
+    def flush(self) -> int:
+        """Encode the pending documents and append them; returns their tokens."""
+        if not self.pending:
+            return 0
+        encoded = self.tokenizer.encode_batch([doc for _, doc in self.pending])
+        tokens = 0
+        for (split, _), ids in zip(self.pending, encoded, strict=True):
+            array = np.asarray(self.bos + ids + self.eos, dtype=self.dtype)
+            train = self.pair.tokens["train"]
+            if split == "train" and train and train + len(array) > self.shard_tokens:
+                self.pairs.append(self.pair.close(input_documents_end=self.consumed))
+                self.pair = _ShardPair(self.directory, self.unit, len(self.pairs), self.dtype)
+            self.pair.write(split, array)
+            self.consumed += 1
+            tokens += len(array)
+        if self.progress is not None:
+            self.progress(len(self.pending), tokens, 0)
+        self.pending, self.pending_chars = [], 0
+        return tokens
+
+    def finish(self) -> list[dict[str, Any]]:
+        """Write what is pending and close the last pair (left out when it is empty and others exist)."""
+        self.flush()
+        if any(self.pair.tokens.values()) or not self.pairs:
+            self.pairs.append(self.pair.close(input_documents_end=self.consumed))
+        else:
+            self.pair.abandon()
+        return self.pairs
+
+    def abandon(self) -> None:
+        self.pair.abandon()
+
+
+def prepare_unit(
+    unit: Unit,
+    out: Path,
+    cfg: PrepareConfig,
+    tokenizer: Tokenizer,
+    progress: Callable[[int, int, int], None] | None = None,
+) -> dict[str, Any]:
+    """Tokenize one input file into its shard pairs and write its index (see the module docstring, 3).
+
+    Args:
+        unit: the file and its name.
+        out: the dataset directory.
+        cfg: the prepare settings.
+        tokenizer: the dataset's tokenizer.
+        progress: called with ``(documents, tokens, input bytes)`` done since the last call.
+
+    Returns:
+        The unit's index: ``input`` (the file's fingerprint), ``documents`` / ``tokens`` per split, ``skipped``
+        (malformed records skipped), ``pairs`` (the shard pairs' records).
+
+    Raises:
+        DataError: a bad record (unless ``skip_malformed``), naming its file and line.
+    """
+    directory = out / unit.source
+    directory.mkdir(parents=True, exist_ok=True)
+    dtype = token_dtype(tokenizer.vocab_size)
+    with _unit_lock(directory, unit.name):
+        done = unit_done(directory, unit)
+        if done is not None:  # another process finished it while this one waited for the lock
+            return done
+        finished = _finished_pairs(directory, unit.name, dtype)
+        _remove_unit_files(directory, unit.name, keep=len(finished))
+        writer = _UnitWriter(directory, unit.name, tokenizer, cfg.shard_tokens, finished, progress)
+        skip, counts, position = writer.consumed, ReadCounts(), 0
+        try:
+            for number, doc in enumerate(_documents(unit, cfg, counts)):
+                if progress is not None and counts.position - position >= BATCH_CHARS:
+                    progress(0, 0, counts.position - position)
+                    position = counts.position
+                if number < skip:  # in a pair a previous run finished
+                    continue
+                writer.add("val" if is_validation(doc, cfg.val_fraction) else "train", doc)
+            pairs = writer.finish()
+        except BaseException:
+            writer.abandon()
+            raise
+        if progress is not None:
+            progress(0, 0, unit.file.size - position)
+        index = {
+            "input": unit.file.fingerprint(),
+            "documents": {
+                s: sum(sh["documents"] for p in pairs for sh in p["shards"] if sh["split"] == s)
+                for s in SPLITS
+            },
+            "tokens": {
+                s: sum(sh["tokens"] for p in pairs for sh in p["shards"] if sh["split"] == s) for s in SPLITS
+            },
+            "skipped": counts.skipped,
+            "first_skipped": counts.first_skipped,
+            "pairs": pairs,
+        }
+        _write_json(directory / f"{unit.name}.json", index)
+        return index
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The whole corpus
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class PrepareResult:
+    """What :func:`prepare` did."""
+
+    out: Path
+    manifest: dict[str, Any] | None
+    """The manifest, or None while units of other machines are not done yet."""
+    units: int
+    """Units of this machine."""
+    prepared: int
+    """Units prepared by this call (0: it was a no-op)."""
+    seconds: float
+
+
+class _Progress:
+    """Documents, tokens and input bytes done, summed over worker processes (a manager's dict), shown as a
+    tqdm bar over the input bytes with documents/s and tokens/s."""
+
+    def __init__(self, total_bytes: int, enabled: bool, shared: Any) -> None:
+        self.shared = shared
+        self.bar = tqdm(
+            total=total_bytes,
+            unit="B",
+            unit_scale=True,
+            unit_divisor=1024,
+            desc="prepare",
+            disable=not enabled,
+            dynamic_ncols=True,
+            file=sys.stderr,
+        )
+        self.start = time.perf_counter()
+
+    def callback(self) -> Callable[[int, int, int], None]:
+        shared = self.shared
+
+        def report(documents: int, tokens: int, nbytes: int) -> None:
+            key = os.getpid()
+            d, t, b = shared.get(key, (0, 0, 0))
+            shared[key] = (d + documents, t + tokens, b + nbytes)
+
+        return report
+
+    def refresh(self) -> None:
+        values = list(self.shared.values())
+        docs, tokens, nbytes = (sum(v[i] for v in values) for i in range(3))
+        elapsed = max(time.perf_counter() - self.start, 1e-9)
+        self.bar.n = min(nbytes, self.bar.total)
+        self.bar.set_postfix_str(
+            f"{docs / elapsed:,.0f} docs/s, {tokens / elapsed:,.0f} tokens/s", refresh=False
+        )
+        self.bar.refresh()
+
+    def close(self) -> None:
+        self.refresh()
+        self.bar.close()
+
+
+def _quiet_datatrove() -> None:
+    """datatrove logs every task to stderr (through loguru); the progress bar and the summary say what matters."""
+    from loguru import logger  # deferred: datatrove's logger, imported with it
+
+    logger.disable("datatrove")
+
+
+class _UnitTask:
+    """What datatrove runs for each task (rank ``r``): prepare unit ``r``. A class, so the worker processes
+    receive it by reference."""
+
+    def __init__(self, units: list[Unit], out: Path, cfg: PrepareConfig, report: Callable | None) -> None:
+        self.units, self.out, self.cfg, self.report = units, out, cfg, report
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        _quiet_datatrove()  # in a worker process, before the executor logs anything of this task
+        self.__dict__.update(state)
+
+    def __call__(self, _data: Any, rank: int = 0, world_size: int = 1) -> None:
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"  # the workers are the parallelism
+        tokenizer = load_tokenizer(self.out / "tokenizer")
+        prepare_unit(self.units[rank], self.out, self.cfg, tokenizer, self.report)
+
+
+def _run_units(
+    units: list[Unit], cfg: PrepareConfig, out: Path, first: int, count: int, report: Callable
+) -> None:
+    """Prepare units ``[first, first + count)`` in ``cfg.workers`` processes with datatrove's local executor."""
+    from datatrove.executor import LocalPipelineExecutor  # deferred: only memfit prepare fans out
+
+    _quiet_datatrove()
+    executor = LocalPipelineExecutor(
+        pipeline=[_UnitTask(units, out, cfg, report)],
+        tasks=len(units),
+        workers=min(cfg.workers, count),
+        logging_dir=str(out / STATE_DIR / "executor"),
+        skip_completed=False,  # our unit indexes say what is done (they survive files being added)
+        local_tasks=count,
+        local_rank_offset=first,
+    )
+    executor.run()
+
+
+def prepare(cfg: PrepareConfig, sources: dict[str, list[str]], *, progress_bar: bool = True) -> PrepareResult:
+    """Prepare a token dataset in ``cfg.out`` from ``sources`` (see the module docstring).
+
+    Args:
+        cfg: the settings (validated).
+        sources: source name -> paths, directories or globs.
+        progress_bar: show the progress bar (stderr) and the summary table (stdout).
+
+    Returns:
+        The :class:`PrepareResult`.
+
+    Raises:
+        DataError: a missing or unreadable input, a bad record, an empty source, a tokenizer that cannot be
+            loaded, an output directory holding something else; checked before anything is written where it can be.
+    """
+    start = time.perf_counter()
+    out = Path(cfg.out).expanduser().absolute()
+    files = resolve_sources(sources)
+    units = [Unit(f, unit_name(f)) for name in sorted(files) for f in files[name]]
+    given = load_given_tokenizer(cfg.tokenizer) if cfg.tokenizer is not None else None
+    key = dataset_key(cfg, given.fingerprint() if given is not None else None)
+    state = check_output_dir(out, key)
+    if given is not None and cfg.tokenizer is not None:
+        key["tokenizer"] = str(Path(cfg.tokenizer).expanduser().absolute())
+    # --- the tokenizer, saved once (an interrupted or finished prepare keeps its own) -----------------------
+    tokenizer_dir = out / "tokenizer"
+    if state != "new" and (tokenizer_dir / "tokenizer_config.json").is_file():
+        tokenizer = load_tokenizer(tokenizer_dir)
+    else:
+        tokenizer = given if given is not None else make_tokenizer(units, cfg)
+        (out / STATE_DIR).mkdir(parents=True, exist_ok=True)
+        tmp = out / STATE_DIR / f"tokenizer.tmp-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tokenizer.save(tmp)
+        shutil.rmtree(tokenizer_dir, ignore_errors=True)
+        os.replace(tmp, tokenizer_dir)
+    key["tokenizer_fingerprint"] = tokenizer.fingerprint()
+    if given is not None and given.fingerprint() != key["tokenizer_fingerprint"]:
+        raise DataError(f"--out '{out}' holds a dataset of another tokenizer than '{cfg.tokenizer}'")
+    (out / STATE_DIR).mkdir(parents=True, exist_ok=True)
+    _write_json(out / STATE_DIR / "settings.json", key)
+
+    # --- this machine's units --------------------------------------------------------------------------------
+    per_node = -(-len(units) // cfg.num_nodes)
+    first = min(cfg.node_rank * per_node, len(units))
+    mine = units[first : first + per_node]
+    todo = [u for u in mine if unit_done(out / u.source, u) is None]
+    if todo:
+        import multiprocess  # deferred: with datatrove, for the workers' shared progress counters
+
+        manager = multiprocess.Manager() if cfg.workers > 1 and len(todo) > 1 else None
+        shared = manager.dict() if manager is not None else {}
+        bar = _Progress(sum(u.file.size for u in todo), progress_bar, shared)
+        try:
+            if manager is None:  # one process: no executor needed
+                for unit in todo:
+                    prepare_unit(unit, out, cfg, tokenizer, bar.callback())
+                    bar.refresh()
+            else:
+                done = threading.Event()
+                worker_error: list[BaseException] = []
+
+                def run() -> None:
+                    try:
+                        _run_units(units, cfg, out, first, len(mine), bar.callback())
+                    except BaseException as exc:  # reported in the main thread
+                        worker_error.append(exc)
+                    finally:
+                        done.set()
+
+                thread = threading.Thread(target=run, daemon=True)
+                thread.start()
+                while not done.wait(0.5):
+                    bar.refresh()
+                thread.join()
+                if worker_error:
+                    raise worker_error[0]
+        finally:
+            bar.close()
+            if manager is not None:
+                manager.shutdown()
+        missing = [u for u in todo if unit_done(out / u.source, u) is None]
+        if missing:  # a worker failed: redo the first one here, to raise its error with the file and line
+            prepare_unit(missing[0], out, cfg, tokenizer)
+    # --- the manifest, once every unit (of every machine) is done ---------------------------------------------
+    manifest = None
+    if all(unit_done(out / u.source, u) is not None for u in units):
+        manifest = build_manifest(out, units, tokenizer, key)
+        if _read_json(out / MANIFEST) != manifest:
+            _write_json(out / MANIFEST, manifest)
+    return PrepareResult(out, manifest, len(mine), len(todo), time.perf_counter() - start)
+
+
+def build_manifest(out: Path, units: list[Unit], tokenizer: Tokenizer, key: dict[str, Any]) -> dict[str, Any]:
+    """The manifest of a dataset whose units are all done (see :mod:`memfit.data.tokens`)."""
+    sources: dict[str, Any] = {}
+    for unit in units:
+        index = unit_done(out / unit.source, unit)
+        src = sources.setdefault(
+            unit.source,
+            {
+                "documents": 0,
+                "tokens": 0,
+                "skipped": 0,
+                "files": [],
+                "shards": [],
+                **{s: {"documents": 0, "tokens": 0} for s in SPLITS},
+            },
+        )
+        for s in SPLITS:
+            src[s]["documents"] += index["documents"][s]
+            src[s]["tokens"] += index["tokens"][s]
+        src["documents"] += sum(index["documents"].values())
+        src["tokens"] += sum(index["tokens"].values())
+        src["skipped"] += index["skipped"]
+        src["files"].append({**unit.file.fingerprint(), "unit": unit.name})
+        src["shards"] += [sh for pair in index["pairs"] for sh in pair["shards"] if sh["tokens"]]
+    for name, src in sources.items():
+        if src["tokens"] == 0:
+            raise DataError(f"source '{name}' has no text: its files hold no document")
+    return {
+        "format": FORMAT,
+        "version": VERSION,
+        "dtype": token_dtype(tokenizer.vocab_size).name,
+        "tokenizer": {
+            "kind": tokenizer.kind,
+            "vocab_size": tokenizer.vocab_size,
+            "bos_id": tokenizer.bos_id,
+            "eos_id": tokenizer.eos_id,
+            "fingerprint": tokenizer.fingerprint(),
+        },
+        "settings": key,
+        "documents": sum(s["documents"] for s in sources.values()),
+        "tokens": sum(s["tokens"] for s in sources.values()),
+        "sources": sources,
+    }
+
+
+def summary_table(manifest: dict[str, Any]) -> str:
+    """One row per source: documents, tokens (train / val), share of the tokens, shards, skipped records."""
+    total = max(manifest["tokens"], 1)
+    rows = [("source", "documents", "tokens", "train tokens", "val tokens", "share", "shards", "skipped")]
+    for name, s in manifest["sources"].items():
+        rows.append(
+            (
+                name,
+                f"{s['documents']:,}",
+                f"{s['tokens']:,}",
+                f"{s['train']['tokens']:,}",
+                f"{s['val']['tokens']:,}",
+                f"{s['tokens'] / total:.1%}",
+                f"{len(s['shards']):,}",
+                f"{s['skipped']:,}",
+            )
+        )
+    rows.append(("all", f"{manifest['documents']:,}", f"{manifest['tokens']:,}", "", "", "100.0%", "", ""))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join(
+        "  ".join(
+            c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True))
+        )
+        for r in rows
+    )
