@@ -285,7 +285,7 @@ def make_hf_checkpoint(directory: Path) -> Path:
     """A Hugging Face checkpoint of :data:`HF_BASE` (random weights) with a 512-id BPE trained on Tiny
     Shakespeare, for the LoRA / adapter rows."""
     from memfit.convert.hf import export_hf
-    from memfit.data.corpus import default_corpus_path
+    from memfit.data.sources import default_corpus_path
     from memfit.models.llama import LlamaConfig, build_llama
     from memfit.tokenizer import train_bpe
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from memfit.cli import main
-from memfit.data.corpus import default_corpus_path
+from memfit.data.sources import default_corpus_path
 
 ASSETS = Path(__file__).parent / "assets"
 DOLLY = ASSETS / "dolly_sample.json"

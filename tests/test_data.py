@@ -1,29 +1,26 @@
+"""Prepared token datasets as a run reads them: windows across shards, mixture weights, elastic global batches,
+separators, and damaged shards."""
+
 import json
+import shutil
 
 import numpy as np
 import pytest
 import torch
 
-from memfit.data.corpus import (
-    TokenWindows,
-    batch_rng,
-    corpus_files,
-    default_corpus_path,
-    prepare_corpus,
-    read_text,
-    split_text,
-    token_dtype,
-    write_tokens,
-)
+from memfit.config import load_prepare_config
+from memfit.data.prepare import prepare
+from memfit.data.sources import default_corpus_path, source_tree
+from memfit.data.tokens import TRAIN, VAL, TokenDataset, document_ids, read_manifest, token_dtype
 from memfit.errors import DataError
-from memfit.tokenizer import CharTokenizer, load_tokenizer
+
+from .conftest import ASSETS
 
 
 def test_shakespeare_ships_inside_the_package():
     path = default_corpus_path()
     assert path.stat().st_size == 1_115_394
-    assert read_text(path).startswith("First Citizen:")
-    assert corpus_files(None) == [path]
+    assert path.read_text(encoding="utf-8").startswith("First Citizen:")
 
 
 def test_token_dtype_follows_vocabulary_size():
@@ -32,96 +29,108 @@ def test_token_dtype_follows_vocabulary_size():
     assert token_dtype(128_256) == np.uint32
 
 
-def test_split_is_at_a_line_boundary_and_never_overlaps():
-    text = read_text(default_corpus_path())
-    train, val = split_text(text, 0.1)
-    assert train + val == text
-    assert train.endswith("\n")
-    assert abs(len(val) / len(text) - 0.1) < 0.001
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    out = tmp_path_factory.mktemp("tokens") / "mix"
+    cfg = load_prepare_config(
+        ["val_fraction=0.2", "shard_tokens=3000", "vocab_size=400"], out=str(out), workers=1
+    )
+    prepare(cfg, source_tree(ASSETS / "mixed_corpus"), progress_bar=False)
+    return out
 
 
-def test_prepared_corpus_tokenizer_sees_training_text_only(tmp_path):
-    text = "abc\n" * 90 + "xyz\n" * 10  # the last 10% holds characters the training part never has
-    src = tmp_path / "c.txt"
-    src.write_text(text)
-    tok, corpus = prepare_corpus(src, 0.1, CharTokenizer.from_text, tmp_path / "data", load_tokenizer)
-    assert "x" not in tok.decode(list(range(tok.vocab_size)))
-    train_ids = np.fromfile(corpus.train_path, dtype=np.uint16)
-    assert corpus.train_tokens == len(train_ids) == 360
-    assert tok.decode(train_ids.tolist()) == "abc\n" * 90
-    header = json.loads((tmp_path / "data" / "train.bin.json").read_text())
-    assert header == {"dtype": "uint16", "num_tokens": 360, "vocab_size": tok.vocab_size}
+def _stream(directory, manifest, source, split):
+    return np.concatenate(
+        [
+            np.fromfile(directory / source / s["file"], dtype=np.uint16)
+            for s in manifest["sources"][source]["shards"]
+            if s["split"] == split
+        ]
+    ).astype(np.int64)
 
 
-def test_prepared_corpus_is_reused_when_source_unchanged(tmp_path, small_corpus):
-    calls = []
-
-    def make(text):
-        calls.append(1)
-        return CharTokenizer.from_text(text)
-
-    prepare_corpus(small_corpus, 0.1, make, tmp_path / "d", load_tokenizer)
-    prepare_corpus(small_corpus, 0.1, make, tmp_path / "d", load_tokenizer)
-    assert len(calls) == 1
-    prepare_corpus(small_corpus, 0.2, make, tmp_path / "d", load_tokenizer)
-    assert len(calls) == 2
+def test_a_window_reads_across_shard_boundaries(dataset):
+    manifest = read_manifest(dataset)
+    ds = TokenDataset(dataset, "train", 64, None, manifest)
+    github = ds.names.index("github")
+    stream = ds.streams[github]
+    assert len(stream.paths) > 3  # several shards
+    whole = _stream(dataset, manifest, "github", "train")
+    for boundary in stream.starts[1:-1]:
+        start = int(boundary) - 10
+        assert np.array_equal(stream.read(start, 65), whole[start : start + 65])
 
 
-def test_uint32_tokens_round_trip(tmp_path):
-    class Big:
-        vocab_size = 100_000
-
-        def encode(self, text):
-            return [99_999, 70_000, 1]
-
-    n = write_tokens("x", Big(), tmp_path / "t.bin")
-    assert n == 3
-    assert np.fromfile(tmp_path / "t.bin", dtype=np.uint32).tolist() == [99_999, 70_000, 1]
-
-
-def test_windows_are_shifted_pairs_and_seeded(tmp_path):
-    tok = CharTokenizer.from_text("abcdefghij")
-    write_tokens("abcdefghij" * 20, tok, tmp_path / "t.bin")
-    w = TokenWindows(tmp_path / "t.bin", seq_len=8)
-    x, y = w.batch(5, batch_rng(1, 0, 3))
-    assert x.shape == y.shape == (5, 8) and x.dtype == torch.int64
-    assert torch.equal(x[:, 1:], y[:, :-1])
-    x2, _ = w.batch(5, batch_rng(1, 0, 3))
-    x3, _ = w.batch(5, batch_rng(1, 0, 4))
-    assert torch.equal(x, x2) and not torch.equal(x, x3)
+def test_batches_are_a_pure_function_of_the_step_on_any_number_of_ranks(dataset):
+    ds = TokenDataset(dataset, "train", 32, None)
+    one, _, sources = ds.batch(1337, TRAIN, step=7, micro_step=0, indices=range(8))
+    rank0, _, _ = ds.batch(1337, TRAIN, step=7, micro_step=0, indices=range(0, 4))
+    rank1, _, _ = ds.batch(1337, TRAIN, step=7, micro_step=0, indices=range(4, 8))
+    assert torch.equal(one, torch.cat([rank0, rank1]))  # 2 ranks x 4 = 1 process x 8, row for row
+    again, targets, _ = ds.batch(1337, TRAIN, step=7, micro_step=0, indices=range(8))
+    assert torch.equal(one, again)
+    assert torch.equal(one[:, 1:], targets[:, :-1])  # targets are the inputs shifted by one
+    other, _, _ = ds.batch(1337, TRAIN, step=8, micro_step=0, indices=range(8))
+    assert not torch.equal(one, other)
+    assert len(sources) == 8
 
 
-def test_missing_file_names_it(tmp_path):
-    with pytest.raises(DataError, match="nope.txt.*does not exist"):
-        corpus_files(tmp_path / "nope.txt")
+def test_default_mixture_follows_the_tokens_and_weights_are_kept_within_sampling_error(dataset):
+    manifest = read_manifest(dataset)
+    tokens = {n: s["train"]["tokens"] for n, s in manifest["sources"].items()}
+    draws = 6000
+    for weights in (
+        None,
+        {"book": 1.0, "docs": 1.0, "github": 2.0},
+        {"book": 0.0, "docs": 3.0, "github": 1.0},
+    ):
+        ds = TokenDataset(dataset, "train", 32, weights, manifest)
+        want = tokens if weights is None else weights
+        total = sum(want.values())
+        _, _, sources = ds.batch(0, TRAIN, 0, 0, range(draws))
+        for i, name in enumerate(ds.names):
+            p = want[name] / total
+            seen = sources.count(i) / draws
+            assert abs(seen - p) <= 4 * (p * (1 - p) / draws) ** 0.5 + 1e-12, (weights, name, seen, p)
 
 
-def test_empty_directory_and_empty_file(tmp_path):
-    with pytest.raises(DataError, match="no \\*.txt"):
-        corpus_files(tmp_path)
-    (tmp_path / "e.txt").write_text("  \n")
-    with pytest.raises(DataError, match="e.txt' is empty"):
-        read_text(tmp_path / "e.txt")
+def test_validation_windows_stay_in_their_source(dataset):
+    manifest = read_manifest(dataset)
+    ds = TokenDataset(dataset, "val", 32, None, manifest)
+    book = ds.names.index("book")
+    inputs, _, sources = ds.batch(1337, VAL, 0, book, range(6), source=book)
+    assert set(sources) == {book}
+    whole = _stream(dataset, manifest, "book", "val").tolist()
+    row = inputs[0].tolist()
+    assert any(whole[i : i + 32] == row for i in range(len(whole) - 31))
 
 
-def test_invalid_utf8_names_file_line_and_column(tmp_path):
-    p = tmp_path / "latin1.txt"
-    p.write_bytes(b"first line\nsecond caf" + b"\xe9 au lait\n")
-    with pytest.raises(DataError, match=r"latin1.txt' is not valid UTF-8: byte 0xe9 at line 2, column 11"):
-        read_text(p)
+def test_document_ids_start_at_each_bos():
+    bos, eos = 1, 2
+    inputs = torch.tensor([[5, 6, 2, 1, 7, 8, 2, 1, 9]])
+    assert document_ids(inputs, bos, eos).tolist() == [[0, 0, 0, 1, 1, 1, 1, 2, 2]]
+    assert document_ids(inputs, None, eos).tolist() == [[0, 0, 0, 1, 1, 1, 1, 2, 2]]  # after each EOS
 
 
-def test_corpus_shorter_than_one_sequence(tmp_path):
-    tok = CharTokenizer.from_text("abc")
-    write_tokens("abcabc", tok, tmp_path / "t.bin")
-    with pytest.raises(DataError, match="fewer than one sequence"):
-        TokenWindows(tmp_path / "t.bin", seq_len=16)
-
-
-def test_truncated_token_file_is_detected(tmp_path):
-    tok = CharTokenizer.from_text("abc")
-    write_tokens("abc" * 100, tok, tmp_path / "t.bin")
-    with open(tmp_path / "t.bin", "r+b") as f:
-        f.truncate(101)
-    with pytest.raises(DataError, match="truncated"):
-        TokenWindows(tmp_path / "t.bin", seq_len=16)
+def test_a_source_shorter_than_a_window_and_damaged_shards_are_named(dataset, tmp_path):
+    with pytest.raises(DataError, match="source 'book' has .* fewer than one window"):
+        TokenDataset(dataset, "val", 10**6, None)
+    TokenDataset(
+        dataset, "val", 10**6, {"book": 0.0, "docs": 0.0, "github": 0.0} | {"github": 0.0}
+    )  # all out
+    copy = tmp_path / "copy"
+    shutil.copytree(dataset, copy)
+    manifest = read_manifest(copy)
+    shard = copy / "docs" / manifest["sources"]["docs"]["shards"][0]["file"]
+    shard.write_bytes(shard.read_bytes()[:-2])
+    with pytest.raises(DataError, match=f"shard '{shard}' holds .* truncated"):
+        TokenDataset(copy, "train", 32, None, manifest)
+    shard.unlink()
+    with pytest.raises(DataError, match=f"shard '{shard}' is missing"):
+        TokenDataset(copy, "train", 32, None, manifest)
+    (copy / "manifest.json").write_text("{not json")
+    with pytest.raises(DataError, match="not valid JSON"):
+        read_manifest(copy)
+    (copy / "manifest.json").write_text(json.dumps({"format": "memfit-tokens", "version": 99}))
+    with pytest.raises(DataError, match="version 99"):
+        read_manifest(copy)

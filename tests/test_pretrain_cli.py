@@ -120,9 +120,9 @@ def test_a_second_run_does_not_overwrite_the_first(finished_run, small_corpus, c
     "content, expected",
     [
         (None, "corpus.txt' does not exist"),
-        (b"", "corpus.txt' is empty"),
-        (b"To be\nor \xff not", "corpus.txt' is not valid UTF-8: byte 0xff at line 2, column 4"),
-        (b"To be or not to be.\n" * 3, "fewer than one sequence"),
+        (b"", "corpus.txt' holds no document"),
+        (b"To be\nor \xff not", "corpus.txt:2: not valid UTF-8: byte 0xff at column 4"),
+        (b"To be or not.\n" * 2, "fewer than one window"),
     ],
     ids=["missing", "empty", "invalid-utf8", "too-short"],
 )

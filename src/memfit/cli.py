@@ -1,6 +1,8 @@
 """memfit: pretrain, fine-tune and sample Llama models in the least memory.
 
-Verbs: pretrain, finetune, estimate, plan, generate, export. Examples::
+Verbs: prepare, pretrain, finetune, estimate, plan, generate, export. Examples::
+
+    memfit prepare --out data/mix --source-tree corpus/ --tokenizer path/to/Llama-3.2-1B   # raw text -> tokens
 
     memfit pretrain                                   # the main job: Tiny Shakespeare, shipped in the package
     memfit pretrain --config configs/shakespeare_char.yaml max_steps=200 optimizer.lr=3e-4
@@ -30,7 +32,10 @@ import yaml
 
 from memfit import __version__, distributed, launch
 from memfit.build import load_for_generation, resolve_device
-from memfit.config import describe_keys, load_config, parse_overrides
+from memfit.config import PrepareConfig, describe_keys, load_config, load_prepare_config, parse_overrides
+from memfit.data.prepare import prepare, summary_table
+from memfit.data.sources import source_tree
+from memfit.data.tokens import MANIFEST
 from memfit.errors import ConfigError, MemfitError, NoPlanError
 from memfit.export import export_run
 from memfit.generate import generate_text
@@ -187,6 +192,40 @@ def _sets_key(config: str | None, overrides: list[str], key: str) -> bool:
     return isinstance(tree, dict) and key in tree
 
 
+def _prepare(args: argparse.Namespace) -> int:
+    sources: dict[str, list[str]] = {}
+    for item in args.source:
+        name, sep, path = item.partition("=")
+        if not sep or not name.strip() or not path.strip():
+            raise ConfigError(
+                f"--source {item!r} is not NAME=PATH_OR_GLOB (e.g. --source web='data/cc/*.jsonl.zst')"
+            )
+        sources.setdefault(name.strip(), []).append(path.strip())
+    if args.source_tree is not None:
+        for name, paths in source_tree(args.source_tree).items():
+            if name in sources:
+                raise ConfigError(
+                    f"--source-tree '{args.source_tree}' has a source {name!r} that --source gives too"
+                )
+            sources[name] = paths
+    if not sources:
+        raise ConfigError(
+            "memfit prepare needs at least one --source NAME=PATH_OR_GLOB or a --source-tree DIR"
+        )
+    cfg = load_prepare_config(args.overrides, out=args.out, tokenizer=args.tokenizer, workers=args.workers)
+    result = prepare(cfg, sources, progress_bar=not args.quiet)
+    if result.manifest is None:
+        print(
+            f"prepared {result.prepared} of this node's {result.units} files into '{result.out}'; the manifest is "
+            f"written when every node's files are done (run the same command again on any node to finish it)"
+        )
+        return 0
+    print(summary_table(result.manifest))
+    done = "prepared" if result.prepared else "already prepared (nothing to do)"
+    print(f"{done}: {result.out / MANIFEST} ({result.seconds:.1f} s)")
+    return 0
+
+
 def _generate(args: argparse.Namespace) -> int:
     device = resolve_device(args.device)
     model, tokenizer, run_template = load_for_generation(args.checkpoint, device=device)
@@ -317,6 +356,33 @@ def build_parser() -> argparse.ArgumentParser:
         help="part of the budget kept free for what the trace does not see (fragmentation, CUDA context)",
     )
     pl.add_argument("--explain", action="store_true", help="also print the cost model's constants")
+
+    pr = sub.add_parser(
+        "prepare",
+        help="turn raw text (jsonl, jsonl.gz, jsonl.zst, parquet, txt) into a sharded token dataset, once",
+        description="Tokenize text sources into a token dataset that runs train on (data.path=DIR): shards of "
+        "uint16/uint32 ids per source with BOS/EOS between documents, validation documents held out by a hash of "
+        "their text, and DIR/manifest.json. Streams its inputs (memory bounded by a few batches), uses every core, "
+        "resumes after being killed, and is a no-op when run again on the same inputs. See docs/data.md.",
+        epilog="key=value settings and defaults:\n  " + "\n  ".join(describe_keys(PrepareConfig)[3:]),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    pr.add_argument("--out", required=True, help="the dataset directory to write")
+    pr.add_argument(
+        "--tokenizer",
+        default=None,
+        help="tokenizer file or Hugging Face / memfit checkpoint directory (default: train a byte-level BPE)",
+    )
+    pr.add_argument(
+        "--source", action="append", default=[], metavar="NAME=PATH_OR_GLOB", help="a source (repeatable)"
+    )
+    pr.add_argument("--source-tree", default=None, metavar="DIR", help="one source per sub-directory of DIR")
+    pr.add_argument("--workers", type=int, default=None, help="worker processes (default: one per core)")
+    pr.add_argument("--quiet", action="store_true", help="no progress bar")
+    pr.add_argument(
+        "overrides", nargs="*", metavar="key=value", help="e.g. val_fraction=0.01 num_nodes=2 node_rank=0"
+    )
+    pr.set_defaults(func=_prepare)
 
     g = sub.add_parser(
         "generate",

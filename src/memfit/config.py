@@ -114,10 +114,10 @@ class DataConfig:
     skip_malformed: bool = False
     """Skip (and count) malformed records instead of stopping with an error that names the file and record."""
     val_fraction: float = 0.1
-    """Fraction held out for validation: of the documents of raw text prepared by the run (chosen by a hash of
-    each document, see :func:`memfit.data.tokens.is_validation`; the tokenizer is trained on training documents
-    only), or of the records (a seeded random choice; 0 turns validation off). A prepared dataset keeps the split
-    it was prepared with."""
+    """Fraction held out for validation: of raw text prepared by the run (record files: documents chosen by a hash
+    of their text; a ``.txt`` file: its tail, cut at a line boundary; the tokenizer is trained on the training part
+    only), or of instruction records (a seeded random choice; 0 turns validation off). A prepared dataset keeps
+    the split it was prepared with."""
     weights: dict[str, float] = field(default_factory=dict)
     """Mixture weights of the sources of a text dataset, e.g. ``{web: 0.67, books: 0.045}`` (any scale; a source
     left out or weighted 0 is not trained on). Empty: each source in proportion to its training tokens."""
@@ -227,13 +227,12 @@ class PrepareConfig:
     tokenizer_sample_bytes: int = 64 * 1024**2
     """Characters of training documents the BPE is trained on (the first ones, in source and file order)."""
     val_fraction: float = 0.01
-    """Share of documents held out for validation, chosen by a hash of each document's text."""
+    """Share held out for validation: of the documents of record files, chosen by a hash of each document's text;
+    of each ``.txt`` file (one document), its tail, cut at a line boundary."""
     text_field: str = "text"
     """The JSON field (``.jsonl``) or column (``.parquet``) that holds each document's text."""
     shard_tokens: int = 2**24
     """Tokens per training shard (16,777,216: 32 MiB of ``uint16``); a shard ends at a document boundary."""
-    txt_document_chars: int = 32_768
-    """``.txt`` files are cut at blank lines into documents of at least this many characters."""
     skip_malformed: bool = False
     """Skip (and count) bad records instead of stopping at the first with its file and line."""
     num_nodes: int = 1
@@ -255,7 +254,6 @@ def validate_prepare(cfg: PrepareConfig) -> None:
     _require(0 <= cfg.val_fraction < 1, "val_fraction", f"must be in [0, 1), got {cfg.val_fraction}")
     _require(bool(cfg.text_field), "text_field", "must name a field")
     _require(cfg.shard_tokens >= 1024, "shard_tokens", f"must be >= 1024, got {cfg.shard_tokens}")
-    _require(cfg.txt_document_chars >= 1, "txt_document_chars", f"must be >= 1, got {cfg.txt_document_chars}")
     _require(cfg.num_nodes >= 1, "num_nodes", f"must be >= 1, got {cfg.num_nodes}")
     _require(
         0 <= cfg.node_rank < cfg.num_nodes,

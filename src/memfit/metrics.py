@@ -37,6 +37,9 @@ def format_record(record: dict[str, Any]) -> str:
         value = record.get(key)
         if value is not None:
             parts.append(fmt.format(value))
+    per_source = {k.split("/", 1)[1]: v for k, v in record.items() if k.startswith("val_loss/")}
+    if len(per_source) > 1:
+        parts[-1] += " (" + ", ".join(f"{name} {v:.4f}" for name, v in per_source.items()) + ")"
     breakdown = record.get("memory_breakdown")
     if breakdown:
         cats = ", ".join(f"{k} {v:.3f}" for k, v in breakdown.items())

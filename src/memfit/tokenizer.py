@@ -177,7 +177,11 @@ class Tokenizer(ABC):
         Returns:
             16 hex digits.
         """
-        probe = self._encode(_FINGERPRINT_PROBE)
+        disabled, log.disabled = log.disabled, True  # a char tokenizer would warn of the probe's unknown characters
+        try:
+            probe = self._encode(_FINGERPRINT_PROBE)
+        finally:
+            log.disabled = disabled
         data = json.dumps([self.kind, self.vocab_size, sorted(self.special_tokens.items()), probe])
         return hashlib.sha256(data.encode("utf-8")).hexdigest()[:16]
 

@@ -30,7 +30,7 @@ from memfit.build import (
 )
 from memfit.config import TrainConfig, check_lengths, config_to_dict, with_absolute_paths
 from memfit.convert import weights_fingerprint
-from memfit.data.run import run_data, run_tokenizer
+from memfit.data.run import RunData, run_data, run_tokenizer
 from memfit.errors import CheckpointError
 from memfit.generate import generate_text
 from memfit.memory.optim import lr_at
@@ -64,10 +64,10 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     if resume_dir is not None:
         check_resume(cfg, resume_dir, resume_state)
     start_config = checkpoint_model_config(cfg.checkpoint_dir) if cfg.checkpoint_dir is not None else None
-    tokenizer, corpus = run_tokenizer(cfg, out, resume_dir)
+    tokenizer, manifest = run_tokenizer(cfg, out, resume_dir)
     mcfg = start_config or resolve_model_config(cfg, tokenizer.vocab_size)
     seq_len = check_lengths(cfg, mcfg, tokenizer.vocab_size)
-    data = run_data(cfg, tokenizer, corpus, seq_len)
+    data = run_data(cfg, tokenizer, manifest, seq_len, out)
     if cfg.preflight:
         check = preflight(cfg, mcfg, data.longest, device)
         if main_rank:
@@ -191,9 +191,9 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
 
         # once in a while: evaluate
         if cfg.eval_every and done % cfg.eval_every == 0 and done != cfg.max_steps:
-            val_loss = evaluate(model, data.val_batches(), **eval_options)
-            if not math.isnan(val_loss):  # NaN: no validation samples (data.val_fraction=0)
-                logger.log({"step": done, "val_loss": val_loss})
+            val = _validate(model, data, eval_options)
+            if not math.isnan(val["val_loss"]):  # NaN: no validation samples (data.val_fraction=0)
+                logger.log({"step": done, **val})
 
         # once in a while: checkpoint
         if cfg.checkpoint_every and done % cfg.checkpoint_every == 0 and done != cfg.max_steps:
@@ -201,10 +201,11 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     bar.close()
 
     # --- the end: final evaluation, checkpoint, plot, sample --------------------------------------------------
-    val_loss = evaluate(model, data.val_batches(), **eval_options)
+    val = _validate(model, data, eval_options)
+    val_loss = val["val_loss"]
     if start_step < cfg.max_steps:
         if not math.isnan(val_loss):
-            logger.log({"step": cfg.max_steps, "val_loss": val_loss})
+            logger.log({"step": cfg.max_steps, **val})
         last_ckpt = save(cfg.max_steps)
     else:  # resumed a finished run: report, but add nothing to its records or checkpoints
         if main_rank:
@@ -224,6 +225,18 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         "loss_plot": str(plot) if plot else None,
         "sample": sample,
     }
+
+
+def _validate(model: torch.nn.Module, data: RunData, eval_options: dict[str, Any]) -> dict[str, float]:
+    """``val_loss``, and for a text dataset ``val_loss/<source>`` of every source (``val_loss`` is then their mean:
+    every source is evaluated on the same number of tokens). NaN when there is nothing to validate on."""
+    if not data.val_sources:
+        return {"val_loss": evaluate(model, data.val_batches(), **eval_options)}
+    losses = {
+        f"val_loss/{name}": evaluate(model, batches(), **eval_options)
+        for name, batches in data.val_sources.items()
+    }
+    return {"val_loss": sum(losses.values()) / len(losses), **losses}
 
 
 def _tracked_step(tracker, model, optimizer, micro_batches, step_options, plot) -> StepResult:

@@ -40,7 +40,6 @@ import numpy as np
 import torch
 
 from memfit.config import TEMPLATES, format_columns
-from memfit.data.corpus import read_utf8
 from memfit.errors import DataError
 from memfit.memory.techniques import IGNORE_INDEX
 
@@ -150,6 +149,32 @@ def load_conversations(
     """
     records, skipped = _load_records(Path(path), fmt, column_map, skip_malformed)
     return [r.messages for r in records], skipped
+
+
+def read_utf8(path: Path, what: str = "corpus file", encoding: str = "utf-8") -> str:
+    """Read a file as strict UTF-8 (``encoding="utf-8-sig"`` also drops a byte-order mark).
+
+    Args:
+        path: the file.
+        what: how errors name it ("corpus file", "data file").
+        encoding: ``utf-8`` or ``utf-8-sig``.
+
+    Raises:
+        DataError: the file is unreadable or not valid UTF-8 (the message gives line and column).
+    """
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise DataError(f"cannot read {what} '{path}': {exc.strerror}") from None
+    try:
+        return raw.decode(encoding)
+    except UnicodeDecodeError as exc:
+        line = raw.count(b"\n", 0, exc.start) + 1
+        col = exc.start - (raw.rfind(b"\n", 0, exc.start) + 1) + 1
+        raise DataError(
+            f"{what} '{path}' is not valid UTF-8: byte 0x{raw[exc.start]:02x} at line {line}, column {col} "
+            f"(byte offset {exc.start}). Convert it to UTF-8 (e.g. iconv -f latin1 -t utf-8) and run again."
+        ) from None
 
 
 def _read_raw(path: Path) -> list[tuple[int | None, Any]]:

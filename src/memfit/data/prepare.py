@@ -9,14 +9,15 @@ Plan of work:
 2. **The tokenizer**: the one given (a tokenizer file, or a Hugging Face / memfit checkpoint directory), or a
    byte-level BPE trained on a bounded sample of the training documents (``tokenizer_sample_bytes``, read in
    source and file order). Saved into ``tokenizer/`` with its fingerprint.
-3. **Units of work**: one per input file. A unit streams its file's documents, sends each to the training or the
-   validation split by a hash of its text (:func:`memfit.data.tokens.is_validation`), encodes them in batches of
-   about 1 MiB of text with the tokenizer's batch encoder, and appends ``[BOS] ids [EOS]`` to the split's current
-   shard. A shard pair (``NAME-k.train.bin``, ``NAME-k.val.bin``) closes at the first document boundary that would
-   take the training shard past ``shard_tokens``; its sidecar ``NAME-k.json`` (written after both shards are in
-   place) records the input documents it covers. After a SIGKILL the finished pairs are kept: the unit skips the
-   documents they cover and redoes only the pair it was writing. A unit's ``NAME.json`` index marks it done.
-   Memory is bounded by a batch of documents per worker, whatever the corpus size.
+3. **Units of work**: one per input file. A unit streams its file's documents (in pieces, for long ``.txt``
+   files) with their split (:mod:`memfit.data.sources`: a hash of each record's text, the tail of a ``.txt``),
+   encodes them in batches of about 1 MiB of text with the tokenizer's batch encoder, and appends
+   ``[BOS] ids [EOS]`` to the split's current shard. A shard pair (``NAME-k.train.bin``, ``NAME-k.val.bin``)
+   closes at the first piece boundary that would take the training shard past ``shard_tokens``; its sidecar
+   ``NAME-k.json`` (written after both shards are in place) records the input pieces it covers. After a SIGKILL
+   the finished pairs are kept: the unit skips the pieces they cover and redoes only the pair it was writing. A
+   unit's ``NAME.json`` index marks it done. Memory is bounded by a batch of text per worker, whatever the corpus
+   size.
 4. **Fan-out**: the units run in ``workers`` processes through datatrove's ``LocalPipelineExecutor`` (Hugging Face's
    data-processing library); ``num_nodes`` / ``node_rank`` give each machine a disjoint block of the units, all
    writing into one shared directory (see docs/data.md). A unit's output depends on its file alone, so the bytes
@@ -49,8 +50,8 @@ from tqdm.auto import tqdm
 
 from memfit.config import PrepareConfig
 from memfit.convert import checkpoint_tokenizer, detect_format
-from memfit.data.sources import InputFile, ReadCounts, read_documents, resolve_sources
-from memfit.data.tokens import FORMAT, MANIFEST, SPLITS, VERSION, is_validation, token_dtype
+from memfit.data.sources import InputFile, Piece, ReadCounts, read_pieces, resolve_sources
+from memfit.data.tokens import FORMAT, MANIFEST, SPLITS, VERSION, token_dtype
 from memfit.errors import DataError, TokenizerError
 from memfit.tokenizer import CharTokenizer, Tokenizer, load_tokenizer, train_bpe
 
@@ -98,7 +99,6 @@ def dataset_key(cfg: PrepareConfig, tokenizer_fingerprint: str | None) -> dict[s
         "val_fraction": cfg.val_fraction,
         "text_field": cfg.text_field,
         "shard_tokens": cfg.shard_tokens,
-        "txt_document_chars": cfg.txt_document_chars,
         "skip_malformed": cfg.skip_malformed,
     }
 
@@ -137,8 +137,8 @@ def check_output_dir(out: Path, key: dict[str, Any]) -> str:
         return "new"
     if not out.is_dir():
         raise DataError(f"--out '{out}' is a file; give a directory for the prepared dataset")
-    if not any(out.iterdir()):
-        return "new"
+    if all(p.name == STATE_DIR for p in out.iterdir()) and not (out / STATE_DIR / "settings.json").exists():
+        return "new"  # empty, or another machine's prepare has just begun
     saved = _read_json(out / STATE_DIR / "settings.json")
     if saved is None:
         manifest = _read_json(out / MANIFEST)
@@ -187,11 +187,11 @@ def _training_sample(units: list[Unit], cfg: PrepareConfig) -> Iterator[str]:
     """Training documents (never validation ones), in source and file order, up to ``tokenizer_sample_bytes``."""
     budget = cfg.tokenizer_sample_bytes
     for unit in units:
-        for doc in _documents(unit, cfg, ReadCounts()):
-            if is_validation(doc, cfg.val_fraction):
+        for piece in _pieces(unit, cfg, ReadCounts()):
+            if piece.split == "val":
                 continue
-            yield doc[:budget]
-            budget -= len(doc)
+            yield piece.text[:budget]
+            budget -= len(piece.text)
             if budget <= 0:
                 return
 
@@ -211,12 +211,12 @@ def make_tokenizer(units: list[Unit], cfg: PrepareConfig) -> Tokenizer:
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def _documents(unit: Unit, cfg: PrepareConfig, counts: ReadCounts) -> Iterator[str]:
-    return read_documents(
+def _pieces(unit: Unit, cfg: PrepareConfig, counts: ReadCounts) -> Iterator[Piece]:
+    return read_pieces(
         unit.file,
+        val_fraction=cfg.val_fraction,
         text_field=cfg.text_field,
         skip_malformed=cfg.skip_malformed,
-        txt_document_chars=cfg.txt_document_chars,
         counts=counts,
     )
 
@@ -245,12 +245,12 @@ class _ShardPair:
     def _tmp(self, split: str) -> Path:
         return self.files[split].with_name(self.files[split].name + ".tmp")
 
-    def write(self, split: str, ids: np.ndarray) -> None:
+    def write(self, split: str, ids: np.ndarray, starts: bool) -> None:
         self.handles[split].write(ids.tobytes())
         self.tokens[split] += len(ids)
-        self.documents[split] += 1
+        self.documents[split] += int(starts)
 
-    def close(self, input_documents_end: int) -> dict[str, Any]:
+    def close(self, input_pieces_end: int) -> dict[str, Any]:
         """Put both shards in place, then the sidecar that marks the pair finished."""
         for split in SPLITS:
             fh = self.handles[split]
@@ -260,7 +260,7 @@ class _ShardPair:
             os.replace(self._tmp(split), self.files[split])
         record = {
             "index": self.index,
-            "input_documents_end": input_documents_end,
+            "input_pieces_end": input_pieces_end,
             "shards": [
                 {
                     "file": self.files[s].name,
@@ -302,6 +302,8 @@ def _remove_unit_files(directory: Path, unit: str, keep: int) -> None:
         match = pattern.match(path.name)
         if match and (int(match.group(1)) >= keep or path.name.endswith(".tmp")):
             path.unlink(missing_ok=True)
+        elif path.name.startswith(f".{unit}") and ".tmp-" in path.name:  # a JSON write a killed run left
+            path.unlink(missing_ok=True)
 
 
 def unit_done(directory: Path, unit: Unit) -> dict[str, Any] | None:
@@ -334,17 +336,15 @@ class _UnitWriter:
         self.bos = [] if tokenizer.bos_id is None else [tokenizer.bos_id]
         self.eos = [] if tokenizer.eos_id is None else [tokenizer.eos_id]
         self.pairs = finished
-        self.consumed = (
-            finished[-1]["input_documents_end"] if finished else 0
-        )  # input documents in closed pairs
+        self.consumed = finished[-1]["input_pieces_end"] if finished else 0  # input documents in closed pairs
         self.pair = _ShardPair(directory, unit, len(self.pairs), self.dtype)
-        self.pending: list[tuple[str, str]] = []  # (split, document) not encoded yet
+        self.pending: list[Piece] = []  # not encoded yet
         self.pending_chars = 0
         self.progress = progress
 
-    def add(self, split: str, document: str) -> None:
-        self.pending.append((split, document))
-        self.pending_chars += len(document)
+    def add(self, piece: Piece) -> None:
+        self.pending.append(piece)
+        self.pending_chars += len(piece.text)
         if self.pending_chars >= BATCH_CHARS:
             self.flush()
 
@@ -352,15 +352,16 @@ class _UnitWriter:
         """Encode the pending documents and append them; returns their tokens."""
         if not self.pending:
             return 0
-        encoded = self.tokenizer.encode_batch([doc for _, doc in self.pending])
+        encoded = self.tokenizer.encode_batch([p.text for p in self.pending])
         tokens = 0
-        for (split, _), ids in zip(self.pending, encoded, strict=True):
-            array = np.asarray(self.bos + ids + self.eos, dtype=self.dtype)
+        for piece, ids in zip(self.pending, encoded, strict=True):
+            ids = (self.bos if piece.starts else []) + ids + (self.eos if piece.ends else [])
+            array = np.asarray(ids, dtype=self.dtype)
             train = self.pair.tokens["train"]
-            if split == "train" and train and train + len(array) > self.shard_tokens:
-                self.pairs.append(self.pair.close(input_documents_end=self.consumed))
+            if piece.split == "train" and train and train + len(array) > self.shard_tokens:
+                self.pairs.append(self.pair.close(input_pieces_end=self.consumed))
                 self.pair = _ShardPair(self.directory, self.unit, len(self.pairs), self.dtype)
-            self.pair.write(split, array)
+            self.pair.write(piece.split, array, piece.starts)
             self.consumed += 1
             tokens += len(array)
         if self.progress is not None:
@@ -372,7 +373,7 @@ class _UnitWriter:
         """Write what is pending and close the last pair (left out when it is empty and others exist)."""
         self.flush()
         if any(self.pair.tokens.values()) or not self.pairs:
-            self.pairs.append(self.pair.close(input_documents_end=self.consumed))
+            self.pairs.append(self.pair.close(input_pieces_end=self.consumed))
         else:
             self.pair.abandon()
         return self.pairs
@@ -416,13 +417,13 @@ def prepare_unit(
         writer = _UnitWriter(directory, unit.name, tokenizer, cfg.shard_tokens, finished, progress)
         skip, counts, position = writer.consumed, ReadCounts(), 0
         try:
-            for number, doc in enumerate(_documents(unit, cfg, counts)):
+            for number, piece in enumerate(_pieces(unit, cfg, counts)):
                 if progress is not None and counts.position - position >= BATCH_CHARS:
                     progress(0, 0, counts.position - position)
                     position = counts.position
                 if number < skip:  # in a pair a previous run finished
                     continue
-                writer.add("val" if is_validation(doc, cfg.val_fraction) else "train", doc)
+                writer.add(piece)
             pairs = writer.finish()
         except BaseException:
             writer.abandon()
@@ -551,13 +552,43 @@ def _run_units(
     executor.run()
 
 
-def prepare(cfg: PrepareConfig, sources: dict[str, list[str]], *, progress_bar: bool = True) -> PrepareResult:
+def _dataset_tokenizer(
+    out: Path, units: list[Unit], cfg: PrepareConfig, given: Tokenizer | None
+) -> Tokenizer:
+    """The tokenizer in ``out/tokenizer``: kept from an earlier or concurrent prepare of the same settings, else
+    made (or the given one) and put in place atomically; when another machine put its own there first, that one
+    is used (a trained BPE is deterministic, so they are the same)."""
+    directory = out / "tokenizer"
+    if (directory / "tokenizer_config.json").is_file():
+        return load_tokenizer(directory)
+    tokenizer = given if given is not None else make_tokenizer(units, cfg)
+    tmp = out / STATE_DIR / f"tokenizer.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tokenizer.save(tmp)
+    try:
+        os.rename(tmp, directory)
+    except OSError:  # another machine was first
+        shutil.rmtree(tmp, ignore_errors=True)
+        theirs = load_tokenizer(directory)
+        if theirs.fingerprint() != tokenizer.fingerprint():
+            raise DataError(
+                f"'{directory}' holds another tokenizer than this prepare makes; prepare anew"
+            ) from None
+        return theirs
+    return tokenizer
+
+
+def prepare(
+    cfg: PrepareConfig, sources: dict[str, list[str]], *, progress_bar: bool = True, replace: bool = False
+) -> PrepareResult:
     """Prepare a token dataset in ``cfg.out`` from ``sources`` (see the module docstring).
 
     Args:
         cfg: the settings (validated).
         sources: source name -> paths, directories or globs.
         progress_bar: show the progress bar (stderr) and the summary table (stdout).
+        replace: when ``cfg.out`` holds a dataset of other settings, delete it and prepare anew (a run's own
+            ``output_dir/data``, which the run's settings own) instead of refusing.
 
     Returns:
         The :class:`PrepareResult`.
@@ -572,26 +603,24 @@ def prepare(cfg: PrepareConfig, sources: dict[str, list[str]], *, progress_bar: 
     units = [Unit(f, unit_name(f)) for name in sorted(files) for f in files[name]]
     given = load_given_tokenizer(cfg.tokenizer) if cfg.tokenizer is not None else None
     key = dataset_key(cfg, given.fingerprint() if given is not None else None)
-    state = check_output_dir(out, key)
+    try:
+        state = check_output_dir(out, key)
+    except DataError:
+        if not (replace and (out / STATE_DIR / "settings.json").is_file()):
+            raise
+        shutil.rmtree(out)  # the run's own data of earlier settings
+        state = "new"
     if given is not None and cfg.tokenizer is not None:
         key["tokenizer"] = str(Path(cfg.tokenizer).expanduser().absolute())
-    # --- the tokenizer, saved once (an interrupted or finished prepare keeps its own) -----------------------
-    tokenizer_dir = out / "tokenizer"
-    if state != "new" and (tokenizer_dir / "tokenizer_config.json").is_file():
-        tokenizer = load_tokenizer(tokenizer_dir)
-    else:
-        tokenizer = given if given is not None else make_tokenizer(units, cfg)
-        (out / STATE_DIR).mkdir(parents=True, exist_ok=True)
-        tmp = out / STATE_DIR / f"tokenizer.tmp-{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tokenizer.save(tmp)
-        shutil.rmtree(tokenizer_dir, ignore_errors=True)
-        os.replace(tmp, tokenizer_dir)
+    (out / STATE_DIR).mkdir(parents=True, exist_ok=True)
+    if state == "new":  # first: another machine starting on the same directory then sees these settings
+        _write_json(out / STATE_DIR / "settings.json", key)
+    tokenizer = _dataset_tokenizer(out, units, cfg, given)
     key["tokenizer_fingerprint"] = tokenizer.fingerprint()
     if given is not None and given.fingerprint() != key["tokenizer_fingerprint"]:
         raise DataError(f"--out '{out}' holds a dataset of another tokenizer than '{cfg.tokenizer}'")
-    (out / STATE_DIR).mkdir(parents=True, exist_ok=True)
-    _write_json(out / STATE_DIR / "settings.json", key)
+    if _read_json(out / STATE_DIR / "settings.json") != key:
+        _write_json(out / STATE_DIR / "settings.json", key)
 
     # --- this machine's units --------------------------------------------------------------------------------
     per_node = -(-len(units) // cfg.num_nodes)
@@ -670,7 +699,8 @@ def build_manifest(out: Path, units: list[Unit], tokenizer: Tokenizer, key: dict
         src["shards"] += [sh for pair in index["pairs"] for sh in pair["shards"] if sh["tokens"]]
     for name, src in sources.items():
         if src["tokens"] == 0:
-            raise DataError(f"source '{name}' has no text: its files hold no document")
+            files = ", ".join(f"'{f['path']}'" for f in src["files"])
+            raise DataError(f"source '{name}' has no text: {files} hold{'s' * (len(src['files']) == 1)} no document")
     return {
         "format": FORMAT,
         "version": VERSION,

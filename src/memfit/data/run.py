@@ -1,6 +1,7 @@
 """A run's data set-up: its tokenizer, and a pure function of the step that gives each step's batches.
 
-Pretraining cuts random ``seq_len`` windows from a tokenized corpus (:mod:`memfit.data.corpus`); fine-tuning
+Pretraining draws ``seq_len + 1``-token windows from a prepared token dataset (:mod:`memfit.data.tokens`; raw text
+is prepared first, :mod:`memfit.data.prepare`); fine-tuning
 renders instruction / chat records with a template (:mod:`memfit.data.instruct`). Either way the batches of a step
 are a pure function of ``(seed, step, micro_step)``, so a resumed run sees exactly the batches it would have
 seen, and N ranks draw their slices of one global batch.
@@ -9,8 +10,9 @@ seen, and N ranks draw their slices of one global batch.
 from __future__ import annotations
 
 import itertools
+import re
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -18,11 +20,14 @@ import torch
 from tqdm.auto import tqdm
 
 from memfit import distributed as dist_
-from memfit.config import TrainConfig
+from memfit.config import PrepareConfig, TrainConfig, load_prepare_config
 from memfit.convert import checkpoint_tokenizer
-from memfit.data.corpus import TRAIN, VAL, Corpus, TokenWindows, batch_rng, prepare_corpus
 from memfit.data.instruct import batch_position, prepare_instruct
-from memfit.tokenizer import CharTokenizer, Tokenizer, load_tokenizer, train_bpe
+from memfit.data.prepare import prepare
+from memfit.data.sources import default_corpus_path, source_tree
+from memfit.data.tokens import TRAIN, VAL, TokenDataset, document_ids, is_dataset, read_manifest
+from memfit.errors import ConfigError, DataError
+from memfit.tokenizer import Tokenizer, load_tokenizer
 
 Batch = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
 """``(inputs, targets, doc_ids)``: ``(B, T)`` int64 each; ``doc_ids`` is ``None`` unless samples are packed."""
@@ -43,16 +48,8 @@ class RunData:
     """One line for the start-of-run banner."""
     longest: int
     """Tokens per row of the widest training batch the data can produce (the worst case for memory)."""
-
-
-def make_tokenizer(cfg: TrainConfig, train_text: str):
-    """Build the tokenizer ``cfg.tokenizer`` asks for, from the training split only."""
-    kind = cfg.tokenizer.kind
-    if kind == "bpe":
-        return train_bpe([train_text], cfg.tokenizer.vocab_size)
-    if kind == "char":
-        return CharTokenizer.from_text(train_text)
-    return load_tokenizer(cfg.tokenizer.path)
+    val_sources: dict[str, Callable[[], Iterator[Batch]]] = field(default_factory=dict)
+    """A text dataset's fixed validation batches per source (``val_batches`` is then unused)."""
 
 
 def tokenizer_settings(cfg: TrainConfig) -> dict[str, Any]:
@@ -64,12 +61,52 @@ def tokenizer_settings(cfg: TrainConfig) -> dict[str, Any]:
     return {"kind": tok.kind, **extra}
 
 
-def run_tokenizer(cfg: TrainConfig, out: Path, resume_dir: Path | None) -> tuple[Tokenizer, Corpus | None]:
-    """The run's tokenizer, and for a text corpus its token files (tokenized once into ``out/data``).
+def text_dataset_dir(cfg: TrainConfig, out: Path) -> Path:
+    """The token dataset a text run trains on: ``data.path`` when it is a prepared dataset, else the run's own
+    ``output_dir/data`` (prepared from the raw text)."""
+    return Path(cfg.data.path) if is_dataset(cfg.data.path) else out / "data"
 
-    The tokenizer is the resumed run's, ``checkpoint_dir``'s, ``tokenizer.path``'s, or (``bpe``, ``char``) one
-    made from the corpus's training split. Sharded, rank 0 tokenizes and writes the token files; the others then
-    reuse them.
+
+def _raw_sources(path: str | None) -> dict[str, list[str]]:
+    """The sources of raw text named by ``data.path``: Tiny Shakespeare (shipped) for ``None``; a directory of
+    sub-directories is one source each (RedPajama's layout); any other file, directory or glob is one source named
+    after it."""
+    if path is None:
+        return {"tinyshakespeare": [str(default_corpus_path())]}
+    p = Path(path)
+    if not p.exists() and not any(c in path for c in "*?["):
+        raise DataError(f"corpus file '{p}' does not exist; point data.path at text, a directory or glob of it")
+    if p.is_dir() and any(d.is_dir() for d in p.iterdir()) and not any(f.is_file() for f in p.iterdir()):
+        return source_tree(p)
+    name = re.sub(r"[^A-Za-z0-9_-]+", "_", p.name.split(".")[0]).strip("_") or "text"
+    return {name: [str(p)]}
+
+
+def _prepare_settings(cfg: TrainConfig, directory: Path) -> PrepareConfig:
+    """How a run prepares its raw text: the tokenizer its settings ask for, ``data.val_fraction``, every core."""
+    tok = cfg.tokenizer
+    if cfg.checkpoint_dir is not None:
+        given = cfg.checkpoint_dir
+    elif tok.kind == "file":
+        given = tok.path
+    else:
+        given = None
+    return load_prepare_config(
+        [],
+        out=str(directory),
+        tokenizer=given,
+        vocab_size=tok.vocab_size,
+        char_tokenizer=given is None and tok.kind == "char",
+        val_fraction=cfg.data.val_fraction,
+        skip_malformed=cfg.data.skip_malformed,
+    )
+
+
+def run_tokenizer(cfg: TrainConfig, out: Path, resume_dir: Path | None) -> tuple[Tokenizer, dict | None]:
+    """The run's tokenizer, and for text its prepared token dataset's manifest (prepared now when ``data.path`` is
+    raw text: once, into ``output_dir/data``; a later run or a resume reuses it).
+
+    Sharded, rank 0 prepares the dataset; the others then read it.
 
     Args:
         cfg: the run config.
@@ -77,71 +114,121 @@ def run_tokenizer(cfg: TrainConfig, out: Path, resume_dir: Path | None) -> tuple
         resume_dir: the checkpoint being resumed, or ``None``.
 
     Returns:
-        ``(tokenizer, corpus)``; ``corpus`` is ``None`` for instruction / chat records.
+        ``(tokenizer, manifest)``; ``manifest`` is ``None`` for instruction / chat records.
 
     Raises:
-        DataError, CheckpointError, TokenizerError: the corpus or a tokenizer cannot be read.
+        DataError: the text cannot be prepared, or the dataset's tokenizer is not the one of the checkpoint the
+            run starts from or resumes (checked before anything is allocated).
+        CheckpointError, TokenizerError: a tokenizer cannot be read.
     """
-    fixed = None  # None: trained on the corpus (bpe, char)
+    fixed = None  # the tokenizer the run is bound to, when it is not made from the text
     if resume_dir is not None:
         fixed = load_tokenizer(resume_dir / "tokenizer")
     elif cfg.checkpoint_dir is not None:
         fixed = checkpoint_tokenizer(cfg.checkpoint_dir)
-    elif cfg.data.format != "text":
+    elif cfg.data.format != "text" or cfg.tokenizer.kind == "file":
         fixed = load_tokenizer(cfg.tokenizer.path)
-    if (
-        dist_.is_main()
-        and cfg.data.format == "text"
-        and str(cfg.data.path or "").endswith((".json", ".jsonl"))
-    ):
-        tqdm.write(
-            f"note: data.format is 'text', so '{cfg.data.path}' is read as plain text; for instruction or chat "
-            f"records set data.format (alpaca, dolly, sharegpt, openai)"
-        )
     if cfg.data.format != "text":
         return fixed, None
-    if fixed is not None:
-        make, load = (lambda _text: fixed), (lambda _d: fixed)
-    else:
-        make, load = (lambda text: make_tokenizer(cfg, text)), load_tokenizer
-    if not dist_.is_main():  # rank 0 tokenizes and writes the token files; the others then reuse them
-        dist_.barrier()
-    tokenizer, corpus = prepare_corpus(
-        cfg.data.path, cfg.data.val_fraction, make, out / "data", load, tokenizer_key=tokenizer_settings(cfg)
-    )
-    if dist_.is_main():
-        dist_.barrier()
-    return tokenizer, corpus
+    directory = text_dataset_dir(cfg, out)
+    if not is_dataset(cfg.data.path):
+        if dist_.is_main():
+            settings = _prepare_settings(cfg, directory)
+            # a new run in this output_dir owns its data/: settings of an earlier run there are replaced
+            sources = _raw_sources(cfg.data.path)
+            result = prepare(settings, sources, progress_bar=cfg.progress_bar, replace=resume_dir is None)
+            if result.prepared:
+                tqdm.write(f"prepared {result.manifest['tokens']:,} tokens into '{directory}'")
+        dist_.barrier()  # the other ranks read what rank 0 prepared
+    manifest = read_manifest(directory)
+    tokenizer = load_tokenizer(directory / "tokenizer")
+    if fixed is not None and fixed.fingerprint() != tokenizer.fingerprint():
+        if resume_dir is not None:
+            what, where = "the resumed run", resume_dir / "tokenizer"
+        elif cfg.checkpoint_dir is not None:
+            what, where = f"checkpoint_dir '{cfg.checkpoint_dir}'", cfg.checkpoint_dir
+        else:
+            what, where = f"tokenizer.path '{cfg.tokenizer.path}'", cfg.tokenizer.path
+        raise DataError(
+            f"the dataset '{directory}' was prepared with another tokenizer than {what} (fingerprints "
+            f"{tokenizer.fingerprint()} and {fixed.fingerprint()}); prepare it with --tokenizer {where} so that "
+            f"its token ids mean what the model learned"
+        )
+    return (fixed or tokenizer), manifest
 
 
-def run_data(cfg: TrainConfig, tokenizer: Tokenizer, corpus: Corpus | None, seq_len: int) -> RunData:
-    """Where the run's batches come from: :func:`text_data` for a corpus, else :func:`instruct_data`."""
-    if corpus is not None:
-        return text_data(cfg, corpus, seq_len)
+def run_data(
+    cfg: TrainConfig, tokenizer: Tokenizer, manifest: dict | None, seq_len: int, out: Path
+) -> RunData:
+    """Where the run's batches come from: :func:`text_data` for a token dataset, else :func:`instruct_data`."""
+    if manifest is not None:
+        return text_data(cfg, text_dataset_dir(cfg, out), manifest, seq_len)
     return instruct_data(cfg, tokenizer, seq_len)
 
 
-def text_data(cfg: TrainConfig, corpus, seq_len: int) -> RunData:
-    """Random ``seq_len`` windows of a tokenized corpus (see :class:`~memfit.data.corpus.TokenWindows`)."""
-    train_windows = TokenWindows(corpus.train_path, seq_len)
-    val_windows = TokenWindows(corpus.val_path, seq_len)
+def text_data(cfg: TrainConfig, directory: Path, manifest: dict, seq_len: int) -> RunData:
+    """Windows of ``seq_len + 1`` tokens of a prepared dataset (see :class:`~memfit.data.tokens.TokenDataset`).
 
-    B, rank, world = cfg.batch_size, dist_.rank(), dist_.world_size()
+    Each sequence of a step's global batch of ``world_size * batch_size`` draws its source by ``data.weights``
+    and its offset from a generator keyed by ``(seed, step, micro_step, its index in the global batch)``; each rank
+    takes its ``batch_size`` rows. Validation draws ``eval_batches`` fixed batches from every source's held-out
+    documents.
+
+    Raises:
+        ConfigError: ``data.weights`` names a source the dataset does not have; ``cross_document_attention: false``
+            with a tokenizer that has no BOS/EOS separators.
+        DataError: a shard is missing or truncated; a weighted source is shorter than one window.
+    """
+    names = list(manifest["sources"])
+    for name in cfg.data.weights:
+        if name not in names:
+            raise ConfigError(
+                f"config key 'data.weights.{name}': the dataset '{directory}' has no source {name!r}; its sources "
+                f"are {', '.join(names)}"
+            )
+    tok = manifest["tokenizer"]
+    if not cfg.data.cross_document_attention and tok["bos_id"] is None and tok["eos_id"] is None:
+        raise ConfigError(
+            "config key 'data.cross_document_attention': the dataset's tokenizer has no BOS or EOS token, so "
+            "documents cannot be told apart in a window; leave it true or prepare with a tokenizer that has them"
+        )
+    train = TokenDataset(directory, "train", seq_len, cfg.data.weights or None, manifest)
+    val = TokenDataset(directory, "val", seq_len, None, manifest)
+    B, rank = cfg.batch_size, dist_.rank()
+    rows = range(rank * B, (rank + 1) * B)  # this rank's rows of the global batch
+
+    def with_doc_ids(inputs: torch.Tensor, targets: torch.Tensor) -> Batch:
+        if cfg.data.cross_document_attention:
+            return inputs, targets, None
+        return inputs, targets, document_ids(inputs, tok["bos_id"], tok["eos_id"])
 
     def train_batch(step: int, micro: int) -> Batch:
-        # the global batch of world * B windows, drawn alike on every rank, of which this rank takes its B: so N
-        # ranks with batch_size B train on exactly what one process with batch_size N * B does
-        inputs, targets = train_windows.batch(world * B, batch_rng(cfg.seed, TRAIN, step, micro))
-        return inputs[rank * B : (rank + 1) * B], targets[rank * B : (rank + 1) * B], None
+        inputs, targets, _ = train.batch(cfg.seed, TRAIN, step, micro, rows)
+        return with_doc_ids(inputs, targets)
 
-    def val_batches() -> Iterator[Batch]:
-        for i in range(cfg.eval_batches):
-            inputs, targets = val_windows.batch(world * B, batch_rng(cfg.seed, VAL, i))
-            yield inputs[rank * B : (rank + 1) * B], targets[rank * B : (rank + 1) * B], None
+    def source_batches(source: int) -> Callable[[], Iterator[Batch]]:
+        def batches() -> Iterator[Batch]:
+            for i in range(cfg.eval_batches):
+                inputs, targets, _ = val.batch(cfg.seed, VAL, i, source, rows, source=source)
+                yield with_doc_ids(inputs, targets)
 
-    return RunData(
-        train_batch, val_batches, f"{corpus.train_tokens:,} train / {corpus.val_tokens:,} val tokens", seq_len
-    )
+        return batches
+
+    val_sources = {
+        name: source_batches(i)
+        for i, (name, stream) in enumerate(zip(val.names, val.streams, strict=True))
+        if stream.num_tokens >= seq_len + 1
+    }
+    short = [n for n in val.names if n not in val_sources]
+    if short and dist_.is_main():
+        tqdm.write(
+            f"note: {', '.join(short)} hold{'s' * (len(short) == 1)} fewer validation tokens than one window of "
+            f"{seq_len + 1}: no val_loss for {'it' if len(short) == 1 else 'them'}"
+        )
+    weights = {n: float(w) for n, w in zip(train.names, train.weights, strict=True)}
+    mixture = ", ".join(f"{n} {w:.1%}" for n, w in weights.items()) if len(weights) > 1 else names[0]
+    summary = f"{train.num_tokens:,} train / {val.num_tokens:,} val tokens ({mixture})"
+    return RunData(train_batch, lambda: iter(()), summary, seq_len, val_sources)
 
 
 def instruct_data(cfg: TrainConfig, tokenizer, seq_len: int) -> RunData:

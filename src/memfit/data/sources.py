@@ -1,42 +1,69 @@
-"""Raw text for ``memfit prepare``: input files grouped into named sources, read as streams of documents.
+"""Raw text for ``memfit prepare``: input files grouped into named sources, read as streams of pieces of text.
 
 A source is a name and a list of files, given by path, directory or glob (``--source web=data/cc/*.jsonl.zst``),
 or found as a RedPajama-style tree: one directory per source (``--source-tree data/``). Formats, by suffix:
 
-=====================================  ==========================================================================
-``.jsonl``, ``.jsonl.gz``, ``.jsonl.zst``  one JSON record per line; the document is the record's text field
-                                       (``text`` unless ``text_field`` says otherwise); blank lines are skipped
-``.parquet``                           a string column (``text`` unless ``text_field`` says otherwise), read by
-                                       row group
-``.txt``                               UTF-8 text, cut at blank lines into documents of at least
-                                       ``txt_document_chars`` characters (the last one may be shorter)
-=====================================  ==========================================================================
+=========================================  ======================================================================
+``.jsonl``, ``.jsonl.gz``, ``.jsonl.zst``  one JSON record per line; each record's text field (``text`` unless
+                                           ``text_field`` says otherwise) is a document; blank lines are skipped
+``.parquet``                               a string column (``text`` unless ``text_field`` says otherwise), one
+                                           document per row, read by row group
+``.txt``                                   UTF-8 text: the whole file is one document
+=========================================  ======================================================================
 
-Reading streams: memory is bounded by one line, one parquet row group or one ``.txt`` document, never by the
-file. Every bad record is reported with its file and line (or row): malformed JSON, a record that is not an
-object, a missing or non-string text field, invalid UTF-8. ``skip_malformed`` skips and counts them instead.
+Which text is held out for validation: a record-format document by a hash of its text
+(:func:`memfit.data.tokens.is_validation`: stable across runs, files and machines); a ``.txt`` file, being one
+document, by its tail: the last ``val_fraction`` of its bytes, cut at a line boundary (as nanoGPT splits a text);
+the document's BOS starts its training part and its EOS ends the held-out tail.
+
+Reading streams (:func:`read_pieces`): memory is bounded by one line, one parquet row group or about
+:data:`PIECE_CHARS` of a ``.txt`` file, never by the file. Every bad record is reported with its file and line (or
+row): malformed JSON, a record that is not an object, a missing or non-string text field, invalid UTF-8.
+``skip_malformed`` skips and counts them instead.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import glob
 import gzip
 import io
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from importlib import resources
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from memfit.data.tokens import is_validation
 from memfit.errors import DataError
+
+
+def default_corpus_path() -> Path:
+    """Path of the Tiny Shakespeare text shipped inside the package (1,115,394 bytes, public domain; the main
+    job's corpus)."""
+    return Path(str(resources.files("memfit") / "assets" / "tinyshakespeare.txt"))
+
 
 SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst", ".parquet", ".txt")
 """The input formats ``memfit prepare`` reads (see the module docstring)."""
 
-TXT_DOCUMENT_CHARS = 32_768
-"""Default size of a ``.txt`` document: blank-line-separated paragraphs are joined until a document has at least
-this many characters."""
+PIECE_CHARS = 1 << 20
+"""A ``.txt`` document is read (and tokenized) in pieces of about this many characters, cut at line ends."""
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Text read from an input file: a whole document, or a part of a long ``.txt`` one."""
+
+    text: str
+    split: str
+    """``train`` or ``val``."""
+    starts: bool
+    """The piece starts its document (it takes the BOS separator)."""
+    ends: bool
+    """The piece ends its document (it takes the EOS separator)."""
 
 
 @dataclass(frozen=True)
@@ -79,6 +106,7 @@ def _matches(pattern: str) -> list[Path]:
     if path.is_dir():
         found = [p for p in path.rglob("*") if p.is_file() and p.name.lower().endswith(SUFFIXES)]
     elif path.is_file():
+        input_kind(path)  # a file named by itself must be of a known format
         found = [path]
     else:
         found = [Path(p) for p in glob.glob(str(path), recursive=True) if Path(p).is_file()]
@@ -132,7 +160,9 @@ def source_tree(root: str | Path) -> dict[str, list[str]]:
         raise DataError(f"source tree '{root}' is not a directory")
     specs = {d.name: [str(d)] for d in sorted(root.iterdir()) if d.is_dir() and _matches(str(d))}
     if not specs:
-        raise DataError(f"source tree '{root}' has no sub-directory of {', '.join(SUFFIXES)} files (one per source)")
+        raise DataError(
+            f"source tree '{root}' has no sub-directory of {', '.join(SUFFIXES)} files (one per source)"
+        )
     return specs
 
 
@@ -175,25 +205,25 @@ def _open_binary(path: Path) -> Iterator[tuple[BinaryIO, BinaryIO]]:
             yield raw, raw
 
 
-def read_documents(
+def read_pieces(
     f: InputFile,
     *,
+    val_fraction: float,
     text_field: str = "text",
     skip_malformed: bool = False,
-    txt_document_chars: int = TXT_DOCUMENT_CHARS,
     counts: ReadCounts | None = None,
-) -> Iterator[str]:
-    """The documents of one input file, in file order, streaming.
+) -> Iterator[Piece]:
+    """The text of one input file in file order, streaming, each piece assigned to its split.
 
     Args:
         f: the file.
+        val_fraction: the share held out for validation (see the module docstring).
         text_field: the JSON field or parquet column holding the text.
         skip_malformed: skip (and count in ``counts``) bad records instead of raising.
-        txt_document_chars: ``.txt`` documents are at least this long (cut at blank lines).
-        counts: receives the skipped records.
+        counts: receives the skipped records and the progress through the file.
 
     Yields:
-        Document texts (empty documents are skipped).
+        :class:`Piece` s (empty documents are skipped).
 
     Raises:
         DataError: naming the file and line (or row) of a bad record, unless ``skip_malformed``; a file that cannot
@@ -201,12 +231,12 @@ def read_documents(
     """
     counts = counts if counts is not None else ReadCounts()
     try:
-        if f.kind == "jsonl":
-            yield from _read_jsonl(f.path, text_field, skip_malformed, counts)
-        elif f.kind == "parquet":
-            yield from _read_parquet(f.path, text_field, skip_malformed, counts)
-        else:
-            yield from _read_txt(f.path, txt_document_chars, skip_malformed, counts)
+        if f.kind == "txt":
+            yield from _read_txt(f.path, f.size, val_fraction, skip_malformed, counts)
+            return
+        documents = _read_jsonl if f.kind == "jsonl" else _read_parquet
+        for text in documents(f.path, text_field, skip_malformed, counts):
+            yield Piece(text, "val" if is_validation(text, val_fraction) else "train", True, True)
     except (OSError, EOFError) as exc:
         raise DataError(f"cannot read '{f.path}': {exc}") from None
     except Exception as exc:  # the decompressors' own errors (zstandard.ZstdError, gzip.BadGzipFile, ...)
@@ -215,9 +245,18 @@ def read_documents(
         raise
 
 
+def _utf8_error(line: bytes, exc: UnicodeDecodeError) -> str:
+    return (
+        f"not valid UTF-8: byte 0x{line[exc.start]:02x} at column {exc.start + 1}; convert the file to UTF-8 (e.g. "
+        f"iconv -f latin1 -t utf-8)"
+    )
+
+
 def _bad(where: str, why: str, skip: bool, counts: ReadCounts) -> None:
     if not skip:
-        raise DataError(f"{where}: {why} (data.skip_malformed=true skips and counts such records)")
+        raise DataError(
+            f"{where}: {why} (skip_malformed=true, in a run data.skip_malformed=true, skips and counts such records)"
+        )
     counts.skip(where, why)
 
 
@@ -229,7 +268,7 @@ def _read_jsonl(path: Path, text_field: str, skip: bool, counts: ReadCounts) -> 
             try:
                 line = data.decode("utf-8")
             except UnicodeDecodeError as exc:
-                _bad(where, f"invalid UTF-8 at byte {exc.start} of the line", skip, counts)
+                _bad(where, _utf8_error(data, exc), skip, counts)
                 continue
             if not line.strip():
                 continue
@@ -273,21 +312,36 @@ def _read_parquet(path: Path, text_field: str, skip: bool, counts: ReadCounts) -
                 yield value
 
 
-def _read_txt(path: Path, min_chars: int, skip: bool, counts: ReadCounts) -> Iterator[str]:
+def _read_txt(path: Path, size: int, val_fraction: float, skip: bool, counts: ReadCounts) -> Iterator[Piece]:
+    """One document in pieces of about :data:`PIECE_CHARS` cut at line ends; from the first line end at or after
+    byte ``size * (1 - val_fraction)`` on, the pieces are the validation part. The document's first piece takes
+    the BOS and its last the EOS: the held-out tail continues the document, it does not start one."""
+    cut = size - int(size * val_fraction) if val_fraction > 0 else size + 1
+    split, first = "train", True
     parts: list[str] = []
-    size = 0
+    chars = 0
+    pending: Piece | None = None  # held back one piece, to know which piece is the last
     with open(path, "rb") as fh:
         for number, data in enumerate(fh, start=1):
-            counts.position = fh.tell()
             try:
                 line = data.decode("utf-8")
             except UnicodeDecodeError as exc:
-                _bad(f"{path}:{number}", f"invalid UTF-8 at byte {exc.start} of the line", skip, counts)
+                _bad(f"{path}:{number}", _utf8_error(data, exc), skip, counts)
                 continue
             parts.append(line)
-            size += len(line)
-            if size >= min_chars and not line.strip():  # a blank line after enough text ends a document
-                yield "".join(parts)
-                parts, size = [], 0
+            chars += len(line)
+            counts.position = fh.tell()
+            at_cut = split == "train" and counts.position >= cut
+            if chars >= PIECE_CHARS or at_cut:
+                if pending is not None:
+                    yield pending
+                pending = Piece("".join(parts), split, first, False)
+                parts, chars, first = [], 0, False
+                if at_cut:
+                    split = "val"
     if parts and "".join(parts).strip():
-        yield "".join(parts)
+        if pending is not None:
+            yield pending
+        pending = Piece("".join(parts), split, first, False)
+    if pending is not None:
+        yield dataclasses.replace(pending, ends=True)

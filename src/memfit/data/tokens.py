@@ -71,7 +71,9 @@ def read_manifest(directory: str | Path) -> dict[str, Any]:
             f"{directory} ... (or finish an interrupted prepare by running it again)"
         ) from None
     except (OSError, ValueError) as exc:
-        raise DataError(f"'{path}' is unreadable or not valid JSON ({exc}); prepare the dataset again") from None
+        raise DataError(
+            f"'{path}' is unreadable or not valid JSON ({exc}); prepare the dataset again"
+        ) from None
     if manifest.get("format") != FORMAT or not isinstance(manifest.get("version"), int):
         raise DataError(f"'{path}' is not a memfit token dataset manifest")
     if manifest["version"] > VERSION:
@@ -101,7 +103,9 @@ class SourceStream:
         self.dtype = dtype
         for path, tokens in zip(self.paths, self.sizes, strict=True):
             if not path.is_file():
-                raise DataError(f"shard '{path}' is missing; prepare the dataset again (memfit prepare resumes)")
+                raise DataError(
+                    f"shard '{path}' is missing; prepare the dataset again (memfit prepare resumes)"
+                )
             if path.stat().st_size != tokens * dtype.itemsize:
                 raise DataError(
                     f"shard '{path}' holds {path.stat().st_size} bytes, the manifest says {tokens} tokens of "
@@ -170,7 +174,9 @@ class TokenDataset:
             shards = [s for s in info["shards"] if s["split"] == split]
             self.names.append(name)
             self.streams.append(SourceStream(self.directory / name, shards, dtype))
-        raw = [float(s.num_tokens) if weights is None else float(weights.get(n, 0.0)) for n, s in self._named()]
+        raw = [
+            float(s.num_tokens) if weights is None else float(weights.get(n, 0.0)) for n, s in self._named()
+        ]
         for (name, stream), w in zip(self._named(), raw, strict=True):
             if w > 0 and stream.num_tokens < seq_len + 1:
                 raise DataError(

@@ -1,0 +1,322 @@
+"""memfit prepare: readers of every format, the shard format, resume after SIGKILL, workers and nodes, bad input."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from memfit.cli import main
+from memfit.config import load_prepare_config
+from memfit.data.prepare import prepare
+from memfit.data.sources import default_corpus_path, read_pieces, resolve_sources, source_tree
+from memfit.data.tokens import is_validation, read_manifest
+from memfit.errors import DataError
+from memfit.tokenizer import load_tokenizer
+
+from ..conftest import ASSETS
+
+MIXED = ASSETS / "mixed_corpus"
+SMALL_SHARDS = ["val_fraction=0.2", "shard_tokens=20000", "vocab_size=512"]
+
+
+def _prepare(out: Path, *overrides: str, workers: int = 1, sources=None, **given):
+    cfg = load_prepare_config([*SMALL_SHARDS, *overrides], out=str(out), workers=workers, **given)
+    return prepare(cfg, sources or source_tree(MIXED), progress_bar=False)
+
+
+def _files(directory: Path) -> dict[str, bytes]:
+    """Every file of a dataset, by relative path (the executor's logs and the lock files left out)."""
+    return {
+        str(p.relative_to(directory)): p.read_bytes()
+        for p in sorted(directory.rglob("*"))
+        if p.is_file() and ".prepare" not in p.parts and not p.name.endswith(".lock")
+    }
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("prepared") / "mix"
+    _prepare(out)
+    return out
+
+
+def _records(source: str) -> list[str]:
+    texts = []
+    for path in sorted((MIXED / source).iterdir()):
+        if path.suffix == ".parquet":
+            import pyarrow.parquet as pq
+
+            texts += [r["text"] for r in pq.read_table(path).to_pylist()]
+        elif path.name.endswith(".gz"):
+            texts += [json.loads(line)["text"] for line in gzip.open(path, "rt", encoding="utf-8")]
+        elif path.name.endswith(".zst"):
+            import zstandard
+
+            raw = zstandard.ZstdDecompressor().stream_reader(open(path, "rb")).read().decode()
+            texts += [json.loads(line)["text"] for line in raw.splitlines() if line.strip()]
+        elif path.suffix == ".jsonl":
+            texts += [json.loads(line)["text"] for line in path.open(encoding="utf-8")]
+    return texts
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Readers
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def test_every_format_reads_every_record_in_order():
+    files = resolve_sources({s: [str(MIXED / s)] for s in ("book", "github", "docs")})
+    for source, inputs in files.items():
+        read = [p.text for f in inputs for p in read_pieces(f, val_fraction=0.0)]
+        assert read == _records(source), source
+    assert [f.path.name for f in files["book"]] == ["book_000.jsonl", "book_001.jsonl.gz"]
+
+
+def test_records_are_held_out_by_a_hash_of_their_text():
+    (f,) = resolve_sources({"github": [str(MIXED / "github")]})["github"]
+    pieces = list(read_pieces(f, val_fraction=0.2))
+    assert {p.split for p in pieces} == {"train", "val"}
+    assert all((p.split == "val") == is_validation(p.text, 0.2) for p in pieces)
+    assert all(p.starts and p.ends for p in pieces)  # each record is a whole document
+
+
+def test_a_text_file_is_one_document_whose_tail_is_held_out():
+    (f,) = resolve_sources({"t": [str(default_corpus_path())]})["t"]
+    pieces = list(read_pieces(f, val_fraction=0.1))
+    train = "".join(p.text for p in pieces if p.split == "train")
+    val = "".join(p.text for p in pieces if p.split == "val")
+    text = default_corpus_path().read_text(encoding="utf-8")
+    assert train + val == text and train.endswith("\n")  # cut at a line boundary, nothing lost or repeated
+    assert abs(len(val) - 0.1 * len(text)) < 200
+    assert [(p.split, p.starts, p.ends) for p in pieces] == [("train", True, False), ("val", False, True)]
+
+
+@pytest.mark.parametrize(
+    "line, expected",
+    [
+        (b'{"text": "ok"\n', "malformed JSON"),
+        (b'["a list"]\n', "must be a JSON object"),
+        (b'{"meta": {}}\n', "has no 'text' field"),
+        (b'{"text": 3}\n', "non-string (int) 'text' field"),
+        (b'{"text": "caf\xe9"}\n', "not valid UTF-8: byte 0xe9 at column 14"),
+    ],
+    ids=["json", "not-object", "missing-field", "not-string", "utf8"],
+)
+def test_a_bad_record_names_its_file_and_line(tmp_path, line, expected):
+    path = tmp_path / "bad.jsonl"
+    path.write_bytes(b'{"text": "first"}\n\n' + line + b'{"text": "last"}\n')
+    (f,) = resolve_sources({"s": [str(path)]})["s"]
+    with pytest.raises(DataError, match=f"{re.escape(str(path))}:3: .*{re.escape(expected)}"):
+        list(read_pieces(f, val_fraction=0.0))
+    counts_skipped = [p.text for p in read_pieces(f, val_fraction=0.0, skip_malformed=True)]
+    assert counts_skipped == ["first", "last"]
+
+
+def test_parquet_without_the_text_column_or_with_nulls(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"body": ["a"]}), tmp_path / "a.parquet")
+    pq.write_table(pa.table({"text": ["a", None, "b"]}), tmp_path / "b.parquet")
+    (a,) = resolve_sources({"s": [str(tmp_path / "a.parquet")]})["s"]
+    with pytest.raises(DataError, match="has no 'text' column .*body"):
+        list(read_pieces(a, val_fraction=0.0))
+    (b,) = resolve_sources({"s": [str(tmp_path / "b.parquet")]})["s"]
+    with pytest.raises(DataError, match="row 2: 'text' is null"):
+        list(read_pieces(b, val_fraction=0.0))
+
+
+def test_sources_that_name_nothing_are_refused(tmp_path):
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "notes.csv").write_text("a,b\n")
+    with pytest.raises(DataError, match="matches no"):
+        resolve_sources({"web": [str(tmp_path / "missing" / "*.jsonl")]})
+    with pytest.raises(DataError, match="matches no"):
+        resolve_sources({"web": [str(tmp_path / "empty")]})
+    with pytest.raises(DataError, match="is not a file memfit prepare reads"):
+        resolve_sources({"web": [str(tmp_path / "notes.csv")]})
+    with pytest.raises(DataError, match="plain name"):
+        resolve_sources({"a/b": [str(MIXED / "book")]})
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The dataset
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def test_manifest_counts_every_document_and_token(prepared):
+    manifest = read_manifest(prepared)
+    assert list(manifest["sources"]) == ["book", "docs", "github"]
+    assert {n: s["documents"] for n, s in manifest["sources"].items()} == {
+        "book": 8,
+        "docs": 40,
+        "github": 40,
+    }
+    assert manifest["dtype"] == "uint16" and manifest["tokenizer"]["vocab_size"] == 512
+    for name, source in manifest["sources"].items():
+        assert source["tokens"] == source["train"]["tokens"] + source["val"]["tokens"]
+        assert source["tokens"] == sum(s["tokens"] for s in source["shards"])
+        for shard in source["shards"]:
+            assert (prepared / name / shard["file"]).stat().st_size == 2 * shard["tokens"]
+            assert shard["split"] != "train" or shard["tokens"] <= 20000 or shard["documents"] == 1
+    assert manifest["tokens"] == sum(s["tokens"] for s in manifest["sources"].values())
+
+
+def test_shards_hold_each_document_between_bos_and_eos(prepared):
+    manifest = read_manifest(prepared)
+    tokenizer = load_tokenizer(prepared / "tokenizer")
+    bos, eos = tokenizer.bos_id, tokenizer.eos_id
+    for split in ("train", "val"):
+        stream = np.concatenate(
+            [
+                np.fromfile(prepared / "docs" / s["file"], dtype=np.uint16)
+                for s in manifest["sources"]["docs"]["shards"]
+                if s["split"] == split
+            ]
+        ).tolist()
+        documents, current = [], None
+        for token in stream:
+            if token == bos:
+                current = []
+            elif token == eos:
+                documents.append(tokenizer.decode(current))
+            else:
+                current.append(token)
+        expected = [t for t in _records("docs") if is_validation(t, 0.2) == (split == "val")]
+        assert documents == expected, split
+
+
+def test_workers_do_not_change_a_byte(prepared, tmp_path):
+    _prepare(tmp_path / "two", workers=2)
+    assert _files(tmp_path / "two") == _files(prepared)
+
+
+def test_running_again_is_a_no_op(prepared, capsys):
+    before = {p: p.stat().st_mtime_ns for p in prepared.rglob("*") if p.is_file()}
+    args = ["prepare", "--out", str(prepared), "--source-tree", str(MIXED), "--quiet", *SMALL_SHARDS]
+    assert main(args) == 0
+    assert "already prepared (nothing to do)" in capsys.readouterr().out
+    assert {p: p.stat().st_mtime_ns for p in prepared.rglob("*") if p.is_file()} == before
+
+
+def test_a_different_dataset_or_a_foreign_directory_is_refused(prepared, tmp_path, capsys):
+    args = [
+        "prepare",
+        "--out",
+        str(prepared),
+        "--source-tree",
+        str(MIXED),
+        "--quiet",
+        *SMALL_SHARDS,
+        "val_fraction=0.3",
+    ]
+    assert main(args) == 1
+    assert "already holds a different dataset (prepared with other val_fraction)" in capsys.readouterr().err
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "notes.txt").write_text("mine")
+    assert main(["prepare", "--out", str(tmp_path / "other"), "--source-tree", str(MIXED), "--quiet"]) == 1
+    assert "holds no prepared dataset" in capsys.readouterr().err
+    assert (tmp_path / "other" / "notes.txt").read_text() == "mine"
+
+
+def test_an_added_file_is_prepared_and_the_rest_kept(prepared, tmp_path):
+    corpus = tmp_path / "corpus"
+    shutil.copytree(MIXED, corpus)
+    out = tmp_path / "grow"
+    _prepare(out, sources=source_tree(corpus))
+    old = _files(out)
+    (corpus / "book" / "book_002.jsonl").write_text(json.dumps({"text": "A new document.\n" * 50}) + "\n")
+    result = _prepare(out, sources=source_tree(corpus))
+    assert result.prepared == 1
+    new = _files(out)
+    assert all(new[k] == v for k, v in old.items() if k.endswith(".bin"))  # what was there is untouched
+    assert result.manifest["sources"]["book"]["documents"] == 9
+
+
+def test_cli_contract_and_the_per_source_table(tmp_path, capsys):
+    out = tmp_path / "cli"
+    args = ["prepare", "--out", str(out), "--source", f"book={MIXED / 'book'}"]
+    args += ["--source", f"code={MIXED / 'github' / '*.zst'}", "--workers", "1", "--quiet", "vocab_size=300"]
+    assert main(args) == 0
+    printed = capsys.readouterr().out
+    assert "book" in printed and "code" in printed and "prepared:" in printed
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert set(manifest["sources"]) == {"book", "code"}
+    assert all({"documents", "tokens"} <= set(s) for s in manifest["sources"].values())
+    assert main(["prepare", "--out", str(out), "--quiet"]) == 2  # no source
+    assert "--source" in capsys.readouterr().err
+
+
+def test_prepare_with_a_given_tokenizer(tmp_path):
+    result = _prepare(tmp_path / "sp", tokenizer=str(ASSETS / "sentencepiece_2k.model"))
+    given = load_tokenizer(ASSETS / "sentencepiece_2k.model")
+    assert result.manifest["tokenizer"]["fingerprint"] == given.fingerprint()
+    assert load_tokenizer(tmp_path / "sp" / "tokenizer").fingerprint() == given.fingerprint()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Killed, and resumed; two machines
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _prepare_command(out: Path, *extra: str) -> list[str]:
+    return [
+        sys.executable, "-m", "memfit", "prepare", "--out", str(out), "--source-tree", str(MIXED), "--quiet",
+        "--workers", "1", *SMALL_SHARDS, "shard_tokens=4000", *extra,
+    ]  # fmt: skip
+
+
+def test_sigkill_then_resume_gives_the_same_bytes(prepared, tmp_path):
+    reference = tmp_path / "reference"
+    subprocess.run(_prepare_command(reference), check=True, capture_output=True, timeout=300)
+    out = tmp_path / "killed"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.Popen(
+        _prepare_command(out), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    deadline = time.time() + 120
+    while time.time() < deadline and not list(out.glob("github/*-00003.json")):
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not (out / "manifest.json").exists()
+    finished = {  # the shard pairs the killed run finished (their sidecars are written last)
+        p.with_suffix(".train.bin").name: p.with_suffix(".train.bin").stat().st_mtime_ns
+        for p in out.glob("github/*.json")
+        if re.search(r"-\d{5}\.json$", p.name)
+    }
+    assert finished
+    subprocess.run(_prepare_command(out), check=True, capture_output=True, timeout=300, env=env)
+    assert _files(out) == _files(reference)
+    assert {n: (out / "github" / n).stat().st_mtime_ns for n in finished} == finished  # kept, not redone
+
+
+def test_two_nodes_prepare_disjoint_parts_into_one_directory(prepared, tmp_path):
+    out = tmp_path / "nodes"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    nodes = [
+        subprocess.Popen(
+            _prepare_command(out, "num_nodes=2", f"node_rank={k}", "shard_tokens=20000"),
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for k in (0, 1)
+    ]
+    outputs = [p.communicate(timeout=300) for p in nodes]
+    assert [p.returncode for p in nodes] == [0, 0], outputs
+    if not (out / "manifest.json").exists():  # both finished at once: the documented re-run writes it
+        subprocess.run(_prepare_command(out, "shard_tokens=20000"), check=True, capture_output=True, env=env)
+    assert _files(out) == _files(prepared)
