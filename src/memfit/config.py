@@ -779,7 +779,8 @@ def validate(cfg: TrainConfig, world_size: int = 1) -> None:
     if cfg.checkpoint_dir is not None:
         return  # the architecture comes from the checkpoint: train() checks seq_len against it before loading
     preset_vocab = cfg.model_args.get("vocab_size", MODEL_PRESETS[cfg.model].get("vocab_size"))
-    if tok.kind == "bpe" and preset_vocab is not None:
+    prepared = cfg.data.path is not None and (Path(cfg.data.path) / "manifest.json").is_file()
+    if tok.kind == "bpe" and preset_vocab is not None and not prepared:  # a prepared dataset brings its tokenizer
         _require(
             tok.vocab_size <= preset_vocab,
             "tokenizer.vocab_size",

@@ -165,7 +165,8 @@ def truncate_records(path: Path, last_step: int) -> None:
 
 
 def plot_losses(metrics_path: Path, png_path: Path) -> Path | None:
-    """Plot train ``loss`` and ``val_loss`` against step from a ``metrics.jsonl`` file into a PNG.
+    """Plot train ``loss`` and ``val_loss`` (and with several sources each ``val_loss/<source>``) against step from a
+    ``metrics.jsonl`` file into a PNG.
 
     Returns:
         ``png_path``, or ``None`` when there is nothing to plot.
@@ -185,6 +186,10 @@ def plot_losses(metrics_path: Path, png_path: Path) -> Path | None:
         ax.plot(*zip(*train, strict=True), label="train loss")
     if val:
         ax.plot(*zip(*val, strict=True), "o-", label="validation loss")
+    sources = sorted({k for r in records for k in r if k.startswith("val_loss/")})
+    for key in sources if len(sources) > 1 else []:  # one source: its loss is val_loss
+        points = [(r["step"], r[key]) for r in records if r.get(key) is not None]
+        ax.plot(*zip(*points, strict=True), ".--", alpha=0.7, label=f"validation loss, {key.split('/', 1)[1]}")
     ax.set_xlabel("step")
     ax.set_ylabel("cross-entropy (nats/token)")
     ax.grid(alpha=0.3)
