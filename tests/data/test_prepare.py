@@ -320,3 +320,15 @@ def test_two_nodes_prepare_disjoint_parts_into_one_directory(prepared, tmp_path)
     if not (out / "manifest.json").exists():  # both finished at once: the documented re-run writes it
         subprocess.run(_prepare_command(out, "shard_tokens=20000"), check=True, capture_output=True, env=env)
     assert _files(out) == _files(prepared)
+
+
+def test_a_bad_record_in_a_worker_is_reported_with_its_file_and_line(tmp_path, capsys):
+    src = tmp_path / "src"
+    src.mkdir()
+    shutil.copy(MIXED / "book" / "book_000.jsonl", src / "a.jsonl")
+    (src / "b.jsonl").write_text('{"text": "ok"}\n{bad\n')
+    args = ["prepare", "--out", str(tmp_path / "out"), "--source", f"s={src}", "--workers", "2", "--quiet"]
+    assert main(args) == 1
+    err = capsys.readouterr().err
+    assert f"{src / 'b.jsonl'}:2: malformed JSON" in err and "Traceback" not in err
+    assert not (tmp_path / "out" / "manifest.json").exists()

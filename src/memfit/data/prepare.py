@@ -655,15 +655,16 @@ def prepare(
                 while not done.wait(0.5):
                     bar.refresh()
                 thread.join()
-                if worker_error:
-                    raise worker_error[0]
+                if worker_error and not isinstance(worker_error[0], Exception):
+                    raise worker_error[0]  # KeyboardInterrupt, SystemExit
+                # a worker's error is raised again below, in this process, with its file and line
         finally:
             bar.close()
             if manager is not None:
                 manager.shutdown()
         missing = [u for u in todo if unit_done(out / u.source, u) is None]
-        if missing:  # a worker failed: redo the first one here, to raise its error with the file and line
-            prepare_unit(missing[0], out, cfg, tokenizer)
+        for unit in missing:  # a worker failed: go on here, which raises its error with the file and line
+            prepare_unit(unit, out, cfg, tokenizer)
     # --- the manifest, once every unit (of every machine) is done ---------------------------------------------
     manifest = None
     if all(unit_done(out / u.source, u) is not None for u in units):
