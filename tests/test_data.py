@@ -11,7 +11,16 @@ import torch
 from memfit.config import load_prepare_config
 from memfit.data.prepare import prepare
 from memfit.data.sources import default_corpus_path, source_tree
-from memfit.data.tokens import TRAIN, VAL, TokenDataset, document_ids, read_manifest, token_dtype
+from memfit.data.tokens import (
+    TRAIN,
+    VAL,
+    TokenDataset,
+    document_ids,
+    hash_key,
+    permute,
+    read_manifest,
+    token_dtype,
+)
 from memfit.errors import DataError
 
 from .conftest import ASSETS
@@ -61,18 +70,42 @@ def test_a_window_reads_across_shard_boundaries(dataset):
         assert np.array_equal(stream.read(start, 65), whole[start : start + 65])
 
 
-def test_batches_are_a_pure_function_of_the_step_on_any_number_of_ranks(dataset):
+def test_batches_are_a_pure_function_of_the_sequence_numbers_on_any_number_of_ranks(dataset):
     ds = TokenDataset(dataset, "train", 32, None)
-    one, _, sources = ds.batch(1337, TRAIN, step=7, micro_step=0, indices=range(8))
-    rank0, _, _ = ds.batch(1337, TRAIN, step=7, micro_step=0, indices=range(0, 4))
-    rank1, _, _ = ds.batch(1337, TRAIN, step=7, micro_step=0, indices=range(4, 8))
+    one, _, sources = ds.batch(1337, TRAIN, range(56, 64))  # global batch 7 of 8 sequences
+    rank0, _, _ = ds.batch(1337, TRAIN, range(56, 60))
+    rank1, _, _ = ds.batch(1337, TRAIN, range(60, 64))
     assert torch.equal(one, torch.cat([rank0, rank1]))  # 2 ranks x 4 = 1 process x 8, row for row
-    again, targets, _ = ds.batch(1337, TRAIN, step=7, micro_step=0, indices=range(8))
+    again, targets, _ = ds.batch(1337, TRAIN, range(56, 64))
     assert torch.equal(one, again)
     assert torch.equal(one[:, 1:], targets[:, :-1])  # targets are the inputs shifted by one
-    other, _, _ = ds.batch(1337, TRAIN, step=8, micro_step=0, indices=range(8))
+    other, _, _ = ds.batch(1337, TRAIN, range(64, 72))
     assert not torch.equal(one, other)
     assert len(sources) == 8
+
+
+def test_one_source_is_read_once_per_epoch_in_a_random_order(dataset):
+    ds = TokenDataset(dataset, "train", 32, {"github": 1.0})
+    github = ds.names.index("github")
+    windows = (ds.streams[github].num_tokens - 32) // 32
+    whole = _stream(dataset, read_manifest(dataset), "github", "train").tolist()
+    orders = []
+    for epoch in (0, 1):
+        key = hash_key(5, TRAIN, github, epoch)
+        starts = [key % 32 + permute(k, windows, key) * 32 for k in range(windows)]
+        assert sorted(starts) == [key % 32 + 32 * k for k in range(windows)]  # every window once, one shift
+        inputs, _, sources = ds.batch(5, TRAIN, range(epoch * windows, (epoch + 1) * windows))
+        assert set(sources) == {github}
+        assert all(row.tolist() == whole[s : s + 32] for row, s in zip(inputs, starts, strict=True))
+        orders.append(starts)
+    assert orders[0] != orders[1]  # another order (and shift) the next epoch
+
+
+def test_the_permutation_is_a_bijection():
+    for size in (1, 2, 3, 5, 64, 1000, 4097):
+        for key in (0, hash_key(1, 2, 3)):
+            assert sorted(permute(i, size, key) for i in range(size)) == list(range(size))
+    assert [permute(i, 1000, 1) for i in range(10)] != [permute(i, 1000, 2) for i in range(10)]
 
 
 def test_default_mixture_follows_the_tokens_and_weights_are_kept_within_sampling_error(dataset):
@@ -87,7 +120,7 @@ def test_default_mixture_follows_the_tokens_and_weights_are_kept_within_sampling
         ds = TokenDataset(dataset, "train", 32, weights, manifest)
         want = tokens if weights is None else weights
         total = sum(want.values())
-        _, _, sources = ds.batch(0, TRAIN, 0, 0, range(draws))
+        _, _, sources = ds.batch(0, TRAIN, range(draws))
         for i, name in enumerate(ds.names):
             p = want[name] / total
             seen = sources.count(i) / draws
@@ -98,7 +131,7 @@ def test_validation_windows_stay_in_their_source(dataset):
     manifest = read_manifest(dataset)
     ds = TokenDataset(dataset, "val", 32, None, manifest)
     book = ds.names.index("book")
-    inputs, _, sources = ds.batch(1337, VAL, 0, book, range(6), source=book)
+    inputs, _, sources = ds.batch(1337, VAL, range(6), source=book)
     assert set(sources) == {book}
     whole = _stream(dataset, manifest, "book", "val").tolist()
     row = inputs[0].tolist()

@@ -95,7 +95,13 @@ def test_bad_weights_and_a_foreign_tokenizer_are_refused_before_allocating(
 
 
 def _launch(mixed: Path, out: Path, **extra) -> list[str]:
-    over = {"batch_size": 4, "max_steps": 8, "checkpoint_every": 2, "eval_every": 4, "sample.max_new_tokens": 0}
+    over = {
+        "batch_size": 4,
+        "max_steps": 8,
+        "checkpoint_every": 2,
+        "eval_every": 4,
+        "sample.max_new_tokens": 0,
+    }
     return ["pretrain", *_run(mixed, out, **{**over, **extra})]
 
 

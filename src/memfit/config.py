@@ -249,7 +249,11 @@ def validate_prepare(cfg: PrepareConfig) -> None:
     """
     _require(bool(cfg.out), "out", "is required: the directory to write the dataset to (--out DIR)")
     _require(cfg.workers >= 0, "workers", f"must be >= 0 (0: one per core), got {cfg.workers}")
-    _require(cfg.vocab_size >= 258, "vocab_size", f"a byte-level BPE needs >= 258 ids, got {cfg.vocab_size}")
+    _require(
+        cfg.vocab_size >= 258 or cfg.tokenizer is not None or cfg.char_tokenizer,
+        "vocab_size",
+        f"a byte-level BPE needs >= 258 ids, got {cfg.vocab_size}",
+    )
     _require(cfg.tokenizer_sample_bytes >= 1, "tokenizer_sample_bytes", "must be >= 1")
     _require(0 <= cfg.val_fraction < 1, "val_fraction", f"must be in [0, 1), got {cfg.val_fraction}")
     _require(bool(cfg.text_field), "text_field", "must name a field")
@@ -780,7 +784,9 @@ def validate(cfg: TrainConfig, world_size: int = 1) -> None:
         return  # the architecture comes from the checkpoint: train() checks seq_len against it before loading
     preset_vocab = cfg.model_args.get("vocab_size", MODEL_PRESETS[cfg.model].get("vocab_size"))
     prepared = cfg.data.path is not None and (Path(cfg.data.path) / "manifest.json").is_file()
-    if tok.kind == "bpe" and preset_vocab is not None and not prepared:  # a prepared dataset brings its tokenizer
+    if (
+        tok.kind == "bpe" and preset_vocab is not None and not prepared
+    ):  # a prepared dataset brings its tokenizer
         _require(
             tok.vocab_size <= preset_vocab,
             "tokenizer.vocab_size",

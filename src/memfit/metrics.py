@@ -189,7 +189,9 @@ def plot_losses(metrics_path: Path, png_path: Path) -> Path | None:
     sources = sorted({k for r in records for k in r if k.startswith("val_loss/")})
     for key in sources if len(sources) > 1 else []:  # one source: its loss is val_loss
         points = [(r["step"], r[key]) for r in records if r.get(key) is not None]
-        ax.plot(*zip(*points, strict=True), ".--", alpha=0.7, label=f"validation loss, {key.split('/', 1)[1]}")
+        ax.plot(
+            *zip(*points, strict=True), ".--", alpha=0.7, label=f"validation loss, {key.split('/', 1)[1]}"
+        )
     ax.set_xlabel("step")
     ax.set_ylabel("cross-entropy (nats/token)")
     ax.grid(alpha=0.3)

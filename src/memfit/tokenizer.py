@@ -177,7 +177,10 @@ class Tokenizer(ABC):
         Returns:
             16 hex digits.
         """
-        disabled, log.disabled = log.disabled, True  # a char tokenizer would warn of the probe's unknown characters
+        disabled, log.disabled = (
+            log.disabled,
+            True,
+        )  # a char tokenizer would warn of the probe's unknown characters
         try:
             probe = self._encode(_FINGERPRINT_PROBE)
         finally:

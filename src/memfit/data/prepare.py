@@ -701,7 +701,9 @@ def build_manifest(out: Path, units: list[Unit], tokenizer: Tokenizer, key: dict
     for name, src in sources.items():
         if src["tokens"] == 0:
             files = ", ".join(f"'{f['path']}'" for f in src["files"])
-            raise DataError(f"source '{name}' has no text: {files} hold{'s' * (len(src['files']) == 1)} no document")
+            raise DataError(
+                f"source '{name}' has no text: {files} hold{'s' * (len(src['files']) == 1)} no document"
+            )
     return {
         "format": FORMAT,
         "version": VERSION,

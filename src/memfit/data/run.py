@@ -75,7 +75,9 @@ def _raw_sources(path: str | None) -> dict[str, list[str]]:
         return {"tinyshakespeare": [str(default_corpus_path())]}
     p = Path(path)
     if not p.exists() and not any(c in path for c in "*?["):
-        raise DataError(f"corpus file '{p}' does not exist; point data.path at text, a directory or glob of it")
+        raise DataError(
+            f"corpus file '{p}' does not exist; point data.path at text, a directory or glob of it"
+        )
     if p.is_dir() and any(d.is_dir() for d in p.iterdir()) and not any(f.is_file() for f in p.iterdir()):
         return source_tree(p)
     name = re.sub(r"[^A-Za-z0-9_-]+", "_", p.name.split(".")[0]).strip("_") or "text"
@@ -169,9 +171,10 @@ def run_data(
 def text_data(cfg: TrainConfig, directory: Path, manifest: dict, seq_len: int) -> RunData:
     """Windows of ``seq_len + 1`` tokens of a prepared dataset (see :class:`~memfit.data.tokens.TokenDataset`).
 
-    Each sequence of a step's global batch of ``world_size * batch_size`` draws its source by ``data.weights``
-    and its offset from a generator keyed by ``(seed, step, micro_step, its index in the global batch)``; each rank
-    takes its ``batch_size`` rows. Validation draws ``eval_batches`` fixed batches from every source's held-out
+    Sequence ``n`` of the run (global batches of ``world_size * batch_size`` sequences, in order) draws its source
+    by ``data.weights`` and a window of it without replacement, keyed by the seed and ``n``
+    (:meth:`~memfit.data.tokens.TokenDataset.sequence`); each rank takes its ``batch_size`` rows of each global
+    batch. Validation draws ``eval_batches`` fixed batches from every source's held-out
     documents.
 
     Raises:
@@ -194,8 +197,13 @@ def text_data(cfg: TrainConfig, directory: Path, manifest: dict, seq_len: int) -
         )
     train = TokenDataset(directory, "train", seq_len, cfg.data.weights or None, manifest)
     val = TokenDataset(directory, "val", seq_len, None, manifest)
-    B, rank = cfg.batch_size, dist_.rank()
-    rows = range(rank * B, (rank + 1) * B)  # this rank's rows of the global batch
+    B, rank, world = cfg.batch_size, dist_.rank(), dist_.world_size()
+    G = world * B  # the global batch: the same sequences on any number of ranks
+
+    def rows(batch: int) -> range:
+        """This rank's sequence numbers in global batch number ``batch`` of the run."""
+        first = batch * G + rank * B
+        return range(first, first + B)
 
     def with_doc_ids(inputs: torch.Tensor, targets: torch.Tensor) -> Batch:
         if cfg.data.cross_document_attention:
@@ -203,13 +211,15 @@ def text_data(cfg: TrainConfig, directory: Path, manifest: dict, seq_len: int) -
         return inputs, targets, document_ids(inputs, tok["bos_id"], tok["eos_id"])
 
     def train_batch(step: int, micro: int) -> Batch:
-        inputs, targets, _ = train.batch(cfg.seed, TRAIN, step, micro, rows)
+        inputs, targets, _ = train.batch(
+            cfg.seed, TRAIN, rows(step * cfg.gradient_accumulation_steps + micro)
+        )
         return with_doc_ids(inputs, targets)
 
     def source_batches(source: int) -> Callable[[], Iterator[Batch]]:
         def batches() -> Iterator[Batch]:
             for i in range(cfg.eval_batches):
-                inputs, targets, _ = val.batch(cfg.seed, VAL, i, source, rows, source=source)
+                inputs, targets, _ = val.batch(cfg.seed, VAL, rows(i), source=source)
                 yield with_doc_ids(inputs, targets)
 
         return batches

@@ -11,10 +11,15 @@ document's text (:func:`is_validation`), so the split never overlaps and does no
 ``seq_len + 1`` tokens may span two shards. Only the pages of the windows drawn are ever read, so a run's memory
 does not grow with the corpus.
 
-Sampling (:meth:`TokenDataset.window`): the ``i``-th sequence of a global batch picks its source by the mixture
-weights and a uniformly random offset in it, from a generator keyed by ``(seed, split, step, micro_step, i)``. The
-global batch of a step is thus a pure function of the step, whatever the number of ranks (each rank takes its
-slice of the global indices): a resume is exact, and elastic.
+Sampling (:meth:`TokenDataset.sequence`): sequence ``n`` of the run (``n`` counts every sequence of every global
+batch, in order) picks its source by the mixture weights, from a generator keyed by ``(seed, split, n)``, and a
+window of that source *without replacement*: the source's tokens are cut into ``W`` windows of ``seq_len`` tokens
+(plus the next one, the last target) at a per-epoch random shift, and sequence ``n`` takes window
+``permute(n mod W)`` of epoch ``n // W``, a pseudo-random permutation (a Feistel network, :func:`permute`) keyed
+by ``(seed, split, source, epoch)``. A single source is thus read exactly once per epoch in a random order, with
+no memory kept; a mixture never repeats a window of a source within an epoch. The global batch of a step is a
+pure function of the step, whatever the number of ranks (each rank takes its slice of the global indices): a
+resume is exact, and elastic.
 """
 
 from __future__ import annotations
@@ -35,6 +40,52 @@ VERSION = 1
 MANIFEST = "manifest.json"
 TRAIN, VAL = 0, 1
 SPLITS = ("train", "val")
+
+
+_M64 = (1 << 64) - 1
+
+
+def _splitmix64(z: int) -> int:
+    """SplitMix64's output function (Steele et al. 2014): a 64-bit integer hash."""
+    z = (z + 0x9E3779B97F4A7C15) & _M64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M64
+    return z ^ (z >> 31)
+
+
+def hash_key(*values: int) -> int:
+    """A 64-bit key from integers (SplitMix64 chained over them)."""
+    key = 0
+    for value in values:
+        key = _splitmix64(key ^ (value & _M64))
+    return key
+
+
+def permute(index: int, size: int, key: int) -> int:
+    """Position ``index`` of a pseudo-random permutation of ``range(size)`` keyed by ``key``, in O(1) memory: a
+    4-round Feistel network over the smallest even number of bits covering ``size``, cycle-walking until the result
+    falls in range (Black and Rogaway 2002, "Ciphers with Arbitrary Finite Domains").
+
+    Args:
+        index: in ``[0, size)``.
+        size: >= 1.
+        key: the permutation's key (:func:`hash_key`).
+
+    Returns:
+        An integer in ``[0, size)``; distinct indices give distinct results.
+    """
+    bits = max(2, (size - 1).bit_length())
+    bits += bits % 2
+    half = bits // 2
+    mask = (1 << half) - 1
+    x = index
+    while True:
+        left, right = x >> half, x & mask
+        for r in range(4):
+            left, right = right, left ^ (_splitmix64(key ^ (r << 60) ^ right) & mask)
+        x = (left << half) | right
+        if x < size:
+            return x
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -194,33 +245,37 @@ class TokenDataset:
         """Tokens of this split over every source."""
         return sum(s.num_tokens for s in self.streams)
 
-    def window(self, rng: np.random.Generator, source: int | None = None) -> Window:
-        """Draw one window: a source by the mixture weights (unless ``source`` is given), then a uniformly random
-        start in it."""
+    def sequence(self, seed: int, split: int, n: int, source: int | None = None) -> Window:
+        """Sequence ``n``: a source by the mixture weights (unless ``source`` is given), then a window of it
+        without replacement (see the module docstring)."""
         if source is None:
-            source = int(rng.choice(len(self.streams), p=self.weights))
+            source = int(np.random.default_rng([seed, split, n]).choice(len(self.streams), p=self.weights))
         stream = self.streams[source]
-        start = int(rng.integers(0, stream.num_tokens - self.seq_len))
-        return Window(stream.read(start, self.seq_len + 1), source)
+        T = self.seq_len
+        windows = (stream.num_tokens - T) // T  # each window starts at shift + k * T and holds T + 1 tokens
+        if windows >= 1:
+            epoch, k = divmod(n, windows)
+            key = hash_key(seed, split, source, epoch)
+            start = key % T + permute(k, windows, key) * T
+        else:  # shorter than two windows: any start
+            start = int(np.random.default_rng([seed, split, n, 1]).integers(0, stream.num_tokens - T))
+        return Window(stream.read(start, T + 1), source)
 
     def batch(
-        self, seed: int, split: int, step: int, micro_step: int, indices: range, source: int | None = None
+        self, seed: int, split: int, numbers: range, source: int | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
-        """The sequences ``indices`` of the global batch of ``(step, micro_step)``.
+        """The sequences ``numbers`` (a rank's rows of a global batch: ``n`` counts every sequence of the run).
 
         Args:
             seed: the run's seed.
-            split: :data:`TRAIN` or :data:`VAL` (keys the generators apart).
-            step, micro_step: the batch's coordinates (validation: the batch number and the source).
-            indices: which sequences of the global batch (a rank's slice).
+            split: :data:`TRAIN` or :data:`VAL` (keys the draws apart).
+            numbers: which sequences.
             source: draw every window from this source (validation per source).
 
         Returns:
             ``(inputs, targets, sources)``: ``(B, T)`` int64 each, and each row's source index.
         """
-        windows = [
-            self.window(np.random.default_rng([seed, split, step, micro_step, i]), source) for i in indices
-        ]
+        windows = [self.sequence(seed, split, n, source) for n in numbers]
         tokens = torch.from_numpy(np.stack([w.tokens for w in windows]))  # (B, T + 1)
         return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous(), [w.source for w in windows]
 
