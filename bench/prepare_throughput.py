@@ -16,7 +16,8 @@ Cases:
   compared byte for byte.
 - ``nanoGPT-style``: read each file whole, decode its records, encode them all with ``encode_batch``, concatenate
   into one uint16 array, write ``train.bin`` (nanoGPT's ``data/shakespeare/prepare.py`` pattern with the same
-  tokenizer; no validation split).
+  tokenizer; no validation split): on one of the 8 files, and on the whole corpus under a 16 GiB address-space cap
+  (uncapped it took the 24 GiB machine's memory and was killed by the kernel's OOM killer).
 - ``memfit prepare, 2 workers, 4x``: the same on a corpus 4x as large: the peak must not grow with the corpus.
 
 Reproduce (about 15 minutes on 2 CPU cores; ~6 GiB of temporary disk)::
@@ -33,6 +34,7 @@ import hashlib
 import json
 import os
 import random
+import resource
 import subprocess
 import sys
 import sysconfig
@@ -78,10 +80,20 @@ def make_corpus(directory: Path, gib: float, seed: int = 0) -> int:
     return total
 
 
-def run_measured(cmd: list[str], env: dict[str, str] | None = None) -> dict[str, float]:
-    """Run ``cmd``; its wall time and the peak resident memory of its process tree (bytes)."""
+def run_measured(
+    cmd: list[str], env: dict[str, str] | None = None, limit: int | None = None, check: bool = True
+) -> dict[str, float]:
+    """Run ``cmd``; its wall time and the peak resident memory of its process tree (bytes). ``limit`` caps the
+    address space of the process (bytes), so a run that does not fit fails instead of taking the machine."""
+
+    def cap() -> None:
+        if limit is not None:
+            resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+
     start = time.perf_counter()
-    proc = psutil.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = psutil.Popen(
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, preexec_fn=cap
+    )
     peak = 0
     while proc.poll() is None:
         try:
@@ -91,9 +103,10 @@ def run_measured(cmd: list[str], env: dict[str, str] | None = None) -> dict[str,
             pass
         time.sleep(0.1)
     output = proc.stdout.read()
-    if proc.returncode != 0:
+    if proc.returncode != 0 and check:
         raise RuntimeError(f"{cmd} failed:\n{output[-4000:]}")
-    return {"seconds": time.perf_counter() - start, "peak_rss": peak, "output": output}
+    ok = proc.returncode == 0
+    return {"seconds": time.perf_counter() - start, "peak_rss": peak, "output": output, "ok": ok}
 
 
 def digest(directory: Path) -> str:
@@ -132,7 +145,7 @@ def child_encode(corpus: str, tokenizer: str, limit: int) -> None:
     print(json.dumps({"tokens": tokens, "seconds": time.perf_counter() - start, "bytes": size}))
 
 
-def child_nanogpt(corpus: str, tokenizer: str, out: str) -> None:
+def child_nanogpt(corpus: str, tokenizer: str, out: str, files: int) -> None:
     """nanoGPT-style: the whole corpus in memory, one process, one uint16 array."""
     import numpy as np
 
@@ -140,7 +153,7 @@ def child_nanogpt(corpus: str, tokenizer: str, out: str) -> None:
 
     tok = load_tokenizer(tokenizer)
     docs = []
-    for path in sorted(Path(corpus).glob("*.jsonl")):
+    for path in sorted(Path(corpus).glob("*.jsonl"))[:files]:
         text = path.read_text(encoding="utf-8")  # the whole file
         docs += [json.loads(line)["text"] for line in text.splitlines()]
         del text
@@ -159,13 +172,13 @@ def main() -> int:
     )
     parser.add_argument("--out", default=str(ROOT / "docs" / "benchmarks.md"))
     parser.add_argument("--_encode", nargs=3, help=argparse.SUPPRESS)
-    parser.add_argument("--_nanogpt", nargs=3, help=argparse.SUPPRESS)
+    parser.add_argument("--_nanogpt", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args._encode:
         child_encode(args._encode[0], args._encode[1], int(args._encode[2]))
         return 0
     if args._nanogpt:
-        child_nanogpt(*args._nanogpt)
+        child_nanogpt(*args._nanogpt[:3], int(args._nanogpt[3]))
         return 0
 
     work = Path(args.workdir or tempfile.mkdtemp(prefix="memfit_prepare_bench_"))
@@ -216,24 +229,22 @@ def main() -> int:
                str(tokenizer), "--workers", str(workers), "--quiet", "val_fraction=0.001"]  # fmt: skip
         r = run_measured(cmd, env)
         tokens = json.loads((out / "manifest.json").read_text())["tokens"]
-        rows.append((f"memfit prepare, {workers} worker{'s' * (workers > 1)}", workers, sizes[small], tokens,
+        # one worker encodes with the tokenizer's own 2 threads; two workers with one thread each
+        rows.append((f"memfit prepare, {workers} worker{'s' * (workers > 1)}", 2, sizes[small], tokens,
                      r["seconds"], r["peak_rss"]))  # fmt: skip
         outputs[workers] = out
     identical = digest(outputs[1]) == digest(outputs[2])
 
     nano = work / "nanogpt_train.bin"
-    r = run_measured([python, __file__, "--_nanogpt", str(small), str(tokenizer), str(nano)], env)
+    one_file = (small / "part_000.jsonl").stat().st_size
+    r = run_measured([python, __file__, "--_nanogpt", str(small), str(tokenizer), str(nano), "1"], env)
     tokens = json.loads(r["output"].strip().splitlines()[-1])["tokens"]
-    rows.append(
-        (
-            "nanoGPT-style (whole corpus in memory, 1 process)",
-            1,
-            sizes[small],
-            tokens,
-            r["seconds"],
-            r["peak_rss"],
-        )
-    )
+    name = "nanoGPT-style (whole corpus in memory), 1 of the 8 files"
+    rows.append((name, 2, one_file, tokens, r["seconds"], r["peak_rss"]))  # the tokenizer's 2 threads
+    cmd = [python, __file__, "--_nanogpt", str(small), str(tokenizer), str(nano), str(FILES)]
+    r = run_measured(cmd, env, limit=16 * GIB, check=False)
+    nano_full = "fitted" if r["ok"] else f"failed at the 16 GiB address-space cap after {r['seconds']:.0f} s"
+    rows.append(("nanoGPT-style, the whole 1x corpus", 2, sizes[small], 0, r["seconds"], r["peak_rss"]))
 
     out = work / "prepared_4x"
     subprocess.run(["rm", "-rf", str(out)], check=True)
@@ -247,11 +258,16 @@ def main() -> int:
 
     peak_1x = next(r[5] for r in rows if r[0] == "memfit prepare, 2 workers")
     table = [
-        "| case | processes | corpus (GiB) | tokens | seconds | tokens/s | tokens/s per core | vs batch encode, "
+        "| case | cores busy | corpus (GiB) | tokens | seconds | tokens/s | tokens/s per core | vs batch encode, "
         "per core | peak RSS (MiB) |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name, procs, nbytes, tokens, seconds, peak in rows:
+        if not tokens:
+            table.append(
+                f"| {name} | {procs} | {nbytes / GIB:.2f} | {nano_full} | | | | | {peak / MIB:,.0f} |"
+            )
+            continue
         rate = tokens / seconds
         table.append(
             f"| {name} | {procs} | {nbytes / GIB:.2f} | {tokens:,} | {seconds:.1f} | {rate:,.0f} | "
