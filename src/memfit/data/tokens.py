@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import mmap
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -162,22 +163,32 @@ class SourceStream:
                     f"shard '{path}' holds {path.stat().st_size} bytes, the manifest says {tokens} tokens of "
                     f"{dtype.itemsize} bytes: it is truncated or changed; prepare the dataset again"
                 )
-        self._maps: dict[int, np.memmap] = {}
+        self._maps: dict[int, tuple[mmap.mmap, np.ndarray]] = {}
 
-    def _map(self, i: int) -> np.ndarray:
-        if i not in self._maps:  # opened on first use: a run touches only the pages of the windows it draws
-            self._maps[i] = np.memmap(self.paths[i], dtype=self.dtype, mode="r", shape=(int(self.sizes[i]),))
+    def _map(self, i: int) -> tuple[mmap.mmap, np.ndarray]:
+        if i not in self._maps:  # mapped on first use, for random reads: no read-ahead around each window
+            with open(self.paths[i], "rb") as fh:
+                mapped = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+            mapped.madvise(mmap.MADV_RANDOM)
+            self._maps[i] = (mapped, np.frombuffer(mapped, dtype=self.dtype))
         return self._maps[i]
 
     def read(self, start: int, length: int) -> np.ndarray:
-        """Tokens ``[start, start + length)`` of the stream as int64 (spanning shards where it must)."""
+        """Tokens ``[start, start + length)`` of the stream as int64 (spanning shards where it must).
+
+        The pages read are then dropped from this process's mappings (``MADV_DONTNEED``; they stay in the page
+        cache), so the process's resident memory does not grow with the windows drawn over a long run.
+        """
         out = np.empty(length, dtype=np.int64)
         filled = 0
         shard = int(np.searchsorted(self.starts, start, side="right")) - 1
         while filled < length:
             offset = start + filled - int(self.starts[shard])
             take = min(length - filled, int(self.sizes[shard]) - offset)
-            out[filled : filled + take] = self._map(shard)[offset : offset + take]
+            mapped, tokens = self._map(shard)
+            out[filled : filled + take] = tokens[offset : offset + take]
+            first = offset * self.dtype.itemsize // mmap.PAGESIZE * mmap.PAGESIZE
+            mapped.madvise(mmap.MADV_DONTNEED, first, (offset + take) * self.dtype.itemsize - first)
             filled += take
             shard += 1
         return out
