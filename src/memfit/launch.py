@@ -19,9 +19,6 @@ import signal
 import sys
 
 import torch
-from torch.distributed.elastic.multiprocessing.api import SignalException
-from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-from torch.distributed.run import main as torchrun_main
 
 from memfit.errors import ConfigError
 
@@ -134,6 +131,12 @@ def run_torchrun(args: list[str]) -> int:
         0 when every rank finished; 1 when a rank failed (after torchrun's report, which names the rank that
         failed first and its exit code or signal); ``128 + signal`` when a signal stopped the launch.
     """
+    # deferred: only the launching process runs torchrun's agent; the ranks (which import this module through the
+    # CLI) must not import the elastic agent and its machinery
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import main as torchrun_main
+
     print(f"memfit: running {shlex.join(['torchrun', *args])}", flush=True)
     handlers = {
         sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
