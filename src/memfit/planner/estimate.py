@@ -44,7 +44,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from memfit.build import build_training, run_model_config
 from memfit.checkpoint import init_optimizer_state
@@ -267,6 +266,9 @@ def _fake_process_group(world_size: int) -> Iterator[None]:
     if world_size == 1:
         yield
         return
+    # deferred: torch's testing internals are imported only by a sharded estimate, never by a training rank
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
     if dist.is_initialized():
         raise RuntimeError("estimate_run(world_size > 1) needs a process without a process group")
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
