@@ -64,6 +64,7 @@ def _pretrain(args: argparse.Namespace) -> int:
         return launch.run_torchrun(launch.torchrun_args(nproc, args.verb, args.config, overrides))
     try:
         summary = train(cfg)
+        distributed.barrier()  # every rank is done communicating before any leaves the group
     finally:
         distributed.destroy_distributed()
     if not distributed.launched_distributed() or int(os.environ.get("RANK", "0")) == 0:
