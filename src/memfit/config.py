@@ -783,6 +783,7 @@ def validate(cfg: TrainConfig, world_size: int = 1) -> None:
     if cfg.checkpoint_dir is not None:
         return  # the architecture comes from the checkpoint: train() checks seq_len against it before loading
     preset_vocab = cfg.model_args.get("vocab_size", MODEL_PRESETS[cfg.model].get("vocab_size"))
+    # memfit.data.tokens.MANIFEST, spelled out: config is below the data layer and may not import it
     prepared = cfg.data.path is not None and (Path(cfg.data.path) / "manifest.json").is_file()
     if (
         tok.kind == "bpe" and preset_vocab is not None and not prepared
