@@ -434,7 +434,7 @@ the foreach AdamW update (its temporaries as large as the gradients) peaks above
 both sides put the peak in `optimizer_step`.
 
 No row is off by more than 5%, so there was nothing in the estimate to fix for this table; the two changes this
-benchmark led to are in `memfit/memory/estimate.py` (see the commit): with `optimizer_in_backward` the traced
+benchmark led to are in `memfit/planner/estimate.py` (see the commit): with `optimizer_in_backward` the traced
 gradients of the closed-form check are those live at the end of the optimizer phase (the first ops labelled
 `optimizer_step` are updates inside the backward, with one gradient live; only `traced_model_states` changed, not
 the peak), and paged optimizers move only what bitsandbytes pages (the moments of tensors of >= 100,000 elements)
