@@ -51,7 +51,9 @@ from torch.distributed.checkpoint.state_dict import (  # _init_optim_state: torc
     set_state_dict,
 )
 
+from memfit import storage
 from memfit.errors import CheckpointError
+from memfit.filemode import give_default_mode
 from memfit.models.llama import LlamaConfig, RopeScaling
 
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
@@ -154,7 +156,9 @@ def fsync_tree(path: Path) -> None:
 
 
 @contextlib.contextmanager
-def atomic_directory(final: Path, what: str) -> Iterator[Path]:
+def atomic_directory(
+    final: Path, what: str, kept: str | None = None, where: str = "directory"
+) -> Iterator[Path]:
     """Write a directory aside, then rename it into place: readers see the old one or the complete new one.
 
     Yields a hidden sibling ``.tmp-<name>-<pid>`` to fill. On success its files are fsync'ed and it replaces
@@ -164,9 +168,12 @@ def atomic_directory(final: Path, what: str) -> Iterator[Path]:
     Args:
         final: the directory to create or replace.
         what: what is being written, for the error message (e.g. "checkpoint").
+        kept: what the user still has, for the error message (default: "what was there before is untouched").
+        where: the setting that chose the location, for the error message's advice (e.g. "output_dir").
 
     Raises:
-        CheckpointError: writing or renaming failed (disk full, permissions).
+        CheckpointError: writing or renaming failed (disk full, quota, permissions, read-only file system); the
+            message names ``final``, the cause, what was kept and what to do.
     """
     tmp = final.parent / f".tmp-{final.name}-{os.getpid()}"
     try:
@@ -184,15 +191,23 @@ def atomic_directory(final: Path, what: str) -> Iterator[Path]:
         else:
             os.replace(tmp, final)
         fsync_dir(final.parent)
-    except OSError as exc:
+    except Exception as exc:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise CheckpointError(
-            f"could not write {what} '{final}' ({exc}); what was there before is untouched. Free disk space or "
-            f"choose another directory"
-        ) from None
+        error = storage.os_error_of(exc)
+        if error is None:
+            raise
+        raise CheckpointError(storage.write_failure(what, final, error, kept, where)) from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def kept_checkpoint(output_dir: str | Path) -> str:
+    """What a run still has when a checkpoint could not be written (for :func:`write_failure`)."""
+    latest = latest_checkpoint(output_dir)
+    if latest is None:
+        return "this run has no earlier checkpoint"
+    return f"the newest complete checkpoint '{latest}' is kept (resume=true continues from it)"
 
 
 @contextlib.contextmanager
@@ -294,7 +309,7 @@ def save_checkpoint(
     """
     final = checkpoints_dir(output_dir) / f"step_{step:08d}"
     # a checkpoint of the same step from an earlier (interrupted) attempt is replaced
-    with atomic_directory(final, "checkpoint") as tmp:
+    with atomic_directory(final, "checkpoint", kept_checkpoint(output_dir), "output_dir") as tmp:
         if weights is None:
             weights = trainable_state_dict(model) if trainable_only else _weights_state_dict(model)
         elif model_config.tie_word_embeddings:
@@ -305,19 +320,19 @@ def save_checkpoint(
             str(tmp / (ADAPTER_WEIGHTS if trainable_only else WEIGHTS)),
             metadata={"format": "pt", "step": str(step)},
         )
+        give_default_mode(tmp / (ADAPTER_WEIGHTS if trainable_only else WEIGHTS))  # save_file leaves 0o600
         (tmp / MODEL_CONFIG).write_text(json.dumps(model_config_to_dict(model_config), indent=2))
         if optimizer_state is not None:
-            torch.save(optimizer_state, tmp / OPTIMIZER)
+            storage.torch_save(optimizer_state, tmp / OPTIMIZER)
         elif optimizer is not None:
-            torch.save(optimizer.state_dict(), tmp / OPTIMIZER)
+            storage.torch_save(optimizer.state_dict(), tmp / OPTIMIZER)
         tokenizer.save(tmp / "tokenizer")
         state = {**trainer_state, "step": step, "rng": rng_state()}
         state["file_sizes"] = {
             str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()
         }
         (tmp / TRAINER_STATE).write_text(json.dumps(state, indent=2))
-    for old in list_checkpoints(output_dir)[:-keep_last]:
-        shutil.rmtree(old, ignore_errors=True)
+    prune_checkpoints(output_dir, keep_last)
     return final
 
 
@@ -364,6 +379,16 @@ def save(
     if trainable_only:
         return save_gathered_trainable_checkpoint(*args)
     return save_sharded_checkpoint(*args)
+
+
+def prune_checkpoints(output_dir: str | Path, keep_last: int) -> None:
+    """Delete all but the newest ``keep_last`` checkpoints. Each is first renamed out of the checkpoint namespace
+    (``.old-step_...``, atomic), then deleted: a run killed while deleting leaves a hidden directory that the next
+    run removes, never a half-deleted ``step_...`` that looks like a checkpoint."""
+    for old in list_checkpoints(output_dir)[:-keep_last]:
+        doomed = old.with_name(f".old-{old.name}-{os.getpid()}")
+        os.replace(old, doomed)
+        shutil.rmtree(doomed, ignore_errors=True)
 
 
 def remove_stale_temporaries(output_dir: str | Path) -> None:
@@ -616,7 +641,15 @@ def save_sharded_checkpoint(
     final = checkpoints_dir(output_dir) / f"step_{step:08d}"
     tmp = final.parent / f".tmp-{final.name}-sharded"  # one name all ranks know
     main = dist.get_rank() == 0
+    kept = kept_checkpoint(output_dir) if main else ""
     error = None
+
+    def failed(exc: BaseException) -> str:
+        os_error = storage.os_error_of(exc)
+        if os_error is None:
+            return f"could not write checkpoint '{final}' ({exc}); {kept}"
+        return storage.write_failure("checkpoint", final, os_error, kept, "output_dir")
+
     if main:
         try:
             final.parent.mkdir(parents=True, exist_ok=True)
@@ -624,14 +657,14 @@ def save_sharded_checkpoint(
                 shutil.rmtree(tmp)
             (tmp / DCP_DIR).mkdir(parents=True)
         except OSError as exc:
-            error = str(exc)
+            error = failed(exc)
     error = _agree(error)
     if error is None:
         model_sd, optim_sd = get_state_dict(model, optimizer)
         try:
             dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp / DCP_DIR)
         except Exception as exc:  # a rank's write failed: dcp.save raises the same on every rank
-            error = str(exc)
+            error = failed(exc)
         dist.barrier()
         if main and error is None:
             try:
@@ -656,18 +689,14 @@ def save_sharded_checkpoint(
                 else:
                     os.replace(tmp, final)
                 fsync_dir(final.parent)
-                for old in list_checkpoints(output_dir)[:-keep_last]:
-                    shutil.rmtree(old, ignore_errors=True)
+                prune_checkpoints(output_dir, keep_last)
             except OSError as exc:
-                error = str(exc)
+                error = failed(exc)
         error = _agree(error)
     if error is not None:
         if main:
             shutil.rmtree(tmp, ignore_errors=True)
-        raise CheckpointError(
-            f"could not write checkpoint '{final}' ({error}); what was there before is untouched. Free disk space "
-            f"or choose another directory"
-        )
+        raise CheckpointError(error)
     return final
 
 

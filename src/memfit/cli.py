@@ -24,15 +24,24 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
+import signal
 import sys
 from typing import Any
 
 import yaml
 
-from memfit import __version__, distributed, launch
+from memfit import __version__, distributed, launch, storage
 from memfit.build import load_for_generation, resolve_device
-from memfit.config import PrepareConfig, describe_keys, load_config, load_prepare_config, parse_overrides
+from memfit.config import (
+    PrepareConfig,
+    describe_keys,
+    load_config,
+    load_prepare_config,
+    parse_overrides,
+    show_progress,
+)
 from memfit.data.prepare import prepare, summary_table
 from memfit.data.sources import source_tree
 from memfit.data.tokens import MANIFEST
@@ -43,10 +52,10 @@ from memfit.planner import plan as plan_
 from memfit.planner import report
 from memfit.planner.estimate import estimate_run
 from memfit.train import train
-from memfit.units import format_bytes, parse_bytes
+from memfit.units import GIB, format_bytes, parse_bytes
 
 FINETUNE_DEFAULTS = {"output_dir": "out/finetune"}
-INTERRUPTED = "memfit: interrupted; the newest complete checkpoint is kept (resume=true continues)"
+INTERRUPTED = "memfit: stopped by {}; the newest complete checkpoint is kept (resume=true continues)"
 
 
 def _pretrain(args: argparse.Namespace) -> int:
@@ -92,7 +101,8 @@ def _load_run_config(verb: str, config: str | None, overrides: list[str], world_
 def _print_summary(summary: dict) -> None:
     print()
     if summary["final_val_loss"] is None:
-        print("final validation loss: none (no validation samples; data.val_fraction=0)")
+        # why, naming the key that decides it (RunData.val_empty_reason, passed on by train())
+        print(f"final validation loss: none ({summary.get('val_empty_reason') or 'no validation samples'})")
     else:
         print(f"final validation loss: {summary['final_val_loss']:.4f} nats/token")
     if summary.get("tokens_per_second_per_gpu"):
@@ -108,7 +118,21 @@ def _print_summary(summary: dict) -> None:
         print(summary["sample"])
 
 
+def _check_option(option: str, value: Any, ok: bool, allowed: str) -> None:
+    """Refuse a command-line option's value as a config key's is refused: a :class:`ConfigError` (exit status 2)
+    that names the option, the value given and what is allowed."""
+    if not ok:
+        raise ConfigError(f"{option} must be {allowed}, got {value!r}")
+
+
+def _check_path(option: str, value: str | None) -> None:
+    """An option that names a file or directory, when given, is not empty (``''`` would be the current one)."""
+    if value is not None:
+        _check_option(option, value, bool(value.strip()), "a path, not empty")
+
+
 def _estimate(args: argparse.Namespace) -> int:
+    _check_path("--config", args.config)
     world_size, overrides = launch.split_count(
         args.overrides, "world_size", "the number of ranks of the sharded run"
     )
@@ -140,6 +164,11 @@ def split_budget(overrides: list[str], key: str = "budget") -> tuple[int | None,
 
 
 def _plan(args: argparse.Namespace) -> int:
+    _check_path("--config", args.config)
+    _check_path("--out", args.out)
+    _check_option("--top", args.top, args.top >= 1, ">= 1 (rows of the table)")
+    _check_option("--fits", args.fits, args.fits >= 1, ">= 1 (fitting combinations to establish)")
+    _check_option("--margin", args.margin, 0 <= args.margin < 1, "in [0, 1) (a fraction of the budget)")
     world_size, overrides = launch.split_count(
         args.overrides, "world_size", "the number of ranks of the sharded run"
     )
@@ -150,10 +179,6 @@ def _plan(args: argparse.Namespace) -> int:
             "config key 'budget': memfit plan needs the memory of one device, e.g. budget=24GiB (GiB = 1024**3 "
             "bytes) or budget=24GB (GB = 10**9 bytes)"
         )
-    if not 0 <= args.margin < 1:
-        raise ConfigError(f"--margin must be in [0, 1) (a fraction of the budget), got {args.margin}")
-    if args.top < 1 or args.fits < 1:
-        raise ConfigError("--top and --fits must be >= 1")
     cfg = load_config(args.config, overrides, world_size=world_size)
     dtypes = None if _sets_key(args.config, overrides, "dtype") else plan_.default_dtypes(cfg)
     progress = None if args.json else (lambda line: print(line, file=sys.stderr, flush=True))
@@ -194,6 +219,11 @@ def _sets_key(config: str | None, overrides: list[str], key: str) -> bool:
 
 
 def _prepare(args: argparse.Namespace) -> int:
+    _check_path("--out", args.out)
+    _check_path("--tokenizer", args.tokenizer)
+    _check_path("--source-tree", args.source_tree)
+    if args.workers is not None:
+        _check_option("--workers", args.workers, args.workers >= 1, ">= 1 (leave it out for one per core)")
     sources: dict[str, list[str]] = {}
     for item in args.source:
         name, sep, path = item.partition("=")
@@ -214,7 +244,10 @@ def _prepare(args: argparse.Namespace) -> int:
             "memfit prepare needs at least one --source NAME=PATH_OR_GLOB or a --source-tree DIR"
         )
     cfg = load_prepare_config(args.overrides, out=args.out, tokenizer=args.tokenizer, workers=args.workers)
-    result = prepare(cfg, sources, progress_bar=not args.quiet)
+    progress = None  # auto: a bar when stderr is a terminal
+    if args.progress or args.quiet:
+        progress = args.progress
+    result = prepare(cfg, sources, progress_bar=show_progress(progress))
     if result.manifest is None:
         print(
             f"prepared {result.prepared} of this node's {result.units} files into '{result.out}'; the manifest is "
@@ -228,6 +261,14 @@ def _prepare(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
+    _check_path("--checkpoint", args.checkpoint)
+    _check_option("--max-new-tokens", args.max_new_tokens, args.max_new_tokens >= 0, ">= 0")
+    temperature = args.temperature
+    _check_option(
+        "--temperature", temperature, math.isfinite(temperature) and temperature >= 0, ">= 0 (0: greedy)"
+    )
+    _check_option("--top-k", args.top_k, args.top_k >= 0, ">= 0 (0: no top-k restriction)")
+    _check_option("--seed", args.seed, 0 <= args.seed < 2**64, "in [0, 2**64)")
     device = resolve_device(args.device)
     model, tokenizer, run_template = load_for_generation(args.checkpoint, device=device)
     template = {"auto": run_template, "none": None}.get(args.template, args.template)
@@ -249,14 +290,18 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    if args.max_shard_size <= 0:
-        raise ConfigError("--max-shard-size must be > 0 (GiB per safetensors file)")
+    _check_path("--checkpoint", args.checkpoint)
+    _check_path("--out", args.out)
+    size = args.max_shard_size
+    _check_option(
+        "--max-shard-size", size, math.isfinite(size) and size * GIB >= 1, "> 0 (GiB per safetensors file)"
+    )
     out = export_run(
         args.checkpoint,
         args.out,
         adapter_only=args.adapter_only,
         dtype=args.dtype,
-        max_shard_size=int(args.max_shard_size * 1024**3),
+        max_shard_size=int(size * GIB),
     )
     print(f"exported to {out}")
     return 0
@@ -287,8 +332,8 @@ def build_parser() -> argparse.ArgumentParser:
         sub,
         "pretrain",
         _pretrain,
-        "YAML preset, e.g. configs/shakespeare.yaml (default: built-in)",
-        "dotted overrides, e.g. max_steps=100; nproc=N ranks",
+        "YAML preset, e.g. configs/shakespeare.yaml (default: none, the built-in defaults below)",
+        "dotted overrides, e.g. max_steps=100; nproc=N ranks (default: 1, no torchrun)",
         help="pretrain a Llama on a text corpus (default: Tiny Shakespeare)",
         description="Pretrain a Llama on a text corpus. Keys are memfit.config.TrainConfig fields; "
         "override any with dotted key=value (optimizer.lr=3e-4). nproc=N starts N sharded ranks on this machine "
@@ -300,8 +345,8 @@ def build_parser() -> argparse.ArgumentParser:
         sub,
         "finetune",
         _pretrain,
-        "YAML preset, e.g. configs/finetune_lora.yaml",
-        "e.g. checkpoint_dir=DIR method=lora",
+        "YAML preset, e.g. configs/finetune_lora.yaml (default: none, the built-in defaults below)",
+        "e.g. checkpoint_dir=DIR method=lora (checkpoint_dir is required); nproc=N ranks (default: 1)",
         help="fine-tune pretrained weights (full, LoRA or adapter) on instructions, chats or text",
         description="Fine-tune a Hugging Face, Meta or memfit checkpoint (checkpoint_dir) with method full, lora "
         "or adapter, on instruction / chat records (data.format alpaca, dolly, sharegpt, openai; data.template "
@@ -314,8 +359,8 @@ def build_parser() -> argparse.ArgumentParser:
         sub,
         "estimate",
         _estimate,
-        "YAML preset, e.g. configs/llama3_8b_full_single_device.yaml",
-        "e.g. model=llama3-8b world_size=8",
+        "YAML preset, e.g. configs/llama3_8b_full_single_device.yaml (default: none, the built-in defaults)",
+        "e.g. model=llama3-8b world_size=8 (world_size default: 1)",
         help="predict a run's peak memory on fake tensors, before allocating anything",
         description="Predict the peak memory of one rank of a run (the same config and overrides as pretrain / "
         "finetune) by running its training step on fake tensors: peak in GiB, its breakdown by category and "
@@ -325,15 +370,17 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="keys and defaults:\n  " + "\n  ".join(describe_keys()),
     )
     est.add_argument(
-        "--json", action="store_true", help="print one JSON object (peak_memory_gib, breakdown, ...)"
+        "--json",
+        action="store_true",
+        help="print one JSON object (peak_memory_gib, breakdown, ...) (default: the text report)",
     )
 
     pl = _config_verb(
         sub,
         "plan",
         _plan,
-        "YAML preset to plan from (its keys are kept)",
-        "budget=24GiB (required), model=llama3-8b, world_size=N, batch_size=B, seq_len=T, ...",
+        "YAML preset to plan from (its keys are kept) (default: none, the built-in defaults)",
+        "budget=24GiB (required), model=llama3-8b, world_size=N (default: 1), batch_size=B, seq_len=T, ...",
         help="pick the fastest memory switches that fit a memory budget, and write them as a config",
         description="Enumerate combinations of the memory switches (dtype, optimizer, optimizer in backward, "
         "activation checkpointing, chunked cross-entropy, offloading; sharded: FSDP resharding and CPU offload), "
@@ -344,19 +391,33 @@ def build_parser() -> argparse.ArgumentParser:
         "(on CPU also fp32) are considered. device=cuda plans a GPU run on any machine.",
         epilog="keys and defaults:\n  " + "\n  ".join(describe_keys()),
     )
-    pl.add_argument("--out", default=None, help="write the best plan here as a config for memfit pretrain")
-    pl.add_argument("--json", action="store_true", help="print one JSON object (rows, best, constants)")
-    pl.add_argument("--top", type=int, default=10, help="rows of the table to print")
     pl.add_argument(
-        "--fits", type=int, default=1, help="fastest fitting combinations to establish (more: more estimates)"
+        "--out",
+        default=None,
+        help="write the best plan here as a config for memfit pretrain (default: none, the table only)",
+    )
+    pl.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON object (rows, best, constants) (default: the table)",
+    )
+    pl.add_argument("--top", type=int, default=10, help="rows of the table to print (default: 10)")
+    pl.add_argument(
+        "--fits",
+        type=int,
+        default=1,
+        help="fastest fitting combinations to establish (more: more estimates) (default: 1)",
     )
     pl.add_argument(
         "--margin",
         type=float,
         default=plan_.DEFAULT_MARGIN,
-        help="part of the budget kept free for what the trace does not see (fragmentation, CUDA context)",
+        help="part of the budget kept free for what the trace does not see (fragmentation, CUDA context) "
+        f"(default: {plan_.DEFAULT_MARGIN:g})",
     )
-    pl.add_argument("--explain", action="store_true", help="also print the cost model's constants")
+    pl.add_argument(
+        "--explain", action="store_true", help="also print the cost model's constants (default: not printed)"
+    )
 
     pr = sub.add_parser(
         "prepare",
@@ -368,45 +429,82 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="key=value settings and defaults:\n  " + "\n  ".join(describe_keys(PrepareConfig)[3:]),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    pr.add_argument("--out", required=True, help="the dataset directory to write")
+    pr.add_argument("--out", required=True, help="the dataset directory to write (required)")
     pr.add_argument(
         "--tokenizer",
         default=None,
         help="tokenizer file or Hugging Face / memfit checkpoint directory (default: train a byte-level BPE)",
     )
     pr.add_argument(
-        "--source", action="append", default=[], metavar="NAME=PATH_OR_GLOB", help="a source (repeatable)"
+        "--source",
+        action="append",
+        default=[],
+        metavar="NAME=PATH_OR_GLOB",
+        help="a source (repeatable; at least one --source or a --source-tree) (default: none)",
     )
-    pr.add_argument("--source-tree", default=None, metavar="DIR", help="one source per sub-directory of DIR")
-    pr.add_argument("--workers", type=int, default=None, help="worker processes (default: one per core)")
-    pr.add_argument("--quiet", action="store_true", help="no progress bar")
     pr.add_argument(
-        "overrides", nargs="*", metavar="key=value", help="e.g. val_fraction=0.01 num_nodes=2 node_rank=0"
+        "--source-tree",
+        default=None,
+        metavar="DIR",
+        help="one source per sub-directory of DIR (default: none)",
+    )
+    pr.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        help="worker processes, >= 1 (default: one per CPU core it may use)",
+    )
+    bar = pr.add_mutually_exclusive_group()
+    bar.add_argument(
+        "--progress",
+        action="store_true",
+        help="show the progress bar (default: only when stderr is a terminal)",
+    )
+    bar.add_argument(
+        "--quiet", action="store_true", help="no progress bar (default: only when stderr is a terminal)"
+    )
+    pr.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="key=value",
+        help="settings below, e.g. val_fraction=0.01 num_nodes=2 node_rank=0 (default: as listed below)",
     )
     pr.set_defaults(func=_prepare)
 
     g = sub.add_parser(
-        "generate",
-        help="sample text from a checkpoint",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        "generate", help="sample text from a checkpoint", description="Sample text from a checkpoint."
     )
     g.add_argument(
-        "--checkpoint", required=True, help="a run's output_dir (newest checkpoint) or a checkpoint dir"
+        "--checkpoint",
+        required=True,
+        help="a run's output_dir (newest checkpoint), a checkpoint dir, or a Hugging Face / Meta directory "
+        "(required)",
     )
-    g.add_argument("--prompt", default="", help="text to continue (empty: start from BOS)")
-    g.add_argument("--max-new-tokens", type=int, default=200)
-    g.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
-    g.add_argument("--top-k", type=int, default=50, help="0 = no top-k restriction")
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    g.add_argument("--prompt", default="", help="text to continue (default: empty, start from BOS)")
+    g.add_argument("--max-new-tokens", type=int, default=200, help="tokens to generate, >= 0 (default: 200)")
+    g.add_argument(
+        "--temperature", type=float, default=0.8, help="softmax temperature; 0 = greedy (default: 0.8)"
+    )
+    g.add_argument(
+        "--top-k", type=int, default=50, help="sample among the k most likely; 0 = all (default: 50)"
+    )
+    g.add_argument("--seed", type=int, default=0, help="seed of the sampling, in [0, 2**64) (default: 0)")
+    g.add_argument(
+        "--device",
+        default="auto",
+        choices=["auto", "cpu", "cuda"],
+        help="auto: CUDA when available, else CPU (default: auto)",
+    )
     g.add_argument(
         "--template",
         default="auto",
         choices=["auto", "none", "alpaca", "llama2-chat", "llama3-chat", "chatml"],
         help="prompt template: auto = the one the run fine-tuned with (none for pretraining runs and "
-        "foreign checkpoints); the prompt is then the user's message and only the reply is printed",
+        "foreign checkpoints); the prompt is then the user's message and only the reply is printed (default: auto)",
     )
-    g.add_argument("--json", action="store_true", help="print {prompt, template, text} as JSON")
+    g.add_argument(
+        "--json", action="store_true", help="print {prompt, template, text} as JSON (default: the text only)"
+    )
     g.set_defaults(func=_generate)
 
     e = sub.add_parser(
@@ -415,17 +513,27 @@ def build_parser() -> argparse.ArgumentParser:
         description="Export a memfit run or checkpoint (or convert a Meta checkpoint) to a Hugging Face "
         "LlamaForCausalLM directory. LoRA runs are merged into the base weights, or with --adapter-only written "
         "in PEFT's adapter format.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    e.add_argument("--checkpoint", required=True, help="memfit run or checkpoint dir, or a Meta/HF directory")
-    e.add_argument("--out", required=True, help="new directory to write (must not exist or be empty)")
-    e.add_argument(
-        "--adapter-only", action="store_true", help="LoRA runs: write only the adapter (PEFT format)"
     )
     e.add_argument(
-        "--dtype", default="auto", choices=["auto", "fp32", "bf16"], help="auto keeps the weights' dtype"
+        "--checkpoint", required=True, help="memfit run or checkpoint dir, or a Meta/HF directory (required)"
     )
-    e.add_argument("--max-shard-size", type=float, default=5.0, help="GiB per safetensors file")
+    e.add_argument(
+        "--out", required=True, help="new directory to write; must not exist or be empty (required)"
+    )
+    e.add_argument(
+        "--adapter-only",
+        action="store_true",
+        help="LoRA runs: write only the adapter, in PEFT's format (default: the merged model)",
+    )
+    e.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "fp32", "bf16"],
+        help="dtype of the written weights; auto keeps the weights' dtype (default: auto)",
+    )
+    e.add_argument(
+        "--max-shard-size", type=float, default=5.0, help="GiB per safetensors file, > 0 (default: 5)"
+    )
     e.set_defaults(func=_export)
     return parser
 
@@ -440,18 +548,39 @@ def main(argv: list[str] | None = None) -> int:
     ):
         print("memfit: error: --max-new-tokens, --top-k and --temperature must be >= 0", file=sys.stderr)
         return 2
+    previous = signal.signal(signal.SIGTERM, _terminated)  # SIGTERM stops a run as Ctrl-C does
     try:
         return args.func(args)
     except ConfigError as exc:
         print(f"memfit: config error: {exc}", file=sys.stderr)
         return 2
     except MemfitError as exc:  # every error memfit reports as a message (TokenizerError included)
-        print(f"memfit: error: {exc}", file=sys.stderr)
+        if not exc.every_rank or os.environ.get("RANK", "0") == "0":
+            print(f"memfit: error: {exc}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:
+        signum = getattr(exc, "signum", signal.SIGINT)
         if os.environ.get("RANK", "0") == "0":  # under torchrun every rank is interrupted: one says so
-            print(INTERRUPTED, file=sys.stderr)
-        return 130
+            print(INTERRUPTED.format(signal.Signals(signum).name), file=sys.stderr)
+        return 128 + signum
+    except OSError as exc:  # a file error no message above covers: still a paragraph, not a traceback
+        error = storage.os_error_of(exc)
+        where = f" '{exc.filename}'" if exc.filename else ""
+        print(f"memfit: error: {storage.cause(error)}{where}; nothing further was written", file=sys.stderr)
+        return 1
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (``kill``, a scheduler's stop): raised where the run is, like Ctrl-C's ``KeyboardInterrupt``, so
+    that it unwinds the same way (a checkpoint being written is removed; the newest complete one is kept)."""
+
+    signum = signal.SIGTERM
+
+
+def _terminated(signum: int, frame: Any) -> None:
+    raise Terminated()
 
 
 if __name__ == "__main__":

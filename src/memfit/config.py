@@ -19,6 +19,7 @@ import difflib
 import importlib.util
 import math
 import os
+import sys
 import types
 import typing
 from dataclasses import dataclass, field
@@ -38,6 +39,7 @@ from memfit.models.presets import MODEL_PRESETS, model_config
 
 DTYPES = ("fp32", "bf16", "bf16_mixed")
 DEVICES = ("auto", "cpu", "cuda")
+NONFINITE_POLICIES = ("stop", "skip")  # on_nonfinite
 TOKENIZER_KINDS = ("bpe", "char", "file")
 METHODS = ("full", "lora", "adapter")
 INSTRUCT_FORMATS = ("alpaca", "dolly", "sharegpt", "openai")
@@ -241,6 +243,19 @@ class PrepareConfig:
     """This machine's number, ``0 .. num_nodes - 1``."""
 
 
+def show_progress(setting: bool | None) -> bool:
+    """Whether to show a progress bar: ``setting`` when it is given, else (``None``, auto) when stderr is a
+    terminal, so that logs and pipes get no carriage-return lines.
+
+    Args:
+        setting: ``progress_bar`` (or ``memfit prepare``'s ``--progress`` / ``--quiet``); ``None`` is auto.
+    """
+    if setting is not None:
+        return setting
+    isatty = getattr(sys.stderr, "isatty", None)
+    return bool(isatty and isatty())
+
+
 def validate_prepare(cfg: PrepareConfig) -> None:
     """Check :class:`PrepareConfig` before anything is read or written.
 
@@ -361,6 +376,15 @@ class TrainConfig:
     writes ``memory_timeline.png`` of one step. Sharded, each rank tracks its own memory and the record holds the
     breakdown of the rank with the highest peak (``memory_peak_rank``). Costs speed."""
 
+    on_nonfinite: str = "stop"
+    """What a step with a non-finite loss or gradient norm (NaN, inf: the run diverged) does. ``stop``: the run
+    stops with an error naming the step, found at the next step record, evaluation or checkpoint (no extra host
+    sync in the step). ``skip``: the step's update is not applied, and the run stops after
+    ``max_nonfinite_steps`` such steps in a row (one host sync per step; not with ``optimizer_in_backward``,
+    whose updates happen during backward). Either way a model with non-finite weights is never saved."""
+    max_nonfinite_steps: int = 3
+    """``on_nonfinite: skip``: stop after this many consecutive skipped steps."""
+
     log_every: int = 10
     """Steps between step records (stdout, metrics.jsonl, TensorBoard). Memory peaks are since the last record."""
     eval_every: int = 50
@@ -375,8 +399,11 @@ class TrainConfig:
     """Continue from the newest complete checkpoint in ``output_dir`` (safe after SIGKILL at any moment)."""
     tensorboard: bool = True
     """Write TensorBoard events to ``output_dir/tensorboard`` when the package is installed."""
-    progress_bar: bool = True
-    """Show a tqdm progress bar on stderr."""
+    progress_bar: bool | None = field(
+        default=None, metadata={"help": "auto: shown when stderr is a terminal"}
+    )
+    """A tqdm progress bar on stderr: ``null`` (auto) shows it when stderr is a terminal, ``true`` always,
+    ``false`` never (see :func:`show_progress`)."""
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -389,7 +416,10 @@ def _type_name(tp: Any) -> str:
 
 
 def _coerce(value: Any, tp: Any, key: str) -> Any:
-    """Check ``value`` against the annotation ``tp``; convert int -> float where a float is expected."""
+    """Check ``value`` against the annotation ``tp``; convert int -> float where a float is expected. No key
+    takes a non-finite number (YAML's ``.inf``, ``.nan``)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"config key '{key}' must be a finite number, got {value!r}")
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
         args = typing.get_args(tp)
@@ -459,7 +489,8 @@ def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
 
 
 def describe_keys(cls: type = None, prefix: str = "") -> list[str]:
-    """Every dotted config key with its default, e.g. ``optimizer.lr = 0.002``, for ``--help``."""
+    """Every dotted config key with its default, e.g. ``optimizer.lr = 0.002``, for ``--help`` (and a field's
+    ``metadata["help"]`` where a default needs words, e.g. ``None`` meaning auto)."""
     cls = cls or TrainConfig
     lines = []
     for f in dataclasses.fields(cls):
@@ -468,7 +499,8 @@ def describe_keys(cls: type = None, prefix: str = "") -> list[str]:
             lines += describe_keys(tp, prefix + f.name + ".")
             continue
         default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-        lines.append(f"{prefix}{f.name} = {default!r}")
+        note = f"  ({f.metadata['help']})" if "help" in f.metadata else ""
+        lines.append(f"{prefix}{f.name} = {default!r}{note}")
     return lines
 
 
@@ -655,6 +687,7 @@ def validate(cfg: TrainConfig, world_size: int = 1) -> None:
         "log_every",
         "eval_batches",
         "keep_last_checkpoints",
+        "max_nonfinite_steps",
     ):
         _require(getattr(cfg, key) >= 1, key, f"must be >= 1, got {getattr(cfg, key)}")
     for key in ("seq_len", "eval_every", "checkpoint_every"):
@@ -666,6 +699,13 @@ def validate(cfg: TrainConfig, world_size: int = 1) -> None:
     )
     _one_of(cfg.dtype, DTYPES, "dtype")
     _one_of(cfg.device, DEVICES, "device")
+    _one_of(cfg.on_nonfinite, NONFINITE_POLICIES, "on_nonfinite")
+    _require(
+        not (cfg.on_nonfinite == "skip" and cfg.optimizer_in_backward),
+        "on_nonfinite",
+        "skip cannot be combined with optimizer_in_backward: those updates are applied during backward, before "
+        "the step's loss and gradient norm are known; use on_nonfinite=stop",
+    )
     _require(bool(cfg.output_dir), "output_dir", "must not be empty")
 
     tok = cfg.tokenizer

@@ -162,6 +162,37 @@ def all_gather_objects(obj: Any) -> list[Any]:
     return out
 
 
+def from_main(obj: Any) -> Any:
+    """Rank 0's ``obj`` (picklable), known to every rank; ``obj`` in a single process. So that all ranks raise
+    an error rank 0 found, or none does."""
+    if not is_distributed():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def all_finite(tensors: Iterable[torch.Tensor]) -> bool:
+    """Whether every element of ``tensors`` (this rank's shards of DTensors) is finite, on every rank. A host
+    sync (and a collective when sharded: every rank must call it)."""
+    ok = None
+    for t in tensors:
+        local = t.to_local() if hasattr(t, "to_local") else t
+        finite = torch.isfinite(local).all()
+        ok = finite if ok is None else ok & finite
+    if ok is None:
+        ok = torch.ones((), dtype=torch.bool)
+    if not is_distributed():
+        return bool(ok)
+    flag = ok.to(torch.int32).reshape(1)
+    if dist.get_backend() == "nccl":
+        flag = flag.cuda()
+    else:
+        flag = flag.cpu()
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
 def grad_norm_and_clip(model: torch.nn.Module, max_grad_norm: float) -> torch.Tensor:
     """The global L2 norm of the gradients (over every rank's shards), clipping them to ``max_grad_norm`` (> 0).
 

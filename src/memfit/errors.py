@@ -6,7 +6,13 @@ names the offending key, file or record and says what to do instead.
 
 
 class MemfitError(Exception):
-    """Base class of the errors the CLI prints as a message and exits non-zero on."""
+    """Base class of the errors the CLI prints as a message and exits non-zero on.
+
+    ``every_rank``: the error is raised alike on every rank of a sharded run (agreed through a collective, or
+    found from global values), so only rank 0 prints it.
+    """
+
+    every_rank = False
 
 
 class ConfigError(MemfitError, ValueError):
@@ -39,3 +45,19 @@ class UnknownPresetError(ValueError, KeyError):
 
 class NoPlanError(MemfitError):
     """``memfit plan``: no combination of memory switches fits the budget."""
+
+
+class RunLockedError(MemfitError):
+    """Another live run holds the lock of the same ``output_dir`` (:mod:`memfit.runlock`)."""
+
+
+class DivergenceError(MemfitError, ArithmeticError):
+    """Training diverged: a step's loss or gradient norm is not finite (``on_nonfinite``); nothing non-finite
+    was saved. Found from global values, so every rank raises it."""
+
+    every_rank = True
+
+
+class WriteError(MemfitError, OSError):
+    """A file could not be written (disk full, quota, permissions, read-only file system); the message names the
+    path, the cause, what was kept and what to do."""

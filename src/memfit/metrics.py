@@ -10,11 +10,16 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from tqdm.auto import tqdm
+
+from memfit import storage
+from memfit.errors import WriteError
 
 _STDOUT_FIELDS = (
     ("loss", "loss {:.4f}"),
@@ -119,17 +124,33 @@ class MetricsLogger:
         self._file = open(self.path, "a", encoding="utf-8")
 
     def log(self, record: dict[str, Any]) -> None:
-        """Write one record to every sink."""
+        """Write one record to every sink.
+
+        Raises:
+            WriteError: ``metrics.jsonl`` or the TensorBoard events could not be written (disk full, ...).
+        """
         if not self.enabled:
             return
         tqdm.write(format_record(record))
-        self._file.write(json.dumps(record) + "\n")
-        self._file.flush()
-        if self._tb is not None:
-            for key, value in record.items():
-                if key != "step" and isinstance(value, int | float) and math.isfinite(value):
-                    self._tb.add_scalar(key, value, record["step"])
-            self._tb.flush()
+        try:
+            self._file.write(json.dumps(record) + "\n")
+            self._file.flush()
+            if self._tb is not None:
+                for key, value in record.items():
+                    if key != "step" and isinstance(value, int | float) and math.isfinite(value):
+                        self._tb.add_scalar(key, value, record["step"])
+                self._tb.flush()
+        except OSError as exc:
+            raise WriteError(
+                storage.write_failure(
+                    f"the step {record.get('step')} record to",
+                    exc.filename or self.path,
+                    exc,
+                    "the records before it are in metrics.jsonl and the newest complete checkpoint in output_dir "
+                    "is kept (resume=true continues from it)",
+                    "output_dir",
+                ).replace("Nothing partial was left behind; ", "")
+            ) from None
 
     def close(self) -> None:
         """Flush and close the sinks."""
@@ -140,28 +161,59 @@ class MetricsLogger:
             self._tb.close()
 
 
-def read_records(path: Path) -> list[dict[str, Any]]:
-    """The records of a ``metrics.jsonl`` file (a torn last line from a killed run is ignored)."""
+def read_records(path: Path, report: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
+    """The records of a ``metrics.jsonl`` file.
+
+    A line that is not a JSON object is skipped and reported: through ``report`` (default: a line on stderr)
+    naming the file, the line number and what is wrong; the last line torn by a killed run is reported as such.
+    """
     out = []
-    if not Path(path).exists():
+    path = Path(path)
+    if not path.exists():
         return out
-    for line in Path(path).read_text(encoding="utf-8").splitlines():
-        try:
-            out.append(json.loads(line))
-        except ValueError:
+    say = report or (lambda message: print(message, file=sys.stderr))
+    lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
             continue
+        try:
+            record = json.loads(line)
+        except ValueError as exc:
+            record, why = None, f"not JSON ({exc})"
+        else:
+            why = "not a record (a JSON object with a step)"
+        if isinstance(record, dict) and "step" in record:
+            out.append(record)
+            continue
+        torn = " (the end of a line cut off when a run was killed)" if number == len(lines) else ""
+        say(f"memfit: note: {path}, line {number}: {why}{torn}; skipped: {line[:80]!r}")
     return out
 
 
-def truncate_records(path: Path, last_step: int) -> None:
-    """Keep only the records with ``step <= last_step`` (atomically rewritten)."""
+def truncate_records(path: Path, last_step: int, report: Callable[[str], None] | None = None) -> None:
+    """Keep only the records with ``step <= last_step`` (atomically rewritten): on resume, the records an
+    interrupted run wrote after its last checkpoint are dropped, and said to be (through ``report``, default
+    stderr)."""
     path = Path(path)
     if not path.exists():
         return
-    kept = [r for r in read_records(path) if r.get("step", 0) <= last_step]
+    records = read_records(path, report)
+    kept = [r for r in records if r.get("step", 0) <= last_step]
+    if len(kept) < len(records):
+        say = report or (lambda message: print(message, file=sys.stderr))
+        later = sorted({r.get("step") for r in records if r.get("step", 0) > last_step})
+        say(
+            f"memfit: note: {len(records) - len(kept)} records of steps {later[0]}-{later[-1]} in {path} were "
+            f"written after the checkpoint of step {last_step} that the run resumes from; they are replaced by "
+            f"the resumed run's"
+        )
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in kept), encoding="utf-8")
-    os.replace(tmp, path)
+    try:
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept), encoding="utf-8")
+        os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise WriteError(storage.write_failure("metrics", path, exc, None, "output_dir")) from None
 
 
 def plot_losses(metrics_path: Path, png_path: Path) -> Path | None:
@@ -197,6 +249,15 @@ def plot_losses(metrics_path: Path, png_path: Path) -> Path | None:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(png_path)
-    plt.close(fig)
+    try:
+        fig.savefig(png_path)
+    except OSError as exc:
+        Path(png_path).unlink(missing_ok=True)
+        raise WriteError(
+            storage.write_failure(
+                "the loss plot", png_path, exc, "metrics.jsonl holds the same numbers", "output_dir"
+            )
+        ) from None
+    finally:
+        plt.close(fig)
     return Path(png_path)

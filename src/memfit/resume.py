@@ -12,7 +12,7 @@ from tqdm.auto import tqdm
 from memfit import checkpoint as ckpt_io
 from memfit import distributed as dist_
 from memfit.build import check_base
-from memfit.config import TrainConfig, config_from_dict
+from memfit.config import TrainConfig, config_from_dict, config_to_dict
 from memfit.data.run import tokenizer_settings
 from memfit.errors import CheckpointError, ConfigError
 
@@ -88,3 +88,46 @@ def check_resume_matches(cfg: TrainConfig, saved: TrainConfig, output_dir: str) 
                 f"config key '{key}': the run in '{output_dir}' was trained with {then!r}, the config asks for "
                 f"{now!r}; resume with the run's setting, or choose another output_dir for a new run"
             )
+
+
+# keys that change the schedule, the batches or the numerics of the steps still to run: a resume may change them
+# (to train longer, say), and is told that it did
+_NOTED_KEYS = (
+    "max_steps",
+    "seed",
+    "batch_size",
+    "gradient_accumulation_steps",
+    "seq_len",
+    "max_grad_norm",
+    "dtype",
+    "optimizer",
+    "data",
+    "on_nonfinite",
+)
+
+
+def resume_notes(cfg: TrainConfig, state: dict[str, Any]) -> list[str]:
+    """One note per key that changes the schedule or the data (``max_steps``, batch size, ``optimizer.*``,
+    ``data.*``, ...) whose value differs from the resumed checkpoint's run, naming both values."""
+    saved = state.get("config") or {}
+    if not saved:
+        return []
+    now, then = _flat(config_to_dict(cfg)), _flat(saved)
+    notes = []
+    for key in sorted(set(now) | set(then)):
+        if key.split(".")[0] not in _NOTED_KEYS or now.get(key) == then.get(key):
+            continue
+        notes.append(
+            f"note: resuming with {key}={now.get(key)!r}; the checkpoint's run had {key}={then.get(key)!r}"
+        )
+    return notes
+
+
+def _flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and value:
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out

@@ -65,6 +65,8 @@ class StepResult:
     """0-dim: global L2 norm of the gradients before clipping."""
     num_tokens: torch.Tensor
     """0-dim int64: tokens that counted in the loss (of all ranks)."""
+    skipped: bool = False
+    """``skip_nonfinite`` only: the loss or gradient norm was not finite, and the update was not applied."""
 
 
 def _phase(tracker, name: str) -> None:
@@ -117,6 +119,7 @@ def train_step(
     dtype: str,
     chunked_cross_entropy_chunks: int = 0,
     offload_activations: bool = False,
+    skip_nonfinite: bool = False,
     tracker=None,
 ) -> StepResult:
     """One optimizer step over ``gradient_accumulation_steps`` micro-batches.
@@ -137,10 +140,13 @@ def train_step(
         dtype: the dtype policy (``fp32``, ``bf16``, ``bf16_mixed``).
         chunked_cross_entropy_chunks: see :func:`micro_batch_loss`.
         offload_activations: see :func:`micro_batch_loss`.
+        skip_nonfinite: when the loss or the gradient norm is not finite, apply no update and return
+            ``skipped=True`` (one host sync: the decision is needed before the update). Not with an
+            :class:`~memfit.memory.optim.OptimizerInBackward`, whose updates happen during backward.
         tracker: a :class:`~memfit.memory.tracker.MemoryTracker` to tell the phases to, or ``None``.
 
     Returns:
-        A :class:`StepResult` of device tensors (no host sync happened).
+        A :class:`StepResult` of device tensors (no host sync happened, unless ``skip_nonfinite``).
     """
     in_backward = isinstance(optimizer, OptimizerInBackward)
     # sharded: the token count of the global batch (all ranks), and FSDP averages gradients over the ranks, so
@@ -169,14 +175,19 @@ def train_step(
         (loss * world if world > 1 else loss).backward()
         total = total + loss.detach()
     _phase(tracker, "optimizer_step")
+    total = dist_.all_reduce_sum(total)
     if in_backward:
         grad_norm = optimizer.consume_grad_norm()
     else:
         grad_norm = dist_.grad_norm_and_clip(model, max_grad_norm)
-    optimizer.step()
+    skipped = skip_nonfinite and not bool(
+        torch.isfinite(total) & torch.isfinite(grad_norm)
+    )  # the same on every rank
+    if not skipped:
+        optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     _phase(tracker, "other")
-    return StepResult(loss=dist_.all_reduce_sum(total), grad_norm=grad_norm, num_tokens=num_tokens)
+    return StepResult(loss=total, grad_norm=grad_norm, num_tokens=num_tokens, skipped=skipped)
 
 
 @torch.no_grad()

@@ -10,8 +10,10 @@ sample). The step itself is :func:`memfit.step.train_step`; the model and optimi
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +22,7 @@ from tqdm.auto import tqdm
 
 from memfit import checkpoint as ckpt_io
 from memfit import distributed as dist_
+from memfit import runlock
 from memfit.build import (
     build_training,
     checkpoint_model_config,
@@ -28,10 +31,10 @@ from memfit.build import (
     resolve_model_config,
     run_template,
 )
-from memfit.config import TrainConfig, check_lengths, config_to_dict, with_absolute_paths
+from memfit.config import TrainConfig, check_lengths, config_to_dict, show_progress, with_absolute_paths
 from memfit.convert import weights_fingerprint
 from memfit.data.run import RunData, run_data, run_tokenizer
-from memfit.errors import CheckpointError
+from memfit.errors import CheckpointError, DivergenceError, RunLockedError
 from memfit.generate import generate_text
 from memfit.memory.optim import lr_at
 from memfit.memory.stats import PeakMemory, tracked_memory_fields
@@ -39,7 +42,7 @@ from memfit.memory.timeline import plot_timeline
 from memfit.memory.tracker import MemoryTracker
 from memfit.metrics import MetricsLogger, Throughput, plot_losses
 from memfit.planner.preflight import preflight
-from memfit.resume import check_resume, find_resume
+from memfit.resume import check_resume, find_resume, resume_notes
 from memfit.step import StepResult, evaluate, train_step, train_step_options
 
 
@@ -55,14 +58,23 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         ConfigError, DataError, CheckpointError: bad input, reported before anything is allocated or overwritten.
         PreflightError: the run is predicted not to fit (``preflight``).
     """
-    # --- set-up: resume state, tokenizer, data, pre-flight (all checked before any weight is allocated) -------
     cfg = with_absolute_paths(cfg)
     device = dist_.init_distributed(resolve_device(cfg.device))  # under torchrun: this rank's device
+    with _run_lock(Path(cfg.output_dir)):  # one run per output_dir
+        return _train(cfg, device)
+
+
+def _train(cfg: TrainConfig, device: torch.device) -> dict[str, Any]:
+    """:func:`train` holding the run directory's lock."""
+    # --- set-up: resume state, tokenizer, data, pre-flight (all checked before any weight is allocated) -------
     main_rank, world = dist_.is_main(), dist_.world_size()
     out = Path(cfg.output_dir)
     resume_dir, resume_state = find_resume(cfg)
     if resume_dir is not None:
         check_resume(cfg, resume_dir, resume_state)
+        if main_rank:
+            for note in resume_notes(cfg, resume_state):
+                tqdm.write(note)
     start_config = checkpoint_model_config(cfg.checkpoint_dir) if cfg.checkpoint_dir is not None else None
     tokenizer, manifest = run_tokenizer(cfg, out, resume_dir)
     mcfg = start_config or resolve_model_config(cfg, tokenizer.vocab_size)
@@ -101,7 +113,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     trainer_state = {"config": config_to_dict(cfg), "data_position": "step"}
     if cfg.method != "full":  # the base stays in checkpoint_dir: remember which weights it held
         trainer_state["base_fingerprint"] = weights_fingerprint(cfg.checkpoint_dir)
-    step_options = train_step_options(cfg)
+    # skipping a non-finite step changes no memory: the estimator traces the step without it
+    step_options = {**train_step_options(cfg), "skip_nonfinite": cfg.on_nonfinite == "skip"}
     eval_options = {
         "dtype": cfg.dtype,
         "device": device,
@@ -109,7 +122,15 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     }
     tracker = MemoryTracker(model, optimizer) if cfg.track_memory else None
 
+    divergence = _Divergence(cfg, out, device, start_step)
+
     def save(step: int) -> Path:
+        divergence.check()
+        if not dist_.all_finite(p for p in model.parameters() if p.requires_grad):
+            raise DivergenceError(  # a finite loss and gradient norm, but not finite weights (an overflow)
+                f"the weights are not finite at step {step} (the run diverged), so no checkpoint was written; "
+                f"{ckpt_io.kept_checkpoint(out)}. Lower optimizer.lr or raise optimizer.warmup_steps"
+            )
         return ckpt_io.save(
             out,
             step,
@@ -129,7 +150,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         initial=start_step,
         desc=verb.split(" ")[0],
         unit="step",
-        disable=not (cfg.progress_bar and main_rank),
+        disable=not (show_progress(cfg.progress_bar) and main_rank),
         dynamic_ncols=True,
     )
     last_ckpt = None
@@ -160,9 +181,11 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         memory.sample()
         done = step + 1
         bar.update(1)
+        divergence.observe(done, result)
 
         # once in a while: log (the only host sync of a training step)
         if done % cfg.log_every == 0 or done == cfg.max_steps:
+            divergence.check()
             loss = result.loss.item()
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
@@ -191,6 +214,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
 
         # once in a while: evaluate
         if cfg.eval_every and done % cfg.eval_every == 0 and done != cfg.max_steps:
+            divergence.check()
             val = _validate(model, data, eval_options)
             if not math.isnan(val["val_loss"]):  # NaN: no validation samples (data.val_fraction=0)
                 logger.log({"step": done, **val})
@@ -201,6 +225,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     bar.close()
 
     # --- the end: final evaluation, checkpoint, plot, sample --------------------------------------------------
+    divergence.check()
     val = _validate(model, data, eval_options)
     val_loss = val["val_loss"]
     if start_step < cfg.max_steps:
@@ -216,6 +241,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     sample = _sample(cfg, model, tokenizer, last_ckpt, device) if main_rank else ""
     return {
         "final_val_loss": None if math.isnan(val_loss) else val_loss,
+        "val_empty_reason": data.val_empty_reason,
         "steps": cfg.max_steps,
         "num_params": built.num_params,
         "num_trainable_params": built.num_trainable,
@@ -225,6 +251,84 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         "loss_plot": str(plot) if plot else None,
         "sample": sample,
     }
+
+
+@contextlib.contextmanager
+def _run_lock(out: Path) -> Iterator[None]:
+    """Hold ``output_dir``'s lock (:mod:`memfit.runlock`) for the run: rank 0 takes it for every rank, and when
+    another run holds it every rank raises :class:`~memfit.errors.RunLockedError`."""
+    lock, error = None, None
+    if dist_.is_main():
+        ckpt_io.check_writable(out)
+        try:
+            lock = runlock.acquire(out)
+        except RunLockedError as exc:
+            error = str(exc)
+    error = dist_.from_main(error)
+    if error is not None:
+        exc = RunLockedError(error)
+        exc.every_rank = True  # the same error on every rank: rank 0 alone prints it
+        raise exc
+    if lock is not None and lock.note:
+        tqdm.write(lock.note)
+    try:
+        yield
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+class _Divergence:
+    """Finds steps whose loss or gradient norm is not finite, as ``on_nonfinite`` says.
+
+    ``stop``: each step's values are compared on the device (no host sync); :meth:`check`, called where the loop
+    syncs anyway (step records, evaluations, checkpoints, the end), raises for the first such step. ``skip``:
+    :func:`~memfit.step.train_step` did not apply such a step; :meth:`observe` says so and raises after
+    ``max_nonfinite_steps`` in a row.
+    """
+
+    def __init__(self, cfg: TrainConfig, out: Path, device: torch.device, start_step: int) -> None:
+        self.cfg, self.out = cfg, out
+        self.steps = torch.full((), float(start_step), device=device)
+        self.first = torch.zeros(
+            3, device=device
+        )  # (step, loss, grad_norm) of the first bad step; step 0: none
+        self.in_a_row = 0
+
+    def observe(self, step: int, result: StepResult) -> None:
+        if self.cfg.on_nonfinite == "skip":
+            if not result.skipped:
+                self.in_a_row = 0
+                return
+            self.in_a_row += 1
+            loss, grad_norm = result.loss.item(), result.grad_norm.item()
+            if self.in_a_row >= self.cfg.max_nonfinite_steps:
+                self._raise(step, loss, grad_norm, f"{self.in_a_row} steps in a row (max_nonfinite_steps)")
+            if dist_.is_main():
+                tqdm.write(
+                    f"step {step} | loss {loss} | grad_norm {grad_norm} | not finite: update skipped "
+                    f"({self.in_a_row} in a row; the run stops at max_nonfinite_steps={self.cfg.max_nonfinite_steps})"
+                )
+            return
+        self.steps += 1
+        bad = ~(torch.isfinite(result.loss) & torch.isfinite(result.grad_norm))
+        row = torch.stack((self.steps, result.loss.float(), result.grad_norm.float()))
+        self.first = torch.where(bad & (self.first[0] == 0), row, self.first)
+
+    def check(self) -> None:
+        """Raise :class:`~memfit.errors.DivergenceError` if a step since the start was not finite (a host sync)."""
+        if self.cfg.on_nonfinite == "stop":
+            step, loss, grad_norm = self.first.tolist()
+            if step:
+                self._raise(int(step), loss, grad_norm, "on_nonfinite=stop")
+
+    def _raise(self, step: int, loss: float, grad_norm: float, why: str) -> None:
+        lr = self.cfg.optimizer.lr
+        raise DivergenceError(
+            f"training diverged at step {step}: loss {loss}, grad_norm {grad_norm} ({why}). Nothing non-finite was "
+            f"saved: {ckpt_io.kept_checkpoint(self.out)}. Lower optimizer.lr (now {lr:g}), raise "
+            f"optimizer.warmup_steps or set max_grad_norm, then resume=true; on_nonfinite=skip skips such steps"
+        )  # every rank raises it (the loss and gradient norm are global): rank 0 alone prints it (cli)
 
 
 def _validate(model: torch.nn.Module, data: RunData, eval_options: dict[str, Any]) -> dict[str, float]:

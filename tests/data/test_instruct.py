@@ -499,6 +499,7 @@ def test_prepare_split_and_stats(bpe):
     s = data.stats
     assert (s.num_records, s.num_skipped, s.num_truncated, s.num_dropped) == (12, 0, 0, 0)
     assert (len(data.train), len(data.val)) == (s.num_train_samples, s.num_val_samples) == (9, 3)
+    assert (s.num_val_records, s.num_val_dropped) == (3, 0)
     assert data.train.num_tokens + data.val.num_tokens == s.num_tokens
     assert data.train.num_label_tokens + data.val.num_label_tokens == s.num_label_tokens
     # the split is a function of the seed

@@ -32,6 +32,7 @@ from memfit.convert.tensors import (
     safetensors_header,
 )
 from memfit.errors import CheckpointError
+from memfit.filemode import give_default_mode
 from memfit.models.llama import Llama, LlamaConfig, RopeScaling, build_llama
 from memfit.tokenizer import CONFIG_NAME as TOKENIZER_CONFIG
 from memfit.tokenizer import Tokenizer
@@ -442,12 +443,14 @@ def export_hf(
         gen["eos_token_id"] = ids[0] if len(ids) == 1 else (ids or None)
     gen = {k: v for k, v in gen.items() if v is not None}
 
-    with atomic_directory(out, "Hugging Face directory") as tmp:  # out is absent or empty (checked above)
+    # out is absent or empty (checked above)
+    with atomic_directory(out, "Hugging Face directory", where="--out") as tmp:
         weight_map: dict[str, str] = {}
         total = 0
         for names, file in zip(shards, files, strict=True):
             shard = {n: tensors[n].detach().to(device="cpu", dtype=dtype).contiguous() for n in names}
             save_file(shard, str(tmp / file), metadata={"format": "pt"})
+            give_default_mode(tmp / file)  # save_file leaves 0o600
             total += sum(t.numel() * t.element_size() for t in shard.values())
             weight_map.update(dict.fromkeys(names, file))
             del shard

@@ -15,6 +15,7 @@ from safetensors.torch import load_file, save_file
 
 from memfit.checkpoint import atomic_directory
 from memfit.errors import CheckpointError
+from memfit.filemode import give_default_mode
 from memfit.models.llama import Llama
 from memfit.models.peft import LoraSettings, apply_lora, load_lora_state_dict, lora_settings, lora_state_dict
 
@@ -82,8 +83,9 @@ def save_peft_adapter(model: Llama, out_dir: str | Path, *, base_model_name_or_p
         module_name, which = name.rsplit(".", 1)  # which: lora_A or lora_B
         tensors[f"{PEFT_PREFIX}{module_name}.{which}.weight"] = tensor.cpu().contiguous()
     out = Path(out_dir)
-    with atomic_directory(out, "adapter") as tmp:
+    with atomic_directory(out, "adapter", where="--out") as tmp:
         save_file(tensors, str(tmp / PEFT_WEIGHTS), metadata={"format": "pt"})
+        give_default_mode(tmp / PEFT_WEIGHTS)  # save_file leaves 0o600
         config = _peft_config(settings, base_model_name_or_path)
         (tmp / PEFT_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     return out

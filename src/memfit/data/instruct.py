@@ -811,6 +811,9 @@ class InstructStats:
         num_label_tokens: Trained targets of the kept samples (``labels[1:]`` not :data:`IGNORE_INDEX`).
         num_train_rows: Packed rows of the training split (``None`` unpacked).
         num_val_rows: Packed rows of the validation split (``None`` unpacked).
+        num_val_records: Records held out for validation (``num_val_samples`` of them are kept).
+        num_val_dropped: Held-out records dropped with no trained target after truncation (the others not kept
+            were skipped: their roles do not fit the template).
         packing_efficiency: Fraction of packed input positions that hold a real token, not padding, over both
             splits (``None`` unpacked).
     """
@@ -825,6 +828,8 @@ class InstructStats:
     num_label_tokens: int
     num_train_rows: int | None = None
     num_val_rows: int | None = None
+    num_val_records: int = 0
+    num_val_dropped: int = 0
     packing_efficiency: float | None = None
 
     def as_dict(self) -> dict[str, Any]:
@@ -904,6 +909,7 @@ def prepare_instruct(
     packing: bool = False,
     skip_malformed: bool = False,
     column_map: dict[str, str] | None = None,
+    length_fix: str = "raise max_seq_len",
 ) -> InstructData:
     """Load, split, encode, truncate and (optionally) pack an instruction or chat data file.
 
@@ -924,6 +930,8 @@ def prepare_instruct(
         skip_malformed: Skip and count malformed records, and records whose roles the template cannot render,
             instead of raising.
         column_map: Field renames (see :func:`load_conversations`).
+        length_fix: What the error for a file that truncation leaves nothing to train on tells the user to do
+            (the caller knows which of its settings gives ``max_seq_len``, e.g. ``raise seq_len``).
 
     Returns:
         The splits and their :class:`InstructStats`.
@@ -944,6 +952,7 @@ def prepare_instruct(
     # ---- encode and truncate
     samples: list[tuple[np.ndarray, np.ndarray] | None] = []
     num_truncated = num_dropped = num_tokens = num_label_tokens = 0
+    truncated_away: set[int] = set()  # records left with nothing to train on by truncation
     template_errors: list[str] = []
     for rec in records:
         try:
@@ -963,6 +972,7 @@ def prepare_instruct(
         trained = sum(1 for t in labels[1:] if t != IGNORE_INDEX)
         if trained == 0:
             num_dropped += 1
+            truncated_away.add(len(samples))
             samples.append(None)
             continue
         num_tokens += len(ids) - 1
@@ -986,7 +996,7 @@ def prepare_instruct(
         raise DataError(
             f"'{path}' leaves no training sample: {len(records)} valid record(s), {len(val_idx)} held out for "
             f"validation, {len(template_errors)} skipped for template {template!r}, {num_dropped} with nothing "
-            f"to train on after truncation to max_seq_len + 1 = {max_seq_len + 1} tokens (raise max_seq_len)"
+            f"to train on after truncation to {max_seq_len + 1} tokens ({length_fix})"
         )
 
     # ---- build the splits, packing if asked
@@ -998,6 +1008,8 @@ def prepare_instruct(
         num_dropped=num_dropped,
         num_train_samples=len(train_samples),
         num_val_samples=len(val_samples),
+        num_val_records=len(val_idx),
+        num_val_dropped=sum(1 for i in val_idx if int(i) in truncated_away),
         num_tokens=num_tokens,
         num_label_tokens=num_label_tokens,
     )

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import glob
 import hashlib
 import json
 import os
@@ -48,11 +49,12 @@ from typing import Any
 import numpy as np
 from tqdm.auto import tqdm
 
+from memfit import storage
 from memfit.config import PrepareConfig
 from memfit.convert import checkpoint_tokenizer, detect_format
 from memfit.data.sources import InputFile, Piece, ReadCounts, read_pieces, resolve_sources
 from memfit.data.tokens import FORMAT, MANIFEST, SPLITS, VERSION, token_dtype
-from memfit.errors import DataError, TokenizerError
+from memfit.errors import DataError, MemfitError, TokenizerError, WriteError
 from memfit.tokenizer import CharTokenizer, Tokenizer, load_tokenizer, train_bpe
 
 STATE_DIR = ".prepare"
@@ -104,14 +106,18 @@ def dataset_key(cfg: PrepareConfig, tokenizer_fingerprint: str | None) -> dict[s
 
 
 def _write_json(path: Path, data: Any) -> None:
-    """Write JSON atomically (aside, then renamed into place)."""
+    """Write JSON atomically (aside, then renamed into place; the file aside is removed if that fails)."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
-    with open(tmp, "w", encoding="utf-8") as fh:
-        json.dump(data, fh, indent=1)
-        fh.write("\n")
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w", encoding="utf-8") as fh:
+            json.dump(data, fh, indent=1)
+            fh.write("\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def _read_json(path: Path) -> Any | None:
@@ -276,7 +282,10 @@ class _ShardPair:
 
     def abandon(self) -> None:
         for split in SPLITS:
-            self.handles[split].close()
+            try:
+                self.handles[split].close()  # flushes: fails again on a full disk
+            except OSError:
+                pass
             self._tmp(split).unlink(missing_ok=True)
 
 
@@ -579,6 +588,51 @@ def _dataset_tokenizer(
 
 
 def prepare(
+    cfg: PrepareConfig, sources: dict[str, list[str]], *, progress_bar: bool = True, replace: bool = False
+) -> PrepareResult:
+    """Prepare a token dataset in ``cfg.out`` from ``sources``: :func:`_prepare`, with a failed write (disk full,
+    quota, permissions) reported as a :class:`~memfit.errors.WriteError` that names the path and says that the
+    finished shards are kept."""
+    try:
+        return _prepare(cfg, sources, progress_bar=progress_bar, replace=replace)
+    except BaseException as exc:
+        _remove_partial_shards(Path(cfg.out).expanduser().absolute())
+        if not isinstance(exc, Exception):
+            raise
+        error = storage.os_error_of(exc)
+        if error is None or isinstance(exc, MemfitError):
+            raise
+        raise WriteError(
+            storage.write_failure(
+                "the dataset",
+                Path(cfg.out).expanduser().absolute(),
+                error,
+                "the shards finished so far are kept, and the same command continues from them",
+                "--out",
+            ).replace("Nothing partial was left behind", "No partial shard was left behind")
+        ) from None
+
+
+def _remove_partial_shards(out: Path) -> None:
+    """Delete the shards being written (``*.bin.tmp``) of every unit no live process is working on: what workers
+    stopped by a failure elsewhere (their pool is terminated) left. A unit another process (or machine) holds
+    the lock of is left alone."""
+    if not out.is_dir():
+        return
+    for directory in (d for d in out.iterdir() if d.is_dir() and d.name != STATE_DIR):
+        for lock in directory.glob(".*.lock"):
+            unit = lock.name[1 : -len(".lock")]
+            with open(lock, "a+") as fh:
+                try:
+                    fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    continue
+                for partial in directory.glob(f"{glob.escape(unit)}-*.tmp"):
+                    partial.unlink(missing_ok=True)
+                fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def _prepare(
     cfg: PrepareConfig, sources: dict[str, list[str]], *, progress_bar: bool = True, replace: bool = False
 ) -> PrepareResult:
     """Prepare a token dataset in ``cfg.out`` from ``sources`` (see the module docstring).

@@ -20,9 +20,9 @@ import torch
 from tqdm.auto import tqdm
 
 from memfit import distributed as dist_
-from memfit.config import PrepareConfig, TrainConfig, load_prepare_config
+from memfit.config import PrepareConfig, TrainConfig, load_prepare_config, show_progress
 from memfit.convert import checkpoint_tokenizer
-from memfit.data.instruct import batch_position, prepare_instruct
+from memfit.data.instruct import InstructStats, batch_position, prepare_instruct
 from memfit.data.prepare import prepare
 from memfit.data.sources import default_corpus_path, source_tree
 from memfit.data.tokens import TRAIN, VAL, TokenDataset, document_ids, is_dataset, read_manifest
@@ -50,6 +50,9 @@ class RunData:
     """Tokens per row of the widest training batch the data can produce (the worst case for memory)."""
     val_sources: dict[str, Callable[[], Iterator[Batch]]] = field(default_factory=dict)
     """A text dataset's fixed validation batches per source (``val_batches`` is then unused)."""
+    val_empty_reason: str | None = None
+    """Why there is nothing to validate on, naming the key that decides it (for the end-of-run message), e.g.
+    ``no validation samples: data.val_fraction=0``; ``None`` when there is."""
 
 
 def tokenizer_settings(cfg: TrainConfig) -> dict[str, Any]:
@@ -138,7 +141,9 @@ def run_tokenizer(cfg: TrainConfig, out: Path, resume_dir: Path | None) -> tuple
             settings = _prepare_settings(cfg, directory)
             # a new run in this output_dir owns its data/: settings of an earlier run there are replaced
             sources = _raw_sources(cfg.data.path)
-            result = prepare(settings, sources, progress_bar=cfg.progress_bar, replace=resume_dir is None)
+            result = prepare(
+                settings, sources, progress_bar=show_progress(cfg.progress_bar), replace=resume_dir is None
+            )
             if result.prepared:
                 tqdm.write(f"prepared {result.manifest['tokens']:,} tokens into '{directory}'")
         dist_.barrier()  # the other ranks read what rank 0 prepared
@@ -235,10 +240,18 @@ def text_data(cfg: TrainConfig, directory: Path, manifest: dict, seq_len: int) -
             f"note: {', '.join(short)} hold{'s' * (len(short) == 1)} fewer validation tokens than one window of "
             f"{seq_len + 1}: no val_loss for {'it' if len(short) == 1 else 'them'}"
         )
+    reason = None
+    if not val_sources:
+        held = ", ".join(f"{n} {s.num_tokens:,}" for n, s in zip(val.names, val.streams, strict=True))
+        more = "data.val_fraction" if not is_dataset(cfg.data.path) else "memfit prepare's val_fraction"
+        reason = (
+            f"no validation windows: every source holds fewer validation tokens than one window of seq_len + 1 = "
+            f"{seq_len + 1} ({held}); lower seq_len or hold out more with {more}"
+        )
     weights = {n: float(w) for n, w in zip(train.names, train.weights, strict=True)}
     mixture = ", ".join(f"{n} {w:.1%}" for n, w in weights.items()) if len(weights) > 1 else names[0]
     summary = f"{train.num_tokens:,} train / {val.num_tokens:,} val tokens ({mixture})"
-    return RunData(train_batch, lambda: iter(()), summary, seq_len, val_sources)
+    return RunData(train_batch, lambda: iter(()), summary, seq_len, val_sources, reason)
 
 
 def instruct_data(cfg: TrainConfig, tokenizer, seq_len: int) -> RunData:
@@ -260,6 +273,7 @@ def instruct_data(cfg: TrainConfig, tokenizer, seq_len: int) -> RunData:
         packing=d.packing,
         skip_malformed=d.skip_malformed,
         column_map=d.column_map or None,
+        length_fix=_length_fix(cfg),
     )
 
     def train_batch(step: int, micro: int) -> Batch:
@@ -286,4 +300,42 @@ def instruct_data(cfg: TrainConfig, tokenizer, seq_len: int) -> RunData:
         f"malformed skipped"
     )
     longest = seq_len if d.packing else data.train.max_length  # padded to the batch's longest item
-    return RunData(train_batch, val_batches, summary, longest)
+    return RunData(
+        train_batch, val_batches, summary, longest, val_empty_reason=_val_empty_reason(cfg, stats, seq_len)
+    )
+
+
+def _length_fix(cfg: TrainConfig) -> str:
+    """What lengthens the samples of a run: ``seq_len``, or where it is 0 (the model's own ``max_seq_len``)
+    ``model_args.max_seq_len``; a checkpoint's ``max_seq_len`` is fixed."""
+    if cfg.seq_len:
+        ceiling = "the checkpoint's max_seq_len" if cfg.checkpoint_dir else "the model's max_seq_len"
+        return f"raise seq_len, at most {ceiling}"
+    if cfg.checkpoint_dir is None:
+        return "seq_len is 0, the model's max_seq_len: raise model_args.max_seq_len"
+    return "seq_len is 0, already the checkpoint's max_seq_len: shorten the records"
+
+
+def _val_empty_reason(cfg: TrainConfig, stats: InstructStats, seq_len: int) -> str | None:
+    """Why instruction data has no validation sample, naming the key that decides it; ``None`` when it has."""
+    if stats.num_val_samples:
+        return None
+    vf = cfg.data.val_fraction
+    if vf == 0:
+        return "no validation samples: data.val_fraction=0"
+    if stats.num_val_records == 0:
+        return (
+            f"no validation samples: data.val_fraction={vf:g} holds out none of 1 record (it takes 2 or more)"
+        )
+    held, dropped = stats.num_val_records, stats.num_val_dropped
+    causes = []
+    if dropped:
+        causes.append(
+            f"{dropped} had no reply token left after truncation to {seq_len + 1} tokens ({_length_fix(cfg)})"
+        )
+    if held - dropped:
+        causes.append(f"{held - dropped} skipped: template {cfg.data.template!r} cannot render their roles")
+    return (
+        f"no validation samples: the {held} record{'s' * (held != 1)} data.val_fraction={vf:g} held out "
+        f"{'were all' if held != 1 else 'was'} dropped: " + "; ".join(causes)
+    )

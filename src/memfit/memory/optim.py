@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import math
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -158,10 +159,50 @@ def unquantized_state_params(model: torch.nn.Module, name: str) -> list[str]:
 # ----------------------------------------------------------------------------------------------------------------
 
 
+class _DropRecords(logging.Filter):
+    """Drops a logger's records whose message contains one of ``parts``."""
+
+    def __init__(self, *parts: str) -> None:
+        super().__init__()
+        self.parts = parts
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not any(part in message for part in self.parts)
+
+
+# What importing torchao logs about itself, none of it about the optimizers memfit uses from it (pure PyTorch):
+_TORCHAO_IMPORT_NOISE = {
+    # its C++/CUDA kernel libraries, which a CPU-only (or another CUDA) build of torch cannot load:
+    # "Failed to load .../torchao/_C_mxfp8...so: Could not load this library: ...", and with an older torch
+    # "Skipping import of cpp extensions due to incompatible torch version. Please upgrade to torch >= ..."
+    "torchao": ("Failed to load ", "Skipping import of cpp extensions"),
+    # torch's notice about torchao registering its enums: "<enum 'KernelPreference'> is an Enum subclass and is
+    # now natively supported by torch.compile as an opaque value type. Calling register_constant() on Enum
+    # subclasses is deprecated and will be an error in a future release."
+    "torch.utils._pytree": ("is an Enum subclass and is now natively supported by torch.compile",),
+}
+
+
+@contextlib.contextmanager
+def quiet_torchao_import() -> Iterator[None]:
+    """Import torchao inside this without the messages its import logs (:data:`_TORCHAO_IMPORT_NOISE`); any
+    other record of those loggers still shows."""
+    filters = {name: _DropRecords(*parts) for name, parts in _TORCHAO_IMPORT_NOISE.items()}
+    for name, f in filters.items():
+        logging.getLogger(name).addFilter(f)
+    try:
+        yield
+    finally:
+        for name, f in filters.items():
+            logging.getLogger(name).removeFilter(f)
+
+
 @functools.cache
 def _torchao_class(name: str) -> type[torch.optim.Optimizer]:
     """torchao's low-bit AdamW, made to accept a float ``lr`` and to step eagerly on CPU."""
-    import torchao.optim  # deferred: torchao and bitsandbytes take seconds each to import
+    with quiet_torchao_import():
+        import torchao.optim  # deferred: torchao and bitsandbytes take seconds each to import
 
     base = getattr(torchao.optim, _TORCHAO_CLASSES[name])
 
@@ -268,7 +309,8 @@ def _cpu_offload_optimizer(
     groups: list[dict], cls: Callable[..., torch.optim.Optimizer], kwargs: dict[str, Any]
 ) -> torch.optim.Optimizer:
     """torchao's ``CPUOffloadOptimizer`` (CUDA only), with a ``state`` mapping like any optimizer's."""
-    from torchao.optim import CPUOffloadOptimizer  # deferred: seconds to import
+    with quiet_torchao_import():
+        from torchao.optim import CPUOffloadOptimizer  # deferred: seconds to import
 
     # It gives each large parameter its own host optimizer over a one-tensor group, so group-wide names must go.
     stripped = [{k: v for k, v in g.items() if k != "param_names"} for g in groups]

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from memfit import storage
+from memfit.errors import WriteError
 from memfit.memory.tracker import CATEGORIES
 from memfit.units import GIB
 
@@ -75,6 +77,12 @@ def plot_timeline(timeline: list[tuple[int, str, dict[str, int]]], path: str | P
     ax.legend(loc="upper left", fontsize="small")
     fig.tight_layout()
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(path)
+    except OSError as exc:
+        path.unlink(missing_ok=True)
+        raise WriteError(
+            storage.write_failure("the memory timeline plot", path, exc, None, "output_dir")
+        ) from None
     return path

@@ -49,6 +49,7 @@ from memfit.build import build_training, run_model_config
 from memfit.checkpoint import init_optimizer_state
 from memfit.config import TrainConfig, check_lengths
 from memfit.errors import ConfigError
+from memfit.memory.optim import quiet_torchao_import
 from memfit.memory.tracker import CATEGORIES, MemoryTracker, model_state_bytes
 from memfit.models.llama import LlamaConfig
 from memfit.planner.closed_form import model_state_bytes_closed_form
@@ -229,7 +230,7 @@ def _fake_mode(optimizer_name: str) -> Iterator[Any]:
 
 def _compute_torchao_tables() -> None:
     """torchao's 8-bit and 4-bit code tables, computed once, for real (they are lru-cached)."""
-    with contextlib.suppress(ImportError):
+    with contextlib.suppress(ImportError), quiet_torchao_import():
         import torchao.optim.subclass_4bit as ao4  # deferred: seconds to import, only for torchao optimizers
         import torchao.optim.subclass_8bit as ao8
 

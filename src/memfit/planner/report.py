@@ -20,27 +20,30 @@ from memfit.units import GIB, MIB, format_bytes
 
 
 def format_estimate(e: Estimate) -> str:
-    """A human-readable report of an :class:`Estimate` (GiB = 1024**3 bytes)."""
+    """A human-readable report of an :class:`Estimate`: in GiB (1024**3 bytes), or in MiB (1024**2 bytes) when every
+    number is below 1 GiB, as :func:`format_plan` does."""
+    largest = max(e.peak_bytes, e.device_total_bytes, e.host_bytes)
+    unit, size = ("GiB", GIB) if largest >= GIB else ("MiB", MIB)
     ranks = f" per rank of {e.world_size}" if e.world_size > 1 else ""
     lines = [
         f"model {e.config.get('model')} ({e.num_params:,} parameters, {e.num_trainable_params:,} trainable), "
         f"method {e.config.get('method')}, dtype {e.config.get('dtype')}, batch {e.batch_size} x "
         f"{e.config.get('gradient_accumulation_steps')} x {e.seq_len} tokens, optimizer {e.config.get('optimizer')}",
-        f"peak memory{ranks}: {e.peak_bytes / GIB:.2f} GiB (allocator), in {e.phase}",
+        f"peak memory{ranks}: {e.peak_bytes / size:.2f} {unit} (allocator), in {e.phase}",
     ]
     width = max(len(k) for k in e.breakdown)
     for k, v in e.breakdown.items():
         if v or k != "unsharded_parameters":
-            lines.append(f"  {k:<{width}}  {v / GIB:8.2f} GiB")
-    lines.append(f"device total (as the driver shows it): {e.device_total_bytes / GIB:.2f} GiB")
-    lines.append(f"host memory kept there by design: {e.host_bytes / GIB:.2f} GiB")
+            lines.append(f"  {k:<{width}}  {v / size:8.2f} {unit}")
+    lines.append(f"device total (as the driver shows it): {e.device_total_bytes / size:.2f} {unit}")
+    lines.append(f"host memory kept there by design: {e.host_bytes / size:.2f} {unit}")
     for k, v in e.unseen.items():
-        lines.append(f"  {k}: {v / GIB:.2f} GiB")
+        lines.append(f"  {k}: {v / size:.2f} {unit}")
     lines.append("model states, closed form vs traced:")
     for k in ("parameters", "gradients", "optimizer_state"):
         closed, traced = e.model_states[k], e.traced_model_states[k]
         mark = "" if closed == traced else "  (differ)"
-        lines.append(f"  {k:<15}  {closed / GIB:8.3f} GiB  {traced / GIB:8.3f} GiB{mark}")
+        lines.append(f"  {k:<15}  {closed / size:8.3f} {unit}  {traced / size:8.3f} {unit}{mark}")
     lines.append(f"estimated in {e.seconds:.1f} s")
     return "\n".join(lines)
 
