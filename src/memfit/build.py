@@ -322,8 +322,6 @@ def load_for_generation(
     ckpt_io.check_files(ckpt, state, need_optimizer=False)
     cfg = config_from_dict(state.get("config", {}), check=False)
     dtype = {"bf16": torch.bfloat16}.get(cfg.dtype, torch.float32)
-    if not (ckpt / "tokenizer").is_dir():
-        raise CheckpointError(f"checkpoint '{ckpt}' has no tokenizer/ directory; it is incomplete")
     tokenizer = load_tokenizer(ckpt / "tokenizer")
     if cfg.method == "full":
         model = build_llama(mcfg, device=device, dtype=dtype, init=False)

@@ -400,6 +400,16 @@ def remove_stale_temporaries(output_dir: str | Path) -> None:
                 shutil.rmtree(p, ignore_errors=True)
 
 
+def missing_file(ckpt: Path, name: str) -> CheckpointError:
+    """The error every verb raises for a memfit checkpoint that lacks one of its files (the same words whether
+    it is generated from, exported, fine-tuned from or resumed)."""
+    return CheckpointError(
+        f"checkpoint '{ckpt}' is missing '{name}'; it is incomplete: memfit writes a checkpoint whole or not at all, "
+        f"so it was damaged or copied in part. Use a complete one (a run directory stands for its newest complete "
+        f"checkpoint); to resume, delete '{ckpt}' and resume=true falls back to the previous one"
+    )
+
+
 def check_files(ckpt: Path, state: dict[str, Any], need_optimizer: bool) -> None:
     """Check that a checkpoint's files exist and have the byte sizes recorded when it was written.
 
@@ -418,10 +428,9 @@ def check_files(ckpt: Path, state: dict[str, Any], need_optimizer: bool) -> None
         needed = [weights, MODEL_CONFIG] + ([OPTIMIZER] if need_optimizer else [])
     for name in needed:
         if not (ckpt / name).is_file():
-            raise CheckpointError(
-                f"checkpoint '{ckpt}' is missing '{name}'; it is incomplete. Delete '{ckpt}' to fall back to the "
-                f"previous checkpoint (resume=true takes the newest complete one)."
-            )
+            raise missing_file(ckpt, name)
+    if not (ckpt / "tokenizer").is_dir():
+        raise missing_file(ckpt, "tokenizer/")
     for name, size in state.get("file_sizes", {}).items():
         p = ckpt / name
         if p.is_file() and p.stat().st_size != size:
@@ -441,9 +450,7 @@ def read_trainer_state(ckpt: Path) -> dict[str, Any]:
     try:
         return json.loads(path.read_text())
     except FileNotFoundError:
-        raise CheckpointError(
-            f"checkpoint '{ckpt}' has no '{TRAINER_STATE}'; it is not a memfit checkpoint"
-        ) from None
+        raise missing_file(ckpt, TRAINER_STATE) from None
     except (OSError, ValueError) as exc:
         raise CheckpointError(
             f"checkpoint file '{path}' is truncated or corrupt ({exc}); delete '{ckpt}' and resume from the "
@@ -461,9 +468,7 @@ def read_model_config(ckpt: Path) -> LlamaConfig:
     try:
         return model_config_from_dict(json.loads(path.read_text()))
     except FileNotFoundError:
-        raise CheckpointError(
-            f"checkpoint '{ckpt}' has no '{MODEL_CONFIG}'; it is not a memfit checkpoint"
-        ) from None
+        raise missing_file(ckpt, MODEL_CONFIG) from None
     except (OSError, ValueError, TypeError) as exc:
         raise CheckpointError(
             f"checkpoint file '{path}' is truncated or corrupt ({exc}); delete '{ckpt}' to fall back to the previous "

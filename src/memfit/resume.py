@@ -39,6 +39,7 @@ def find_resume(cfg: TrainConfig) -> tuple[Path | None, dict[str, Any] | None]:
             tqdm.write(f"resume=true but '{cfg.output_dir}' holds no checkpoint yet: starting from step 0")
         return None, None
     state = ckpt_io.read_trainer_state(latest)
+    ckpt_io.check_files(latest, state, need_optimizer=True)  # before anything is read from it or allocated
     return latest, state
 
 

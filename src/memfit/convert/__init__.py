@@ -37,7 +37,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from memfit.checkpoint import MODEL_CONFIG, latest_checkpoint, resolve_checkpoint
+from memfit.checkpoint import MODEL_CONFIG, TRAINER_STATE, latest_checkpoint, resolve_checkpoint
 from memfit.convert.hf import (
     DEFAULT_MAX_SHARD_SIZE,
     HF_CONFIG,
@@ -113,8 +113,8 @@ def detect_format(path: str | Path) -> str:
             )
     if (p / META_PARAMS).is_file() and any(META_SHARD.match(f.name) for f in p.iterdir()):
         return "meta"
-    if (p / MODEL_CONFIG).is_file() or latest_checkpoint(p) is not None:
-        return "memfit"
+    if (p / MODEL_CONFIG).is_file() or (p / TRAINER_STATE).is_file() or latest_checkpoint(p) is not None:
+        return "memfit"  # a checkpoint missing files is still one: its reader names what is missing
     found = sorted(f.name + ("/" if f.is_dir() else "") for f in p.iterdir())
     shown = ", ".join(found[:12]) + (f", ... ({len(found)} entries)" if len(found) > 12 else "")
     raise CheckpointError(

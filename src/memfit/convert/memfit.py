@@ -11,10 +11,10 @@ from pathlib import Path
 
 from memfit.checkpoint import (
     DCP_DIR,
-    TRAINER_STATE,
     WEIGHTS,
     check_files,
     is_sharded,
+    missing_file,
     read_model_config,
     read_sharded_weights,
     read_trainer_state,
@@ -49,9 +49,9 @@ def scan_memfit(path: Path) -> Scan:
                 f"checkpoint '{ckpt}' holds LoRA/adapter weights only (adapter.safetensors); its base model is the "
                 f"run's checkpoint_dir. Merge the adapters into the base before exporting full weights"
             )
-        raise CheckpointError(f"checkpoint '{ckpt}' has no '{WEIGHTS}'; it is incomplete")
-    if (ckpt / TRAINER_STATE).is_file():  # catches truncation by the byte sizes recorded when it was written
-        check_files(ckpt, read_trainer_state(ckpt), need_optimizer=False)
+        raise missing_file(ckpt, WEIGHTS)
+    # every memfit checkpoint has its trainer state: it holds the byte sizes that catch a truncated file
+    check_files(ckpt, read_trainer_state(ckpt), need_optimizer=False)
     config = read_model_config(ckpt)
     entries = [Entry(n, s, d, weights) for n, (s, d) in safetensors_header(weights).items()]
     info = _memfit_info(ckpt, entries)
