@@ -116,7 +116,7 @@ def test_cli_config_error_exits_2_before_touching_disk(tmp_path, capsys):
         (["optimizer_in_backward=true"], "optimizer_in_backward", "max_grad_norm=0"),
         (["activation_offloading=true", "device=cpu"], "activation_offloading", "CUDA"),
         (["optimizer.cpu_offload=true", "device=cpu"], "optimizer.cpu_offload", "CUDA"),
-        (["activation_checkpointing=some"], "activation_checkpointing", "none, full, every_n"),
+        (["activation_checkpointing=some"], "activation_checkpointing", "none, selective, every_n, full"),
         (
             ["activation_checkpointing=every_n", "activation_checkpointing_interval=0"],
             "activation_checkpointing_interval",

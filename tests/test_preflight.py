@@ -11,7 +11,7 @@ from memfit.cli import main
 from memfit.config import load_config
 from memfit.metrics import read_records
 from memfit.planner.estimate import estimate_run
-from memfit.units import GIB
+from memfit.units import GIB, format_bytes
 
 from .conftest import tiny_run_overrides
 
@@ -44,7 +44,7 @@ def test_a_run_that_fits_starts_after_the_trace(monkeypatch, small_corpus, tmp_p
     predicted = estimate_run(load_config(None, overrides))
     _available(monkeypatch, predicted.peak_bytes + 1)  # fits, but not by the cheap bound: the trace decides
     assert main(["pretrain", *overrides]) == 0
-    assert f"pre-flight: predicted peak {predicted.peak_bytes / GIB:.2f} GiB" in capsys.readouterr().out
+    assert f"pre-flight: predicted peak {format_bytes(predicted.peak_bytes)} of" in capsys.readouterr().out
     assert [r["step"] for r in read_records(tmp_path / "run" / "metrics.jsonl") if "loss" in r] == [1, 2]
 
 

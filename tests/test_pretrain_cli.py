@@ -22,6 +22,7 @@ TRAIN_FIELDS = {
     "lr",
     "grad_norm",
     "tokens_per_second_per_gpu",
+    "mfu",
     "peak_memory_active",
     "peak_memory_alloc",
     "peak_memory_reserved",

@@ -41,6 +41,7 @@ EXACT = {
     "fused": {"optimizer.implementation": "fused"},
     "optimizer_in_backward": {"optimizer_in_backward": "true"},
     "activation_checkpointing_full": {"activation_checkpointing": "full"},
+    "activation_checkpointing_selective": {"activation_checkpointing": "selective"},
     "activation_checkpointing_every_2": {
         "activation_checkpointing": "every_n",
         "activation_checkpointing_interval": 2,

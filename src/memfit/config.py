@@ -49,7 +49,7 @@ TEMPLATES = ("alpaca", "llama2-chat", "llama3-chat", "chatml")
 """Prompt templates of instruction / chat data and of ``memfit generate``."""
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head")
 """Linear layers LoRA can adapt (:func:`memfit.models.peft.apply_lora`)."""
-AC_MODES = ("none", "full", "every_n")
+AC_MODES = ("none", "selective", "every_n", "full")
 """``activation_checkpointing`` modes (:func:`memfit.memory.techniques.apply_activation_checkpointing`)."""
 STRATEGIES = ("fsdp2", "fsdp1")
 """``distributed.strategy`` values (:func:`memfit.distributed.shard_model`)."""
@@ -356,8 +356,10 @@ class TrainConfig:
     no full set of gradients ever exists. Needs ``gradient_accumulation_steps == 1`` and ``max_grad_norm == 0``
     (``grad_norm`` is still reported, computed before each update)."""
     activation_checkpointing: str = "none"
-    """``none``, ``full`` (every decoder layer recomputes its activations in backward: ~1/3 more compute) or
-    ``every_n`` (every ``activation_checkpointing_interval``-th layer)."""
+    """``none``; ``selective`` (every decoder layer keeps its matmul and attention outputs and recomputes only the
+    cheap elementwise ops in backward: norms, RoPE, SiLU, products; no matmul is redone); ``full`` (every decoder
+    layer recomputes its activations in backward: ~1/3 more compute) or ``every_n`` (every
+    ``activation_checkpointing_interval``-th layer, fully)."""
     activation_checkpointing_interval: int = 2
     """``n`` for ``activation_checkpointing: every_n``."""
     activation_offloading: bool = False
@@ -384,6 +386,10 @@ class TrainConfig:
     whose updates happen during backward). Either way a model with non-finite weights is never saved."""
     max_nonfinite_steps: int = 3
     """``on_nonfinite: skip``: stop after this many consecutive skipped steps."""
+
+    peak_flops: float = 0.0
+    """The device's peak FLOP/s for the run's dtype, the denominator of ``mfu`` in the step records; 0: the GPU's
+    data-sheet peak (:data:`memfit.flops.CUDA_PEAK_FLOPS`) or, on CPU, a matmul probe at the start."""
 
     log_every: int = 10
     """Steps between step records (stdout, metrics.jsonl, TensorBoard). Memory peaks are since the last record."""
@@ -692,6 +698,11 @@ def validate(cfg: TrainConfig, world_size: int = 1) -> None:
         _require(getattr(cfg, key) >= 1, key, f"must be >= 1, got {getattr(cfg, key)}")
     for key in ("seq_len", "eval_every", "checkpoint_every"):
         _require(getattr(cfg, key) >= 0, key, f"must be >= 0, got {getattr(cfg, key)}")
+    _require(
+        cfg.peak_flops >= 0,
+        "peak_flops",
+        f"must be >= 0 FLOP/s (0: measured or looked up), got {cfg.peak_flops}",
+    )
     _require(
         cfg.max_grad_norm >= 0,
         "max_grad_norm",

@@ -27,6 +27,7 @@ _STDOUT_FIELDS = (
     ("lr", "lr {:.2e}"),
     ("grad_norm", "grad_norm {:.3f}"),
     ("tokens_per_second_per_gpu", "tok/s/gpu {:,.0f}"),
+    ("mfu", "mfu {:.1%}"),
     ("peak_memory_active", "active {:.2f} GiB"),
     ("peak_memory_alloc", "alloc {:.2f} GiB"),
     ("peak_memory_reserved", "reserved {:.2f} GiB"),

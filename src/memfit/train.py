@@ -35,15 +35,17 @@ from memfit.config import TrainConfig, check_lengths, config_to_dict, show_progr
 from memfit.convert import weights_fingerprint
 from memfit.data.run import RunData, run_data, run_tokenizer
 from memfit.errors import CheckpointError, DivergenceError, RunLockedError
+from memfit.flops import peak_flops_per_second, training_flops_per_token
 from memfit.generate import generate_text
 from memfit.memory.optim import lr_at
-from memfit.memory.stats import PeakMemory, tracked_memory_fields
+from memfit.memory.stats import PeakMemory, process_peak_rss, tracked_memory_fields
 from memfit.memory.timeline import plot_timeline
 from memfit.memory.tracker import MemoryTracker
 from memfit.metrics import MetricsLogger, Throughput, plot_losses
 from memfit.planner.preflight import preflight
 from memfit.resume import check_resume, find_resume, resume_notes
 from memfit.step import StepResult, evaluate, train_step, train_step_options
+from memfit.units import to_gib
 
 
 def train(cfg: TrainConfig) -> dict[str, Any]:
@@ -60,12 +62,12 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     """
     cfg = with_absolute_paths(cfg)
     device = dist_.init_distributed(resolve_device(cfg.device))  # under torchrun: this rank's device
-    with _run_lock(Path(cfg.output_dir)):  # one run per output_dir
-        return _train(cfg, device)
+    with _run_lock(Path(cfg.output_dir)), contextlib.ExitStack() as cleanup:  # one run per output_dir
+        return _train(cfg, device, cleanup)
 
 
-def _train(cfg: TrainConfig, device: torch.device) -> dict[str, Any]:
-    """:func:`train` holding the run directory's lock."""
+def _train(cfg: TrainConfig, device: torch.device, cleanup: contextlib.ExitStack) -> dict[str, Any]:
+    """:func:`train` holding the run directory's lock; ``cleanup`` closes what the run opens, however it ends."""
     # --- set-up: resume state, tokenizer, data, pre-flight (all checked before any weight is allocated) -------
     main_rank, world = dist_.is_main(), dist_.world_size()
     out = Path(cfg.output_dir)
@@ -109,7 +111,10 @@ def _train(cfg: TrainConfig, device: torch.device) -> dict[str, Any]:
     logger = MetricsLogger(
         out, tensorboard=cfg.tensorboard, resume_step=start_step if resume_dir else None, enabled=main_rank
     )
-    memory, throughput, run_peak = PeakMemory(device), Throughput(), {}
+    memory = cleanup.enter_context(contextlib.closing(PeakMemory(device)))
+    throughput, run_peak = Throughput(), {}
+    flops_per_token = training_flops_per_token(mcfg, seq_len, full=cfg.method == "full")
+    peak_flops = peak_flops_per_second(device, cfg.dtype, cfg.peak_flops)
     trainer_state = {"config": config_to_dict(cfg), "data_position": "step"}
     if cfg.method != "full":  # the base stays in checkpoint_dir: remember which weights it held
         trainer_state["base_fingerprint"] = weights_fingerprint(cfg.checkpoint_dir)
@@ -190,12 +195,14 @@ def _train(cfg: TrainConfig, device: torch.device) -> dict[str, Any]:
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             throughput.add(time.perf_counter() - t0, tokens_this_step)
+            rate = throughput.interval_rate()  # this rank's
             record = {
                 "step": done,
                 "loss": loss,
                 "lr": lr,
                 "grad_norm": result.grad_norm.item(),
-                "tokens_per_second_per_gpu": throughput.interval_rate(),  # this rank's
+                "tokens_per_second_per_gpu": rate,
+                "mfu": rate * flops_per_token / peak_flops if peak_flops else None,
                 **dist_.max_over_ranks(memory.read_and_reset()),  # the peaks of the fullest rank
             }
             if tracker is not None:  # sharded: the breakdown of the rank with the highest tracked peak
@@ -239,6 +246,8 @@ def _train(cfg: TrainConfig, device: torch.device) -> dict[str, Any]:
     logger.close()
     plot = plot_losses(out / "metrics.jsonl", out / "loss.png") if main_rank else None
     sample = _sample(cfg, model, tokenizer, last_ckpt, device) if main_rank else ""
+    if device.type == "cpu" and process_peak_rss() is not None:  # the whole process's, as ru_maxrss says
+        run_peak["peak_memory_rss"] = to_gib(process_peak_rss())
     return {
         "final_val_loss": None if math.isnan(val_loss) else val_loss,
         "val_empty_reason": data.val_empty_reason,

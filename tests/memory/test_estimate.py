@@ -121,6 +121,7 @@ PEAK_CASES = {
     "torchao_adamw4bit": {"optimizer.name": "torchao_adamw4bit"},
     "optimizer_in_backward": {"optimizer_in_backward": "true", "max_grad_norm": 0},
     "activation_checkpointing": {"activation_checkpointing": "full"},
+    "selective_checkpointing": {"activation_checkpointing": "selective"},
     "chunked_cross_entropy": {"chunked_cross_entropy": 4},
     "gradient_accumulation": {"gradient_accumulation_steps": 2},
     "lora": {"method": "lora"},

@@ -1,5 +1,7 @@
 """Activation checkpointing and chunked cross-entropy: same numbers, less memory."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -65,7 +67,13 @@ def test_chunked_cross_entropy_never_holds_full_logits():
 
 @pytest.mark.parametrize(
     "mode, interval, expected",
-    [("none", 1, []), ("full", 1, [0, 1, 2, 3]), ("every_n", 2, [0, 2]), ("every_n", 3, [0, 3])],
+    [
+        ("none", 1, []),
+        ("selective", 1, [0, 1, 2, 3]),
+        ("full", 1, [0, 1, 2, 3]),
+        ("every_n", 2, [0, 2]),
+        ("every_n", 3, [0, 3]),
+    ],
 )
 def test_checkpointed_layer_choice(mode, interval, expected):
     assert checkpointed_layers(4, mode, interval) == expected
@@ -76,14 +84,14 @@ def test_unknown_checkpointing_mode():
         checkpointed_layers(4, "some", 1)
 
 
-@pytest.mark.parametrize("mode", ["full", "every_n"])
+@pytest.mark.parametrize("mode", ["full", "every_n", "selective"])
 def test_activation_checkpointing_gives_identical_grads_and_keeps_names(mode):
     x, y = _data()
     ref = build_llama(model_config("tiny"), seed=0)
     loss_sum(ref(x), y).backward()
     model = build_llama(model_config("tiny"), seed=0)
     names = list(model.state_dict())
-    assert apply_activation_checkpointing(model, mode, 2) == ([0, 1] if mode == "full" else [0])
+    assert apply_activation_checkpointing(model, mode, 2) == ([0] if mode == "every_n" else [0, 1])
     assert list(model.state_dict()) == names
     loss_sum(model(x), y).backward()
     for name, g in _grads(ref).items():
@@ -110,3 +118,27 @@ def test_activation_checkpointing_saves_fewer_tensors_for_backward():
     apply_activation_checkpointing(model, "full")
     ac = saved_bytes(model)
     assert ac < plain / 2
+
+
+def _step_flops_and_peak(mode: str) -> tuple[int, int]:
+    """Matmul FLOPs of a forward + backward of the small model, and its tracked activation peak (bytes)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from memfit.memory.tracker import MemoryTracker
+
+    cfg = dataclasses.replace(model_config("tiny"), num_layers=4, dim=128, intermediate_size=512)
+    model = build_llama(cfg, seed=0)
+    apply_activation_checkpointing(model, mode)
+    x = torch.randint(0, cfg.vocab_size, (4, 64))
+    with FlopCounterMode(display=False) as counter, MemoryTracker(model) as tracker:
+        loss_sum(model(x), x).backward()
+    return counter.get_total_flops(), tracker.category_peaks["activations"]
+
+
+def test_selective_checkpointing_recomputes_no_matmul_and_keeps_less_than_none():
+    flops_none, act_none = _step_flops_and_peak("none")
+    flops_sel, act_sel = _step_flops_and_peak("selective")
+    flops_full, act_full = _step_flops_and_peak("full")
+    assert flops_sel == flops_none  # only elementwise ops are redone
+    assert flops_full > flops_none  # every layer's matmuls are redone
+    assert act_full < act_sel < act_none

@@ -11,12 +11,17 @@ On CUDA (from the caching allocator, ``torch.cuda.memory_stats``):
   driver keeps no peak, so this is the maximum over samples taken at every step.
 
 On CPU the three allocator fields are ``None`` (there is no caching allocator) and ``peak_memory_rss`` is the
-process's resident-set high-water mark (Linux ``VmHWM``), reset after every record through
-``/proc/self/clear_refs``; where that is unavailable it is the maximum of RSS samples taken at every step.
+process's resident set at its highest in the interval: the kernel's high-water mark (Linux ``VmHWM``) when the
+process set a new one in the interval, else the highest of the samples a background thread takes every 2 ms
+(``/proc/self/statm``; ``psutil`` elsewhere). The kernel's mark is never reset, so ``ru_maxrss`` (what
+``/usr/bin/time -v`` and schedulers report) and the run's ``peak_memory_rss`` agree.
 """
 
 from __future__ import annotations
 
+import os
+import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -37,13 +42,48 @@ def _read_vmhwm() -> int | None:
     return None
 
 
-def _reset_vmhwm() -> bool:
+def _statm_rss() -> Callable[[], int]:
+    """A cheap reader of the current RSS in bytes (``/proc/self/statm``, else ``psutil``)."""
+    page = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
     try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
+        fd = os.open("/proc/self/statm", os.O_RDONLY)
     except OSError:
-        return False
+        process = psutil.Process()
+        return lambda: process.memory_info().rss
+
+    def read() -> int:
+        return int(os.pread(fd, 128, 0).split()[1]) * page
+
+    return read
+
+
+class _RssSampler(threading.Thread):
+    """Samples the process's RSS every ``interval`` seconds and keeps the maximum since the last :meth:`take`."""
+
+    def __init__(self, interval: float = 0.002) -> None:
+        super().__init__(name="memfit-rss-sampler", daemon=True)
+        self._read = _statm_rss()
+        self._interval = interval
+        self._lock = threading.Lock()
+        self._max = self._read()
+        self._stop = threading.Event()
+
+    def run(self) -> None:
+        while not self._stop.wait(self._interval):
+            rss = self._read()
+            with self._lock:
+                if rss > self._max:
+                    self._max = rss
+
+    def take(self) -> int:
+        """The highest sample since the last call (the current RSS included); a new interval starts."""
+        now = self._read()
+        with self._lock:
+            peak, self._max = max(self._max, now), now
+        return peak
+
+    def stop(self) -> None:
+        self._stop.set()
 
 
 class PeakMemory:
@@ -52,14 +92,17 @@ class PeakMemory:
     Args:
         device: the training device.
 
-    Call :meth:`sample` once per step (cheap: no device sync) and :meth:`read_and_reset` at each record.
+    Call :meth:`sample` once per step (cheap: no device sync), :meth:`read_and_reset` at each record, and
+    :meth:`close` at the end (on CPU it stops the sampling thread).
     """
 
     def __init__(self, device: torch.device):
         self.device = device
         self.cuda = device.type == "cuda"
-        self._process = psutil.Process()
-        self._hwm_resettable = (not self.cuda) and _read_vmhwm() is not None and _reset_vmhwm()
+        self._sampler = None if self.cuda else _RssSampler()
+        if self._sampler is not None:
+            self._sampler.start()
+        self._hwm = _read_vmhwm()
         self._max_sampled = 0
         self.reset()
 
@@ -68,17 +111,13 @@ class PeakMemory:
         self._max_sampled = 0
         if self.cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
-        elif self._hwm_resettable:
-            _reset_vmhwm()
         self.sample()
 
     def sample(self) -> None:
-        """Take one sample of what has no peak counter (device-level usage on CUDA, RSS without VmHWM reset)."""
+        """Take one sample of device-level usage (CUDA: the driver keeps no peak)."""
         if self.cuda:
             free, total = torch.cuda.mem_get_info(self.device)
             self._max_sampled = max(self._max_sampled, total - free)
-        elif not self._hwm_resettable:
-            self._max_sampled = max(self._max_sampled, self._process.memory_info().rss)
 
     def read_and_reset(self) -> dict[str, float | None]:
         """The peaks since the last call, in GiB, then start a new interval.
@@ -97,15 +136,32 @@ class PeakMemory:
                 "peak_memory_device": to_gib(self._max_sampled),
             }
         else:
-            rss = _read_vmhwm() if self._hwm_resettable else self._max_sampled
+            rss = self._sampler.take()
+            hwm = _read_vmhwm()
+            if hwm is not None and self._hwm is not None and hwm > self._hwm:
+                rss = (
+                    hwm  # the process's highest ever was reached in this interval: the kernel's exact figure
+                )
+            self._hwm = hwm
             out = {
                 "peak_memory_active": None,
                 "peak_memory_alloc": None,
                 "peak_memory_reserved": None,
-                "peak_memory_rss": to_gib(rss or 0),
+                "peak_memory_rss": to_gib(rss),
             }
         self.reset()
         return out
+
+    def close(self) -> None:
+        """Stop the sampling thread (CPU)."""
+        if self._sampler is not None:
+            self._sampler.stop()
+
+
+def process_peak_rss() -> int | None:
+    """The process's resident-set high-water mark in bytes (``VmHWM``: what ``ru_maxrss`` and ``/usr/bin/time -v``
+    report), or ``None`` where the kernel does not say."""
+    return _read_vmhwm()
 
 
 def tracked_memory_fields(tracker) -> dict[str, Any]:

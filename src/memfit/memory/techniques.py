@@ -4,6 +4,10 @@
   decoder layer keeps only its input ``(B, T, dim)`` during the forward and recomputes its internals in the
   backward. Saves the tensors the layer would keep for backward (norm outputs, q/k/v, attention output and
   statistics, the SwiGLU gate/up products: measured in docs/memory.md) at the cost of one more forward of the layer.
+- **Selective activation checkpointing** (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
+  Transformer Models"; op-level as torchtitan applies it): every decoder layer is checkpointed with a policy that
+  saves the outputs of its matmuls and of attention and recomputes everything else (norms, RoPE, SiLU, the
+  elementwise products, casts), so the backward redoes no matmul.
 - **Activation offloading** (CUDA only): tensors saved for backward move to pinned host memory during the forward
   and come back in the backward (``torch.autograd.graph.save_on_cpu``).
 - **Chunked cross-entropy**: the loss over ``lm_head`` is computed chunk by chunk of tokens, and each chunk's logits
@@ -24,7 +28,7 @@ import functools
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from memfit.config import AC_MODES
 
@@ -36,7 +40,7 @@ def checkpointed_layers(num_layers: int, mode: str, interval: int = 1) -> list[i
 
     Args:
         num_layers: layers in the model.
-        mode: ``none``, ``full`` (every layer) or ``every_n`` (layers 0, n, 2n, ...).
+        mode: ``none``, ``selective`` or ``full`` (every layer) or ``every_n`` (layers 0, n, 2n, ...).
         interval: ``n`` for ``every_n``.
 
     Raises:
@@ -46,7 +50,7 @@ def checkpointed_layers(num_layers: int, mode: str, interval: int = 1) -> list[i
         raise ValueError(f"activation_checkpointing must be one of {', '.join(AC_MODES)}, got {mode!r}")
     if mode == "none":
         return []
-    if mode == "full":
+    if mode in ("full", "selective"):
         return list(range(num_layers))
     if interval < 1:
         raise ValueError(f"activation_checkpointing_interval must be >= 1, got {interval}")
@@ -61,7 +65,7 @@ def apply_activation_checkpointing(model: nn.Module, mode: str, interval: int = 
 
     Args:
         model: a :class:`memfit.models.llama.Llama` (its ``model.layers``).
-        mode: ``none``, ``full`` or ``every_n``.
+        mode: ``none``, ``selective`` (every layer, keeping matmul and attention outputs), ``full`` or ``every_n``.
         interval: ``n`` for ``every_n``.
 
     Returns:
@@ -72,14 +76,41 @@ def apply_activation_checkpointing(model: nn.Module, mode: str, interval: int = 
     """
     layers = model.model.layers
     chosen = checkpointed_layers(len(layers), mode, interval)
+    options = {"context_fn": _selective_contexts} if mode == "selective" else {}
     for i in chosen:
         layer = layers[i]
         if getattr(layer, "_memfit_checkpointed", False):
             continue
         original = layer.forward
-        layer.forward = functools.partial(checkpoint, original, use_reentrant=False)
+        layer.forward = functools.partial(checkpoint, original, use_reentrant=False, **options)
         layer._memfit_checkpointed = True
     return chosen
+
+
+def _saved_ops() -> frozenset:
+    """The ops whose outputs selective checkpointing keeps: matmuls and every attention kernel SDPA may pick."""
+    aten = torch.ops.aten
+    names = (
+        "mm",
+        "addmm",
+        "bmm",
+        "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_flash_attention_for_cpu",
+        "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_cudnn_attention",
+    )
+    return frozenset(getattr(aten, n).default for n in names if hasattr(aten, n))
+
+
+def _save_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in _SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _selective_contexts():
+    return create_selective_checkpoint_contexts(_save_matmuls)
+
+
+_SAVED_OPS = _saved_ops()
 
 
 def activation_offloading(enabled: bool) -> contextlib.AbstractContextManager:

@@ -49,6 +49,10 @@ _CUDA_CONSTANTS: dict[str, Any] = {
     "interconnect_bytes_per_second": 200e9,
     # chunked cross-entropy recomputes each chunk's logits in backward: this many extra lm_head forwards
     "chunked_ce_extra_head_forwards": 1.0,
+    # selective checkpointing redoes no matmul, only the layers' elementwise ops (norms, RoPE, SiLU, products):
+    # memory-bound work, charged as this share of one forward of the layers (an assumption until measured: it
+    # keeps `none` ahead of `selective` when both fit)
+    "selective_recompute_layer_forwards": 0.1,
 }
 
 COST_CONSTANTS: dict[str, dict[str, Any]] = {
@@ -115,7 +119,9 @@ def step_cost(
     - ``compute``: ``tokens * (3 * (layers + head) + recompute) / matmul_flops_per_second[dtype]``, with the
       per-token FLOPs of :func:`model_flops_per_token`, ``tokens = batch_size * seq_len *
       gradient_accumulation_steps``; activation checkpointing recomputes the forward of each checkpointed layer
-      (``full``: +1/3 of the layers' FLOPs; ``every_n``: that for every n-th layer), chunked cross-entropy
+      (``full``: +1/3 of the layers' FLOPs; ``every_n``: that for every n-th layer; ``selective``: the constant
+      ``selective_recompute_layer_forwards`` of one forward of the layers),
+      chunked cross-entropy
       recomputes ``chunked_ce_extra_head_forwards`` lm_head forwards;
     - ``communication`` (sharded): all-gathers of the parameters (2 per step, 1 without
       ``reshard_after_forward``) and a reduce-scatter of the gradients, ``(N - 1) / N`` of their bytes each, at
@@ -152,6 +158,8 @@ def step_cost(
             mcfg.num_layers, cfg.activation_checkpointing, cfg.activation_checkpointing_interval
         )
     )
+    if cfg.activation_checkpointing == "selective":  # only elementwise ops are redone
+        recomputed = c["selective_recompute_layer_forwards"] * mcfg.num_layers
     per_token = 3 * (flops["layers"] + flops["head"]) + flops["layers"] * recomputed / mcfg.num_layers
     if cfg.chunked_cross_entropy:
         per_token += c["chunked_ce_extra_head_forwards"] * flops["head"]

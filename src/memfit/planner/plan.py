@@ -72,7 +72,7 @@ SWITCH_KEYS: tuple[str, ...] = (
 ``optimizer_in_backward`` and ``optimizer.cpu_offload`` the ``max_grad_norm=0`` they need)."""
 
 PLAN_OPTIMIZERS = ("adamw", "adamw8bit", "paged_adamw8bit", "torchao_adamw8bit", "torchao_adamw4bit")
-PLAN_CHECKPOINTING = (("none", None), ("every_n", 2), ("full", None))
+PLAN_CHECKPOINTING = (("none", None), ("selective", None), ("every_n", 2), ("full", None))
 PLAN_CHUNKS = (0, 8)
 DEFAULT_MARGIN = 0.1
 """Part of the budget kept free by default: the caching allocator's rounding and fragmentation, the CUDA context

@@ -17,7 +17,7 @@ from memfit.planner.closed_form import model_state_bytes_closed_form
 from memfit.planner.estimate import estimate_run
 from memfit.planner.plan import cheapest_fix
 from memfit.planner.report import format_estimate
-from memfit.units import GIB
+from memfit.units import GIB, format_bytes
 
 
 def preflight(cfg: TrainConfig, mcfg: LlamaConfig, seq_len: int, device: torch.device) -> str:
@@ -63,19 +63,19 @@ def preflight(cfg: TrainConfig, mcfg: LlamaConfig, seq_len: int, device: torch.d
         + 3 * 4 * tokens * mcfg.vocab_size
     )
     if bound < available / 2:
-        return f"pre-flight: fits (bound {bound / GIB:.2f} GiB, {available / GIB:.1f} GiB {where})"
+        return f"pre-flight: fits (bound {format_bytes(bound)}, {available / GIB:.1f} GiB {where})"
     if world > 1:
         if bound > available:
             tqdm.write(
-                f"note: pre-flight bound {bound / GIB:.2f} GiB per rank exceeds the {available / GIB:.1f} GiB "
+                f"note: pre-flight bound {format_bytes(bound)} per rank exceeds the {available / GIB:.1f} GiB "
                 f"{where}; `memfit estimate world_size={world} ...` traces the exact peak"
             )
-        return f"pre-flight: bound {bound / GIB:.2f} GiB per rank, {available / GIB:.1f} GiB {where}"
+        return f"pre-flight: bound {format_bytes(bound)} per rank, {available / GIB:.1f} GiB {where}"
     estimate = estimate_run(cfg, seq_len=seq_len, model_config=mcfg)
     need = estimate.device_total_bytes if device.type == "cuda" else estimate.peak_bytes + estimate.host_bytes
     if need <= available:
         return (
-            f"pre-flight: predicted peak {need / GIB:.2f} GiB of {available / GIB:.1f} GiB {where} "
+            f"pre-flight: predicted peak {format_bytes(need)} of {available / GIB:.1f} GiB {where} "
             f"(traced in {estimate.seconds:.1f} s)"
         )
     fix = _cheapest_fix(cfg, available)

@@ -196,6 +196,7 @@ _COMMENTS: dict[str, Callable[[Any], str]] = {
     "max_grad_norm": lambda v: "0: no global-norm clipping (grad_norm is still logged)" if v == 0 else "",
     "activation_checkpointing": lambda v: {
         "full": "recompute every layer in backward: ~1/3 more compute",
+        "selective": "keep matmul and attention outputs, recompute the elementwise ops in backward",
         "every_n": "recompute every n-th layer in backward",
         "none": "",
     }[v],
