@@ -45,7 +45,7 @@ CUDA_PEAK_FLOPS: dict[str, tuple[float, float]] = {
 }
 """GPU name fragment (matched in that order against ``torch.cuda.get_device_name``) -> (bf16, fp32) peak."""
 
-_CPU_PROBE: dict[int, float] = {}
+_CPU_PROBE: dict[tuple[int, str], float] = {}  # (threads, dtype) -> FLOP/s
 
 
 def training_flops_per_token(mcfg: LlamaConfig, seq_len: int, full: bool = True) -> float:
@@ -91,8 +91,7 @@ def peak_flops_per_second(device: torch.device, dtype: str, configured: float = 
 def cpu_matmul_flops_per_second(dtype: str = "fp32") -> float:
     """The best rate of a 1024 x 1024 x 1024 matmul on this process's CPU threads (best of 5, after a warm-up):
     the ceiling the training step's matmuls can reach. Measured once per process and thread count."""
-    threads = torch.get_num_threads()
-    key = threads * 2 + (dtype != "fp32")
+    key = (torch.get_num_threads(), "fp32" if dtype == "fp32" else "bf16")
     if key not in _CPU_PROBE:
         tdtype = torch.float32 if dtype == "fp32" else torch.bfloat16
         n = 1024 if dtype == "fp32" else 256  # bf16 has no matrix units on most CPUs: a small probe

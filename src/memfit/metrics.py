@@ -150,7 +150,8 @@ class MetricsLogger:
                     "the records before it are in metrics.jsonl and the newest complete checkpoint in output_dir "
                     "is kept (resume=true continues from it)",
                     "output_dir",
-                ).replace("Nothing partial was left behind; ", "")
+                    partial=None,
+                )
             ) from None
 
     def close(self) -> None:

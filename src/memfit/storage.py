@@ -75,21 +75,27 @@ def fix(exc: OSError, where: str) -> str:
     return f"{action}, or choose another {where}"
 
 
-def write_failure(what: str, path: str | Path, error: OSError, kept: str | None, where: str) -> str:
+def write_failure(
+    what: str,
+    path: str | Path,
+    error: OSError,
+    kept: str | None,
+    where: str,
+    partial: str | None = "Nothing partial was left behind",
+) -> str:
     """The one-paragraph message of a failed write.
 
     Args:
-        what: what was being written ("checkpoint", "metrics record", ...).
+        what: what was being written ("checkpoint", "the step 5 record to", ...).
         path: where.
         error: the cause (see :func:`os_error_of`).
         kept: what the user still has (default: "what was there before is untouched").
         where: the setting that chose the location, for the advice (e.g. "output_dir").
+        partial: what became of the partly written file, or ``None`` to say nothing of it (an appended record).
     """
     kept = kept or "what was there before is untouched"
-    return (
-        f"could not write {what} '{path}': {cause(error)}. Nothing partial was left behind; {kept}. "
-        f"To go on: {fix(error, where)}"
-    )
+    left = f"{partial}; " if partial else ""
+    return f"could not write {what} '{path}': {cause(error)}. {left}{kept}. To go on: {fix(error, where)}"
 
 
 class _RecordingWriter:

@@ -298,10 +298,10 @@ class _Divergence:
 
     def __init__(self, cfg: TrainConfig, out: Path, device: torch.device, start_step: int) -> None:
         self.cfg, self.out = cfg, out
+        # the step count is kept on the device too: copying the host's step number over each step would sync
         self.steps = torch.full((), float(start_step), device=device)
-        self.first = torch.zeros(
-            3, device=device
-        )  # (step, loss, grad_norm) of the first bad step; step 0: none
+        # (step, loss, grad_norm) of the first bad step; step 0: none yet
+        self.first = torch.zeros(3, device=device)
         self.in_a_row = 0
 
     def observe(self, step: int, result: StepResult) -> None:

@@ -609,7 +609,8 @@ def prepare(
                 error,
                 "the shards finished so far are kept, and the same command continues from them",
                 "--out",
-            ).replace("Nothing partial was left behind", "No partial shard was left behind")
+                partial="No partial shard was left behind",
+            )
         ) from None
 
 
