@@ -124,6 +124,7 @@ def test_cli_config_error_exits_2_before_touching_disk(tmp_path, capsys):
         ),
         (["chunked_cross_entropy=-1"], "chunked_cross_entropy", ">= 0"),
         (["optimizer.name=lion"], "optimizer.name", "adamw8bit"),
+        (["compile=true", "track_memory=true"], "compile", "compiled kernels bypass"),
     ],
 )
 def test_impossible_technique_combinations_are_rejected_with_the_reason(overrides, key, why):

@@ -329,6 +329,7 @@ def _sharded_config(monkeypatch, *overrides: str):
             "optimizer_in_backward",
         ),
         (["distributed.strategy=fsdp1", "chunked_cross_entropy=4"], "chunked_cross_entropy"),
+        (["distributed.strategy=fsdp1", "compile=true"], "compile"),
         (["optimizer.name=adamw8bit"], "optimizer.name"),
         (["distributed.strategy=fsdp1", "optimizer.name=torchao_adamw8bit"], "optimizer.name"),
         (["dtype=bf16", "optimizer.name=torchao_adamw4bit"], "optimizer.name"),

@@ -32,7 +32,7 @@ from memfit.convert import (
 )
 from memfit.errors import CheckpointError, ConfigError
 from memfit.memory.optim import build_optimizer
-from memfit.memory.techniques import apply_activation_checkpointing
+from memfit.memory.techniques import apply_activation_checkpointing, apply_compile
 from memfit.models import peft
 from memfit.models.llama import Llama, LlamaConfig, build_llama, init_parameter_
 from memfit.models.presets import MODEL_PRESETS, model_config
@@ -224,7 +224,8 @@ def build_training(
        model).
     2. Sharded: the starting tensors (:func:`initial_parameters`), checked against the model before anything is
        allocated.
-    3. Activation checkpointing (``activation_checkpointing``).
+    3. Activation checkpointing (``activation_checkpointing``), then ``compile`` (each decoder layer, with its
+       checkpointing; not for the estimator, which traces the eager step).
     4. Sharded: FSDP over the process group (:func:`memfit.distributed.shard_model`).
     5. Sharded: each rank fills its shards one whole tensor at a time; fake: every parameter (or shard) gets fake
        storage on the CPU inside ``fake_mode``.
@@ -249,6 +250,8 @@ def build_training(
     model: torch.nn.Module = build_model(cfg, mcfg, torch.device("meta") if on_meta else device)
     initial = initial_parameters(cfg, mcfg, model, device) if world_size > 1 and fake_mode is None else None
     apply_activation_checkpointing(model, cfg.activation_checkpointing, cfg.activation_checkpointing_interval)
+    if cfg.compile and fake_mode is None:  # the estimator traces the eager step
+        apply_compile(model)
     num_params = sum(p.numel() for p in model.parameters())
     num_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     if world_size > 1:

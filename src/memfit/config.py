@@ -365,8 +365,14 @@ class TrainConfig:
     activation_offloading: bool = False
     """Move tensors saved for backward to pinned host memory during the forward (CUDA only)."""
     chunked_cross_entropy: int = 0
-    """Compute the loss in this many chunks of tokens, recomputing each chunk's logits in backward, so the full
-    ``(B, T, vocab_size)`` logits never exist; 0 is off."""
+    """Compute the loss in this many chunks of tokens, each chunk's gradients with respect to the hidden states and
+    ``lm_head``'s weight computed in the same pass (a fused linear cross-entropy), so the full
+    ``(B, T, vocab_size)`` logits never exist and the backward recomputes nothing; 0 is off."""
+    compile: bool = False
+    """``torch.compile`` each decoder layer (with its activation checkpointing, LoRA or adapter) and the loss, as
+    torchtitan does: the layers share one compiled graph. The first steps pay the compilation (seconds to minutes;
+    cached on disk by TorchInductor for later runs); see docs/memory.md for what it gains and how compiled
+    peaks differ from the eager step the estimator traces."""
     preflight: bool = True
     """Before allocating, check that the run fits (free CUDA memory, or available host RAM) and refuse it with the
     predicted breakdown and the planner's cheapest fix when it does not (see
@@ -814,6 +820,18 @@ def validate(cfg: TrainConfig, world_size: int = 1) -> None:
         "moves saved activations from GPU to host memory and needs a CUDA device; on CPU they already live "
         "in host memory. Use activation_checkpointing to save activation memory here",
     )
+    _require(
+        not (cfg.compile and cfg.track_memory),
+        "compile",
+        "cannot be combined with track_memory: the tracker sees each tensor through a dispatch mode, which "
+        "compiled kernels bypass. Track the eager step (compile=false), or predict it with `memfit estimate`",
+    )
+    _require(
+        not (cfg.compile and cfg.activation_offloading),
+        "compile",
+        "cannot be combined with activation_offloading: its saved-tensor hooks move tensors between devices "
+        "inside the graph the compiler captures. Turn one of them off",
+    )
 
     _validate_distributed(cfg, target, world_size)
 
@@ -993,6 +1011,13 @@ def _validate_distributed(cfg: TrainConfig, target: str, world_size: int) -> Non
         "forward, where FSDP1 has put its flat shard back in place of the gathered weight. Use "
         "distributed.strategy=fsdp2 (which keeps the root's weights gathered until the backward) or "
         "chunked_cross_entropy=0",
+    )
+    _require(
+        not (cfg.compile and d.strategy == "fsdp1"),
+        "compile",
+        "does not work with distributed.strategy=fsdp1, which flattens each layer's parameters into one buffer "
+        "outside the compiled graph. Use distributed.strategy=fsdp2 (compiled layers are then sharded "
+        "per layer, as torchtitan does) or compile=false",
     )
     _require(
         not cfg.optimizer.cpu_offload,

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from memfit import distributed as dist_
 from memfit.config import TrainConfig
 from memfit.memory.optim import OptimizerInBackward
-from memfit.memory.techniques import IGNORE_INDEX, activation_offloading, chunked_cross_entropy
+from memfit.memory.techniques import IGNORE_INDEX, activation_offloading, chunked_cross_entropy, compiled
 from memfit.models.peft import lora_effective_weight
 
 
@@ -83,6 +83,7 @@ def micro_batch_loss(
     chunked_cross_entropy_chunks: int = 0,
     offload_activations: bool = False,
     doc_ids: torch.Tensor | None = None,
+    compile_loss: bool = False,
 ) -> torch.Tensor:
     """Summed cross-entropy of one micro-batch (the forward half of a step).
 
@@ -95,6 +96,8 @@ def micro_batch_loss(
             materialising the ``(B, T, vocab_size)`` logits.
         offload_activations: save tensors for backward in pinned host memory (CUDA).
         doc_ids: ``(B, T)`` ids of the samples packed into each row, or ``None`` (one sequence per row).
+        compile_loss: run the loss (or each chunk's) as a ``torch.compile``'d function (``compile: true``; the
+            decoder layers are compiled at build time).
 
     Returns:
         0-dim fp32 summed loss in nats.
@@ -105,9 +108,11 @@ def micro_batch_loss(
                 inputs, doc_ids, return_hidden=True
             )  # (B, T, dim); one call of the whole model (FSDP)
             weight = lora_effective_weight(model.lm_head)  # (V, dim); with LoRA on lm_head: W + scale * B @ A
-            return chunked_cross_entropy(hidden, weight, targets, chunked_cross_entropy_chunks)
+            return chunked_cross_entropy(
+                hidden, weight, targets, chunked_cross_entropy_chunks, compile=compile_loss
+            )
         logits = model(inputs, doc_ids)  # (B, T, V)
-        return loss_sum(logits, targets)
+        return (compiled(loss_sum) if compile_loss else loss_sum)(logits, targets)
 
 
 def train_step(
@@ -119,6 +124,7 @@ def train_step(
     dtype: str,
     chunked_cross_entropy_chunks: int = 0,
     offload_activations: bool = False,
+    compile_loss: bool = False,
     skip_nonfinite: bool = False,
     tracker=None,
 ) -> StepResult:
@@ -140,6 +146,7 @@ def train_step(
         dtype: the dtype policy (``fp32``, ``bf16``, ``bf16_mixed``).
         chunked_cross_entropy_chunks: see :func:`micro_batch_loss`.
         offload_activations: see :func:`micro_batch_loss`.
+        compile_loss: see :func:`micro_batch_loss`.
         skip_nonfinite: when the loss or the gradient norm is not finite, apply no update and return
             ``skipped=True`` (one host sync: the decision is needed before the update). Not with an
             :class:`~memfit.memory.optim.OptimizerInBackward`, whose updates happen during backward.
@@ -168,6 +175,7 @@ def train_step(
                 chunked_cross_entropy_chunks=chunked_cross_entropy_chunks,
                 offload_activations=offload_activations,
                 doc_ids=rest[0] if rest else None,
+                compile_loss=compile_loss,
             )
             / denom
         )
@@ -198,6 +206,7 @@ def evaluate(
     dtype: str,
     device: torch.device,
     chunked_cross_entropy_chunks: int = 0,
+    compile_loss: bool = False,
 ) -> float:
     """Mean cross-entropy per counted token over ``batches`` (the same fixed validation batches at every call).
 
@@ -210,6 +219,7 @@ def evaluate(
         dtype: the dtype policy.
         device: where the model is.
         chunked_cross_entropy_chunks: see :func:`micro_batch_loss`.
+        compile_loss: see :func:`micro_batch_loss`.
 
     Returns:
         Validation loss in nats/token (NaN when no token counted).
@@ -226,6 +236,7 @@ def evaluate(
             dtype=dtype,
             chunked_cross_entropy_chunks=chunked_cross_entropy_chunks,
             doc_ids=None if doc_ids is None else doc_ids.to(device),
+            compile_loss=compile_loss,
         )
         total += loss.double()
         count += (targets != IGNORE_INDEX).sum().to(device)
@@ -241,4 +252,5 @@ def train_step_options(cfg: TrainConfig) -> dict[str, Any]:
         "dtype": cfg.dtype,
         "chunked_cross_entropy_chunks": cfg.chunked_cross_entropy,
         "offload_activations": cfg.activation_offloading,
+        "compile_loss": cfg.compile,
     }

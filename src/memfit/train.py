@@ -124,6 +124,7 @@ def _train(cfg: TrainConfig, device: torch.device, cleanup: contextlib.ExitStack
         "dtype": cfg.dtype,
         "device": device,
         "chunked_cross_entropy_chunks": cfg.chunked_cross_entropy,
+        "compile_loss": cfg.compile,
     }
     tracker = MemoryTracker(model, optimizer) if cfg.track_memory else None
 

@@ -4,6 +4,7 @@ import dataclasses
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from memfit.memory.techniques import (
     apply_activation_checkpointing,
@@ -44,7 +45,6 @@ def test_chunked_cross_entropy_equals_full_loss_and_grads(num_chunks):
 
 def test_chunked_cross_entropy_never_holds_full_logits():
     """The largest tensor created in forward+backward is one chunk's logits, not (B*T, V)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
 
     class Largest(TorchDispatchMode):
         biggest = 0
@@ -63,6 +63,85 @@ def test_chunked_cross_entropy_never_holds_full_logits():
         chunked_cross_entropy(hidden, model.lm_head.weight, y, 8).backward()
     # the (V, dim) weight gradient is the largest tensor; one chunk's logits are (256 / 8, V); full ones (256, V)
     assert Largest.biggest == 4096 * 64 < 4 * 64 * 4096
+
+
+class _Matmuls(TorchDispatchMode):
+    """Counts the matmuls that involve the vocabulary dimension (``lm_head``'s)."""
+
+    def __init__(self, vocab):
+        super().__init__()
+        self.vocab, self.count = vocab, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.addmm_.default):
+            shapes = [a.shape for a in args if isinstance(a, torch.Tensor)]
+            self.count += any(self.vocab in s for s in shapes)
+        return out
+
+
+def test_fused_chunked_cross_entropy_recomputes_nothing_in_backward():
+    """Forward: per chunk the logits, the hidden-state gradient and the weight gradient (3 matmuls); backward: none."""
+    vocab, chunks = 512, 4
+    x, y = _data(B=2, T=32, vocab=vocab)
+    model = build_llama(model_config("tiny", vocab_size=vocab), seed=0)
+    hidden = model.model(x).detach().requires_grad_()
+    with _Matmuls(vocab) as forward:
+        loss = chunked_cross_entropy(hidden, model.lm_head.weight, y, chunks)
+    with _Matmuls(vocab) as backward:
+        loss.backward()
+    assert (forward.count, backward.count) == (3 * chunks, 0)
+
+
+def test_fused_chunked_cross_entropy_scales_by_the_incoming_gradient_and_skips_frozen_weights():
+    """A loss divided by the token count (as the training step does) and a frozen lm_head (LoRA without it)."""
+    x, y = _data()
+    model = build_llama(model_config("tiny"), seed=0)
+    model.lm_head.weight.requires_grad_(False)
+    hidden = model.model(x).detach().requires_grad_()
+    ref_hidden = hidden.detach().clone().requires_grad_()
+    (loss_sum(model.lm_head(ref_hidden), y) / 7.0).backward()
+    (chunked_cross_entropy(hidden, model.lm_head.weight, y, 5) / 7.0).backward()
+    assert model.lm_head.weight.grad is None
+    torch.testing.assert_close(hidden.grad, ref_hidden.grad, rtol=1e-5, atol=1e-7)
+
+
+def test_chunked_cross_entropy_without_gradients_is_the_plain_loss():
+    """Evaluation (no_grad) sums the chunks' losses and builds no graph and no gradient buffers."""
+    x, y = _data()
+    model = build_llama(model_config("tiny"), seed=0)
+    with torch.no_grad():
+        hidden = model.model(x)
+        ref = loss_sum(model.lm_head(hidden), y)
+        loss = chunked_cross_entropy(hidden, model.lm_head.weight, y, 4)
+    assert not loss.requires_grad
+    assert abs(loss.item() - ref.item()) <= 1e-6 * abs(ref.item())
+
+
+def test_fused_chunked_cross_entropy_under_bf16_autocast_matches_the_plain_loss():
+    """bf16_mixed: matmuls in bf16 under autocast, softmax in fp32, gradients in the inputs' dtypes."""
+    x, y = _data()
+    grads = []
+    for chunks in (0, 4):
+        model = build_llama(model_config("tiny"), seed=0)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            hidden = model.model(x)
+            loss = (
+                chunked_cross_entropy(hidden, model.lm_head.weight, y, chunks)
+                if chunks
+                else loss_sum(model.lm_head(hidden), y)
+            )
+        loss.backward()
+        grads.append(
+            (loss.item(), model.lm_head.weight.grad, model.model.layers[0].self_attn.q_proj.weight.grad)
+        )
+    (ref_loss, ref_head, ref_q), (loss, head, q) = grads
+    assert head.dtype == torch.float32
+    assert abs(loss - ref_loss) <= 1e-3 * abs(ref_loss)  # bf16 logits: rounding of the matmul's output
+    # each chunk's bf16 matmul output is rounded (2**-8 relative) before the chunks are summed, where the plain loss
+    # rounds one matmul over all tokens: the gradients agree to bf16's rounding as a whole, not element by element
+    for grad, ref in ((head, ref_head), (q, ref_q)):
+        assert (grad - ref).norm() <= 2**-8 * ref.norm()
 
 
 @pytest.mark.parametrize(

@@ -19,7 +19,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from memfit.config import LORA_TARGETS, OptimizerConfig
 from memfit.convert.peft_adapter import PEFT_CONFIG, PEFT_WEIGHTS, load_peft_adapter, save_peft_adapter
 from memfit.memory.optim import build_optimizer
-from memfit.memory.techniques import apply_activation_checkpointing, chunked_cross_entropy
+from memfit.memory.techniques import apply_activation_checkpointing, apply_compile, chunked_cross_entropy
 from memfit.memory.tracker import MemoryTracker
 from memfit.models.llama import build_llama
 from memfit.models.peft import (
@@ -36,7 +36,7 @@ from memfit.models.peft import (
     trainable_parameter_summary,
 )
 from memfit.models.presets import model_config
-from memfit.step import train_step
+from memfit.step import micro_batch_loss, train_step
 
 CFG = model_config("tiny")
 P = 106_816
@@ -486,3 +486,33 @@ def test_lora_effective_weight_gives_chunked_cross_entropy_the_adapted_lm_head()
     expected = torch.autograd.grad(plain, [model.lm_head.lora_A, model.lm_head.lora_B])
     for got, want in zip(grads, expected, strict=True):
         assert torch.allclose(got, want, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("method", ["lora", "adapter"])
+def test_compiled_layers_train_lora_and_adapter_as_eager_ones(method):
+    """compile: the adapted layers compile with their added weights; loss and trained-weight gradients as eager."""
+    x = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(0))
+    results = []
+    for compile_ in (False, True):
+        model = build_llama(model_config("tiny"), seed=0)
+        if method == "lora":
+            apply_lora(model, target_modules=("q_proj", "v_proj", "down_proj"), seed=1)
+            for (
+                name,
+                p,
+            ) in model.named_parameters():  # lora_B starts at zero: give it a gradient path of its own
+                if name.endswith("lora_B"):
+                    torch.nn.init.normal_(p, std=0.02, generator=torch.Generator().manual_seed(2))
+        else:
+            apply_adapter(model, prompt_length=4, seed=1)
+        apply_activation_checkpointing(model, "selective")
+        if compile_:
+            apply_compile(model)
+        loss = micro_batch_loss(model, x, x.roll(-1, 1), dtype="fp32", compile_loss=compile_)
+        loss.backward()
+        results.append((loss.item(), {n: p.grad for n, p in model.named_parameters() if p.requires_grad}))
+    (eager, eager_grads), (compiled, compiled_grads) = results
+    assert abs(compiled - eager) <= 1e-6 * abs(eager)
+    assert compiled_grads.keys() == eager_grads.keys()
+    for name, grad in eager_grads.items():
+        torch.testing.assert_close(compiled_grads[name], grad, rtol=1e-5, atol=1e-6, msg=name)

@@ -10,13 +10,13 @@
   elementwise products, casts), so the backward redoes no matmul.
 - **Activation offloading** (CUDA only): tensors saved for backward move to pinned host memory during the forward
   and come back in the backward (``torch.autograd.graph.save_on_cpu``).
-- **Chunked cross-entropy**: the loss over ``lm_head`` is computed chunk by chunk of tokens, and each chunk's logits
-  are recomputed in the backward, so the full ``(B, T, vocab_size)`` logits — and their fp32 copy, softmax and
-  gradient — never exist at once. For Llama 3's 128,256-entry vocabulary at ``B*T = 16k`` tokens those are
-  8 GiB in fp32. (The same idea as torchtune's ``CEWithChunkedOutputLoss`` and Liger's fused linear
-  cross-entropy; here each chunk is an activation-checkpointed ``lm_head`` + cross-entropy.)
+- **Chunked (fused linear) cross-entropy**: the loss over ``lm_head`` is computed chunk by chunk of tokens, each
+  chunk's gradients with respect to the hidden states and the weight computed in the same pass (Liger-Kernel's
+  fused linear cross-entropy), so the full ``(B, T, vocab_size)`` logits — and their fp32 copy, softmax and
+  gradient — never exist at once, and the backward recomputes nothing. For Llama 3's 128,256-entry vocabulary
+  at ``B*T = 16k`` tokens those are 8 GiB in fp32.
 
-All three keep the arithmetic of the plain computation, so losses are identical within float rounding of the
+All four keep the arithmetic of the plain computation, so losses are identical within float rounding of the
 summation order (tested to 1e-6).
 """
 
@@ -81,10 +81,15 @@ def apply_activation_checkpointing(model: nn.Module, mode: str, interval: int = 
         layer = layers[i]
         if getattr(layer, "_memfit_checkpointed", False):
             continue
-        original = layer.forward
-        layer.forward = functools.partial(checkpoint, original, use_reentrant=False, **options)
+        layer.forward = functools.partial(_checkpointed, layer.forward, options)
         layer._memfit_checkpointed = True
     return chosen
+
+
+def _checkpointed(forward, options: dict, *args, **kwargs):
+    # a frame of ours around torch's checkpoint, where a compiled layer's tracing starts (torch.utils is skipped
+    # by TorchDynamo as a first frame; called from here it becomes the checkpoint higher-order op)
+    return checkpoint(forward, *args, use_reentrant=False, **options, **kwargs)
 
 
 def _saved_ops() -> frozenset:
@@ -123,29 +128,137 @@ def activation_offloading(enabled: bool) -> contextlib.AbstractContextManager:
     return torch.autograd.graph.save_on_cpu(pin_memory=True)
 
 
-def _chunk_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    logits = F.linear(hidden, weight)  # (N_chunk, V)
-    return F.cross_entropy(logits.float(), targets, ignore_index=IGNORE_INDEX, reduction="sum")
+def apply_compile(model: nn.Module) -> int:
+    """``torch.compile`` every decoder layer in place, as torchtitan compiles a model: block by block.
+
+    Each layer gets ``nn.Module.compile`` (its ``__call__`` compiled, parameter names and so checkpoints
+    unchanged). The layers share their code, so TorchDynamo captures one graph (per grad mode, and one more for
+    the plain layers of ``every_n`` checkpointing) and all layers reuse it; activation checkpointing applied
+    before is compiled with the layer (torch's checkpoint is a higher-order op the compiler traces). The
+    embedding, the final norm and ``lm_head`` stay eager; the loss is compiled apart (:func:`compiled`).
+
+    Args:
+        model: a :class:`memfit.models.llama.Llama` (its ``model.layers``), before FSDP wraps it.
+
+    Returns:
+        The number of layers compiled.
+    """
+    layers = model.model.layers
+    for layer in layers:
+        layer.compile(fullgraph=True)
+    return len(layers)
+
+
+@functools.cache
+def compiled(fn):
+    """``torch.compile(fn)``, made once per function (the compiled loss of a ``compile: true`` run)."""
+    return torch.compile(fn, fullgraph=True)
+
+
+def _chunk_loss_and_grad(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One chunk's summed cross-entropy and its gradient with respect to the chunk's logits.
+
+    Args:
+        hidden: ``(n, dim)``.
+        weight: ``(V, dim)``.
+        targets: ``(n,)`` int64, ``-100`` not counted.
+
+    Returns:
+        ``(loss, grad_logits)``: a 0-dim fp32 sum in nats, and ``(n, V)`` ``softmax(logits) - one_hot(targets)``
+        (zero in rows that do not count) in the dtype of the logits. The softmax is taken in fp32.
+    """
+    logits = F.linear(hidden, weight)  # (n, V), in the matmul dtype (bf16 under autocast)
+    probs = logits.float()  # (n, V): the same tensor in fp32, a copy otherwise
+    lse = torch.logsumexp(probs, dim=-1)  # (n,)
+    counted = targets != IGNORE_INDEX
+    safe = targets.masked_fill(~counted, 0)
+    picked = probs.gather(1, safe[:, None]).squeeze(1)  # (n,)
+    loss = torch.where(counted, lse - picked, 0.0).sum()
+    probs.sub_(lse[:, None]).exp_()  # softmax, in place: the logits are not needed any more
+    probs[torch.arange(len(safe), device=safe.device), safe] -= 1.0
+    probs.mul_(counted[:, None])
+    return loss, probs.to(logits.dtype)
+
+
+class _FusedLinearCrossEntropy(torch.autograd.Function):
+    """Summed cross-entropy over ``hidden @ weight.T`` whose gradients are computed chunk by chunk in the forward.
+
+    The forward leaves ``grad_hidden`` ``(N, dim)`` and ``grad_weight`` ``(V, dim)`` (for a loss gradient of 1)
+    for the backward, which only scales them by the incoming gradient: no logits are kept or recomputed.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, num_chunks, chunk_fn):  # noqa: D102 (autograd's signature)
+        need_hidden, need_weight = ctx.needs_input_grad[:2]
+        grad_hidden = torch.empty_like(hidden) if need_hidden else None
+        # the weight gradient accumulates in the weight's dtype over the chunks, as autograd accumulates a
+        # parameter's gradient over the chunks of a chunked computation (each matmul sums its chunk in fp32)
+        grad_weight = torch.zeros_like(weight) if need_weight else None
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        start = 0
+        for h, t in zip(hidden.tensor_split(num_chunks), targets.tensor_split(num_chunks), strict=True):
+            loss, grad_logits = chunk_fn(h, weight, t)  # 0-dim, (n, V)
+            total += loss
+            if need_hidden:
+                grad_hidden[start : start + len(h)] = grad_logits @ weight  # (n, dim)
+            if need_weight:
+                if grad_logits.dtype == h.dtype == grad_weight.dtype:
+                    grad_weight.addmm_(grad_logits.t(), h)  # (V, dim), no temporary
+                else:  # autocast: the matmul in its dtype, the sum in the weight's
+                    grad_weight += grad_logits.t() @ h
+            start += len(h)
+        ctx.save_for_backward(grad_hidden, grad_weight)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_output):  # noqa: D102
+        grad_hidden, grad_weight = ctx.saved_tensors
+        # scaled in place: they are this graph's own buffers, used once (the training step never retains a graph)
+        for grad in (grad_hidden, grad_weight):
+            if grad is not None:
+                grad.mul_(grad_output.to(grad.dtype))
+        return grad_hidden, grad_weight, None, None, None
 
 
 def chunked_cross_entropy(
-    hidden: torch.Tensor, lm_head_weight: torch.Tensor, targets: torch.Tensor, num_chunks: int
+    hidden: torch.Tensor,
+    lm_head_weight: torch.Tensor,
+    targets: torch.Tensor,
+    num_chunks: int,
+    *,
+    compile: bool = False,
 ) -> torch.Tensor:
-    """Summed token cross-entropy of ``hidden @ lm_head_weight.T`` without materialising all logits.
+    """Summed token cross-entropy of ``hidden @ lm_head_weight.T``, fused with its gradients, chunk by chunk.
+
+    A fused linear cross-entropy (as Liger-Kernel's ``LigerFusedLinearCrossEntropyLoss``, Hsu et al. 2024): for
+    each chunk of tokens the forward computes the logits, the loss and at once the gradients with respect to the
+    hidden states and the weight, then drops the logits. The backward only scales those gradients, so the
+    ``(B, T, vocab_size)`` logits never exist and nothing is recomputed: the step does the plain computation's
+    three ``lm_head`` matmuls. Without gradients (evaluation) it only sums the chunks' losses.
 
     Args:
         hidden: ``(B, T, dim)`` final-normed hidden states.
         lm_head_weight: ``(vocab_size, dim)``.
         targets: ``(B, T)`` int64; ``-100`` marks tokens that do not count.
         num_chunks: split the ``B*T`` tokens into this many chunks (the last may be shorter).
+        compile: run each chunk's loss and softmax gradient as one ``torch.compile``'d function.
 
     Returns:
         A 0-dim fp32 tensor: the summed cross-entropy (nats) over counted tokens. At most one chunk's logits
-        ``(B*T/num_chunks, vocab_size)`` and their fp32 copy are alive at a time, in the forward and the backward.
+        ``(B*T/num_chunks, vocab_size)``, their fp32 softmax and gradient are alive at a time; between forward
+        and backward the graph holds ``grad_hidden`` ``(B*T, dim)`` (in place of the hidden states a plain loss
+        keeps) and ``grad_weight`` ``(vocab_size, dim)`` (which autograd would create at the start of the
+        backward).
     """
     flat_h = hidden.flatten(0, 1)  # (B*T, dim)
     flat_t = targets.flatten()  # (B*T,)
+    if torch.is_grad_enabled() and (hidden.requires_grad or lm_head_weight.requires_grad):
+        chunk_fn = compiled(_chunk_loss_and_grad) if compile else _chunk_loss_and_grad
+        return _FusedLinearCrossEntropy.apply(flat_h, lm_head_weight, flat_t, num_chunks, chunk_fn)
     total = torch.zeros((), dtype=torch.float32, device=hidden.device)
     for h, t in zip(flat_h.tensor_split(num_chunks), flat_t.tensor_split(num_chunks), strict=True):
-        total = total + checkpoint(_chunk_loss, h, lm_head_weight, t, use_reentrant=False)
+        logits = F.linear(h, lm_head_weight)  # (n, V)
+        total += F.cross_entropy(logits.float(), t, ignore_index=IGNORE_INDEX, reduction="sum")
     return total

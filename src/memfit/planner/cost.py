@@ -47,8 +47,10 @@ _CUDA_CONSTANTS: dict[str, Any] = {
     # FSDP all-gathers and reduce-scatters, per rank (an NVLink node; PCIe or Ethernet is 10-20x less); they
     # overlap compute (prefetch), so a step takes the longer of the two
     "interconnect_bytes_per_second": 200e9,
-    # chunked cross-entropy recomputes each chunk's logits in backward: this many extra lm_head forwards
-    "chunked_ce_extra_head_forwards": 1.0,
+    # chunked (fused linear) cross-entropy does the plain loss's 3 lm_head matmuls; its softmax and gradient run
+    # as separate elementwise kernels per chunk instead of one fused one: charged as this share of an lm_head
+    # forward
+    "chunked_ce_extra_head_forwards": 0.1,
     # selective checkpointing redoes no matmul, only the layers' elementwise ops (norms, RoPE, SiLU, products):
     # memory-bound work, charged as this share of one forward of the layers (an assumption until measured: it
     # keeps `none` ahead of `selective` when both fit)
@@ -60,8 +62,8 @@ COST_CONSTANTS: dict[str, dict[str, Any]] = {
     # a device=cpu run: the rates measured in docs/benchmarks.md ("Memory techniques on CPU", 2 cores): the fp32
     # baseline ran 203 tokens/s of a 56.4M model (253 MFLOP/token) -> ~50 GFLOP/s with its update; bf16 and
     # bf16 autocast 25x slower (no bf16 matrix units); torchao's optimizers step eagerly on CPU (~8x torch's
-    # step, docs/memory.md); chunked cross-entropy measured 0.58x (the model's 1 extra lm_head forward predicts
-    # 0.90x; 6 extra forwards reproduce it); no kernel launches, no host link
+    # step, docs/memory.md); the fused chunked cross-entropy's softmax and gradient cost ~0.5 of an lm_head
+    # forward over the plain loss (bench/peers.py, docs/benchmarks.md); no kernel launches, no host link
     "cpu": {
         **_CUDA_CONSTANTS,
         "matmul_flops_per_second": {"fp32": 50e9, "bf16": 2e9, "bf16_mixed": 2e9},
@@ -73,7 +75,7 @@ COST_CONSTANTS: dict[str, dict[str, Any]] = {
             "torchao_adamw_fp8": 8.0,
         },
         "kernel_launch_seconds": 0.0,
-        "chunked_ce_extra_head_forwards": 6.0,
+        "chunked_ce_extra_head_forwards": 0.5,
     },
 }
 """Constants of :func:`step_cost` by target device (``cuda``: an H100-class GPU; ``cpu``). Documented with their
@@ -120,9 +122,8 @@ def step_cost(
       per-token FLOPs of :func:`model_flops_per_token`, ``tokens = batch_size * seq_len *
       gradient_accumulation_steps``; activation checkpointing recomputes the forward of each checkpointed layer
       (``full``: +1/3 of the layers' FLOPs; ``every_n``: that for every n-th layer; ``selective``: the constant
-      ``selective_recompute_layer_forwards`` of one forward of the layers),
-      chunked cross-entropy
-      recomputes ``chunked_ce_extra_head_forwards`` lm_head forwards;
+      ``selective_recompute_layer_forwards`` of one forward of the layers); chunked (fused) cross-entropy
+      costs ``chunked_ce_extra_head_forwards`` lm_head forwards more than the plain loss;
     - ``communication`` (sharded): all-gathers of the parameters (2 per step, 1 without
       ``reshard_after_forward``) and a reduce-scatter of the gradients, ``(N - 1) / N`` of their bytes each, at
       ``interconnect_bytes_per_second``; overlapped with compute, so the step pays ``max(compute,

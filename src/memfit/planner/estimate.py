@@ -168,7 +168,13 @@ def estimate_run(
             tracker = MemoryTracker(model, optimizer, refresh_roles_at_peak=False)
             tracker.record_timeline = True
             with tracker:
-                train_step(model, optimizer, batches, tracker=tracker, **train_step_options(trace_cfg))
+                train_step(
+                    model,
+                    optimizer,
+                    batches,
+                    tracker=tracker,
+                    **{**train_step_options(trace_cfg), "compile_loss": False},
+                )
             traced = model_state_bytes(model, optimizer)
             # the gradients a step holds for its update: those live at the last op of the optimizer phase, when
             # the update has read them all (sharded: the reduced shards, the unsharded ones in flight are gone by

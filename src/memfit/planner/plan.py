@@ -437,7 +437,8 @@ class _Context:
         trainable weights (``method: full``), also saves the input of each projection for its weight's gradient:
         the normed input of q/k/v, the attention output, the normed input of gate/up (``dim`` each) and the input
         of down_proj (``intermediate_size``), at the matmul dtype (bf16 under ``bf16`` and ``bf16_mixed``). The
-        loss without chunking saves the fp32 log-probabilities ``(B * T, V)``.
+        loss without chunking saves the fp32 log-probabilities ``(B * T, V)``; the chunked (fused) loss its gradient
+        with respect to the hidden states ``(B * T, dim)`` (and the weight's, counted apart as ``lm_head``'s).
         """
         m = self.mcfg
         tokens = cfg.batch_size * self.seq_len
@@ -450,7 +451,7 @@ class _Context:
         )
         inner = (3 * m.dim + m.intermediate_size) * matmul if cfg.method == "full" else 0
         layers = tokens * (m.num_layers * m.dim * resid + (m.num_layers - checkpointed) * inner)
-        loss = 0 if cfg.chunked_cross_entropy else tokens * m.vocab_size * 4
+        loss = tokens * (m.dim * resid if cfg.chunked_cross_entropy else m.vocab_size * 4)
         return layers, loss
 
     def gradient_sizes(self, cfg: TrainConfig) -> tuple[int, int]:
