@@ -37,6 +37,7 @@ from memfit.data.run import RunData, run_data, run_tokenizer
 from memfit.errors import CheckpointError, DivergenceError, RunLockedError
 from memfit.flops import peak_flops_per_second, training_flops_per_token
 from memfit.generate import generate_text
+from memfit.memory import host
 from memfit.memory.optim import lr_at
 from memfit.memory.stats import PeakMemory, process_peak_rss, tracked_memory_fields
 from memfit.memory.timeline import plot_timeline
@@ -82,6 +83,7 @@ def _train(cfg: TrainConfig, device: torch.device, cleanup: contextlib.ExitStack
     mcfg = start_config or resolve_model_config(cfg, tokenizer.vocab_size)
     seq_len = check_lengths(cfg, mcfg, tokenizer.vocab_size)
     data = run_data(cfg, tokenizer, manifest, seq_len, out)
+    host.release_free_heap()  # host memory: what preparing the data freed leaves the resident set (memory/host.py)
     if cfg.preflight:
         check = preflight(cfg, mcfg, data.longest, device)
         if main_rank:

@@ -26,6 +26,12 @@ What the caching allocator cannot see is moved out of the device peak and report
 The trace runs on CPU fake tensors whatever ``device`` says (a CPU build of torch cannot make CUDA tensors, fake or
 not); sizes are the same, but kernels may differ in their workspaces, which no tracker sees (see docs/memory.md).
 
+For a CPU run the trace also predicts the process's peak resident set (``host_peak_rss_bytes``, what
+``/usr/bin/time -v`` and ``peak_memory_rss`` report): the estimating process's own resident set when the trace
+begins (interpreter, torch, memfit and the optimizer's library imported, no tensor allocated), plus the traced
+peak, plus measured constants for what a stepping process holds besides and for the free memory glibc's heaps keep
+(:func:`memfit.memory.host.predict_peak_rss`; docs/memory.md, "Host memory (RSS) on CPU").
+
 A closed-form bytes model (:func:`memfit.planner.closed_form.model_state_bytes_closed_form`) gives parameters,
 gradients and optimizer state from the shapes and dtypes alone, beside the traced numbers; the two agree exactly
 on model states.
@@ -49,6 +55,12 @@ from memfit.build import build_training, run_model_config
 from memfit.checkpoint import init_optimizer_state
 from memfit.config import TrainConfig, check_lengths
 from memfit.errors import ConfigError
+from memfit.memory.host import (
+    HEAP_RETAINED_BYTES,
+    dynamic_mmap_threshold,
+    predict_peak_rss,
+    process_rss_bytes,
+)
 from memfit.memory.optim import quiet_torchao_import
 from memfit.memory.tracker import CATEGORIES, MemoryTracker, model_state_bytes
 from memfit.models.llama import LlamaConfig
@@ -86,6 +98,14 @@ class Estimate:
     """Wall time of the estimate."""
     config: dict[str, Any] = field(default_factory=dict)
     """The switches that decide memory, for reports."""
+    host_peak_rss_bytes: int | None = None
+    """CPU runs (``device`` not ``cuda``): the predicted peak resident set of the training process,
+    :func:`memfit.memory.host.predict_peak_rss` of ``peak_bytes + host_bytes`` over ``process_baseline_bytes``
+    (what ``/usr/bin/time -v`` and ``peak_memory_rss`` report; docs/memory.md, "Host memory (RSS) on CPU").
+    ``None`` for CUDA runs or where the resident set cannot be read."""
+    process_baseline_bytes: int | None = None
+    """The resident set of the estimating process when the trace began, the optimizer's library imported and no
+    tensor allocated: the stand-in for the training process's own (interpreter, torch, memfit, libraries)."""
 
     def to_json(self) -> dict[str, Any]:
         """The contract of ``memfit estimate --json``: ``peak_memory_gib``, ``breakdown`` (category -> GiB),
@@ -106,6 +126,10 @@ class Estimate:
             "seq_len": self.seq_len,
             "seconds": self.seconds,
             "config": self.config,
+            "host_peak_rss_gib": None if self.host_peak_rss_bytes is None else self.host_peak_rss_bytes / GIB,
+            "process_baseline_gib": (
+                None if self.process_baseline_bytes is None else self.process_baseline_bytes / GIB
+            ),
         }
 
 
@@ -154,6 +178,7 @@ def estimate_run(
             "distributed.strategy=fsdp2"
         )
     with _fake_process_group(world_size), _quiet(), _fake_mode(cfg.optimizer.name) as fake:
+        baseline = process_rss_bytes()  # imports done (the optimizer's library too), no tensor allocated yet
         # the run's own build sequence, on the meta device, materialised with fake storage
         built = build_training(trace_cfg, mcfg, torch.device("cpu"), world_size=world_size, fake_mode=fake)
         model, optimizer = built.model, built.optimizer
@@ -186,6 +211,11 @@ def estimate_run(
             del fake
     closed = model_state_bytes_closed_form(cfg, mcfg, world_size)
     peak, breakdown, phase, unseen, host = _split_unseen(cfg, target, tracker, closed)
+    rss = None
+    if target != "cuda" and baseline is not None:
+        # glibc's heaps keep ~300 MiB of freed memory at the peak unless its mmap threshold is fixed
+        retained = HEAP_RETAINED_BYTES if dynamic_mmap_threshold() else 0
+        rss = predict_peak_rss(peak + host, baseline, heap_retained_bytes=retained)
     return Estimate(
         peak_bytes=peak,
         breakdown=breakdown,
@@ -202,6 +232,8 @@ def estimate_run(
         seq_len=seq_len,
         seconds=time.perf_counter() - start,
         config=_switches(cfg),
+        host_peak_rss_bytes=rss,
+        process_baseline_bytes=baseline,
     )
 
 

@@ -74,9 +74,15 @@ def preflight(cfg: TrainConfig, mcfg: LlamaConfig, seq_len: int, device: torch.d
     estimate = estimate_run(cfg, seq_len=seq_len, model_config=mcfg)
     need = estimate.device_total_bytes if device.type == "cuda" else estimate.peak_bytes + estimate.host_bytes
     if need <= available:
+        # CPU: `available` leaves out what this process holds already (its baseline, in the peak RSS predicted)
+        rss = (
+            ""
+            if estimate.host_peak_rss_bytes is None
+            else f", peak RSS {format_bytes(estimate.host_peak_rss_bytes)}"
+        )
         return (
             f"pre-flight: predicted peak {format_bytes(need)} of {available / GIB:.1f} GiB {where} "
-            f"(traced in {estimate.seconds:.1f} s)"
+            f"(traced in {estimate.seconds:.1f} s{rss})"
         )
     fix = _cheapest_fix(cfg, available)
     raise PreflightError(

@@ -22,7 +22,7 @@ from memfit.units import GIB, MIB, format_bytes
 def format_estimate(e: Estimate) -> str:
     """A human-readable report of an :class:`Estimate`: in GiB (1024**3 bytes), or in MiB (1024**2 bytes) when every
     number is below 1 GiB, as :func:`format_plan` does."""
-    largest = max(e.peak_bytes, e.device_total_bytes, e.host_bytes)
+    largest = max(e.peak_bytes, e.device_total_bytes, e.host_bytes, e.host_peak_rss_bytes or 0)
     unit, size = ("GiB", GIB) if largest >= GIB else ("MiB", MIB)
     ranks = f" per rank of {e.world_size}" if e.world_size > 1 else ""
     lines = [
@@ -39,6 +39,14 @@ def format_estimate(e: Estimate) -> str:
     lines.append(f"host memory kept there by design: {e.host_bytes / size:.2f} {unit}")
     for k, v in e.unseen.items():
         lines.append(f"  {k}: {v / size:.2f} {unit}")
+    if e.host_peak_rss_bytes is not None and e.process_baseline_bytes is not None:
+        tensors = e.peak_bytes + e.host_bytes
+        other = e.host_peak_rss_bytes - e.process_baseline_bytes - tensors
+        lines.append(
+            f"host peak RSS of the run (CPU): {e.host_peak_rss_bytes / size:.2f} {unit} = process baseline "
+            f"{e.process_baseline_bytes / size:.2f} {unit} (this process's resident set, imports done) + tensors "
+            f"{tensors / size:.2f} {unit} + {other / size:.2f} {unit} kept by the C allocator, threads and kernels"
+        )
     lines.append("model states, closed form vs traced:")
     for k in ("parameters", "gradients", "optimizer_state"):
         closed, traced = e.model_states[k], e.traced_model_states[k]

@@ -1,0 +1,120 @@
+"""Host memory of a CPU run: what glibc's allocator keeps resident, the process's resident set, and the prediction
+of a CPU run's peak RSS (docs/memory.md, "Host memory (RSS) on CPU").
+
+On CPU, torch takes tensor storage from the C library's ``malloc``. glibc serves a request of at least its mmap
+threshold (128 KiB) with its own ``mmap``, returned to the kernel on ``free``; smaller ones come from its heaps,
+which keep freed memory resident for reuse. By default the threshold is *dynamic*: each time an mmapped block is
+freed, the threshold rises to that block's size (up to 32 MiB on 64-bit). A training step frees megabyte-sized
+activations within its first milliseconds, so from then on almost every activation, gradient and temporary comes
+from the heap, and the heap keeps what the step frees: measured, ~300 MiB of free heap resident at the peak of the
+runs of docs/memory.md (:data:`HEAP_RETAINED_BYTES`). In exchange no step pays to fault its memory in again: with
+the threshold held at 128 KiB (``MALLOC_MMAP_THRESHOLD_=131072`` in the environment, which memfit leaves to the
+user) the peak RSS falls by those ~300 MiB but the step takes 1.4-1.65x as long on CPU, so memfit does not set it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import platform
+import sys
+from collections.abc import Mapping
+
+HEAP_RETAINED_BYTES = 300 * 1024**2
+"""Bytes of free memory glibc's heaps hold at a run's peak under the dynamic mmap threshold, measured as peak RSS -
+baseline - traced peak - :data:`RUNTIME_BYTES` on the three runs of docs/memory.md: 306, 299 and 273 MiB (models of
+5.2M and 78.6M parameters, batches of 1,024 and 4,096 tokens). A measured figure, not a law: it follows the sizes a
+step frees, and has not been measured on larger models."""
+
+RUNTIME_BYTES = 48 * 1024**2
+"""Bytes a training process holds beyond its imports, its tensors and the allocator's free memory once it steps:
+the pages of the compute kernels (oneDNN, MKL, OpenMP) touched by the first step, the stacks of torch's worker
+threads and of the RSS sampler, the tokenizer and the memory-mapped batches, heap blocks of small tensors. Measured
+with the mmap threshold held (no free heap) on the three runs of docs/memory.md: 52, 36 and 80 MiB."""
+
+_MALLOC_SETTINGS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_MMAP_MAX_")
+_TUNABLES = ("mmap_threshold", "trim_threshold", "top_pad", "mmap_max")
+
+
+def glibc() -> bool:
+    """Whether this process's C library is glibc (Linux)."""
+    return sys.platform == "linux" and platform.libc_ver()[0] == "glibc"
+
+
+def dynamic_mmap_threshold(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether glibc's mmap threshold of a process started with ``environ`` is dynamic: on glibc, unless the
+    environment sets the threshold, the trim threshold, the top pad or the mmap count (``MALLOC_*_`` or
+    ``glibc.malloc.*`` in ``GLIBC_TUNABLES``), any of which fixes it (glibc's ``mallopt``).
+
+    Args:
+        environ: the environment; default this process's.
+    """
+    env = os.environ if environ is None else environ
+    if not glibc():
+        return False
+    tunables = env.get("GLIBC_TUNABLES", "")
+    return not any(env.get(k) for k in _MALLOC_SETTINGS) and not any(
+        f"glibc.malloc.{t}=" in tunables for t in _TUNABLES
+    )
+
+
+def release_free_heap() -> bool:
+    """Give the free memory inside glibc's heaps back to the kernel (``malloc_trim(0)``). Called once after the
+    data is ready: preparing it in the run (training the BPE tokenizer, tokenizing the corpus) builds and frees
+    millions of small Python objects, which leaves ~140 MiB of free heap resident below live blocks, where the
+    heap's top cannot be trimmed (the main job's peak RSS: 1,371 -> 1,252 MiB).
+
+    Returns:
+        Whether any memory was released (``False`` off glibc).
+    """
+    if not glibc():
+        return False
+    try:
+        malloc_trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return False
+    malloc_trim.argtypes, malloc_trim.restype = (ctypes.c_size_t,), ctypes.c_int
+    return malloc_trim(0) == 1
+
+
+def process_rss_bytes() -> int | None:
+    """This process's resident set now, in bytes (Linux ``/proc/self/statm``), or ``None`` where it cannot be read."""
+    try:
+        with open("/proc/self/statm", "rb") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def predict_peak_rss(
+    tensor_peak_bytes: int,
+    baseline_bytes: int,
+    *,
+    heap_retained_bytes: int,
+    runtime_bytes: int = RUNTIME_BYTES,
+) -> int:
+    """A CPU run's peak resident set: the process's baseline (interpreter, torch, memfit and the optimizer library
+    imported, their code and data pages), plus what stepping adds outside tensors (:data:`RUNTIME_BYTES`), plus the
+    free memory the allocator keeps (:data:`HEAP_RETAINED_BYTES` under glibc's dynamic mmap threshold, else 0),
+    plus the traced peak of live tensors.
+
+    Args:
+        tensor_peak_bytes: the traced peak of live tensor bytes (:attr:`memfit.planner.estimate.Estimate.peak_bytes`
+            plus the host bytes of the run).
+        baseline_bytes: the resident set of a process that has imported what the run imports and holds no tensors.
+        heap_retained_bytes: free memory the allocator holds at the peak.
+        runtime_bytes: what a stepping process holds beyond imports, tensors and the allocator's free memory.
+
+    Returns:
+        Bytes.
+
+    Raises:
+        ValueError: a negative argument.
+    """
+    if min(tensor_peak_bytes, baseline_bytes, heap_retained_bytes, runtime_bytes) < 0:
+        raise ValueError(
+            f"predict_peak_rss needs non-negative numbers, got tensor_peak_bytes={tensor_peak_bytes}, "
+            f"baseline_bytes={baseline_bytes}, heap_retained_bytes={heap_retained_bytes}, "
+            f"runtime_bytes={runtime_bytes}"
+        )
+    return baseline_bytes + runtime_bytes + heap_retained_bytes + tensor_peak_bytes

@@ -1,0 +1,129 @@
+"""Host memory of CPU runs (``memfit.memory.host``): the peak-RSS prediction's arithmetic, in ``estimate_run``,
+``memfit estimate``'s report and its JSON; when glibc's mmap threshold is dynamic (freed blocks kept in the heap)
+and when the environment fixes it; ``malloc_trim`` after the data is ready. Memory figures only, no timings
+(docs/memory.md, "Host memory (RSS) on CPU")."""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+import sys
+
+import pytest
+
+from memfit.config import load_config
+from memfit.memory import host
+from memfit.planner.estimate import Estimate, estimate_run
+from memfit.planner.report import format_estimate
+from memfit.units import GIB, MIB
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+GLIBC = sys.platform == "linux" and platform.libc_ver()[0] == "glibc"
+TINY = ["model=tiny", "tokenizer.kind=char", "tokenizer.vocab_size=65", "batch_size=2", "seq_len=16"]
+
+
+def test_predicted_peak_rss_adds_baseline_runtime_retained_heap_and_tensors():
+    assert host.RUNTIME_BYTES == 48 * MIB == 50_331_648
+    assert host.HEAP_RETAINED_BYTES == 300 * MIB == 314_572_800
+    # the least-memory 78.6M run of docs/memory.md: 590,093,312 traced tensor bytes over a 347 MiB baseline
+    # (363,855,872), plus 48 MiB of runtime and 300 MiB of free heap: 1,318,853,632 bytes = 1,257.75 MiB
+    tensors, baseline = 590_093_312, 347 * MIB
+    rss = host.predict_peak_rss(tensors, baseline, heap_retained_bytes=host.HEAP_RETAINED_BYTES)
+    assert rss == 363_855_872 + 50_331_648 + 314_572_800 + 590_093_312 == 1_318_853_632
+    # the mmap threshold fixed by the environment: no free heap kept, 1,004,280,832 bytes
+    assert host.predict_peak_rss(tensors, baseline, heap_retained_bytes=0) == 1_004_280_832
+    assert host.predict_peak_rss(0, 123, heap_retained_bytes=7, runtime_bytes=100) == 230
+    with pytest.raises(ValueError, match="non-negative"):
+        host.predict_peak_rss(-1, 0, heap_retained_bytes=0)
+
+
+@pytest.mark.skipif(not GLIBC, reason="glibc's mmap threshold")
+def test_the_mmap_threshold_is_dynamic_unless_the_environment_fixes_it():
+    assert host.dynamic_mmap_threshold({})
+    assert host.dynamic_mmap_threshold({"GLIBC_TUNABLES": "glibc.malloc.check=0", "MALLOC_ARENA_MAX": "2"})
+    for env in (
+        {"MALLOC_MMAP_THRESHOLD_": "131072"},
+        {"MALLOC_TRIM_THRESHOLD_": "0"},
+        {"MALLOC_TOP_PAD_": "0"},
+        {"MALLOC_MMAP_MAX_": "65536"},
+        {"GLIBC_TUNABLES": "glibc.malloc.check=0:glibc.malloc.mmap_threshold=131072"},
+    ):
+        assert not host.dynamic_mmap_threshold(env), env
+
+
+def test_estimate_of_a_cpu_run_adds_the_process_baseline_to_the_traced_peak():
+    e = estimate_run(load_config(None, [*TINY, "device=cpu"]))
+    assert e.process_baseline_bytes is not None and e.process_baseline_bytes > 0
+    retained = host.HEAP_RETAINED_BYTES if host.dynamic_mmap_threshold() else 0
+    assert e.host_peak_rss_bytes == (
+        e.process_baseline_bytes + host.RUNTIME_BYTES + retained + e.peak_bytes + e.host_bytes
+    )
+    out = e.to_json()
+    assert out["host_peak_rss_gib"] * GIB == pytest.approx(e.host_peak_rss_bytes, abs=1)
+    assert out["process_baseline_gib"] * GIB == pytest.approx(e.process_baseline_bytes, abs=1)
+    # a CUDA run's peak is on the device: no host RSS is predicted
+    cuda = estimate_run(load_config(None, [*TINY, "device=cuda"]))
+    assert cuda.host_peak_rss_bytes is None and cuda.to_json()["host_peak_rss_gib"] is None
+
+
+def _estimate(**fields) -> Estimate:
+    """An :class:`Estimate` with round numbers (MiB) for the report's text."""
+    base = {
+        "peak_bytes": 563 * MIB,
+        "breakdown": {"parameters": 300 * MIB, "activations": 263 * MIB},
+        "phase": "backward",
+        "device_total_bytes": 563 * MIB,
+        "host_bytes": 0,
+        "unseen": {},
+        "model_states": dict.fromkeys(("parameters", "gradients", "optimizer_state"), 0),
+        "traced_model_states": dict.fromkeys(("parameters", "gradients", "optimizer_state"), 0),
+        "num_params": 1,
+        "num_trainable_params": 1,
+        "world_size": 1,
+        "batch_size": 4,
+        "seq_len": 256,
+        "seconds": 1.0,
+    }
+    return Estimate(**{**base, **fields})
+
+
+def test_report_says_the_predicted_peak_rss_and_its_parts():
+    # 1,258 MiB = 347 + 563 + (48 + 300)
+    text = format_estimate(_estimate(host_peak_rss_bytes=1258 * MIB, process_baseline_bytes=347 * MIB))
+    assert (
+        "host peak RSS of the run (CPU): 1.23 GiB = process baseline 0.34 GiB (this process's resident set, "
+        "imports done) + tensors 0.55 GiB + 0.34 GiB kept by the C allocator, threads and kernels" in text
+    )
+    # all under 1 GiB: in MiB, 958 = 347 + 563 + 48
+    text = format_estimate(_estimate(host_peak_rss_bytes=958 * MIB, process_baseline_bytes=347 * MIB))
+    assert "958.00 MiB = process baseline 347.00 MiB" in text
+    assert "+ tensors 563.00 MiB + 48.00 MiB kept by the C allocator" in text
+    assert "host peak RSS" not in format_estimate(_estimate())  # a CUDA run's report
+
+
+# small blocks, as preparing the data leaves them: 100,000 of 1 KiB freed but the last, below the heap's top
+_TRIMMED = """
+import ctypes
+from memfit.memory import host
+libc = ctypes.CDLL(None)
+libc.malloc.restype = ctypes.c_void_p
+libc.free.argtypes = (ctypes.c_void_p,)
+blocks = [libc.malloc(1024) for _ in range(100_000)]
+for b in blocks:
+    ctypes.memset(b, 1, 1024)
+for b in blocks[:-1]:
+    libc.free(b)
+before = host.process_rss_bytes()
+assert host.release_free_heap()
+print((before - host.process_rss_bytes()) >> 20)
+"""
+
+
+@pytest.mark.skipif(not GLIBC, reason="glibc's malloc_trim")
+def test_releasing_the_free_heap_returns_freed_small_blocks_to_the_kernel():
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != "GLIBC_TUNABLES"}
+    out = subprocess.run([sys.executable, "-c", _TRIMMED], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert int(out.stdout) >= 90  # ~100 MiB freed (1 KiB blocks, with their 16-byte headers), unmapped
