@@ -59,14 +59,15 @@ _CUDA_CONSTANTS: dict[str, Any] = {
 
 COST_CONSTANTS: dict[str, dict[str, Any]] = {
     "cuda": _CUDA_CONSTANTS,
-    # a device=cpu run: the rates measured in docs/benchmarks.md ("Memory techniques on CPU", 2 cores): the fp32
-    # baseline ran 203 tokens/s of a 56.4M model (253 MFLOP/token) -> ~50 GFLOP/s with its update; bf16 and
-    # bf16 autocast 25x slower (no bf16 matrix units); torchao's optimizers step eagerly on CPU (~8x torch's
-    # step, docs/memory.md); the fused chunked cross-entropy's softmax and gradient cost ~0.5 of an lm_head
-    # forward over the plain loss (bench/peers.py, docs/benchmarks.md); no kernel launches, no host link
+    # a device=cpu run, calibrated by bench/peers.py (docs/benchmarks.md, 2 cores): memfit's fp32 AdamW steps of
+    # the 25.6M and 78.6M models ran 850 and 284 tokens/s of 160 and 491 MFLOP/token -> 136 and 139 GFLOP/s
+    # with the update (the cores' matmul ceiling: 183); bf16 and bf16 autocast ~25x slower (no bf16 matrix
+    # units); torchao's optimizers step eagerly on CPU (~8x torch's step, docs/memory.md); the fused chunked
+    # cross-entropy measured no slower than the plain loss there (its elementwise passes: 0.1 of a head
+    # forward, as on CUDA); no kernel launches, no host link
     "cpu": {
         **_CUDA_CONSTANTS,
-        "matmul_flops_per_second": {"fp32": 50e9, "bf16": 2e9, "bf16_mixed": 2e9},
+        "matmul_flops_per_second": {"fp32": 140e9, "bf16": 5.6e9, "bf16_mixed": 5.6e9},
         "device_memory_bytes_per_second": 10e9,
         "optimizer_update_factor": {
             **_CUDA_CONSTANTS["optimizer_update_factor"],
@@ -75,7 +76,6 @@ COST_CONSTANTS: dict[str, dict[str, Any]] = {
             "torchao_adamw_fp8": 8.0,
         },
         "kernel_launch_seconds": 0.0,
-        "chunked_ce_extra_head_forwards": 0.5,
     },
 }
 """Constants of :func:`step_cost` by target device (``cuda``: an H100-class GPU; ``cpu``). Documented with their
