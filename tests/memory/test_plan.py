@@ -286,3 +286,17 @@ def test_sharded_plan_writes_the_launch(tmp_path):
     path = report.write_plan_yaml(tmp_path / "sharded.yaml", best, p)
     assert f"# run: memfit pretrain --config {path} nproc=2" in path.read_text()
     assert P._switches_of(load_config(path), 2) == best.switches
+
+
+def test_a_cpu_plan_gives_the_tensors_the_budget_less_the_process_overhead(monkeypatch):
+    """On CPU the budget is peak RSS: the process's own bytes (imports, kernels, the heap's free memory) come off it,
+    and every fitting row's traced peak fits in what is left."""
+    monkeypatch.setattr(P, "process_overhead_bytes", lambda: 100 * MIB)
+    cfg = load_config(None, [*(t for t in TINY if not t.startswith(("device=", "dtype="))), "device=cpu"])
+    p = P.plan(cfg, 400 * MIB, margin=0.1, estimator=cached_estimate)
+    assert p.host_overhead_bytes == 100 * MIB
+    assert p.usable_bytes == int(400 * MIB * 0.9) - 100 * MIB
+    assert p.to_json()["host_overhead_gib"] == 100 / 1024
+    fitting = [r for r in p.rows if r.fits]
+    assert fitting and all(r.peak_bytes <= p.usable_bytes for r in fitting)
+    assert "the process's own 100.00 MiB on CPU" in report.format_plan(p)

@@ -1,6 +1,7 @@
 """Activation checkpointing and chunked cross-entropy: same numbers, less memory."""
 
 import dataclasses
+import gc
 
 import pytest
 import torch
@@ -208,7 +209,8 @@ def _step_flops_and_peak(mode: str) -> tuple[int, int]:
     cfg = dataclasses.replace(model_config("tiny"), num_layers=4, dim=128, intermediate_size=512)
     model = build_llama(cfg, seed=0)
     apply_activation_checkpointing(model, mode)
-    x = torch.randint(0, cfg.vocab_size, (4, 64))
+    x = torch.randint(0, cfg.vocab_size, (4, 64), generator=torch.Generator().manual_seed(0))
+    gc.collect()  # tensors of earlier tests in reference cycles would otherwise be freed inside the tracked step
     with FlopCounterMode(display=False) as counter, MemoryTracker(model) as tracker:
         loss_sum(model(x), x).backward()
     return counter.get_total_flops(), tracker.category_peaks["activations"]
@@ -220,4 +222,6 @@ def test_selective_checkpointing_recomputes_no_matmul_and_keeps_less_than_none()
     flops_full, act_full = _step_flops_and_peak("full")
     assert flops_sel == flops_none  # only elementwise ops are redone
     assert flops_full > flops_none  # every layer's matmuls are redone
-    assert act_full < act_sel < act_none
+    # both keep less than none; which of them keeps less depends on the model's size (full's peak is in the
+    # backward's recompute of a layer, selective's at the end of the forward), so neither is asserted below the other
+    assert act_sel < act_none and act_full < act_none

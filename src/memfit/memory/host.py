@@ -118,3 +118,12 @@ def predict_peak_rss(
             f"runtime_bytes={runtime_bytes}"
         )
     return baseline_bytes + runtime_bytes + heap_retained_bytes + tensor_peak_bytes
+
+
+def process_overhead_bytes() -> int:
+    """What a CPU training process holds at its peak besides its tensors, predicted from this process: its resident
+    set now (imports; call it from a process that has imported memfit's training path and no model) plus
+    :data:`RUNTIME_BYTES` plus :data:`HEAP_RETAINED_BYTES` when glibc's mmap threshold is dynamic. What
+    :func:`predict_peak_rss` adds to a traced peak, for a planner that compares traced peaks with an RSS budget."""
+    retained = HEAP_RETAINED_BYTES if dynamic_mmap_threshold() else 0
+    return predict_peak_rss(0, process_rss_bytes() or 0, heap_retained_bytes=retained)

@@ -46,6 +46,7 @@ from memfit.build import build_model, run_model_config
 from memfit.config import TrainConfig, config_from_dict, config_to_dict, device_type
 from memfit.distributed import shard_numel
 from memfit.errors import ConfigError
+from memfit.memory.host import process_overhead_bytes
 from memfit.memory.techniques import checkpointed_layers
 from memfit.planner.closed_form import model_state_bytes_closed_form
 from memfit.planner.cost import COST_CONSTANTS, param_bytes, step_cost
@@ -173,12 +174,17 @@ class Plan:
     rows: list[PlanRow]
     budget_bytes: int
     usable_bytes: int
-    """The budget less the margin: a row fits when its allocator peak is at most this."""
+    """The budget less the margin (and, on CPU, less :attr:`host_overhead_bytes`): a row fits when its allocator
+    peak is at most this."""
     margin: float
     world_size: int
     seq_len: int
     target: str
     """``cuda`` or ``cpu``: the device the run's ``device`` resolves to."""
+    host_overhead_bytes: int
+    """CPU: what the training process holds besides its tensors at its peak RSS (its imports, the kernels' and
+    threads' pages, the free memory glibc's heap keeps; :func:`memfit.memory.host.process_overhead_bytes`), taken
+    from the budget, which on CPU is the process's peak RSS. 0 on CUDA."""
     baseline_seconds: float
     """Step seconds of the baseline (:func:`plan`) that ``relative_throughput`` divides."""
     seconds: float
@@ -202,6 +208,7 @@ class Plan:
         return {
             "budget_gib": self.budget_bytes / GIB,
             "usable_gib": self.usable_bytes / GIB,
+            "host_overhead_gib": self.host_overhead_bytes / GIB,
             "margin": self.margin,
             "world_size": self.world_size,
             "seq_len": self.seq_len,
@@ -368,7 +375,13 @@ class _Context:
     """What every row of one search shares: architecture, closed forms (cached), budget, constants."""
 
     def __init__(
-        self, cfg: TrainConfig, world_size: int, budget: int, margin: float, constants: dict[str, Any] | None
+        self,
+        cfg: TrainConfig,
+        world_size: int,
+        budget: int,
+        margin: float,
+        constants: dict[str, Any] | None,
+        host_overhead: int | None = None,
     ) -> None:
         self.cfg = cfg
         self.world_size = world_size
@@ -378,7 +391,11 @@ class _Context:
         self.constants = constants or COST_CONSTANTS[self.target]
         self.budget = budget
         self.margin = margin
-        self.usable = int(budget * (1 - margin))
+        # on CPU the budget is the process's peak RSS: its tensors get what the process's own overhead leaves
+        if host_overhead is None:
+            host_overhead = process_overhead_bytes() if self.target == "cpu" else 0
+        self.host_overhead = host_overhead
+        self.usable = max(0, int(budget * (1 - margin)) - self.host_overhead)
         self._closed: dict[tuple, dict[str, int]] = {}
         self._grad_sizes: dict[tuple, tuple[int, int]] = {}
 
@@ -633,6 +650,7 @@ def _build(
     constants: dict[str, Any] | None,
     progress: Callable[[str], None] | None,
     estimator: Callable[..., Estimate] | None,
+    host_overhead_bytes: int | None = None,
 ) -> tuple[_Search, float]:
     if budget_bytes <= 0:
         raise ConfigError(f"config key 'budget': must be > 0 bytes, got {budget_bytes}")
@@ -645,7 +663,7 @@ def _build(
             "config key 'distributed.strategy': plans of sharded runs are estimated with FSDP2; set "
             "distributed.strategy=fsdp2"
         )
-    ctx = _Context(cfg, world_size, budget_bytes, margin, constants)
+    ctx = _Context(cfg, world_size, budget_bytes, margin, constants, host_overhead_bytes)
     configs = candidates(cfg, world_size, dtypes)
     if not configs:
         raise ConfigError(
@@ -689,6 +707,7 @@ def _finish(search: _Search, baseline: float, start: float) -> Plan:
         rows=rows,
         budget_bytes=ctx.budget,
         usable_bytes=ctx.usable,
+        host_overhead_bytes=ctx.host_overhead,
         margin=ctx.margin,
         world_size=ctx.world_size,
         seq_len=ctx.seq_len,
@@ -759,6 +778,7 @@ def cheapest_fix(
     constants: dict[str, Any] | None = None,
     progress: Callable[[str], None] | None = None,
     estimator: Callable[..., Estimate] | None = None,
+    host_overhead_bytes: int | None = None,
 ) -> PlanRow | None:
     """The combination that fits with the **fewest switches changed** from ``cfg``, the fastest of those.
 
@@ -770,6 +790,9 @@ def cheapest_fix(
 
     Args:
         cfg, budget_bytes, world_size, margin, dtypes, constants, progress, estimator: as :func:`plan`.
+        host_overhead_bytes: what of ``budget_bytes`` the tensors cannot have; default: on CPU, the process's own
+            (:attr:`Plan.host_overhead_bytes`), 0 on CUDA. The pre-flight check passes 0: its budget is the
+            available memory, which leaves out what the process holds.
 
     Returns:
         The row (``changes == ()`` when ``cfg`` fits as it is; its peak is estimated), or None when nothing fits.
@@ -778,7 +801,9 @@ def cheapest_fix(
         ConfigError: as :func:`plan`.
     """
     start = time.perf_counter()
-    search, baseline = _build(cfg, budget_bytes, world_size, margin, dtypes, constants, progress, estimator)
+    search, baseline = _build(
+        cfg, budget_bytes, world_size, margin, dtypes, constants, progress, estimator, host_overhead_bytes
+    )
     levels = sorted({len(r.changes) for r in search.rows})
     for level in levels:
         group = [r for r in search.rows if len(r.changes) == level]

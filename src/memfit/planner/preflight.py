@@ -93,7 +93,8 @@ def preflight(cfg: TrainConfig, mcfg: LlamaConfig, seq_len: int, device: torch.d
 
 def _cheapest_fix(cfg: TrainConfig, available: int) -> str:
     """The planner's fix that changes the fewest switches and fits ``available`` bytes, as override text."""
-    fix = cheapest_fix(cfg, available)
+    # the available memory already leaves out what this process holds: the tensors may have all of it
+    fix = cheapest_fix(cfg, available, host_overhead_bytes=0)
     if fix is None:
         return "No combination of memory switches fits; use more ranks (nproc=N), a smaller batch_size or seq_len."
     keys = " ".join(f"{k}={_yaml_scalar(fix.switches[k])}" for k in fix.changes)

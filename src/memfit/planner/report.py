@@ -22,7 +22,7 @@ from memfit.units import GIB, MIB, format_bytes
 def format_estimate(e: Estimate) -> str:
     """A human-readable report of an :class:`Estimate`: in GiB (1024**3 bytes), or in MiB (1024**2 bytes) when every
     number is below 1 GiB, as :func:`format_plan` does."""
-    largest = max(e.peak_bytes, e.device_total_bytes, e.host_bytes, e.host_peak_rss_bytes or 0)
+    largest = max(e.peak_bytes, e.device_total_bytes, e.host_bytes)
     unit, size = ("GiB", GIB) if largest >= GIB else ("MiB", MIB)
     ranks = f" per rank of {e.world_size}" if e.world_size > 1 else ""
     lines = [
@@ -42,10 +42,11 @@ def format_estimate(e: Estimate) -> str:
     if e.host_peak_rss_bytes is not None and e.process_baseline_bytes is not None:
         tensors = e.peak_bytes + e.host_bytes
         other = e.host_peak_rss_bytes - e.process_baseline_bytes - tensors
+        u, n = ("GiB", GIB) if e.host_peak_rss_bytes >= GIB else ("MiB", MIB)  # its own unit: it holds the most
         lines.append(
-            f"host peak RSS of the run (CPU): {e.host_peak_rss_bytes / size:.2f} {unit} = process baseline "
-            f"{e.process_baseline_bytes / size:.2f} {unit} (this process's resident set, imports done) + tensors "
-            f"{tensors / size:.2f} {unit} + {other / size:.2f} {unit} kept by the C allocator, threads and kernels"
+            f"host peak RSS of the run (CPU): {e.host_peak_rss_bytes / n:.2f} {u} = process baseline "
+            f"{e.process_baseline_bytes / n:.2f} {u} (this process's resident set, imports done) + tensors "
+            f"{tensors / n:.2f} {u} + {other / n:.2f} {u} kept by the C allocator, threads and kernels"
         )
     lines.append("model states, closed form vs traced:")
     for k in ("parameters", "gradients", "optimizer_state"):
@@ -65,11 +66,17 @@ def no_fit_message(p: Plan) -> str:
     if least is None:
         least = min(p.rows, key=lambda r: r.peak_bytes)
     kind = "estimated" if least.estimated else "a lower bound"
-    need = least.peak_bytes / (1 - p.margin)
+    need = (least.peak_bytes + p.host_overhead_bytes) / (1 - p.margin)
+    overhead = (
+        f" and the process's own {format_bytes(p.host_overhead_bytes)} (imports, kernels, the C heap's free memory)"
+        if p.host_overhead_bytes
+        else ""
+    )
     msg = (
         f"nothing fits in {format_bytes(p.budget_bytes)} ({format_bytes(p.usable_bytes)} usable after the "
-        f"{p.margin:.0%} margin) on each of {p.world_size} rank(s): the least memory, with {least.label()}, is "
-        f"{format_bytes(least.peak_bytes)} ({kind}). Needs a budget of at least {format_bytes(need)}"
+        f"{p.margin:.0%} margin{overhead}) on each of {p.world_size} rank(s): the least memory, with "
+        f"{least.label()}, is {format_bytes(least.peak_bytes)} ({kind}). Needs a budget of at least "
+        f"{format_bytes(need)}"
     )
     e = least.estimate
     if e is not None:
@@ -95,7 +102,13 @@ def format_plan(p: Plan, top: int = 10) -> str:
     unit, size = ("GiB", GIB) if p.budget_bytes >= GIB else ("MiB", MIB)
     lines = [
         f"budget {format_bytes(p.budget_bytes)} per device, {format_bytes(p.usable_bytes)} usable "
-        f"(margin {p.margin:.0%}), {p.world_size} rank(s), target {p.target}, seq_len {p.seq_len}",
+        f"(margin {p.margin:.0%}"
+        + (
+            f"; the process's own {format_bytes(p.host_overhead_bytes)} on CPU, where the budget is peak RSS"
+            if p.host_overhead_bytes
+            else ""
+        )
+        + f"), {p.world_size} rank(s), target {p.target}, seq_len {p.seq_len}",
         f"{len(p.rows)} combinations, {p.estimates} estimated in {p.seconds:.0f} s; speed: relative throughput "
         f"of the cost model (docs/memory.md, Planner), 1.00 = baseline step of {p.baseline_seconds * 1e3:.0f} ms",
         "estimated: numbers from estimate_run of that exact config; bound: >= peak / <= speed, not estimated",
