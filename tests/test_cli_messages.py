@@ -195,7 +195,9 @@ def test_estimate_report_is_in_mib_below_one_gib_and_in_gib_above():
     assert f"device total (as the driver shows it): {e.device_total_bytes / MIB:.2f} MiB" in text
     # the predicted peak RSS has its own unit: it includes this (test) process's resident set, which may be GiB
     assert "GiB" not in "\n".join(line for line in text.splitlines() if "host peak RSS" not in line)
-    big = dataclasses.replace(e, peak_bytes=3 * GIB // 2, device_total_bytes=2 * GIB, host_peak_rss_bytes=None)
+    big = dataclasses.replace(
+        e, peak_bytes=3 * GIB // 2, device_total_bytes=2 * GIB, host_peak_rss_bytes=None
+    )
     text = format_estimate(big)
     assert f"peak memory: 1.50 GiB (allocator), in {e.phase}" in text
     assert "device total (as the driver shows it): 2.00 GiB" in text

@@ -56,12 +56,17 @@ EXACT = {
 }
 
 
+def _assert_same_losses(run, baseline, tol):
+    """Every step's loss and the last validation loss of ``run`` within ``tol`` of the baseline's."""
+    losses, val = run
+    assert len(losses) == STEPS
+    assert max(abs(a - b) for a, b in zip(losses, baseline[0], strict=True)) <= tol
+    assert abs(val[-1] - baseline[1][-1]) <= tol
+
+
 @pytest.mark.parametrize("name", list(EXACT))
 def test_same_arithmetic_same_losses(baseline, small_corpus, tmp_path, name):
-    losses, val = _run(small_corpus, tmp_path / "out", **EXACT[name])
-    assert len(losses) == STEPS
-    assert max(abs(a - b) for a, b in zip(losses, baseline[0], strict=True)) <= 1e-6
-    assert abs(val[-1] - baseline[1][-1]) <= 1e-6
+    _assert_same_losses(_run(small_corpus, tmp_path / "out", **EXACT[name]), baseline, 1e-6)
 
 
 # torch.compile (TorchInductor) fuses the elementwise ops of a layer and of the loss into generated kernels whose
@@ -80,10 +85,7 @@ COMPILED = {
 
 @pytest.mark.parametrize("name", list(COMPILED))
 def test_compiled_run_has_the_eager_losses(baseline, small_corpus, tmp_path, name):
-    losses, val = _run(small_corpus, tmp_path / "out", **COMPILED[name])
-    assert len(losses) == STEPS
-    assert max(abs(a - b) for a, b in zip(losses, baseline[0], strict=True)) <= 1e-5
-    assert abs(val[-1] - baseline[1][-1]) <= 1e-5
+    _assert_same_losses(_run(small_corpus, tmp_path / "out", **COMPILED[name]), baseline, 1e-5)
 
 
 # Low-bit optimizer state quantizes m and v (block-wise, 8 bits): updates differ from fp32 AdamW by a few percent

@@ -42,7 +42,9 @@ def format_estimate(e: Estimate) -> str:
     if e.host_peak_rss_bytes is not None and e.process_baseline_bytes is not None:
         tensors = e.peak_bytes + e.host_bytes
         other = e.host_peak_rss_bytes - e.process_baseline_bytes - tensors
-        u, n = ("GiB", GIB) if e.host_peak_rss_bytes >= GIB else ("MiB", MIB)  # its own unit: it holds the most
+        u, n = (
+            ("GiB", GIB) if e.host_peak_rss_bytes >= GIB else ("MiB", MIB)
+        )  # its own unit: it holds the most
         lines.append(
             f"host peak RSS of the run (CPU): {e.host_peak_rss_bytes / n:.2f} {u} = process baseline "
             f"{e.process_baseline_bytes / n:.2f} {u} (this process's resident set, imports done) + tensors "
