@@ -225,7 +225,7 @@ def build_training(
     2. Sharded: the starting tensors (:func:`initial_parameters`), checked against the model before anything is
        allocated.
     3. Activation checkpointing (``activation_checkpointing``), then ``compile`` (each decoder layer, with its
-       checkpointing; not for the estimator, which traces the eager step).
+       checkpointing; the estimator's config has it off: it traces the eager step).
     4. Sharded: FSDP over the process group (:func:`memfit.distributed.shard_model`).
     5. Sharded: each rank fills its shards one whole tensor at a time; fake: every parameter (or shard) gets fake
        storage on the CPU inside ``fake_mode``.
@@ -250,7 +250,7 @@ def build_training(
     model: torch.nn.Module = build_model(cfg, mcfg, torch.device("meta") if on_meta else device)
     initial = initial_parameters(cfg, mcfg, model, device) if world_size > 1 and fake_mode is None else None
     apply_activation_checkpointing(model, cfg.activation_checkpointing, cfg.activation_checkpointing_interval)
-    if cfg.compile and fake_mode is None:  # the estimator traces the eager step
+    if cfg.compile:
         apply_compile(model)
     num_params = sum(p.numel() for p in model.parameters())
     num_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)

@@ -78,7 +78,8 @@ def release_free_heap() -> bool:
 
 
 def process_rss_bytes() -> int | None:
-    """This process's resident set now, in bytes (Linux ``/proc/self/statm``), or ``None`` where it cannot be read."""
+    """This process's resident set now, in bytes (Linux ``/proc/self/statm``), or ``None`` where it cannot be read.
+    Opens the file per read: a few microseconds, and no descriptor is held."""
     try:
         with open("/proc/self/statm", "rb") as f:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
@@ -120,10 +121,15 @@ def predict_peak_rss(
     return baseline_bytes + runtime_bytes + heap_retained_bytes + tensor_peak_bytes
 
 
+def retained_heap_bytes() -> int:
+    """Bytes of free memory glibc's heaps will hold at this process's peak: :data:`HEAP_RETAINED_BYTES` under a
+    dynamic mmap threshold, else 0."""
+    return HEAP_RETAINED_BYTES if dynamic_mmap_threshold() else 0
+
+
 def process_overhead_bytes() -> int:
     """What a CPU training process holds at its peak besides its tensors, predicted from this process: its resident
     set now (imports; call it from a process that has imported memfit's training path and no model) plus
-    :data:`RUNTIME_BYTES` plus :data:`HEAP_RETAINED_BYTES` when glibc's mmap threshold is dynamic. What
-    :func:`predict_peak_rss` adds to a traced peak, for a planner that compares traced peaks with an RSS budget."""
-    retained = HEAP_RETAINED_BYTES if dynamic_mmap_threshold() else 0
-    return predict_peak_rss(0, process_rss_bytes() or 0, heap_retained_bytes=retained)
+    :data:`RUNTIME_BYTES` plus :func:`retained_heap_bytes`. What :func:`predict_peak_rss` adds to a traced peak, for
+    a planner that compares traced peaks with an RSS budget."""
+    return predict_peak_rss(0, process_rss_bytes() or 0, heap_retained_bytes=retained_heap_bytes())

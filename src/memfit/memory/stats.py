@@ -19,7 +19,6 @@ process set a new one in the interval, else the highest of the samples a backgro
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -29,6 +28,7 @@ import psutil
 import torch
 
 from memfit import distributed as dist_
+from memfit.memory.host import process_rss_bytes
 from memfit.units import to_gib
 
 
@@ -43,18 +43,11 @@ def _read_vmhwm() -> int | None:
 
 
 def _statm_rss() -> Callable[[], int]:
-    """A cheap reader of the current RSS in bytes (``/proc/self/statm``, else ``psutil``). Opens the file per read:
-    a few microseconds, and no descriptor is held by a run that ends."""
-    statm = Path("/proc/self/statm")
-    if not statm.is_file():
+    """A cheap reader of the current RSS in bytes (:func:`memfit.memory.host.process_rss_bytes`, else ``psutil``)."""
+    if process_rss_bytes() is None:
         process = psutil.Process()
         return lambda: process.memory_info().rss
-    page = os.sysconf("SC_PAGE_SIZE")
-
-    def read() -> int:
-        return int(statm.read_bytes().split()[1]) * page
-
-    return read
+    return lambda: process_rss_bytes() or 0
 
 
 class _RssSampler(threading.Thread):

@@ -55,12 +55,7 @@ from memfit.build import build_training, run_model_config
 from memfit.checkpoint import init_optimizer_state
 from memfit.config import TrainConfig, check_lengths
 from memfit.errors import ConfigError
-from memfit.memory.host import (
-    HEAP_RETAINED_BYTES,
-    dynamic_mmap_threshold,
-    predict_peak_rss,
-    process_rss_bytes,
-)
+from memfit.memory.host import predict_peak_rss, process_rss_bytes, retained_heap_bytes
 from memfit.memory.optim import quiet_torchao_import
 from memfit.memory.tracker import CATEGORIES, MemoryTracker, model_state_bytes
 from memfit.models.llama import LlamaConfig
@@ -193,13 +188,7 @@ def estimate_run(
             tracker = MemoryTracker(model, optimizer, refresh_roles_at_peak=False)
             tracker.record_timeline = True
             with tracker:
-                train_step(
-                    model,
-                    optimizer,
-                    batches,
-                    tracker=tracker,
-                    **{**train_step_options(trace_cfg), "compile_loss": False},
-                )
+                train_step(model, optimizer, batches, tracker=tracker, **train_step_options(trace_cfg))
             traced = model_state_bytes(model, optimizer)
             # the gradients a step holds for its update: those live at the last op of the optimizer phase, when
             # the update has read them all (sharded: the reduced shards, the unsharded ones in flight are gone by
@@ -213,9 +202,7 @@ def estimate_run(
     peak, breakdown, phase, unseen, host = _split_unseen(cfg, target, tracker, closed)
     rss = None
     if target != "cuda" and baseline is not None:
-        # glibc's heaps keep ~300 MiB of freed memory at the peak unless its mmap threshold is fixed
-        retained = HEAP_RETAINED_BYTES if dynamic_mmap_threshold() else 0
-        rss = predict_peak_rss(peak + host, baseline, heap_retained_bytes=retained)
+        rss = predict_peak_rss(peak + host, baseline, heap_retained_bytes=retained_heap_bytes())
     return Estimate(
         peak_bytes=peak,
         breakdown=breakdown,
@@ -244,11 +231,18 @@ def fake_ids(batch_size: int, seq_len: int, vocab_size: int) -> torch.Tensor:
 
 def _traceable(cfg: TrainConfig) -> TrainConfig:
     """The config the trace runs: the run's, with the switches that need a CUDA device at build time turned into
-    their on-device equivalent (their bytes are moved to host / unified memory afterwards, see the module doc)."""
+    their on-device equivalent (their bytes are moved to host / unified memory afterwards, see the module doc), and
+    eager (``compile`` off: the trace runs the eager step, an upper bound of the compiled one, docs/memory.md)."""
     opt = dataclasses.replace(cfg.optimizer, cpu_offload=False)
     dist = dataclasses.replace(cfg.distributed, cpu_offload=False)
     return dataclasses.replace(
-        cfg, optimizer=opt, distributed=dist, activation_offloading=False, device="cpu", track_memory=False
+        cfg,
+        optimizer=opt,
+        distributed=dist,
+        activation_offloading=False,
+        device="cpu",
+        track_memory=False,
+        compile=False,
     )
 
 
