@@ -202,3 +202,14 @@ def test_finetune_verb_needs_a_checkpoint(tmp_path, capsys):
     assert main(["finetune", f"output_dir={tmp_path / 'out'}"]) == 2
     assert "checkpoint_dir" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def test_compile_without_a_cxx_compiler_is_refused_before_anything_runs(monkeypatch):
+    """TorchInductor's CPU kernels need a C++ compiler: without one, validation says so instead of the first step."""
+    import memfit.config as config_module
+
+    assert load_config(None, ["compile=true", "device=cpu"]).compile
+    monkeypatch.setattr(config_module.shutil, "which", lambda name: None)
+    with pytest.raises(ConfigError, match="'compile'") as info:
+        load_config(None, ["compile=true", "device=cpu"])
+    assert "C++ compiler" in str(info.value)

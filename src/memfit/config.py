@@ -19,6 +19,7 @@ import difflib
 import importlib.util
 import math
 import os
+import shutil
 import sys
 import types
 import typing
@@ -284,6 +285,15 @@ def validate_prepare(cfg: PrepareConfig) -> None:
         "char_tokenizer",
         "makes a tokenizer from the text; it cannot be combined with a given tokenizer",
     )
+
+
+def cxx_compiler() -> str | None:
+    """The C++ compiler TorchInductor would build CPU kernels with: ``$CXX``, else ``g++``, else ``clang++`` (its
+    path), or ``None`` when there is none."""
+    for name in (os.environ.get("CXX"), "g++", "clang++"):
+        if name and (path := shutil.which(name)):
+            return path
+    return None
 
 
 def load_prepare_config(overrides: list[str], **given: Any) -> PrepareConfig:
@@ -825,6 +835,12 @@ def validate(cfg: TrainConfig, world_size: int = 1) -> None:
         "compile",
         "cannot be combined with track_memory: the tracker sees each tensor through a dispatch mode, which "
         "compiled kernels bypass. Track the eager step (compile=false), or predict it with `memfit estimate`",
+    )
+    _require(
+        not (cfg.compile and target == "cpu") or cxx_compiler() is not None,
+        "compile",
+        "needs a C++ compiler on CPU (TorchInductor builds its CPU kernels with one) and none was found: install "
+        "g++ or clang++, name yours in $CXX, or set compile=false",
     )
     _require(
         not (cfg.compile and cfg.activation_offloading),
