@@ -60,6 +60,7 @@ def test_run_writes_records_checkpoints_plot(finished_run):
         "step_00000012",
     ]
     assert (finished_run / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not (finished_run / "wandb").exists()  # wandb is off by default
     state = json.loads((finished_run / "checkpoints" / "step_00000012" / "trainer_state.json").read_text())
     assert state["step"] == 12 and state["config"]["model"] == "tiny"
 

@@ -421,6 +421,13 @@ class TrainConfig:
     """Continue from the newest complete checkpoint in ``output_dir`` (safe after SIGKILL at any moment)."""
     tensorboard: bool = True
     """Write TensorBoard events to ``output_dir/tensorboard`` when the package is installed."""
+    wandb: bool = False
+    """Also log the step records to Weights & Biases (needs the ``wandb`` package and ``wandb_project``); the run
+    lives under ``output_dir/wandb``, and under ``WANDB_MODE=offline`` it stays there until ``wandb sync``."""
+    wandb_project: str | None = None
+    """The W&B project of the run; required with ``wandb: true``."""
+    wandb_run_name: str | None = None
+    """The W&B run's display name; ``None``: the name of ``output_dir``."""
     progress_bar: bool | None = field(
         default=None, metadata={"help": "auto: shown when stderr is a terminal"}
     )
@@ -855,6 +862,18 @@ def validate(cfg: TrainConfig, world_size: int = 1) -> None:
     _require(smp.max_new_tokens >= 0, "sample.max_new_tokens", f"must be >= 0, got {smp.max_new_tokens}")
     _require(smp.temperature >= 0, "sample.temperature", f"must be >= 0, got {smp.temperature}")
     _require(smp.top_k >= 0, "sample.top_k", f"must be >= 0, got {smp.top_k}")
+    if cfg.wandb:
+        _require(
+            bool(cfg.wandb_project),
+            "wandb_project",
+            "is required with wandb=true: the Weights & Biases project to log the run to",
+        )
+        _require(
+            importlib.util.find_spec("wandb") is not None,
+            "wandb",
+            "needs the wandb package, which is not installed (pip install wandb, or memfit's `wandb` extra: "
+            "pip install -e '.[wandb]'); or set wandb=false",
+        )
 
     # The model preset with its overrides must be a valid architecture (vocab_size comes from the tokenizer
     # when the preset has none; a placeholder is enough to check the rest).

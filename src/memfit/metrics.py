@@ -1,4 +1,5 @@
-"""The step record and its sinks: a readable stdout line, ``metrics.jsonl``, TensorBoard, and a loss plot.
+"""The step record and its sinks: a readable stdout line, ``metrics.jsonl``, TensorBoard, Weights & Biases, and a
+loss plot.
 
 A step record is a flat dict. Training records carry ``step, loss, lr, grad_norm, tokens_per_second_per_gpu`` and
 the peak-memory fields of :mod:`memfit.memory.stats` (GiB); validation records carry ``step, val_loss``.
@@ -19,7 +20,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from memfit import storage
-from memfit.errors import WriteError
+from memfit.errors import ConfigError, WriteError
 
 _STDOUT_FIELDS = (
     ("loss", "loss {:.4f}"),
@@ -86,8 +87,47 @@ class Throughput:
         return self.total_tokens / self.total_seconds if self.total_seconds else None
 
 
+def flat_fields(record: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """A record's values as one flat mapping for a metrics service: nested mappings (``memory_breakdown``) as
+    ``<key>/<sub-key>``; ``step`` and ``None`` values left out."""
+    out = {}
+    for key, value in record.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.update(flat_fields(value, f"{name}/"))
+        elif value is not None and name != "step":
+            out[name] = value
+    return out
+
+
+def start_wandb_run(output_dir: Path, project: str, name: str | None, config: dict[str, Any] | None) -> Any:
+    """A Weights & Biases run in ``output_dir/wandb`` (``WANDB_MODE=offline``: it stays there for ``wandb sync``),
+    with the run's config; no console capture, code or git state saved.
+
+    Raises:
+        ConfigError: the run could not be started (not logged in, no network, ...), naming ``wandb``.
+    """
+    import wandb  # deferred: optional, and slow to import
+
+    try:
+        return wandb.init(
+            project=project,
+            name=name or Path(output_dir).name or None,
+            dir=str(output_dir),
+            config=config,
+            settings=wandb.Settings(console="off", save_code=False, disable_git=True, quiet=True),
+        )
+    except Exception as exc:  # wandb's own errors (UsageError, CommError, ...) are not memfit's to know
+        raise ConfigError(
+            f"config key 'wandb': the Weights & Biases run could not be started ({type(exc).__name__}: {exc}); "
+            f"log in with `wandb login`, or log offline (WANDB_MODE=offline, then `wandb sync`), or set "
+            f"wandb=false"
+        ) from exc
+
+
 class MetricsLogger:
-    """Writes step records to stdout (through tqdm, so the progress bar stays intact), JSONL and TensorBoard.
+    """Writes step records to stdout (through tqdm, so the progress bar stays intact), JSONL, TensorBoard and
+    Weights & Biases. A context manager: leaving it closes the sinks (a W&B run ends as failed on an exception).
 
     Args:
         output_dir: the run directory; records are appended to ``output_dir/metrics.jsonl``.
@@ -95,14 +135,27 @@ class MetricsLogger:
         resume_step: on resume, records after this step (written by the interrupted run after its last
             checkpoint) are dropped from ``metrics.jsonl`` first, so the file reads like one uninterrupted run.
         enabled: ``False`` on non-zero ranks.
+        wandb_project: also log every record (:func:`flat_fields`, at its ``step``) to a new W&B run of this
+            project under ``output_dir/wandb`` (:func:`start_wandb_run`); ``None``: no W&B run.
+        wandb_run_name: the W&B run's name; ``None``: the name of ``output_dir``.
+        run_config: the run's configuration, recorded as the W&B run's config.
     """
 
     def __init__(
-        self, output_dir: Path, tensorboard: bool = True, resume_step: int | None = None, enabled: bool = True
+        self,
+        output_dir: Path,
+        tensorboard: bool = True,
+        resume_step: int | None = None,
+        enabled: bool = True,
+        wandb_project: str | None = None,
+        wandb_run_name: str | None = None,
+        run_config: dict[str, Any] | None = None,
     ):
         self.enabled = enabled
         self.path = Path(output_dir) / "metrics.jsonl"
         self._tb = None
+        self._wandb = None
+        self._closed = False
         if not enabled:
             return
         if resume_step is None:
@@ -123,6 +176,12 @@ class MetricsLogger:
                     log_dir=str(Path(output_dir) / "tensorboard"), purge_step=resume_step
                 )
         self._file = open(self.path, "a", encoding="utf-8")
+        if wandb_project is not None:
+            try:
+                self._wandb = start_wandb_run(Path(output_dir), wandb_project, wandb_run_name, run_config)
+            except BaseException:
+                self.close()
+                raise
 
     def log(self, record: dict[str, Any]) -> None:
         """Write one record to every sink.
@@ -141,6 +200,8 @@ class MetricsLogger:
                     if key != "step" and isinstance(value, int | float) and math.isfinite(value):
                         self._tb.add_scalar(key, value, record["step"])
                 self._tb.flush()
+            if self._wandb is not None:
+                self._wandb.log(flat_fields(record), step=record["step"])
         except OSError as exc:
             raise WriteError(
                 storage.write_failure(
@@ -154,13 +215,22 @@ class MetricsLogger:
                 )
             ) from None
 
-    def close(self) -> None:
-        """Flush and close the sinks."""
-        if not self.enabled:
+    def close(self, failed: bool = False) -> None:
+        """Flush and close the sinks (once; later calls do nothing). ``failed``: the W&B run ends as failed."""
+        if not self.enabled or self._closed:
             return
+        self._closed = True
         self._file.close()
         if self._tb is not None:
             self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish(exit_code=1 if failed else 0)
+
+    def __enter__(self) -> MetricsLogger:
+        return self
+
+    def __exit__(self, exc_type, exc, traceback) -> None:
+        self.close(failed=exc_type is not None)
 
 
 def read_records(path: Path, report: Callable[[str], None] | None = None) -> list[dict[str, Any]]:

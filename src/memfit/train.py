@@ -110,8 +110,16 @@ def _train(cfg: TrainConfig, device: torch.device, cleanup: contextlib.ExitStack
     if main_rank:
         tqdm.write(_banner(cfg, verb, built, tokenizer, data.summary, seq_len, world, device, start_step))
 
-    logger = MetricsLogger(
-        out, tensorboard=cfg.tensorboard, resume_step=start_step if resume_dir else None, enabled=main_rank
+    logger = cleanup.enter_context(  # closed at the end, or on an error (a W&B run then ends as failed)
+        MetricsLogger(
+            out,
+            tensorboard=cfg.tensorboard,
+            resume_step=start_step if resume_dir else None,
+            enabled=main_rank,
+            wandb_project=cfg.wandb_project if cfg.wandb else None,
+            wandb_run_name=cfg.wandb_run_name,
+            run_config=config_to_dict(cfg),
+        )
     )
     memory = cleanup.enter_context(contextlib.closing(PeakMemory(device)))
     throughput, run_peak = Throughput(), {}
