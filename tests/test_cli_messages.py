@@ -26,12 +26,12 @@ from memfit.data.instruct import _split_indices
 from memfit.data.run import instruct_data
 from memfit.errors import DataError
 from memfit.filemode import current_umask, default_file_mode
-from memfit.memory.optim import quiet_torchao_import
 from memfit.models.llama import build_llama
 from memfit.models.peft import apply_lora
 from memfit.models.presets import model_config
 from memfit.planner.estimate import estimate_run
 from memfit.planner.report import format_estimate
+from memfit.quiet import quiet_torchao_import
 from memfit.tokenizer import train_bpe
 from memfit.units import GIB, MIB
 

@@ -56,10 +56,10 @@ from memfit.checkpoint import init_optimizer_state
 from memfit.config import TrainConfig, check_lengths
 from memfit.errors import ConfigError
 from memfit.memory.host import predict_peak_rss, process_rss_bytes, retained_heap_bytes
-from memfit.memory.optim import quiet_torchao_import
 from memfit.memory.tracker import CATEGORIES, MemoryTracker, model_state_bytes
 from memfit.models.llama import LlamaConfig
 from memfit.planner.closed_form import model_state_bytes_closed_form
+from memfit.quiet import quiet_torchao_import
 from memfit.step import train_step, train_step_options
 from memfit.units import GIB
 
