@@ -155,8 +155,9 @@ FT = ["checkpoint_dir=ckpt", "data.path=d.json", "data.format=alpaca"]
 @pytest.mark.parametrize(
     "overrides, key, why",
     [
-        (["method=qlora"], "method", "full, lora, adapter"),
+        (["method=dora"], "method", "full, lora, qlora, adapter"),
         (["method=lora"], "method", "needs checkpoint_dir"),
+        (["method=qlora"], "method", "needs checkpoint_dir"),
         (["method=adapter"], "method", "needs checkpoint_dir"),
         ([*FT, "data.format=csv"], "data.format", "alpaca, dolly, sharegpt, openai"),
         ([*FT, "data.template=vicuna"], "data.template", "llama3-chat"),

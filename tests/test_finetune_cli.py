@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from memfit.cli import main
-from tests.conftest import finetune_overrides
+from tests.conftest import DOLLY, finetune_overrides
 
 transformers = pytest.importorskip("transformers")
 
@@ -35,11 +35,11 @@ def losses(out: Path) -> list[float]:
     return [r["loss"] for r in read_metrics(out) if "loss" in r]
 
 
-LR = {"full": 3e-3, "lora": 1e-2, "adapter": 5e-2}
+LR = {"full": 3e-3, "lora": 1e-2, "qlora": 1e-2, "adapter": 5e-2}
 # How far the full-batch loss falls in 12 steps, at least. Every step sees the same 10 samples, so the curve is
 # deterministic (no sampling noise) and any fall is learning. LLaMA-Adapter starts exactly at the base model
 # (zero gates) and moves it slowly: ~0.015 nats here, measured; LoRA ~0.3, full ~0.8.
-MIN_FALL = {"full": 0.5, "lora": 0.2, "adapter": 0.008}
+MIN_FALL = {"full": 0.5, "lora": 0.2, "qlora": 0.2, "adapter": 0.008}
 
 
 @pytest.fixture(scope="module")
@@ -47,9 +47,9 @@ def runs(tmp_path_factory, hf_checkpoint) -> dict[str, Path]:
     """One 12-step fine-tuning run per method (shared by the tests below)."""
     root = tmp_path_factory.mktemp("finetune")
     out = {}
-    for method in ("full", "lora", "adapter"):
+    for method in ("full", "lora", "qlora", "adapter"):
         extra = {"method": method, "optimizer.lr": LR[method], "optimizer.min_lr": LR[method] / 10}
-        if method == "lora":
+        if method in ("lora", "qlora"):
             extra["lora.target_modules"] = "[q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj]"
             extra["lora.dropout"] = 0.0
         assert main(["finetune", *finetune_overrides(hf_checkpoint, root / method, **extra)]) == 0
@@ -57,7 +57,7 @@ def runs(tmp_path_factory, hf_checkpoint) -> dict[str, Path]:
     return out
 
 
-@pytest.mark.parametrize("method", ["full", "lora", "adapter"])
+@pytest.mark.parametrize("method", ["full", "lora", "qlora", "adapter"])
 def test_loss_falls_and_checkpoint_holds_what_trains(runs, method):
     out = runs[method]
     curve = losses(out)
@@ -74,17 +74,24 @@ def test_loss_falls_and_checkpoint_holds_what_trains(runs, method):
         assert (ckpt / "adapter.safetensors").is_file() and not (ckpt / "model.safetensors").exists()
 
 
-@pytest.mark.parametrize("method", ["lora", "adapter"])
+@pytest.mark.parametrize("method", ["lora", "qlora", "adapter"])
 def test_frozen_base_is_unchanged(runs, hf_checkpoint, method):
     from safetensors.torch import load_file
 
     from memfit.build import load_for_generation
+    from memfit.models.peft import is_nf4, to_nf4
 
     model, _, _ = load_for_generation(runs[method])
     base = load_file(str(hf_checkpoint / "model.safetensors"))
     params = dict(model.named_parameters())
     for name, tensor in base.items():
-        torch.testing.assert_close(params[name].detach(), tensor, rtol=0, atol=0)
+        if is_nf4(params[name]):  # QLoRA: the base's NF4 codes and scales, as quantizing it gives them
+            assert method == "qlora" and ".layers." in name
+            expected = to_nf4(tensor)
+            for inner in expected.__tensor_flatten__()[0]:
+                assert torch.equal(getattr(params[name], inner), getattr(expected, inner)), (name, inner)
+        else:
+            torch.testing.assert_close(params[name].detach(), tensor, rtol=0, atol=0)
     trained = {n for n, p in params.items() if n not in base}
     assert trained and all(("lora_" in n) or ("adapter_" in n) for n in trained)
 
@@ -119,7 +126,7 @@ def test_generate_applies_the_run_template(runs, capsys):
     assert plain["template"] is None and plain["text"].startswith("What is a llama?")
 
 
-@pytest.mark.parametrize("method", ["full", "lora"])
+@pytest.mark.parametrize("method", ["full", "lora", "qlora"])
 def test_export_loads_in_transformers_with_equal_logits(runs, tmp_path, method):
     from memfit.build import load_for_generation
 
@@ -148,16 +155,17 @@ def test_export_adapter_only_and_adapter_method(runs, tmp_path, capsys):
     assert not (tmp_path / "x").exists()
 
 
-def test_lora_resume_equals_uninterrupted_run(runs, tmp_path, hf_checkpoint):
-    """Drop the final checkpoint of the LoRA run and resume from step 6: steps 7-12 reproduce exactly."""
-    out = tmp_path / "lora"
-    shutil.copytree(runs["lora"], out)
+@pytest.mark.parametrize("method", ["lora", "qlora"])
+def test_lora_resume_equals_uninterrupted_run(runs, tmp_path, hf_checkpoint, method):
+    """Drop the final checkpoint of the (Q)LoRA run and resume from step 6: steps 7-12 reproduce exactly."""
+    out = tmp_path / method
+    shutil.copytree(runs[method], out)
     shutil.rmtree(out / "checkpoints" / "step_00000012")
-    reference = read_metrics(runs["lora"])
+    reference = read_metrics(runs[method])
     extra = {
-        "optimizer.lr": LR["lora"],
-        "optimizer.min_lr": LR["lora"] / 10,
-        "method": "lora",
+        "optimizer.lr": LR[method],
+        "optimizer.min_lr": LR[method] / 10,
+        "method": method,
         "lora.target_modules": "[q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj]",
         "lora.dropout": 0.0,
         "resume": True,
@@ -239,3 +247,48 @@ def test_no_validation_split(hf_checkpoint, tmp_path, capsys):
     assert main(["finetune", *finetune_overrides(hf_checkpoint, tmp_path / "out", **extra)]) == 0
     assert not any("val_loss" in r for r in read_metrics(tmp_path / "out"))
     assert "no validation samples" in capsys.readouterr().out
+
+
+def test_qlora_first_loss_is_lora_s_within_the_quantization_noise(runs, hf_checkpoint):
+    """QLoRA's step-1 loss against LoRA's on the full-precision base (same data, seed and settings; lora_B = 0, so
+    step 1 is the base model). NF4 rounds each weight to within 15% of its block's absmax, errors that are
+    independent and zero-mean across weights, so the first-order loss change sum(g * dW) has a standard deviation
+    of sqrt(sum((g * dW)^2)); computed here on a Dolly batch with this base's gradients (~0.0025 nats, against a
+    worst case sum |g * dW| of ~0.28 when every error lines up). The runs must agree within 4 such deviations."""
+    import torch.nn.functional as F
+
+    from memfit.convert import load_pretrained
+    from memfit.models.peft import is_nf4, quantize_for_qlora
+
+    full, tokenizer, _ = load_pretrained(hf_checkpoint)
+    quantized = dict(load_pretrained(hf_checkpoint, transform=quantize_for_qlora)[0].named_parameters())
+    records = json.loads(DOLLY.read_text())
+    text = " ".join(r["instruction"] + " " + r["response"] for r in records[:10])
+    ids = torch.tensor([tokenizer.encode(text, bos=True)[:1025]])
+    F.cross_entropy(full(ids[:, :-1]).flatten(0, 1), ids[:, 1:].flatten()).backward()
+    variance = 0.0
+    for name, p in full.named_parameters():
+        if is_nf4(quantized[name]):
+            variance += (p.grad * (p.detach() - quantized[name].get_original_weight())).square().sum().item()
+    sigma = variance**0.5
+    diff = abs(losses(runs["qlora"])[0] - losses(runs["lora"])[0])
+    print(f"step-1 loss |QLoRA - LoRA| = {diff:.5f} nats; quantization noise sigma {sigma:.5f}")
+    assert 0 < diff <= 4 * sigma
+
+
+def test_qlora_adapter_only_export_is_the_trained_lora(runs, tmp_path):
+    from safetensors.torch import load_file
+
+    from memfit.checkpoint import ADAPTER_WEIGHTS
+    from memfit.convert.peft_adapter import PEFT_PREFIX
+
+    out = tmp_path / "peft"
+    assert main(["export", "--checkpoint", str(runs["qlora"]), "--out", str(out), "--adapter-only"]) == 0
+    config = json.loads((out / "adapter_config.json").read_text())
+    assert config["peft_type"] == "LORA" and config["r"] == 8 and len(config["target_modules"]) == 7
+    exported = load_file(out / "adapter_model.safetensors")
+    trained = load_file(runs["qlora"] / "checkpoints" / "step_00000012" / ADAPTER_WEIGHTS)
+    assert len(exported) == len(trained) == 2 * 7 * 2
+    for name, tensor in trained.items():  # PEFT's names: base_model.model.<module>.lora_A.weight
+        module, which = name.rsplit(".", 1)
+        assert torch.equal(exported[f"{PEFT_PREFIX}{module}.{which}.weight"], tensor), name

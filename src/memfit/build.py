@@ -13,6 +13,7 @@ weights is :func:`run_model_config`.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +23,7 @@ import torch
 
 from memfit import checkpoint as ckpt_io
 from memfit import distributed as dist_
-from memfit.config import TrainConfig, config_from_dict, device_type
+from memfit.config import LORA_METHODS, TrainConfig, config_from_dict, device_type
 from memfit.convert import (
     detect_format,
     load_pretrained,
@@ -107,15 +108,17 @@ def run_model_config(cfg: TrainConfig) -> LlamaConfig:
 
 
 def apply_method(model: Llama, cfg: TrainConfig) -> None:
-    """Add and unfreeze the weights ``cfg.method`` trains (LoRA or adapter; ``full`` trains everything).
+    """Add and unfreeze the weights ``cfg.method`` trains (LoRA, QLoRA or adapter; ``full`` trains everything).
 
     The new weights are initialised from ``cfg.seed``, so a run (and its resume) is a function of its config.
+    QLoRA stores the decoder linears in NF4 first (those :func:`load_base` quantized while reading are kept).
     """
     if cfg.method == "full":
         return
 
-    if cfg.method == "lora":
-        peft.apply_lora(
+    if cfg.method in LORA_METHODS:
+        apply = peft.apply_qlora if cfg.method == "qlora" else peft.apply_lora
+        apply(
             model,
             rank=cfg.lora.rank,
             alpha=cfg.lora.alpha,
@@ -146,9 +149,22 @@ def build_model(cfg: TrainConfig, mcfg: LlamaConfig, device: torch.device) -> Ll
     elif cfg.checkpoint_dir is None:
         model = build_llama(mcfg, device=device, dtype=dtype, seed=cfg.seed)
     else:
-        model = load_pretrained(cfg.checkpoint_dir, device=device, dtype=dtype)[0]
+        model = load_base(cfg, device)
     apply_method(model, cfg)
     return model
+
+
+def load_base(cfg: TrainConfig, device: torch.device | str) -> Llama:
+    """``checkpoint_dir``'s weights in the dtype policy's parameter dtype; for QLoRA each decoder linear is
+    quantized to NF4 as it is read (:func:`memfit.models.peft.quantize_for_qlora`), so host memory peaks near the
+    4-bit model plus one tensor's quantization, never the full-precision model.
+
+    Raises:
+        CheckpointError: as :func:`memfit.convert.load_pretrained`.
+    """
+    dtype = PARAM_DTYPES[cfg.dtype]
+    transform = peft.quantize_for_qlora if cfg.method == "qlora" else None
+    return load_pretrained(cfg.checkpoint_dir, device=device, dtype=dtype, transform=transform)[0]
 
 
 def initial_parameters(
@@ -255,13 +271,18 @@ def build_training(
     num_params = sum(p.numel() for p in model.parameters())
     num_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     if world_size > 1:
+        try:
+            peft.check_nf4_sharding(model, world_size)
+        except ValueError as exc:
+            raise ConfigError(f"config key 'method': {exc}") from None
         model = dist_.shard_model(model, cfg, torch.device("cpu") if fake_mode is not None else device)
     with fake_mode if fake_mode is not None else contextlib.nullcontext():
         if fake_mode is not None:
             model.to_empty(device=torch.device("cpu"))
+            peft.empty_nf4_(model, torch.device("cpu"))  # to_empty leaves an NF4 weight's scales on meta
             dist_.unwrap(model).model.rotary_emb.reset_parameters()
         elif world_size > 1:
-            dist_.materialize_sharded(model, initial, device)
+            dist_.materialize_sharded(model, initial, device, peft.to_nf4 if cfg.method == "qlora" else None)
         optimizer = build_optimizer(model, cfg.optimizer, in_backward=cfg.optimizer_in_backward)
     return TrainingModel(model, optimizer, num_params, num_trainable)
 
@@ -330,7 +351,7 @@ def load_for_generation(
         model = build_llama(mcfg, device=device, dtype=dtype, init=False)
     else:  # the frozen base, then the method's weights from the checkpoint
         check_base(cfg, state, ckpt)
-        model = load_pretrained(cfg.checkpoint_dir, device=device, dtype=dtype)[0]
+        model = load_base(dataclasses.replace(cfg, dtype="bf16" if dtype == torch.bfloat16 else "fp32"), device)
         apply_method(model, cfg)
     ckpt_io.load_weights(ckpt, model)
     model.eval()

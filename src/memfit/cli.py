@@ -137,7 +137,7 @@ def _estimate(args: argparse.Namespace) -> int:
         args.overrides, "world_size", "the number of ranks of the sharded run"
     )
     world_size = world_size or 1
-    cfg = load_config(args.config, overrides, world_size=world_size)
+    cfg = load_config(args.config, overrides, world_size=world_size, needs_weights=False)
     estimate = estimate_run(cfg, world_size=world_size)
     print(json.dumps(estimate.to_json()) if args.json else report.format_estimate(estimate))
     return 0
@@ -179,7 +179,7 @@ def _plan(args: argparse.Namespace) -> int:
             "config key 'budget': memfit plan needs the memory of one device, e.g. budget=24GiB (GiB = 1024**3 "
             "bytes) or budget=24GB (GB = 10**9 bytes)"
         )
-    cfg = load_config(args.config, overrides, world_size=world_size)
+    cfg = load_config(args.config, overrides, world_size=world_size, needs_weights=False)
     dtypes = None if _sets_key(args.config, overrides, "dtype") else plan_.default_dtypes(cfg)
     progress = None if args.json else (lambda line: print(line, file=sys.stderr, flush=True))
     if progress:
@@ -201,7 +201,7 @@ def _plan(args: argparse.Namespace) -> int:
         path = report.write_plan_yaml(args.out, best, result)
         if not args.json:
             print(
-                f"wrote {path}: memfit pretrain --config {path}"
+                f"wrote {path}: memfit {report.run_verb(best.config)} --config {path}"
                 + (f" nproc={world_size}" if world_size > 1 else "")
             )
     return 0

@@ -42,7 +42,11 @@ DTYPES = ("fp32", "bf16", "bf16_mixed")
 DEVICES = ("auto", "cpu", "cuda")
 NONFINITE_POLICIES = ("stop", "skip")  # on_nonfinite
 TOKENIZER_KINDS = ("bpe", "char", "file")
-METHODS = ("full", "lora", "adapter")
+METHODS = ("full", "lora", "qlora", "adapter")
+LORA_METHODS = ("lora", "qlora")
+NF4_BLOCK_SIZE = 64
+"""Weights per block of QLoRA's 4-bit NormalFloat base (:mod:`memfit.models.peft`)."""
+"""Methods whose settings are ``lora.*`` (QLoRA is LoRA over a 4-bit NormalFloat base)."""
 INSTRUCT_FORMATS = ("alpaca", "dolly", "sharegpt", "openai")
 """Record formats of instruction / chat data (:mod:`memfit.data.instruct`)."""
 DATA_FORMATS = ("text", *INSTRUCT_FORMATS)
@@ -329,8 +333,9 @@ class TrainConfig:
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
 
     method: str = "full"
-    """``full`` (every weight trains), ``lora`` or ``adapter`` (only the small added weights train: they alone
-    get gradients and optimizer state; needs ``checkpoint_dir``)."""
+    """``full`` (every weight trains), ``lora``, ``qlora`` or ``adapter`` (only the small added weights train:
+    they alone get gradients and optimizer state; needs ``checkpoint_dir``). ``qlora`` is LoRA (settings under
+    ``lora``) over a base whose decoder linears are stored in 4-bit NormalFloat (:mod:`memfit.models.peft`)."""
     checkpoint_dir: str | None = None
     """Start from these weights (fine-tuning): a Hugging Face directory (config.json + safetensors), Meta's
     original format (params.json + consolidated.*.pth) or a memfit run / checkpoint directory. The architecture
@@ -592,6 +597,7 @@ def load_config(
     defaults: dict[str, Any] | None = None,
     *,
     world_size: int = 1,
+    needs_weights: bool = True,
 ) -> TrainConfig:
     """Build a validated :class:`TrainConfig` from an optional YAML file and dotted overrides.
 
@@ -602,6 +608,7 @@ def load_config(
         defaults: nested values applied before the file (a verb's own defaults, e.g. ``memfit finetune``'s
             ``output_dir``).
         world_size: the ranks the run will have (see :func:`validate`).
+        needs_weights: see :func:`validate` (off for ``memfit estimate`` / ``plan``).
 
     Returns:
         The configuration, validated.
@@ -627,10 +634,12 @@ def load_config(
             raise ConfigError(f"config file '{path}' must hold a mapping of keys to values")
         tree = loaded
     tree = _merge(_merge(defaults or {}, tree), parse_overrides(overrides or []))
-    return config_from_dict(tree, world_size=world_size)
+    return config_from_dict(tree, world_size=world_size, needs_weights=needs_weights)
 
 
-def config_from_dict(tree: dict[str, Any], check: bool = True, *, world_size: int = 1) -> TrainConfig:
+def config_from_dict(
+    tree: dict[str, Any], check: bool = True, *, world_size: int = 1, needs_weights: bool = True
+) -> TrainConfig:
     """Build and validate a :class:`TrainConfig` from a nested dict (as saved in a checkpoint).
 
     Args:
@@ -638,13 +647,14 @@ def config_from_dict(tree: dict[str, Any], check: bool = True, *, world_size: in
         check: run :func:`validate` (off to read back a finished run's settings on another machine, e.g. one
             trained with ``device: cuda``).
         world_size: the ranks the run will have (see :func:`validate`).
+        needs_weights: see :func:`validate`.
 
     Raises:
         ConfigError: as :func:`load_config`.
     """
     cfg = _from_dict(TrainConfig, tree)
     if check:
-        validate(cfg, world_size)
+        validate(cfg, world_size, needs_weights=needs_weights)
     return cfg
 
 
@@ -690,13 +700,15 @@ def device_type(device: str) -> str:
     return device
 
 
-def validate(cfg: TrainConfig, world_size: int = 1) -> None:
+def validate(cfg: TrainConfig, world_size: int = 1, *, needs_weights: bool = True) -> None:
     """Check every value and combination before anything is allocated.
 
     Args:
         cfg: the configuration.
         world_size: the number of ranks the run will have (torchrun's ``WORLD_SIZE``, ``nproc``, or the
             estimator's ``world_size``); above 1 the switches that do not work sharded are refused too.
+        needs_weights: the config is to be run, so a LoRA / QLoRA / adapter run needs ``checkpoint_dir``; off for a
+            prediction (``memfit estimate`` / ``plan``), where the preset's architecture is all it takes.
 
     Raises:
         ConfigError: naming the first offending key and what to use instead.
@@ -757,7 +769,7 @@ def validate(cfg: TrainConfig, world_size: int = 1) -> None:
         _require(0.0 < vf < 1.0, "data.val_fraction", f"must be in (0, 1), got {vf}")
     else:
         _require(0.0 <= vf < 1.0, "data.val_fraction", f"must be in [0, 1) (0: no validation), got {vf}")
-    _validate_finetuning(cfg)
+    _validate_finetuning(cfg, needs_weights)
     for name, weight in cfg.data.weights.items():
         _require(
             isinstance(weight, int | float)
@@ -993,7 +1005,21 @@ def check_lengths(cfg: TrainConfig, mcfg: LlamaConfig, vocab_size: int) -> int:
         f"{cfg.chunked_cross_entropy} chunks exceed the {cfg.batch_size * seq_len} tokens of a micro-batch "
         f"(batch_size * seq_len); use at most that many (4-16 is typical)",
     )
-    if cfg.method == "lora" and "lm_head" in cfg.lora.target_modules and mcfg.tie_word_embeddings:
+    if cfg.method == "qlora":
+        hd = mcfg.head_dim
+        shapes = {
+            "q_proj/o_proj": (mcfg.num_heads * hd, mcfg.dim),
+            "k_proj/v_proj": (mcfg.num_kv_heads * hd, mcfg.dim),
+            "gate_proj/up_proj/down_proj": (mcfg.intermediate_size, mcfg.dim),
+        }
+        for names, (rows, cols) in shapes.items():
+            _require(
+                rows * cols % NF4_BLOCK_SIZE == 0,
+                "method",
+                f"qlora stores each decoder linear in NF4 blocks of {NF4_BLOCK_SIZE} weights, but {names} have "
+                f"{rows} x {cols} weights, not a multiple of {NF4_BLOCK_SIZE}; use method=lora for this model",
+            )
+    if cfg.method in LORA_METHODS and "lm_head" in cfg.lora.target_modules and mcfg.tie_word_embeddings:
         raise ConfigError(
             "config key 'lora.target_modules': this model ties lm_head to the input embedding, so a LoRA update "
             "of lm_head would also change the embedding when merged; leave lm_head out"
@@ -1031,6 +1057,13 @@ def _validate_distributed(cfg: TrainConfig, target: str, world_size: int) -> Non
         "distributed.cpu_offload",
         "moves parameter shards, gradients and the optimizer step from GPU to host memory and needs CUDA; on "
         "CPU they already live in host memory. Turn it off",
+    )
+    _require(
+        not (cfg.method == "qlora" and d.strategy == "fsdp1"),
+        "method",
+        "qlora does not work with distributed.strategy=fsdp1: FSDP1 flattens a unit's weights into one buffer of "
+        "one dtype, which cannot hold NF4 weights. Use distributed.strategy=fsdp2 (which shards torchao's NF4 "
+        "tensors as they are)",
     )
     _require(
         not (cfg.optimizer_in_backward and d.strategy == "fsdp1"),
@@ -1083,17 +1116,18 @@ def _validate_distributed(cfg: TrainConfig, target: str, world_size: int) -> Non
     )
 
 
-def _validate_finetuning(cfg: TrainConfig) -> None:
+def _validate_finetuning(cfg: TrainConfig, needs_weights: bool = True) -> None:
     """The fine-tuning keys: method, checkpoint_dir, instruction data, LoRA and adapter settings."""
     data = cfg.data
     _one_of(cfg.method, METHODS, "method")
     _one_of(data.format, DATA_FORMATS, "data.format")
     _one_of(data.template, TEMPLATES, "data.template")
     _require(
-        cfg.method == "full" or cfg.checkpoint_dir is not None,
+        cfg.method == "full" or cfg.checkpoint_dir is not None or not needs_weights,
         "method",
         f"{cfg.method!r} trains small added weights beside frozen pretrained ones and needs checkpoint_dir "
-        f"(a Hugging Face, Meta or memfit checkpoint); use method=full to train from scratch",
+        f"(a Hugging Face, Meta or memfit checkpoint); use method=full to train from scratch (memfit estimate "
+        f"and plan take the preset's architecture without it)",
     )
     if cfg.checkpoint_dir is not None:
         _require(

@@ -30,7 +30,7 @@ import datetime
 import gc
 import math
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -47,6 +47,7 @@ from torch.distributed.fsdp import (
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 from torch.distributed.tensor import Shard
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from memfit.config import TrainConfig
 from memfit.models.llama import DecoderLayer
@@ -317,7 +318,10 @@ def _materialize_unit(model: torch.nn.Module, device: torch.device):
 
 
 def materialize_sharded(
-    model: torch.nn.Module, tensors: Iterable[tuple[str, torch.Tensor]], device: torch.device
+    model: torch.nn.Module,
+    tensors: Iterable[tuple[str, torch.Tensor]],
+    device: torch.device,
+    quantize: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> int:
     """Give a model that was built on the meta device and then sharded its values, one whole tensor at a time.
 
@@ -326,7 +330,9 @@ def materialize_sharded(
     unsharded FSDP unit (FSDP1) at any time; then the RoPE buffer is recomputed. Collective under FSDP1.
 
     - FSDP2: the parameters are ``DTensor`` s sharded on dim 0 in ``torch.chunk``'s layout; the model is moved to
-      ``device`` with ``to_empty`` and each rank copies its rows of every tensor into its local shard.
+      ``device`` with ``to_empty`` and each rank copies its rows of every tensor into its local shard. A local
+      shard that is a tensor subclass (QLoRA's NF4) gets the rank's chunk of ``quantize(whole tensor)``: every
+      rank quantizes the whole weight, so the shards are exactly those of one quantized tensor.
     - FSDP1: each tensor's FSDP unit is gathered (``summon_full_params(recurse=False, writeback=True)``, kept
       while consecutive tensors belong to it), the tensor copied into the unsharded view, and the unit's shards
       written back when it is released.
@@ -336,6 +342,8 @@ def materialize_sharded(
         tensors: ``(name, tensor)`` with the names of the unwrapped model's ``named_parameters()`` (a tied weight
             once), each a whole parameter in any floating dtype (converted to the parameter's).
         device: this rank's device.
+        quantize: makes a whole tensor into the subclass of the shards that are one (FSDP2); None when there are
+            none.
 
     Returns:
         How many parameters were filled.
@@ -373,7 +381,7 @@ def materialize_sharded(
                     param.copy_(full)
                 else:
                     _check_shape(name, full, tuple(param.shape))
-                    _copy_own_rows(param, full)
+                    _copy_own_rows(param, full, quantize)
                 filled.add(name)
                 del full
     finally:
@@ -392,8 +400,11 @@ def _check_shape(name: str, full: torch.Tensor, shape: tuple[int, ...]) -> None:
         raise ValueError(f"tensor '{name}' has shape {tuple(full.shape)}, the parameter {shape}")
 
 
-def _copy_own_rows(param: torch.Tensor, full: torch.Tensor) -> None:
-    """Copy this rank's dim-0 chunk of ``full`` into ``param``'s local shard (a DTensor, or a plain tensor)."""
+def _copy_own_rows(
+    param: torch.Tensor, full: torch.Tensor, quantize: Callable[[torch.Tensor], torch.Tensor] | None = None
+) -> None:
+    """Copy this rank's dim-0 chunk of ``full`` into ``param``'s local shard (a DTensor, or a plain tensor); a
+    subclass shard (:func:`materialize_sharded`) takes its inner tensors from the chunk of ``quantize(full)``."""
     if not hasattr(param, "to_local"):
         param.copy_(full)
         return
@@ -403,6 +414,17 @@ def _copy_own_rows(param: torch.Tensor, full: torch.Tensor) -> None:
     if len(placements) != 1 or placements[0] != Shard(0):
         raise ValueError(f"expected parameters sharded on dim 0 over one mesh dimension, got {placements}")
     mesh = param.device_mesh
+    if is_traceable_wrapper_subclass(local):
+        local = param._local_tensor  # the shard FSDP2 gathers: to_local() gives a subclass a new wrapper
+        if quantize is None:
+            raise ValueError(f"a {type(local).__name__} shard needs a quantize function to be filled")
+        whole = quantize(full.to(device=local.device, dtype=local.dtype))
+        piece = torch.chunk(whole, mesh.size())[mesh.get_local_rank()]
+        if tuple(piece.shape) != tuple(local.shape):
+            raise ValueError(f"a shard of shape {tuple(local.shape)} does not match {tuple(piece.shape)}")
+        for inner in local.__tensor_flatten__()[0]:  # to_empty left some of them on the meta device
+            setattr(local, inner, getattr(piece, inner).clone())
+        return
     chunk = -(-full.shape[0] // mesh.size())  # torch.chunk's chunk size: the last ranks may get fewer rows
     start = min(mesh.get_local_rank() * chunk, full.shape[0])
     rows = full[start : start + local.shape[0]]

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -224,6 +224,7 @@ def load_pretrained(
     device: str | torch.device = "cpu",
     dtype: torch.dtype | None = torch.float32,
     fmt: str | None = None,
+    transform: Callable[[str, Tensor], Tensor] | None = None,
 ) -> tuple[Llama, Tokenizer | None, PretrainedInfo]:
     """Load a pretrained Llama (Hugging Face, Meta or memfit format) and its tokenizer.
 
@@ -238,6 +239,9 @@ def load_pretrained(
         device: where the parameters go (``"cpu"``, ``"cuda"``, ...).
         dtype: floating dtype of the parameters; None keeps each tensor's stored dtype.
         fmt: the format, or None to detect it.
+        transform: called as ``transform(name, tensor)`` on each parameter once it is in ``dtype`` on ``device``;
+            what it returns is kept instead (QLoRA's NF4 quantization). A parameter it changed into another
+            tensor type is frozen.
 
     Returns:
         ``(model, tokenizer, info)``: the model in train mode with ``requires_grad`` parameters; the tokenizer
@@ -255,7 +259,7 @@ def load_pretrained(
         raise ValueError(
             "load_pretrained reads weights; for a meta model use read_config() and build_llama()"
         )
-    return _load(_scan(Path(path), fmt), torch.device(device), dtype)
+    return _load(_scan(Path(path), fmt), torch.device(device), dtype, transform)
 
 
 def pretrained_parameters(path: str | Path, fmt: str | None = None) -> Iterator[tuple[str, Tensor]]:
@@ -294,7 +298,10 @@ def _checked_tensors(scan: Scan, model: Llama) -> Iterator[tuple[str, Tensor]]:
 
 
 def _load(
-    scan: Scan, device: torch.device, dtype: torch.dtype | None
+    scan: Scan,
+    device: torch.device,
+    dtype: torch.dtype | None,
+    transform: Callable[[str, Tensor], Tensor] | None = None,
 ) -> tuple[Llama, Tokenizer | None, PretrainedInfo]:
     config = scan.config
     model = build_llama(config, device="meta")
@@ -307,7 +314,10 @@ def _load(
             module_name, _, attr = name.rpartition(".")
             value = tensor.to(device=device, dtype=dtype if tensor.is_floating_point() else None)
             del tensor
-            model.get_submodule(module_name)._parameters[attr] = nn.Parameter(value, requires_grad=True)
+            if transform is not None:
+                value = transform(name, value)
+            trainable = type(value) is Tensor  # a quantized tensor subclass is frozen
+            model.get_submodule(module_name)._parameters[attr] = nn.Parameter(value, requires_grad=trainable)
     model.tie_weights()
     model.model.rotary_emb.inv_freq = rope_inv_freq(config, device=device)
     still_meta = [n for n, p in model.named_parameters() if p.is_meta]

@@ -18,6 +18,12 @@ optimizer state exist only for them (``memfit.memory.optim.param_groups`` skips 
   Its (RoPE'd) queries also attend, without mask or position, over keys and values projected from the prompt by the
   layer's own frozen ``k_proj`` / ``v_proj``; that output is scaled per head by a zero-initialised gate and added to
   the causal attention output before ``o_proj``. Zero gates make the model identical to the base at step 0.
+- **QLoRA** (Dettmers et al. 2023, "QLoRA: Efficient Finetuning of Quantized LLMs"): LoRA on a base whose frozen
+  decoder linears (``q/k/v/o_proj``, ``gate/up/down_proj``) are stored in 4-bit NormalFloat (NF4) with
+  double-quantized block scales, as torchao's ``NF4Tensor`` (the tensor subclass torchtune shards with FSDP2).
+  Embeddings, norms and ``lm_head`` keep the parameter dtype. A quantized linear computes ``x @ dequant(W).T``:
+  the (out, in) dequantized weight is a temporary of the forward and of the backward (for the input gradient),
+  never kept. :func:`merge_lora` dequantizes the base before folding the update in.
 
 A model takes one method: applying a second one (or the same one twice) raises. Both keep the forward free of host
 syncs and data-dependent branching, so the training step still runs under ``FakeTensorMode`` on a meta-built model.
@@ -32,17 +38,20 @@ r LoRA rank, L adapter prompt length.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import types
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from memfit.config import LORA_TARGETS
+from memfit.config import LORA_TARGETS, NF4_BLOCK_SIZE
 from memfit.models.llama import Attention, Llama, causal_attention
+from memfit.quiet import quiet_torchao_import
 
 """Names of the linear layers LoRA can adapt (the last component of the module name)."""
 ADAPTER_PROMPT_STD = 1.0
@@ -75,6 +84,12 @@ class LoraSettings:
 
 
 @dataclass(frozen=True)
+class QLoraSettings(LoraSettings):
+    """LoRA over a base whose decoder linears are NF4 (:func:`apply_qlora`); the LoRA hyperparameters as
+    :class:`LoraSettings`."""
+
+
+@dataclass(frozen=True)
 class AdapterSettings:
     """The hyperparameters a model's LLaMA-Adapter was applied with (kept on the model as ``model.memfit_peft``)."""
 
@@ -90,7 +105,7 @@ class AdapterSettings:
 
 
 def peft_method(model: nn.Module) -> str | None:
-    """The method applied to ``model``: ``"lora"``, ``"adapter"``, or None.
+    """The method applied to ``model``: ``"lora"``, ``"qlora"``, ``"adapter"``, or None.
 
     Args:
         model: any module.
@@ -99,6 +114,8 @@ def peft_method(model: nn.Module) -> str | None:
         The method's name, or None when neither was applied (or LoRA was merged).
     """
     settings = getattr(model, "memfit_peft", None)
+    if isinstance(settings, QLoraSettings):
+        return "qlora"
     if isinstance(settings, LoraSettings):
         return "lora"
     if isinstance(settings, AdapterSettings):
@@ -283,6 +300,26 @@ def lora_targets(model: Llama, target_modules: Sequence[str]) -> list[tuple[str,
     ]
 
 
+def _checked_lora_targets(
+    model: Llama, rank: int, alpha: float, dropout: float, target_modules: Sequence[str]
+) -> list[tuple[str, nn.Linear]]:
+    """:func:`lora_targets` after checking LoRA's hyperparameters (the errors of :func:`apply_lora`)."""
+    if not isinstance(rank, int) or isinstance(rank, bool) or rank <= 0:
+        raise ValueError(f"LoRA rank must be a positive int, got {rank!r}")
+    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not alpha > 0:
+        raise ValueError(f"LoRA alpha must be a positive number, got {alpha!r}")
+    if not isinstance(dropout, (int, float)) or not 0.0 <= dropout < 1.0:
+        raise ValueError(f"LoRA dropout must be in [0, 1), got {dropout!r}")
+    targets = lora_targets(model, target_modules)
+    if model.lm_head.weight is model.model.embed_tokens.weight and any(n == "lm_head" for n, _ in targets):
+        raise ValueError(
+            "LoRA on lm_head is not supported with tied embeddings (tie_word_embeddings): lm_head.weight is "
+            "model.embed_tokens.weight, so merging the update would change the input embedding too. Leave "
+            "lm_head out of target_modules"
+        )
+    return targets
+
+
 def apply_lora(
     model: Llama,
     *,
@@ -315,19 +352,7 @@ def apply_lora(
             the embedding too, so LoRA on a tied ``lm_head`` is refused (leave it out of ``target_modules``).
     """
     _check_no_peft(model, "LoRA")
-    if not isinstance(rank, int) or isinstance(rank, bool) or rank <= 0:
-        raise ValueError(f"LoRA rank must be a positive int, got {rank!r}")
-    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not alpha > 0:
-        raise ValueError(f"LoRA alpha must be a positive number, got {alpha!r}")
-    if not isinstance(dropout, (int, float)) or not 0.0 <= dropout < 1.0:
-        raise ValueError(f"LoRA dropout must be in [0, 1), got {dropout!r}")
-    targets = lora_targets(model, target_modules)
-    if model.lm_head.weight is model.model.embed_tokens.weight and any(n == "lm_head" for n, _ in targets):
-        raise ValueError(
-            "LoRA on lm_head is not supported with tied embeddings (tie_word_embeddings): lm_head.weight is "
-            "model.embed_tokens.weight, so merging the update would change the input embedding too. Leave "
-            "lm_head out of target_modules"
-        )
+    targets = _checked_lora_targets(model, rank, alpha, dropout, target_modules)
     settings = LoraSettings(
         rank=rank,
         alpha=float(alpha),
@@ -397,7 +422,9 @@ def lora_effective_weight(linear: nn.Linear) -> Tensor:
 def merge_lora(model: Llama) -> None:
     """Fold every LoRA update into its base weight and remove LoRA from the model.
 
-    ``W += (alpha / r) * B @ A`` is computed in float32 and cast back to ``W``'s dtype; ``lora_A`` / ``lora_B``
+    Under QLoRA every NF4 weight is first dequantized (:func:`dequantize_base_`): the merged model is the
+    dequantized base plus the updates, a plain model of the parameter dtype. ``W += (alpha / r) * B @ A`` is
+    computed in float32 and cast back to ``W``'s dtype; ``lora_A`` / ``lora_B``
     are deleted and the plain ``nn.Linear.forward`` restored, so the state dict is the base model's again. The
     parameters' ``requires_grad`` flags are left as they are (the base stays frozen).
 
@@ -408,6 +435,8 @@ def merge_lora(model: Llama) -> None:
         ValueError: the model has no LoRA.
     """
     settings = lora_settings(model)
+    if isinstance(settings, QLoraSettings):
+        dequantize_base_(model)
     for _, linear in _lora_modules(model):
         delta = (linear.lora_B.float() @ linear.lora_A.float()) * settings.scale  # (out, in)
         linear.weight.copy_((linear.weight.float() + delta).to(linear.weight.dtype))
@@ -442,6 +471,290 @@ def load_lora_state_dict(model: Llama, state_dict: Mapping[str, Tensor]) -> None
     """
     lora_settings(model)
     _load_selected(model, state_dict, _LORA_SUFFIXES, "LoRA")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# QLoRA: a 4-bit NormalFloat base
+# ----------------------------------------------------------------------------------------------------------------
+
+NF4_SCALER_BLOCK_SIZE = 256
+"""Block scales per block of the second (double) quantization to int8 (the paper's 256). NF4 blocks hold
+:data:`~memfit.config.NF4_BLOCK_SIZE` (64) weights, each block scaled by its absolute maximum (the paper's and
+torchtune's block). A weight whose block count is not a multiple of 256 uses the largest power of two that divides
+the count (:func:`nf4_layout`)."""
+NF4_LUT_SIZE = 16
+"""The 16 NormalFloat code values, stored (in the weight's dtype) with every quantized tensor."""
+QLORA_QUANTIZED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+"""The decoder linears whose frozen weights QLoRA stores in NF4 (every one, adapted by LoRA or not)."""
+
+
+def nf4_layout(shape: Sequence[int]) -> tuple[int, int]:
+    """The NF4 block sizes of a weight of ``shape``: ``(block_size, scaler_block_size)``.
+
+    Args:
+        shape: the weight's shape, e.g. ``(out, in)``.
+
+    Returns:
+        ``(64, s)`` with ``s`` the largest power of two <= 256 that divides the weight's block count.
+
+    Raises:
+        ValueError: the element count is not a multiple of 64 (the block size).
+    """
+    numel = math.prod(shape)
+    if numel == 0 or numel % NF4_BLOCK_SIZE:
+        raise ValueError(
+            f"a weight of shape {tuple(shape)} ({numel} elements) cannot be stored in NF4: the element count must "
+            f"be a positive multiple of the block size {NF4_BLOCK_SIZE}"
+        )
+    return NF4_BLOCK_SIZE, math.gcd(numel // NF4_BLOCK_SIZE, NF4_SCALER_BLOCK_SIZE)
+
+
+def nf4_bytes(shape: Sequence[int], dtype: torch.dtype, world_size: int = 1) -> int:
+    """Bytes of one weight stored in NF4 by torchao's ``NF4Tensor``, exactly (one rank's shard when sharded).
+
+    ``numel / 2`` (two 4-bit codes a byte) + ``numel / 64`` int8 block scales + one scale of the scales per
+    ``scaler_block_size`` blocks, in ``dtype``; and, on every rank, the scales' mean and the 16-entry code table,
+    in ``dtype``. FSDP2 splits the first three evenly over the ranks (torchao's ``aten.split`` of an
+    ``NF4Tensor``). A weight with a single group of scales (under 16,384 elements) keeps its one scale of the
+    scales as a view of a ``scaler_block_size``-element storage (torchao's ``double_quantize_scalers``: a
+    one-element slice is already contiguous, so it is not copied), and that storage is what counts.
+
+    Args:
+        shape: the weight's (unsharded) shape.
+        dtype: the dtype it dequantizes to (the parameter dtype).
+        world_size: ranks it is sharded over.
+
+    Returns:
+        Bytes.
+
+    Raises:
+        ValueError: as :func:`nf4_layout`.
+    """
+    block, scaler_block = nf4_layout(shape)
+    numel = math.prod(shape)
+    n_blocks = numel // block
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    groups = n_blocks // scaler_block
+    split = numel // 2 + n_blocks + (scaler_block if groups == 1 else groups) * itemsize
+    return split // world_size + (1 + NF4_LUT_SIZE) * itemsize
+
+
+def check_nf4_sharding(model: nn.Module, world_size: int) -> None:
+    """Check that FSDP2 can split every NF4 weight of ``model`` evenly over ``world_size`` ranks on dim 0.
+
+    torchao's ``NF4Tensor`` splits its codes, block scales and scales of scales in equal parts (no padding), so
+    the rows and the scales of the scales (one per ``scaler_block_size`` blocks, :func:`nf4_layout`) must both be
+    multiples of ``world_size``.
+
+    Raises:
+        ValueError: naming the first weight that does not split, and why.
+    """
+    for name, p in model.named_parameters():
+        if not is_nf4(p):
+            continue
+        block, scaler_block = nf4_layout(p.shape)
+        groups = math.prod(p.shape) // block // scaler_block
+        if p.shape[0] % world_size or groups % world_size:
+            raise ValueError(
+                f"QLoRA's NF4 weight '{name}' {tuple(p.shape)} does not split evenly over {world_size} ranks: "
+                f"FSDP2 needs its {p.shape[0]} rows and its {groups} groups of {scaler_block} block scales to be "
+                f"multiples of {world_size}. Use fewer ranks, or method=lora for a model this small"
+            )
+
+
+def is_nf4(tensor: Tensor) -> bool:
+    """Whether ``tensor`` (or a DTensor's local shard) is a torchao ``NF4Tensor``."""
+    local = getattr(tensor, "_local_tensor", tensor)
+    return type(local).__name__ == "NF4Tensor"
+
+
+def _nf4_module() -> Any:
+    with quiet_torchao_import():  # torchao takes seconds to import: only a QLoRA run pays for it
+        from torchao.quantization.quantize_.workflows.nf4 import nf4_tensor
+
+    return nf4_tensor
+
+
+def to_nf4(weight: Tensor) -> Tensor:
+    """Quantize a weight to NF4 with double-quantized scales (torchao's ``to_nf4``; :func:`nf4_layout`'s blocks).
+
+    On the meta device (or a fake one) no value is computed: the result has the inner tensors' exact shapes and
+    dtypes, empty.
+
+    Args:
+        weight: a floating (out, in) tensor, real, meta or fake.
+
+    Returns:
+        An ``NF4Tensor`` of ``weight``'s shape, dtype and device; ``.to(dtype)`` dequantizes it.
+
+    Raises:
+        ValueError: as :func:`nf4_layout`.
+    """
+    block, scaler_block = nf4_layout(weight.shape)
+    nf4 = _nf4_module()
+    if weight.is_meta or isinstance(weight, torch._subclasses.fake_tensor.FakeTensor):
+        return empty_nf4(weight.shape, weight.dtype, weight.device)
+    return nf4.to_nf4(weight.detach().contiguous(), block, scaler_block)
+
+
+def empty_nf4(shape: Sequence[int], dtype: torch.dtype, device: torch.device | str) -> Tensor:
+    """An ``NF4Tensor`` with uninitialised inner tensors of exactly the shapes :func:`to_nf4` gives ``shape``.
+
+    For the meta device and for the estimator's fake tensors (inside a ``FakeTensorMode`` they are fake).
+
+    Raises:
+        ValueError: as :func:`nf4_layout`.
+    """
+    block, scaler_block = nf4_layout(shape)
+    nf4 = _nf4_module()
+    numel = math.prod(shape)
+    n_blocks = numel // block
+    groups = n_blocks // scaler_block
+    # one group: torchao's scale of the scales is a view of scaler_block elements (see nf4_bytes)
+    factor = torch.empty(scaler_block if groups == 1 else groups, dtype=dtype, device=device)[:groups]
+    meta = nf4.SubclassTensorArgs(
+        torch.Size(shape), _contiguous_strides(shape), 0, dtype, torch.device(device), False
+    )
+    return nf4.NF4Tensor(
+        meta,
+        block,
+        n_blocks,
+        scaler_block,
+        torch.empty(n_blocks, dtype=torch.int8, device=device),  # quantized_scalers
+        factor,  # quantization_factor
+        torch.empty((), dtype=dtype, device=device),  # scaler_mean
+        torch.empty(numel // 2, dtype=torch.uint8, device=device),  # quantized_data
+        torch.empty(NF4_LUT_SIZE, dtype=dtype, device=device),  # nf4 code table
+    )
+
+
+def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= size
+    return tuple(reversed(strides))
+
+
+def is_qlora_quantized(name: str) -> bool:
+    """Whether QLoRA stores the parameter ``name`` in NF4: the weight of a decoder linear in
+    :data:`QLORA_QUANTIZED` (``model.layers.3.mlp.down_proj.weight``)."""
+    parts = name.split(".")
+    return (
+        len(parts) >= 4
+        and parts[0] == "model"
+        and parts[1] == "layers"
+        and parts[-1] == "weight"
+        and parts[-2] in QLORA_QUANTIZED
+    )
+
+
+def quantize_for_qlora(name: str, tensor: Tensor) -> Tensor:
+    """What a QLoRA load does with each tensor as it is read: NF4 for the weights :func:`is_qlora_quantized`
+    names, the tensor unchanged otherwise (a ``transform`` for :func:`memfit.convert.load_pretrained`)."""
+    return to_nf4(tensor) if is_qlora_quantized(name) else tensor
+
+
+def _quantized_linears(model: nn.Module) -> list[tuple[str, nn.Linear]]:
+    return [
+        (n, m)
+        for n, m in model.named_modules()
+        if isinstance(m, nn.Linear) and is_qlora_quantized(f"{n}.weight")
+    ]
+
+
+@torch.no_grad()
+def quantize_base_(model: Llama) -> int:
+    """Store every decoder linear's weight (:data:`QLORA_QUANTIZED`) in NF4, frozen, in place.
+
+    Weights already in NF4 (quantized while loading) are left as they are; meta and fake weights become NF4
+    tensors of exact inner shapes (:func:`empty_nf4`).
+
+    Args:
+        model: a :class:`~memfit.models.llama.Llama`.
+
+    Returns:
+        How many weights were quantized now.
+
+    Raises:
+        ValueError: a weight's size is not a multiple of the NF4 block (:func:`nf4_layout`), checked for every
+            weight before any is changed.
+    """
+    linears = [(n, m) for n, m in _quantized_linears(model) if not is_nf4(m.weight)]
+    for _, linear in linears:
+        nf4_layout(linear.weight.shape)
+    for _, linear in linears:
+        linear.weight = nn.Parameter(to_nf4(linear.weight), requires_grad=False)
+    return len(linears)
+
+
+@torch.no_grad()
+def empty_nf4_(model: nn.Module, device: torch.device) -> int:
+    """Give every NF4 weight fresh uninitialised inner tensors on ``device`` (:func:`empty_nf4`): after
+    ``Module.to_empty``, which moves only some of an ``NF4Tensor``'s inner tensors; inside a ``FakeTensorMode``
+    they are fake (the estimator).
+
+    Returns:
+        How many weights were replaced.
+    """
+    count = 0
+    for _, module in model.named_modules():
+        weight = module._parameters.get("weight")
+        if weight is not None and is_nf4(weight) and not hasattr(weight, "_local_tensor"):
+            module.weight = nn.Parameter(empty_nf4(weight.shape, weight.dtype, device), requires_grad=False)
+            count += 1
+    return count
+
+
+@torch.no_grad()
+def dequantize_base_(model: nn.Module) -> int:
+    """Replace every NF4 weight by its dequantized values (a plain frozen parameter of the NF4 tensor's dtype).
+
+    Returns:
+        How many weights were dequantized.
+    """
+    count = 0
+    for _, module in model.named_modules():
+        weight = module._parameters.get("weight")
+        if weight is not None and is_nf4(weight):
+            module.weight = nn.Parameter(weight.get_original_weight(), requires_grad=False)
+            count += 1
+    return count
+
+
+def apply_qlora(
+    model: Llama,
+    *,
+    rank: int = 8,
+    alpha: float = 16.0,
+    dropout: float = 0.0,
+    target_modules: Sequence[str] = ("q_proj", "v_proj"),
+    seed: int | None = None,
+) -> list[str]:
+    """QLoRA: store the decoder linears in NF4 (:func:`quantize_base_`), then apply LoRA (:func:`apply_lora`).
+
+    LoRA's ``lora_A`` / ``lora_B`` take the parameter dtype (the NF4 tensors' dtype) and train in it; everything
+    else is frozen.
+
+    Args:
+        model: a built :class:`~memfit.models.llama.Llama`, its base weights loaded (already NF4 when loaded with
+            :func:`quantize_for_qlora`) or on the meta device.
+        rank, alpha, dropout, target_modules, seed: as :func:`apply_lora`.
+
+    Returns:
+        The names of the new trainable parameters.
+
+    Raises:
+        ValueError: as :func:`apply_lora` and :func:`quantize_base_` (checked before the model changes).
+    """
+    _check_no_peft(model, "QLoRA")
+    _checked_lora_targets(model, rank, alpha, dropout, target_modules)
+    quantize_base_(model)
+    names = apply_lora(
+        model, rank=rank, alpha=alpha, dropout=dropout, target_modules=target_modules, seed=seed
+    )
+    model.memfit_peft = QLoraSettings(**dataclasses.asdict(model.memfit_peft))
+    return names
 
 
 # ----------------------------------------------------------------------------------------------------------------

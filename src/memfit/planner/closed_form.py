@@ -12,6 +12,7 @@ from memfit.build import PARAM_DTYPES, build_model
 from memfit.config import TrainConfig
 from memfit.distributed import shard_numel
 from memfit.memory.optim import BNB_MIN_8BIT_SIZE, TORCHAO_BLOCK_SIZES, TORCHAO_MIN_QUANTIZED_SIZE
+from memfit.models import peft
 from memfit.models.llama import LlamaConfig
 
 
@@ -19,7 +20,8 @@ def model_state_bytes_closed_form(cfg: TrainConfig, mcfg: LlamaConfig, world_siz
     """Parameters, gradients and optimizer state of one rank, in bytes, from shapes and dtypes alone.
 
     - parameters: every parameter once (a tied ``lm_head`` is the embedding) in the dtype policy's parameter dtype
-      (fp32 for ``fp32`` and ``bf16_mixed``, bf16 for ``bf16``), plus the fp32 RoPE buffer;
+      (fp32 for ``fp32`` and ``bf16_mixed``, bf16 for ``bf16``), plus the fp32 RoPE buffer; QLoRA's NF4 weights
+      at :func:`memfit.models.peft.nf4_bytes`;
     - gradients: every trainable parameter in its dtype, as the optimizer step finds them (0 with the optimizer
       in backward, which frees each gradient as soon as its update ran);
     - optimizer state: AdamW keeps ``exp_avg`` and ``exp_avg_sq`` in the parameter dtype and a 4-byte fp32 ``step``
@@ -41,8 +43,12 @@ def model_state_bytes_closed_form(cfg: TrainConfig, mcfg: LlamaConfig, world_siz
     local = {n: shard_numel(tuple(p.shape), world_size) for n, p in params.items()}
     trainable = [n for n, p in params.items() if p.requires_grad]
     tensors = [(local[n], size) for n in trainable]
+    parameters = buffers + sum(
+        peft.nf4_bytes(tuple(p.shape), dtype, world_size) if peft.is_nf4(p) else local[n] * size
+        for n, p in params.items()
+    )
     return {
-        "parameters": sum(local.values()) * size + buffers,
+        "parameters": parameters,
         "gradients": 0 if cfg.optimizer_in_backward else sum(local[n] for n in trainable) * size,
         "optimizer_state": optimizer_state_bytes(cfg.optimizer.name, tensors),
         "trainable_parameters": sum(local[n] for n in trainable) * size,
