@@ -351,7 +351,9 @@ def load_for_generation(
         model = build_llama(mcfg, device=device, dtype=dtype, init=False)
     else:  # the frozen base, then the method's weights from the checkpoint
         check_base(cfg, state, ckpt)
-        model = load_base(dataclasses.replace(cfg, dtype="bf16" if dtype == torch.bfloat16 else "fp32"), device)
+        model = load_base(
+            dataclasses.replace(cfg, dtype="bf16" if dtype == torch.bfloat16 else "fp32"), device
+        )
         apply_method(model, cfg)
     ckpt_io.load_weights(ckpt, model)
     model.eval()

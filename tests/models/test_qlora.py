@@ -53,7 +53,9 @@ def hand_nf4_bytes(rows: int, cols: int, itemsize: int) -> int:
     numel = rows * cols
     blocks = numel // 64
     groups = blocks // math.gcd(blocks, 256)
-    factor = blocks if groups == 1 else groups  # one group: a view of its whole row of `blocks` scales is kept
+    factor = (
+        blocks if groups == 1 else groups
+    )  # one group: a view of its whole row of `blocks` scales is kept
     return numel // 2 + blocks + (factor + 1 + 16) * itemsize
 
 
