@@ -45,6 +45,18 @@ CASES: dict[str, dict[str, str]] = {
         "format": "meta",
         "dtype": "bfloat16",
     },
+    "memfit QLoRA load, decoder linears to NF4 (HF, bf16 -> bf16)": {
+        "loader": "memfit",
+        "format": "hf",
+        "dtype": "bfloat16",
+        "quantize": "nf4",
+    },
+    "memfit QLoRA load, decoder linears to NF4 (HF, bf16 -> fp32)": {
+        "loader": "memfit",
+        "format": "hf",
+        "dtype": "float32",
+        "quantize": "nf4",
+    },
     "transformers from_pretrained (HF, bf16 -> fp32)": {
         "loader": "transformers",
         "format": "hf",
@@ -74,7 +86,9 @@ def run_case(spec: dict[str, str], workdir: Path) -> dict[str, float]:
     import transformers
 
     import memfit.convert
+    from memfit.build import quantize_while_loading
     from memfit.convert.hf import hf_config_to_llama
+    from memfit.models import peft
     from memfit.models.llama import build_llama
 
     torch.set_num_threads(max(1, os.cpu_count() or 1))
@@ -95,19 +109,33 @@ def run_case(spec: dict[str, str], workdir: Path) -> dict[str, float]:
         pass
     baseline = _status_bytes("VmRSS")
     start = time.perf_counter()
+    if spec.get("quantize") == "nf4":
+        peft.to_nf4(torch.ones(64, 64))  # import torchao outside the measured load (part of the baseline)
+        gc.collect()
+        Path("/proc/self/clear_refs").write_text("5")
+        baseline = _status_bytes("VmRSS")
+        start = time.perf_counter()
     if spec["loader"] == "memfit":
-        model, _, _ = memfit.convert.load_pretrained(workdir / spec["format"], dtype=dtype)
+        transform = quantize_while_loading if spec.get("quantize") == "nf4" else None
+        model, _, _ = memfit.convert.load_pretrained(
+            workdir / spec["format"], dtype=dtype, transform=transform
+        )
     else:
         model = transformers.LlamaForCausalLM.from_pretrained(workdir / "hf", dtype=dtype)
     seconds = time.perf_counter() - start
-    params = {p.data_ptr(): p for p in model.parameters()}.values()
+    params = {id(p): p for p in model.parameters()}.values()
+    inner = [  # an NF4 weight's codes and scales, a plain weight itself
+        getattr(p, name) if peft.is_nf4(p) else p
+        for p in params
+        for name in (p.__tensor_flatten__()[0] if peft.is_nf4(p) else [None])
+    ]
     with (
         torch.no_grad()
     ):  # read every weight once, as a first forward pass would (pages in lazily mapped files)
-        for p in params:
-            p.sum()
+        for t in inner:
+            t.float().sum()
     peak, after = _status_bytes("VmHWM"), _status_bytes("VmRSS")
-    weights = sum(p.numel() * p.element_size() for p in params)
+    weights = sum(t.untyped_storage().nbytes() for t in inner)
     assert {p.dtype for p in params} == {dtype}
     return {"seconds": seconds, "peak": peak - baseline, "after": after - baseline, "weights": weights}
 
@@ -234,7 +262,10 @@ def main() -> int:
         "",
         "memfit reads each tensor into memory it owns (safetensors' `pread` backend; Meta shards are memory-mapped "
         "and each tensor's pages handed back to the kernel once copied) and converts it before reading the next, so "
-        "the peak is the weights plus about one tensor. transformers converting bf16 to fp32 peaks higher; loading in "
+        "the peak is the weights plus about one tensor. A QLoRA load quantizes each decoder linear to NF4 as it is "
+        "read (`memfit.build.quantize_while_loading`), so the full-precision model never exists: its peak is the "
+        "4-bit model plus one tensor's quantization (the tensor as read, its converted copy and torchao's "
+        "temporaries of the same size). transformers converting bf16 to fp32 peaks higher; loading in "
         "the stored dtype it keeps the parameters as views of the memory-mapped file (counted above as file pages; "
         "the first in-place update copies a page into private memory).",
     ]

@@ -96,12 +96,13 @@ def test_frozen_base_is_unchanged(runs, hf_checkpoint, method):
     assert trained and all(("lora_" in n) or ("adapter_" in n) for n in trained)
 
 
-def test_generate_applies_the_run_template(runs, capsys):
+@pytest.mark.parametrize("method", ["lora", "qlora"])
+def test_generate_applies_the_run_template(runs, capsys, method):
     from memfit.build import load_for_generation
     from memfit.data.instruct import encode_prompt, stop_token_ids
     from memfit.generate import generate
 
-    out = runs["lora"]
+    out = runs[method]
     capsys.readouterr()
     args = ["generate", "--checkpoint", str(out), "--prompt", "What is a llama?", "--temperature", "0"]
     assert main([*args, "--max-new-tokens", "12", "--json"]) == 0
