@@ -9,11 +9,13 @@ is even, so 2 ranks of FSDP2 hold exactly half of every parameter.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
 import torch
 
+from memfit.build import run_model_config
 from memfit.cli import main
 from memfit.config import load_config
 from memfit.convert.hf import export_hf
@@ -108,6 +110,72 @@ def test_closed_form_model_states_equal_traced(case, hf_tiny):
         assert closed == expected
     if case == "lora":
         assert (e.num_params, e.num_trainable_params) == (LORA_BASE + LORA, LORA)
+
+
+def nf4_by_hand(rows: int, cols: int, itemsize: int) -> int:
+    """torchao's NF4 tensor of an (rows, cols) weight: two 4-bit codes a byte, an int8 scale per 64-weight block, one
+    scale of those scales per ``sbs`` blocks in the weight's dtype (``sbs`` = gcd(blocks, 256): 256, or the largest
+    power of two dividing the block count), and, in that dtype too, the scales' mean and the 16 code values."""
+    numel = rows * cols
+    assert numel % 64 == 0
+    blocks = numel // 64
+    return numel // 2 + blocks + (blocks // math.gcd(blocks, 256) + 1 + 16) * itemsize
+
+
+@pytest.mark.parametrize("dtype, itemsize", [("fp32", 4), ("bf16", 2)])
+def test_qlora_parameters_closed_form_equal_traced_and_by_hand(dtype, itemsize):
+    """QLoRA from the preset (no checkpoint_dir): the decoder linears in NF4, the rest at full precision. Width 96
+    and SwiGLU 384 give every linear several groups of block scales (q/o: 144 blocks of 64 weights in 9 groups of 16;
+    k/v: 72 in 9 of 8; gate/up/down: 576 in 9 of 64), so no weight holds torchao's single-group storage (a whole
+    256-scale buffer behind its one scale of the scales; :func:`memfit.models.peft.nf4_bytes`)."""
+    args = ["model=tiny", "model_args.vocab_size=512", "tokenizer.vocab_size=512", "model_args.dim=96"]
+    args += ["model_args.intermediate_size=384", "batch_size=2", "seq_len=16", "device=cpu", f"dtype={dtype}"]
+    args += ["method=qlora"]
+    cfg = load_config(None, args, needs_weights=False)
+    m = run_model_config(cfg)
+    e = estimate_run(cfg)
+    hd = m.dim // m.num_heads
+    q, kv, f = m.num_heads * hd, m.num_kv_heads * hd, m.intermediate_size
+    # q, k, v, o, gate, up, down as (out, in)
+    linears = [(q, m.dim), (kv, m.dim), (kv, m.dim), (m.dim, q), (f, m.dim), (f, m.dim), (m.dim, f)]
+    nf4 = m.num_layers * sum(nf4_by_hand(rows, cols, itemsize) for rows, cols in linears)
+    # LoRA rank 8 on q_proj and v_proj: A (r, in) and B (out, r) each
+    lora = m.num_layers * ((8 * m.dim + q * 8) + (8 * m.dim + kv * 8))
+    full = 2 * m.vocab_size * m.dim + (2 * m.num_layers + 1) * m.dim + lora  # embedding, lm_head, norms, LoRA
+    rope = 4 * (hd // 2)  # inv_freq, fp32 whatever the dtype
+    assert e.model_states["parameters"] == e.traced_model_states["parameters"] == nf4 + full * itemsize + rope
+    assert e.model_states["gradients"] == e.model_states["trainable_parameters"] == lora * itemsize
+    assert e.model_states["optimizer_state"] == e.traced_model_states["optimizer_state"] > 0
+    weights = sum(rows * cols for rows, cols in linears)
+    assert (e.num_params, e.num_trainable_params) == (m.num_layers * weights + full, lora)
+    # QLoRA's saving over LoRA: the decoder linears at ~0.52 bytes per weight instead of `itemsize`
+    as_lora = estimate_run(load_config(None, [*args, "method=lora"], needs_weights=False))
+    saved = as_lora.model_states["parameters"] - e.model_states["parameters"]
+    assert saved == m.num_layers * weights * itemsize - nf4
+
+
+@pytest.mark.parametrize("method", ["lora", "qlora", "adapter"])
+def test_cli_estimates_a_fine_tune_of_a_preset_without_weights(method, capsys):
+    args = [
+        "model=tiny",
+        "model_args.vocab_size=512",
+        "tokenizer.vocab_size=512",
+        "batch_size=2",
+        "seq_len=16",
+    ]
+    assert main(["estimate", *args, "device=cpu", f"method={method}", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["config"]["method"] == method and out["phase"] in PHASES
+    assert set(out["breakdown"]) == set(CATEGORIES) and out["peak_memory_gib"] > 0
+    assert 0 < out["num_trainable_params"] < out["num_params"]
+    assert {k: out["model_states_gib"][k] for k in MODEL_STATES} == out["traced_model_states_gib"]
+
+
+def test_finetune_without_checkpoint_dir_is_still_refused(capsys):
+    """Only predictions take a preset's architecture for a LoRA run: training one needs the pretrained weights."""
+    assert main(["finetune", "model=tiny", "method=lora"]) == 2
+    err = capsys.readouterr().err
+    assert "config key 'method'" in err and "needs checkpoint_dir" in err
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -2,20 +2,24 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 
+import psutil
 import pytest
+import torch
 
 from memfit.build import run_model_config
 from memfit.cli import main, split_budget
 from memfit.config import config_to_dict, load_config
-from memfit.errors import ConfigError
+from memfit.errors import ConfigError, PreflightError
 from memfit.planner import plan as P
 from memfit.planner import report
 from memfit.planner.closed_form import model_state_bytes_closed_form
-from memfit.planner.cost import COST_CONSTANTS, model_flops_per_token, step_cost
+from memfit.planner.cost import COST_CONSTANTS, layer_weights, model_flops_per_token, step_cost
 from memfit.planner.estimate import estimate_run
+from memfit.planner.preflight import preflight
 from memfit.units import format_bytes, parse_bytes
 
 MIB = 1024**2
@@ -116,6 +120,25 @@ def test_cost_model_orders_as_documented():
     assert _seconds(**{"optimizer.cpu_offload": True, "max_grad_norm": 0.0}) > 2 * base
     # fp32 matmuls are slower than bf16 on a GPU
     assert _seconds(dtype="fp32") > 5 * base
+
+
+def test_cost_model_charges_qlora_its_dequantization():
+    """Every NF4 weight is dequantized in the forward and in the backward, and again in a recomputed forward:
+    Llama-3-8B's 6.98e9 decoder-linear weights at 33 bytes each (torchao's eager kernels, bf16) and 2 TB/s."""
+    mcfg = run_model_config(load_config(None, ["model=llama3-8b"]))
+    assert mcfg.num_layers * layer_weights(mcfg) == 8_030_261_248 - 2 * 128_256 * 4096 - (2 * 32 + 1) * 4096
+    per_pass = mcfg.num_layers * layer_weights(mcfg) * 33.0 / 2.0e12
+    for ac, passes in (("none", 2), ("selective", 2), ("every_n", 2.5), ("full", 3)):
+        lora = _seconds(method="lora", activation_checkpointing=ac)
+        assert _seconds(method="qlora", activation_checkpointing=ac) - lora == pytest.approx(
+            passes * per_pass
+        )
+    assert _seconds(method="qlora", gradient_accumulation_steps=2) - _seconds(
+        method="lora", gradient_accumulation_steps=2
+    ) == pytest.approx(2 * 2 * per_pass)  # per micro-batch
+    assert (
+        COST_CONSTANTS["cpu"]["nf4_dequantize_bytes_per_element"]["bf16"] > 33
+    )  # measured on CPU: 6 ns/element
 
 
 def test_cost_model_counts_paged_and_offloaded_bytes():
@@ -300,3 +323,133 @@ def test_a_cpu_plan_gives_the_tensors_the_budget_less_the_process_overhead(monke
     fitting = [r for r in p.rows if r.fits]
     assert fitting and all(r.peak_bytes <= p.usable_bytes for r in fitting)
     assert "the process's own 100.00 MiB on CPU" in report.format_plan(p)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# QLoRA: a LoRA plan stores the base in NF4 only when it must
+# ----------------------------------------------------------------------------------------------------------------
+
+# 8 layers and one sequence of 16 tokens: the frozen decoder linears (8 x 36,864 weights) outweigh the activations,
+# so QLoRA's NF4 base (~0.52 bytes per weight instead of 2) separates the two methods' least memory. With few, wide
+# layers it need not: dequantizing one weight holds ~10 bytes per weight of eager torchao temporaries (int64 codes)
+LORA = [
+    *TINY[:3],
+    "model_args.num_layers=8",
+    "batch_size=1",
+    "seq_len=16",
+    "device=cuda",
+    "dtype=bf16",
+    "method=lora",
+]
+LEAST = (
+    "optimizer.name=paged_adamw8bit",
+    "optimizer_in_backward=true",
+    "max_grad_norm=0",
+    "activation_checkpointing=full",
+    "chunked_cross_entropy=8",
+    "activation_offloading=true",
+)
+
+
+def lora(*extra: str):
+    """The LoRA run above (a preset: no checkpoint_dir, as memfit plan loads it) with ``extra`` overrides."""
+    return load_config(None, [*LORA, *extra], needs_weights=False)
+
+
+@pytest.fixture(scope="module")
+def least_peaks():
+    """Estimated peaks of the LoRA and of the QLoRA run with every switch that saves memory on."""
+    return cached_estimate(lora(*LEAST)).peak_bytes, cached_estimate(lora(*LEAST, "method=qlora")).peak_bytes
+
+
+def test_candidates_add_qlora_to_a_lora_run_only():
+    def methods(cfg, world_size=1):
+        return {c.method for c in P.candidates(cfg, world_size)}
+
+    assert methods(lora()) == {"lora", "qlora"}
+    assert methods(tiny()) == {"full"}  # full fine-tuning trains the weights: no frozen base to quantize
+    assert methods(lora("method=qlora")) == {"qlora"}
+    # k_proj of a 40-wide model has 20 x 40 = 800 weights, not a multiple of the 64-weight NF4 block
+    assert methods(lora("model_args.dim=40")) == {"lora"}
+    # 2 ranks: the tiny (64, 64) q_proj has 1 group of block scales, which FSDP2 cannot split in two
+    assert methods(lora(), world_size=2) == {"lora"}
+    # validated as predictions: no checkpoint_dir needed; the switches are those of LoRA
+    rows = {
+        P.PlanRow(c, P._switches_of(c, 1), P._changes(c, lora(), 1)).label(): c for c in P.candidates(lora())
+    }
+    assert "qlora bf16 adamw:foreach" in rows and "lora bf16 adamw:foreach" in rows
+    assert P._changes(rows["qlora bf16 adamw:foreach ac=full"], lora(), 1) == (
+        "method",
+        "activation_checkpointing",
+    )
+
+
+def test_a_lora_plan_takes_qlora_when_only_qlora_fits(least_peaks, tmp_path):
+    lora_least, qlora_least = least_peaks
+    assert qlora_least < lora_least
+    budget = int((qlora_least + lora_least) / 2 / (1 - P.DEFAULT_MARGIN))
+    p = P.plan(lora(), budget, estimator=cached_estimate)
+    best = p.best
+    assert best is not None and best.estimated and best.switches["method"] == best.config.method == "qlora"
+    assert best.label().startswith("qlora bf16 ") and best.changes[0] == "method"
+    assert best.peak_bytes <= p.usable_bytes < lora_least
+    assert not any(r.fits for r in p.rows if r.config.method == "lora")
+    assert best.cost["dequantize"] > 0
+    assert best.cost["total"] >= best.cost["compute"] + best.cost["dequantize"]
+    text = report.format_plan(p)
+    assert "changes: method=qlora" in text and "NF4 dequantization" in text
+    assert best.to_json()["config"]["method"] == "qlora"
+    # the bounds stay below every estimate (the closed forms and the sibling bound are per method)
+    ctx = p.search.ctx
+    assert ctx.closed(best.config)["parameters"] < ctx.closed(lora())["parameters"]
+    for row in (r for r in p.rows if r.estimated):
+        peak, total, host = ctx.lower_bounds(row.config)
+        e = row.estimate
+        assert peak <= e.peak_bytes and total <= e.device_total_bytes and host <= e.host_bytes, row.label()
+        assert p.search.sibling_bound(row) <= e.peak_bytes, row.label()
+    # the written config runs QLoRA with memfit finetune (which needs the base weights)
+    path = report.write_plan_yaml(tmp_path / "qlora.yaml", best, p)
+    written = path.read_text()
+    assert f"# run: memfit finetune --config {path}" in written and "add checkpoint_dir=DIR" in written
+    assert "method: qlora" in written
+    loaded = load_config(path, needs_weights=False)
+    assert loaded.method == "qlora" and P._switches_of(loaded, 1) == best.switches
+
+
+def test_a_lora_plan_with_room_stays_lora(least_peaks):
+    """QLoRA dequantizes every weight in each forward and backward: slower, so never chosen when LoRA fits."""
+    p = P.plan(lora(), least_peaks[0] * 4, estimator=cached_estimate)
+    assert p.best.config.method == "lora" and p.best.changes == () and p.estimates == 1
+    qlora_row = next(r for r in p.rows if r.label() == "qlora bf16 adamw:foreach")
+    assert qlora_row.cost["total"] > p.best.cost["total"] and qlora_row.relative_throughput < 1
+
+
+def test_cheapest_fix_of_lora_may_be_qlora(least_peaks):
+    budget = int((least_peaks[0] + least_peaks[1]) / 2 / (1 - P.DEFAULT_MARGIN))
+    fix = P.cheapest_fix(lora(), budget, estimator=cached_estimate)
+    assert fix is not None and fix.fits and fix.config.method == "qlora" and "method" in fix.changes
+
+
+VirtualMemory = collections.namedtuple("VirtualMemory", "available")
+
+
+def test_preflight_of_a_qlora_run(monkeypatch):
+    """The pre-flight check of a QLoRA run: the closed-form bound with NF4 weights, the trace, and the planner's
+    cheapest fix (which keeps QLoRA)."""
+    cfg = load_config(None, [*TINY[:5], "device=cpu", "dtype=fp32", "method=qlora"], needs_weights=False)
+    mcfg = run_model_config(cfg)
+    # the trace and the fix's search, estimated once per session as the other plans here
+    monkeypatch.setattr(P, "estimate_run", cached_estimate)
+    monkeypatch.setattr("memfit.planner.preflight.estimate_run", cached_estimate)
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: VirtualMemory(64 * 1024**3))
+    assert preflight(cfg, mcfg, 64, torch.device("cpu")).startswith("pre-flight: fits (bound")
+    predicted = cached_estimate(cfg, seq_len=64, model_config=mcfg)
+    need = predicted.peak_bytes + predicted.host_bytes
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: VirtualMemory(need - 1))
+    with pytest.raises(PreflightError) as refused:
+        preflight(cfg, mcfg, 64, torch.device("cpu"))
+    message = str(refused.value)
+    assert "method qlora" in message and "Cheapest fix (memfit plan): " in message
+    fix = P.cheapest_fix(cfg, need - 1, host_overhead_bytes=0)
+    assert fix is not None and fix.fits and fix.config.method == "qlora" and "method" not in fix.changes
+    assert f"{fix.changes[0]}=" in message

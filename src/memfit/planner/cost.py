@@ -1,9 +1,10 @@
 """The planner's throughput cost model: predicted seconds of one training step from a run's switches.
 
 :func:`step_cost` is explicit arithmetic over the model's shapes and a few constants (:data:`COST_CONSTANTS`):
-matmul FLOPs at an effective rate, the optimizer update at memory bandwidth, bytes over the host link and the
-interconnect. Its sources are in docs/memory.md ("Planner"); ``memfit plan --explain`` prints the constants.
-It ranks combinations of switches (:mod:`memfit.planner.plan`); it does not predict a GPU's absolute speed.
+matmul FLOPs at an effective rate, the optimizer update and QLoRA's NF4 dequantization at memory bandwidth, bytes
+over the host link and the interconnect. Its sources are in docs/memory.md ("Planner"); ``memfit plan --explain``
+prints the constants. It ranks combinations of switches (:mod:`memfit.planner.plan`); it does not predict a GPU's
+absolute speed.
 """
 
 from __future__ import annotations
@@ -55,6 +56,16 @@ _CUDA_CONSTANTS: dict[str, Any] = {
     # memory-bound work, charged as this share of one forward of the layers (an assumption until measured: it
     # keeps `none` ahead of `selective` when both fit)
     "selective_recompute_layer_forwards": 0.1,
+    # QLoRA (method: qlora): every forward and backward of a quantized linear dequantizes its NF4 weight (torchao's
+    # eager NF4Tensor.get_original_weight), and a checkpointed layer's recomputed forward does it again: memory-bound
+    # elementwise work charged as these bytes per weight element at device_memory_bytes_per_second, keyed by dtype
+    # policy (the NF4 tensor dequantizes to the parameter dtype: bf16 under bf16, fp32 otherwise). Counted from
+    # torchao 0.18's eager kernels, bytes read + written per weight element in bf16: `>> 4` and `& 15` on the packed
+    # codes (1 each), their int64 casts (4.5 each), two gathers from the 16-entry code table (5 each), two
+    # materialised block-scale expansions (1 each), two products with them (3 each), the interleaving stack (4):
+    # 33 B; 47 B with fp32 outputs; bf16_mixed adds autocast's cast of the fp32 weight to bf16 (6 B). Eager
+    # dequantization assumed (compile would fuse it to about 0.5 B read + 2 B written). CUDA: not measured
+    "nf4_dequantize_bytes_per_element": {"bf16": 33.0, "bf16_mixed": 53.0, "fp32": 47.0},
 }
 
 COST_CONSTANTS: dict[str, dict[str, Any]] = {
@@ -76,6 +87,13 @@ COST_CONSTANTS: dict[str, dict[str, Any]] = {
             "torchao_adamw_fp8": 8.0,
         },
         "kernel_launch_seconds": 0.0,
+        # measured on the 2 development cores (torch 2.13 CPU, torchao 0.18; best of 7-9 runs, in 4 sessions;
+        # docs/memory.md, "method: qlora"): `.to(dtype)` of a 4096 x 4096 NF4 weight took 82-116 ms in bf16
+        # (4.9-6.9 ns per element), 163-203 ms in fp32 (9.7-12.1 ns) and 172-179 ms from an fp32 NF4 to bf16
+        # (bf16_mixed: 10.3-10.7 ns), where a 4096^3 fp32 matmul took 742-781 ms (176-185 GFLOP/s): one
+        # dequantization costs 0.11-0.15 (bf16) and 0.21-0.22 (fp32) of that matmul. Charged as 6.0, 10.0 and 10.5
+        # ns per element: these bytes at the 10 GB/s above
+        "nf4_dequantize_bytes_per_element": {"bf16": 60.0, "bf16_mixed": 105.0, "fp32": 100.0},
     },
 }
 """Constants of :func:`step_cost` by target device (``cuda``: an H100-class GPU; ``cpu``). Documented with their
@@ -85,6 +103,32 @@ sources in docs/memory.md ("Planner"); ``memfit plan --explain`` prints them."""
 def param_bytes(dtype: str) -> int:
     """Bytes per element of parameters (and gradients, AdamW state) under a dtype policy."""
     return 2 if dtype == "bf16" else 4
+
+
+def layer_weights(mcfg: LlamaConfig) -> int:
+    """Weights of one decoder layer's linears: q, k, v, o projections and the SwiGLU MLP's gate, up and down (the
+    weights QLoRA stores in NF4, :data:`memfit.models.peft.QLORA_QUANTIZED`)."""
+    d, hd = mcfg.dim, mcfg.dim // mcfg.num_heads
+    return 2 * d * mcfg.num_heads * hd + 2 * d * mcfg.num_kv_heads * hd + 3 * d * mcfg.intermediate_size
+
+
+def dequantize_passes(cfg: TrainConfig, num_layers: int) -> float:
+    """How many times a step dequantizes each NF4 weight of QLoRA, averaged over the layers (0 for other methods).
+
+    Per micro-batch: once in the forward and once in the backward (the input gradient; frozen weights have no weight
+    gradient), and once more in the recomputed forward of a checkpointed layer (``full``: every layer;
+    ``every_n``: every n-th; ``selective`` recomputes no matmul, so no dequantization).
+    """
+    if cfg.method != "qlora":
+        return 0.0
+    recomputed = 0
+    if cfg.activation_checkpointing != "selective":
+        recomputed = len(
+            checkpointed_layers(
+                num_layers, cfg.activation_checkpointing, cfg.activation_checkpointing_interval
+            )
+        )
+    return cfg.gradient_accumulation_steps * (2 + recomputed / num_layers)
 
 
 def model_flops_per_token(mcfg: LlamaConfig, seq_len: int) -> dict[str, float]:
@@ -97,11 +141,10 @@ def model_flops_per_token(mcfg: LlamaConfig, seq_len: int) -> dict[str, float]:
     Returns:
         ``{"layers": ..., "head": ...}`` in FLOPs per token.
     """
-    d, hd = mcfg.dim, mcfg.dim // mcfg.num_heads
-    weights = 2 * d * mcfg.num_heads * hd + 2 * d * mcfg.num_kv_heads * hd + 3 * d * mcfg.intermediate_size
+    weights = layer_weights(mcfg)
     return {
-        "layers": mcfg.num_layers * (2.0 * weights + 4.0 * seq_len * d),
-        "head": 2.0 * d * mcfg.vocab_size,
+        "layers": mcfg.num_layers * (2.0 * weights + 4.0 * seq_len * mcfg.dim),
+        "head": 2.0 * mcfg.dim * mcfg.vocab_size,
     }
 
 
@@ -124,6 +167,10 @@ def step_cost(
       (``full``: +1/3 of the layers' FLOPs; ``every_n``: that for every n-th layer; ``selective``: the constant
       ``selective_recompute_layer_forwards`` of one forward of the layers); chunked (fused) cross-entropy
       costs ``chunked_ce_extra_head_forwards`` lm_head forwards more than the plain loss;
+    - ``dequantize`` (``method: qlora``): every NF4 weight (:func:`layer_weights` per layer) dequantized
+      :func:`dequantize_passes` times, at ``nf4_dequantize_bytes_per_element[dtype]`` bytes per element and
+      ``device_memory_bytes_per_second``; on the device's stream with the matmuls, so it adds to ``compute``
+      (every rank dequantizes the whole gathered weight when sharded);
     - ``communication`` (sharded): all-gathers of the parameters (2 per step, 1 without
       ``reshard_after_forward``) and a reduce-scatter of the gradients, ``(N - 1) / N`` of their bytes each, at
       ``interconnect_bytes_per_second``; overlapped with compute, so the step pays ``max(compute,
@@ -148,7 +195,7 @@ def step_cost(
         constants: default ``COST_CONSTANTS[target device]``.
 
     Returns:
-        ``{"compute", "communication", "optimizer", "transfers", "total"}`` in seconds.
+        ``{"compute", "dequantize", "communication", "optimizer", "transfers", "total"}`` in seconds.
     """
     target = device_type(cfg.device)
     c = constants or COST_CONSTANTS[target]
@@ -165,6 +212,11 @@ def step_cost(
     if cfg.chunked_cross_entropy:
         per_token += c["chunked_ce_extra_head_forwards"] * flops["head"]
     compute = tokens * per_token / c["matmul_flops_per_second"][cfg.dtype]
+    dequantize = 0.0
+    if cfg.method == "qlora":
+        elements = dequantize_passes(cfg, mcfg.num_layers) * mcfg.num_layers * layer_weights(mcfg)
+        bytes_moved = elements * c["nf4_dequantize_bytes_per_element"][cfg.dtype]
+        dequantize = bytes_moved / c["device_memory_bytes_per_second"]
 
     communication = 0.0
     if world_size > 1:
@@ -193,9 +245,10 @@ def step_cost(
         moved += states["gradients"]
     transfers = moved / c["host_link_bytes_per_second"] if target == "cuda" else 0.0
 
-    total = max(compute, communication) + optimizer + transfers
+    total = max(compute + dequantize, communication) + optimizer + transfers
     return {
         "compute": compute,
+        "dequantize": dequantize,
         "communication": communication,
         "optimizer": optimizer,
         "transfers": transfers,

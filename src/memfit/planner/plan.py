@@ -1,11 +1,11 @@
 """Pick the fastest memory techniques that fit a memory budget: ``memfit plan``.
 
 :func:`plan` enumerates combinations of the memory switches of a run (dtype policy, optimizer, optimizer in
-backward, activation checkpointing, chunked cross-entropy, offloading and, sharded, FSDP's resharding and CPU
-offload), keeps those that config validation accepts, and ranks the ones that fit the budget by a throughput cost
-model (:func:`memfit.planner.cost.step_cost`; its constants are ``COST_CONSTANTS`` there, documented with their
-sources in docs/memory.md, "Planner"). :func:`cheapest_fix` answers the pre-flight question "what is the smallest
-change of this config that fits?".
+backward, activation checkpointing, chunked cross-entropy, offloading, QLoRA in place of LoRA and, sharded, FSDP's
+resharding and CPU offload), keeps those that config validation accepts, and ranks the ones that fit the budget by a
+throughput cost model (:func:`memfit.planner.cost.step_cost`; its constants are ``COST_CONSTANTS`` there, documented
+with their sources in docs/memory.md, "Planner"). :func:`cheapest_fix` answers the pre-flight question "what is the
+smallest change of this config that fits?".
 
 Every combination reported as fitting was estimated with :func:`memfit.planner.estimate.estimate_run` -- the run's
 own training step on fake tensors -- exactly as it would run. An 8B estimate takes 15-45 s on two CPU cores, so
@@ -43,11 +43,12 @@ from typing import Any
 import torch
 
 from memfit.build import build_model, run_model_config
-from memfit.config import TrainConfig, config_from_dict, config_to_dict, device_type
+from memfit.config import TrainConfig, check_lengths, config_from_dict, config_to_dict, device_type
 from memfit.distributed import shard_numel
 from memfit.errors import ConfigError
 from memfit.memory.host import process_overhead_bytes
 from memfit.memory.techniques import checkpointed_layers
+from memfit.models import peft
 from memfit.planner.closed_form import model_state_bytes_closed_form
 from memfit.planner.cost import COST_CONSTANTS, param_bytes, step_cost
 from memfit.planner.estimate import Estimate, estimate_run
@@ -58,6 +59,7 @@ from memfit.units import GIB, format_bytes
 # ----------------------------------------------------------------------------------------------------------------
 
 SWITCH_KEYS: tuple[str, ...] = (
+    "method",
     "dtype",
     "optimizer.name",
     "optimizer.implementation",
@@ -70,7 +72,8 @@ SWITCH_KEYS: tuple[str, ...] = (
     "distributed.cpu_offload",
 )
 """The switches a plan sets (each counts as one change; ``activation_checkpointing`` includes its interval,
-``optimizer_in_backward`` and ``optimizer.cpu_offload`` the ``max_grad_norm=0`` they need)."""
+``optimizer_in_backward`` and ``optimizer.cpu_offload`` the ``max_grad_norm=0`` they need). ``method`` changes only
+from ``lora`` to ``qlora`` (:func:`candidates`)."""
 
 PLAN_OPTIMIZERS = ("adamw", "adamw8bit", "paged_adamw8bit", "torchao_adamw8bit", "torchao_adamw4bit")
 PLAN_CHECKPOINTING = (("none", None), ("selective", None), ("every_n", 2), ("full", None))
@@ -119,12 +122,15 @@ class PlanRow:
         return self.status == "fits"
 
     def label(self) -> str:
-        """Short names of the switches: ``bf16 paged_adamw8bit in_bwd ac=full ce=8``."""
+        """Short names of the switches: ``bf16 paged_adamw8bit in_bwd ac=full ce=8``; a fine-tuning method first
+        (``qlora bf16 adamw:fused ac=full``)."""
         s = self.switches
         opt = s["optimizer.name"]
         if opt == "adamw":
             opt += f":{s['optimizer.implementation']}"
         parts = [s["dtype"], opt]
+        if s.get("method", "full") != "full":
+            parts.insert(0, s["method"])
         if s["optimizer_in_backward"]:
             parts.append("in_bwd")
         if s["optimizer.cpu_offload"]:
@@ -271,8 +277,12 @@ def candidates(
     ``activation_offloading`` with full checkpointing (so that only the layer inputs cross PCIe: offloading
     every saved tensor moves ~34 x ``dim`` bytes per token and layer (Korthikanti et al. 2022), which the cost
     model makes 10-20x slower than recomputing them at Llama widths 4096-8192, for about the same device
-    memory), or as ``cfg`` has it; sharded, ``distributed.reshard_after_forward`` and ``distributed.cpu_offload``.
-    Combinations validation rejects (CUDA-only switches on CPU, offload with paging, ...) are left out.
+    memory), or as ``cfg`` has it; sharded, ``distributed.reshard_after_forward`` and ``distributed.cpu_offload``;
+    for a LoRA fine-tune (``method: lora``), ``method`` lora and qlora (the same LoRA over an NF4 base: less
+    memory, a dequantization per weight in every forward and backward), when every decoder linear can be stored
+    in NF4 (and, sharded, split evenly over the ranks). Combinations validation rejects (CUDA-only switches on
+    CPU, offload with paging, ...) are left out. Configs are validated as predictions (``needs_weights=False``):
+    a LoRA or QLoRA config planned from a preset needs no ``checkpoint_dir``.
 
     Args:
         cfg: the run config to plan from (its model, batch, sequence length, device and other keys stay).
@@ -303,10 +313,15 @@ def candidates(
     reshard = (cfg.distributed.reshard_after_forward, True, False) if sharded else (None,)
     fsdp_offload = (cfg.distributed.cpu_offload, False, True) if sharded and cuda else (None,)
 
+    methods = (
+        (cfg.method, "qlora") if cfg.method == "lora" and _qlora_possible(cfg, world_size) else (cfg.method,)
+    )
+
     base = config_to_dict(cfg)
     out: list[TrainConfig] = []
     seen: set[tuple] = set()
     grid = itertools.product(
+        methods,
         dtypes,
         dict.fromkeys(optimizers),
         dict.fromkeys(in_backward),
@@ -317,19 +332,35 @@ def candidates(
         dict.fromkeys(reshard),
         dict.fromkeys(fsdp_offload),
     )
-    for dtype, (name, impl), in_bwd, opt_off, (ac, every), ce, act_off, resh, fsdp_off in grid:
-        key = (dtype, name, impl, in_bwd, opt_off, ac, every if ac == "every_n" else 0, ce, act_off, resh)
-        key += (fsdp_off,)
+    for method, dtype, (name, impl), in_bwd, opt_off, (ac, every), ce, act_off, resh, fsdp_off in grid:
+        key = (method, dtype, name, impl, in_bwd, opt_off, ac, every if ac == "every_n" else 0)
+        key += (ce, act_off, resh, fsdp_off)
         own = (ac, act_off) == (cfg.activation_checkpointing, cfg.activation_offloading)
         if key in seen or (act_off and ac != "full" and not own):
             continue
         seen.add(key)
         tree = _with(base, dtype, name, impl, in_bwd, opt_off, ac, every, ce, act_off, resh, fsdp_off, cfg)
+        tree["method"] = method
         try:
-            out.append(config_from_dict(tree, world_size=world_size))
+            out.append(config_from_dict(tree, world_size=world_size, needs_weights=False))
         except ConfigError:
             continue
     return out
+
+
+def _qlora_possible(cfg: TrainConfig, world_size: int) -> bool:
+    """Whether ``cfg`` could run as QLoRA: every decoder linear a multiple of the NF4 block (validation checks it
+    for a preset, :func:`check_lengths` for a checkpoint's architecture) and, sharded, every NF4 weight split evenly
+    over the ranks (:func:`memfit.models.peft.check_nf4_sharding`, which the build applies)."""
+    qcfg = dataclasses.replace(cfg, method="qlora")
+    try:
+        mcfg = run_model_config(qcfg)
+        check_lengths(qcfg, mcfg, 0)
+        if world_size > 1:
+            peft.check_nf4_sharding(build_model(qcfg, mcfg, torch.device("meta")), world_size)
+    except (ConfigError, ValueError):
+        return False
+    return True
 
 
 def _with(
@@ -400,7 +431,7 @@ class _Context:
         self._grad_sizes: dict[tuple, tuple[int, int]] = {}
 
     def closed(self, cfg: TrainConfig) -> dict[str, int]:
-        key = (cfg.dtype, cfg.optimizer.name, cfg.optimizer_in_backward)
+        key = (cfg.method, cfg.dtype, cfg.optimizer.name, cfg.optimizer_in_backward)
         if key not in self._closed:
             self._closed[key] = model_state_bytes_closed_form(cfg, self.mcfg, self.world_size)
         return self._closed[key]
@@ -453,7 +484,8 @@ class _Context:
         at the residual stream's dtype (bf16 for ``bf16``, else fp32). A layer that is not checkpointed, with
         trainable weights (``method: full``), also saves the input of each projection for its weight's gradient:
         the normed input of q/k/v, the attention output, the normed input of gate/up (``dim`` each) and the input
-        of down_proj (``intermediate_size``), at the matmul dtype (bf16 under ``bf16`` and ``bf16_mixed``). The
+        of down_proj (``intermediate_size``), at the matmul dtype (bf16 under ``bf16`` and ``bf16_mixed``); LoRA's and
+        QLoRA's frozen projections need no input for a weight gradient (QLoRA saves exactly what LoRA does). The
         loss without chunking saves the fp32 log-probabilities ``(B * T, V)``; the chunked (fused) loss its gradient
         with respect to the hidden states ``(B * T, dim)`` (and the weight's, counted apart as ``lm_head``'s).
         """
@@ -472,7 +504,8 @@ class _Context:
         return layers, loss
 
     def gradient_sizes(self, cfg: TrainConfig) -> tuple[int, int]:
-        """Bytes of one rank's ``lm_head`` weight gradient (0 when it is frozen) and of its largest gradient."""
+        """Bytes of one rank's ``lm_head`` weight gradient (0 when it is frozen) and of its largest gradient, from the
+        model of ``cfg``'s method (QLoRA's NF4 weights are frozen: they have none)."""
         key = (cfg.dtype, cfg.method)
         if key not in self._grad_sizes:
             model = build_model(cfg, self.mcfg, torch.device("meta"))
@@ -507,6 +540,7 @@ class _Context:
 def _activation_key(cfg: TrainConfig) -> tuple:
     """Switches that decide what forward and backward allocate (all but the optimizer's)."""
     return (
+        cfg.method,
         cfg.dtype,
         cfg.optimizer_in_backward,
         cfg.activation_checkpointing,

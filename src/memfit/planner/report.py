@@ -150,10 +150,11 @@ def format_plan(p: Plan, top: int = 10) -> str:
     best = p.best
     if best is not None:
         c = best.cost
+        dequantize = f", NF4 dequantization {c['dequantize'] * 1e3:.0f}" if c.get("dequantize") else ""
         lines += [
             "",
             f"best: {best.label()}",
-            f"  step {c['total'] * 1e3:.0f} ms (compute {c['compute'] * 1e3:.0f}, communication "
+            f"  step {c['total'] * 1e3:.0f} ms (compute {c['compute'] * 1e3:.0f}{dequantize}, communication "
             f"{c['communication'] * 1e3:.0f}, optimizer {c['optimizer'] * 1e3:.0f}, transfers "
             f"{c['transfers'] * 1e3:.0f}), {best.tokens_per_second_per_gpu:,.0f} tokens_per_second_per_gpu "
             f"(cost model)",
@@ -191,6 +192,10 @@ def format_constants(target: str) -> str:
 # ----------------------------------------------------------------------------------------------------------------
 
 _COMMENTS: dict[str, Callable[[Any], str]] = {
+    "method": lambda v: {
+        "lora": "LoRA: only the low-rank adapters train; the base stays in the parameter dtype",
+        "qlora": "LoRA over an NF4 base: ~0.52 B per frozen linear weight, dequantized in every forward/backward",
+    }.get(v, ""),
     "dtype": lambda v: {
         "bf16": "weights, gradients and optimizer state bf16 (loss in fp32)",
         "bf16_mixed": "fp32 weights, gradients and state; forward/backward under bf16 autocast",
@@ -254,6 +259,8 @@ def plan_yaml(row: PlanRow, p: Plan, command: str | None = None) -> str:
     always |= set(SWITCH_KEYS)
     if cfg.optimizer.name != "adamw":
         always.discard("optimizer.implementation")  # AdamW's only
+    if cfg.method == "full":
+        always.discard("method")  # the default: a pretraining plan's config stays as it was
     if cfg.activation_checkpointing == "every_n":
         always.add("activation_checkpointing_interval")
     out: dict[str, Any] = {}
@@ -276,7 +283,7 @@ def plan_yaml(row: PlanRow, p: Plan, command: str | None = None) -> str:
     body = yaml.safe_dump(out, sort_keys=False, default_flow_style=False, width=100)
     e = row.estimate
     run = command or (
-        "memfit pretrain --config FILE.yaml" + (f" nproc={p.world_size}" if p.world_size > 1 else "")
+        f"memfit {run_verb(cfg)} --config FILE.yaml" + (f" nproc={p.world_size}" if p.world_size > 1 else "")
     )
     header = [
         f"# memfit plan: {row.label()}",
@@ -293,6 +300,10 @@ def plan_yaml(row: PlanRow, p: Plan, command: str | None = None) -> str:
         f"{row.tokens_per_second_per_gpu:,.0f} tokens_per_second_per_gpu (docs/memory.md, Planner)"
     )
     header.append(f"# run: {run}")
+    if cfg.method != "full" and cfg.checkpoint_dir is None:
+        header.append(
+            f"# {cfg.method} fine-tunes pretrained weights: add checkpoint_dir=DIR (planned from the preset)"
+        )
     return "\n".join(header) + "\n" + _commented(body) + ""
 
 
@@ -322,8 +333,15 @@ def write_plan_yaml(path: str | Path, row: PlanRow, p: Plan) -> Path:
     """Write :func:`plan_yaml` of ``row`` to ``path`` (parents created); returns the path."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(plan_yaml(row, p, f"memfit pretrain --config {path}" + _nproc(p)), encoding="utf-8")
+    command = f"memfit {run_verb(row.config)} --config {path}" + _nproc(p)
+    path.write_text(plan_yaml(row, p, command), encoding="utf-8")
     return path
+
+
+def run_verb(cfg: TrainConfig) -> str:
+    """The verb that runs ``cfg``: ``finetune`` for a LoRA / QLoRA / adapter run or one from ``checkpoint_dir``,
+    else ``pretrain``."""
+    return "finetune" if cfg.method != "full" or cfg.checkpoint_dir is not None else "pretrain"
 
 
 def _nproc(p: Plan) -> str:
