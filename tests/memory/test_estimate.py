@@ -19,13 +19,14 @@ from memfit.build import run_model_config
 from memfit.cli import main
 from memfit.config import load_config
 from memfit.convert.hf import export_hf
+from memfit.memory.allocator import CUDA_CONTEXT_BYTES_ESTIMATE, cublas_workspace_bytes
 from memfit.memory.tracker import CATEGORIES, PHASES
 from memfit.metrics import read_records
 from memfit.models.llama import build_llama
 from memfit.models.presets import model_config
-from memfit.planner.estimate import estimate_run
+from memfit.planner.estimate import CUBLAS_SM, estimate_run
 from memfit.tokenizer import train_bpe
-from memfit.units import GIB
+from memfit.units import GIB, MIB
 
 from ..conftest import run_torchrun, tiny_run_overrides
 
@@ -272,7 +273,10 @@ def test_paged_optimizer_state_leaves_the_allocator_peak_on_cuda(name, state_byt
     assert e.unseen == {"paged_optimizer_state": paged} and on_cpu.unseen == {}
     assert e.model_states["paged_optimizer_state"] == paged
     assert e.peak_bytes == on_cpu.peak_bytes - paged and e.phase == on_cpu.phase
-    assert e.device_total_bytes == e.peak_bytes + paged == on_cpu.device_total_bytes
+    # the driver's total on CUDA: the reserved segments (the paged moments are not the allocator's), the CUDA
+    # context and the paged moments; on CPU: the live peak
+    assert e.device_total_bytes == e.peak_reserved_bytes + CUDA_CONTEXT_BYTES_ESTIMATE + paged
+    assert on_cpu.device_total_bytes == on_cpu.peak_bytes and on_cpu.peak_reserved_bytes is None
     assert e.breakdown["optimizer_state"] == on_cpu.breakdown["optimizer_state"] - paged > 0
     assert e.host_bytes == on_cpu.host_bytes == 0
 
@@ -288,3 +292,30 @@ def test_sharded_estimate_of_fsdp1_is_a_config_error(capsys):
     assert main(["estimate", *args, "world_size=2", "distributed.strategy=fsdp1"]) == 2
     assert "distributed.strategy" in capsys.readouterr().err
     assert not torch.distributed.is_initialized()
+
+
+def test_reserved_is_the_replayed_timeline_and_is_left_out_where_memory_moves_to_the_host(capsys):
+    """On CUDA the trace's allocations and frees, after the 32 MiB cuBLAS workspace of a Hopper GPU, are replayed
+    through the caching allocator model: every block is rounded to 512 bytes and lives in a segment of at least
+    2 MiB, so the reserved peak is at least the live peak plus the workspace, and whole segments."""
+    e = estimate(device="cuda")
+    assert e.peak_reserved_bytes >= e.peak_bytes + cublas_workspace_bytes(CUBLAS_SM)
+    assert e.peak_reserved_bytes % (2 * MIB) == 0
+    assert e.device_total_bytes == e.peak_reserved_bytes + CUDA_CONTEXT_BYTES_ESTIMATE
+    args = [f"{k}={v}" for k, v in {**BASE, "device": "cuda", "batch_size": 2, "seq_len": 16}.items()]
+    assert main(["estimate", *args, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["peak_memory_reserved_gib"] == e.peak_reserved_bytes / GIB
+    assert main(["estimate", *args]) == 0
+    assert "peak reserved: " in capsys.readouterr().out
+    # paged moments are not the caching allocator's: the two 8-bit moments of the 163840 x 64 embedding and of
+    # lm_head are 10 MiB each, a request >= 10 MiB gets a segment of its own rounded to 2 MiB (10 MiB), so the
+    # replay without them reserves exactly their 4 x 10 MiB less than the same optimizer unpaged
+    big = {"model_args.vocab_size": 163840, "tokenizer.vocab_size": 163840}
+    paged = estimate(**big, device="cuda", **{"optimizer.name": "paged_adamw8bit"})
+    unpaged = estimate(**big, device="cuda", **{"optimizer.name": "adamw8bit"})
+    assert paged.unseen["paged_optimizer_state"] == 4 * 163840 * 64 == 4 * 10 * MIB
+    assert unpaged.peak_reserved_bytes - paged.peak_reserved_bytes == 4 * 10 * MIB
+    offloaded = estimate(device="cuda", activation_checkpointing="full", activation_offloading=True)
+    assert offloaded.peak_reserved_bytes is None
+    assert offloaded.device_total_bytes == offloaded.peak_bytes + CUDA_CONTEXT_BYTES_ESTIMATE

@@ -330,3 +330,32 @@ def test_cuda_counts_device_memory_within_the_allocator_peak():
     assert now["optimizer_state"] == 8 * P  # AdamW keeps its `step` counters on the host: not device memory
     # storages at their nbytes never exceed what the caching allocator handed out (it rounds up, adds workspaces)
     assert tracker.peak_bytes <= torch.cuda.max_memory_allocated()
+
+
+@pytest.mark.parametrize("in_backward", [False, True])
+def test_allocations_replay_the_live_bytes(in_backward):
+    """record_allocations: summing the allocation events in order gives, after each recorded op, exactly the live
+    bytes the tracker recorded, and at the end the bytes still live; so the highest running sum is the peak."""
+    model, optimizer, batches = make(in_backward=in_backward)
+    tracker = tracked_step(model, optimizer, batches)  # the first step creates the state
+    tracker = tracked_step(
+        model, optimizer, batches, MemoryTracker(model, optimizer, record_allocations=True)
+    )
+    live, peak, sizes = 0, 0, {}
+    for op, entry, nbytes in tracker.allocations:
+        if op == "alloc":
+            assert id(entry) not in sizes
+            sizes[id(entry)] = nbytes
+            live += nbytes
+        else:
+            live -= sizes.pop(id(entry))
+        peak = max(peak, live)
+    assert peak == tracker.peak_bytes
+    assert live == sum(tracker.current_breakdown().values())
+    resized = MemoryTracker(nn.Linear(4, 4, bias=False), record_allocations=True)
+    with resized:
+        t = torch.ones(1000)
+        t.untyped_storage().resize_(0)
+        torch.zeros(())
+    ops = [(op, nbytes) for op, _, nbytes in resized.allocations if nbytes != 64]  # not the weight
+    assert ops[:3] == [("alloc", 4000), ("free", 0), ("alloc", 0)]

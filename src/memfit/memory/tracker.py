@@ -387,6 +387,9 @@ class _Ledger:
         self._roled: set[int] = set()  # keys of the entries with a role
         self._op_roled: set[int] = set()  # keys of the entries whose role an op gave (FSDP2's flat buffers)
         self._plain_types: set[type] = {torch.Tensor, nn.Parameter}
+        self.allocations: list[tuple[str, _Entry, int]] | None = None
+        """With a list: ``("alloc", entry, nbytes)`` when a storage is counted, ``("free", entry, 0)`` when it is
+        freed, both when it is resized, in order (the timeline a caching allocator would see)."""
 
     # --- storages -------------------------------------------------------------------------------------------
 
@@ -412,8 +415,7 @@ class _Ledger:
             elif check_size:
                 nbytes = st.nbytes()
                 if nbytes != entry.nbytes:
-                    self.totals[entry.cat] += nbytes - entry.nbytes
-                    entry.nbytes = nbytes
+                    self._resize(entry, nbytes)
 
     def add(self, st: torch.UntypedStorage) -> _Entry:
         """Count a storage not counted yet, as ``temporaries``, until it is freed."""
@@ -422,7 +424,16 @@ class _Ledger:
         entry.ref = weakref.ref(st, functools.partial(self._freed, entry))
         self._live[key] = entry
         self.totals[entry.cat] += entry.nbytes
+        if self.allocations is not None:
+            self.allocations.append(("alloc", entry, entry.nbytes))
         return entry
+
+    def _resize(self, entry: _Entry, nbytes: int) -> None:
+        """``entry``'s storage now holds ``nbytes``: a free and an allocation to the caching allocator."""
+        self.totals[entry.cat] += nbytes - entry.nbytes
+        if self.allocations is not None:
+            self.allocations += [("free", entry, 0), ("alloc", entry, nbytes)]
+        entry.nbytes = nbytes
 
     def entries(self, t: torch.Tensor) -> list[_Entry]:
         """The entries of ``t``'s storages, added if new; none for a tensor on another device."""
@@ -441,6 +452,8 @@ class _Ledger:
             self._roled.discard(entry.key)
             self._op_roled.discard(entry.key)
             self.totals[entry.cat] -= entry.nbytes
+            if self.allocations is not None:
+                self.allocations.append(("free", entry, 0))
 
     def recategorize(self, entry: _Entry) -> None:
         """Move ``entry``'s bytes to the category its role and saved count say now."""
@@ -462,16 +475,13 @@ class _Ledger:
             if st is not None:
                 nbytes = st.nbytes()
                 if nbytes != entry.nbytes:
-                    self.totals[entry.cat] += nbytes - entry.nbytes
-                    entry.nbytes = nbytes
+                    self._resize(entry, nbytes)
 
     def resized(self, storage: torch.UntypedStorage) -> None:
         """Follow a storage that ``UntypedStorage.resize_`` just resized (FSDP's free and re-allocation)."""
         entry = self._live.get(id(storage))
-        if entry is not None:
-            nbytes = storage.nbytes()
-            self.totals[entry.cat] += nbytes - entry.nbytes
-            entry.nbytes = nbytes
+        if entry is not None and storage.nbytes() != entry.nbytes:
+            self._resize(entry, storage.nbytes())
 
     # --- roles ----------------------------------------------------------------------------------------------
 
@@ -811,6 +821,9 @@ class MemoryTracker:
             many parameters quickly (the estimator does): state that gains entries is still placed as the step
             creates it, and only a state tensor replaced under an existing key counts as ``temporaries`` until
             its optimizer step ends.
+        record_allocations: keep :attr:`allocations`, the order in which storages are counted and freed (what a
+            caching allocator would be asked for; the estimator replays it through
+            :mod:`memfit.memory.allocator`).
 
     Attributes:
         peak_bytes: the maximum over time of the total live bytes (all categories).
@@ -831,6 +844,7 @@ class MemoryTracker:
         device: torch.device | str | None = None,
         record_timeline: bool = True,
         refresh_roles_at_peak: bool = True,
+        record_allocations: bool = False,
     ) -> None:
         self.model = model
         self.optimizer = optimizer
@@ -838,6 +852,8 @@ class MemoryTracker:
         self._device_arg = None if device is None else torch.device(device)
         self._sharding = _Sharding(model)
         self._ledger = _Ledger(self._device_arg or self._model_device(), record_timeline)
+        if record_allocations:
+            self._ledger.allocations = []
         self._base_phase = "other"  # as marked by the loop, or by the model's forward / the end of backward
         self._last_phase = "other"
         self._in_backward = False
@@ -917,6 +933,18 @@ class MemoryTracker:
     def peak_phase(self) -> str:
         """The phase of the op that reached :attr:`peak_bytes`."""
         return self._ledger.peak_phase
+
+    def storage_entries(self, t: torch.Tensor) -> list[Any]:
+        """The ledger entries of ``t``'s storages (counted from now if new), the objects :attr:`allocations` holds."""
+        return self._ledger.entries(t)
+
+    @property
+    def allocations(self) -> list[tuple[str, Any, int]]:
+        """With ``record_allocations``: in order, ``("alloc", entry, nbytes)`` when a storage starts to count
+        (created by an op, or first seen: what existed at entry comes first) and ``("free", entry, 0)`` when it is
+        freed; a resize is both. ``entry`` is one object per storage lifetime (use ``id(entry)`` as its key), with
+        ``entry.cat``, its category now. Empty without ``record_allocations``."""
+        return self._ledger.allocations or []
 
     @property
     def timeline(self) -> list[tuple[int, str, dict[str, int]]]:

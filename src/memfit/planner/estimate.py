@@ -55,10 +55,12 @@ from memfit.build import build_training, run_model_config
 from memfit.checkpoint import init_optimizer_state
 from memfit.config import TrainConfig, check_lengths
 from memfit.errors import ConfigError
+from memfit.memory.allocator import CUDA_CONTEXT_BYTES_ESTIMATE, replay, workspace_events
 from memfit.memory.host import predict_peak_rss, process_rss_bytes, retained_heap_bytes
+from memfit.memory.optim import optimizers_in
 from memfit.memory.tracker import CATEGORIES, MemoryTracker, model_state_bytes
 from memfit.models.llama import LlamaConfig
-from memfit.planner.closed_form import model_state_bytes_closed_form
+from memfit.planner.closed_form import BNB_PAGED_MIN_NUMEL, model_state_bytes_closed_form
 from memfit.quiet import quiet_torchao_import
 from memfit.step import train_step, train_step_options
 from memfit.units import GIB
@@ -75,7 +77,10 @@ class Estimate:
     phase: str
     """The phase of the step the peak falls in (``forward``, ``backward``, ``optimizer_step``, ``other``)."""
     device_total_bytes: int
-    """What the driver would show at the peak: the allocator's bytes plus resident paged (unified) memory."""
+    """What the driver would show at the peak: on CUDA, the allocator's reserved bytes (:attr:`peak_reserved_bytes`,
+    or the live peak where that is not predicted) plus the CUDA context
+    (:data:`memfit.memory.allocator.CUDA_CONTEXT_BYTES_ESTIMATE`) plus resident paged (unified) memory; on CPU the
+    peak plus paged memory."""
     host_bytes: int
     """Pinned / host memory the run keeps there by design (offloaded state, parameters, activations)."""
     unseen: dict[str, int]
@@ -101,6 +106,12 @@ class Estimate:
     process_baseline_bytes: int | None = None
     """The resident set of the estimating process when the trace began, the optimizer's library imported and no
     tensor allocated: the stand-in for the training process's own (interpreter, torch, memfit, libraries)."""
+    peak_reserved_bytes: int | None = None
+    """CUDA runs: what ``torch.cuda.max_memory_reserved()`` would report, the traced allocations and frees (with
+    the cuBLAS workspace, :data:`CUBLAS_SM`) replayed through a model of PyTorch's caching allocator
+    (:func:`memfit.memory.allocator.replay`). ``None`` on CPU, and where part of the step's memory moves to the
+    host (``optimizer.cpu_offload``, ``distributed.cpu_offload``, ``activation_offloading``), which the replay
+    does not model."""
 
     def to_json(self) -> dict[str, Any]:
         """The contract of ``memfit estimate --json``: ``peak_memory_gib``, ``breakdown`` (category -> GiB),
@@ -124,6 +135,9 @@ class Estimate:
             "host_peak_rss_gib": None if self.host_peak_rss_bytes is None else self.host_peak_rss_bytes / GIB,
             "process_baseline_gib": (
                 None if self.process_baseline_bytes is None else self.process_baseline_bytes / GIB
+            ),
+            "peak_memory_reserved_gib": (
+                None if self.peak_reserved_bytes is None else self.peak_reserved_bytes / GIB
             ),
         }
 
@@ -185,11 +199,14 @@ def estimate_run(
             # step 1 only creates the optimizer state: an optimizer step on zero gradients at lr 0 (what torch's
             # distributed checkpointing does to lay the state out); step 2, the run's train_step, is traced
             init_optimizer_state(optimizer)
-            tracker = MemoryTracker(model, optimizer, refresh_roles_at_peak=False)
+            tracker = MemoryTracker(
+                model, optimizer, refresh_roles_at_peak=False, record_allocations=target == "cuda"
+            )
             tracker.record_timeline = True
             with tracker:
                 train_step(model, optimizer, batches, tracker=tracker, **train_step_options(trace_cfg))
             traced = model_state_bytes(model, optimizer)
+            paged_keys = _paged_state_entries(cfg, tracker, optimizer) if target == "cuda" else set()
             # the gradients a step holds for its update: those live at the last op of the optimizer phase, when
             # the update has read them all (sharded: the reduced shards, the unsharded ones in flight are gone by
             # then; in backward: none, each was freed after its update -- the first ops labelled optimizer_step
@@ -200,6 +217,10 @@ def estimate_run(
             del fake
     closed = model_state_bytes_closed_form(cfg, mcfg, world_size)
     peak, breakdown, phase, unseen, host = _split_unseen(cfg, target, tracker, closed)
+    reserved = _replay_reserved(cfg, tracker, paged_keys) if target == "cuda" else None
+    device = peak if reserved is None else reserved
+    if target == "cuda":
+        device += CUDA_CONTEXT_BYTES_ESTIMATE
     rss = None
     if target != "cuda" and baseline is not None:
         rss = predict_peak_rss(peak + host, baseline, heap_retained_bytes=retained_heap_bytes())
@@ -207,7 +228,7 @@ def estimate_run(
         peak_bytes=peak,
         breakdown=breakdown,
         phase=phase,
-        device_total_bytes=peak + unseen.get("paged_optimizer_state", 0),
+        device_total_bytes=device + unseen.get("paged_optimizer_state", 0),
         host_bytes=host,
         unseen=unseen,
         model_states=closed,
@@ -221,7 +242,43 @@ def estimate_run(
         config=_switches(cfg),
         host_peak_rss_bytes=rss,
         process_baseline_bytes=baseline,
+        peak_reserved_bytes=reserved,
     )
+
+
+CUBLAS_SM = 90
+"""The compute capability whose cuBLAS workspace the reserved prediction counts: Hopper (H100, H200), the largest
+default workspace (32 MiB; 8.1 MiB on others, :func:`memfit.memory.allocator.cublas_workspace_bytes`)."""
+
+
+def _paged_state_entries(cfg: TrainConfig, tracker: Any, optimizer: Any) -> set[int]:
+    """The ledger entries (by ``id``) of the optimizer state a paged bitsandbytes optimizer keeps in unified memory
+    on CUDA (``cudaMallocManaged``, outside the caching allocator): the two moments (``state1``, ``state2``) of each
+    parameter of at least :data:`memfit.planner.closed_form.BNB_PAGED_MIN_NUMEL` elements."""
+    if not cfg.optimizer.name.startswith("paged_"):
+        return set()
+    entries = set()
+    for opt in optimizers_in(optimizer):
+        for param, state in getattr(opt, "state", {}).items():
+            if isinstance(param, torch.Tensor) and param.numel() >= BNB_PAGED_MIN_NUMEL:
+                for name in ("state1", "state2"):
+                    if isinstance(state.get(name), torch.Tensor):
+                        entries.update(id(e) for e in tracker.storage_entries(state[name]))
+    return entries
+
+
+def _replay_reserved(cfg: TrainConfig, tracker: Any, paged: set[int]) -> int | None:
+    """``torch.cuda.max_memory_reserved()`` of the traced step: its allocations and frees, without the paged state
+    (:func:`_paged_state_entries`), after the cuBLAS workspace, replayed through the caching allocator model.
+    ``None`` when the run moves memory to the host (:attr:`Estimate.peak_reserved_bytes`)."""
+    if cfg.optimizer.cpu_offload or cfg.distributed.cpu_offload or cfg.activation_offloading:
+        return None
+    events: list[tuple] = workspace_events(CUBLAS_SM)
+    for op, entry, nbytes in tracker.allocations:
+        if id(entry) in paged:
+            continue
+        events.append(("alloc", id(entry), nbytes) if op == "alloc" else ("free", id(entry)))
+    return replay(events).peak_reserved
 
 
 def fake_ids(batch_size: int, seq_len: int, vocab_size: int) -> torch.Tensor:
