@@ -6,8 +6,15 @@ Two halves, because the estimate needs no GPU and GPU time is scarce:
   exactly as ``memfit pretrain`` does (random init, ``device=cuda``), run two steps of ``train_step`` on random
   token ids and record the CUDA caching allocator's peak over the second step (``torch.cuda.max_memory_allocated``,
   after ``reset_peak_memory_stats``), its reserved peak, and the device's used memory as the driver reports it.
-- ``--compare OUT.json`` (anywhere): estimate each configuration on fake tensors and write the table into
-  docs/benchmarks.md (section ``gpu-estimate``).
+  It also records the allocator's own event trace over the configuration's whole life
+  (``torch.cuda.memory._record_memory_history``, read back with ``torch.cuda.memory._snapshot()``) and replays it
+  through memfit's model of the caching allocator (:func:`memfit.memory.allocator.replay`): the replayed reserved
+  peak against ``max_memory_reserved`` checks the allocator model alone, apart from the trace of the step.
+- ``--compare OUT.json`` (anywhere): estimate each configuration on fake tensors (allocated peak and, replayed
+  through the allocator model, reserved peak) and write the table into docs/benchmarks.md (section
+  ``gpu-estimate``).
+
+The whole ``--measure`` run is sized for one GPU in under 8 minutes (the 8B configurations dominate).
 
 Reproduce: on a GPU machine ``python bench/gpu_estimate_check.py --measure gpu.json``, then here
 ``.venv/bin/python bench/gpu_estimate_check.py --compare gpu.json``.
@@ -59,13 +66,28 @@ CONFIGS = {
         "activation_checkpointing=full",
         "chunked_cross_entropy=8",
     ],
+    "8B LoRA, AC + chunked CE, batch 2": [
+        "model=llama3.1-8b",
+        "method=lora",
+        "batch_size=2",
+        "activation_checkpointing=full",
+        "chunked_cross_entropy=8",
+    ],
+    "8B QLoRA, AC + chunked CE, batch 2": [
+        "model=llama3.1-8b",
+        "method=qlora",
+        "batch_size=2",
+        "activation_checkpointing=full",
+        "chunked_cross_entropy=8",
+    ],
 }
 
 
 def _config(overrides: list[str]):
     from memfit.config import load_config
 
-    return load_config(None, [*BASE, *overrides])  # device=cuda validates on any machine; the run needs CUDA
+    # device=cuda validates on any machine; the run needs CUDA. LoRA / QLoRA start from random weights here
+    return load_config(None, [*BASE, *overrides], needs_weights=False)
 
 
 def measure(path: Path, dry_run: bool = False) -> None:
@@ -80,6 +102,9 @@ def measure(path: Path, dry_run: bool = False) -> None:
     results = {}
     for name, overrides in configs.items():
         t0 = time.perf_counter()
+        cuda.reset_peak_memory_stats()
+        if not dry_run:
+            torch.cuda.memory._record_memory_history(max_entries=2_000_000)
         try:
             cfg = _config(overrides)
             if dry_run:
@@ -120,7 +145,11 @@ def measure(path: Path, dry_run: bool = False) -> None:
                 "tokens_per_second": cfg.batch_size * T * cfg.gradient_accumulation_steps / step_s,
                 "loss": loss,
                 "wall_seconds": time.perf_counter() - t0,
+                "life_peak_reserved_bytes": cuda.max_memory_reserved(),  # reset at the start: the whole life
+                "allocator_events": [] if dry_run else _allocator_events(torch.cuda.memory._snapshot()),
             }
+            if not dry_run:
+                torch.cuda.memory._record_memory_history(enabled=None)
         except Exception as exc:  # one failing configuration must not lose the others' numbers
             results[name] = {"overrides": overrides, "error": f"{type(exc).__name__}: {exc}"[:2000]}
         print(name, json.dumps(results[name]), flush=True)
@@ -129,6 +158,18 @@ def measure(path: Path, dry_run: bool = False) -> None:
         cuda.empty_cache()
     info = {"device": cuda.get_device_name(), "torch": torch.__version__}
     path.write_text(json.dumps({"info": info, "results": results}, indent=2))
+
+
+def _allocator_events(snapshot: dict) -> list[tuple]:
+    """The caching allocator's own block allocations and frees of device 0, in order, as
+    :func:`memfit.memory.allocator.replay` events (keyed by address, on their stream)."""
+    events: list[tuple] = []
+    for e in snapshot["device_traces"][0]:
+        if e["action"] == "alloc":
+            events.append(("alloc", e["addr"], e["size"], e.get("stream", 0)))
+        elif e["action"] == "free_completed":
+            events.append(("free", e["addr"]))
+    return events
 
 
 class _NoCuda:
@@ -142,6 +183,7 @@ class _NoCuda:
 
 def compare(path: Path, doc: Path) -> None:
     from bench.docs_section import write_section
+    from memfit.memory.allocator import replay
     from memfit.planner.estimate import estimate_run
 
     data = json.loads(path.read_text())
@@ -149,14 +191,19 @@ def compare(path: Path, doc: Path) -> None:
     errors = []
     for name, m in data["results"].items():
         if "error" in m:
-            rows.append(f"| {name} | - | - | - | - | - | failed on the GPU: {m['error'][:120]} |")
+            rows.append(f"| {name} | - | - | - | - | - | - | - | failed on the GPU: {m['error'][:120]} |")
             continue
         e = estimate_run(_config(m["overrides"]))
         err = (e.peak_bytes - m["peak_alloc_bytes"]) / m["peak_alloc_bytes"]
         errors.append(abs(err))
+        reserved = e.peak_reserved_bytes
+        replayed = replay(m["allocator_events"]).peak_reserved if m.get("allocator_events") else None
+        life = m.get("life_peak_reserved_bytes")
         rows.append(
             f"| {name} | {e.peak_bytes / GIB:.2f} | {m['peak_alloc_bytes'] / GIB:.2f} | {err:+.1%} | "
-            f"{m['peak_reserved_bytes'] / GIB:.2f} | {e.device_total_bytes / GIB:.2f} | {e.phase}, "
+            f"{'-' if reserved is None else f'{reserved / GIB:.2f}'} | {m['peak_reserved_bytes'] / GIB:.2f} | "
+            f"{'-' if replayed is None or not life else f'{replayed / GIB:.2f} / {life / GIB:.2f}'} | "
+            f"{e.device_total_bytes / GIB:.2f} vs {m['device_used_bytes_after'] / GIB:.2f} | {e.phase}, "
             f"{m['tokens_per_second']:,.0f} tok/s |"
         )
         print(rows[-1], flush=True)
@@ -174,19 +221,22 @@ def compare(path: Path, doc: Path) -> None:
             "`memfit pretrain` builds it (random init), two `train_step`s on random ids, batch 1 x 2,048 tokens "
             "unless noted, bf16. *measured* is the CUDA caching allocator's `max_memory_allocated` over the second "
             "step; *estimated* is `memfit estimate` for the same configuration, traced on fake tensors on a CPU "
-            "machine (its allocator-visible peak); *reserved* is the allocator's reserved peak (its cache and "
-            "rounding, which no estimate of tensors sees); *device total* adds what the driver holds outside the "
-            "allocator (paged optimizer state). GiB = 1024**3 bytes.",
+            "machine (its allocator-visible peak); *reserved* is the allocator's reserved peak, estimated by replaying "
+            "the traced allocations through memfit's caching allocator model, and measured; *allocator replay* "
+            "replays the allocator's own recorded events of the configuration's whole life through that model, "
+            "against the measured reserved peak of that life (a check of the model alone); *device total* is the "
+            "estimate of what the driver shows (reserved + CUDA context + paged state) against the device's used "
+            "memory after the step. GiB = 1024**3 bytes.",
             "",
             f"Summary: {summary}.",
             "",
             "Reproduce: on a GPU machine `python bench/gpu_estimate_check.py --measure gpu.json`, then "
             "`.venv/bin/python bench/gpu_estimate_check.py --compare gpu.json`.",
             "",
-            "| configuration | estimated (GiB) | measured (GiB) | error | reserved (GiB) "
-            "| estimated device total (GiB) "
-            "| phase of peak, throughput |",
-            "|---|---|---|---|---|---|---|",
+            "| configuration | estimated (GiB) | measured (GiB) | error | estimated reserved (GiB) "
+            "| measured reserved (GiB) | allocator replay / measured, whole life (GiB) "
+            "| device total, estimated vs used (GiB) | phase of peak, throughput |",
+            "|---|---|---|---|---|---|---|---|---|",
             *rows,
         ]
     )
