@@ -61,6 +61,7 @@ from memfit.memory.optim import optimizers_in
 from memfit.memory.tracker import CATEGORIES, MemoryTracker, model_state_bytes
 from memfit.models.llama import LlamaConfig
 from memfit.planner.closed_form import BNB_PAGED_MIN_NUMEL, model_state_bytes_closed_form
+from memfit.planner.cuda_paths import cuda_paths
 from memfit.quiet import quiet_torchao_import
 from memfit.step import train_step, train_step_options
 from memfit.units import GIB
@@ -186,7 +187,12 @@ def estimate_run(
             "into one flat buffer, so its model states are those of FSDP2 to within padding. Estimate with "
             "distributed.strategy=fsdp2"
         )
-    with _fake_process_group(world_size), _quiet(), _fake_mode(cfg.optimizer.name) as fake:
+    with (
+        _fake_process_group(world_size),
+        _quiet(),
+        _fake_mode(cfg.optimizer.name) as fake,
+        cuda_paths(target == "cuda"),
+    ):
         baseline = process_rss_bytes()  # imports done (the optimizer's library too), no tensor allocated yet
         # the run's own build sequence, on the meta device, materialised with fake storage
         built = build_training(trace_cfg, mcfg, torch.device("cpu"), world_size=world_size, fake_mode=fake)
