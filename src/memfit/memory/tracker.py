@@ -222,15 +222,24 @@ def fsdp1_flat_params(model: nn.Module) -> list[nn.Parameter]:
     ]
 
 
-def _fsdp2_buffer_ops() -> dict[int, tuple[int, str | None]]:
+ALL_GATHER_STREAM = 1
+"""The CUDA stream id (for :mod:`memfit.memory.allocator`) of FSDP2's all-gather buffers: FSDP2 allocates them on
+its all-gather stream (``FSDPParamGroup``'s ``all_gather_copy_in_stream`` / ``all_gather_stream``), so the caching
+allocator reuses their freed blocks only for later all-gathers, never for the compute stream's tensors."""
+REDUCE_SCATTER_STREAM = 2
+"""The stream id of FSDP2's reduce-scatter input buffers (its ``reduce_scatter_stream``)."""
+
+
+def _fsdp2_buffer_ops() -> dict[int, tuple[int, str | None, int]]:
     """FSDP2's ops that fill its flat communication buffers: ``id(op) -> (role, None for the op's outputs or the
-    name of its ``out`` argument)``. The all-gather buffer holds a whole group's gathered parameters (from the
-    all-gather, issued ahead when prefetching, until the copy-out to the per-parameter storages), the
-    reduce-scatter input a whole group's unsharded gradients (until FSDP lets it go, a few groups later)."""
+    name of its ``out`` argument, the stream FSDP2 allocates them on)``. The all-gather buffer holds a whole
+    group's gathered parameters (from the all-gather, issued ahead when prefetching, until the copy-out to the
+    per-parameter storages), the reduce-scatter input a whole group's unsharded gradients (until FSDP lets it go, a
+    few groups later)."""
     try:
         return {
-            id(torch.ops.fsdp.all_gather_copy_in.default): (_UNSHARDED, None),
-            id(torch.ops.fsdp.chunk_cat.default): (_GRADS, "out"),
+            id(torch.ops.fsdp.all_gather_copy_in.default): (_UNSHARDED, None, ALL_GATHER_STREAM),
+            id(torch.ops.fsdp.chunk_cat.default): (_GRADS, "out", REDUCE_SCATTER_STREAM),
         }
     except (AttributeError, RuntimeError):  # a torch without these ops: the buffers count as temporaries
         return {}
@@ -333,7 +342,7 @@ class _Sharding:
 class _Entry:
     """One live storage: its bytes, its role (set by identity) and how many graph slots save it."""
 
-    __slots__ = ("key", "nbytes", "cat", "role", "saved", "sticky", "alive", "ref")
+    __slots__ = ("key", "nbytes", "cat", "role", "saved", "sticky", "alive", "ref", "stream")
 
     def __init__(self, key: int, nbytes: int) -> None:
         self.key = key
@@ -344,6 +353,7 @@ class _Entry:
         self.sticky = False  # saved during a backward (recomputation): an activation until freed
         self.alive = True
         self.ref: weakref.ref | None = None
+        self.stream = 0  # the CUDA stream it is allocated on (FSDP2's communication buffers have their own)
 
 
 class _Ledger:
@@ -491,11 +501,12 @@ class _Ledger:
         self._roled.add(entry.key)
         self.recategorize(entry)
 
-    def give_op_role(self, tensors: Any, role: int) -> None:
-        """Give ``role`` to the storages of the tensors in ``tensors`` for as long as they live (an op's buffer,
-        which no object of the model or optimizer names: :meth:`set_roles` leaves it be)."""
+    def give_op_role(self, tensors: Any, role: int, stream: int = 0) -> None:
+        """Give ``role`` (and ``stream``) to the storages of the tensors in ``tensors`` for as long as they live (an
+        op's buffer, which no object of the model or optimizer names: :meth:`set_roles` leaves it be)."""
         for t in tensors_in(tensors):
             for entry in self.entries(t):
+                entry.stream = stream
                 self._op_roled.add(entry.key)
                 if entry.role != role:
                     entry.role = role
@@ -596,13 +607,16 @@ class _Observer(TorchDispatchMode):
 
     Args:
         ledger: counts the storages.
-        buffer_ops: ``id(op) -> (role, None or the name of an argument)``: ops whose outputs (or that argument)
-            are buffers of a role (see :func:`_fsdp2_buffer_ops`).
+        buffer_ops: ``id(op) -> (role, None or the name of an argument, stream)``: ops whose outputs (or that
+            argument) are buffers of a role, on a stream (see :func:`_fsdp2_buffer_ops`).
         after_op: called after each op (the tracker's phase, roles and snapshot).
     """
 
     def __init__(
-        self, ledger: _Ledger, buffer_ops: dict[int, tuple[int, str | None]], after_op: Callable[[], None]
+        self,
+        ledger: _Ledger,
+        buffer_ops: dict[int, tuple[int, str | None, int]],
+        after_op: Callable[[], None],
     ) -> None:
         super().__init__()
         self.ledger = ledger
@@ -631,8 +645,8 @@ class _Observer(TorchDispatchMode):
                     see(o, True)
         buffer_op = self.buffer_ops.get(id(func))
         if buffer_op is not None:
-            role, kwarg = buffer_op
-            self.ledger.give_op_role(out if kwarg is None else kwargs[kwarg], role)
+            role, kwarg, stream = buffer_op
+            self.ledger.give_op_role(out if kwarg is None else kwargs[kwarg], role, stream)
         self.after_op()
         return out
 
@@ -864,7 +878,7 @@ class MemoryTracker:
         self._buffers: list[torch.Tensor] = list(model.buffers())
         self._state = _StateGrowth(optimizers_in(optimizer))
         self._lazy_hooks: list[Any] = []  # handles of hooks put on unsharded parameters while tracking
-        self._buffer_ops: dict[int, tuple[int, str | None]] = {}  # see _fsdp2_buffer_ops
+        self._buffer_ops: dict[int, tuple[int, str | None, int]] = {}  # see _fsdp2_buffer_ops
         self._exit_stack: contextlib.ExitStack | None = None
 
     def _model_device(self) -> torch.device | None:
@@ -943,7 +957,9 @@ class MemoryTracker:
         """With ``record_allocations``: in order, ``("alloc", entry, nbytes)`` when a storage starts to count
         (created by an op, or first seen: what existed at entry comes first) and ``("free", entry, 0)`` when it is
         freed; a resize is both. ``entry`` is one object per storage lifetime (use ``id(entry)`` as its key), with
-        ``entry.cat``, its category now. Empty without ``record_allocations``."""
+        ``entry.cat``, its category now, and ``entry.stream``, the CUDA stream it would be allocated on (0, or
+        FSDP2's :data:`ALL_GATHER_STREAM` / :data:`REDUCE_SCATTER_STREAM`). Empty without
+        ``record_allocations``."""
         return self._ledger.allocations or []
 
     @property

@@ -275,7 +275,8 @@ def _paged_state_entries(cfg: TrainConfig, tracker: Any, optimizer: Any) -> set[
 
 def _replay_reserved(cfg: TrainConfig, tracker: Any, paged: set[int]) -> int | None:
     """``torch.cuda.max_memory_reserved()`` of the traced step: its allocations and frees, without the paged state
-    (:func:`_paged_state_entries`), after the cuBLAS workspace, replayed through the caching allocator model.
+    (:func:`_paged_state_entries`), after the cuBLAS workspace, replayed through the caching allocator model; FSDP2's
+    all-gather and reduce-scatter buffers on their own streams, whose cached blocks the compute stream cannot use.
     ``None`` when the run moves memory to the host (:attr:`Estimate.peak_reserved_bytes`)."""
     if cfg.optimizer.cpu_offload or cfg.distributed.cpu_offload or cfg.activation_offloading:
         return None
@@ -283,7 +284,7 @@ def _replay_reserved(cfg: TrainConfig, tracker: Any, paged: set[int]) -> int | N
     for op, entry, nbytes in tracker.allocations:
         if id(entry) in paged:
             continue
-        events.append(("alloc", id(entry), nbytes) if op == "alloc" else ("free", id(entry)))
+        events.append(("alloc", id(entry), nbytes, entry.stream) if op == "alloc" else ("free", id(entry)))
     return replay(events).peak_reserved
 
 
