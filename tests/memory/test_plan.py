@@ -157,20 +157,22 @@ def test_cost_model_counts_paged_and_offloaded_bytes():
 # ----------------------------------------------------------------------------------------------------------------
 
 
+# the least memory-hungry combination of switches (CUDA: paging and activation offloading count)
+LEAST = (
+    "optimizer.name=paged_adamw8bit",
+    "optimizer_in_backward=true",
+    "max_grad_norm=0",
+    "activation_checkpointing=full",
+    "chunked_cross_entropy=8",
+    "activation_offloading=true",
+)
+
+
 @pytest.fixture(scope="module")
 def peaks():
     """Estimated peaks of the tiny model's most and least memory-hungry combinations."""
     most = cached_estimate(tiny())
-    least = cached_estimate(
-        tiny(
-            "optimizer.name=paged_adamw8bit",
-            "optimizer_in_backward=true",
-            "max_grad_norm=0",
-            "activation_checkpointing=full",
-            "chunked_cross_entropy=8",
-            "activation_offloading=true",
-        )
-    )
+    least = cached_estimate(tiny(*LEAST))
     return most.peak_bytes, least.peak_bytes, least
 
 
@@ -341,14 +343,6 @@ LORA = [
     "dtype=bf16",
     "method=lora",
 ]
-LEAST = (
-    "optimizer.name=paged_adamw8bit",
-    "optimizer_in_backward=true",
-    "max_grad_norm=0",
-    "activation_checkpointing=full",
-    "chunked_cross_entropy=8",
-    "activation_offloading=true",
-)
 
 
 def lora(*extra: str):
