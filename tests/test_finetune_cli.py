@@ -293,3 +293,30 @@ def test_qlora_adapter_only_export_is_the_trained_lora(runs, tmp_path):
     for name, tensor in trained.items():  # PEFT's names: base_model.model.<module>.lora_A.weight
         module, which = name.rsplit(".", 1)
         assert torch.equal(exported[f"{PEFT_PREFIX}{module}.{which}.weight"], tensor), name
+
+
+def test_resume_with_dropout_is_exact(hf_checkpoint, tmp_path):
+    """LoRA dropout draws from the global generator, whose state a checkpoint restores: a QLoRA run with dropout
+    resumed from step 3 gives steps 4-6 of the uninterrupted run exactly (nothing between the restore and the first
+    step may draw from it: the CPU matmul probe behind mfu used to)."""
+    extra = {
+        "method": "qlora",
+        "optimizer.lr": LR["qlora"],
+        "lora.dropout": 0.05,
+        "max_steps": 6,
+        "eval_every": 3,
+        "checkpoint_every": 3,
+        "sample.max_new_tokens": 0,
+    }
+    from memfit import flops
+
+    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
+    flops._CPU_PROBE.clear()  # each run probes, as a fresh process does
+    assert main(["finetune", *finetune_overrides(hf_checkpoint, whole, **extra)]) == 0
+    shutil.copytree(whole, resumed)
+    shutil.rmtree(resumed / "checkpoints" / "step_00000006")
+    flops._CPU_PROBE.clear()
+    assert main(["finetune", *finetune_overrides(hf_checkpoint, resumed, resume="true", **extra)]) == 0
+    keys = ("step", "loss", "lr", "grad_norm", "val_loss")
+    records = [[{k: r[k] for k in keys if k in r} for r in read_metrics(out)] for out in (whole, resumed)]
+    assert records[0] == records[1] and len(records[0]) >= 6

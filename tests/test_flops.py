@@ -48,8 +48,13 @@ def test_a_frozen_base_costs_two_forwards():
 def test_peak_flops_configured_table_and_cpu_probe(monkeypatch):
     cpu = torch.device("cpu")
     assert flops.peak_flops_per_second(cpu, "fp32", configured=5e9) == 5e9
+    flops._CPU_PROBE.clear()
+    torch.manual_seed(3)
+    state = torch.get_rng_state()
     probe = flops.peak_flops_per_second(cpu, "fp32")
     assert probe == flops.cpu_matmul_flops_per_second("fp32") and probe > 1e8  # measured once per process
+    # the probe draws from its own generator: dropout masks (and a resumed run's restored state) are untouched
+    assert torch.equal(torch.get_rng_state(), state)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
     cuda = torch.device("cuda")
     assert flops.peak_flops_per_second(cuda, "bf16_mixed") == 989e12

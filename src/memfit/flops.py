@@ -90,12 +90,16 @@ def peak_flops_per_second(device: torch.device, dtype: str, configured: float = 
 
 def cpu_matmul_flops_per_second(dtype: str = "fp32") -> float:
     """The best rate of a 1024 x 1024 x 1024 matmul on this process's CPU threads (best of 5, after a warm-up):
-    the ceiling the training step's matmuls can reach. Measured once per process and thread count."""
+    the ceiling the training step's matmuls can reach. Measured once per process and thread count, on operands
+    drawn from a generator of its own: the global random state (dropout masks, a resumed run's restored state) is
+    left as it was."""
     key = (torch.get_num_threads(), "fp32" if dtype == "fp32" else "bf16")
     if key not in _CPU_PROBE:
         tdtype = torch.float32 if dtype == "fp32" else torch.bfloat16
         n = 1024 if dtype == "fp32" else 256  # bf16 has no matrix units on most CPUs: a small probe
-        a, b = torch.randn(n, n, dtype=tdtype), torch.randn(n, n, dtype=tdtype)
+        generator = torch.Generator().manual_seed(0)
+        a = torch.randn(n, n, dtype=tdtype, generator=generator)
+        b = torch.randn(n, n, dtype=tdtype, generator=generator)
         torch.mm(a, b)
         best = float("inf")
         for _ in range(5):
