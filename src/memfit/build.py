@@ -180,6 +180,24 @@ def quantize_while_loading(name: str, tensor: torch.Tensor) -> torch.Tensor:
     return quantized
 
 
+def _check_nf4_sharding(model: Llama, world_size: int) -> None:
+    try:
+        peft.check_nf4_sharding(model, world_size)
+    except ValueError as exc:
+        raise ConfigError(f"config key 'method': {exc}") from None
+
+
+def check_sharding(cfg: TrainConfig, world_size: int) -> None:
+    """What of a sharded run's validity needs the architecture (read from ``checkpoint_dir``'s config, no weight):
+    QLoRA's NF4 weights must split evenly over the ranks. For a launcher to refuse before any rank starts.
+
+    Raises:
+        ConfigError: naming ``method`` and the first weight that does not split.
+    """
+    if world_size > 1 and cfg.method == "qlora":
+        _check_nf4_sharding(build_model(cfg, run_model_config(cfg), torch.device("meta")), world_size)
+
+
 def initial_parameters(
     cfg: TrainConfig, mcfg: LlamaConfig, model: Llama, device: torch.device
 ) -> Iterator[tuple[str, torch.Tensor]]:
@@ -284,10 +302,7 @@ def build_training(
     num_params = sum(p.numel() for p in model.parameters())
     num_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     if world_size > 1:
-        try:
-            peft.check_nf4_sharding(model, world_size)
-        except ValueError as exc:
-            raise ConfigError(f"config key 'method': {exc}") from None
+        _check_nf4_sharding(model, world_size)
         model = dist_.shard_model(model, cfg, torch.device("cpu") if fake_mode is not None else device)
     with fake_mode if fake_mode is not None else contextlib.nullcontext():
         if fake_mode is not None:

@@ -33,7 +33,7 @@ from typing import Any
 import yaml
 
 from memfit import __version__, distributed, launch, storage
-from memfit.build import load_for_generation, resolve_device
+from memfit.build import check_sharding, load_for_generation, resolve_device
 from memfit.config import (
     PrepareConfig,
     describe_keys,
@@ -69,6 +69,7 @@ def _pretrain(args: argparse.Namespace) -> int:
     if nproc is not None:
         launch.check_nproc(nproc, device_type)
     if relaunch:
+        check_sharding(cfg, nproc)  # before any rank starts, as validation
         launch.set_worker_threads(nproc, device_type)
         return launch.run_torchrun(launch.torchrun_args(nproc, args.verb, args.config, overrides))
     try:

@@ -554,11 +554,24 @@ def check_nf4_sharding(model: nn.Module, world_size: int) -> None:
             continue
         block, scaler_block = nf4_layout(p.shape)
         groups = math.prod(p.shape) // block // scaler_block
-        if p.shape[0] % world_size or groups % world_size:
+        parts = []
+        if p.shape[0] % world_size:
+            parts.append(f"its {p.shape[0]} rows")
+        if groups % world_size:
+            parts.append(
+                f"its {groups} group{'s' if groups != 1 else ''} of {scaler_block} block scales (one scale of the "
+                f"scales each)"
+            )
+        if parts:
+            most = math.gcd(p.shape[0], groups)
+            fewer = (
+                f"Use a number of ranks that divides {most}, or "
+                if most > 1
+                else "Train it in one process, or "
+            )
             raise ValueError(
                 f"QLoRA's NF4 weight '{name}' {tuple(p.shape)} does not split evenly over {world_size} ranks: "
-                f"FSDP2 needs its {p.shape[0]} rows and its {groups} groups of {scaler_block} block scales to be "
-                f"multiples of {world_size}. Use fewer ranks, or method=lora for a model this small"
+                f"FSDP2 splits {' and '.join(parts)} in equal parts. {fewer}use method=lora for a model this small"
             )
 
 

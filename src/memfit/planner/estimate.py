@@ -435,6 +435,7 @@ def _switches(cfg: TrainConfig) -> dict[str, Any]:
     return {
         "model": cfg.model if cfg.checkpoint_dir is None else str(cfg.checkpoint_dir),
         "method": cfg.method,
+        "device": "cuda" if cfg.device == "cuda" else "cpu",
         "dtype": cfg.dtype,
         "optimizer": cfg.optimizer.name,
         "optimizer_implementation": cfg.optimizer.implementation,

@@ -40,7 +40,8 @@ def format_estimate(e: Estimate) -> str:
             f"peak reserved{ranks}: {e.peak_reserved_bytes / size:.2f} {unit} (the caching allocator's segments: "
             f"+{(e.peak_reserved_bytes - e.peak_bytes) / size:.2f} {unit} of rounding, cache and cuBLAS workspace)"
         )
-    lines.append(f"device total (as the driver shows it): {e.device_total_bytes / size:.2f} {unit}")
+    if e.config.get("device") == "cuda":
+        lines.append(f"device total (as the driver shows it): {e.device_total_bytes / size:.2f} {unit}")
     lines.append(f"host memory kept there by design: {e.host_bytes / size:.2f} {unit}")
     for k, v in e.unseen.items():
         lines.append(f"  {k}: {v / size:.2f} {unit}")
