@@ -194,7 +194,8 @@ def test_estimate_report_is_in_mib_below_one_gib_and_in_gib_above():
     assert f"peak memory: {e.peak_bytes / MIB:.2f} MiB (allocator), in {e.phase}" in text
     assert "device total" not in text  # no driver on a CPU: its total is the peak
     e = dataclasses.replace(e, config={**e.config, "device": "cuda"})
-    assert f"device total (as the driver shows it): {e.device_total_bytes / MIB:.2f} MiB" in format_estimate(e)
+    on_cuda = format_estimate(e)
+    assert f"device total (as the driver shows it): {e.device_total_bytes / MIB:.2f} MiB" in on_cuda
     # the predicted peak RSS has its own unit: it includes this (test) process's resident set, which may be GiB
     assert "GiB" not in "\n".join(line for line in text.splitlines() if "host peak RSS" not in line)
     big = dataclasses.replace(
