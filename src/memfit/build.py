@@ -13,7 +13,6 @@ weights is :func:`run_model_config`.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -379,9 +378,7 @@ def load_for_generation(
         model = build_llama(mcfg, device=device, dtype=dtype, init=False)
     else:  # the frozen base, then the method's weights from the checkpoint
         check_base(cfg, state, ckpt)
-        model = load_base(
-            dataclasses.replace(cfg, dtype="bf16" if dtype == torch.bfloat16 else "fp32"), device
-        )
+        model = load_base(cfg, device)  # the dtype policy's parameter dtype, as `dtype` above
         apply_method(model, cfg)
     ckpt_io.load_weights(ckpt, model)
     model.eval()

@@ -615,6 +615,14 @@ def empty_nf4(shape: Sequence[int], dtype: torch.dtype, device: torch.device | s
 
     For the meta device and for the estimator's fake tensors (inside a ``FakeTensorMode`` they are fake).
 
+    Args:
+        shape: the weight's shape, e.g. ``(out, in)``.
+        dtype: the dtype it dequantizes to (that of the scales of the scales, their mean and the code table).
+        device: where the inner tensors go.
+
+    Returns:
+        An ``NF4Tensor`` whose inner tensors hold exactly :func:`nf4_bytes` bytes.
+
     Raises:
         ValueError: as :func:`nf4_layout`.
     """
@@ -626,7 +634,7 @@ def empty_nf4(shape: Sequence[int], dtype: torch.dtype, device: torch.device | s
     # one group: torchao's scale of the scales is a view of scaler_block elements (see nf4_bytes)
     factor = torch.empty(scaler_block if groups == 1 else groups, dtype=dtype, device=device)[:groups]
     meta = nf4.SubclassTensorArgs(
-        torch.Size(shape), _contiguous_strides(shape), 0, dtype, torch.device(device), False
+        torch.Size(shape), torch.empty(shape, device="meta").stride(), 0, dtype, torch.device(device), False
     )
     return nf4.NF4Tensor(
         meta,
@@ -639,14 +647,6 @@ def empty_nf4(shape: Sequence[int], dtype: torch.dtype, device: torch.device | s
         torch.empty(numel // 2, dtype=torch.uint8, device=device),  # quantized_data
         torch.empty(NF4_LUT_SIZE, dtype=dtype, device=device),  # nf4 code table
     )
-
-
-def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= size
-    return tuple(reversed(strides))
 
 
 def is_qlora_quantized(name: str) -> bool:
