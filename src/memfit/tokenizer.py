@@ -671,6 +671,7 @@ class TiktokenTokenizer(_TiktokenBacked):
         special_tokens_from: The file ``special_tokens`` comes from, for error messages.
         bos_token, eos_token: Texts of BOS and EOS among the special tokens, or ``None`` for none; ``...``: the
             tokens at ids n and n + 1.
+        bos_eos_from: The file ``bos_token`` / ``eos_token`` come from, for error messages.
         add_bos: Whether the model reads a text with BOS first (Llama 3 does, as Meta's reference encodes it).
 
     Raises:
@@ -689,6 +690,7 @@ class TiktokenTokenizer(_TiktokenBacked):
         special_tokens_from: str = "",
         bos_token: str | None | EllipsisType = ...,
         eos_token: str | None | EllipsisType = ...,
+        bos_eos_from: str = "",
         add_bos: bool = True,
     ):
         ranks = parse_tiktoken_ranks(ranks_file, source)
@@ -704,7 +706,7 @@ class TiktokenTokenizer(_TiktokenBacked):
         for what, token in (("bos_token", self._bos_token), ("eos_token", self._eos_token)):
             if token is not None and token not in self._specials:
                 raise TokenizerError(
-                    f"'{special_tokens_from or source}': {what} {token!r} is not one of the special tokens of "
+                    f"'{bos_eos_from or source}': {what} {token!r} is not one of the special tokens of "
                     f"'{source}' (ids {n}..{n + LLAMA3_NUM_SPECIAL - 1})"
                 )
         self._add_bos = add_bos
@@ -1050,8 +1052,9 @@ def _load_hf(path: Path, memfit: dict[str, Any] | None = None) -> HFTokenizer:
             named = (
                 next((t for t in _BOS_NAMES if t in specials), None),
                 next((t for t in _EOS_NAMES if t in specials), None),
+                path,
             )
-        bos, eos = named
+        bos, eos, _ = named
         extra = _hf_extra_specials(path.parent)
         add_bos = None  # as the post-processor does; transformers 5 reads add_bos_token only without one
         flag = _add_bos_entry(_hf_config(path.parent), "add_bos_token", path.parent / CONFIG_NAME)
@@ -1085,14 +1088,15 @@ def _add_bos_entry(config: dict[str, Any], key: str, where: Path) -> bool | None
     return value
 
 
-def _hf_bos_eos(directory: Path) -> tuple[Any, Any] | None:
-    """BOS/EOS entries of a Hugging Face ``tokenizer_config.json`` or else ``special_tokens_map.json``, if any."""
+def _hf_bos_eos(directory: Path) -> tuple[Any, Any, Path] | None:
+    """BOS/EOS entries of a Hugging Face ``tokenizer_config.json`` or else ``special_tokens_map.json``, if any,
+    and that file."""
     for name in (CONFIG_NAME, "special_tokens_map.json"):
         cfg_path = directory / name
         if cfg_path.is_file():
             cfg = _read_json(cfg_path)
             if isinstance(cfg, dict) and ("bos_token" in cfg or "eos_token" in cfg):
-                return cfg.get("bos_token"), cfg.get("eos_token")
+                return cfg.get("bos_token"), cfg.get("eos_token"), cfg_path
     return None
 
 
@@ -1123,7 +1127,8 @@ def _hf_beside(directory: Path) -> dict[str, Any]:
         out["special_tokens"], out["special_tokens_from"] = names, str(where)
     named = _hf_bos_eos(directory)
     if named is not None:
-        out["bos_token"], out["eos_token"] = (_token_text(t) for t in named)
+        out["bos_token"], out["eos_token"] = _token_text(named[0]), _token_text(named[1])
+        out["bos_eos_from"] = str(named[2])
     add_bos = _add_bos_entry(config, "add_bos_token", directory / CONFIG_NAME)
     if add_bos is not None:
         out["add_bos"] = add_bos
