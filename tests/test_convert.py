@@ -339,6 +339,8 @@ def test_exported_tokenizer_loads_in_transformers_with_the_same_ids(tmp_path, ki
     hf_tok = transformers.AutoTokenizer.from_pretrained(out)
     text = TEXT.replace("<|eot_id|>", "")  # (transformers turns special-token text into the special id)
     assert hf_tok.encode(text, add_special_tokens=False) == tokenizer.encode(text)
+    # a prompt reads in transformers as memfit trained on documents: BOS first
+    assert tokenizer.add_bos and hf_tok(text)["input_ids"] == tokenizer.encode(text, bos=True)
     gen = json.loads((out / "generation_config.json").read_text())
     assert (gen.get("bos_token_id"), gen.get("eos_token_id")) == (tokenizer.bos_id, tokenizer.eos_id)
     assert hf_tok.eos_token_id == tokenizer.eos_id

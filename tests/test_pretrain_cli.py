@@ -248,7 +248,7 @@ def test_sentencepiece_continuation_keeps_its_leading_space():
     model = build_llama(model_config("tiny", vocab_size=tokenizer.vocab_size), seed=0).eval()
     prompt = "What is a llama?"
     text = generate_text(model, tokenizer, prompt, max_new_tokens=8, temperature=0, top_k=0)
-    ids = tokenizer.encode(prompt)
+    ids = tokenizer.encode(prompt, bos=True)  # Llama 2's SentencePiece reads text with BOS first
     with torch.no_grad():
         for _ in range(8):
             nxt = int(model(torch.tensor([ids]))[0, -1, : tokenizer.vocab_size].argmax())

@@ -230,6 +230,90 @@ def test_tiktoken_special_token_layout(tokenizers):
     assert tok.decode([2000, 2006, 2009]) == "<|begin_of_text|><|start_header_id|><|eot_id|>"
 
 
+# Llama 3's (3.0) names of its 256 special ids, as meta-llama/llama3's tokenizer.py and the Hugging Face
+# Meta-Llama-3 tokenizer.json give them; memfit's defaults are Llama 3.1's.
+LLAMA3_0_NAMES = [
+    "<|begin_of_text|>",
+    "<|end_of_text|>",
+    "<|reserved_special_token_0|>",
+    "<|reserved_special_token_1|>",
+    "<|reserved_special_token_2|>",
+    "<|reserved_special_token_3|>",
+    "<|start_header_id|>",
+    "<|end_header_id|>",
+    "<|reserved_special_token_4|>",
+    "<|eot_id|>",
+] + [f"<|reserved_special_token_{i}|>" for i in range(5, 251)]
+
+
+def _llama3_0_dir(tmp_path: Path, file: str) -> Path:
+    """tiktoken_2k.model as tokenizer.model, with a Hugging Face file beside it naming the specials Llama 3's way
+    (and for tokenizer_config.json, Llama-3-Instruct's EOS: <|eot_id|>)."""
+    tmp_path.mkdir(exist_ok=True)
+    shutil.copy(TIKTOKEN_MODEL, tmp_path / "tokenizer.model")
+    if file == "tokenizer_config.json":
+        decoder = {str(2000 + i): {"content": t, "special": True} for i, t in enumerate(LLAMA3_0_NAMES)}
+        config = {
+            "added_tokens_decoder": decoder,
+            "bos_token": "<|begin_of_text|>",
+            "eos_token": "<|eot_id|>",
+        }
+        (tmp_path / file).write_text(json.dumps(config))
+    else:
+        added = [{"id": 2000 + i, "content": t, "special": True} for i, t in enumerate(LLAMA3_0_NAMES)]
+        (tmp_path / file).write_text(json.dumps({"added_tokens": added}))
+    return tmp_path / "tokenizer.model"
+
+
+@pytest.mark.parametrize("file", ["tokenizer_config.json", "tokenizer.json"])
+def test_tiktoken_special_names_come_from_the_file_beside_it(tmp_path, file):
+    tok = load_tokenizer(_llama3_0_dir(tmp_path, file))
+    sp = tok.special_tokens
+    assert sp == {t: 2000 + i for i, t in enumerate(LLAMA3_0_NAMES)}
+    assert sp["<|reserved_special_token_2|>"] == 2004 and sp["<|reserved_special_token_4|>"] == 2008
+    assert "<|eom_id|>" not in sp and "<|python_tag|>" not in sp
+    assert (sp["<|start_header_id|>"], sp["<|eot_id|>"]) == (2006, 2009)  # the ids both namings agree on
+    assert tok.bos_id == 2000 and tok.eos_id == (2009 if file == "tokenizer_config.json" else 2001)
+    assert tok.decode([2004, 2008]) == "<|reserved_special_token_2|><|reserved_special_token_4|>"
+    # special-token text in plain text stays text, whatever the names
+    assert not set(tok.encode("<|reserved_special_token_2|><|eom_id|>")) & set(sp.values())
+    # a memfit checkpoint's copy keeps the names (and so the fingerprint), by directory or by file
+    tok.save(tmp_path / "copy")
+    for again in (load_tokenizer(tmp_path / "copy"), load_tokenizer(tmp_path / "copy" / "tokenizer.model")):
+        assert again.special_tokens == sp and (again.bos_id, again.eos_id) == (tok.bos_id, tok.eos_id)
+        assert again.fingerprint() == tok.fingerprint()
+
+
+def test_tiktoken_bos_eos_from_special_tokens_map(tmp_path):
+    shutil.copy(TIKTOKEN_MODEL, tmp_path / "tokenizer.model")
+    (tmp_path / "special_tokens_map.json").write_text(
+        json.dumps({"bos_token": "<|begin_of_text|>", "eos_token": {"content": "<|eot_id|>"}})
+    )
+    tok = load_tokenizer(tmp_path)
+    assert (tok.bos_id, tok.eos_id) == (2000, 2009) and tok.special_tokens["<|eom_id|>"] == 2008
+
+
+@pytest.mark.parametrize(
+    "config, error",
+    [
+        ({"added_tokens_decoder": {"2256": {"content": "<|extra|>"}}}, "names token id 2256 .* 2000..2255"),
+        (
+            {"added_tokens_decoder": {"2011": {"content": "<|eot_id|>"}}},
+            "'<\\|eot_id\\|>' is then both id 2009 and",
+        ),
+        ({"eos_token": "<|im_end|>"}, "eos_token '<\\|im_end\\|>' is not one of the special tokens"),
+        ({"added_tokens_decoder": ["<|begin_of_text|>"]}, "must map ids to token texts"),
+    ],
+    ids=["outside", "twice", "unknown-eos", "malformed"],
+)
+def test_tiktoken_special_names_that_do_not_fit_name_the_file(tmp_path, config, error):
+    shutil.copy(TIKTOKEN_MODEL, tmp_path / "tokenizer.model")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    with pytest.raises(TokenizerError, match=error) as info:
+        load_tokenizer(tmp_path)
+    assert str(tmp_path / "tokenizer_config.json") in str(info.value)
+
+
 def test_tiktoken_long_whitespace_run(tokenizers):
     """A million spaces overflow tiktoken's regex stack when encoded whole; Meta's cutting avoids it."""
     tok = tokenizers["tiktoken"]

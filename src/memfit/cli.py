@@ -481,7 +481,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="a run's output_dir (newest checkpoint), a checkpoint dir, or a Hugging Face / Meta directory "
         "(required)",
     )
-    g.add_argument("--prompt", default="", help="text to continue (default: empty, start from BOS)")
+    g.add_argument(
+        "--prompt",
+        default="",
+        help="text to continue, read as a training document starts (BOS first where the tokenizer puts one) "
+        "(default: empty)",
+    )
     g.add_argument("--max-new-tokens", type=int, default=200, help="tokens to generate, >= 0 (default: 200)")
     g.add_argument(
         "--temperature", type=float, default=0.8, help="softmax temperature; 0 = greedy (default: 0.8)"

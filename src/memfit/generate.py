@@ -1,6 +1,10 @@
 """Autoregressive sampling from a trained model: temperature, top-k, greedy at temperature 0. ``memfit generate``
 loads the model with :func:`memfit.build.load_for_generation` and samples with :func:`generate_text`.
 
+The model reads a prompt as it read its training data (:func:`prompt_ids`): a plain prompt as the start of a
+document (``[BOS] prompt`` where the tokenizer puts BOS before text, as ``memfit prepare`` does), a templated one as
+fine-tuning rendered it.
+
 Each new token re-runs the model over the (cropped) context: there is no KV cache, which keeps the model file
 architecture-only and is fast enough for the small models memfit samples from at the end of a run.
 """
@@ -72,6 +76,30 @@ def generate(
     return ids
 
 
+def prompt_ids(tokenizer, prompt: str, template: str | None = None) -> list[int]:
+    """The ids the model is fed for ``prompt``.
+
+    Args:
+        tokenizer: the model's tokenizer.
+        prompt: text to continue, or with ``template`` the user's message.
+        template: a prompt template of :mod:`memfit.data.instruct`, or ``None`` for plain continuation.
+
+    Returns:
+        Without a template, the first ids of a training document with this text as ``memfit prepare`` writes it:
+        ``[BOS] + encode(prompt)`` where the tokenizer puts BOS before text (:attr:`Tokenizer.add_bos`), else
+        ``encode(prompt)``; an empty prompt so is ``[EOS]`` (what precedes a document in such data), or ``[BOS]``
+        or ``[0]`` where there is none. With a template, the rendering of one user turn up to the reply, as in
+        fine-tuning (:func:`memfit.data.instruct.encode_prompt`): the template writes its own BOS, once.
+    """
+    if template is not None:
+        return encode_prompt([{"role": "user", "content": prompt}], template, tokenizer)
+    ids = tokenizer.encode(prompt, bos=tokenizer.add_bos)
+    if not ids:
+        start = tokenizer.eos_id if tokenizer.eos_id is not None else tokenizer.bos_id
+        ids = [start if start is not None else 0]
+    return ids
+
+
 def generate_text(
     model: Llama,
     tokenizer,
@@ -98,17 +126,13 @@ def generate_text(
 
     Returns:
         Without a template: ``prompt`` exactly as given, followed by the generated text. With one: the reply only.
-        Special tokens are left out; an empty prompt without a template starts from BOS.
+        Special tokens are left out. The model is fed :func:`prompt_ids`.
     """
     device = next(model.parameters()).device
-    if template is not None:
-        ids = encode_prompt([{"role": "user", "content": prompt}], template, tokenizer)
-        stop: int | list[int] | None = stop_token_ids(template, tokenizer)
-    else:
-        ids = tokenizer.encode(prompt)
-        stop = tokenizer.eos_id
-    if not ids:
-        ids = [tokenizer.bos_id if tokenizer.bos_id is not None else 0]
+    ids = prompt_ids(tokenizer, prompt, template)
+    stop: int | list[int] | None = (
+        stop_token_ids(template, tokenizer) if template is not None else tokenizer.eos_id
+    )
     if len(ids) > model.config.max_seq_len:
         warnings.warn(
             f"the prompt has {len(ids)} tokens, more than the model's context of {model.config.max_seq_len}: "
@@ -134,6 +158,6 @@ def generate_text(
         return tokenizer.decode(new_ids)
     # decode prompt and continuation together: SentencePiece drops the space that starts a continuation decoded
     # on its own ("llama?" + "writing" instead of "llama? writing")
-    prompt_ids = [i for i in ids if i not in specials]
-    full, head = tokenizer.decode(prompt_ids + new_ids), tokenizer.decode(prompt_ids)
+    shown = [i for i in ids if i not in specials]
+    full, head = tokenizer.decode(shown + new_ids), tokenizer.decode(shown)
     return prompt + (full[len(head) :] if full.startswith(head) else tokenizer.decode(new_ids))

@@ -7,10 +7,12 @@ Five kinds, each backed by the library that defines it (no BPE is implemented he
   ``tokenizer.json``.
 - ``sentencepiece``: a SentencePiece ``.model`` (Llama 1/2 ``tokenizer.model``).
 - ``tiktoken``: a tiktoken ranks file (Llama 3's ``tokenizer.model``) with Llama 3's split pattern and its 256
-  special tokens appended after the ranks.
+  special tokens appended after the ranks (named by the Hugging Face files beside it, else as Llama 3.1 names
+  them).
 - ``gpt2``: OpenAI's GPT-2 ``encoder.json`` + ``vocab.bpe``, encoded with tiktoken.
 
-Every kind follows the same rules: ``encode`` adds BOS/EOS only when asked, and never turns special-token text
+Every kind follows the same rules: ``encode`` adds BOS/EOS only when asked (``add_bos`` says whether the model
+reads a text with BOS first: what ``memfit prepare`` and ``memfit generate`` do), and never turns special-token text
 that occurs in plain text (``"<|end_of_text|>"``, ``"<s>"``) into special ids; ``decode`` renders every id,
 special tokens included, as its text; ``save(directory)`` writes what :func:`load_tokenizer` needs to rebuild an
 identical tokenizer, plus a ``tokenizer_config.json`` naming the kind. Nothing is ever downloaded.
@@ -27,6 +29,7 @@ import re
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
 from pathlib import Path
+from types import EllipsisType
 from typing import Any
 
 from memfit.errors import TokenizerError
@@ -121,10 +124,24 @@ class Tokenizer(ABC):
         """Id of the end-of-sequence token, or ``None`` when the tokenizer has none."""
         return None if self._eos_token is None else self._specials[self._eos_token]
 
+    @property
+    def add_bos(self) -> bool:
+        """Whether the model reads a text with BOS first, as the tokenizer's own library encodes it: ``memfit
+        prepare`` writes each document as ``[BOS] ids [EOS]`` and ``memfit generate`` feeds ``[BOS] prompt``
+        exactly when this is true (else ``ids [EOS]`` and ``prompt``). False without a BOS token.
+
+        True for memfit's own tokenizers (char, a trained BPE), Meta's ``tokenizer.model`` files (Llama 2 and 3
+        are trained and sampled with BOS) and GPT-2's files (``<|endoftext|>``, the separator GPT-2 saw before
+        every document); a Hugging Face ``tokenizer.json`` says by its post-processor, a ``tokenizer_config.json``
+        beside a ``tokenizer.model`` by ``add_bos_token`` (see :func:`load_tokenizer`).
+        """
+        return self._add_bos and self.bos_id is not None
+
     # Set by every subclass: special token text -> id, and the texts of BOS/EOS (keys of _specials) or None.
     _specials: dict[str, int]
     _bos_token: str | None = None
     _eos_token: str | None = None
+    _add_bos: bool = True
 
     def encode(self, text: str, bos: bool = False, eos: bool = False) -> list[int]:
         """Encode text to ids.
@@ -185,7 +202,10 @@ class Tokenizer(ABC):
             probe = self._encode(_FINGERPRINT_PROBE)
         finally:
             log.disabled = disabled
-        data = json.dumps([self.kind, self.vocab_size, sorted(self.special_tokens.items()), probe])
+        what = [self.kind, self.vocab_size, sorted(self.special_tokens.items()), probe]
+        if self.bos_id is not None and not self.add_bos:  # marked only then: others keep their fingerprints
+            what.append("no BOS before text")
+        data = json.dumps(what)
         return hashlib.sha256(data.encode("utf-8")).hexdigest()[:16]
 
     def decode(self, ids: Sequence[int]) -> str:
@@ -216,7 +236,8 @@ class Tokenizer(ABC):
         """Write this tokenizer to ``directory`` so that ``load_tokenizer(directory)`` rebuilds it identically.
 
         Writes the kind's model files (copies of the original bytes for sentencepiece, tiktoken and gpt2) and
-        ``tokenizer_config.json`` with ``kind``, ``bos_token``, ``eos_token`` and ``vocab_size``.
+        ``tokenizer_config.json`` with ``kind``, ``bos_token``, ``eos_token``, ``add_bos`` and ``vocab_size``
+        (and for tiktoken the names of its special tokens, ``special_tokens``).
 
         Args:
             directory: Created if missing; files of the same names in it are replaced.
@@ -230,6 +251,7 @@ class Tokenizer(ABC):
             "kind": self.kind,
             "bos_token": self._bos_token,
             "eos_token": self._eos_token,
+            "add_bos": self.add_bos,
             "vocab_size": self.vocab_size,
         }
         config.update(self._save_files(directory))
@@ -238,7 +260,7 @@ class Tokenizer(ABC):
     def __repr__(self) -> str:
         return (
             f"{type(self).__name__}(kind={self.kind!r}, vocab_size={self.vocab_size}, "
-            f"bos_id={self.bos_id}, eos_id={self.eos_id})"
+            f"bos_id={self.bos_id}, eos_id={self.eos_id}, add_bos={self.add_bos})"
         )
 
     @abstractmethod
@@ -346,7 +368,8 @@ class HFTokenizer(Tokenizer):
     """A Hugging Face `tokenizers` tokenizer (a trained byte-level BPE, or any ``tokenizer.json``).
 
     Encodes without the tokenizer's post-processor (Llama 3's ``tokenizer.json`` would add BOS by itself), and
-    with special tokens split as text, so BOS/EOS come only from ``encode(bos=..., eos=...)``.
+    with special tokens split as text, so BOS/EOS come only from ``encode(bos=..., eos=...)``. The post-processor
+    says ``add_bos``: whether it puts BOS first, as transformers encodes a prompt.
 
     Args:
         tokenizer: The ``tokenizers.Tokenizer``.
@@ -355,6 +378,9 @@ class HFTokenizer(Tokenizer):
         extra_special_tokens: Tokens of the vocabulary to treat as special although ``tokenizer.json`` does not
             mark them so (a Hugging Face ``tokenizer_config.json`` may list them); tokens not in the vocabulary
             are ignored.
+        add_bos: Whether the model reads a text with BOS first; ``None``: as the post-processor does. Where the
+            post-processor does otherwise it is replaced by one that does this, so that the saved
+            ``tokenizer.json`` encodes alike in transformers.
 
     Raises:
         TokenizerError: ``bos_token`` or ``eos_token`` is not in the vocabulary.
@@ -368,8 +394,9 @@ class HFTokenizer(Tokenizer):
         bos_token: str | None,
         eos_token: str | None,
         extra_special_tokens: Sequence[str] = (),
+        add_bos: bool | None = None,
     ):
-        from tokenizers import AddedToken  # deferred: each backend is imported only when it is used
+        from tokenizers import AddedToken, processors  # deferred: each backend is imported when used
 
         self._tok = tokenizer
         # Special tokens written in the text are encoded as text (the setting is not saved in tokenizer.json).
@@ -387,6 +414,16 @@ class HFTokenizer(Tokenizer):
             if token is not None:
                 self._specials.setdefault(token, vocab[token])
         self._bos_token, self._eos_token = bos_token, eos_token
+        first = _bos_first(tokenizer, bos_token)
+        self._add_bos = first if add_bos is None else add_bos
+        if self.add_bos != first:
+            if self.add_bos:
+                single, pair = f"{bos_token}:0 $A:0", f"{bos_token}:0 $A:0 {bos_token}:1 $B:1"
+            else:
+                single, pair = "$A:0", "$A:0 $B:1"
+            tokenizer.post_processor = processors.TemplateProcessing(
+                single=single, pair=pair, special_tokens=[(bos_token, self.bos_id)] if self.add_bos else []
+            )
 
     @property
     def vocab_size(self) -> int:
@@ -412,11 +449,23 @@ class HFTokenizer(Tokenizer):
         return {}
 
 
+def _bos_first(tokenizer: Any, bos_token: str | None) -> bool:
+    """Whether a ``tokenizers.Tokenizer``'s post-processor puts ``bos_token`` first (what it adds with
+    ``add_special_tokens=True``, as transformers encodes a text)."""
+    bos_id = None if bos_token is None else tokenizer.token_to_id(bos_token)
+    if bos_id is None:
+        return False
+    plain = tokenizer.encode("a", add_special_tokens=False).ids
+    full = tokenizer.encode("a", add_special_tokens=True).ids
+    return full[:1] == [bos_id] and full[1 : 1 + len(plain)] == plain
+
+
 def train_bpe(texts: Iterable[str], vocab_size: int) -> Tokenizer:
     """Train a byte-level BPE with `tokenizers` (GPT-2's byte-level pre-tokenizer and decoder).
 
     The vocabulary is ``<|begin_of_text|>`` (BOS, id 0), ``<|end_of_text|>`` (EOS, id 1), the 256 bytes, then
-    merges learned from ``texts`` only. Every string round-trips: ``decode(encode(s)) == s``. The same texts and
+    merges learned from ``texts`` only. Texts are read with BOS first (its post-processor adds it, as in Llama 3's
+    ``tokenizer.json``). Every string round-trips: ``decode(encode(s)) == s``. The same texts and
     size give the same tokenizer.
 
     Args:
@@ -449,7 +498,7 @@ def train_bpe(texts: Iterable[str], vocab_size: int) -> Tokenizer:
         show_progress=False,
     )
     tok.train_from_iterator(texts, trainer=trainer)
-    return HFTokenizer(tok, BPE_BOS, BPE_EOS)
+    return HFTokenizer(tok, BPE_BOS, BPE_EOS, add_bos=True)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -467,6 +516,8 @@ class SentencePieceTokenizer(Tokenizer):
     Args:
         model: The serialized model (the bytes of the ``.model`` file).
         source: Where the bytes came from, for error messages.
+        add_bos: Whether the model reads a text with BOS first (Llama 1/2 do, as Meta's reference and
+            transformers' ``LlamaTokenizer`` encode it).
 
     Raises:
         TokenizerError: The bytes are not a SentencePiece model.
@@ -474,7 +525,7 @@ class SentencePieceTokenizer(Tokenizer):
 
     kind = "sentencepiece"
 
-    def __init__(self, model: bytes, source: str = "<bytes>"):
+    def __init__(self, model: bytes, source: str = "<bytes>", add_bos: bool = True):
         import sentencepiece as spm  # deferred: each backend is imported only when it is used
 
         try:
@@ -489,6 +540,7 @@ class SentencePieceTokenizer(Tokenizer):
         self._specials = {sp.id_to_piece(i): i for i in range(n) if i in self._control or sp.is_unknown(i)}
         self._bos_token = sp.id_to_piece(sp.bos_id()) if sp.bos_id() >= 0 else None
         self._eos_token = sp.id_to_piece(sp.eos_id()) if sp.eos_id() >= 0 else None
+        self._add_bos = add_bos
 
     @property
     def vocab_size(self) -> int:
@@ -603,28 +655,61 @@ class _TiktokenBacked(Tokenizer):
 class TiktokenTokenizer(_TiktokenBacked):
     """A tiktoken ranks file read as Llama 3's tokenizer (Meta's ``tokenizer.model`` for Llama 3, 3.1, 3.2).
 
-    Llama 3's split pattern, and its 256 special tokens at ids ``n`` .. ``n + 255`` after the ``n`` ranks, laid
-    out as Meta's llama-models does: ``<|begin_of_text|>`` (BOS) = n, ``<|end_of_text|>`` (EOS) = n + 1,
-    ``<|start_header_id|>`` = n + 6, ``<|end_header_id|>`` = n + 7, ``<|eom_id|>`` = n + 8, ``<|eot_id|>`` = n + 9,
-    ``<|python_tag|>`` = n + 10. ``vocab_size`` = n + 256 (128256 for Llama 3).
+    Llama 3's split pattern, and its 256 special tokens at ids ``n`` .. ``n + 255`` after the ``n`` ranks. The
+    file holds no names for them: ``special_tokens`` gives them (a Hugging Face file beside it, see
+    :func:`load_tokenizer`), else they are named as Meta's llama-models names Llama 3.1's
+    (:data:`LLAMA3_SPECIAL_TOKENS`): ``<|begin_of_text|>`` (BOS) = n, ``<|end_of_text|>`` (EOS) = n + 1,
+    ``<|finetune_right_pad_id|>`` = n + 4, ``<|step_id|>`` = n + 5, ``<|start_header_id|>`` = n + 6,
+    ``<|end_header_id|>`` = n + 7, ``<|eom_id|>`` = n + 8, ``<|eot_id|>`` = n + 9, ``<|python_tag|>`` = n + 10,
+    ``<|reserved_special_token_{k}|>`` for the others. ``vocab_size`` = n + 256 (128256 for Llama 3).
 
     Args:
         ranks_file: The bytes of the ranks file.
         source: Where the bytes came from, for error messages.
+        special_tokens: Names of special ids, ``{id: text}`` (a file's; ids it leaves out keep Llama 3.1's
+            names).
+        special_tokens_from: The file ``special_tokens`` comes from, for error messages.
+        bos_token, eos_token: Texts of BOS and EOS among the special tokens, or ``None`` for none; ``...``: the
+            tokens at ids n and n + 1.
+        bos_eos_from: The file ``bos_token`` / ``eos_token`` come from, for error messages.
+        add_bos: Whether the model reads a text with BOS first (Llama 3 does, as Meta's reference encodes it).
 
     Raises:
-        TokenizerError: The bytes are not a tiktoken ranks file.
+        TokenizerError: The bytes are not a tiktoken ranks file; ``special_tokens`` names an id outside n ..
+            n + 255 or one text twice; ``bos_token`` or ``eos_token`` is not a special token.
     """
 
     kind = "tiktoken"
 
-    def __init__(self, ranks_file: bytes, source: str = "<bytes>"):
+    def __init__(
+        self,
+        ranks_file: bytes,
+        source: str = "<bytes>",
+        *,
+        special_tokens: dict[int, str] | None = None,
+        special_tokens_from: str = "",
+        bos_token: str | None | EllipsisType = ...,
+        eos_token: str | None | EllipsisType = ...,
+        bos_eos_from: str = "",
+        add_bos: bool = True,
+    ):
         ranks = parse_tiktoken_ranks(ranks_file, source)
         n = len(ranks)
-        self._specials = {t: n + i for i, t in enumerate(LLAMA3_SPECIAL_TOKENS)}
+        names = list(LLAMA3_SPECIAL_TOKENS)
+        if special_tokens:
+            names = _name_specials(names, n, special_tokens, special_tokens_from or source)
+        self._specials = {t: n + i for i, t in enumerate(names)}
         self._enc = _tiktoken_encoding(Path(source).name, LLAMA3_PATTERN, ranks, self._specials)
         self._data = ranks_file
-        self._bos_token, self._eos_token = LLAMA3_SPECIAL_TOKENS[0], LLAMA3_SPECIAL_TOKENS[1]
+        self._bos_token = names[0] if bos_token is ... else bos_token
+        self._eos_token = names[1] if eos_token is ... else eos_token
+        for what, token in (("bos_token", self._bos_token), ("eos_token", self._eos_token)):
+            if token is not None and token not in self._specials:
+                raise TokenizerError(
+                    f"'{bos_eos_from or source}': {what} {token!r} is not one of the special tokens of "
+                    f"'{source}' (ids {n}..{n + LLAMA3_NUM_SPECIAL - 1})"
+                )
+        self._add_bos = add_bos
 
     def _encode(self, text: str) -> list[int]:
         ids: list[int] = []
@@ -640,7 +725,30 @@ class TiktokenTokenizer(_TiktokenBacked):
 
     def _save_files(self, directory: Path) -> dict[str, Any]:
         (directory / "tokenizer.model").write_bytes(self._data)
-        return {}
+        return {"special_tokens": self.special_tokens}
+
+
+def _name_specials(names: list[str], n: int, named: dict[int, str], where: str) -> list[str]:
+    """Llama 3's special names (``names``, for ids n, n + 1, ...) with those a file gives (``named``, id -> text)
+    in their place."""
+    out = list(names)
+    for i, text in sorted(named.items()):
+        if not n <= i < n + len(names):
+            raise TokenizerError(
+                f"'{where}' names token id {i} ({text!r}), but the tiktoken ranks hold {n} tokens and the special "
+                f"ids are {n}..{n + len(names) - 1}: does the file belong to this tokenizer.model?"
+            )
+        out[i - n] = text
+    seen: dict[str, int] = {}
+    for i, text in enumerate(out, n):
+        if text in seen:
+            raise TokenizerError(
+                f"'{where}' names {len(named)} of the special ids {n}..{n + len(names) - 1}, and {text!r} is then "
+                f"both id {seen[text]} and id {i} (a name of the file's, or Llama 3.1's name of an id it leaves "
+                "out); name each special id once"
+            )
+        seen[text] = i
+    return out
 
 
 def _split_long_runs(s: str) -> list[str]:
@@ -775,6 +883,16 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     ``*.model``. A ``.model`` file is a tiktoken ranks file when it is ``<base64> <rank>`` lines, else it must be
     a SentencePiece model.
 
+    Whether texts start with BOS (:attr:`Tokenizer.add_bos`) follows the tokenizer's own library: a
+    ``tokenizer.json`` says by its post-processor (as transformers 5 encodes, whatever ``add_bos_token`` says), a
+    ``tokenizer.model`` by ``add_bos_token`` in a ``tokenizer_config.json`` beside it, else yes (Meta's Llama 2
+    and 3 files).
+
+    A tiktoken ``tokenizer.model`` holds no names for its 256 special ids: they come from the Hugging Face files
+    beside it (``added_tokens_decoder`` of ``tokenizer_config.json``, else ``added_tokens`` of ``tokenizer.json``;
+    BOS/EOS from ``bos_token`` / ``eos_token`` of ``tokenizer_config.json``, else ``special_tokens_map.json``),
+    else they are Llama 3.1's (:class:`TiktokenTokenizer`).
+
     Args:
         path: The directory or file.
 
@@ -853,12 +971,16 @@ def _load_file(path: Path) -> Tokenizer:
 
 
 def _load_model_file(path: Path) -> Tokenizer:
+    config = _hf_config(path.parent, memfit=True)
+    if path.name == "tokenizer.model" and config.get("kind") in ("sentencepiece", "tiktoken"):
+        return _load_memfit(path.parent, config, path.parent / CONFIG_NAME)  # a directory memfit saved
     data = _read_bytes(path)
     first_line = data.split(b"\n", 1)[0]
     if _TIKTOKEN_LINE.match(first_line):
-        return TiktokenTokenizer(data, str(path))
+        return TiktokenTokenizer(data, str(path), **_hf_beside(path.parent))
+    add_bos = _add_bos_entry(_hf_config(path.parent), "add_bos_token", path.parent / CONFIG_NAME)
     try:
-        return SentencePieceTokenizer(data, str(path))
+        return SentencePieceTokenizer(data, str(path), add_bos=add_bos is not False)
     except TokenizerError as e:
         raise TokenizerError(
             f"'{path}' is neither a SentencePiece model nor a tiktoken ranks file ('<base64 token> <rank>' lines); "
@@ -908,8 +1030,9 @@ def _token_text(value: Any) -> str | None:
     return value if isinstance(value, str) else None
 
 
-def _load_hf(path: Path, bos_eos: tuple[Any, Any] | None = None) -> HFTokenizer:
-    """Load a tokenizer.json; BOS/EOS from ``bos_eos`` (config entries) or else from the files beside it."""
+def _load_hf(path: Path, memfit: dict[str, Any] | None = None) -> HFTokenizer:
+    """Load a tokenizer.json; BOS/EOS and ``add_bos`` from ``memfit`` (the config of a directory memfit saved), or
+    else BOS/EOS from the files beside it and ``add_bos`` from the post-processor."""
     from tokenizers import Tokenizer as HFCore  # deferred: each backend is imported only when it is used
 
     data = _read_bytes(path)
@@ -917,25 +1040,99 @@ def _load_hf(path: Path, bos_eos: tuple[Any, Any] | None = None) -> HFTokenizer:
         tok = HFCore.from_str(data.decode("utf-8"))
     except Exception as e:  # tokenizers raises a bare Exception with serde's message
         raise TokenizerError(f"'{path}' is not a valid Hugging Face tokenizer.json: {e}") from e
-    bos, eos = bos_eos if bos_eos is not None else _hf_bos_eos(path.parent, tok)
-    extra = _hf_extra_specials(path.parent) if bos_eos is None else ()
+    add_bos: bool | None
+    if memfit is not None:
+        bos, eos, extra = memfit.get("bos_token"), memfit.get("eos_token"), ()
+        # (a directory saved before the key existed: memfit prepare put BOS first whatever the tokenizer)
+        add_bos = _add_bos_entry(memfit, "add_bos", path.parent / CONFIG_NAME) is not False
+    else:
+        named = _hf_bos_eos(path.parent)
+        if named is None:
+            specials = {t.content for t in tok.get_added_tokens_decoder().values() if t.special}
+            named = (
+                next((t for t in _BOS_NAMES if t in specials), None),
+                next((t for t in _EOS_NAMES if t in specials), None),
+                path,
+            )
+        bos, eos, _ = named
+        extra = _hf_extra_specials(path.parent)
+        add_bos = None  # as the post-processor does; transformers 5 reads add_bos_token only without one
+        flag = _add_bos_entry(_hf_config(path.parent), "add_bos_token", path.parent / CONFIG_NAME)
+        if flag is not None and flag != _bos_first(tok, _token_text(bos)):
+            log.warning(
+                "'%s' sets add_bos_token %s, but '%s' (its post-processor) encodes otherwise: texts are read as "
+                "tokenizer.json encodes them, as transformers 5 does",
+                path.parent / CONFIG_NAME,
+                str(flag).lower(),
+                path,
+            )
     try:
-        return HFTokenizer(tok, _token_text(bos), _token_text(eos), extra)
+        return HFTokenizer(tok, _token_text(bos), _token_text(eos), extra, add_bos=add_bos)
     except TokenizerError as e:
         raise TokenizerError(f"'{path}': {e}") from e
 
 
-def _hf_bos_eos(directory: Path, tok: Any) -> tuple[Any, Any]:
+def _hf_config(directory: Path, memfit: bool = False) -> dict[str, Any]:
+    """The ``tokenizer_config.json`` in ``directory``: Hugging Face's (``{}`` for memfit's, unless ``memfit``)."""
+    path = directory / CONFIG_NAME
+    cfg = _read_json(path) if path.is_file() else None
+    if not isinstance(cfg, dict) or ("kind" in cfg) != memfit:
+        return {}
+    return cfg
+
+
+def _add_bos_entry(config: dict[str, Any], key: str, where: Path) -> bool | None:
+    value = config.get(key)
+    if value is not None and not isinstance(value, bool):
+        raise TokenizerError(f"'{where}': {key} must be true or false, got {value!r}")
+    return value
+
+
+def _hf_bos_eos(directory: Path) -> tuple[Any, Any, Path] | None:
+    """BOS/EOS entries of a Hugging Face ``tokenizer_config.json`` or else ``special_tokens_map.json``, if any,
+    and that file."""
     for name in (CONFIG_NAME, "special_tokens_map.json"):
         cfg_path = directory / name
         if cfg_path.is_file():
             cfg = _read_json(cfg_path)
             if isinstance(cfg, dict) and ("bos_token" in cfg or "eos_token" in cfg):
-                return cfg.get("bos_token"), cfg.get("eos_token")
-    specials = {t.content for t in tok.get_added_tokens_decoder().values() if t.special}
-    bos = next((t for t in _BOS_NAMES if t in specials), None)
-    eos = next((t for t in _EOS_NAMES if t in specials), None)
-    return bos, eos
+                return cfg.get("bos_token"), cfg.get("eos_token"), cfg_path
+    return None
+
+
+def _hf_beside(directory: Path) -> dict[str, Any]:
+    """What the Hugging Face files in ``directory`` say of a ``tokenizer.model`` beside them, as
+    :class:`TiktokenTokenizer` arguments (only those they set): the names of special ids (``added_tokens_decoder``
+    of ``tokenizer_config.json``, else ``added_tokens`` of ``tokenizer.json``), BOS/EOS (``tokenizer_config.json``,
+    else ``special_tokens_map.json``) and ``add_bos`` (``add_bos_token`` of ``tokenizer_config.json``)."""
+    out: dict[str, Any] = {}
+    config = _hf_config(directory)
+    added, where = config.get("added_tokens_decoder"), directory / CONFIG_NAME
+    if not added and (directory / "tokenizer.json").is_file():
+        where = directory / "tokenizer.json"
+        added = _read_json(where)
+        added = added.get("added_tokens") if isinstance(added, dict) else None
+        if isinstance(added, list):
+            added = {t.get("id") if isinstance(t, dict) else None: t for t in added}
+    if added:
+        try:
+            names = {int(i): _token_text(t) for i, t in added.items()}
+        except (AttributeError, TypeError, ValueError):
+            names = {}
+        if not names or not all(isinstance(t, str) for t in names.values()):
+            raise TokenizerError(
+                f"'{where}': its added tokens must map ids to token texts ({{'128000': {{'content': ...}}}} or "
+                "[{'id': 128000, 'content': ...}])"
+            )
+        out["special_tokens"], out["special_tokens_from"] = names, str(where)
+    named = _hf_bos_eos(directory)
+    if named is not None:
+        out["bos_token"], out["eos_token"] = _token_text(named[0]), _token_text(named[1])
+        out["bos_eos_from"] = str(named[2])
+    add_bos = _add_bos_entry(config, "add_bos_token", directory / CONFIG_NAME)
+    if add_bos is not None:
+        out["add_bos"] = add_bos
+    return out
 
 
 def _hf_extra_specials(directory: Path) -> list[str]:
@@ -980,13 +1177,25 @@ def _load_memfit(directory: Path, config: dict[str, Any], config_path: Path) -> 
         except TokenizerError as e:
             raise TokenizerError(f"'{config_path}': {e}") from e
     elif kind == "bpe":
-        tokenizer = _load_hf(need("tokenizer.json"), (config.get("bos_token"), config.get("eos_token")))
+        tokenizer = _load_hf(need("tokenizer.json"), config)
     elif kind == "sentencepiece":
         p = need("tokenizer.model")
-        tokenizer = SentencePieceTokenizer(_read_bytes(p), str(p))
+        add_bos = _add_bos_entry(config, "add_bos", config_path)
+        tokenizer = SentencePieceTokenizer(_read_bytes(p), str(p), add_bos=add_bos is not False)
     elif kind == "tiktoken":
         p = need("tokenizer.model")
-        tokenizer = TiktokenTokenizer(_read_bytes(p), str(p))
+        names = config.get("special_tokens") or {}
+        if not isinstance(names, dict) or not all(isinstance(i, int) for i in names.values()):
+            raise TokenizerError(f"'{config_path}': special_tokens must map token texts to ids")
+        tokenizer = TiktokenTokenizer(
+            _read_bytes(p),
+            str(p),
+            special_tokens={i: t for t, i in names.items()},
+            special_tokens_from=str(config_path),
+            bos_token=config.get("bos_token", ...),
+            eos_token=config.get("eos_token", ...),
+            add_bos=_add_bos_entry(config, "add_bos", config_path) is not False,
+        )
     else:
         tokenizer = _load_gpt2(need("encoder.json"), need("vocab.bpe"))
     expected = config.get("vocab_size")

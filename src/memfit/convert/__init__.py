@@ -386,8 +386,11 @@ def _load_tokenizer(info: PretrainedInfo, config: LlamaConfig) -> tuple[Tokenize
     eos = info.eos_token_ids
     if not eos and tokenizer.eos_id is not None:
         eos = (tokenizer.eos_id,)
-        if info.format == "meta" and tokenizer.kind == "tiktoken":  # Meta stops on these too
-            eos += tuple(tokenizer.special_tokens[t] for t in ("<|eom_id|>", "<|eot_id|>"))
+        if info.format == "meta" and tokenizer.kind == "tiktoken":  # Meta stops on these too (3.0 has no eom)
+            specials = tokenizer.special_tokens
+            eos += tuple(
+                specials[t] for t in ("<|eom_id|>", "<|eot_id|>") if t in specials and specials[t] not in eos
+            )
     return tokenizer, dataclasses.replace(info, bos_token_id=bos, eos_token_ids=eos, notes=tuple(notes))
 
 

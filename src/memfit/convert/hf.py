@@ -543,6 +543,10 @@ def _save_hf_tokenizer(
         extra = [t for t, _ in specials]
     else:
         extra = [t for t, _ in specials if t not in (cfg.get("bos_token"), cfg.get("eos_token"))]
+    if tokenizer.kind != "bpe":  # (a tokenizer.json says by its post-processor, which memfit keeps in step)
+        cfg["add_bos_token"] = (
+            tokenizer.add_bos
+        )  # prompts read in transformers as memfit trained on documents
     if tokenizer.kind in ("bpe", "tiktoken"):
         cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
     elif tokenizer.kind == "gpt2":

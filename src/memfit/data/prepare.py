@@ -12,7 +12,8 @@ Plan of work:
 3. **Units of work**: one per input file. A unit streams its file's documents (in pieces, for long ``.txt``
    files) with their split (:mod:`memfit.data.sources`: a hash of each record's text, the tail of a ``.txt``),
    encodes them in batches of about 1 MiB of text with the tokenizer's batch encoder, and appends
-   ``[BOS] ids [EOS]`` to the split's current shard. A shard pair (``NAME-k.train.bin``, ``NAME-k.val.bin``)
+   ``[BOS] ids [EOS]`` to the split's current shard (``ids [EOS]`` for a tokenizer that reads text without BOS,
+   :attr:`memfit.tokenizer.Tokenizer.add_bos`). A shard pair (``NAME-k.train.bin``, ``NAME-k.val.bin``)
    closes at the first piece boundary that would take the training shard past ``shard_tokens``; its sidecar
    ``NAME-k.json`` (written after both shards are in place) records the input pieces it covers. After a SIGKILL
    the finished pairs are kept: the unit skips the pieces they cover and redoes only the pair it was writing. A
@@ -342,7 +343,7 @@ class _UnitWriter:
             shard_tokens,
         )
         self.dtype = token_dtype(tokenizer.vocab_size)
-        self.bos = [] if tokenizer.bos_id is None else [tokenizer.bos_id]
+        self.bos = [tokenizer.bos_id] if tokenizer.add_bos else []  # as the model will read a prompt
         self.eos = [] if tokenizer.eos_id is None else [tokenizer.eos_id]
         self.pairs = finished
         self.consumed = finished[-1]["input_pieces_end"] if finished else 0  # input documents in closed pairs
@@ -766,7 +767,7 @@ def build_manifest(out: Path, units: list[Unit], tokenizer: Tokenizer, key: dict
         "tokenizer": {
             "kind": tokenizer.kind,
             "vocab_size": tokenizer.vocab_size,
-            "bos_id": tokenizer.bos_id,
+            "bos_id": tokenizer.bos_id if tokenizer.add_bos else None,  # the separators the shards hold
             "eos_id": tokenizer.eos_id,
             "fingerprint": tokenizer.fingerprint(),
         },
