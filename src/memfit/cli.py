@@ -542,13 +542,6 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``memfit`` command. Returns the process exit status."""
     args = build_parser().parse_args(argv)
-    if (
-        getattr(args, "max_new_tokens", 0) < 0
-        or getattr(args, "top_k", 0) < 0
-        or getattr(args, "temperature", 0) < 0
-    ):
-        print("memfit: error: --max-new-tokens, --top-k and --temperature must be >= 0", file=sys.stderr)
-        return 2
     previous = signal.signal(signal.SIGTERM, _terminated)  # SIGTERM stops a run as Ctrl-C does
     try:
         return args.func(args)
