@@ -410,7 +410,8 @@ class TrainConfig:
 
     peak_flops: float = 0.0
     """The device's peak FLOP/s for the run's dtype, the denominator of ``mfu`` in the step records; 0: the GPU's
-    data-sheet peak (:data:`memfit.flops.CUDA_PEAK_FLOPS`) or, on CPU, a matmul probe at the start."""
+    data-sheet peak (:data:`memfit.flops.CUDA_PEAK_FLOPS`) or, on CPU, the best matmul probe measured on this
+    machine (:func:`memfit.flops.cpu_matmul_flops_per_second`)."""
 
     log_every: int = 10
     """Steps between step records (stdout, metrics.jsonl, TensorBoard). Memory peaks are since the last record."""

@@ -35,7 +35,7 @@ from memfit.config import TrainConfig, check_lengths, config_to_dict, show_progr
 from memfit.convert import weights_fingerprint
 from memfit.data.run import RunData, run_data, run_tokenizer
 from memfit.errors import DivergenceError, RunLockedError
-from memfit.flops import peak_flops_per_second, training_flops_per_token
+from memfit.flops import mfu_above_one, peak_flops_per_second, training_flops_per_token
 from memfit.generate import generate_text
 from memfit.memory import host
 from memfit.memory.optim import lr_at
@@ -122,6 +122,7 @@ def _train(cfg: TrainConfig, device: torch.device, cleanup: contextlib.ExitStack
     throughput, run_peak = Throughput(), {}
     flops_per_token = training_flops_per_token(mcfg, seq_len, full=cfg.method == "full")
     peak_flops = peak_flops_per_second(device, cfg.dtype, cfg.peak_flops)
+    mfu_warned = False
     # world_size: a resume on other ranks says what became of the global batch (resume_notes)
     trainer_state = {"config": config_to_dict(cfg), "data_position": "step", "world_size": world}
     if cfg.method != "full":  # the base stays in checkpoint_dir: remember which weights it held
@@ -214,6 +215,13 @@ def _train(cfg: TrainConfig, device: torch.device, cleanup: contextlib.ExitStack
                 "mfu": rate * flops_per_token / peak_flops if peak_flops else None,
                 **dist_.max_over_ranks(memory.read_and_reset()),  # the peaks of the fullest rank
             }
+            if record["mfu"] is not None and record["mfu"] > 1 and not mfu_warned:  # once, saying why
+                mfu_warned = True
+                if main_rank:
+                    achieved = rate * flops_per_token
+                    tqdm.write(
+                        mfu_above_one(record["mfu"], done, achieved, peak_flops, device, cfg.peak_flops)
+                    )
             if tracker is not None:  # sharded: the breakdown of the rank with the highest tracked peak
                 record.update(tracked_memory_fields(tracker))
             run_peak.update(
