@@ -90,6 +90,8 @@ def _train(cfg: TrainConfig, device: torch.device, cleanup: contextlib.ExitStack
         check = preflight(cfg, mcfg, data.longest, device)
         if main_rank:
             tqdm.write(check)
+    elif cfg.memory_budget is not None and main_rank:  # preflight=false wins: nothing is checked
+        tqdm.write(f"note: preflight=false: memory_budget={cfg.memory_budget} is not checked")
     out.mkdir(parents=True, exist_ok=True)  # only now: bad input above leaves no output_dir behind
     if main_rank and cfg.optimizer.warmup_steps >= cfg.max_steps:
         tqdm.write(
