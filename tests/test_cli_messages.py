@@ -31,7 +31,7 @@ from memfit.models.peft import apply_lora
 from memfit.models.presets import model_config
 from memfit.planner.estimate import estimate_run
 from memfit.planner.report import format_estimate
-from memfit.quiet import quiet_torchao_import
+from memfit.quiet import quiet_bitsandbytes_import, quiet_torchao_import
 from memfit.tokenizer import train_bpe
 from memfit.units import GIB, MIB
 
@@ -93,6 +93,19 @@ def test_config_keys_whose_default_needs_words_say_it():
             "--temperature must be >= 0 (0: greedy)",
         ),
         (["generate", "--checkpoint", "CKPT", "--seed", "-1"], "--seed must be in [0, 2**64), got -1"),
+        # each of the three options named with its value (not one line naming all three)
+        (
+            ["generate", "--checkpoint", "CKPT", "--top-k", "-1"],
+            "--top-k must be >= 0 (0: no top-k restriction), got -1\n",
+        ),
+        (
+            ["generate", "--checkpoint", "CKPT", "--max-new-tokens", "-5"],
+            "--max-new-tokens must be >= 0, got -5\n",
+        ),
+        (
+            ["generate", "--checkpoint", "CKPT", "--temperature", "-0.5"],
+            "--temperature must be >= 0 (0: greedy), got -0.5\n",
+        ),
         (["plan", "budget=1GiB", "--top", "0"], "--top must be >= 1 (rows of the table), got 0"),
         (
             ["plan", "budget=1GiB", "--fits", "0"],
@@ -169,6 +182,40 @@ def test_torchao_optimizers_import_without_a_word():
     assert (done.stdout, done.stderr) == ("", "")
 
 
+# A CPU with AVX512-BF16 (where bitsandbytes looks for a 4-bit kernel of the `kernels` package, and logs that it is
+# missing), made of any CPU: bitsandbytes' native library says it has the instructions.
+_AVX512_BF16 = """
+import importlib.machinery, sys
+sys.modules["kernels"] = None  # not installed, or not importable
+class AVX512BF16:
+    def find_spec(self, name, path, target=None):
+        if name != "bitsandbytes.cextension":
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        run = spec.loader.exec_module
+        def exec_module(module):
+            run(module)
+            module.lib.has_avx512bf16_cpu = lambda: True
+        spec.loader.exec_module = exec_module
+        return spec
+sys.meta_path.insert(0, AVX512BF16())
+"""
+
+
+def test_bitsandbytes_optimizers_import_without_a_word():
+    pytest.importorskip("bitsandbytes")
+    code = _AVX512_BF16 + (
+        "from memfit.config import OptimizerConfig\n"
+        "from memfit.memory.optim import _optimizer_class\n"
+        "_optimizer_class(OptimizerConfig(name='adamw8bit'))\n"
+        "import bitsandbytes.backends.cpu.ops as ops\n"
+        # the kernel look-up ran, failed and logged "Failed to load CPU gemm_4bit_forward from kernels-community"
+        "assert ops.gemm_4bit_forward_kernel is None\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert (done.returncode, done.stdout, done.stderr) == (0, "", "")
+
+
 def test_only_torchao_import_notes_are_dropped_and_only_while_importing(caplog):
     with quiet_torchao_import():
         logging.getLogger("torchao").warning("Failed to load /x/_C_mxfp8.so: Could not load this library")
@@ -180,6 +227,16 @@ def test_only_torchao_import_notes_are_dropped_and_only_while_importing(caplog):
     assert [r.getMessage() for r in caplog.records] == [
         "something else",
         "Failed to load /x/_C_mxfp8.so: later",
+    ]
+    caplog.clear()
+    bnb = logging.getLogger("bitsandbytes.backends.cpu.ops")
+    with quiet_bitsandbytes_import():
+        bnb.warning("Failed to load CPU gemm_4bit_forward from kernels-community: No module named 'kernels'.")
+        bnb.warning("something else")
+    bnb.warning("Failed to load CPU gemm_4bit_forward from kernels-community: later")
+    assert [r.getMessage() for r in caplog.records] == [
+        "something else",
+        "Failed to load CPU gemm_4bit_forward from kernels-community: later",
     ]
 
 

@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import collections
+import json
 
 import psutil
 import pytest
 
+from memfit import launch
 from memfit.cli import main
 from memfit.config import load_config
+from memfit.memory import host
 from memfit.metrics import read_records
+from memfit.planner import estimate as estimate_module
 from memfit.planner.estimate import estimate_run
-from memfit.units import GIB, format_bytes
+from memfit.units import GIB, MIB, format_bytes
 
 from .conftest import tiny_run_overrides
 
@@ -56,3 +60,98 @@ def test_the_switch_and_the_cheap_bound(monkeypatch, small_corpus, tmp_path, cap
     assert main(["pretrain", *overrides]) == 0
     out = capsys.readouterr().out
     assert ("pre-flight: fits (bound" in out) == (preflight == "true")  # plenty of RAM: no trace needed
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# memory_budget: a run predicted over it is refused as one over the free memory is
+
+
+def _resident_set(monkeypatch, nbytes: int = 512 * MIB) -> None:
+    """This process's resident set read as ``nbytes``: the peak RSS predicted (the trace's baseline, what the
+    process holds besides its tensors) is then the same in the test and in the run it starts."""
+    monkeypatch.setattr(estimate_module, "process_rss_bytes", lambda: nbytes)
+    monkeypatch.setattr(host, "process_rss_bytes", lambda: nbytes)
+
+
+@pytest.mark.parametrize("over", [True, False])
+def test_a_run_predicted_over_memory_budget_is_refused_and_one_under_it_starts(
+    monkeypatch, small_corpus, tmp_path, capsys, over
+):
+    _resident_set(monkeypatch)
+    overrides = tiny_run_overrides(small_corpus, tmp_path / "run", **RUN)
+    predicted = estimate_run(
+        load_config(None, overrides)
+    ).host_peak_rss_bytes  # CPU: the peak RSS the budget bounds
+    budget = predicted - 1 if over else predicted  # one byte short, or just enough
+    assert main(["pretrain", *overrides, f"memory_budget={budget}B"]) == (1 if over else 0)
+    out, err = capsys.readouterr()
+    if over:
+        assert err.startswith(
+            f"memfit: error: the run is predicted not to fit memory_budget={budget}B: it needs "
+            f"{predicted / GIB:.2f} GiB at its peak (the process's resident set), over the budget of "
+            f"{budget / GIB:.2f} GiB.\nmodel tiny ("
+        )
+        assert f"host peak RSS of the run (CPU): {predicted / MIB:.2f} MiB" in err
+        # the fix fits what the process's own resident set leaves of the budget
+        assert "\nCheapest fix (memfit plan): chunked_cross_entropy=" in err
+        assert err.endswith("\nRaise memory_budget, or set preflight=false to start anyway.\n")
+        assert not (tmp_path / "run" / "checkpoints").exists()
+        assert not (tmp_path / "run" / "metrics.jsonl").exists()
+    else:
+        assert "(traced in " in out and f", within memory_budget={budget}B)" in out
+        assert [r["step"] for r in read_records(tmp_path / "run" / "metrics.jsonl") if "loss" in r] == [1, 2]
+
+
+def test_memory_budget_is_a_size_and_preflight_false_turns_its_check_off(small_corpus, tmp_path, capsys):
+    overrides = tiny_run_overrides(small_corpus, tmp_path / "run", **RUN)
+    for value in ("40", "40G", "0GiB"):
+        assert main(["pretrain", *overrides, f"memory_budget={value}"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("memfit: config error: config key 'memory_budget': "), err
+    assert main(["pretrain", *overrides, "budget=40GiB"]) == 2  # plan's key; the run's is memory_budget
+    assert "unknown config key 'budget'; did you mean 'memory_budget'?" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
+    assert (
+        main(["pretrain", *overrides, "memory_budget=1MiB", "preflight=false"]) == 0
+    )  # preflight=false wins
+    out = capsys.readouterr().out
+    assert "note: preflight=false: memory_budget=1MiB is not checked" in out and "pre-flight" not in out
+
+
+def test_memory_budget_with_a_cheap_bound_far_under_it_needs_no_trace(small_corpus, tmp_path, capsys):
+    overrides = tiny_run_overrides(small_corpus, tmp_path / "run", **RUN)
+    assert main(["pretrain", *overrides, "memory_budget=64GiB"]) == 0
+    assert "pre-flight: fits (bound " in capsys.readouterr().out  # well within the budget and the free memory
+
+
+def test_plan_takes_memory_budget_as_its_budget(capsys):
+    base = ["plan", "--json", "model=tiny", "tokenizer.kind=char", "batch_size=2", "seq_len=32", "device=cpu"]
+    assert main([*base, "memory_budget=3GiB"]) == 0
+    assert json.loads(capsys.readouterr().out)["budget_gib"] == 3.0
+    assert main([*base, "memory_budget=3GiB", "budget=2GiB"]) == 0  # the command's budget= wins
+    assert json.loads(capsys.readouterr().out)["budget_gib"] == 2.0
+
+
+def test_a_sharded_run_s_memory_budget_is_checked_per_rank_before_torchrun_starts(
+    monkeypatch, small_corpus, tmp_path, capsys
+):
+    _resident_set(monkeypatch)
+    started = []
+    monkeypatch.setattr(launch, "run_torchrun", lambda args: started.append(args) or 0)
+    overrides = tiny_run_overrides(small_corpus, tmp_path / "run", **RUN)
+    one_rank = estimate_run(load_config(None, overrides, world_size=2), world_size=2).host_peak_rss_bytes
+    assert main(["pretrain", "nproc=2", *overrides, f"memory_budget={one_rank - 1}B"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(
+        f"memfit: error: the run is predicted not to fit memory_budget={one_rank - 1}B: it needs "
+        f"{one_rank / GIB:.2f} GiB at its peak per rank of 2 (the process's resident set), over the budget of "
+        f"{(one_rank - 1) / GIB:.2f} GiB.\n"
+    )
+    assert "\nCheapest fix (memfit plan): " in err  # for 2 ranks
+    assert started == [] and not (tmp_path / "run").exists()
+    assert main(["pretrain", "nproc=2", *overrides, f"memory_budget={one_rank}B"]) == 0
+    assert len(started) == 1
+    assert (
+        f"pre-flight: predicted peak {format_bytes(one_rank)} per rank, within memory_budget={one_rank}B (traced in "
+        in capsys.readouterr().out
+    )

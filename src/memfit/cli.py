@@ -39,6 +39,7 @@ from memfit.config import (
     describe_keys,
     load_config,
     load_prepare_config,
+    memory_budget_bytes,
     parse_overrides,
     show_progress,
 )
@@ -51,6 +52,7 @@ from memfit.generate import generate_text
 from memfit.planner import plan as plan_
 from memfit.planner import report
 from memfit.planner.estimate import estimate_run
+from memfit.planner.preflight import preflight_sharded
 from memfit.train import train
 from memfit.units import GIB, format_bytes, parse_bytes
 
@@ -70,6 +72,9 @@ def _pretrain(args: argparse.Namespace) -> int:
         launch.check_nproc(nproc, device_type)
     if relaunch:
         check_sharding(cfg, nproc)  # before any rank starts, as validation
+        check = preflight_sharded(cfg, nproc)  # memory_budget: one rank traced, before any rank starts
+        if check is not None:
+            print(check, flush=True)
         launch.set_worker_threads(nproc, device_type)
         return launch.run_torchrun(launch.torchrun_args(nproc, args.verb, args.config, overrides))
     try:
@@ -175,12 +180,13 @@ def _plan(args: argparse.Namespace) -> int:
     )
     world_size = world_size or 1
     budget, overrides = split_budget(overrides)
+    cfg = load_config(args.config, overrides, world_size=world_size, needs_weights=False)
+    budget = budget if budget is not None else memory_budget_bytes(cfg)  # budget= wins over the config's
     if budget is None:
         raise ConfigError(
             "config key 'budget': memfit plan needs the memory of one device, e.g. budget=24GiB (GiB = 1024**3 "
-            "bytes) or budget=24GB (GB = 10**9 bytes)"
+            "bytes) or budget=24GB (GB = 10**9 bytes), or a config with memory_budget"
         )
-    cfg = load_config(args.config, overrides, world_size=world_size, needs_weights=False)
     dtypes = None if _sets_key(args.config, overrides, "dtype") else plan_.default_dtypes(cfg)
     progress = None if args.json else (lambda line: print(line, file=sys.stderr, flush=True))
     if progress:
@@ -547,13 +553,6 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``memfit`` command. Returns the process exit status."""
     args = build_parser().parse_args(argv)
-    if (
-        getattr(args, "max_new_tokens", 0) < 0
-        or getattr(args, "top_k", 0) < 0
-        or getattr(args, "temperature", 0) < 0
-    ):
-        print("memfit: error: --max-new-tokens, --top-k and --temperature must be >= 0", file=sys.stderr)
-        return 2
     previous = signal.signal(signal.SIGTERM, _terminated)  # SIGTERM stops a run as Ctrl-C does
     try:
         return args.func(args)

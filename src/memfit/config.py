@@ -33,6 +33,7 @@ import yaml
 from memfit.errors import ConfigError, DataError
 from memfit.models.llama import LlamaConfig
 from memfit.models.presets import MODEL_PRESETS, model_config
+from memfit.units import parse_bytes
 
 # ----------------------------------------------------------------------------------------------------------------
 # The allowed values of every switch, defined here once; the modules that implement a choice import them
@@ -392,6 +393,14 @@ class TrainConfig:
     """Before allocating, check that the run fits (free CUDA memory, or available host RAM) and refuse it with the
     predicted breakdown and the planner's cheapest fix when it does not (see
     :func:`memfit.planner.preflight.preflight`)."""
+    memory_budget: str | None = field(
+        default=None, metadata={"help": "none: the free memory alone; e.g. 40GiB", "size": True}
+    )
+    """The most memory the run may take on each device, e.g. ``40GiB`` (GiB = 1024**3 bytes; also MiB, TiB) or
+    ``40GB`` (GB = 10**9 bytes): on CUDA the device total as the driver shows it, on CPU the process's peak
+    resident set; sharded, per rank. The pre-flight refuses a run predicted over it (as over the free memory) with
+    the planner's cheapest fix; ``preflight: false`` turns that check off too. ``memfit plan`` takes it as its
+    ``budget`` when none is given. ``None``: the free device memory (or available host memory) alone."""
     track_memory: bool = False
     """Track live bytes by category (parameters, gradients, optimizer_state, activations, temporaries; sharded,
     also unsharded_parameters, what FSDP has all-gathered); adds ``memory_breakdown`` (GiB at the interval's
@@ -410,7 +419,8 @@ class TrainConfig:
 
     peak_flops: float = 0.0
     """The device's peak FLOP/s for the run's dtype, the denominator of ``mfu`` in the step records; 0: the GPU's
-    data-sheet peak (:data:`memfit.flops.CUDA_PEAK_FLOPS`) or, on CPU, a matmul probe at the start."""
+    data-sheet peak (:data:`memfit.flops.CUDA_PEAK_FLOPS`) or, on CPU, the best matmul probe measured on this
+    machine (:func:`memfit.flops.cpu_matmul_flops_per_second`)."""
 
     log_every: int = 10
     """Steps between step records (stdout, metrics.jsonl, TensorBoard). Memory peaks are since the last record."""
@@ -494,9 +504,17 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
 
 def _from_dict(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
     hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
+    by_name = {f.name: f for f in dataclasses.fields(cls)}
+    names = list(by_name)
     kwargs = {}
     for key, value in data.items():
+        if (
+            key in by_name
+            and by_name[key].metadata.get("size")
+            and isinstance(value, int | float)
+            and not isinstance(value, bool)
+        ):
+            value = str(value)  # a size without its unit (40): validation says what to write, naming the key
         if key not in names:
             nested = _nested_match(cls, str(key), prefix)
             close = difflib.get_close_matches(str(key), names, n=1)
@@ -700,6 +718,15 @@ def device_type(device: str) -> str:
     return device
 
 
+def memory_budget_bytes(cfg: TrainConfig) -> int | None:
+    """``memory_budget`` in bytes, or ``None`` when it is not set.
+
+    Raises:
+        ConfigError: naming ``memory_budget``, when it is not a size with a unit (:func:`memfit.units.parse_bytes`).
+    """
+    return None if cfg.memory_budget is None else parse_bytes(cfg.memory_budget, "memory_budget")
+
+
 def validate(cfg: TrainConfig, world_size: int = 1, *, needs_weights: bool = True) -> None:
     """Check every value and combination before anything is allocated.
 
@@ -769,6 +796,7 @@ def validate(cfg: TrainConfig, world_size: int = 1, *, needs_weights: bool = Tru
         _require(0.0 < vf < 1.0, "data.val_fraction", f"must be in (0, 1), got {vf}")
     else:
         _require(0.0 <= vf < 1.0, "data.val_fraction", f"must be in [0, 1) (0: no validation), got {vf}")
+    memory_budget_bytes(cfg)  # a size with a unit, or a ConfigError naming memory_budget
     _validate_finetuning(cfg, needs_weights)
     for name, weight in cfg.data.weights.items():
         _require(

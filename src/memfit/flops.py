@@ -15,12 +15,19 @@ embedding lookup is not a matmul and is not counted.
 
 **Peak FLOP/s** (:func:`peak_flops_per_second`): the ``peak_flops`` setting when given; on CUDA the dense peak of
 the GPU from :data:`CUDA_PEAK_FLOPS` (vendor data sheets); on CPU a matmul probe of a few tens of ms, taken once per
-process.
+process, and the best figure the probe ever measured on this machine (cached in :func:`cache_path`): a probe taken
+while other work shares the cores reads low, and a ceiling that low would put ``mfu`` above 1. A record whose
+``mfu`` is above 1 all the same comes with a warning that says why (:func:`mfu_above_one`).
 """
 
 from __future__ import annotations
 
+import json
+import math
+import os
+import platform
 import time
+from pathlib import Path
 
 import torch
 
@@ -89,22 +96,131 @@ def peak_flops_per_second(device: torch.device, dtype: str, configured: float = 
 
 
 def cpu_matmul_flops_per_second(dtype: str = "fp32") -> float:
-    """The best rate of a 1024 x 1024 x 1024 matmul on this process's CPU threads (best of 5, after a warm-up):
-    the ceiling the training step's matmuls can reach. Measured once per process and thread count, on operands
-    drawn from a generator of its own: the global random state (dropout masks, a resumed run's restored state) is
-    left as it was."""
-    key = (torch.get_num_threads(), "fp32" if dtype == "fp32" else "bf16")
+    """The CPU's matmul ceiling for ``dtype`` on this process's threads: the best of this process's probe
+    (:func:`measure_cpu_matmul`) and of every probe taken before on this machine with the same threads, dtype and
+    torch (:func:`cache_path`), so that a quiet moment's figure stands when the cores are busy now. Measured once
+    per process and thread count: 5 timed matmuls the first time on a machine, 1 once a figure is cached (each
+    process's probe can still raise it). The probe draws from a generator of its own, so the global random state
+    (dropout masks, a resumed run's restored state) is left as it was.
+
+    Args:
+        dtype: the dtype policy (``fp32``; ``bf16`` / ``bf16_mixed`` probe bf16).
+
+    Returns:
+        FLOP/s.
+    """
+    kind = "fp32" if dtype == "fp32" else "bf16"
+    key = (torch.get_num_threads(), kind)
     if key not in _CPU_PROBE:
-        tdtype = torch.float32 if dtype == "fp32" else torch.bfloat16
-        n = 1024 if dtype == "fp32" else 256  # bf16 has no matrix units on most CPUs: a small probe
-        generator = torch.Generator().manual_seed(0)
-        a = torch.randn(n, n, dtype=tdtype, generator=generator)
-        b = torch.randn(n, n, dtype=tdtype, generator=generator)
-        torch.mm(a, b)
-        best = float("inf")
-        for _ in range(5):
-            start = time.perf_counter()
-            torch.mm(a, b)
-            best = min(best, time.perf_counter() - start)
-        _CPU_PROBE[key] = 2.0 * n**3 / best
+        machine = _machine_key(*key)
+        rates = _read_cache()
+        cached = rates.get(machine)
+        cached = float(cached) if isinstance(cached, int | float) and math.isfinite(cached) else None
+        measured = measure_cpu_matmul(kind, repeats=5 if cached is None else 1)
+        if cached is None or measured > cached:
+            _write_cache({**rates, machine: measured})
+        _CPU_PROBE[key] = max(measured, cached or 0.0)
     return _CPU_PROBE[key]
+
+
+def measure_cpu_matmul(kind: str, repeats: int = 5) -> float:
+    """The best rate of ``repeats`` timed square matmuls after a warm-up, on operands drawn from a generator of
+    its own: 1024 x 1024 for ``fp32`` (2.1 GFLOP each), 256 x 256 for ``bf16`` (which has no matrix units on most
+    CPUs).
+
+    Args:
+        kind: ``fp32`` or ``bf16``.
+        repeats: timed matmuls (>= 1).
+
+    Returns:
+        FLOP/s (``2 n**3`` per matmul over its best time).
+    """
+    tdtype = torch.float32 if kind == "fp32" else torch.bfloat16
+    n = 1024 if kind == "fp32" else 256
+    generator = torch.Generator().manual_seed(0)
+    a = torch.randn(n, n, dtype=tdtype, generator=generator)
+    b = torch.randn(n, n, dtype=tdtype, generator=generator)
+    torch.mm(a, b)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        torch.mm(a, b)
+        best = min(best, time.perf_counter() - start)
+    return 2.0 * n**3 / best
+
+
+def cache_path() -> Path:
+    """The file of the best CPU matmul rates measured on this machine: ``$XDG_CACHE_HOME/memfit/cpu_matmul_flops.json``
+    (``~/.cache/memfit/...`` when ``XDG_CACHE_HOME`` is unset or empty). Delete it to measure afresh."""
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(root) / "memfit" / "cpu_matmul_flops.json"
+
+
+def _machine_key(threads: int, kind: str) -> str:
+    """What a CPU matmul rate depends on: the CPU model, its cores, the threads, the dtype and torch's kernels."""
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            model = next(
+                (line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), model
+            )
+    except OSError:
+        pass
+    return f"{model} | {os.cpu_count()} cpus | {threads} threads | {kind} | torch {torch.__version__}"
+
+
+def _read_cache() -> dict[str, float]:
+    """The cached rates by machine key; ``{}`` when the cache is missing, unreadable or damaged."""
+    try:
+        rates = json.loads(cache_path().read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return rates if isinstance(rates, dict) else {}
+
+
+def _write_cache(rates: dict[str, float]) -> None:
+    """Replace the cache with ``rates`` (atomically); a cache that cannot be written is passed over."""
+    path = cache_path()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(rates, indent=1), encoding="utf-8")
+        os.replace(tmp, path)
+    except OSError:
+        pass
+
+
+def mfu_above_one(
+    mfu: float, step: int, achieved: float, peak: float, device: torch.device, configured: float
+) -> str:
+    """The warning of the first step record whose ``mfu`` is above 1: the step's model FLOP/s, the ceiling and
+    where it came from, and the key that sets it (``mfu`` itself is logged as measured, not clamped).
+
+    Args:
+        mfu: the record's ``mfu``.
+        step: its step.
+        achieved: the step's model FLOP/s (``tokens_per_second_per_gpu`` times the model FLOPs per token).
+        peak: the ceiling ``mfu`` divides by.
+        device: the training device.
+        configured: the ``peak_flops`` setting (0: not set).
+
+    Returns:
+        One line.
+    """
+    if configured > 0:
+        why = f"the peak_flops setting ({configured:.3g} FLOP/s) is below what this device does; raise it"
+    elif device.type == "cuda":
+        why = (
+            f"the data-sheet peak of '{torch.cuda.get_device_name(device)}' (memfit.flops.CUDA_PEAK_FLOPS) is below "
+            f"what it does; set peak_flops to the device's peak FLOP/s"
+        )
+    else:
+        why = (
+            f"the ceiling is the best CPU matmul probe on this machine (this run's, at its start, or one cached in "
+            f"'{cache_path()}'), which read low: other work shared the cores when it ran, or the run's matmuls "
+            f"are faster than the probe's; set peak_flops to the CPU's peak FLOP/s for a fixed ceiling"
+        )
+    return (
+        f"warning: mfu {mfu:.2f} at step {step} is above 1: the step did {achieved:.3g} model FLOP/s, the ceiling "
+        f"is {peak:.3g} FLOP/s; {why}"
+    )

@@ -1,4 +1,5 @@
-"""Importing torchao without the log records its import writes about itself (deferred: it takes seconds)."""
+"""Importing torchao and bitsandbytes without the log records their imports write about themselves (deferred: each
+takes seconds). Each library's messages are listed below, matched by logger and text; any other record shows."""
 
 from __future__ import annotations
 
@@ -19,24 +20,36 @@ class _DropRecords(logging.Filter):
         return not any(part in message for part in self.parts)
 
 
-# What importing torchao logs about itself, none of it about the optimizers memfit uses from it (pure PyTorch):
-_TORCHAO_IMPORT_NOISE = {
-    # its C++/CUDA kernel libraries, which a CPU-only (or another CUDA) build of torch cannot load:
-    # "Failed to load .../torchao/_C_mxfp8...so: Could not load this library: ...", and with an older torch
-    # "Skipping import of cpp extensions due to incompatible torch version. Please upgrade to torch >= ..."
-    "torchao": ("Failed to load ", "Skipping import of cpp extensions"),
-    # torch's notice about torchao registering its enums: "<enum 'KernelPreference'> is an Enum subclass and is
-    # now natively supported by torch.compile as an opaque value type. Calling register_constant() on Enum
-    # subclasses is deprecated and will be an error in a future release."
-    "torch.utils._pytree": ("is an Enum subclass and is now natively supported by torch.compile",),
+IMPORT_NOISE: dict[str, dict[str, tuple[str, ...]]] = {
+    # What importing torchao logs about itself, none of it about the optimizers memfit uses from it (pure
+    # PyTorch):
+    "torchao": {
+        # its C++/CUDA kernel libraries, which a CPU-only (or another CUDA) build of torch cannot load:
+        # "Failed to load .../torchao/_C_mxfp8...so: Could not load this library: ...", and with an older torch
+        # "Skipping import of cpp extensions due to incompatible torch version. Please upgrade to torch >= ..."
+        "torchao": ("Failed to load ", "Skipping import of cpp extensions"),
+        # torch's notice about torchao registering its enums: "<enum 'KernelPreference'> is an Enum subclass and
+        # is now natively supported by torch.compile as an opaque value type. Calling register_constant() on Enum
+        # subclasses is deprecated and will be an error in a future release."
+        "torch.utils._pytree": ("is an Enum subclass and is now natively supported by torch.compile",),
+    },
+    # What importing bitsandbytes logs about itself, none of it about its optimizers:
+    "bitsandbytes": {
+        # on a CPU with AVX512-BF16 it looks for a 4-bit matmul kernel of the Hugging Face ``kernels`` package
+        # (QLoRA inference in bitsandbytes' own Linear4bit, which memfit does not use): "Failed to load CPU
+        # gemm_4bit_forward from kernels-community: No module named 'kernels'. Please make sure you already
+        # `pip install kernels` and the kernels >= 0.11.1"
+        "bitsandbytes.backends.cpu.ops": ("Failed to load CPU gemm_4bit_forward from kernels-community",),
+    },
 }
+"""library -> logger name -> parts of the messages its import logs that are dropped."""
 
 
 @contextlib.contextmanager
-def quiet_torchao_import() -> Iterator[None]:
-    """Import torchao inside this without the messages its import logs (:data:`_TORCHAO_IMPORT_NOISE`); any
-    other record of those loggers still shows."""
-    filters = {name: _DropRecords(*parts) for name, parts in _TORCHAO_IMPORT_NOISE.items()}
+def quiet_import(library: str) -> Iterator[None]:
+    """Import ``library`` (a key of :data:`IMPORT_NOISE`) inside this without the messages its import logs; any
+    other record of those loggers still shows, and after the block they all show again."""
+    filters = {name: _DropRecords(*parts) for name, parts in IMPORT_NOISE[library].items()}
     for name, f in filters.items():
         logging.getLogger(name).addFilter(f)
     try:
@@ -44,3 +57,13 @@ def quiet_torchao_import() -> Iterator[None]:
     finally:
         for name, f in filters.items():
             logging.getLogger(name).removeFilter(f)
+
+
+def quiet_torchao_import() -> contextlib.AbstractContextManager[None]:
+    """:func:`quiet_import` of torchao."""
+    return quiet_import("torchao")
+
+
+def quiet_bitsandbytes_import() -> contextlib.AbstractContextManager[None]:
+    """:func:`quiet_import` of bitsandbytes."""
+    return quiet_import("bitsandbytes")

@@ -15,6 +15,7 @@ from memfit.build import check_base
 from memfit.config import LORA_METHODS, TrainConfig, config_from_dict, config_to_dict
 from memfit.data.run import tokenizer_settings
 from memfit.errors import CheckpointError, ConfigError
+from memfit.models.llama import LlamaConfig
 
 
 def find_resume(cfg: TrainConfig) -> tuple[Path | None, dict[str, Any] | None]:
@@ -91,6 +92,49 @@ def check_resume_matches(cfg: TrainConfig, saved: TrainConfig, output_dir: str) 
             )
 
 
+def check_resume_model(cfg: TrainConfig, resume_dir: Path, state: dict[str, Any], mcfg: LlamaConfig) -> None:
+    """Refuse to resume the run saved in ``resume_dir`` with another architecture than its own (``model``,
+    ``model_args``, or what ``checkpoint_dir`` holds now), before anything is traced or allocated.
+
+    Args:
+        cfg: the run config.
+        resume_dir: the checkpoint to resume.
+        state: its trainer state (the run's config, to tell a changed preset from a changed ``model_args``).
+        mcfg: the architecture ``cfg`` asks for.
+
+    Raises:
+        ConfigError: naming the key and every :class:`~memfit.models.llama.LlamaConfig` field that differs, with
+            the checkpoint's value and the config's.
+        CheckpointError: the checkpoint's ``model_config.json`` is missing or corrupt.
+    """
+    saved = ckpt_io.read_model_config(resume_dir)
+    if saved == mcfg:
+        return
+    diff = [
+        (f.name, getattr(saved, f.name), getattr(mcfg, f.name))
+        for f in dataclasses.fields(mcfg)
+        if getattr(saved, f.name) != getattr(mcfg, f.name)
+    ]
+    saved_model = (state.get("config") or {}).get("model", cfg.model)
+    if cfg.checkpoint_dir is not None:
+        key = "checkpoint_dir"
+    elif saved_model != cfg.model:
+        key = "model"
+    else:
+        key = f"model_args.{diff[0][0]}" if len(diff) == 1 else "model_args"
+    then = ", ".join(f"{name}={old!r}" for name, old, _ in diff)
+    now = ", ".join(f"{name}={new!r}" for name, _, new in diff)
+    if key == "checkpoint_dir":
+        asks, fix = f"'{cfg.checkpoint_dir}' now holds {now}", "resume from the weights the run started from"
+    else:
+        asks, fix = f"the config asks for {now}", "resume with the run's model and model_args"
+    was = f" (model {saved_model!r})" if key == "model" else ""
+    raise ConfigError(
+        f"config key '{key}': the run in '{cfg.output_dir}' was trained with a model of {then}{was}, {asks}; "
+        f"{fix}, or choose another output_dir for a new run (nothing was allocated or changed)"
+    )
+
+
 # keys that change the schedule, the batches or the numerics of the steps still to run: a resume may change them
 # (to train longer, say), and is told that it did
 _NOTED_KEYS = (
@@ -107,21 +151,81 @@ _NOTED_KEYS = (
 )
 
 
-def resume_notes(cfg: TrainConfig, state: dict[str, Any]) -> list[str]:
-    """One note per key that changes the schedule or the data (``max_steps``, batch size, ``optimizer.*``,
-    ``data.*``, ...) whose value differs from the resumed checkpoint's run, naming both values."""
+def resume_notes(cfg: TrainConfig, state: dict[str, Any], world_size: int = 1) -> list[str]:
+    """One note per key that changes the schedule or the data (``max_steps``, ``optimizer.*``, ``data.*``, ...)
+    whose value differs from the resumed checkpoint's run, naming both values; a changed batch (``batch_size``,
+    ``gradient_accumulation_steps`` or the number of ranks) gets one note that says whether the global batch
+    changes (:func:`batch_note`).
+
+    Args:
+        cfg: the run config.
+        state: the resumed checkpoint's trainer state (its run's config and ``world_size``).
+        world_size: the ranks of this run.
+    """
     saved = state.get("config") or {}
     if not saved:
         return []
     now, then = _flat(config_to_dict(cfg)), _flat(saved)
-    notes = []
+    batch = batch_note(cfg, saved, state.get("world_size"), world_size)
+    notes = [] if batch is None else [batch]
     for key in sorted(set(now) | set(then)):
         if key.split(".")[0] not in _NOTED_KEYS or now.get(key) == then.get(key):
+            continue
+        if batch is not None and key in _BATCH_KEYS:
             continue
         notes.append(
             f"note: resuming with {key}={now.get(key)!r}; the checkpoint's run had {key}={then.get(key)!r}"
         )
     return notes
+
+
+_BATCH_KEYS = ("batch_size", "gradient_accumulation_steps")
+
+
+def batch_note(
+    cfg: TrainConfig, saved: dict[str, Any], saved_world_size: int | None, world_size: int
+) -> str | None:
+    """The note of a resume whose batch differs from the checkpoint's run: the per-rank keys that changed, the
+    ranks, and the global batch (``batch_size * gradient_accumulation_steps * ranks`` sequences a step), e.g.
+    ``note: resuming with batch_size 4 -> 8 per rank on 1 rank instead of 2: the global batch (8 sequences a
+    step) is unchanged``.
+
+    Args:
+        cfg: the run config.
+        saved: the checkpoint's run config (as saved).
+        saved_world_size: the ranks of the checkpoint's run; ``None`` (a checkpoint that does not record them):
+            no note here, :func:`resume_notes` names each changed key on its own.
+        world_size: the ranks of this run.
+
+    Returns:
+        The note, or ``None`` when the batch and the ranks are the checkpoint's.
+    """
+    if saved_world_size is None:
+        return None
+    size, accumulation = cfg.batch_size, cfg.gradient_accumulation_steps
+    saved_size = saved.get("batch_size", size)
+    saved_accumulation = saved.get("gradient_accumulation_steps", accumulation)
+    changed = [
+        f"{key} {then} -> {now}"
+        for key, then, now in zip(
+            _BATCH_KEYS, (saved_size, saved_accumulation), (size, accumulation), strict=True
+        )
+        if then != now
+    ]
+    if not changed and saved_world_size == world_size:
+        return None
+    ranks = f"on {world_size} rank{'s' * (world_size != 1)}"
+    if saved_world_size != world_size:
+        ranks += f" instead of {saved_world_size}"
+    if changed:
+        what = f"with {', '.join(changed)} per rank {ranks}"
+    else:
+        what = f"{ranks}, with batch_size {size} x gradient_accumulation_steps {accumulation} per rank"
+    before = saved_size * saved_accumulation * saved_world_size
+    after = size * accumulation * world_size
+    if before == after:
+        return f"note: resuming {what}: the global batch ({after} sequences a step) is unchanged"
+    return f"note: resuming {what}: the global batch changes from {before} to {after} sequences a step"
 
 
 def _flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -34,8 +34,8 @@ from memfit.build import (
 from memfit.config import TrainConfig, check_lengths, config_to_dict, show_progress, with_absolute_paths
 from memfit.convert import weights_fingerprint
 from memfit.data.run import RunData, run_data, run_tokenizer
-from memfit.errors import CheckpointError, DivergenceError, RunLockedError
-from memfit.flops import peak_flops_per_second, training_flops_per_token
+from memfit.errors import DivergenceError, RunLockedError
+from memfit.flops import mfu_above_one, peak_flops_per_second, training_flops_per_token
 from memfit.generate import generate_text
 from memfit.memory import host
 from memfit.memory.optim import lr_at
@@ -44,7 +44,7 @@ from memfit.memory.timeline import plot_timeline
 from memfit.memory.tracker import MemoryTracker
 from memfit.metrics import MetricsLogger, Throughput, plot_losses
 from memfit.planner.preflight import preflight
-from memfit.resume import check_resume, find_resume, resume_notes
+from memfit.resume import check_resume, check_resume_model, find_resume, resume_notes
 from memfit.step import StepResult, evaluate, train_step, train_step_options
 from memfit.units import to_gib
 
@@ -76,11 +76,13 @@ def _train(cfg: TrainConfig, device: torch.device, cleanup: contextlib.ExitStack
     if resume_dir is not None:
         check_resume(cfg, resume_dir, resume_state)
         if main_rank:
-            for note in resume_notes(cfg, resume_state):
+            for note in resume_notes(cfg, resume_state, world):
                 tqdm.write(note)
     start_config = checkpoint_model_config(cfg.checkpoint_dir) if cfg.checkpoint_dir is not None else None
     tokenizer, manifest = run_tokenizer(cfg, out, resume_dir)
     mcfg = start_config or resolve_model_config(cfg, tokenizer.vocab_size)
+    if resume_dir is not None:  # the architecture of the run resumed, before the data, pre-flight and build
+        check_resume_model(cfg, resume_dir, resume_state, mcfg)
     seq_len = check_lengths(cfg, mcfg, tokenizer.vocab_size)
     data = run_data(cfg, tokenizer, manifest, seq_len, out)
     host.release_free_heap()  # host memory: what preparing the data freed leaves the resident set (memory/host.py)
@@ -88,6 +90,8 @@ def _train(cfg: TrainConfig, device: torch.device, cleanup: contextlib.ExitStack
         check = preflight(cfg, mcfg, data.longest, device)
         if main_rank:
             tqdm.write(check)
+    elif cfg.memory_budget is not None and main_rank:  # preflight=false wins: nothing is checked
+        tqdm.write(f"note: preflight=false: memory_budget={cfg.memory_budget} is not checked")
     out.mkdir(parents=True, exist_ok=True)  # only now: bad input above leaves no output_dir behind
     if main_rank and cfg.optimizer.warmup_steps >= cfg.max_steps:
         tqdm.write(
@@ -100,11 +104,6 @@ def _train(cfg: TrainConfig, device: torch.device, cleanup: contextlib.ExitStack
     model, optimizer = built.model, built.optimizer
     start_step = 0
     if resume_dir is not None:
-        if ckpt_io.read_model_config(resume_dir) != mcfg:
-            raise CheckpointError(
-                f"checkpoint '{resume_dir}' holds a different model than the config asks for; resume with the "
-                f"same model and model_args, or choose another output_dir"
-            )
         start_step = int(ckpt_io.load_checkpoint(resume_dir, model, optimizer)["step"])
     verb = "pretrain" if cfg.checkpoint_dir is None else f"finetune ({cfg.method})"
     if main_rank:
@@ -125,7 +124,9 @@ def _train(cfg: TrainConfig, device: torch.device, cleanup: contextlib.ExitStack
     throughput, run_peak = Throughput(), {}
     flops_per_token = training_flops_per_token(mcfg, seq_len, full=cfg.method == "full")
     peak_flops = peak_flops_per_second(device, cfg.dtype, cfg.peak_flops)
-    trainer_state = {"config": config_to_dict(cfg), "data_position": "step"}
+    mfu_warned = False
+    # world_size: a resume on other ranks says what became of the global batch (resume_notes)
+    trainer_state = {"config": config_to_dict(cfg), "data_position": "step", "world_size": world}
     if cfg.method != "full":  # the base stays in checkpoint_dir: remember which weights it held
         trainer_state["base_fingerprint"] = weights_fingerprint(cfg.checkpoint_dir)
     # skipping a non-finite step changes no memory: the estimator traces the step without it
@@ -216,6 +217,13 @@ def _train(cfg: TrainConfig, device: torch.device, cleanup: contextlib.ExitStack
                 "mfu": rate * flops_per_token / peak_flops if peak_flops else None,
                 **dist_.max_over_ranks(memory.read_and_reset()),  # the peaks of the fullest rank
             }
+            if record["mfu"] is not None and record["mfu"] > 1 and not mfu_warned:  # once, saying why
+                mfu_warned = True
+                if main_rank:
+                    achieved = rate * flops_per_token
+                    tqdm.write(
+                        mfu_above_one(record["mfu"], done, achieved, peak_flops, device, cfg.peak_flops)
+                    )
             if tracker is not None:  # sharded: the breakdown of the rank with the highest tracked peak
                 record.update(tracked_memory_fields(tracker))
             run_peak.update(

@@ -19,9 +19,11 @@ from safetensors.torch import load_file
 from memfit import checkpoint as ckpt_io
 from memfit import runlock
 from memfit.cli import main
+from memfit.config import config_to_dict, load_config
 from memfit.distributed import all_finite
 from memfit.errors import RunLockedError
 from memfit.metrics import read_records
+from memfit.resume import resume_notes
 from tests.conftest import tiny_run_overrides
 
 
@@ -286,10 +288,77 @@ def test_resume_names_what_changed(kill_reference, small_corpus, tmp_path, capsy
 
     out = tmp_path / "changed"
     shutil.copytree(kill_reference, out)
-    over = {**KILL_RUN, "max_steps": 63, "optimizer.lr": 0.001, "batch_size": 4}
+    over = {
+        **KILL_RUN,
+        "max_steps": 63,
+        "optimizer.lr": 0.001,
+        "batch_size": 4,
+        "gradient_accumulation_steps": 2,
+    }
     assert main(["pretrain", *tiny_run_overrides(small_corpus, out, resume="true", **over)]) == 0
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("note: resuming")]
     assert lines == [
+        # the checkpoint records its run's ranks: the note says what became of the global batch
+        "note: resuming with gradient_accumulation_steps 1 -> 2 per rank on 1 rank: the global batch changes "
+        "from 4 to 8 sequences a step",
         "note: resuming with max_steps=63; the checkpoint's run had max_steps=60",
         "note: resuming with optimizer.lr=0.001; the checkpoint's run had optimizer.lr=0.002",
     ]
+
+
+def _state(world_size: int | None, **keys) -> dict:
+    saved = config_to_dict(load_config(None, [f"{k}={v}" for k, v in keys.items()]))
+    return {"config": saved, **({} if world_size is None else {"world_size": world_size})}
+
+
+def test_a_resume_on_fewer_ranks_says_whether_the_global_batch_changed():
+    now = load_config(None, ["batch_size=8"])
+    # 4 per rank on 2 ranks -> 8 on 1: the same 8 sequences a step
+    assert resume_notes(now, _state(2, batch_size=4), world_size=1) == [
+        "note: resuming with batch_size 4 -> 8 per rank on 1 rank instead of 2: the global batch (8 sequences a "
+        "step) is unchanged"
+    ]
+    # 4 per rank on 4 ranks -> 8 on 1: half the batch
+    assert resume_notes(now, _state(4, batch_size=4), world_size=1) == [
+        "note: resuming with batch_size 4 -> 8 per rank on 1 rank instead of 4: the global batch changes from 16 "
+        "to 8 sequences a step"
+    ]
+    # only the ranks changed
+    assert resume_notes(now, _state(2, batch_size=8, max_steps=100), world_size=4) == [
+        "note: resuming on 4 ranks instead of 2, with batch_size 8 x gradient_accumulation_steps 1 per rank: the "
+        "global batch changes from 16 to 32 sequences a step",
+        f"note: resuming with max_steps={now.max_steps}; the checkpoint's run had max_steps=100",
+    ]
+    assert resume_notes(now, _state(1, batch_size=8), world_size=1) == []
+    # a checkpoint that does not record its ranks: each key on its own, as before
+    assert resume_notes(now, _state(None, batch_size=4), world_size=1) == [
+        "note: resuming with batch_size=8; the checkpoint's run had batch_size=4"
+    ]
+
+
+def test_a_resume_with_another_model_is_refused_before_the_pre_flight_and_the_build(
+    kill_reference, small_corpus, tmp_path, capsys, monkeypatch
+):
+    import shutil
+
+    from memfit import train
+
+    out = tmp_path / "other_model"
+    shutil.copytree(kill_reference, out)
+    for name in ("preflight", "build_training", "run_data"):  # nothing is read, traced or allocated
+        monkeypatch.setattr(train, name, lambda *a, _name=name, **k: pytest.fail(f"{_name} ran"))
+    over = {**KILL_RUN, "model_args.num_layers": 3}
+    assert main(["pretrain", *tiny_run_overrides(small_corpus, out, resume="true", **over)]) == 2
+    assert capsys.readouterr().err == (
+        f"memfit: config error: config key 'model_args.num_layers': the run in '{out}' was trained with a model "
+        f"of num_layers=2, the config asks for num_layers=3; resume with the run's model and model_args, or "
+        f"choose another output_dir for a new run (nothing was allocated or changed)\n"
+    )
+    over = {**KILL_RUN, "model_args.dim": 128, "model_args.intermediate_size": 256}
+    assert main(["pretrain", *tiny_run_overrides(small_corpus, out, resume="true", **over)]) == 2
+    assert (
+        "config key 'model_args': the run in '" in (err := capsys.readouterr().err)
+        and "a model of dim=64, intermediate_size=128, the config asks for dim=128, intermediate_size=256;"
+        in err
+    )
+    assert _numbers(out) == _numbers(kill_reference)  # the run is as it was

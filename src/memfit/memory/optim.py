@@ -48,7 +48,7 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from memfit.config import PAGED_OPTIMIZERS, OptimizerConfig, check_optimizer_supported
-from memfit.quiet import quiet_torchao_import
+from memfit.quiet import quiet_bitsandbytes_import, quiet_torchao_import
 
 _ADAMW_IMPLEMENTATIONS = {
     "foreach": {"foreach": True, "fused": False},
@@ -192,7 +192,8 @@ def _optimizer_class(cfg: OptimizerConfig) -> tuple[Callable[..., torch.optim.Op
             )
         return torch.optim.AdamW, {**kwargs, **_ADAMW_IMPLEMENTATIONS[cfg.implementation]}
     if cfg.name in _BNB_CLASSES:
-        import bitsandbytes as bnb  # deferred: torchao and bitsandbytes take seconds each to import
+        with quiet_bitsandbytes_import():
+            import bitsandbytes as bnb  # deferred: torchao and bitsandbytes take seconds each to import
 
         return getattr(bnb.optim, _BNB_CLASSES[cfg.name]), kwargs
     return _torchao_class(cfg.name), kwargs

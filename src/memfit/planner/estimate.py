@@ -62,7 +62,7 @@ from memfit.memory.tracker import CATEGORIES, MemoryTracker, model_state_bytes
 from memfit.models.llama import LlamaConfig
 from memfit.planner.closed_form import BNB_PAGED_MIN_NUMEL, model_state_bytes_closed_form
 from memfit.planner.cuda_paths import cuda_paths
-from memfit.quiet import quiet_torchao_import
+from memfit.quiet import quiet_bitsandbytes_import, quiet_torchao_import
 from memfit.step import train_step, train_step_options
 from memfit.units import GIB
 
@@ -336,7 +336,7 @@ def _compute_torchao_tables() -> None:
 
 def _real_bnb_dynamic_map(stack: contextlib.ExitStack) -> None:
     """Until ``stack`` closes, bitsandbytes computes its code tables (``create_dynamic_map``) for real."""
-    with contextlib.suppress(ImportError):
+    with contextlib.suppress(ImportError), quiet_bitsandbytes_import():
         import bitsandbytes.functional as bnb_functional  # deferred: seconds to import, only for its optimizers
 
         original = bnb_functional.create_dynamic_map

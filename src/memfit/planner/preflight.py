@@ -1,8 +1,10 @@
-"""The pre-flight check: before a run allocates anything, predict whether it fits, and refuse it with the
-predicted breakdown and the planner's cheapest fix when it does not (``preflight: true``, the default)."""
+"""The pre-flight check: before a run allocates anything, predict whether it fits (in the free memory, and in
+``memory_budget`` when it is set), and refuse it with the predicted breakdown and the planner's cheapest fix when it
+does not (``preflight: true``, the default)."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import psutil
@@ -10,11 +12,13 @@ import torch
 from tqdm.auto import tqdm
 
 from memfit import distributed as dist_
-from memfit.config import TrainConfig
+from memfit.config import TrainConfig, device_type, memory_budget_bytes
 from memfit.errors import PreflightError
+from memfit.memory.allocator import CUDA_CONTEXT_BYTES_ESTIMATE
+from memfit.memory.host import process_overhead_bytes
 from memfit.models.llama import LlamaConfig
 from memfit.planner.closed_form import model_state_bytes_closed_form
-from memfit.planner.estimate import estimate_run
+from memfit.planner.estimate import Estimate, estimate_run
 from memfit.planner.plan import cheapest_fix
 from memfit.planner.report import format_estimate
 from memfit.units import GIB, format_bytes
@@ -26,11 +30,13 @@ def preflight(cfg: TrainConfig, mcfg: LlamaConfig, seq_len: int, device: torch.d
     A cheap bound comes first: the closed-form model states plus a generous activation bound (34 bytes per token
     and hidden unit per layer in 16 bits, doubled for fp32, after Korthikanti et al. 2022, "Reducing Activation
     Recomputation in Large Transformer Models", plus three copies of the fp32 logits). When the bound is under
-    half of what is available, the run fits and no trace is made. Otherwise the run's own step is traced on fake
-    tensors (:func:`memfit.planner.estimate.estimate_run`) at the widest batch the data can produce, and compared
-    with free device memory (CUDA: ``torch.cuda.mem_get_info``; the driver's total, paged memory included) or the
-    host's available memory (CPU: allocator peak plus host-side bytes). Sharded ranks check the bound only (the
-    trace needs a process of its own: ``memfit estimate world_size=N``).
+    half of what the tensors may have, the run fits and no trace is made. Otherwise the run's own step is traced
+    on fake tensors (:func:`memfit.planner.estimate.estimate_run`) at the widest batch the data can produce, and
+    compared with free device memory (CUDA: ``torch.cuda.mem_get_info``; the driver's total, paged memory
+    included) or the host's available memory (CPU: allocator peak plus host-side bytes), and with
+    ``memory_budget`` when it is set (CUDA: the predicted device total; CPU: the predicted peak resident set of
+    this process). Sharded ranks check the bound only (the trace needs a process of its own: ``memfit estimate
+    world_size=N``, or :func:`preflight_sharded` before torchrun starts).
 
     Args:
         cfg: the run config.
@@ -43,7 +49,7 @@ def preflight(cfg: TrainConfig, mcfg: LlamaConfig, seq_len: int, device: torch.d
 
     Raises:
         PreflightError: the run is predicted not to fit; the message holds the predicted breakdown, what is
-            available and the planner's cheapest fix.
+            available (or the budget) and the planner's cheapest fix.
     """
     world = dist_.world_size()
     if device.type == "cuda":
@@ -52,6 +58,11 @@ def preflight(cfg: TrainConfig, mcfg: LlamaConfig, seq_len: int, device: torch.d
     else:
         available = psutil.virtual_memory().available
         where = "available host memory"
+    budget = memory_budget_bytes(cfg)
+    # what the tensors may have: the free memory, and the budget less what the device or process holds besides them
+    limit = (
+        available if budget is None else min(available, max(0, budget - _held_besides_tensors(device.type)))
+    )
     states = model_state_bytes_closed_form(cfg, mcfg, world)
     tokens = cfg.batch_size * seq_len
     act_bytes = 2 if cfg.dtype != "fp32" else 4
@@ -62,17 +73,28 @@ def preflight(cfg: TrainConfig, mcfg: LlamaConfig, seq_len: int, device: torch.d
         + 17 * act_bytes * tokens * mcfg.dim * mcfg.num_layers
         + 3 * 4 * tokens * mcfg.vocab_size
     )
-    if bound < available / 2:
-        return f"pre-flight: fits (bound {format_bytes(bound)}, {available / GIB:.1f} GiB {where})"
+    within = "" if budget is None else f", within memory_budget={cfg.memory_budget}"
+    if bound < limit / 2:
+        return f"pre-flight: fits (bound {format_bytes(bound)}, {available / GIB:.1f} GiB {where}{within})"
     if world > 1:
-        if bound > available:
-            tqdm.write(
-                f"note: pre-flight bound {format_bytes(bound)} per rank exceeds the {available / GIB:.1f} GiB "
-                f"{where}; `memfit estimate world_size={world} ...` traces the exact peak"
+        if bound > limit:
+            over = (
+                where if limit == available else f"memory_budget={cfg.memory_budget} less what the rank holds"
             )
-        return f"pre-flight: bound {format_bytes(bound)} per rank, {available / GIB:.1f} GiB {where}"
+            tqdm.write(
+                f"note: pre-flight bound {format_bytes(bound)} per rank exceeds the {limit / GIB:.1f} GiB {over}; "
+                f"`memfit estimate world_size={world} ...` traces the exact peak"
+            )
+        per_rank = "" if budget is None else f", memory_budget={cfg.memory_budget} per rank"
+        return (
+            f"pre-flight: bound {format_bytes(bound)} per rank, {available / GIB:.1f} GiB {where}{per_rank}"
+        )
+    cfg = _on(cfg, device.type)  # device=auto: trace (and fix) the run for the device it resolved to
     estimate = estimate_run(cfg, seq_len=seq_len, model_config=mcfg)
     need = estimate.device_total_bytes if device.type == "cuda" else estimate.peak_bytes + estimate.host_bytes
+    over_budget = budget is not None and budgeted_bytes(estimate, device.type) > budget
+    if over_budget and (need <= available or limit < available):  # the budget is the tighter: its fix
+        raise PreflightError(_over_budget(cfg, estimate, budget, device.type))
     if need <= available:
         # CPU: `available` leaves out what this process holds already (its baseline, in the peak RSS predicted)
         rss = (
@@ -82,7 +104,7 @@ def preflight(cfg: TrainConfig, mcfg: LlamaConfig, seq_len: int, device: torch.d
         )
         return (
             f"pre-flight: predicted peak {format_bytes(need)} of {available / GIB:.1f} GiB {where} "
-            f"(traced in {estimate.seconds:.1f} s{rss})"
+            f"(traced in {estimate.seconds:.1f} s{rss}{within})"
         )
     fix = _cheapest_fix(cfg, available)
     raise PreflightError(
@@ -91,10 +113,93 @@ def preflight(cfg: TrainConfig, mcfg: LlamaConfig, seq_len: int, device: torch.d
     )
 
 
-def _cheapest_fix(cfg: TrainConfig, available: int) -> str:
-    """The planner's fix that changes the fewest switches and fits ``available`` bytes, as override text."""
-    # the available memory already leaves out what this process holds: the tensors may have all of it
-    fix = cheapest_fix(cfg, available, host_overhead_bytes=0)
+def preflight_sharded(cfg: TrainConfig, world_size: int) -> str | None:
+    """``memory_budget`` of a sharded run, checked before torchrun starts its ranks (``memfit pretrain nproc=N``):
+    one rank's step traced on fake tensors in a fake process group of ``world_size`` ranks
+    (:func:`memfit.planner.estimate.estimate_run`, as ``memfit estimate world_size=N``), at ``seq_len`` (or the
+    model's ``max_seq_len``: the widest batch the data can produce is not known before the data is read). The
+    free memory of each rank's device is checked by the rank itself (:func:`preflight`).
+
+    Args:
+        cfg: the run config.
+        world_size: the ranks torchrun will start.
+
+    Returns:
+        The line for the log, or ``None`` when there is nothing to check (``preflight: false``, no
+        ``memory_budget``).
+
+    Raises:
+        PreflightError: one rank is predicted over ``memory_budget``; the message holds the predicted breakdown and
+            the planner's cheapest fix for ``world_size`` ranks.
+    """
+    budget = memory_budget_bytes(cfg)
+    if not cfg.preflight or budget is None:
+        return None
+    target = device_type(cfg.device)
+    cfg = _on(cfg, target)
+    estimate = estimate_run(cfg, world_size=world_size)
+    need = budgeted_bytes(estimate, target)
+    if need > budget:
+        raise PreflightError(_over_budget(cfg, estimate, budget, target, world_size))
+    return (
+        f"pre-flight: predicted peak {format_bytes(need)} per rank, within memory_budget={cfg.memory_budget} "
+        f"(traced in {estimate.seconds:.1f} s for {world_size} ranks)"
+    )
+
+
+def budgeted_bytes(estimate: Estimate, device_type: str) -> int:
+    """What ``memory_budget`` bounds, predicted: on CUDA (``device_type``) the device total as the driver shows it
+    (:attr:`~memfit.planner.estimate.Estimate.device_total_bytes`), on CPU the process's peak resident set
+    (:attr:`~memfit.planner.estimate.Estimate.host_peak_rss_bytes`; where it cannot be predicted, the traced
+    peak and host bytes plus what this process holds besides its tensors)."""
+    if device_type == "cuda":
+        return estimate.device_total_bytes
+    if estimate.host_peak_rss_bytes is not None:
+        return estimate.host_peak_rss_bytes
+    return estimate.peak_bytes + estimate.host_bytes + process_overhead_bytes()
+
+
+def _held_besides_tensors(device_type: str) -> int:
+    """What of ``memory_budget`` a run's tensors cannot have: the CUDA context, or (CPU) the process's own
+    resident set and what stepping adds to it (:func:`memfit.memory.host.process_overhead_bytes`)."""
+    return CUDA_CONTEXT_BYTES_ESTIMATE if device_type == "cuda" else process_overhead_bytes()
+
+
+def _on(cfg: TrainConfig, device_type: str) -> TrainConfig:
+    """``cfg`` with ``device`` the type it resolves to (``auto``: what this process found)."""
+    return cfg if cfg.device == device_type else dataclasses.replace(cfg, device=device_type)
+
+
+def _over_budget(
+    cfg: TrainConfig, estimate: Estimate, budget: int, device_type: str, world_size: int = 1
+) -> str:
+    """The refusal of a run predicted over ``memory_budget``: the prediction, the budget, the breakdown, the fix."""
+    what = (
+        "the device total, as the driver shows it" if device_type == "cuda" else "the process's resident set"
+    )
+    per_rank = f" per rank of {world_size}" if world_size > 1 else ""
+    # the fix fits the tensors' share of the budget (what the CUDA context or, on CPU, the process's own resident
+    # set leaves), less plan's margin: its predicted peak passes this check
+    share = max(0, budget - _held_besides_tensors(device_type))
+    fix = _cheapest_fix(cfg, share, world_size)
+    return (
+        f"the run is predicted not to fit memory_budget={cfg.memory_budget}: it needs "
+        f"{budgeted_bytes(estimate, device_type) / GIB:.2f} GiB at its peak{per_rank} ({what}), over the budget of "
+        f"{budget / GIB:.2f} GiB.\n{format_estimate(estimate)}\n{fix}\nRaise memory_budget, or set "
+        f"preflight=false to start anyway."
+    )
+
+
+def _cheapest_fix(cfg: TrainConfig, budget: int, world_size: int = 1) -> str:
+    """The planner's fix that changes the fewest switches and fits ``budget`` bytes, as override text.
+
+    Args:
+        cfg: the run config.
+        budget: bytes per device the tensors may have, all of them (the available memory, which already leaves
+            out what this process holds, or the tensors' share of ``memory_budget``).
+        world_size: ranks of the run.
+    """
+    fix = cheapest_fix(cfg, budget, world_size, host_overhead_bytes=0)
     if fix is None:
         return "No combination of memory switches fits; use more ranks (nproc=N), a smaller batch_size or seq_len."
     keys = " ".join(f"{k}={_yaml_scalar(fix.switches[k])}" for k in fix.changes)
