@@ -99,17 +99,16 @@ def plan_source(
     """
     held_docs = held_chars = documents = total_chars = 0
     need = VAL_MIN_CHARS
-    candidates: list[
-        tuple[int, int]
-    ] = []  # (-hash, characters): a max-heap of the training documents of smallest hash
+    # (-hash, characters): a max-heap of the training documents of smallest hash, as many as the minimum needs
+    candidates: list[tuple[int, int]] = []
     candidate_chars = 0
     for f in files:
-        if f.kind == "txt":  # one document; not read beyond its first piece (is there any text?)
+        if f.kind == "txt":  # one document, its tail held out; read no further than whether it has text
             tail = int(f.size * val_fraction)
-            if (
-                documents == 0
-                and next(iter(_pieces(f, val_fraction, text_field, skip_malformed)), None) is None
-            ):
+            empty = (
+                documents == 0 and next(_pieces(f, val_fraction, text_field, skip_malformed), None) is None
+            )
+            if empty:
                 continue
             documents += 1
             total_chars += f.size
