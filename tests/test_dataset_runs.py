@@ -133,3 +133,26 @@ def test_sigkill_on_two_ranks_then_resume_exact_and_elastic(mixed, tmp_path):
     resumed = dict(losses(elastic))
     assert [s for s, _ in losses(elastic)] == list(range(1, 9))
     assert max(abs(resumed[s] - loss) for s, loss in losses(ref)) <= 1e-5
+
+
+def test_a_dataset_prepared_with_the_defaults_validates_every_source(tmp_path, capsys):
+    """memfit prepare's default val_fraction (0.01) holds out none of mixed_corpus' 88 documents by the hash; the
+    per-source minimum holds out some of each, so a run logs val_loss for every source (main: none, said only at
+    the end). With nothing held out, the banner says so at the start."""
+    data = tmp_path / "data"
+    prepare = ["prepare", "--out", str(data), "--source-tree", str(MIXED), "--quiet", "--workers", "1"]
+    assert main([*prepare, "vocab_size=512"]) == 0
+    out = tmp_path / "run"
+    assert main(["pretrain", *_run(data, out)]) == 0
+    val = [r for r in read_records(out / "metrics.jsonl") if "val_loss" in r]
+    assert [r["step"] for r in val] == [3, 6]
+    assert all({"val_loss/book", "val_loss/docs", "val_loss/github"} <= set(r) for r in val)
+    assert "254,482 train / 47,357 val tokens (book" in capsys.readouterr().out
+    off = tmp_path / "off"
+    assert main([*prepare[:2], str(off), *prepare[3:], "vocab_size=512", "val_fraction=0"]) == 0
+    assert main(["pretrain", *_run(off, tmp_path / "run-off", max_steps=3, eval_every=0)]) == 0
+    banner = next(
+        line for line in capsys.readouterr().out.splitlines() if line.startswith("memfit pretrain:")
+    )
+    reason = "no validation windows: the dataset holds out no text (memfit prepare's val_fraction=0)"
+    assert banner.endswith(f"; {reason}")

@@ -123,9 +123,9 @@ class DataConfig:
     """Skip (and count) malformed records instead of stopping with an error that names the file and record."""
     val_fraction: float = 0.1
     """Fraction held out for validation: of raw text prepared by the run (record files: documents chosen by a hash
-    of their text; a ``.txt`` file: its tail, cut at a line boundary; the tokenizer is trained on the training part
-    only), or of instruction records (a seeded random choice; 0 turns validation off). A prepared dataset keeps
-    the split it was prepared with."""
+    of their text, at least 16,384 characters of each source where it can; a ``.txt`` file: its tail, cut at a line
+    boundary; the tokenizer is trained on the training part only), or of instruction records (a seeded random
+    choice; 0 turns validation off). A prepared dataset keeps the split it was prepared with."""
     weights: dict[str, float] = field(default_factory=dict)
     """Mixture weights of the sources of a text dataset, e.g. ``{web: 0.67, books: 0.045}`` (any scale; a source
     left out or weighted 0 is not trained on). Empty: each source in proportion to its training tokens."""
@@ -235,8 +235,9 @@ class PrepareConfig:
     tokenizer_sample_bytes: int = 64 * 1024**2
     """Characters of training documents the BPE is trained on (the first ones, in source and file order)."""
     val_fraction: float = 0.01
-    """Share held out for validation: of the documents of record files, chosen by a hash of each document's text;
-    of each ``.txt`` file (one document), its tail, cut at a line boundary."""
+    """Share held out for validation: of the documents of record files, chosen by a hash of each document's text
+    (a source held out less than 16,384 characters also holds out its documents of smallest hash until it has
+    them, :mod:`memfit.data.split`); of each ``.txt`` file (one document), its tail, cut at a line boundary."""
     text_field: str = "text"
     """The JSON field (``.jsonl``) or column (``.parquet``) that holds each document's text."""
     shard_tokens: int = 2**24

@@ -107,7 +107,7 @@ def _train(cfg: TrainConfig, device: torch.device, cleanup: contextlib.ExitStack
         start_step = int(ckpt_io.load_checkpoint(resume_dir, model, optimizer)["step"])
     verb = "pretrain" if cfg.checkpoint_dir is None else f"finetune ({cfg.method})"
     if main_rank:
-        tqdm.write(_banner(cfg, verb, built, tokenizer, data.summary, seq_len, world, device, start_step))
+        tqdm.write(_banner(cfg, verb, built, tokenizer, data, seq_len, world, device, start_step))
 
     logger = cleanup.enter_context(  # closed at the end, or on an error (a W&B run then ends as failed)
         MetricsLogger(
@@ -404,14 +404,16 @@ def _sample(cfg: TrainConfig, model, tokenizer, last_ckpt: Path | None, device: 
     )
 
 
-def _banner(cfg, verb, built, tokenizer, data_summary, seq_len, world, device, start_step) -> str:
-    """The start-of-run line: what trains, on what, in which batches, where."""
+def _banner(cfg, verb, built, tokenizer, data, seq_len, world, device, start_step) -> str:
+    """The start-of-run line: what trains, on what (``data``: the run's :class:`~memfit.data.run.RunData`), in
+    which batches, where; and when nothing can be validated on, why, at the start rather than only at the end."""
     source = cfg.model if cfg.checkpoint_dir is None else cfg.checkpoint_dir
     trainable = "" if built.num_trainable == built.num_params else f", {built.num_trainable:,} trainable"
     sharded = f" x {world} ranks ({cfg.distributed.strategy})" if world > 1 else ""
     return (
         f"memfit {verb}: model {source} ({built.num_params:,} parameters{trainable}), tokenizer {tokenizer.kind} "
-        f"({tokenizer.vocab_size:,} ids), {data_summary}, batch {cfg.batch_size} x "
+        f"({tokenizer.vocab_size:,} ids), {data.summary}, batch {cfg.batch_size} x "
         f"{cfg.gradient_accumulation_steps} x {seq_len} tokens{sharded}, dtype {cfg.dtype}, device {device}"
         + (f", resuming at step {start_step}" if start_step else "")
+        + (f"; {data.val_empty_reason}" if data.val_empty_reason else "")
     )

@@ -332,3 +332,101 @@ def test_a_bad_record_in_a_worker_is_reported_with_its_file_and_line(tmp_path, c
     err = capsys.readouterr().err
     assert f"{src / 'b.jsonl'}:2: malformed JSON" in err and "Traceback" not in err
     assert not (tmp_path / "out" / "manifest.json").exists()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# A prepare stopped by its input leaves nothing; an earlier run's work is kept
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _long_source(directory: Path, bad: bytes | None = None) -> Path:
+    """60 documents of about 1,000 characters (real text), and ``bad`` as line 61: with val_fraction=0.5 the split
+    is decided after about 33 of them, so the bad line is met only while preparing."""
+    directory.mkdir(parents=True, exist_ok=True)
+    text = default_corpus_path().read_text(encoding="utf-8")
+    lines = [json.dumps({"text": text[i * 1000 : (i + 1) * 1000]}).encode() + b"\n" for i in range(60)]
+    (directory / "a.jsonl").write_bytes(b"".join(lines) + (bad or b""))
+    return directory
+
+
+BAD_INPUTS = {  # what the reader meets, and what it says
+    "no-field": (b'{"meta": 1}\n', ":61: the record has no 'text' field"),
+    "utf8": (b'{"text": "caf\xe9"}\n', ":61: not valid UTF-8"),
+}
+
+
+@pytest.mark.parametrize(
+    "where, bad",
+    [
+        ("deciding the split", "no-field"),
+        ("deciding the split", "utf8"),
+        ("training the tokenizer", "utf8"),
+        ("in a worker", "no-field"),
+    ],
+)
+def test_a_prepare_stopped_by_bad_input_leaves_nothing(tmp_path, capsys, where, bad):
+    line, message = BAD_INPUTS[bad]
+    src = tmp_path / "src"
+    if where == "deciding the split":  # a small source: read to its end before anything is written
+        src.mkdir()
+        (src / "a.jsonl").write_bytes(b'{"text": "ok"}\n' + line)
+        message = message.replace(":61:", ":2:")
+    else:
+        _long_source(src, line)
+    given = (
+        [] if where == "training the tokenizer" else ["--tokenizer", str(ASSETS / "sentencepiece_2k.model")]
+    )
+    if where == "in a worker":
+        shutil.copy(
+            MIXED / "book" / "book_000.jsonl", src / "0.jsonl"
+        )  # sorted first: two units, two workers
+    out = tmp_path / "made" / "out"
+    args = ["prepare", "--out", str(out), "--source", f"s={src}", "--quiet"]
+    workers = ["--workers", "2" if where == "in a worker" else "1"]
+    assert main([*args, *workers, *given, "val_fraction=0.5", "vocab_size=300"]) == 1
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+    assert not (
+        tmp_path / "made"
+    ).exists()  # the directories it made, settings, tokenizer, locks, shards: gone
+    if where != "deciding the split":
+        assert f"--out '{out}' is removed (this prepare made it)" in err
+    (src / "a.jsonl").write_bytes((src / "a.jsonl").read_bytes().replace(line, b""))  # fixed
+    other = ["--tokenizer", str(ASSETS / "tiktoken_2k.model")]  # another tokenizer: not "a different dataset"
+    assert main([*args, "--workers", "1", *other, "val_fraction=0.5"]) == 0
+
+
+def test_parquet_without_the_column_or_an_empty_file_leaves_nothing(tmp_path, capsys):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    (tmp_path / "p").mkdir()
+    pq.write_table(pa.table({"body": ["a"]}), tmp_path / "p" / "a.parquet")
+    (tmp_path / "e").mkdir()
+    (tmp_path / "e" / "only.jsonl").write_bytes(b"")
+    for source, message in [("p", "has no 'text' column (columns: body)"), ("e", "source 'e' has no text")]:
+        out = tmp_path / f"out-{source}"
+        assert (
+            main(["prepare", "--out", str(out), "--source", f"{source}={tmp_path / source}", "--quiet"]) == 1
+        )
+        assert message in capsys.readouterr().err
+        assert not out.exists()  # no tokenizer, settings, lock or empty shard
+    (tmp_path / "empty").mkdir()  # a directory given empty stays, empty
+    assert (
+        main(["prepare", "--out", str(tmp_path / "empty"), "--source", f"e={tmp_path / 'e'}", "--quiet"]) == 1
+    )
+    assert list((tmp_path / "empty").iterdir()) == []
+
+
+def test_a_bad_file_added_to_a_dataset_keeps_what_it_had(prepared, tmp_path, capsys):
+    out = tmp_path / "grown"
+    shutil.copytree(prepared, out)
+    before = _files(out)
+    src = _long_source(tmp_path / "new", b"{bad\n")
+    sources = {**source_tree(MIXED), "new": [str(src)]}
+    with pytest.raises(DataError, match=r"a\.jsonl:61: malformed JSON"):
+        _prepare(out, sources=sources, tokenizer=None)
+    after = _files(out)
+    assert {k: v for k, v in after.items() if k in before} == before  # the earlier dataset, untouched
+    assert (out / ".prepare" / "settings.json").is_file() and read_manifest(out) == read_manifest(prepared)
+    assert not any(k.endswith(".tmp") for k in after)

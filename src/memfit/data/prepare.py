@@ -5,7 +5,11 @@ Plan of work:
 
 1. **Check everything first**: the sources' files exist and have known formats, the tokenizer loads, and the
    output directory is empty, an interrupted prepare of the same settings, or the same dataset (then a run is a
-   no-op, or prepares only files that were added or changed). Nothing is written before these checks pass.
+   no-op, or prepares only files that were added or changed). Then each source's validation split is decided
+   (:mod:`memfit.data.split`: the hash, with a minimum of held-out text per source), reading a little of each
+   source (all of a small one): a bad record or an empty source found there stops it here. Nothing is written
+   before these checks pass. A prepare that then stops on its input (a bad record further on) removes the dataset
+   it began (``out`` was missing or empty); interrupted, or on a full disk, it keeps its work to continue from.
 2. **The tokenizer**: the one given (a tokenizer file, or a Hugging Face / memfit checkpoint directory), or a
    byte-level BPE trained on a bounded sample of the training documents (``tokenizer_sample_bytes``, read in
    source and file order). Saved into ``tokenizer/`` with its fingerprint.
@@ -16,8 +20,9 @@ Plan of work:
    :attr:`memfit.tokenizer.Tokenizer.add_bos`). A shard pair (``NAME-k.train.bin``, ``NAME-k.val.bin``)
    closes at the first piece boundary that would take the training shard past ``shard_tokens``; its sidecar
    ``NAME-k.json`` (written after both shards are in place) records the input pieces it covers. After a SIGKILL
-   the finished pairs are kept: the unit skips the pieces they cover and redoes only the pair it was writing. A
-   unit's ``NAME.json`` index marks it done. Memory is bounded by a batch of text per worker, whatever the corpus
+   the finished pairs are kept (when ``NAME.writing.json``, written before them, says they are of the same file
+   and split): the unit skips the pieces they cover and redoes only the pair it was writing. A unit's
+   ``NAME.json`` index marks it done. Memory is bounded by a batch of text per worker, whatever the corpus
    size.
 4. **Fan-out**: the units run in ``workers`` processes through datatrove's ``LocalPipelineExecutor`` (Hugging Face's
    data-processing library); ``num_nodes`` / ``node_rank`` give each machine a disjoint block of the units, all
@@ -54,6 +59,7 @@ from memfit import storage
 from memfit.config import PrepareConfig
 from memfit.convert import checkpoint_tokenizer, detect_format
 from memfit.data.sources import InputFile, Piece, ReadCounts, read_pieces, resolve_sources
+from memfit.data.split import no_text, source_splits
 from memfit.data.tokens import FORMAT, MANIFEST, SPLITS, VERSION, token_dtype
 from memfit.errors import DataError, MemfitError, TokenizerError, WriteError
 from memfit.tokenizer import CharTokenizer, Tokenizer, load_tokenizer, train_bpe
@@ -71,10 +77,12 @@ BATCH_CHARS = 1 << 20
 
 @dataclass(frozen=True)
 class Unit:
-    """One input file and the name its shards and index take in the source's directory."""
+    """One input file, the name its shards and index take in the source's directory, and its source's split."""
 
     file: InputFile
     name: str
+    val_hash_max: int | None = None
+    """Its source's minimum of held-out text (:class:`~memfit.data.split.SourceSplit`); ``None``: the hash alone."""
 
     @property
     def source(self) -> str:
@@ -225,6 +233,7 @@ def _pieces(unit: Unit, cfg: PrepareConfig, counts: ReadCounts) -> Iterator[Piec
         text_field=cfg.text_field,
         skip_malformed=cfg.skip_malformed,
         counts=counts,
+        val_hash_max=unit.val_hash_max,
     )
 
 
@@ -317,9 +326,14 @@ def _remove_unit_files(directory: Path, unit: str, keep: int) -> None:
 
 
 def unit_done(directory: Path, unit: Unit) -> dict[str, Any] | None:
-    """The index of a finished unit whose input file is unchanged, or None."""
+    """The index of a finished unit whose input file and split are unchanged, or None (an index written before
+    the per-source minimum has no ``val_hash_max``: the hash alone)."""
     index = _read_json(directory / f"{unit.name}.json")
-    if isinstance(index, dict) and index.get("input") == unit.file.fingerprint():
+    if (
+        isinstance(index, dict)
+        and index.get("input") == unit.file.fingerprint()
+        and index.get("val_hash_max") == unit.val_hash_max
+    ):
         return index
     return None
 
@@ -410,7 +424,7 @@ def prepare_unit(
 
     Returns:
         The unit's index: ``input`` (the file's fingerprint), ``documents`` / ``tokens`` per split, ``skipped``
-        (malformed records skipped), ``pairs`` (the shard pairs' records).
+        (malformed records skipped), ``pairs`` (the shard pairs' records), ``val_hash_max`` (its source's split).
 
     Raises:
         DataError: a bad record (unless ``skip_malformed``), naming its file and line.
@@ -422,8 +436,13 @@ def prepare_unit(
         done = unit_done(directory, unit)
         if done is not None:  # another process finished it while this one waited for the lock
             return done
-        finished = _finished_pairs(directory, unit.name, dtype)
+        # the pairs an interrupted run finished are kept when they are of this file and split: the marker it
+        # wrote before its first pair says so (a changed file, or another split of its source, starts anew)
+        writing, state = directory / f"{unit.name}.writing.json", _unit_state(unit)
+        finished = _finished_pairs(directory, unit.name, dtype) if _read_json(writing) == state else []
         _remove_unit_files(directory, unit.name, keep=len(finished))
+        if _read_json(writing) != state:
+            _write_json(writing, state)
         writer = _UnitWriter(directory, unit.name, tokenizer, cfg.shard_tokens, finished, progress)
         skip, counts, position = writer.consumed, ReadCounts(), 0
         try:
@@ -452,9 +471,16 @@ def prepare_unit(
             "skipped": counts.skipped,
             "first_skipped": counts.first_skipped,
             "pairs": pairs,
+            "val_hash_max": unit.val_hash_max,
         }
         _write_json(directory / f"{unit.name}.json", index)
+        writing.unlink(missing_ok=True)
         return index
+
+
+def _unit_state(unit: Unit) -> dict[str, Any]:
+    """What a unit's shard pairs are made of: its input file and its source's split."""
+    return {"input": unit.file.fingerprint(), "val_hash_max": unit.val_hash_max}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -591,16 +617,34 @@ def _dataset_tokenizer(
 def prepare(
     cfg: PrepareConfig, sources: dict[str, list[str]], *, progress_bar: bool = True, replace: bool = False
 ) -> PrepareResult:
-    """Prepare a token dataset in ``cfg.out`` from ``sources``: :func:`_prepare`, with a failed write (disk full,
-    quota, permissions) reported as a :class:`~memfit.errors.WriteError` that names the path and says that the
-    finished shards are kept."""
+    """Prepare a token dataset in ``cfg.out`` from ``sources``: :func:`_prepare`, and when it fails:
+
+    - interrupted (Ctrl-C, SIGTERM; SIGKILL leaves it as it is) or a failed write (disk full, quota, permissions,
+      reported as a :class:`~memfit.errors.WriteError` that names the path): the finished shards and the settings
+      are kept, and the same command continues from them;
+    - stopped by its input (a bad record, an empty source: a :class:`~memfit.errors.MemfitError`), which the same
+      command would meet again: a dataset this call began on one machine (``cfg.out`` was missing or empty) is
+      removed, so that the command can be run again with other input or settings; an earlier run's dataset,
+      complete or partial, keeps what it had, and the files this call finished.
+
+    The shards being written are removed in every case (``*.bin.tmp``)."""
+    made: list[tuple[Path, bool]] = []
     try:
-        return _prepare(cfg, sources, progress_bar=progress_bar, replace=replace)
+        return _prepare(cfg, sources, progress_bar=progress_bar, replace=replace, made=made)
     except BaseException as exc:
         _remove_partial_shards(Path(cfg.out).expanduser().absolute())
         if not isinstance(exc, Exception):
             raise
         error = storage.os_error_of(exc)
+        if isinstance(exc, MemfitError) and not isinstance(exc, WriteError) and made:
+            _remove_made(*made[0])
+            out = Path(cfg.out).expanduser().absolute()
+            what = (
+                f"--out '{out}' is removed (this prepare made it)"
+                if made[0][1]
+                else f"'{out}' is empty again"
+            )
+            raise type(exc)(f"{exc}; {what}") from None
         if error is None or isinstance(exc, MemfitError):
             raise
         raise WriteError(
@@ -613,6 +657,18 @@ def prepare(
                 partial="No partial shard was left behind",
             )
         ) from None
+
+
+def _remove_made(directory: Path, itself: bool) -> None:
+    """Remove what a failed prepare made: ``directory`` (``itself``) or its contents."""
+    if itself:
+        shutil.rmtree(directory, ignore_errors=True)
+        return
+    for path in directory.iterdir():
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
 
 
 def _remove_partial_shards(out: Path) -> None:
@@ -635,7 +691,12 @@ def _remove_partial_shards(out: Path) -> None:
 
 
 def _prepare(
-    cfg: PrepareConfig, sources: dict[str, list[str]], *, progress_bar: bool = True, replace: bool = False
+    cfg: PrepareConfig,
+    sources: dict[str, list[str]],
+    *,
+    progress_bar: bool = True,
+    replace: bool = False,
+    made: list[tuple[Path, bool]] | None = None,
 ) -> PrepareResult:
     """Prepare a token dataset in ``cfg.out`` from ``sources`` (see the module docstring).
 
@@ -645,6 +706,9 @@ def _prepare(
         progress_bar: show the progress bar (stderr) and the summary table (stdout).
         replace: when ``cfg.out`` holds a dataset of other settings, delete it and prepare anew (a run's own
             ``output_dir/data``, which the run's settings own) instead of refusing.
+        made: receives ``(directory, itself)`` when this call starts a new dataset on one machine: the directory
+            it creates (the topmost missing one of ``cfg.out``'s path), or ``cfg.out`` when that was empty
+            (``itself`` False: only its contents are this call's).
 
     Returns:
         The :class:`PrepareResult`.
@@ -656,7 +720,6 @@ def _prepare(
     start = time.perf_counter()
     out = Path(cfg.out).expanduser().absolute()
     files = resolve_sources(sources)
-    units = [Unit(f, unit_name(f)) for name in sorted(files) for f in files[name]]
     given = load_given_tokenizer(cfg.tokenizer) if cfg.tokenizer is not None else None
     key = dataset_key(cfg, given.fingerprint() if given is not None else None)
     try:
@@ -666,8 +729,20 @@ def _prepare(
             raise
         shutil.rmtree(out)  # the run's own data of earlier settings
         state = "new"
+    splits = source_splits(files, cfg, _read_json(out / MANIFEST) if state == "existing" else None)
+    noted = set()
+    for name, split in splits.items():  # at once, before the heavy work
+        if (note := split.note(name, cfg.val_fraction)) is not None:
+            tqdm.write(note)
+            noted.add(name)
+    units = [Unit(f, unit_name(f), splits[name].val_hash_max) for name in sorted(files) for f in files[name]]
     if given is not None and cfg.tokenizer is not None:
         key["tokenizer"] = str(Path(cfg.tokenizer).expanduser().absolute())
+    if state == "new" and cfg.num_nodes == 1 and made is not None:
+        top = out
+        while not top.parent.exists():
+            top = top.parent
+        made.append((top, not out.exists()))
     (out / STATE_DIR).mkdir(parents=True, exist_ok=True)
     if state == "new":  # first: another machine starting on the same directory then sees these settings
         _write_json(out / STATE_DIR / "settings.json", key)
@@ -727,6 +802,12 @@ def _prepare(
         manifest = build_manifest(out, units, tokenizer, key)
         if _read_json(out / MANIFEST) != manifest:
             _write_json(out / MANIFEST, manifest)
+        for name, src in manifest["sources"].items():  # what the notes above could not know (a .txt tail)
+            if cfg.val_fraction > 0 and not src["val"]["tokens"] and name not in noted:
+                tqdm.write(
+                    f"note: source '{name}' holds no validation tokens (val_fraction={cfg.val_fraction:g}); a run "
+                    f"reports no val_loss/{name}"
+                )
     return PrepareResult(out, manifest, len(mine), len(todo), time.perf_counter() - start)
 
 
@@ -743,6 +824,7 @@ def build_manifest(out: Path, units: list[Unit], tokenizer: Tokenizer, key: dict
                 "skipped": 0,
                 "files": [],
                 "shards": [],
+                "val_hash_max": unit.val_hash_max,
                 **{s: {"documents": 0, "tokens": 0} for s in SPLITS},
             },
         )
@@ -756,10 +838,7 @@ def build_manifest(out: Path, units: list[Unit], tokenizer: Tokenizer, key: dict
         src["shards"] += [sh for pair in index["pairs"] for sh in pair["shards"] if sh["tokens"]]
     for name, src in sources.items():
         if src["tokens"] == 0:
-            files = ", ".join(f"'{f['path']}'" for f in src["files"])
-            raise DataError(
-                f"source '{name}' has no text: {files} hold{'s' * (len(src['files']) == 1)} no document"
-            )
+            raise no_text(name, [f["path"] for f in src["files"]])
     return {
         "format": FORMAT,
         "version": VERSION,

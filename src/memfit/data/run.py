@@ -235,21 +235,22 @@ def text_data(cfg: TrainConfig, directory: Path, manifest: dict, seq_len: int) -
         if stream.num_tokens >= seq_len + 1
     }
     short = [n for n in val.names if n not in val_sources]
-    if short and dist_.is_main():
-        tqdm.write(
-            f"note: {', '.join(short)} hold{'s' * (len(short) == 1)} fewer validation tokens than one window of "
-            f"{seq_len + 1}: no val_loss for {'it' if len(short) == 1 else 'them'}"
-        )
+    key = "data.val_fraction" if not is_dataset(cfg.data.path) else "memfit prepare's val_fraction"
     reason = None
-    if not val_sources:
+    if manifest["settings"].get("val_fraction") == 0:
+        reason = f"no validation windows: the dataset holds out no text ({key}=0)"
+    elif not val_sources:
         held = ", ".join(f"{n} {s.num_tokens:,}" for n, s in zip(val.names, val.streams, strict=True))
-        more = "data.val_fraction" if not is_dataset(cfg.data.path) else "memfit prepare's val_fraction"
         reason = (
             f"no validation windows: every source holds fewer validation tokens than one window of seq_len + 1 = "
-            f"{seq_len + 1} ({held}); lower seq_len or hold out more with {more}"
+            f"{seq_len + 1} ({held}); lower seq_len or hold out more with {key}"
         )
     weights = {n: float(w) for n, w in zip(train.names, train.weights, strict=True)}
     mixture = ", ".join(f"{n} {w:.1%}" for n, w in weights.items()) if len(weights) > 1 else names[0]
+    if short and val_sources:  # the banner says it (and, for none at all, the reason)
+        mixture += (
+            f"; no val_loss for {', '.join(short)}: fewer validation tokens than one window of {seq_len + 1}"
+        )
     summary = f"{train.num_tokens:,} train / {val.num_tokens:,} val tokens ({mixture})"
     return RunData(train_batch, lambda: iter(()), summary, seq_len, val_sources, reason)
 

@@ -12,7 +12,8 @@ or found as a RedPajama-style tree: one directory per source (``--source-tree da
 =========================================  ======================================================================
 
 Which text is held out for validation: a record-format document by a hash of its text
-(:func:`memfit.data.tokens.is_validation`: stable across runs, files and machines); a ``.txt`` file, being one
+(:func:`memfit.data.tokens.is_validation`: stable across runs, files and machines; a small source's minimum,
+:mod:`memfit.data.split`, raises its threshold); a ``.txt`` file, being one
 document, by its tail: the last ``val_fraction`` of its bytes, cut at a line boundary (as nanoGPT splits a text);
 the document's BOS starts its training part and its EOS ends the held-out tail.
 
@@ -212,6 +213,7 @@ def read_pieces(
     text_field: str = "text",
     skip_malformed: bool = False,
     counts: ReadCounts | None = None,
+    val_hash_max: int | None = None,
 ) -> Iterator[Piece]:
     """The text of one input file in file order, streaming, each piece assigned to its split.
 
@@ -221,6 +223,8 @@ def read_pieces(
         text_field: the JSON field or parquet column holding the text.
         skip_malformed: skip (and count in ``counts``) bad records instead of raising.
         counts: receives the skipped records and the progress through the file.
+        val_hash_max: a record is also held out when its hash is at most this (its source's minimum,
+            :mod:`memfit.data.split`); ``None``: ``val_fraction`` alone.
 
     Yields:
         :class:`Piece` s (empty documents are skipped).
@@ -236,7 +240,9 @@ def read_pieces(
             return
         documents = _read_jsonl if f.kind == "jsonl" else _read_parquet
         for text in documents(f.path, text_field, skip_malformed, counts):
-            yield Piece(text, "val" if is_validation(text, val_fraction) else "train", True, True)
+            yield Piece(
+                text, "val" if is_validation(text, val_fraction, val_hash_max) else "train", True, True
+            )
     except (OSError, EOFError) as exc:
         raise DataError(f"cannot read '{f.path}': {exc}") from None
     except Exception as exc:  # the decompressors' own errors (zstandard.ZstdError, gzip.BadGzipFile, ...)

@@ -94,13 +94,21 @@ def token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16 if vocab_size <= 2**16 else np.uint32)
 
 
-def is_validation(text: str, val_fraction: float) -> bool:
-    """Whether a document is held out for validation: the first 8 bytes of its BLAKE2b hash, as a fraction of
-    2**64, are below ``val_fraction``. A function of the text alone: stable across runs, files and machines."""
+def document_hash(text: str) -> int:
+    """The hash that decides a document's split: the first 8 bytes of the BLAKE2b hash of its UTF-8 text, as a
+    little-endian integer in ``[0, 2**64)``."""
+    return int.from_bytes(hashlib.blake2b(text.encode("utf-8"), digest_size=8).digest(), "little")
+
+
+def is_validation(text: str, val_fraction: float, val_hash_max: int | None = None) -> bool:
+    """Whether a document is held out for validation: its :func:`document_hash`, as a fraction of 2**64, is below
+    ``val_fraction``, or (a small source's minimum, :mod:`memfit.data.split`) the hash is at most
+    ``val_hash_max``. A function of the text (and its source's ``val_hash_max``) alone: stable across runs, files
+    and machines. Nothing is held out when ``val_fraction`` is 0."""
     if val_fraction <= 0:
         return False
-    digest = hashlib.blake2b(text.encode("utf-8"), digest_size=8).digest()
-    return int.from_bytes(digest, "little") < val_fraction * 2**64
+    h = document_hash(text)
+    return h < val_fraction * 2**64 or (val_hash_max is not None and h <= val_hash_max)
 
 
 def is_dataset(path: str | Path | None) -> bool:
