@@ -151,16 +151,37 @@ def test_dry_run_runs_every_step_on_cpu_with_the_carried_packages(carry, tmp_pat
 
 
 def test_a_step_that_fails_or_overruns_costs_only_itself(tmp_path):
-    # a stand-in python: the env check hangs, every other step fails at once
+    # a stand-in python that notes its arguments: the env check hangs, every other step fails at once
+    calls = tmp_path / "calls.txt"
     fake = tmp_path / "python"
-    fake.write_text('#!/bin/sh\ncase "$*" in *gpu_env_check*) sleep 60 ;; *) exit 3 ;; esac\n')
+    fake.write_text(
+        f'#!/bin/sh\necho "$*" >>{calls}\ncase "$*" in *gpu_env_check*) sleep 60 ;; *) exit 3 ;; esac\n'
+    )
     fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
     out = tmp_path / "out"
-    # env's limit: 131 s in all less seed's 120 s budget = 11 s; seed still gets its 120 s
-    result = _run_script(out, tmp_path / "none", str(fake), GPU_RUN_STEPS="env seed", GPU_RUN_SECONDS="131")
+    # env's limit: 491 s in all less the later steps' 90 + 270 + 120 s = 11 s; they keep their budgets
+    result = _run_script(out, tmp_path / "none", str(fake), GPU_RUN_SECONDS="491")
     assert result.returncode == 1
     assert "step env: start (limit 11s)" in result.stdout
-    assert "steps: env: TIMED OUT after 11s; seed: FAILED (exit 3);" in result.stdout
+    assert (
+        "steps: env: TIMED OUT after 11s; pretrain: FAILED (exit 3); estimate: FAILED (exit 3); "
+        "seed: FAILED (exit 3);" in result.stdout
+    )
     assert "WARNING: no carried packages" in result.stdout
+    # the device's commands (not the dry run's): each script exists, and the run's overrides validate
+    env, pretrain, estimate, seed = calls.read_text().splitlines()[:4]
+    assert env == f"bench/gpu_env_check.py --device cuda --out {out}/env.json"
+    assert estimate == f"bench/gpu_estimate_check.py --measure {out}/gpu_estimate.json.gz"
+    assert seed == f"bench/gpu_seed_table.py --out {out}/gpu_seed_table.md"
+    assert all((ROOT / line.split()[0]).is_file() for line in (env, estimate, seed))
+    verb, *overrides = pretrain.split()[2:]
+    assert (
+        pretrain.startswith("-m memfit pretrain device=cuda track_memory=true output_dir=")
+        and verb == "pretrain"
+    )
+    from memfit.config import load_config
+
+    cfg = load_config(None, overrides)
+    assert (cfg.device, cfg.track_memory, cfg.tensorboard, cfg.model) == ("cuda", True, False, "shakespeare")
     skipped = _run_script(out, tmp_path / "none", str(fake), GPU_RUN_STEPS="env seed", GPU_RUN_SECONDS="125")
     assert "steps: env: skipped; seed: FAILED (exit 3);" in skipped.stdout  # 5 s left for env: not started
