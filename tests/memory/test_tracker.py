@@ -239,20 +239,6 @@ def test_activation_checkpointing_keeps_less_and_recomputes_in_backward():
     assert checkpointed.current_breakdown() == plain.current_breakdown()
 
 
-def test_torch_without_the_saved_hooks_getter_tracks_the_same(monkeypatch):
-    # torch 2.6 has no _top_saved_tensors_default_hooks: the tracker assumes no hooks in force when it starts
-    # and still wraps those pushed inside it (activation checkpointing here)
-    model, optimizer, batches = make()
-    apply_activation_checkpointing(model, "full")
-    with_getter = tracked_step(model, optimizer, batches)
-    monkeypatch.delattr(torch._C._autograd, "_top_saved_tensors_default_hooks")
-    model, optimizer, batches = make()
-    apply_activation_checkpointing(model, "full")
-    without = tracked_step(model, optimizer, batches)
-    assert without.timeline == with_getter.timeline and without.peak_breakdown == with_getter.peak_breakdown
-    assert max(b["activations"] for b in phase_entries(without, "backward")) > 0
-
-
 def test_optimizer_in_backward_never_holds_all_gradients():
     model, optimizer, batches = make(in_backward=True)
     tracker = tracked_step(model, optimizer, batches)

@@ -735,12 +735,9 @@ def _saved_tensors_counted(ledger: _Ledger) -> Iterator[None]:
     if not torch._C._autograd._saved_tensors_hooks_is_enabled():
         yield
         return
-    module = torch._C._autograd
-    # the hooks in force when the tracker starts (none in memfit's own step); torch 2.6 has no call for it, and
-    # then none is assumed: hooks pushed while the tracker is active are wrapped either way (``push`` below)
-    top_of = getattr(module, "_top_saved_tensors_default_hooks", None)
-    top = None if top_of is None else top_of(False)
+    top = torch._C._autograd._top_saved_tensors_default_hooks(False)
     pack, unpack = (None, None) if top is None else top
+    module = torch._C._autograd
     original = module._push_saved_tensors_default_hooks
 
     def push(pack_hook: Any, unpack_hook: Any) -> None:
