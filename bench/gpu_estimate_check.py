@@ -14,9 +14,13 @@ Two halves, because the estimate needs no GPU and GPU time is scarce:
   through the allocator model, reserved peak) and write the table into docs/benchmarks.md (section
   ``gpu-estimate``).
 
-The whole ``--measure`` run is sized for one GPU in under 8 minutes (the 8B configurations dominate).
+The allocator's history is recorded without stack traces (``context=None``): memfit needs only each block's
+address, size and stream, and a trace with C++ stacks takes minutes to symbolise in ``_snapshot()``. The
+measurements are written after every configuration (``OUT.json``, or gzip-compressed when it ends in ``.gz``), so
+a run stopped at its time limit keeps what it finished; the configurations run cheapest first, the 8B ones last.
 
-Reproduce: on a GPU machine ``python bench/gpu_estimate_check.py --measure gpu.json``, then here
+Reproduce: on the lent GPU machine, ``bash bench/gpu_run.sh`` (its first lines give the device tool's call), or on
+any GPU machine ``python bench/gpu_estimate_check.py --measure gpu.json``; then here
 ``.venv/bin/python bench/gpu_estimate_check.py --compare gpu.json``.
 """
 
@@ -25,16 +29,17 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
+import gzip
 import json
 import sys
 import time
 from pathlib import Path
 
-import torch
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))  # before memfit's first import
 
-from memfit.units import GIB
+import torch  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+from memfit.units import GIB  # noqa: E402
 
 BASE = ["dtype=bf16", "batch_size=1", "seq_len=2048", "device=cuda", "max_grad_norm=1.0"]
 IN_BACKWARD = ["optimizer_in_backward=true", "max_grad_norm=0"]
@@ -91,7 +96,14 @@ def _config(overrides: list[str]):
 
 
 def measure(path: Path, dry_run: bool = False) -> None:
+    """Measure every configuration (see the module docstring) and write ``path`` after each one.
+
+    Args:
+        path: the JSON to write (gzip-compressed when it ends in ``.gz``).
+        dry_run: one tiny configuration on CPU, with the CUDA statistics as zeros (checks the script).
+    """
     from memfit.build import build_model, run_model_config
+    from memfit.memory.allocator import replay
     from memfit.memory.optim import build_optimizer
     from memfit.memory.techniques import apply_activation_checkpointing
     from memfit.step import train_step, train_step_options
@@ -99,12 +111,15 @@ def measure(path: Path, dry_run: bool = False) -> None:
     device = torch.device("cpu" if dry_run else "cuda")
     cuda = torch.cuda if not dry_run else _NoCuda()
     configs = {"tiny (dry run)": ["model=tiny", "seq_len=64", "tokenizer.kind=char"]} if dry_run else CONFIGS
-    results = {}
+    info = {"device": cuda.get_device_name(), "torch": torch.__version__}
+    results: dict[str, dict] = {}
     for name, overrides in configs.items():
         t0 = time.perf_counter()
         cuda.reset_peak_memory_stats()
-        if not dry_run:
-            torch.cuda.memory._record_memory_history(max_entries=2_000_000)
+        if not dry_run:  # block addresses and sizes only: stack traces would take minutes to symbolise
+            torch.cuda.memory._record_memory_history(
+                "all", context=None, max_entries=2_000_000, clear_history=True
+            )
         try:
             cfg = _config(overrides)
             if dry_run:
@@ -136,6 +151,7 @@ def measure(path: Path, dry_run: bool = False) -> None:
             cuda.synchronize()
             step_s = time.perf_counter() - start
             free, total = cuda.mem_get_info()
+            events = [] if dry_run else _allocator_events(torch.cuda.memory._snapshot())
             results[name] = {
                 "overrides": overrides,
                 "peak_alloc_bytes": cuda.max_memory_allocated(),
@@ -146,18 +162,37 @@ def measure(path: Path, dry_run: bool = False) -> None:
                 "loss": loss,
                 "wall_seconds": time.perf_counter() - t0,
                 "life_peak_reserved_bytes": cuda.max_memory_reserved(),  # reset at the start: the whole life
-                "allocator_events": [] if dry_run else _allocator_events(torch.cuda.memory._snapshot()),
+                # the recorded events through memfit's allocator model, here (compare re-replays when it can)
+                "replayed_peak_reserved_bytes": replay(events).peak_reserved if events else None,
+                "allocator_events": events,
             }
-            if not dry_run:
-                torch.cuda.memory._record_memory_history(enabled=None)
         except Exception as exc:  # one failing configuration must not lose the others' numbers
             results[name] = {"overrides": overrides, "error": f"{type(exc).__name__}: {exc}"[:2000]}
-        print(name, json.dumps(results[name]), flush=True)
-        model = optimizer = batches = result = None
+        finally:
+            if not dry_run:
+                torch.cuda.memory._record_memory_history(enabled=None)
+        shown = {k: v for k, v in results[name].items() if k != "allocator_events"}
+        print(
+            name, json.dumps(shown), f"({len(results[name].get('allocator_events', []))} events)", flush=True
+        )
+        write_results(path, {"info": info, "results": results})  # after each one: a time limit keeps these
+        model = optimizer = batches = result = events = None
         gc.collect()
         cuda.empty_cache()
-    info = {"device": cuda.get_device_name(), "torch": torch.__version__}
-    path.write_text(json.dumps({"info": info, "results": results}, indent=2))
+
+
+def write_results(path: Path, data: dict) -> None:
+    """Write the measurements to ``path`` (gzip-compressed when it ends in ``.gz``), atomically."""
+    text = json.dumps(data, indent=1).encode()
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(gzip.compress(text, mtime=0) if path.suffix == ".gz" else text)
+    tmp.replace(path)
+
+
+def read_results(path: Path) -> dict:
+    """The measurements :func:`measure` wrote (plain or ``.gz`` JSON)."""
+    raw = path.read_bytes()
+    return json.loads(gzip.decompress(raw) if path.suffix == ".gz" else raw)
 
 
 def _allocator_events(snapshot: dict) -> list[tuple]:
@@ -186,7 +221,7 @@ def compare(path: Path, doc: Path) -> None:
     from memfit.memory.allocator import replay
     from memfit.planner.estimate import estimate_run
 
-    data = json.loads(path.read_text())
+    data = read_results(path)
     rows = []
     errors = []
     for name, m in data["results"].items():
@@ -197,7 +232,11 @@ def compare(path: Path, doc: Path) -> None:
         err = (e.peak_bytes - m["peak_alloc_bytes"]) / m["peak_alloc_bytes"]
         errors.append(abs(err))
         reserved = e.peak_reserved_bytes
-        replayed = replay(m["allocator_events"]).peak_reserved if m.get("allocator_events") else None
+        replayed = (
+            replay(m["allocator_events"]).peak_reserved
+            if m.get("allocator_events")
+            else m.get("replayed_peak_reserved_bytes")
+        )
         life = m.get("life_peak_reserved_bytes")
         rows.append(
             f"| {name} | {e.peak_bytes / GIB:.2f} | {m['peak_alloc_bytes'] / GIB:.2f} | {err:+.1%} | "
@@ -230,8 +269,9 @@ def compare(path: Path, doc: Path) -> None:
             "",
             f"Summary: {summary}.",
             "",
-            "Reproduce: on a GPU machine `python bench/gpu_estimate_check.py --measure gpu.json`, then "
-            "`.venv/bin/python bench/gpu_estimate_check.py --compare gpu.json`.",
+            "Reproduce: on the lent GPU machine `bash bench/gpu_run.sh` (it writes `gpu_estimate.json.gz`; "
+            "elsewhere `python bench/gpu_estimate_check.py --measure gpu.json`), then "
+            "`.venv/bin/python bench/gpu_estimate_check.py --compare gpu_estimate.json.gz`.",
             "",
             "| configuration | estimated (GiB) | measured (GiB) | error | estimated reserved (GiB) "
             "| measured reserved (GiB) | allocator replay / measured, whole life (GiB) "

@@ -334,6 +334,17 @@ def test_a_bad_record_in_a_worker_is_reported_with_its_file_and_line(tmp_path, c
     assert not (tmp_path / "out" / "manifest.json").exists()
 
 
+def test_one_process_prepare_needs_neither_datatrove_nor_multiprocess(tmp_path, monkeypatch):
+    # the lent GPU machine has neither (bench/gpu_run.sh): a run's own data, one file, must prepare there
+    for name in ("datatrove", "multiprocess", "loguru"):
+        monkeypatch.setitem(sys.modules, name, None)  # `import name` raises ImportError
+    book = MIXED / "book" / "book_000.jsonl"
+    result = _prepare(tmp_path / "one", workers=4, sources={"book": [str(book)]})  # one unit: one process
+    assert result.prepared == 1 and result.manifest["sources"]["book"]["documents"] == 4
+    result = _prepare(tmp_path / "two", workers=1, sources={"book": [str(MIXED / "book")]})
+    assert result.prepared == 2 and result.manifest["sources"]["book"]["documents"] == 8
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # A prepare stopped by its input leaves nothing; an earlier run's work is kept
 # ----------------------------------------------------------------------------------------------------------------

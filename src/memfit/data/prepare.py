@@ -569,6 +569,15 @@ class _UnitTask:
         prepare_unit(self.units[rank], self.out, self.cfg, tokenizer, self.report)
 
 
+def _progress_manager() -> Any:
+    """A ``multiprocess`` manager for the workers' shared progress counters. Imported only when units fan out
+    over several workers: ``multiprocess`` comes with datatrove, which a one-process prepare (a run's own data on
+    a machine without datatrove, such as the lent GPU machine) does without."""
+    import multiprocess  # deferred: with datatrove, only for a fan-out
+
+    return multiprocess.Manager()
+
+
 def _run_units(
     units: list[Unit], cfg: PrepareConfig, out: Path, first: int, count: int, report: Callable
 ) -> None:
@@ -759,9 +768,7 @@ def _prepare(
     mine = units[first : first + per_node]
     todo = [u for u in mine if unit_done(out / u.source, u) is None]
     if todo:
-        import multiprocess  # deferred: with datatrove, for the workers' shared progress counters
-
-        manager = multiprocess.Manager() if cfg.workers > 1 and len(todo) > 1 else None
+        manager = _progress_manager() if cfg.workers > 1 and len(todo) > 1 else None
         shared = manager.dict() if manager is not None else {}
         bar = _Progress(sum(u.file.size for u in todo), progress_bar, shared)
         try:
