@@ -423,8 +423,12 @@ class _Context:
         self.budget = budget
         self.margin = margin
         # on CPU the budget is the process's peak RSS: its tensors get what the process's own overhead leaves
-        if host_overhead is None:
-            host_overhead = process_overhead_bytes() if self.target == "cpu" else 0
+        if host_overhead is None and self.target == "cpu":
+            # a rank of a sharded run: its heaps keep holes of about the model it gathers (memory/host.py)
+            whole = model_state_bytes_closed_form(cfg, self.mcfg, 1)["parameters"] if world_size > 1 else 0
+            host_overhead = process_overhead_bytes(whole)
+        elif host_overhead is None:
+            host_overhead = 0
         self.host_overhead = host_overhead
         self.usable = max(0, int(budget * (1 - margin)) - self.host_overhead)
         self._closed: dict[tuple, dict[str, int]] = {}
