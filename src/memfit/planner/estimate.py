@@ -30,7 +30,8 @@ For a CPU run the trace also predicts the process's peak resident set (``host_pe
 ``/usr/bin/time -v`` and ``peak_memory_rss`` report): the estimating process's own resident set when the trace
 begins (interpreter, torch, memfit and the optimizer's library imported, no tensor allocated), plus the traced
 peak, plus measured constants for what a stepping process holds besides and for the free memory glibc's heaps keep
-(a rank of a sharded run: plus about the model's parameter bytes, :func:`memfit.memory.host.retained_heap_bytes`;
+(a rank of a sharded run: plus a part of the model's parameter and gradient bytes,
+:func:`memfit.memory.host.retained_heap_bytes`;
 :func:`memfit.memory.host.predict_peak_rss`; docs/memory.md, "Host memory (RSS) on CPU").
 
 A sharded CPU run communicates through gloo, whose reduce-scatter clones its input (:class:`_GlooBuffers`); the
@@ -240,9 +241,13 @@ def estimate_run(
         device += CUDA_CONTEXT_BYTES_ESTIMATE
     rss = None
     if target != "cuda" and baseline is not None:
-        # a sharded run's heaps also keep holes of about the model, which it gathers layer by layer each step
-        gathered = model_state_bytes_closed_form(cfg, mcfg, 1)["parameters"] if world_size > 1 else 0
-        rss = predict_peak_rss(peak + host, baseline, heap_retained_bytes=retained_heap_bytes(gathered))
+        # a sharded run's heaps also keep holes of a part of the model and its gradients, which pass through FSDP2's
+        # and gloo's buffers group by group each step
+        whole = model_state_bytes_closed_form(cfg, mcfg, 1) if world_size > 1 else None
+        retained = retained_heap_bytes(
+            *((whole["parameters"], whole["trainable_parameters"]) if whole else ())
+        )
+        rss = predict_peak_rss(peak + host, baseline, heap_retained_bytes=retained)
     return Estimate(
         peak_bytes=peak,
         breakdown=breakdown,
