@@ -30,9 +30,9 @@ For a CPU run the trace also predicts the process's peak resident set (``host_pe
 ``/usr/bin/time -v`` and ``peak_memory_rss`` report): the estimating process's own resident set when the trace
 begins (interpreter, torch, memfit and the optimizer's library imported, no tensor allocated), plus the traced
 peak, plus measured constants for what a stepping process holds besides and for the free memory glibc's heaps keep
-(a rank of a sharded run: plus a part of the model's parameter and gradient bytes,
-:func:`memfit.memory.host.retained_heap_bytes`;
-:func:`memfit.memory.host.predict_peak_rss`; docs/memory.md, "Host memory (RSS) on CPU").
+(for a rank of a sharded run also a part of the whole model's parameter and gradient bytes,
+:func:`memfit.memory.host.retained_heap_bytes`; :func:`memfit.memory.host.predict_peak_rss`; docs/memory.md,
+"Host memory (RSS) on CPU").
 
 A sharded CPU run communicates through gloo, whose reduce-scatter clones its input (:class:`_GlooBuffers`); the
 fake process group's collectives allocate nothing, so the trace makes that clone itself.
@@ -215,13 +215,11 @@ def estimate_run(
                 model, optimizer, refresh_roles_at_peak=False, record_allocations=target == "cuda"
             )
             tracker.record_timeline = True
+            # gloo's reduce-scatter buffers, made inside the tracker's mode so that the tracker sees them
             gloo = (
                 _GlooBuffers(world_size) if target == "cpu" and world_size > 1 else contextlib.nullcontext()
             )
-            with (
-                tracker,
-                gloo,
-            ):  # (the gloo buffers' mode inside the tracker's: the tracker sees what it makes)
+            with tracker, gloo:
                 train_step(model, optimizer, batches, tracker=tracker, **train_step_options(trace_cfg))
             traced = model_state_bytes(model, optimizer)
             paged_keys = _paged_state_entries(cfg, tracker, optimizer) if target == "cuda" else set()
@@ -241,12 +239,11 @@ def estimate_run(
         device += CUDA_CONTEXT_BYTES_ESTIMATE
     rss = None
     if target != "cuda" and baseline is not None:
-        # a sharded run's heaps also keep holes of a part of the model and its gradients, which pass through FSDP2's
-        # and gloo's buffers group by group each step
-        whole = model_state_bytes_closed_form(cfg, mcfg, 1) if world_size > 1 else None
-        retained = retained_heap_bytes(
-            *((whole["parameters"], whole["trainable_parameters"]) if whole else ())
-        )
+        gathered = reduced = 0
+        if world_size > 1:  # the whole model and gradients pass through FSDP2's and gloo's buffers each step
+            whole = model_state_bytes_closed_form(cfg, mcfg, 1)
+            gathered, reduced = whole["parameters"], whole["trainable_parameters"]
+        retained = retained_heap_bytes(gathered, reduced)
         rss = predict_peak_rss(peak + host, baseline, heap_retained_bytes=retained)
     return Estimate(
         peak_bytes=peak,
