@@ -13,7 +13,10 @@ Each configuration is estimated and then trained for real, each in a fresh proce
   minus ``VmRSS`` just before it), beside the predicted growth (predicted peak minus the parameters and optimizer
   state that are already live when a step starts). RSS also holds what no tracker sees (kernel workspaces, the
   autograd graph's own objects, glibc's slack); runs use ``MALLOC_MMAP_THRESHOLD_=131072`` so that freed tensors
-  go back to the OS. It is meaningful only where the growth is far above those few MiB.
+  go back to the OS. It is meaningful only where the growth is far above those few MiB;
+- **peak RSS** of the rows of :data:`RSS_SIZES` (2-rank fine-tunes of a 127.5M Hugging Face checkpoint): run in
+  glibc's default environment for :data:`RSS_STEPS` steps, each rank's highest ``VmHWM`` over the set-up and the
+  steps, against the estimate's ``host_peak_rss_bytes``.
 
 Error = (predicted - measured) / measured.
 
@@ -79,6 +82,24 @@ HF_BASE = {
     "intermediate_size": 1408,
     "max_seq_len": 256,
 }
+# the base of the 2-rank fine-tune rows (the issue's run): a Hugging Face checkpoint of 127.5M fp32 parameters
+# (random weights; untied embedding and lm_head of GPT-2's 50,257 ids, 8 layers of dim 768), GPT-2's BPE beside it
+# (tests/assets), fine-tuned on alpaca records (tests/assets' Dolly records as instruction / input / output)
+HF127 = {
+    "vocab_size": 50257,
+    "dim": 768,
+    "num_layers": 8,
+    "num_heads": 12,
+    "num_kv_heads": 4,
+    "intermediate_size": 2048,
+    "max_seq_len": 512,
+}
+RSS_SIZES = {"hf127"}
+"""Rows of these sizes run in glibc's default malloc environment, as a user's run does (the others fix the mmap
+threshold, see :func:`_env`), for :data:`RSS_STEPS` steps at least, and each rank's peak RSS is compared with the
+estimate's ``host_peak_rss_bytes``."""
+RSS_STEPS = 10
+"""Steps of a row of :data:`RSS_SIZES`: a sharded rank's free heap grows over its first 3-4 steps (memory/host.py)."""
 
 # (label, size, ranks, run-config overrides); batch_size and seq_len are in the overrides or the defaults below
 DEFAULTS = {"batch_size": 4, "seq_len": 128}
@@ -118,6 +139,8 @@ CONFIGS: list[tuple[str, str, int, dict]] = [
     ("FSDP2 + AC full", "25M", 2, {"activation_checkpointing": "full"}),
     ("FSDP2 + torchao AdamW8bit", "5M", 2, {"optimizer.name": "torchao_adamw8bit", "batch_size": 2}),
     ("FSDP2 + LoRA", "hf", 2, {"method": "lora"}),
+    ("FSDP2 full fine-tune", "hf127", 2, {"batch_size": 1, "seq_len": 64}),
+    ("FSDP2 + LoRA fine-tune", "hf127", 2, {"method": "lora", "batch_size": 1, "seq_len": 64}),
 ]
 
 # the part of every run that is not the configuration: a short, quiet run on Tiny Shakespeare
@@ -137,12 +160,14 @@ RUN = {
 }
 
 
-def overrides_of(size: str, spec: dict, hf_dir: Path | None) -> dict:
+def overrides_of(size: str, spec: dict, hf_dir: Path | None, hf127_dir: Path | None = None) -> dict:
     """The run-config overrides of one row (without output_dir and max_steps)."""
     out = {**RUN, **DEFAULTS}
-    if size == "hf":
-        out["checkpoint_dir"] = str(hf_dir)
+    if size in ("hf", "hf127"):
+        out["checkpoint_dir"] = str(hf_dir if size == "hf" else hf127_dir)
         del out["tokenizer.kind"], out["tokenizer.vocab_size"]
+        if size == "hf127":
+            out.update({"data.format": "alpaca", "data.path": str(hf127_dir / ALPACA)})
     else:
         out.update(SIZES[size])
     out.update(spec)
@@ -174,6 +199,8 @@ def child_estimate(overrides: list[str], world_size: int) -> dict:
         "num_params": e.num_params,
         "num_trainable_params": e.num_trainable_params,
         "seconds": e.seconds,
+        "host_peak_rss_bytes": e.host_peak_rss_bytes,
+        "process_baseline_bytes": e.process_baseline_bytes,
     }
 
 
@@ -191,8 +218,11 @@ def child_measure(overrides: list[str], results: Path) -> None:
 
     steps: list[dict] = []
     original = train_mod.train_step
+    before_steps: list[int] = []
 
     def measured_step(*args, tracker=None, **kwargs):
+        if not before_steps:  # the peak of the set-up (the checkpoint's loading included)
+            before_steps.append(_vm("VmHWM"))
         with open("/proc/self/clear_refs", "w") as f:  # VmHWM := VmRSS from here
             f.write("5")
         rss_before = _vm("VmRSS")
@@ -208,6 +238,7 @@ def child_measure(overrides: list[str], results: Path) -> None:
                 "tracked_peak": tracker.peak_bytes,
                 "phase": tracker.peak_phase,
                 "breakdown": dict(tracker.peak_breakdown),
+                "setup_rss_peak": before_steps[0],
             }
         )
         return out
@@ -224,14 +255,18 @@ def child_measure(overrides: list[str], results: Path) -> None:
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def _env() -> dict:
-    return {
+def _env(fixed_threshold: bool = True) -> dict:
+    """The children's environment: glibc's mmap threshold fixed at 128 KiB (freed tensors go back to the kernel, so
+    that a step's RSS growth follows its tensors), or left dynamic (a user's run) for the rows of :data:`RSS_SIZES`."""
+    env = {
         **os.environ,
         "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2"),
         "PYTHONWARNINGS": "ignore",
         "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]),
-        "MALLOC_MMAP_THRESHOLD_": "131072",
     }
+    malloc = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_MMAP_MAX_")
+    env = {k: v for k, v in env.items() if k not in malloc and k != "GLIBC_TUNABLES"}
+    return {**env, "MALLOC_MMAP_THRESHOLD_": "131072"} if fixed_threshold else env
 
 
 def _run(cmd: list[str], timeout: float, env: dict | None = None) -> tuple[int, str, str]:
@@ -250,20 +285,23 @@ def _last_line(text: str) -> str:
     return (text.strip().splitlines() or ["failed"])[-1][:200].replace("|", "/")
 
 
-def run_row(label: str, size: str, ranks: int, spec: dict, hf_dir: Path | None, args) -> dict:
-    overrides = overrides_of(size, spec, hf_dir)
+def run_row(label: str, size: str, ranks: int, spec: dict, hf_dirs: dict[str, Path], args) -> dict:
+    overrides = overrides_of(size, spec, hf_dirs.get("hf"), hf_dirs.get("hf127"))
     row: dict = {"label": label, "size": size, "ranks": ranks, "overrides": overrides}
+    env = _env(fixed_threshold=size not in RSS_SIZES)
     t0 = time.perf_counter()
     code, out, err = _run(
         [sys.executable, __file__, "--_estimate", json.dumps(as_list(overrides)), "--_world", str(ranks)],
         args.timeout,
+        env,
     )
     if code != 0:
         return {**row, "error": "estimate: " + _last_line(err)}
     row["estimate"] = json.loads(out.strip().splitlines()[-1])
     row["estimate_wall_s"] = time.perf_counter() - t0
     with tempfile.TemporaryDirectory(prefix="memfit_acc_") as tmp:
-        run_overrides = as_list({**overrides, "output_dir": f"{tmp}/run", "max_steps": args.steps})
+        steps = max(args.steps, RSS_STEPS) if size in RSS_SIZES else args.steps
+        run_overrides = as_list({**overrides, "output_dir": f"{tmp}/run", "max_steps": steps})
         child = [__file__, "--_measure", json.dumps(run_overrides), "--_results", f"{tmp}/results"]
         if ranks == 1:
             cmd = [sys.executable, *child]
@@ -271,7 +309,7 @@ def run_row(label: str, size: str, ranks: int, spec: dict, hf_dir: Path | None, 
             torchrun = Path(sys.executable).with_name("torchrun")
             cmd = [str(torchrun), "--standalone", "--nproc_per_node", str(ranks), *child]
         t0 = time.perf_counter()
-        code, out, err = _run(cmd, args.timeout)
+        code, out, err = _run(cmd, args.timeout, env)
         if code != 0:
             return {**row, "error": "run: " + _last_line(err)}
         row["run_wall_s"] = time.perf_counter() - t0
@@ -292,6 +330,28 @@ def make_hf_checkpoint(directory: Path) -> Path:
     tokenizer = train_bpe(default_corpus_path().read_text(encoding="utf-8")[:200_000], 512)
     model = build_llama(LlamaConfig(**HF_BASE), seed=0)
     return export_hf(model, directory, tokenizer=tokenizer)
+
+
+ALPACA = "alpaca.json"
+
+
+def make_hf127_checkpoint(directory: Path) -> Path:
+    """A Hugging Face checkpoint of :data:`HF127` (random weights, fp32) with GPT-2's BPE (tests/assets), and beside
+    it :data:`ALPACA`: the 12 Dolly records of tests/assets as alpaca ones, for the 2-rank fine-tune rows."""
+    from memfit.convert.hf import export_hf
+    from memfit.models.llama import LlamaConfig, build_llama
+    from memfit.tokenizer import load_tokenizer
+
+    assets = ROOT / "tests" / "assets"
+    model = build_llama(LlamaConfig(**HF127), seed=0)
+    export_hf(model, directory, tokenizer=load_tokenizer(assets))
+    del model
+    records = json.loads((assets / "dolly_sample.json").read_text(encoding="utf-8"))
+    alpaca = [
+        {"instruction": r["instruction"], "input": r["context"], "output": r["response"]} for r in records
+    ]
+    (directory / ALPACA).write_text(json.dumps(alpaca, indent=1), encoding="utf-8")
+    return directory
 
 
 def summarize(row: dict) -> dict:
@@ -316,8 +376,18 @@ def summarize(row: dict) -> dict:
         "tracked_growth": last["tracked_peak"] - last["tracked_start"],
         "pred_growth": pred_growth,
         "rss_growth": rss_growth,
-        "rss_error": (pred_growth - rss_growth) / rss_growth if rss_growth > 0 else float("nan"),
+        # (a row of RSS_SIZES runs with the threshold dynamic: its step's RSS growth is the heap's, not comparable)
+        "rss_error": (
+            (pred_growth - rss_growth) / rss_growth
+            if rss_growth > 0 and row["size"] not in RSS_SIZES
+            else float("nan")
+        ),
         "other_ranks": [max(s["tracked_peak"] for s in r) for r in row["measured"][1:]],
+        # each rank's peak RSS over the run (its set-up and every step), against the predicted one
+        "peak_rss": [
+            max(r[0].get("setup_rss_peak", 0), *(s["rss_peak"] for s in r)) for r in row["measured"]
+        ],
+        "predicted_rss": pred.get("host_peak_rss_bytes"),
     }
 
 
@@ -347,6 +417,29 @@ def _table(rows: list[dict]) -> str:
             f"| {s['first_step'] / GIB:.4f} / {s['steady'] / GIB:.4f} | {s['phase_pred']} / {s['phase_meas']} "
             f"| {s['pred_growth'] / MIB:,.1f} / {s['tracked_growth'] / MIB:,.1f} / {s['rss_growth'] / MIB:,.1f} "
             f"| {_pct(s['rss_error'], 1)} | {e['seconds']:.1f} |"
+        )
+    return "\n".join(lines)
+
+
+def _rss_table(rows: list[dict]) -> str:
+    """The rows of :data:`RSS_SIZES`: each rank's peak RSS, and their mean, against the prediction."""
+    lines = [
+        "| # | configuration | predicted peak RSS (GiB) | measured peak RSS per rank (GiB) | error per rank "
+        "| mean over ranks (GiB) | error of the mean | set-up peak per rank (GiB) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if r["size"] not in RSS_SIZES or "error" in r or not r["summary"].get("predicted_rss"):
+            continue
+        s = r["summary"]
+        pred, peaks = s["predicted_rss"], s["peak_rss"]
+        mean = statistics.mean(peaks)
+        setup = [m[0]["setup_rss_peak"] for m in r["measured"]]
+        lines.append(
+            f"| {r['index']} | {r['label']} | {pred / GIB:.3f} | {' / '.join(f'{x / GIB:.3f}' for x in peaks)} "
+            f"| {' / '.join(_pct((pred - x) / x, 1) for x in peaks)} | {mean / GIB:.3f} "
+            f"| {_pct((pred - mean) / mean, 1)} "
+            f"| {' / '.join(f'{x / GIB:.3f}' for x in setup)} |"
         )
     return "\n".join(lines)
 
@@ -394,7 +487,12 @@ def _section(rows: list[dict], args) -> str:
         "rows; FSDP2 rows: per rank). Model sizes: "
         + sizes
         + f"; `hf`: a Hugging Face checkpoint ({hf}, random "
-        "weights, 512-id BPE), the base of the LoRA / adapter rows.\n\n"
+        "weights, 512-id BPE), the base of the LoRA / adapter rows; `hf127`: a Hugging Face checkpoint of 127.5M "
+        "fp32 parameters ("
+        + ", ".join(f"{k}={v}" for k, v in HF127.items())
+        + ", untied, random weights, GPT-2's "
+        "BPE), fine-tuned on alpaca records (the 12 Dolly records of tests/assets), batch 1 x 64 tokens per rank: "
+        "the run of issue 22, item 8.\n\n"
         "**RSS** (where meaningful): the resident-set growth of rank 0 during the last step (Linux `VmHWM`, reset "
         "just before the step, minus `VmRSS` just before it), beside the predicted growth (predicted peak minus "
         "the parameters and optimizer state a step starts with) and the tracked one; growth error = (predicted - "
@@ -408,7 +506,14 @@ def _section(rows: list[dict], args) -> str:
         + "\n\n"
         + _table(rows)
         + "\n\n"
-        + _NOTES
+        + "**Peak RSS per rank** of the `hf127` rows, run in glibc's default malloc environment (its mmap threshold "
+        f"dynamic, as a user's run; the other rows fix it), trained for {RSS_STEPS} steps (a sharded rank's free "
+        "heap grows over its first 3-4 steps): the estimate's `host_peak_rss` (process baseline, runtime, free "
+        "heap: 300 MiB plus the whole model's gradient bytes and 0.3 of its parameter bytes for a sharded rank, "
+        "`memory/host.py`, and the traced peak) against each rank's highest `VmHWM` over the run's set-up (the "
+        "checkpoint's loading included) and its steps. A sharded rank's free heap follows its threads' timing, so "
+        "the ranks of one run can differ by 10% or more (memory/host.py lists the runs the figure was fitted on, "
+        "docs/memory.md the spread).\n\n" + _rss_table(rows) + "\n\n" + _NOTES
     )
 
 
@@ -428,6 +533,9 @@ steady steps (`first step / steady steps`), so the highest step of the run is a 
   keep the storage of all ranks' token ids, `(world_size - 1) * batch_size * seq_len * 8` bytes each, one of them
   saved for backward by the embedding (`activations`), the other a temporary. On a GPU the copy to the device holds
   the rank's rows only, which is what the estimate counts.
+- instruction records (rows 26-27): a batch is padded to its longest sample, at most `seq_len`, and the estimate
+  traces `seq_len`, an upper bound that the longest batch of their steps reaches here (-16 bytes; a 3-step run of
+  row 26, whose batches were shorter, was +288).
 
 Rows 11-13 (activation checkpointing, chunked cross-entropy) have the baseline's peak, rightly: at 4 x 128 tokens
 the foreach AdamW update (its temporaries as large as the gradients) peaks above the activations they save, and
@@ -439,6 +547,14 @@ gradients of the closed-form check are those live at the end of the optimizer ph
 `optimizer_step` are updates inside the backward, with one gradient live; only `traced_model_states` changed, not
 the peak), and paged optimizers move only what bitsandbytes pages (the moments of tensors of >= 100,000 elements)
 out of the allocator peak (this table has no paged row: on CPU they run unpaged).
+
+Rows 26-27 (issue 22, item 8) led to a third. A sharded CPU run reduce-scatters through gloo, which clones the
+input, all-reduces the clone and copies this rank's chunk out (`ProcessGroupGloo::reduce_scatter_tensor_coalesced`),
+so a rank holds each reduce-scatter input twice; the fake process group of the estimate allocated nothing. At the
+end of the backward of row 26 that is the root's unsharded embedding and `lm_head` gradients (294.5 MiB): its
+estimate was 1.405 GiB against a tracked 1.669 GiB (-16%). The trace now makes gloo's clone
+(`estimate._GlooBuffers`); rows 20-25 peak where no reduce-scatter is in flight, and their bytes are unchanged.
+The peak RSS of rows 26-27 led to the sharded rank's free heap of `memory/host.py` (the table of peak RSS above).
 
 **What RSS sees that no tracker does.** The RSS growth of a step follows the predicted growth to within 2% wherever
 it is large, except in the rows whose optimizer works inside one op on CPU:
@@ -577,10 +693,14 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="memfit_acc_hf_") as tmp:
         chosen = [(i, c) for i, c in enumerate(CONFIGS, 1) if not args.rows or i in args.rows]
         chosen = [] if args.rewrite else chosen
-        hf_dir = make_hf_checkpoint(Path(tmp) / "hf") if any(c[1] == "hf" for _, c in chosen) else None
+        hf_dirs = {}
+        if any(c[1] == "hf" for _, c in chosen):
+            hf_dirs["hf"] = make_hf_checkpoint(Path(tmp) / "hf")
+        if any(c[1] == "hf127" for _, c in chosen):
+            hf_dirs["hf127"] = make_hf127_checkpoint(Path(tmp) / "hf127")
         for i, (label, size, ranks, spec) in chosen:
             t0 = time.perf_counter()
-            row = {"index": i, **run_row(label, size, ranks, spec, hf_dir, args)}
+            row = {"index": i, **run_row(label, size, ranks, spec, hf_dirs, args)}
             if "error" not in row:
                 row["summary"] = summarize(row)
             rows[i] = row

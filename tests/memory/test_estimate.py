@@ -243,6 +243,42 @@ def test_predicted_peak_of_rank_0_of_two_within_5_percent(tmp_path, small_corpus
     assert 0 <= measured - e.peak_bytes <= 16 + 2 * 4 * 32 * 8, (e.peak_bytes, measured)
 
 
+def test_sharded_cpu_estimate_holds_the_gloo_clone_of_the_root_reduce_scatter_input():
+    """A sharded CPU run reduce-scatters through gloo, which clones the input, all-reduces the clone and copies this
+    rank's chunk out (ProcessGroupGloo's ``reduce_scatter_tensor_coalesced``): the real run's tracker sees the
+    clone, the fake process group makes none. With a 4,096-id vocabulary the root's embedding and ``lm_head`` (1 MiB
+    of fp32 each) outweigh the tiny layers, and the peak of rank 0 of 2 is inside the root's reduce-scatter at the
+    end of the backward (the estimate without the clone put it in the forward, 2,097,408 bytes lower). Every byte of
+    it by hand:"""
+    vocab, dim, world = 4096, 64, 2
+    layers = P - 2 * 256 * dim - dim  # the tiny preset's decoder layers: 73,984 parameters
+    params = layers + 2 * vocab * dim + dim  # + embedding, lm_head, final norm
+    root_grads = 4 * (
+        2 * vocab * dim + dim
+    )  # the root's unsharded gradients: its reduce-scatter input, 2,097,408
+    e = estimate(world, **{"model_args.vocab_size": vocab, "batch_size": 1, "seq_len": 16})
+    assert e.phase == "backward"
+    assert e.breakdown == {
+        "parameters": 4 * params // world + BUFFER_BYTES,
+        "unsharded_parameters": 0,  # the root resharded before it reduces
+        "gradients": (
+            4 * layers // world  # the layers' reduced shards
+            + root_grads  # FSDP2's reduce-scatter input (the copy-in of the root's gradients)
+            + 4 * vocab * dim  # the embedding's unsharded gradient, the backward's last, not freed yet
+        ),
+        "optimizer_state": 2 * 4 * params // world + 4 * NUM_TENSORS,
+        "activations": 0,
+        "temporaries": (
+            root_grads  # gloo's clone
+            + root_grads // world  # the reduce-scatter output (the root's sharded gradients to be)
+            + 2 * 16 * 8  # the batch's input and target ids (int64)
+            + 5 * 4
+            + 8  # the step's 0-dim scalars: five fp32, its int64 token count
+        ),
+    }
+    assert e.peak_bytes == sum(e.breakdown.values()) == 10_030_480
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # The CLI, paged state, bad input
 # ----------------------------------------------------------------------------------------------------------------

@@ -40,6 +40,24 @@ def test_predicted_peak_rss_adds_baseline_runtime_retained_heap_and_tensors():
 
 
 @pytest.mark.skipif(not GLIBC, reason="glibc's mmap threshold")
+def test_a_sharded_rank_retains_a_part_of_the_model_and_its_gradients_besides(monkeypatch):
+    # the issue's 2-rank full fine-tune: 127,539,456 fp32 parameters (486.5 MiB) and a 32-value fp32 RoPE buffer,
+    # as many gradients (its rank's 1.669 GiB traced peak over a 0.29 GiB baseline was predicted 2.04 GiB RSS with
+    # 300 MiB of free heap; measured 2.7-3.1 GiB)
+    params, grads = 4 * 127_539_456 + 4 * 32, 4 * 127_539_456
+    for name in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_MMAP_MAX_"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
+    assert host.retained_heap_bytes() == host.HEAP_RETAINED_BYTES
+    assert host.SHARDED_HEAP_GATHERED_FRACTION == 0.3
+    assert host.retained_heap_bytes(params) == 314_572_800 + 153_047_385  # its LoRA fine-tune: 446.0 MiB
+    assert host.retained_heap_bytes(params, grads) == 467_620_185 + 510_157_824 == 977_778_009  # 932.5 MiB
+    # freed tensors go back to the kernel: nothing kept
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "131072")
+    assert host.retained_heap_bytes(params, grads) == 0
+
+
+@pytest.mark.skipif(not GLIBC, reason="glibc's mmap threshold")
 def test_the_mmap_threshold_is_dynamic_unless_the_environment_fixes_it():
     assert host.dynamic_mmap_threshold({})
     assert host.dynamic_mmap_threshold({"GLIBC_TUNABLES": "glibc.malloc.check=0", "MALLOC_ARENA_MAX": "2"})
@@ -63,6 +81,16 @@ def test_estimate_of_a_cpu_run_adds_the_process_baseline_to_the_traced_peak():
     out = e.to_json()
     assert out["host_peak_rss_gib"] * GIB == pytest.approx(e.host_peak_rss_bytes, abs=1)
     assert out["process_baseline_gib"] * GIB == pytest.approx(e.process_baseline_bytes, abs=1)
+    # a rank of a sharded run: its heaps also keep the gradients it reduces each step and 0.3 of the parameters it
+    # gathers, whole: the tiny preset's 106,816 fp32 gradients (427,264 bytes) and 0.3 of its parameters and RoPE
+    # buffer (427,296 bytes), not its 2 ranks' halves: 555,452 bytes
+    cfg = load_config(None, [*TINY, "device=cpu"], world_size=2)
+    sharded = estimate_run(cfg, world_size=2)
+    whole = 4 * 106_816 + (4 * 106_816 + 4 * 8) * 3 // 10 if host.dynamic_mmap_threshold() else 0
+    assert not host.dynamic_mmap_threshold() or whole == 555_452
+    assert sharded.host_peak_rss_bytes == (
+        sharded.process_baseline_bytes + host.RUNTIME_BYTES + retained + whole + sharded.peak_bytes
+    )
     # a CUDA run's peak is on the device: no host RSS is predicted
     cuda = estimate_run(load_config(None, [*TINY, "device=cuda"]))
     assert cuda.host_peak_rss_bytes is None and cuda.to_json()["host_peak_rss_gib"] is None

@@ -316,7 +316,7 @@ def test_sharded_plan_writes_the_launch(tmp_path):
 def test_a_cpu_plan_gives_the_tensors_the_budget_less_the_process_overhead(monkeypatch):
     """On CPU the budget is peak RSS: the process's own bytes (imports, kernels, the heap's free memory) come off it,
     and every fitting row's traced peak fits in what is left."""
-    monkeypatch.setattr(P, "process_overhead_bytes", lambda: 100 * MIB)
+    monkeypatch.setattr(P, "process_overhead_bytes", lambda **_: 100 * MIB)
     cfg = load_config(None, [*(t for t in TINY if not t.startswith(("device=", "dtype="))), "device=cpu"])
     p = P.plan(cfg, 400 * MIB, margin=0.1, estimator=cached_estimate)
     assert p.host_overhead_bytes == 100 * MIB

@@ -423,8 +423,15 @@ class _Context:
         self.budget = budget
         self.margin = margin
         # on CPU the budget is the process's peak RSS: its tensors get what the process's own overhead leaves
-        if host_overhead is None:
-            host_overhead = process_overhead_bytes() if self.target == "cpu" else 0
+        if host_overhead is None and self.target == "cpu":
+            # a rank of a sharded run: its heaps keep holes of a part of the model and its gradients (memory/host.py)
+            whole = model_state_bytes_closed_form(cfg, self.mcfg, 1) if world_size > 1 else None
+            host_overhead = process_overhead_bytes(
+                gathered_parameter_bytes=whole["parameters"] if whole else 0,
+                reduced_gradient_bytes=whole["trainable_parameters"] if whole else 0,
+            )
+        elif host_overhead is None:
+            host_overhead = 0
         self.host_overhead = host_overhead
         self.usable = max(0, int(budget * (1 - margin)) - self.host_overhead)
         self._closed: dict[tuple, dict[str, int]] = {}
