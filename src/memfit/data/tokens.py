@@ -99,8 +99,20 @@ def is_validation(text: str, val_fraction: float) -> bool:
     2**64, are below ``val_fraction``. A function of the text alone: stable across runs, files and machines."""
     if val_fraction <= 0:
         return False
-    digest = hashlib.blake2b(text.encode("utf-8"), digest_size=8).digest()
-    return int.from_bytes(digest, "little") < val_fraction * 2**64
+    hashed = text_hash()
+    hashed.update(text.encode("utf-8"))
+    return is_held_out(hashed.digest(), val_fraction)
+
+
+def text_hash() -> Any:
+    """The hash :func:`is_validation` takes of a document: 8-byte BLAKE2b of its UTF-8, to feed in parts (a
+    document read in blocks)."""
+    return hashlib.blake2b(digest_size=8)
+
+
+def is_held_out(digest: bytes, val_fraction: float) -> bool:
+    """:func:`is_validation` of the document whose :func:`text_hash` digest is ``digest``."""
+    return val_fraction > 0 and int.from_bytes(digest, "little") < val_fraction * 2**64
 
 
 def is_dataset(path: str | Path | None) -> bool:
