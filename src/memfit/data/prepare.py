@@ -9,23 +9,24 @@ Plan of work:
 2. **The tokenizer**: the one given (a tokenizer file, or a Hugging Face / memfit checkpoint directory), or a
    byte-level BPE trained on a bounded sample of the training documents (``tokenizer_sample_bytes``, read in
    source and file order). Saved into ``tokenizer/`` with its fingerprint.
-3. **Units of work**: one per input file. A unit streams its file's documents (in pieces, for long ``.txt``
-   files) with their split (:mod:`memfit.data.sources`: a hash of each record's text, the tail of a ``.txt``),
-   encodes them in batches of about 1 MiB of text with the tokenizer's batch encoder, and appends
-   ``[BOS] ids [EOS]`` to the split's current shard. A shard pair (``NAME-k.train.bin``, ``NAME-k.val.bin``)
+3. **Units of work**: one per input file. A unit streams its file's documents (a long one in pieces, cut where
+   the tokenizer's ids do not change) with their split (:mod:`memfit.data.sources`: a hash of each record's
+   text, the tail of a ``.txt``), encodes them in batches of about 1 MiB of text with the tokenizer's batch
+   encoder (a long piece in calls of at most :data:`ENCODE_CHARS`), and appends ``[BOS] ids [EOS]`` to the
+   split's current shard as token arrays. A shard pair (``NAME-k.train.bin``, ``NAME-k.val.bin``)
    closes at the first piece boundary that would take the training shard past ``shard_tokens``; its sidecar
    ``NAME-k.json`` (written after both shards are in place) records the input pieces it covers. After a SIGKILL
    the finished pairs are kept: the unit skips the pieces they cover and redoes only the pair it was writing. A
    unit's ``NAME.json`` index marks it done. Memory is bounded by a batch of text per worker, whatever the corpus
-   size.
+   size and whatever the size of one document.
 4. **Fan-out**: the units run in ``workers`` processes through datatrove's ``LocalPipelineExecutor`` (Hugging Face's
    data-processing library); ``num_nodes`` / ``node_rank`` give each machine a disjoint block of the units, all
    writing into one shared directory (see docs/data.md). A unit's output depends on its file alone, so the bytes
    are the same whatever the number of workers or machines. An advisory lock per unit keeps two processes off the
    same unit (for example a worker that outlived a killed run).
-5. **The manifest**: when every unit is done, ``manifest.json`` (sources, documents and tokens per source, split
-   and shard, the tokenizer and its fingerprint, the settings, the format version) is written atomically, and a
-   table per source is printed.
+5. **The manifest**: when every unit is done, ``manifest.json`` (sources, documents and tokens per source, split,
+   file and shard, the files that gave no document, the tokenizer and its fingerprint, the settings, the format
+   version) is written atomically, and a table per source is printed, with a note for each empty file.
 """
 
 from __future__ import annotations
