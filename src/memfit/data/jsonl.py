@@ -32,7 +32,9 @@ from memfit.data.tokens import text_hash
 
 BOM = codecs.BOM_UTF8
 LINE_BYTES = 4 << 20
-"""Bytes of a line read at once (4 MiB); a longer line is read in blocks of this size."""
+"""Bytes of a line read at once (4 MiB); a longer line is read on in blocks of :data:`BLOCK_BYTES`."""
+BLOCK_BYTES = 1 << 20
+"""Bytes of a long line read (and parsed) at once: 1 MiB."""
 SHORT_STRING_BYTES = 64 << 10
 """Strings of a long line up to this many bytes (64 KiB) are held while it is parsed; longer ones stream past."""
 SKELETON_BYTES = 16 << 20
@@ -129,11 +131,13 @@ class Lines:
             yield data
 
     def rest(self) -> Iterator[bytes]:
-        """The rest of the current line, in blocks of at most ``limit`` bytes (the last ends with its ``\\n``)."""
+        """The rest of the current line, in blocks of at most :data:`BLOCK_BYTES` (the last ends with its
+        ``\\n``)."""
+        size = min(self.limit, BLOCK_BYTES)
         while not self.complete:
-            data = self.fh.readline(self.limit)
+            data = self.fh.readline(size)
             self._read += len(data)
-            self.complete = data.endswith(b"\n") or len(data) < self.limit
+            self.complete = data.endswith(b"\n") or len(data) < size
             if data:
                 yield data
 
@@ -293,7 +297,7 @@ def scan_long_value(blocks: Iterable[bytes]) -> tuple[Any, dict[str, LongString]
     base = 0  # line offset of data[0]
     carry = b""  # an escape cut at the end of the last block
     string: _Scanned | None = None
-    for block in blocks:
+    for block in _split(blocks):
         data, i, carry = carry + block, 0, b""
         while i < len(data):
             if string is None:
@@ -335,6 +339,13 @@ def scan_long_value(blocks: Iterable[bytes]) -> tuple[Any, dict[str, LongString]
     except json.JSONDecodeError as exc:
         raise LineError(f"malformed JSON ({exc.msg})") from None
     return value, longs
+
+
+def _split(blocks: Iterable[bytes]) -> Iterator[bytes]:
+    """The blocks, each cut to at most :data:`BLOCK_BYTES` (what is decoded at once)."""
+    for block in blocks:
+        for start in range(0, len(block), BLOCK_BYTES):
+            yield block[start : start + BLOCK_BYTES]
 
 
 def decode_string(blocks: Iterable[bytes], offset: int = 0) -> Iterator[str]:

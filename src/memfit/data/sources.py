@@ -423,22 +423,23 @@ def _read_jsonl(
                     _bad(where, _NOT_UNICODE, skip, counts)
                     continue
                 split = "val" if is_held_out(long.digest, val_fraction) else "train"
-                yield from _read_long_text(path, lines.offset, long, split, cut, where)
+                yield from _read_long_text(path, lines.offset, long, split, cut, where, counts)
             elif text and _unicode(text, where, skip, counts):
                 yield from _document(text, val_fraction, cut, where)
 
 
 def _read_long_text(
-    path: Path, offset: int, long: LongString, split: str, cut: Cut, where: str
+    path: Path, offset: int, long: LongString, split: str, cut: Cut, where: str, counts: ReadCounts
 ) -> Iterator[Piece]:
     """The text of a long line's string, read again from the file (the line starts at stream byte ``offset``) and
     decoded in blocks."""
     pieces = _Pieces(split, cut, where)
-    with _open_binary(path) as (fh, _):
+    with _open_binary(path) as (fh, file):
         _skip(fh, offset + long.start)
         blocks = _blocks(fh, long.end - long.start)
         try:
             for text in decode_string(blocks, long.start):
+                counts.position = max(counts.position, file.tell())  # progress through the file
                 yield from pieces.add(text)
         except LineError as exc:  # the file changed since it was checked
             raise DataError(f"{where}: {exc} (the file changed while it was read)") from None
