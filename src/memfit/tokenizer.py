@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import functools
 import hashlib
 import json
 import logging
@@ -185,6 +186,40 @@ class Tokenizer(ABC):
     def _encode_batch(self, texts: list[str]) -> list[list[int]]:
         return [self._encode(t) for t in texts]
 
+    def cut(self, text: str, offset: int = 0) -> int:
+        """Where a long document may be cut, to be encoded in pieces with the ids of encoding it whole.
+
+        The largest ``p <= len(text)`` such that, whatever text follows, the ids of ``text[:p]`` (:meth:`encode`,
+        or :meth:`encode_continuation` when ``text`` continues a document) followed by those of the rest
+        (:meth:`encode_continuation`) are the ids of the whole. Every kind cuts only where it is proven to:
+
+        - ``char``: anywhere;
+        - ``gpt2``, and a ``bpe`` with GPT-2's byte-level pre-tokenizer or Llama 3's (or Qwen 2's) split pattern
+          before a byte-level one: before a space between two non-whitespace characters (no pre-token of these
+          patterns runs from a non-whitespace character into a space, and a pre-token starts there);
+        - ``sentencepiece``, and a ``bpe`` in SentencePiece's manner (a ``▁`` prepended, spaces made ``▁``): the
+          same place, when no piece holds a ``▁`` after another character, so that no piece spans a word
+          boundary; the continuation is encoded without that space, for which the ``▁`` prepended to every
+          encoded text stands (checked on the normalizer);
+        - ``tiktoken``: every 400,000 characters from the start of the document, where Meta's encoder (and
+          :meth:`encode`) cuts a long text anyway.
+
+        Other ``tokenizer.json`` pipelines are not cut (0): a document is then encoded whole.
+
+        Args:
+            text: a part of one document that begins ``offset`` characters into it, where it was cut before
+                (or at its start).
+            offset: characters of the document before ``text``.
+
+        Returns:
+            The position, or 0 when ``text`` has no such place.
+        """
+        return 0
+
+    def encode_continuation(self, text: str) -> list[int]:
+        """The ids of ``text`` where it continues a document that :meth:`cut` cut before it (no BOS/EOS)."""
+        return self._encode(text)
+
     def fingerprint(self) -> str:
         """A hash of what this tokenizer does: its kind, vocabulary size, special tokens and the ids of a probe
         text covering letters, digits, whitespace runs, punctuation and non-ASCII characters. Two tokenizers with
@@ -274,6 +309,19 @@ class Tokenizer(ABC):
         """Write the model files; return extra keys for tokenizer_config.json."""
 
 
+def _space_cut(text: str) -> int:
+    """The position of the last space of ``text`` between two non-whitespace characters, or 0."""
+    i = text.rfind(" ", 1, len(text) - 1)
+    while i > 0 and (text[i - 1].isspace() or text[i + 1].isspace()):
+        i = text.rfind(" ", 1, i)
+    return max(i, 0)
+
+
+def _spans_word_boundary(piece: str) -> bool:
+    """A SentencePiece-style piece holding a ``▁`` after another character (it would span a word boundary)."""
+    return any(c == "\u2581" and piece[k - 1] != "\u2581" for k, c in enumerate(piece) if k)
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # char
 
@@ -355,6 +403,10 @@ class CharTokenizer(Tokenizer):
 
     def _decode(self, ids: list[int]) -> str:
         return "".join(self._itos[i] for i in ids)
+
+    def cut(self, text: str, offset: int = 0) -> int:
+        """Anywhere: one id per character (see :meth:`Tokenizer.cut`)."""
+        return len(text)
 
     def _save_files(self, directory: Path) -> dict[str, Any]:
         return {"unk_token": self.UNK, "vocab": self.chars}
@@ -444,6 +496,19 @@ class HFTokenizer(Tokenizer):
     def _decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=False)
 
+    def cut(self, text: str, offset: int = 0) -> int:
+        """Before a space between non-whitespace characters, for the pipelines :meth:`Tokenizer.cut` names."""
+        return 0 if self._cut_rule is None else _space_cut(text)
+
+    def encode_continuation(self, text: str) -> list[int]:
+        if self._cut_rule == "drop-space" and text.startswith(" "):
+            text = text[1:]  # the ▁ the normalizer prepends stands for it
+        return self._encode(text)
+
+    @functools.cached_property
+    def _cut_rule(self) -> str | None:
+        return _hf_cut_rule(json.loads(self._tok.to_str()))
+
     def _save_files(self, directory: Path) -> dict[str, Any]:
         self._tok.save(str(directory / "tokenizer.json"))
         return {}
@@ -458,6 +523,65 @@ def _bos_first(tokenizer: Any, bos_token: str | None) -> bool:
     plain = tokenizer.encode("a", add_special_tokens=False).ids
     full = tokenizer.encode("a", add_special_tokens=True).ids
     return full[:1] == [bos_id] and full[1 : 1 + len(plain)] == plain
+
+
+# Split patterns after which a byte-level BPE can be cut before a space (see Tokenizer.cut): Llama 3's, and Qwen 2's
+# (the same with one digit per pre-token).
+_CUTTABLE_SPLITS = (LLAMA3_PATTERN, LLAMA3_PATTERN.replace(r"\p{N}{1,3}", r"\p{N}"))
+
+
+def _hf_cut_rule(spec: dict[str, Any]) -> str | None:
+    """How a ``tokenizer.json`` pipeline may be cut (see :meth:`Tokenizer.cut`): ``"space"``, ``"drop-space"``
+    (SentencePiece's manner: the continuation is encoded without its leading space) or None (not at all)."""
+    added = spec.get("added_tokens") or []
+    if any(not t.get("special") and any(c.isspace() for c in t.get("content", "")) for t in added):
+        return None  # an added token could span the cut
+    norm, pre = spec.get("normalizer"), spec.get("pre_tokenizer")
+    if (norm is None or norm.get("type") in ("NFC", "NFKC")) and _byte_level(pre):
+        return "space"
+    prepends = (
+        norm is not None
+        and norm.get("type") == "Sequence"
+        and [
+            (n.get("type"), n.get("prepend"), n.get("pattern"), n.get("content"))
+            for n in norm.get("normalizers", [])
+        ]
+        == [("Prepend", "\u2581", None, None), ("Replace", None, {"String": " "}, "\u2581")]
+    )
+    metaspace = (
+        norm is None
+        and pre is not None
+        and pre.get("type") == "Metaspace"
+        and pre.get("replacement") == "\u2581"
+        and pre.get("prepend_scheme", "always") in ("always", "first")
+    )
+    if (prepends and pre is None) or metaspace:
+        vocab = (spec.get("model") or {}).get("vocab") or {}
+        pieces = vocab if isinstance(vocab, dict) else [v[0] for v in vocab]  # BPE: a dict; Unigram: a list
+        if (metaspace and pre.get("split", True)) or not any(_spans_word_boundary(t) for t in pieces):
+            return "drop-space"
+    return None
+
+
+def _byte_level(pre: dict[str, Any] | None) -> bool:
+    """GPT-2's byte-level pre-tokenizer (its regex, no prefix space), or a cuttable split before a byte-level one."""
+    if pre is None:
+        return False
+    if pre.get("type") == "ByteLevel":
+        return pre.get("add_prefix_space") is False and pre.get("use_regex", True)
+    steps = pre.get("pretokenizers") if pre.get("type") == "Sequence" else None
+    if not steps or len(steps) != 2:
+        return False
+    split, byte_level = steps
+    return (
+        split.get("type") == "Split"
+        and (split.get("pattern") or {}).get("Regex") in _CUTTABLE_SPLITS
+        and split.get("behavior") == "Isolated"
+        and not split.get("invert")
+        and byte_level.get("type") == "ByteLevel"
+        and byte_level.get("add_prefix_space") is False
+        and byte_level.get("use_regex") is False
+    )
 
 
 def train_bpe(texts: Iterable[str], vocab_size: int) -> Tokenizer:
@@ -554,6 +678,32 @@ class SentencePieceTokenizer(Tokenizer):
 
     def _encode(self, text: str) -> list[int]:
         return self._sp.encode(text)
+
+    def cut(self, text: str, offset: int = 0) -> int:
+        """Before a space between non-whitespace characters, when the model allows it (:meth:`Tokenizer.cut`)."""
+        return 0 if self._cut_rule is None else _space_cut(text)
+
+    def encode_continuation(self, text: str) -> list[int]:
+        if self._cut_rule == "drop-space" and text.startswith(" "):
+            text = text[1:]  # the dummy-prefix ▁ stands for it
+        return self._encode(text)
+
+    @functools.cached_property
+    def _cut_rule(self) -> str | None:
+        """``"drop-space"`` (the model prepends a ``▁``: a continuation is encoded without its leading space),
+        ``"space"`` (it does not: a continuation keeps it), or None: the normalizer does not make ``"x y"`` what
+        it makes of ``"x"`` and the continuation apart, or a piece spans a word boundary."""
+        sp = self._sp
+        whole, left = sp.normalize("x y"), sp.normalize("x")
+        if left + sp.normalize("y") == whole and whole.startswith("\u2581"):
+            rule = "drop-space"
+        elif left + sp.normalize(" y") == whole:
+            rule = "space"
+        else:
+            return None
+        if any(_spans_word_boundary(sp.id_to_piece(i)) for i in range(sp.vocab_size())):
+            return None
+        return rule
 
     def _decode(self, ids: list[int]) -> str:
         if self._control.isdisjoint(ids):
@@ -711,6 +861,11 @@ class TiktokenTokenizer(_TiktokenBacked):
                 )
         self._add_bos = add_bos
 
+    def cut(self, text: str, offset: int = 0) -> int:
+        """Every 400,000 characters of the document, where :meth:`encode` cuts it too (:meth:`Tokenizer.cut`)."""
+        n = _TIKTOKEN_MAX_ENCODE_CHARS
+        return max(0, (offset + len(text)) // n * n - offset)
+
     def _encode(self, text: str) -> list[int]:
         ids: list[int] = []
         for start in range(0, len(text), _TIKTOKEN_MAX_ENCODE_CHARS):
@@ -851,6 +1006,10 @@ class GPT2Tokenizer(_TiktokenBacked):
         self._enc = _tiktoken_encoding("gpt2", GPT2_PATTERN, ranks, specials)
         self._files = (encoder_json, vocab_bpe)
         self._bos_token = self._eos_token = GPT2_EOS
+
+    def cut(self, text: str, offset: int = 0) -> int:
+        """Before a space between non-whitespace characters (:meth:`Tokenizer.cut`)."""
+        return _space_cut(text)
 
     def _encode(self, text: str) -> list[int]:
         return self._enc.encode_ordinary(text)

@@ -40,6 +40,8 @@ import numpy as np
 import torch
 
 from memfit.config import TEMPLATES, format_columns
+from memfit.data.jsonl import Lines, MalformedJSON, NotUTF8, is_blank
+from memfit.data.jsonl import loads as jsonl_loads
 from memfit.errors import DataError
 from memfit.memory.techniques import IGNORE_INDEX
 
@@ -187,19 +189,9 @@ def _read_raw(path: Path) -> list[tuple[int | None, Any]]:
         )
     if not path.is_file():
         raise DataError(f"data file '{path}' does not exist")
-    text = read_utf8(path, "data file", encoding="utf-8-sig")
     if suffix == ".jsonl":
-        out: list[tuple[int | None, Any]] = []
-        for lineno, line_text in enumerate(text.splitlines(), start=1):
-            if not line_text.strip():
-                continue
-            try:
-                out.append((lineno, json.loads(line_text)))
-            except json.JSONDecodeError as exc:
-                out.append((lineno, _Malformed(f"invalid JSON: {exc.msg} at column {exc.colno}")))
-        if not out:
-            raise DataError(f"data file '{path}' holds no records")
-        return out
+        return _read_jsonl(path)
+    text = read_utf8(path, "data file", encoding="utf-8-sig")
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
@@ -218,6 +210,33 @@ def _read_raw(path: Path) -> list[tuple[int | None, Any]]:
     if not data:
         raise DataError(f"data file '{path}' holds no records")
     return [(None, item) for item in data]
+
+
+def _read_jsonl(path: Path) -> list[tuple[int | None, Any]]:
+    """The records of a ``.jsonl`` file by memfit's JSON Lines rule (:mod:`memfit.data.jsonl`: a byte-order mark
+    skipped, lines cut at ``\\n`` only, so U+2028 and the like inside a string are text)."""
+    out: list[tuple[int | None, Any]] = []
+    try:
+        with open(path, "rb") as fh:
+            lines = Lines(fh, limit=1 << 62)  # fine-tuning records are read whole
+            for data in lines:
+                if is_blank(data):
+                    continue
+                try:
+                    out.append((lines.number, jsonl_loads(data)))
+                except MalformedJSON as exc:
+                    out.append((lines.number, _Malformed(f"invalid JSON: {exc.msg} at column {exc.colno}")))
+                except NotUTF8 as exc:
+                    raise DataError(
+                        f"data file '{path}' is not valid UTF-8: byte 0x{exc.byte:02x} at line {lines.number}, "
+                        f"column {exc.start + 1} (byte offset {lines.offset + exc.start}). Convert it to UTF-8 "
+                        f"(e.g. iconv -f latin1 -t utf-8) and run again."
+                    ) from None
+    except OSError as exc:
+        raise DataError(f"cannot read data file '{path}': {exc.strerror}") from None
+    if not out:
+        raise DataError(f"data file '{path}' holds no records")
+    return out
 
 
 def _load_records(

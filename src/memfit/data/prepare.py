@@ -13,25 +13,26 @@ Plan of work:
 2. **The tokenizer**: the one given (a tokenizer file, or a Hugging Face / memfit checkpoint directory), or a
    byte-level BPE trained on a bounded sample of the training documents (``tokenizer_sample_bytes``, read in
    source and file order). Saved into ``tokenizer/`` with its fingerprint.
-3. **Units of work**: one per input file. A unit streams its file's documents (in pieces, for long ``.txt``
-   files) with their split (:mod:`memfit.data.sources`: a hash of each record's text, the tail of a ``.txt``),
-   encodes them in batches of about 1 MiB of text with the tokenizer's batch encoder, and appends
-   ``[BOS] ids [EOS]`` to the split's current shard (``ids [EOS]`` for a tokenizer that reads text without BOS,
+3. **Units of work**: one per input file. A unit streams its file's documents (a long one in pieces, cut where
+   the tokenizer's ids do not change) with their split (:mod:`memfit.data.sources`: a hash of each record's
+   text, the tail of a ``.txt``), encodes them in batches of about 1 MiB of text with the tokenizer's batch
+   encoder (a long piece in calls of at most :data:`ENCODE_CHARS`), and appends ``[BOS] ids [EOS]`` to the
+   split's current shard as token arrays (``ids [EOS]`` for a tokenizer that reads text without BOS,
    :attr:`memfit.tokenizer.Tokenizer.add_bos`). A shard pair (``NAME-k.train.bin``, ``NAME-k.val.bin``)
    closes at the first piece boundary that would take the training shard past ``shard_tokens``; its sidecar
    ``NAME-k.json`` (written after both shards are in place) records the input pieces it covers. After a SIGKILL
    the finished pairs are kept (when ``NAME.writing.json``, written before them, says they are of the same file
    and split): the unit skips the pieces they cover and redoes only the pair it was writing. A unit's
    ``NAME.json`` index marks it done. Memory is bounded by a batch of text per worker, whatever the corpus
-   size.
+   size and whatever the size of one document.
 4. **Fan-out**: the units run in ``workers`` processes through datatrove's ``LocalPipelineExecutor`` (Hugging Face's
    data-processing library); ``num_nodes`` / ``node_rank`` give each machine a disjoint block of the units, all
    writing into one shared directory (see docs/data.md). A unit's output depends on its file alone, so the bytes
    are the same whatever the number of workers or machines. An advisory lock per unit keeps two processes off the
    same unit (for example a worker that outlived a killed run).
-5. **The manifest**: when every unit is done, ``manifest.json`` (sources, documents and tokens per source, split
-   and shard, the tokenizer and its fingerprint, the settings, the format version) is written atomically, and a
-   table per source is printed.
+5. **The manifest**: when every unit is done, ``manifest.json`` (sources, documents and tokens per source, split,
+   file and shard, the files that gave no document, the tokenizer and its fingerprint, the settings, the format
+   version) is written atomically, and a table per source is printed, with a note for each empty file.
 """
 
 from __future__ import annotations
@@ -68,6 +69,10 @@ STATE_DIR = ".prepare"
 """Where an unfinished prepare keeps its settings and the executor's logs."""
 BATCH_CHARS = 1 << 20
 """Characters of text encoded in one batch (bounds a worker's memory)."""
+ENCODE_CHARS = 1 << 18
+"""A longer piece of a document is encoded in parts of at most this many characters, cut where the tokenizer
+allows (:meth:`~memfit.tokenizer.Tokenizer.cut`): what bounds the tokenizer's own memory (about 150 bytes per
+character of one call for a Hugging Face tokenizer)."""
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -226,7 +231,9 @@ def make_tokenizer(units: list[Unit], cfg: PrepareConfig) -> Tokenizer:
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def _pieces(unit: Unit, cfg: PrepareConfig, counts: ReadCounts) -> Iterator[Piece]:
+def _pieces(
+    unit: Unit, cfg: PrepareConfig, counts: ReadCounts, tokenizer: Tokenizer | None = None
+) -> Iterator[Piece]:
     return read_pieces(
         unit.file,
         val_fraction=cfg.val_fraction,
@@ -234,6 +241,7 @@ def _pieces(unit: Unit, cfg: PrepareConfig, counts: ReadCounts) -> Iterator[Piec
         skip_malformed=cfg.skip_malformed,
         counts=counts,
         val_hash_max=unit.val_hash_max,
+        cut=None if tokenizer is None else tokenizer.cut,
     )
 
 
@@ -357,8 +365,8 @@ class _UnitWriter:
             shard_tokens,
         )
         self.dtype = token_dtype(tokenizer.vocab_size)
-        self.bos = [tokenizer.bos_id] if tokenizer.add_bos else []  # as the model will read a prompt
-        self.eos = [] if tokenizer.eos_id is None else [tokenizer.eos_id]
+        self.bos = tokenizer.bos_id if tokenizer.add_bos else None  # as the model will read a prompt
+        self.eos = tokenizer.eos_id
         self.pairs = finished
         self.consumed = finished[-1]["input_pieces_end"] if finished else 0  # input documents in closed pairs
         self.pair = _ShardPair(directory, unit, len(self.pairs), self.dtype)
@@ -373,14 +381,18 @@ class _UnitWriter:
             self.flush()
 
     def flush(self) -> int:
-        """Encode the pending documents and append them; returns their tokens."""
+        """Encode the pending pieces and append them; returns their tokens. A piece that continues a document is
+        encoded on its own (:meth:`~memfit.tokenizer.Tokenizer.encode_continuation`), the others in one batch."""
         if not self.pending:
             return 0
-        encoded = self.tokenizer.encode_batch([p.text for p in self.pending])
+        batched = [p.text for p in self.pending if not p.continues and len(p.text) <= ENCODE_CHARS]
+        fresh = iter(self.tokenizer.encode_batch(batched))
         tokens = 0
-        for piece, ids in zip(self.pending, encoded, strict=True):
-            ids = (self.bos if piece.starts else []) + ids + (self.eos if piece.ends else [])
-            array = np.asarray(ids, dtype=self.dtype)
+        for piece in self.pending:
+            if piece.continues or len(piece.text) > ENCODE_CHARS:
+                array = self._array(self._encode_long(piece), piece)
+            else:
+                array = self._array([np.asarray(next(fresh), dtype=self.dtype)], piece)
             train = self.pair.tokens["train"]
             if piece.split == "train" and train and train + len(array) > self.shard_tokens:
                 self.pairs.append(self.pair.close(input_pieces_end=self.consumed))
@@ -392,6 +404,30 @@ class _UnitWriter:
             self.progress(len(self.pending), tokens, 0)
         self.pending, self.pending_chars = [], 0
         return tokens
+
+    def _encode_long(self, piece: Piece) -> list[np.ndarray]:
+        """The ids of a piece that continues its document or is long, encoded in parts of at most
+        :data:`ENCODE_CHARS` where the tokenizer can be cut (whole where it cannot)."""
+        tok, text, start = self.tokenizer, piece.text, 0
+        parts = []
+        while len(text) - start > ENCODE_CHARS:
+            at = tok.cut(text[start : start + ENCODE_CHARS], piece.offset + start)
+            if at == 0:
+                break
+            part = text[start : start + at]
+            ids = tok.encode_continuation(part) if piece.continues or start else tok.encode(part)
+            parts.append(np.asarray(ids, dtype=self.dtype))
+            start += at
+        rest = text[start:]
+        ids = tok.encode_continuation(rest) if piece.continues or start else tok.encode(rest)
+        return [*parts, np.asarray(ids, dtype=self.dtype)]
+
+    def _array(self, parts: list[np.ndarray], piece: Piece) -> np.ndarray:
+        """``[BOS] ids [EOS]`` (each separator where the piece starts / ends its document, and the tokenizer has
+        it) as one token array."""
+        bos = [np.asarray([self.bos], self.dtype)] if piece.starts and self.bos is not None else []
+        eos = [np.asarray([self.eos], self.dtype)] if piece.ends and self.eos is not None else []
+        return np.concatenate([*bos, *parts, *eos]) if bos or eos or len(parts) > 1 else parts[0]
 
     def finish(self) -> list[dict[str, Any]]:
         """Write what is pending and close the last pair (left out when it is empty and others exist)."""
@@ -446,7 +482,7 @@ def prepare_unit(
         writer = _UnitWriter(directory, unit.name, tokenizer, cfg.shard_tokens, finished, progress)
         skip, counts, position = writer.consumed, ReadCounts(), 0
         try:
-            for number, piece in enumerate(_pieces(unit, cfg, counts)):
+            for number, piece in enumerate(_pieces(unit, cfg, counts, tokenizer)):
                 if progress is not None and counts.position - position >= BATCH_CHARS:
                     progress(0, 0, counts.position - position)
                     position = counts.position
@@ -830,6 +866,7 @@ def build_manifest(out: Path, units: list[Unit], tokenizer: Tokenizer, key: dict
                 "tokens": 0,
                 "skipped": 0,
                 "files": [],
+                "empty_files": [],
                 "shards": [],
                 "val_hash_max": unit.val_hash_max,
                 **{s: {"documents": 0, "tokens": 0} for s in SPLITS},
@@ -841,7 +878,17 @@ def build_manifest(out: Path, units: list[Unit], tokenizer: Tokenizer, key: dict
         src["documents"] += sum(index["documents"].values())
         src["tokens"] += sum(index["tokens"].values())
         src["skipped"] += index["skipped"]
-        src["files"].append({**unit.file.fingerprint(), "unit": unit.name})
+        documents = sum(index["documents"].values())
+        src["files"].append(
+            {
+                **unit.file.fingerprint(),
+                "unit": unit.name,
+                "documents": documents,
+                "tokens": sum(index["tokens"].values()),
+            }
+        )
+        if documents == 0:
+            src["empty_files"].append(str(unit.file.path))
         src["shards"] += [sh for pair in index["pairs"] for sh in pair["shards"] if sh["tokens"]]
     for name, src in sources.items():
         if src["tokens"] == 0:
@@ -864,8 +911,20 @@ def build_manifest(out: Path, units: list[Unit], tokenizer: Tokenizer, key: dict
     }
 
 
+def empty_file_notes(manifest: dict[str, Any]) -> list[str]:
+    """A line for each input file that gave no document (the manifest lists it under its source's
+    ``empty_files``, and its ``files`` entry counts 0 documents)."""
+    return [
+        f"note: source '{name}': '{path}' holds no document (it is empty, or holds only blank lines, empty texts "
+        f"or skipped records); it adds nothing to the dataset"
+        for name, s in manifest["sources"].items()
+        for path in s.get("empty_files", [])
+    ]
+
+
 def summary_table(manifest: dict[str, Any]) -> str:
-    """One row per source: documents, tokens (train / val), share of the tokens, shards, skipped records."""
+    """One row per source: documents, tokens (train / val), share of the tokens, shards, skipped records; then a
+    note for each input file that gave no document (:func:`empty_file_notes`)."""
     total = max(manifest["tokens"], 1)
     rows = [("source", "documents", "tokens", "train tokens", "val tokens", "share", "shards", "skipped")]
     for name, s in manifest["sources"].items():
@@ -883,9 +942,10 @@ def summary_table(manifest: dict[str, Any]) -> str:
         )
     rows.append(("all", f"{manifest['documents']:,}", f"{manifest['tokens']:,}", "", "", "100.0%", "", ""))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return "\n".join(
+    table = [
         "  ".join(
             c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True))
         )
         for r in rows
-    )
+    ]
+    return "\n".join(table + empty_file_notes(manifest))

@@ -23,7 +23,7 @@ from memfit import distributed as dist_
 from memfit.config import PrepareConfig, TrainConfig, load_prepare_config, show_progress
 from memfit.convert import checkpoint_tokenizer
 from memfit.data.instruct import InstructStats, batch_position, prepare_instruct
-from memfit.data.prepare import prepare
+from memfit.data.prepare import empty_file_notes, prepare
 from memfit.data.sources import default_corpus_path, source_tree
 from memfit.data.tokens import TRAIN, VAL, TokenDataset, document_ids, is_dataset, read_manifest
 from memfit.errors import ConfigError, DataError
@@ -146,6 +146,8 @@ def run_tokenizer(cfg: TrainConfig, out: Path, resume_dir: Path | None) -> tuple
             )
             if result.prepared:
                 tqdm.write(f"prepared {result.manifest['tokens']:,} tokens into '{directory}'")
+                for note in empty_file_notes(result.manifest):
+                    tqdm.write(note)
         dist_.barrier()  # the other ranks read what rank 0 prepared
     manifest = read_manifest(directory)
     tokenizer = load_tokenizer(directory / "tokenizer")

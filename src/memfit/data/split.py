@@ -160,8 +160,10 @@ def source_splits(
     splits = {}
     for name, inputs in files.items():
         entry = known.get(name) if isinstance(known.get(name), dict) else {}
-        listed = [{k: v for k, v in f.items() if k != "unit"} for f in entry.get("files", [])]
-        if "val_hash_max" in entry and listed == [f.fingerprint() for f in inputs]:
+        fingerprints = [f.fingerprint() for f in inputs]
+        # a manifest's file entry is the file's fingerprint with what became of it (unit, documents, tokens)
+        listed = [{k: f.get(k) for k in fingerprints[0]} for f in entry.get("files", [])] if inputs else []
+        if "val_hash_max" in entry and listed == fingerprints:
             splits[name] = SourceSplit(entry["val_hash_max"], entry["val"]["documents"], 0)
             continue
         splits[name] = plan_source(
