@@ -588,14 +588,15 @@ def main(argv: list[str] | None = None) -> int:
 
 class Terminated(KeyboardInterrupt):
     """SIGTERM (``kill``, a scheduler's stop): raised where the run is, like Ctrl-C's ``KeyboardInterrupt``, so
-    that it unwinds the same way (a checkpoint being written is removed; the newest complete one is kept)."""
+    that it unwinds the same way (a checkpoint being written is completed first; the newest complete one is
+    kept)."""
 
     signum = signal.SIGTERM
 
 
 def _terminated(signum: int, frame: Any) -> None:
     # once: the run is stopping already, and a second SIGTERM (a launcher's, then the kernel's when that launcher
-    # dies, memfit/lifeline.py) must not break off its clean-up (removing a checkpoint being written)
+    # dies, memfit/lifeline.py) must not break off its clean-up
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     raise Terminated()
 
