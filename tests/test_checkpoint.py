@@ -150,3 +150,28 @@ def test_sizes_are_recorded(tmp_path):
     path = _save(tmp_path, 1, cfg, model, opt)
     sizes = json.loads((path / "trainer_state.json").read_text())["file_sizes"]
     assert sizes["model.safetensors"] == (path / "model.safetensors").stat().st_size
+
+
+def test_signals_that_arrive_while_a_checkpoint_is_written_take_effect_after_it():
+    """SIGTERM / SIGINT raised inside ``save`` would interrupt torch's writers (which can abort the process half-way,
+    issue 22 item 9): they are held, then delivered once, in order, to the handlers in place before."""
+    import os
+    import signal
+
+    seen = []
+    previous = {
+        s: signal.signal(s, lambda signum, frame: seen.append(signum))
+        for s in (signal.SIGTERM, signal.SIGINT)
+    }
+    try:
+        with ckpt_io.signals_held():
+            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), signal.SIGINT)
+            os.kill(os.getpid(), signal.SIGTERM)
+            for _ in range(100):  # Python runs handlers between bytecodes: give them every chance
+                sum(range(100))
+            assert seen == []
+        assert seen == [signal.SIGTERM, signal.SIGINT]
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from memfit import cli
+from memfit import train as train_mod
 from memfit.cli import build_parser, main
 from memfit.config import config_from_dict, describe_keys, load_config, show_progress
 from memfit.convert.peft_adapter import save_peft_adapter
@@ -334,6 +335,39 @@ def test_summary_prints_the_reason(capsys):
     )
     cli._print_summary(summary)
     assert "final validation loss: none (no validation samples)\n" in capsys.readouterr().out
+
+
+def test_summary_gives_the_fullest_rank_s_peak(monkeypatch, capsys):
+    """A sharded run's summary gives each peak as the maximum over ranks and names that rank (issue 22, item 7:
+    rank 0's own peak was printed, 2.589 GiB, where rank 1 reached 2.706 GiB)."""
+    ranks = [  # what each rank measured over its run (GiB); CPU: no allocator fields
+        {"peak_memory_rss": 2.589},
+        {"peak_memory_rss": 2.706},
+    ]
+    monkeypatch.setattr(train_mod.dist_, "all_gather_objects", lambda mine: ranks)
+    peaks = train_mod.run_peaks(ranks[0])  # rank 0's call: it learns every rank's
+    assert peaks == {"peak_memory_rss": 2.706, "peak_memory_by_rank": {"peak_memory_rss": [2.589, 2.706]}}
+    summary = {"final_val_loss": 1.5, "checkpoint": "c", "sample": ""}
+    cli._print_summary({**summary, **peaks})
+    assert "\npeak_memory_rss: 2.706 GiB (rank 1; lowest 2.589 GiB, rank 0)\n" in capsys.readouterr().out
+
+    cuda = [
+        {"peak_memory_alloc": 3.25, "peak_memory_device": 4.0},
+        {"peak_memory_alloc": 3.25, "peak_memory_device": 4.5},
+    ]
+    monkeypatch.setattr(train_mod.dist_, "all_gather_objects", lambda mine: cuda)
+    cli._print_summary({**summary, **train_mod.run_peaks(cuda[1])})
+    out = capsys.readouterr().out
+    assert (
+        "\npeak_memory_alloc: 3.250 GiB (every rank)\npeak_memory_device: 4.500 GiB (rank 1; lowest 4.000 GiB, rank 0)\n"
+        in out
+    )
+
+    monkeypatch.undo()  # one process: its own peak, no ranks
+    peaks = train_mod.run_peaks({"peak_memory_rss": 1.261})
+    assert peaks == {"peak_memory_rss": 1.261}
+    cli._print_summary({**summary, **peaks})
+    assert "\npeak_memory_rss: 1.261 GiB\n" in capsys.readouterr().out
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -4,6 +4,7 @@ what one process with batch_size 2B does (losses, gradient norms, validation los
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -82,6 +83,7 @@ def test_two_ranks_train_what_one_process_does(strategy, single_runs, small_corp
     )
     _assert_same_run(out, single_runs["plain"])
     assert proc.stdout.count("final validation loss") == 1  # rank 0 alone reports
+    _assert_fullest_rank_s_peak(proc.stdout, out)
     assert proc.stdout.count("step 1 |") == 1
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_00000002", "step_00000004"]
     assert (out / "checkpoints" / "step_00000004" / "dcp" / ".metadata").is_file()
@@ -232,6 +234,20 @@ def test_sharded_weights_are_filled_shard_by_shard(hf_checkpoint):
     script = Path(__file__).parent / "scripts" / "materialize_check.py"
     output = run_torchrun([str(hf_checkpoint)], script=script).stdout
     assert output.count("parameters equal") == 2 * 6  # 2 ranks x (2 strategies x 3 cases)
+
+
+def _assert_fullest_rank_s_peak(stdout: str, out: Path) -> None:
+    """The summary's ``peak_memory_rss`` is the maximum over both ranks' whole-run peaks (``VmHWM``), named by
+    rank, with the other rank's beside it; no step record exceeds it (each holds the maximum over ranks of an
+    interval's peaks). Rank 0's own peak was printed before (issue 22, item 7)."""
+    line = re.search(r"^peak_memory_rss: (.*)$", stdout, re.MULTILINE).group(1)
+    print(f"summary: peak_memory_rss: {line}")
+    fullest, rank, lowest, other = re.fullmatch(
+        r"(\S+) GiB \(rank (\d); lowest (\S+) GiB, rank (\d)\)", line
+    ).groups()
+    assert {rank, other} == {"0", "1"} and float(fullest) >= float(lowest) > 0
+    records = [r["peak_memory_rss"] for r in read_records(out / "metrics.jsonl") if "loss" in r]
+    assert max(records) <= float(fullest) + 0.0005  # printed to 1 MiB
 
 
 def _one_process_optimizer_state(ckpt: Path) -> dict:

@@ -1,9 +1,11 @@
 """``memfit pretrain nproc=N``: the CLI starts torchrun itself. 2 ranks through the shortcut train what one process
 with twice the batch does; a rank that dies ends the whole launch at once with torchrun's report naming it; SIGTERM
-stops the launch and its workers; bad ``nproc`` values are configuration errors, reported before anything starts."""
+stops the launch and its workers, and so does a SIGKILL of the launcher (the workers see it is gone); bad ``nproc``
+values are configuration errors, reported before anything starts."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -16,7 +18,8 @@ import psutil
 import pytest
 import torch
 
-from memfit import launch
+from memfit import checkpoint as ckpt_io
+from memfit import launch, lifeline
 from memfit.cli import main
 from memfit.errors import ConfigError
 from memfit.metrics import read_records
@@ -67,7 +70,13 @@ def _rank(process: psutil.Process) -> str | None:
 
 
 def _alive(processes: list[psutil.Process]) -> list[psutil.Process]:
-    return [p for p in processes if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    def running(p: psutil.Process) -> bool:
+        try:
+            return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+        except psutil.Error:  # gone
+            return False
+
+    return [p for p in processes if running(p)]
 
 
 def test_nproc_shortcut_trains_what_one_process_does(small_corpus, tmp_path, capsys):
@@ -118,6 +127,58 @@ def test_a_killed_rank_ends_the_launch_with_a_report(small_corpus, tmp_path):
     assert "SIGKILL" in root_cause
     assert "memfit: error: a rank failed, so the run stopped:" in output
     assert not _alive(processes)  # no worker left behind
+
+
+# workers whose launcher died get SIGTERM at once and exit in 1-10 s (on 2 busy cores a worker's interpreter alone
+# takes 5-9 s to shut down); lifeline.GRACE_S after it, one that did not is killed
+STOP_WITHIN_S = lifeline.GRACE_S + 15
+
+
+def _partial(checkpoints: Path) -> list[str]:
+    """The hidden directories of checkpoints being written (or deleted) in ``checkpoints``."""
+    with contextlib.suppress(FileNotFoundError):
+        return sorted(p.name for p in checkpoints.iterdir() if p.name.startswith((".tmp-", ".old-")))
+    return []
+
+
+def test_workers_stop_when_their_launcher_is_killed(small_corpus, tmp_path):
+    """SIGKILL of memfit nproc=2 and its process group (torchrun's agent alone: each worker has a session of its
+    own) while a checkpoint is being written: each worker is told by the kernel (SIGTERM), completes the checkpoint
+    and exits; nothing half-written is left and the newest checkpoint loads. Before, the workers trained on (issue
+    22, item 9)."""
+    out, checkpoints = tmp_path / "run", tmp_path / "run" / "checkpoints"
+    run = {**LONG_RUN, "checkpoint_every": 1}
+    proc = _start(["pretrain", "nproc=2", *_overrides(small_corpus, out, **run)])
+    workers = [p for p in _wait_until_training(proc, out) if _rank(p) in ("0", "1")]
+    try:
+        assert len(workers) == 2, workers
+        deadline = time.monotonic() + 60
+        # one checkpoint is complete and the next under way
+        while not (ckpt_io.list_checkpoints(out) and _partial(checkpoints)):
+            if time.monotonic() > deadline:
+                pytest.fail(f"no second checkpoint was started: {sorted(os.listdir(checkpoints))}")
+            time.sleep(0.002)
+        os.killpg(proc.pid, signal.SIGKILL)
+        killed_at = time.monotonic()
+        writing = _partial(checkpoints)
+        while _alive(workers) and time.monotonic() - killed_at < STOP_WITHIN_S:
+            time.sleep(0.05)
+        survivors = _alive(workers)
+        completed = [w for w in writing if (checkpoints / w.split("-")[1]).is_dir()]
+        print(
+            f"workers gone {time.monotonic() - killed_at:.1f} s after the kill; being written then: {writing}, "
+            f"of which completed: {completed}"
+        )
+    finally:
+        output = kill_launch(proc, workers)  # survivors too (they would train on)
+    assert not survivors, (
+        f"{len(survivors)} workers still ran {STOP_WITHIN_S} s after their launcher was killed"
+    )
+    assert output.count("its launcher (pid ") == 2 and "memfit: stopped by SIGTERM" in output, output[-6000:]
+    assert not _partial(checkpoints), output[-6000:]  # nothing half-written is left
+    newest = ckpt_io.list_checkpoints(out)[-1]
+    assert ckpt_io.read_trainer_state(newest)["step"] == int(newest.name.removeprefix("step_"))
+    assert ckpt_io.read_sharded_weights(newest)  # every shard there: it consolidates
 
 
 WORKER = """

@@ -17,7 +17,8 @@ see :func:`save_sharded_checkpoint`.
 
 A checkpoint is written into a hidden ``.tmp-step_...`` directory, each file fsync'ed, then renamed into place, so
 a run killed at any moment (SIGKILL included) leaves either the complete new checkpoint or none, and the previous
-one intact. Only then are checkpoints beyond the newest ``keep_last`` deleted.
+one intact. Only then are checkpoints beyond the newest ``keep_last`` deleted. SIGINT and SIGTERM take effect when
+the checkpoint being written is complete (:func:`save`).
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ import json
 import os
 import re
 import shutil
+import signal
+import threading
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -356,7 +359,8 @@ def save(
     - sharded, every weight: each rank writes its own shards with ``torch.distributed.checkpoint``
       (:func:`save_sharded_checkpoint`); generate, export and a resume on any number of ranks reshard them.
 
-    Sharded, every rank must call it (collective).
+    Sharded, every rank must call it (collective). SIGINT and SIGTERM that arrive meanwhile take effect once it is
+    written (:func:`signals_held`); if it fails, or is cut short otherwise, no part of it is left in place.
 
     Args:
         output_dir: the run directory.
@@ -374,11 +378,39 @@ def save(
     """
 
     args = (output_dir, step, model, model_config, optimizer, trainer_state, tokenizer, keep_last)
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return save_checkpoint(*args, trainable_only=trainable_only)
-    if trainable_only:
-        return save_gathered_trainable_checkpoint(*args)
-    return save_sharded_checkpoint(*args)
+    with signals_held():
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return save_checkpoint(*args, trainable_only=trainable_only)
+        if trainable_only:
+            return save_gathered_trainable_checkpoint(*args)
+        return save_sharded_checkpoint(*args)
+
+
+@contextlib.contextmanager
+def signals_held(signals: tuple[int, ...] = (signal.SIGINT, signal.SIGTERM)) -> Iterator[None]:
+    """``signals`` that arrive inside the block are delivered at its end, to the handlers in place before it.
+
+    So that Ctrl-C or SIGTERM (a launcher's, or the kernel's when the launcher dies: :mod:`memfit.lifeline`) stops
+    a run after the checkpoint it is writing is complete: the ``KeyboardInterrupt`` they raise, raised inside
+    ``torch.distributed.checkpoint``'s writer, can abort the process (torch.save's C++ writer, left to finish its
+    file after the file was closed: "terminate called ... write to closed file") and leave the checkpoint
+    half-written. Handlers can be set in the main thread only: elsewhere nothing is held.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held: list[int] = []
+    previous = {sig: signal.getsignal(sig) for sig in signals}
+    previous = {sig: handler for sig, handler in previous.items() if handler is not None}  # None: set from C
+    for sig in previous:
+        signal.signal(sig, lambda signum, frame: held.append(signum))
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        for sig in dict.fromkeys(held):
+            signal.raise_signal(sig)
 
 
 def prune_checkpoints(output_dir: str | Path, keep_last: int) -> None:
@@ -663,41 +695,50 @@ def save_sharded_checkpoint(
             (tmp / DCP_DIR).mkdir(parents=True)
         except OSError as exc:
             error = failed(exc)
-    error = _agree(error)
-    if error is None:
-        model_sd, optim_sd = get_state_dict(model, optimizer)
-        try:
-            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp / DCP_DIR)
-        except Exception as exc:  # a rank's write failed: dcp.save raises the same on every rank
-            error = failed(exc)
-        dist.barrier()
-        if main and error is None:
-            try:
-                (tmp / MODEL_CONFIG).write_text(json.dumps(model_config_to_dict(model_config), indent=2))
-                tokenizer.save(tmp / "tokenizer")
-                state = {
-                    **trainer_state,
-                    "step": step,
-                    "rng": rng_state(),
-                    "world_size": dist.get_world_size(),
-                }
-                state["file_sizes"] = {
-                    str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()
-                }
-                (tmp / TRAINER_STATE).write_text(json.dumps(state, indent=2))
-                fsync_tree(tmp)
-                if final.exists():  # the same step from an earlier (interrupted) attempt
-                    old = final.parent / f".old-{final.name}-{os.getpid()}"
-                    os.replace(final, old)
-                    os.replace(tmp, final)
-                    shutil.rmtree(old, ignore_errors=True)
-                else:
-                    os.replace(tmp, final)
-                fsync_dir(final.parent)
-                prune_checkpoints(output_dir, keep_last)
-            except OSError as exc:
-                error = failed(exc)
+    shards_written = False  # past the barrier: every rank's shards are in tmp, and rank 0 alone goes on
+    try:
         error = _agree(error)
+        if error is None:
+            model_sd, optim_sd = get_state_dict(model, optimizer)
+            try:
+                dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp / DCP_DIR)
+            except Exception as exc:  # a rank's write failed: dcp.save raises the same on every rank
+                error = failed(exc)
+            dist.barrier()
+            shards_written = True
+            if main and error is None:
+                try:
+                    (tmp / MODEL_CONFIG).write_text(json.dumps(model_config_to_dict(model_config), indent=2))
+                    tokenizer.save(tmp / "tokenizer")
+                    state = {
+                        **trainer_state,
+                        "step": step,
+                        "rng": rng_state(),
+                        "world_size": dist.get_world_size(),
+                    }
+                    state["file_sizes"] = {
+                        str(p.relative_to(tmp)): p.stat().st_size
+                        for p in sorted(tmp.rglob("*"))
+                        if p.is_file()
+                    }
+                    (tmp / TRAINER_STATE).write_text(json.dumps(state, indent=2))
+                    fsync_tree(tmp)
+                    if final.exists():  # the same step from an earlier (interrupted) attempt
+                        old = final.parent / f".old-{final.name}-{os.getpid()}"
+                        os.replace(final, old)
+                        os.replace(tmp, final)
+                        shutil.rmtree(old, ignore_errors=True)
+                    else:
+                        os.replace(tmp, final)
+                    fsync_dir(final.parent)
+                    prune_checkpoints(output_dir, keep_last)
+                except OSError as exc:
+                    error = failed(exc)
+            error = _agree(error)
+    except BaseException:  # broken off (SIGTERM, Ctrl-C, a rank gone): nothing half-written is left behind
+        if main or not shards_written:  # before the barrier rank 0 cannot be renaming tmp into place
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
     if error is not None:
         if main:
             shutil.rmtree(tmp, ignore_errors=True)

@@ -113,15 +113,28 @@ def _print_summary(summary: dict) -> None:
         print(f"final validation loss: {summary['final_val_loss']:.4f} nats/token")
     if summary.get("tokens_per_second_per_gpu"):
         print(f"tokens_per_second_per_gpu: {summary['tokens_per_second_per_gpu']:,.0f}")
+    by_rank = summary.get("peak_memory_by_rank") or {}
     for key in ("peak_memory_rss", "peak_memory_alloc", "peak_memory_device"):
         if summary.get(key) is not None:
-            print(f"{key}: {summary[key]:.3f} GiB")
+            print(f"{key}: {summary[key]:.3f} GiB{_fullest_rank(by_rank.get(key))}")
     print(f"checkpoint: {summary['checkpoint']}")
     if summary.get("loss_plot"):
         print(f"loss plot: {summary['loss_plot']}")
     if summary["sample"]:
         print("sample:")
         print(summary["sample"])
+
+
+def _fullest_rank(values: list[float | None] | None) -> str:
+    """Which rank of a sharded run reached a peak (the lowest such rank on a tie), and the lowest rank's peak:
+    `` (rank 1; lowest 2.589 GiB, rank 0)``; `` (every rank)`` when all are equal; ``""`` for one process."""
+    ranks = {r: v for r, v in enumerate(values or []) if v is not None}
+    if len(ranks) < 2:
+        return ""
+    fullest, emptiest = max(ranks, key=ranks.get), min(ranks, key=ranks.get)
+    if ranks[fullest] == ranks[emptiest]:
+        return " (every rank)"
+    return f" (rank {fullest}; lowest {ranks[emptiest]:.3f} GiB, rank {emptiest})"
 
 
 def _check_option(option: str, value: Any, ok: bool, allowed: str) -> None:
@@ -579,12 +592,16 @@ def main(argv: list[str] | None = None) -> int:
 
 class Terminated(KeyboardInterrupt):
     """SIGTERM (``kill``, a scheduler's stop): raised where the run is, like Ctrl-C's ``KeyboardInterrupt``, so
-    that it unwinds the same way (a checkpoint being written is removed; the newest complete one is kept)."""
+    that it unwinds the same way (a checkpoint being written is completed first; the newest complete one is
+    kept)."""
 
     signum = signal.SIGTERM
 
 
 def _terminated(signum: int, frame: Any) -> None:
+    # once: the run is stopping already, and a second SIGTERM (a launcher's, then the kernel's when that launcher
+    # dies, memfit/lifeline.py) must not break off its clean-up
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     raise Terminated()
 
 

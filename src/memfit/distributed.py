@@ -49,6 +49,7 @@ from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 from torch.distributed.tensor import Shard
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
+from memfit import lifeline
 from memfit.config import TrainConfig
 from memfit.models.llama import DecoderLayer
 
@@ -65,7 +66,9 @@ def launched_distributed() -> bool:
 def init_distributed(device: torch.device, timeout_s: float = 600.0) -> torch.device:
     """Join the process group torchrun describes (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``/``PORT``).
 
-    gloo on CPU, nccl on CUDA (each rank on ``cuda:LOCAL_RANK``). A single process is left alone.
+    gloo on CPU, nccl on CUDA (each rank on ``cuda:LOCAL_RANK``). A single process is left alone. Under torchrun
+    the rank also stops when its launcher dies (:func:`memfit.lifeline.stop_with_launcher`; ``python -m memfit``
+    arms it earlier).
 
     Args:
         device: the device the config resolved to (``cpu`` or ``cuda``).
@@ -76,6 +79,7 @@ def init_distributed(device: torch.device, timeout_s: float = 600.0) -> torch.de
     """
     if not launched_distributed():
         return device
+    lifeline.stop_with_launcher()
     if device.type == "cuda":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)

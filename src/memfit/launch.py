@@ -20,6 +20,7 @@ import sys
 
 import torch
 
+from memfit import lifeline
 from memfit.errors import ConfigError
 
 NPROC_KEY = "nproc"
@@ -122,7 +123,9 @@ def run_torchrun(args: list[str]) -> int:
     Prints the command first, so that users learn the launch it stands for. This process is then torchrun's
     agent: it starts the workers (each in a session of its own, with this process's environment), watches them,
     and on SIGINT (Ctrl-C), SIGTERM, SIGHUP or SIGQUIT passes the signal on to them and stops them (SIGKILL after
-    torchrun's ``--shutdown_timeout``, 30 s). When a worker fails, it stops the others at once.
+    torchrun's ``--shutdown_timeout``, 30 s). When a worker fails, it stops the others at once. Should this process
+    die without passing a signal on (SIGKILL), each worker stops by itself (:mod:`memfit.lifeline`; this process's
+    pid is in ``MEMFIT_LAUNCHER_PID`` for them).
 
     Args:
         args: torchrun's arguments (see :func:`torchrun_args`).
@@ -141,6 +144,8 @@ def run_torchrun(args: list[str]) -> int:
     handlers = {
         sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
     }
+    launcher_pid = os.environ.get(lifeline.LAUNCHER_PID_ENV)
+    os.environ[lifeline.LAUNCHER_PID_ENV] = str(os.getpid())  # the workers' launcher (memfit/lifeline.py)
     try:
         torchrun_main(args)
     except ChildFailedError as exc:
@@ -157,4 +162,8 @@ def run_torchrun(args: list[str]) -> int:
     finally:  # the agent's handlers raise SignalException: restore this process's own
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
+        if launcher_pid is None:
+            os.environ.pop(lifeline.LAUNCHER_PID_ENV, None)
+        else:
+            os.environ[lifeline.LAUNCHER_PID_ENV] = launcher_pid
     return 0

@@ -55,7 +55,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
 
     Returns:
         A summary: ``final_val_loss``, ``steps``, ``tokens_per_second_per_gpu`` (mean over the run),
-        ``peak_memory_rss`` / ``peak_memory_alloc`` (GiB, whole run), ``checkpoint``, ``sample``, ``num_params``.
+        ``peak_memory_rss`` / ``peak_memory_alloc`` / ... (GiB, whole run, the fullest rank's; sharded, with each
+        rank's in ``peak_memory_by_rank``, see :func:`run_peaks`), ``checkpoint``, ``sample``, ``num_params``.
 
     Raises:
         ConfigError, DataError, CheckpointError: bad input, reported before anything is allocated or overwritten.
@@ -121,7 +122,7 @@ def _train(cfg: TrainConfig, device: torch.device, cleanup: contextlib.ExitStack
         )
     )
     memory = cleanup.enter_context(contextlib.closing(PeakMemory(device)))
-    throughput, run_peak = Throughput(), {}
+    throughput, rank_peak = Throughput(), {}  # this rank's own peaks over the run (GiB)
     flops_per_token = training_flops_per_token(mcfg, seq_len, full=cfg.method == "full")
     peak_flops = peak_flops_per_second(device, cfg.dtype, cfg.peak_flops)
     mfu_warned = False
@@ -208,6 +209,8 @@ def _train(cfg: TrainConfig, device: torch.device, cleanup: contextlib.ExitStack
                 torch.cuda.synchronize(device)
             throughput.add(time.perf_counter() - t0, tokens_this_step)
             rate = throughput.interval_rate()  # this rank's
+            peaks = memory.read_and_reset()  # this rank's
+            rank_peak.update({k: max(rank_peak.get(k, 0.0), v) for k, v in peaks.items() if v is not None})
             record = {
                 "step": done,
                 "loss": loss,
@@ -215,7 +218,7 @@ def _train(cfg: TrainConfig, device: torch.device, cleanup: contextlib.ExitStack
                 "grad_norm": result.grad_norm.item(),
                 "tokens_per_second_per_gpu": rate,
                 "mfu": rate * flops_per_token / peak_flops if peak_flops else None,
-                **dist_.max_over_ranks(memory.read_and_reset()),  # the peaks of the fullest rank
+                **dist_.max_over_ranks(peaks),  # the peaks of the fullest rank
             }
             if record["mfu"] is not None and record["mfu"] > 1 and not mfu_warned:  # once, saying why
                 mfu_warned = True
@@ -226,13 +229,6 @@ def _train(cfg: TrainConfig, device: torch.device, cleanup: contextlib.ExitStack
                     )
             if tracker is not None:  # sharded: the breakdown of the rank with the highest tracked peak
                 record.update(tracked_memory_fields(tracker))
-            run_peak.update(
-                {
-                    k: max(run_peak.get(k, 0.0), v)
-                    for k, v in record.items()
-                    if k.startswith("peak_memory") and v
-                }
-            )
             logger.log(record)
             bar.set_postfix(loss=f"{loss:.3f}")
         else:
@@ -266,7 +262,7 @@ def _train(cfg: TrainConfig, device: torch.device, cleanup: contextlib.ExitStack
     plot = plot_losses(out / "metrics.jsonl", out / "loss.png") if main_rank else None
     sample = _sample(cfg, model, tokenizer, last_ckpt, device) if main_rank else ""
     if device.type == "cpu" and process_peak_rss() is not None:  # the whole process's, as ru_maxrss says
-        run_peak["peak_memory_rss"] = to_gib(process_peak_rss())
+        rank_peak["peak_memory_rss"] = to_gib(process_peak_rss())
     return {
         "final_val_loss": None if math.isnan(val_loss) else val_loss,
         "val_empty_reason": data.val_empty_reason,
@@ -274,11 +270,31 @@ def _train(cfg: TrainConfig, device: torch.device, cleanup: contextlib.ExitStack
         "num_params": built.num_params,
         "num_trainable_params": built.num_trainable,
         "tokens_per_second_per_gpu": throughput.run_rate,
-        **run_peak,
+        **run_peaks(rank_peak),
         "checkpoint": str(last_ckpt),
         "loss_plot": str(plot) if plot else None,
         "sample": sample,
     }
+
+
+def run_peaks(rank_peak: dict[str, float]) -> dict[str, Any]:
+    """The run's memory peaks: each the maximum over ranks of every rank's own peak over the run. Collective when
+    sharded (every rank calls it, at the end).
+
+    Args:
+        rank_peak: this rank's peaks in GiB (``peak_memory_rss``, ``peak_memory_alloc``, ...; those it measured).
+
+    Returns:
+        ``{key: GiB}``, the fullest rank's of each key; sharded, also ``peak_memory_by_rank``: ``{key: [GiB of rank
+        0, rank 1, ...]}``, so that a report can name the fullest rank.
+    """
+    ranks = dist_.all_gather_objects(rank_peak)
+    keys = list(dict.fromkeys(k for r in ranks for k in r))
+    by_rank = {k: [r.get(k) for r in ranks] for k in keys}
+    peaks: dict[str, Any] = {k: max(v for v in values if v is not None) for k, values in by_rank.items()}
+    if len(ranks) > 1:
+        peaks["peak_memory_by_rank"] = by_rank
+    return peaks
 
 
 @contextlib.contextmanager
