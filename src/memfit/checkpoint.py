@@ -158,6 +158,20 @@ def fsync_tree(path: Path) -> None:
         fsync_dir(d)
 
 
+def _put_in_place(tmp: Path, final: Path) -> None:
+    """Make the written directory ``tmp`` the directory ``final``, durably: its files synced, then renamed into place
+    (an existing ``final`` is moved aside first and removed after), then the parent synced."""
+    fsync_tree(tmp)
+    if final.exists():
+        old = final.parent / f".old-{final.name}-{os.getpid()}"
+        os.replace(final, old)
+        os.replace(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, final)
+    fsync_dir(final.parent)
+
+
 @contextlib.contextmanager
 def atomic_directory(
     final: Path, what: str, kept: str | None = None, where: str = "directory"
@@ -185,15 +199,7 @@ def atomic_directory(
             shutil.rmtree(tmp)
         tmp.mkdir()
         yield tmp
-        fsync_tree(tmp)
-        if final.exists():
-            old = final.parent / f".old-{final.name}-{os.getpid()}"
-            os.replace(final, old)
-            os.replace(tmp, final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, final)
-        fsync_dir(final.parent)
+        _put_in_place(tmp, final)
     except Exception as exc:
         shutil.rmtree(tmp, ignore_errors=True)
         error = storage.os_error_of(exc)
@@ -722,15 +728,9 @@ def save_sharded_checkpoint(
                         if p.is_file()
                     }
                     (tmp / TRAINER_STATE).write_text(json.dumps(state, indent=2))
-                    fsync_tree(tmp)
-                    if final.exists():  # the same step from an earlier (interrupted) attempt
-                        old = final.parent / f".old-{final.name}-{os.getpid()}"
-                        os.replace(final, old)
-                        os.replace(tmp, final)
-                        shutil.rmtree(old, ignore_errors=True)
-                    else:
-                        os.replace(tmp, final)
-                    fsync_dir(final.parent)
+                    _put_in_place(
+                        tmp, final
+                    )  # (the same step from an earlier, interrupted attempt: replaced)
                     prune_checkpoints(output_dir, keep_last)
                 except OSError as exc:
                     error = failed(exc)
