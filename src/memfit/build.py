@@ -22,7 +22,7 @@ import torch
 
 from memfit import checkpoint as ckpt_io
 from memfit import distributed as dist_
-from memfit.config import LORA_METHODS, TrainConfig, config_from_dict, device_type
+from memfit.config import TrainConfig, config_from_dict, device_type
 from memfit.convert import (
     detect_format,
     load_pretrained,
@@ -116,7 +116,7 @@ def apply_method(model: Llama, cfg: TrainConfig) -> None:
     if cfg.method == "full":
         return
 
-    if cfg.method in LORA_METHODS:
+    if cfg.method in peft.LORA_METHODS:
         apply = peft.apply_qlora if cfg.method == "qlora" else peft.apply_lora
         apply(
             model,

@@ -19,7 +19,6 @@ import difflib
 import importlib.util
 import math
 import os
-import shutil
 import sys
 import types
 import typing
@@ -31,43 +30,26 @@ import torch
 import yaml
 
 from memfit.errors import ConfigError, DataError
+from memfit.memory import switches
+from memfit.models import peft
 from memfit.models.llama import LlamaConfig
 from memfit.models.presets import MODEL_PRESETS, model_config
 from memfit.units import parse_bytes
 
 # ----------------------------------------------------------------------------------------------------------------
-# The allowed values of every switch, defined here once; the modules that implement a choice import them
+# The allowed values of the keys that are not memory switches (those are in memfit.memory.switches; optimizers in
+# memfit.memory.optimizers; LoRA's targets in memfit.models.peft)
 # ----------------------------------------------------------------------------------------------------------------
 
-DTYPES = ("fp32", "bf16", "bf16_mixed")
 DEVICES = ("auto", "cpu", "cuda")
 NONFINITE_POLICIES = ("stop", "skip")  # on_nonfinite
 TOKENIZER_KINDS = ("bpe", "char", "file")
-METHODS = ("full", "lora", "qlora", "adapter")
-LORA_METHODS = ("lora", "qlora")
-NF4_BLOCK_SIZE = 64
-"""Weights per block of QLoRA's 4-bit NormalFloat base (:mod:`memfit.models.peft`)."""
-"""Methods whose settings are ``lora.*`` (QLoRA is LoRA over a 4-bit NormalFloat base)."""
 INSTRUCT_FORMATS = ("alpaca", "dolly", "sharegpt", "openai")
-"""Record formats of instruction / chat data (:mod:`memfit.data.instruct`)."""
+"""Record formats of instruction / chat data (:mod:`memfit.data.instruct`, which config may not import: the data
+schema is declared here, below it)."""
 DATA_FORMATS = ("text", *INSTRUCT_FORMATS)
 TEMPLATES = ("alpaca", "llama2-chat", "llama3-chat", "chatml")
 """Prompt templates of instruction / chat data and of ``memfit generate``."""
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head")
-"""Linear layers LoRA can adapt (:func:`memfit.models.peft.apply_lora`)."""
-AC_MODES = ("none", "selective", "every_n", "full")
-"""``activation_checkpointing`` modes (:func:`memfit.memory.techniques.apply_activation_checkpointing`)."""
-STRATEGIES = ("fsdp2", "fsdp1")
-"""``distributed.strategy`` values (:func:`memfit.distributed.shard_model`)."""
-BNB_OPTIMIZERS = ("adamw8bit", "paged_adamw8bit", "paged_adamw")
-"""bitsandbytes optimizers (8-bit block-wise, and 32-bit paged)."""
-PAGED_OPTIMIZERS = ("paged_adamw8bit", "paged_adamw")
-"""bitsandbytes optimizers that keep big tensors' state in CUDA unified memory."""
-TORCHAO_OPTIMIZERS = ("torchao_adamw8bit", "torchao_adamw4bit", "torchao_adamw_fp8")
-"""torchao low-bit AdamW optimizers."""
-OPTIMIZER_NAMES = ("adamw", *BNB_OPTIMIZERS, *TORCHAO_OPTIMIZERS)
-"""Every ``optimizer.name`` (:func:`memfit.memory.optim.build_optimizer`)."""
-OPTIMIZER_IMPLEMENTATIONS = ("foreach", "for_loop", "fused")
 
 INSTRUCT_COLUMNS: dict[str, dict[str, str]] = {
     "alpaca": {"instruction": "instruction", "input": "input", "output": "output"},
@@ -291,15 +273,6 @@ def validate_prepare(cfg: PrepareConfig) -> None:
         "char_tokenizer",
         "makes a tokenizer from the text; it cannot be combined with a given tokenizer",
     )
-
-
-def cxx_compiler() -> str | None:
-    """The C++ compiler TorchInductor would build CPU kernels with: ``$CXX``, else ``g++``, else ``clang++`` (its
-    path), or ``None`` when there is none."""
-    for name in (os.environ.get("CXX"), "g++", "clang++"):
-        if name and (path := shutil.which(name)):
-            return path
-    return None
 
 
 def load_prepare_config(overrides: list[str], **given: Any) -> PrepareConfig:
@@ -699,17 +672,12 @@ def with_absolute_paths(cfg: TrainConfig) -> TrainConfig:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Validation: every impossible value or combination, in one place
+# Validation: the schema's values and what cuts across them (each switch checks itself, memfit.memory.switches)
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def _require(cond: bool, key: str, message: str) -> None:
-    if not cond:
-        raise ConfigError(f"config key '{key}': {message}")
-
-
-def _one_of(value: str, choices: tuple[str, ...], key: str) -> None:
-    _require(value in choices, key, f"{value!r} is not one of {', '.join(choices)}")
+_require = switches.require
+_one_of = switches.one_of
 
 
 def device_type(device: str) -> str:
@@ -731,6 +699,9 @@ def memory_budget_bytes(cfg: TrainConfig) -> int | None:
 def validate(cfg: TrainConfig, world_size: int = 1, *, needs_weights: bool = True) -> None:
     """Check every value and combination before anything is allocated.
 
+    The memory switches are checked by their entries (:func:`memfit.memory.switches.check`), the optimizer by its
+    own (:mod:`memfit.memory.optimizers`); what is checked here is the rest of the schema and what cuts across it.
+
     Args:
         cfg: the configuration.
         world_size: the number of ranks the run will have (torchrun's ``WORLD_SIZE``, ``nproc``, or the
@@ -744,6 +715,17 @@ def validate(cfg: TrainConfig, world_size: int = 1, *, needs_weights: bool = Tru
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
+    _validate_run(cfg)
+    _validate_tokenizer_and_data(cfg)
+    _validate_finetuning(cfg, needs_weights)
+    _validate_optimizer(cfg)
+    switches.check(cfg, switches.Target(device_type(cfg.device), world_size))
+    _validate_sample_and_logging(cfg)
+    _validate_model(cfg)
+
+
+def _validate_run(cfg: TrainConfig) -> None:
+    """The run's sizes, steps and policies."""
     _require(
         cfg.model in MODEL_PRESETS,
         "model",
@@ -771,7 +753,6 @@ def validate(cfg: TrainConfig, world_size: int = 1, *, needs_weights: bool = Tru
         "max_grad_norm",
         f"must be >= 0 (0 disables clipping), got {cfg.max_grad_norm}",
     )
-    _one_of(cfg.dtype, DTYPES, "dtype")
     _one_of(cfg.device, DEVICES, "device")
     _one_of(cfg.on_nonfinite, NONFINITE_POLICIES, "on_nonfinite")
     _require(
@@ -781,7 +762,11 @@ def validate(cfg: TrainConfig, world_size: int = 1, *, needs_weights: bool = Tru
         "the step's loss and gradient norm are known; use on_nonfinite=stop",
     )
     _require(bool(cfg.output_dir), "output_dir", "must not be empty")
+    memory_budget_bytes(cfg)  # a size with a unit, or a ConfigError naming memory_budget
 
+
+def _validate_tokenizer_and_data(cfg: TrainConfig) -> None:
+    """``tokenizer.*`` and the text dataset's ``data.*`` keys."""
     tok = cfg.tokenizer
     _one_of(tok.kind, TOKENIZER_KINDS, "tokenizer.kind")
     if tok.kind == "bpe":
@@ -797,8 +782,6 @@ def validate(cfg: TrainConfig, world_size: int = 1, *, needs_weights: bool = Tru
         _require(0.0 < vf < 1.0, "data.val_fraction", f"must be in (0, 1), got {vf}")
     else:
         _require(0.0 <= vf < 1.0, "data.val_fraction", f"must be in [0, 1) (0: no validation), got {vf}")
-    memory_budget_bytes(cfg)  # a size with a unit, or a ConfigError naming memory_budget
-    _validate_finetuning(cfg, needs_weights)
     for name, weight in cfg.data.weights.items():
         _require(
             isinstance(weight, int | float)
@@ -821,9 +804,10 @@ def validate(cfg: TrainConfig, world_size: int = 1, *, needs_weights: bool = Tru
         "applies to text datasets; instruction samples are kept apart by data.packing",
     )
 
+
+def _validate_optimizer(cfg: TrainConfig) -> None:
+    """The optimizer's hyperparameters (its name, implementation and offload: their switch entries)."""
     opt = cfg.optimizer
-    _one_of(opt.name, OPTIMIZER_NAMES, "optimizer.name")
-    _one_of(opt.implementation, OPTIMIZER_IMPLEMENTATIONS, "optimizer.implementation")
     _require(opt.lr > 0, "optimizer.lr", f"must be > 0, got {opt.lr}")
     _require(0 <= opt.min_lr <= opt.lr, "optimizer.min_lr", f"must be in [0, optimizer.lr], got {opt.min_lr}")
     _require(opt.warmup_steps >= 0, "optimizer.warmup_steps", f"must be >= 0, got {opt.warmup_steps}")
@@ -835,70 +819,9 @@ def validate(cfg: TrainConfig, world_size: int = 1, *, needs_weights: bool = Tru
     )
     _require(opt.eps > 0, "optimizer.eps", f"must be > 0, got {opt.eps}")
 
-    _one_of(cfg.activation_checkpointing, AC_MODES, "activation_checkpointing")
-    _require(
-        cfg.activation_checkpointing_interval >= 1,
-        "activation_checkpointing_interval",
-        f"must be >= 1, got {cfg.activation_checkpointing_interval}",
-    )
-    _require(
-        cfg.chunked_cross_entropy >= 0,
-        "chunked_cross_entropy",
-        f"must be >= 0 (0 is off), got {cfg.chunked_cross_entropy}",
-    )
-    if cfg.optimizer_in_backward:
-        _require(
-            cfg.gradient_accumulation_steps == 1,
-            "optimizer_in_backward",
-            "needs gradient_accumulation_steps=1: each update runs as soon as a parameter's gradient of one "
-            "micro-batch is ready, so gradients cannot accumulate over micro-batches; raise batch_size instead",
-        )
-        _require(
-            cfg.max_grad_norm == 0,
-            "optimizer_in_backward",
-            "cannot clip by the global gradient norm (max_grad_norm > 0): each parameter is updated before the "
-            "other gradients exist. Set max_grad_norm=0 (grad_norm is still reported) or turn the switch off",
-        )
-    target = device_type(cfg.device)
-    reason = check_optimizer_supported(
-        opt.name,
-        target,
-        cpu_offload=opt.cpu_offload,
-        in_backward=cfg.optimizer_in_backward,
-        max_grad_norm=cfg.max_grad_norm,
-    )
-    _require(
-        reason is None,
-        "optimizer.cpu_offload" if opt.cpu_offload and reason and "offload" in reason else "optimizer.name",
-        str(reason),
-    )
-    _require(
-        not cfg.activation_offloading or target == "cuda",
-        "activation_offloading",
-        "moves saved activations from GPU to host memory and needs a CUDA device; on CPU they already live "
-        "in host memory. Use activation_checkpointing to save activation memory here",
-    )
-    _require(
-        not (cfg.compile and cfg.track_memory),
-        "compile",
-        "cannot be combined with track_memory: the tracker sees each tensor through a dispatch mode, which "
-        "compiled kernels bypass. Track the eager step (compile=false), or predict it with `memfit estimate`",
-    )
-    _require(
-        not (cfg.compile and target == "cpu") or cxx_compiler() is not None,
-        "compile",
-        "needs a C++ compiler on CPU (TorchInductor builds its CPU kernels with one) and none was found: install "
-        "g++ or clang++, name yours in $CXX, or set compile=false",
-    )
-    _require(
-        not (cfg.compile and cfg.activation_offloading),
-        "compile",
-        "cannot be combined with activation_offloading: its saved-tensor hooks move tensors between devices "
-        "inside the graph the compiler captures. Turn one of them off",
-    )
 
-    _validate_distributed(cfg, target, world_size)
-
+def _validate_sample_and_logging(cfg: TrainConfig) -> None:
+    """``sample.*`` and Weights & Biases."""
     smp = cfg.sample
     _require(smp.max_new_tokens >= 0, "sample.max_new_tokens", f"must be >= 0, got {smp.max_new_tokens}")
     _require(smp.temperature >= 0, "sample.temperature", f"must be >= 0, got {smp.temperature}")
@@ -916,8 +839,10 @@ def validate(cfg: TrainConfig, world_size: int = 1, *, needs_weights: bool = Tru
             "pip install -e '.[wandb]'); or set wandb=false",
         )
 
-    # The model preset with its overrides must be a valid architecture (vocab_size comes from the tokenizer
-    # when the preset has none; a placeholder is enough to check the rest).
+
+def _validate_model(cfg: TrainConfig) -> None:
+    """The model preset with its overrides must be a valid architecture, and the lengths must fit it."""
+    # vocab_size comes from the tokenizer when the preset has none; a placeholder is enough to check the rest
     args = dict(cfg.model_args)
     if "vocab_size" not in args and "vocab_size" not in MODEL_PRESETS[cfg.model]:
         args["vocab_size"] = 256
@@ -927,6 +852,7 @@ def validate(cfg: TrainConfig, world_size: int = 1, *, needs_weights: bool = Tru
         raise ConfigError(f"config key 'model_args': {exc}") from None
     if cfg.checkpoint_dir is not None:
         return  # the architecture comes from the checkpoint: train() checks seq_len against it before loading
+    tok = cfg.tokenizer
     preset_vocab = cfg.model_args.get("vocab_size", MODEL_PRESETS[cfg.model].get("vocab_size"))
     # memfit.data.tokens.MANIFEST, spelled out: config is below the data layer and may not import it
     prepared = cfg.data.path is not None and (Path(cfg.data.path) / "manifest.json").is_file()
@@ -942,74 +868,10 @@ def validate(cfg: TrainConfig, world_size: int = 1, *, needs_weights: bool = Tru
     check_lengths(cfg, mcfg, 0)
 
 
-def check_optimizer_supported(
-    name: str,
-    device_type: str,
-    *,
-    cpu_offload: bool = False,
-    in_backward: bool = False,
-    max_grad_norm: float = 0.0,
-) -> str | None:
-    """Why the optimizer ``name`` cannot run as asked, or ``None`` when it can. Allocates nothing.
-
-    Config validation calls this before anything is built; :func:`memfit.memory.optim.build_optimizer` raises
-    ``ValueError`` with the same reason. Every reason that concerns ``cpu_offload`` contains the word "offload".
-
-    Args:
-        name: ``optimizer.name``.
-        device_type: where the parameters live: ``"cpu"`` or ``"cuda"``.
-        cpu_offload: ``optimizer.cpu_offload`` (torchao ``CPUOffloadOptimizer``).
-        in_backward: the step runs inside backward (:class:`OptimizerInBackward`).
-        max_grad_norm: the clipping threshold of the run; 0 is no clipping.
-
-    Returns:
-        A sentence saying what is wrong and what to do instead, or ``None``.
-    """
-    if name not in OPTIMIZER_NAMES:
-        return f"unknown optimizer {name!r}; known: {', '.join(OPTIMIZER_NAMES)}"
-    if name in BNB_OPTIMIZERS and importlib.util.find_spec("bitsandbytes") is None:
-        return f"optimizer {name!r} needs bitsandbytes, which is not installed (pip install bitsandbytes)"
-    if (name in TORCHAO_OPTIMIZERS or cpu_offload) and importlib.util.find_spec("torchao") is None:
-        what = "optimizer.cpu_offload" if cpu_offload else f"optimizer {name!r}"
-        return f"{what} needs torchao, which is not installed (pip install torchao)"
-    if name == "torchao_adamw_fp8" and device_type == "cuda" and torch.cuda.is_available():
-        major, minor = torch.cuda.get_device_capability()
-        if (major, minor) < (8, 9):
-            return (
-                f"torchao_adamw_fp8 compiles float8 (e4m3) casts that need CUDA compute capability >= 8.9 "
-                f"(Ada, Hopper); this GPU is {major}.{minor}. Use torchao_adamw8bit (same memory) instead"
-            )
-    if cpu_offload:
-        if device_type != "cuda":
-            return (
-                "optimizer.cpu_offload moves optimizer state and the update from GPU memory to host memory "
-                "(torchao CPUOffloadOptimizer) and needs a CUDA device; on CPU the state already lives in host "
-                "memory. Turn cpu_offload off, or shrink the state with a low-bit optimizer (adamw8bit, "
-                "torchao_adamw4bit)"
-            )
-        if name in PAGED_OPTIMIZERS:
-            return (
-                f"optimizer.cpu_offload cannot be combined with {name!r}: paging keeps the state in CUDA unified "
-                f"memory, offload keeps it in pinned host memory. Use one: cpu_offload with adamw or adamw8bit, "
-                f"or {name!r} without offload"
-            )
-        if in_backward:
-            return (
-                "optimizer.cpu_offload cannot be combined with optimizer_in_backward: the offloaded update runs on "
-                "the CPU after backward, from gradients copied during backward. Turn one of them off"
-            )
-        if max_grad_norm > 0:
-            return (
-                "optimizer.cpu_offload cannot clip gradients (max_grad_norm > 0): each gradient is copied to the "
-                "host as soon as backward produces it, before the global norm is known, so clipping would not "
-                "reach the update. Set max_grad_norm=0 (grad_norm is still reported) or turn cpu_offload off"
-            )
-    return None
-
-
 def check_lengths(cfg: TrainConfig, mcfg: LlamaConfig, vocab_size: int) -> int:
     """The training sequence length, checked against the model (validation does this for a preset; a run and
-    the estimator again once the architecture of ``checkpoint_dir`` or the tokenizer's vocabulary is known).
+    the estimator again once the architecture of ``checkpoint_dir`` or the tokenizer's vocabulary is known), with
+    the switches' checks that need the architecture (:func:`memfit.memory.switches.check_model`).
 
     Args:
         cfg: the run config.
@@ -1018,7 +880,7 @@ def check_lengths(cfg: TrainConfig, mcfg: LlamaConfig, vocab_size: int) -> int:
 
     Raises:
         ConfigError: ``seq_len`` exceeds the model's context, chunked cross-entropy has more chunks than tokens,
-            or the tokenizer has more ids than the embedding.
+            QLoRA's linears are not whole NF4 blocks, or the tokenizer has more ids than the embedding.
     """
     seq_len = cfg.seq_len or mcfg.max_seq_len
     # a preset's context can be raised with model_args; a checkpoint's is what it was trained with
@@ -1028,36 +890,7 @@ def check_lengths(cfg: TrainConfig, mcfg: LlamaConfig, vocab_size: int) -> int:
         "seq_len",
         f"{seq_len} exceeds the model's max_seq_len {mcfg.max_seq_len}; {fix}",
     )
-    _require(
-        cfg.chunked_cross_entropy <= cfg.batch_size * seq_len,
-        "chunked_cross_entropy",
-        f"{cfg.chunked_cross_entropy} chunks exceed the {cfg.batch_size * seq_len} tokens of a micro-batch "
-        f"(batch_size * seq_len); use at most that many (4-16 is typical)",
-    )
-    if cfg.method == "qlora":
-        hd = mcfg.head_dim
-        shapes = {
-            "q_proj/o_proj": (mcfg.num_heads * hd, mcfg.dim),
-            "k_proj/v_proj": (mcfg.num_kv_heads * hd, mcfg.dim),
-            "gate_proj/up_proj/down_proj": (mcfg.intermediate_size, mcfg.dim),
-        }
-        for names, (rows, cols) in shapes.items():
-            _require(
-                rows * cols % NF4_BLOCK_SIZE == 0,
-                "method",
-                f"qlora stores each decoder linear in NF4 blocks of {NF4_BLOCK_SIZE} weights, but {names} have "
-                f"{rows} x {cols} weights, not a multiple of {NF4_BLOCK_SIZE}; use method=lora for this model",
-            )
-    if cfg.method in LORA_METHODS and "lm_head" in cfg.lora.target_modules and mcfg.tie_word_embeddings:
-        raise ConfigError(
-            "config key 'lora.target_modules': this model ties lm_head to the input embedding, so a LoRA update "
-            "of lm_head would also change the embedding when merged; leave lm_head out"
-        )
-    if cfg.method == "adapter" and cfg.adapter.num_layers > mcfg.num_layers:
-        raise ConfigError(
-            f"config key 'adapter.num_layers': {cfg.adapter.num_layers} exceeds the model's {mcfg.num_layers} "
-            f"layers; use at most {mcfg.num_layers} (0 adapts all)"
-        )
+    switches.check_model(cfg, mcfg)
     if vocab_size > mcfg.vocab_size:
         raise ConfigError(
             f"config key 'checkpoint_dir': the tokenizer has {vocab_size} ids but the model only "
@@ -1066,89 +899,9 @@ def check_lengths(cfg: TrainConfig, mcfg: LlamaConfig, vocab_size: int) -> int:
     return seq_len
 
 
-def _validate_distributed(cfg: TrainConfig, target: str, world_size: int) -> None:
-    """The ``distributed.*`` keys, and the memory switches that do not (yet) work sharded.
-
-    The keys are checked in every run; the combinations only for more than one rank.
-    """
-    d = cfg.distributed
-    _one_of(d.strategy, STRATEGIES, "distributed.strategy")
-    _require(d.prefetch >= 0, "distributed.prefetch", f"must be >= 0 (0: FSDP's defaults), got {d.prefetch}")
-    _require(
-        d.strategy == "fsdp1" or d.limit_all_gathers,
-        "distributed.limit_all_gathers",
-        "applies to distributed.strategy=fsdp1 only; FSDP2 bounds its all-gathers by distributed.prefetch",
-    )
-    if world_size == 1:
-        return
-    _require(
-        not d.cpu_offload or target == "cuda",
-        "distributed.cpu_offload",
-        "moves parameter shards, gradients and the optimizer step from GPU to host memory and needs CUDA; on "
-        "CPU they already live in host memory. Turn it off",
-    )
-    _require(
-        not (cfg.method == "qlora" and d.strategy == "fsdp1"),
-        "method",
-        "qlora does not work with distributed.strategy=fsdp1: FSDP1 flattens a unit's weights into one buffer of "
-        "one dtype, which cannot hold NF4 weights. Use distributed.strategy=fsdp2 (which shards torchao's NF4 "
-        "tensors as they are)",
-    )
-    _require(
-        not (cfg.optimizer_in_backward and d.strategy == "fsdp1"),
-        "optimizer_in_backward",
-        "does not work with distributed.strategy=fsdp1: FSDP1 reduces gradients into flat shards after autograd "
-        "has run the per-parameter hooks, so the updates would see unreduced gradients. Use "
-        "distributed.strategy=fsdp2 (which runs the hooks after its reduce-scatter) or turn the switch off",
-    )
-    _require(
-        not (cfg.chunked_cross_entropy and d.strategy == "fsdp1"),
-        "chunked_cross_entropy",
-        "does not work with distributed.strategy=fsdp1: the loss applies lm_head's weight after the model's "
-        "forward, where FSDP1 has put its flat shard back in place of the gathered weight. Use "
-        "distributed.strategy=fsdp2 (which keeps the root's weights gathered until the backward) or "
-        "chunked_cross_entropy=0",
-    )
-    _require(
-        not (cfg.compile and d.strategy == "fsdp1"),
-        "compile",
-        "does not work with distributed.strategy=fsdp1, which flattens each layer's parameters into one buffer "
-        "outside the compiled graph. Use distributed.strategy=fsdp2 (compiled layers are then sharded "
-        "per layer, as torchtitan does) or compile=false",
-    )
-    _require(
-        not cfg.optimizer.cpu_offload,
-        "optimizer.cpu_offload",
-        "is not supported sharded; use distributed.cpu_offload, which offloads the shards and their optimizer "
-        "step to the host",
-    )
-    torchao = cfg.optimizer.name.startswith("torchao_")
-    _require(
-        cfg.optimizer.name == "adamw" or torchao,
-        "optimizer.name",
-        f"{cfg.optimizer.name!r} (bitsandbytes) does not work sharded: its kernels take plain tensors, not the "
-        f"DTensor shards FSDP2 gives the optimizer. Use torchao_adamw8bit or torchao_adamw4bit (the same "
-        f"block-wise quantized AdamW state, DTensor-aware) with distributed.strategy=fsdp2",
-    )
-    _require(
-        not (torchao and cfg.dtype == "bf16"),
-        "optimizer.name",
-        f"{cfg.optimizer.name!r} with dtype=bf16 fails on FSDP2's bf16 shards (torchao's quantized update mixes a "
-        f"bf16 shard with fp32 state: 'expected dtype torch.bfloat16 for end'). Use dtype=bf16_mixed (fp32 shards, "
-        f"bf16 compute) or torchao with one process",
-    )
-    _require(
-        not (torchao and d.strategy == "fsdp1"),
-        "optimizer.name",
-        f"{cfg.optimizer.name!r} does not work with distributed.strategy=fsdp1: FSDP1's checkpoints concatenate "
-        f"optimizer state, which torchao's quantized state tensors do not support. Use distributed.strategy=fsdp2",
-    )
-
-
 def _validate_finetuning(cfg: TrainConfig, needs_weights: bool = True) -> None:
     """The fine-tuning keys: method, checkpoint_dir, instruction data, LoRA and adapter settings."""
     data = cfg.data
-    _one_of(cfg.method, METHODS, "method")
     _one_of(data.format, DATA_FORMATS, "data.format")
     _one_of(data.template, TEMPLATES, "data.template")
     _require(
@@ -1201,7 +954,7 @@ def _validate_finetuning(cfg: TrainConfig, needs_weights: bool = True) -> None:
     _require(0 <= lora.dropout < 1, "lora.dropout", f"must be in [0, 1), got {lora.dropout}")
     _require(bool(lora.target_modules), "lora.target_modules", "must name at least one module")
     for name in lora.target_modules:
-        _one_of(name, LORA_TARGETS, "lora.target_modules")
+        _one_of(name, peft.LORA_TARGETS, "lora.target_modules")
     _require(
         cfg.adapter.prompt_length >= 1,
         "adapter.prompt_length",

@@ -12,9 +12,10 @@ from tqdm.auto import tqdm
 from memfit import checkpoint as ckpt_io
 from memfit import distributed as dist_
 from memfit.build import check_base
-from memfit.config import LORA_METHODS, TrainConfig, config_from_dict, config_to_dict
+from memfit.config import TrainConfig, config_from_dict, config_to_dict
 from memfit.data.run import tokenizer_settings
 from memfit.errors import CheckpointError, ConfigError
+from memfit.models import peft
 from memfit.models.llama import LlamaConfig
 
 
@@ -80,7 +81,7 @@ def check_resume_matches(cfg: TrainConfig, saved: TrainConfig, output_dir: str) 
     }
     if cfg.data.format != "text":
         keys["data.template"] = (cfg.data.template, saved.data.template)
-    if cfg.method in LORA_METHODS:
+    if cfg.method in peft.LORA_METHODS:
         keys["lora"] = (dataclasses.asdict(cfg.lora), dataclasses.asdict(saved.lora))
     if cfg.method == "adapter":
         keys["adapter"] = (dataclasses.asdict(cfg.adapter), dataclasses.asdict(saved.adapter))

@@ -15,13 +15,14 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from memfit.config import OPTIMIZER_NAMES, OptimizerConfig, check_optimizer_supported
+from memfit.config import OptimizerConfig
 from memfit.memory.optim import (
     OptimizerInBackward,
     build_optimizer,
     optimizer_state_bytes,
     unquantized_state_params,
 )
+from memfit.memory.optimizers import OPTIMIZER_NAMES, check_optimizer_supported
 from memfit.models.llama import build_llama
 from memfit.models.presets import model_config
 from memfit.step import train_step

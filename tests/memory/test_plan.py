@@ -14,10 +14,12 @@ from memfit.build import run_model_config
 from memfit.cli import main, split_budget
 from memfit.config import config_to_dict, load_config
 from memfit.errors import ConfigError, PreflightError
+from memfit.memory import switches
+from memfit.memory.switches import layer_weights
 from memfit.planner import plan as P
 from memfit.planner import report
 from memfit.planner.closed_form import model_state_bytes_closed_form
-from memfit.planner.cost import COST_CONSTANTS, layer_weights, model_flops_per_token, step_cost
+from memfit.planner.cost import COST_CONSTANTS, model_flops_per_token, step_cost
 from memfit.planner.estimate import estimate_run
 from memfit.planner.preflight import preflight
 from memfit.units import format_bytes, parse_bytes
@@ -218,7 +220,7 @@ def test_bounds_never_exceed_the_estimate(tight_plan):
         e = row.estimate
         assert peak <= e.peak_bytes and total <= e.device_total_bytes and host <= e.host_bytes, row.label()
         assert search.sibling_bound(row) <= e.peak_bytes, row.label()
-        key = P._activation_key(row.config)
+        key = switches.activation_key(row.config)
         others = [
             o for o in search.by_activation[key] if o is not row and o.estimate.phase != "optimizer_step"
         ]
@@ -249,7 +251,7 @@ def test_plan_yaml_round_trips_through_load_config(tight_plan, tmp_path):
     planned = dataclasses.replace(best.config, device="cuda", seq_len=tight_plan.seq_len)
     assert config_to_dict(loaded) == config_to_dict(planned)
     for key, value in best.switches.items():
-        assert P.switch_value(loaded, key) == value
+        assert switches.value_of(loaded, key) == value
 
 
 def test_cli_writes_a_runnable_plan(tmp_path, capsys, peaks):

@@ -7,9 +7,9 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from memfit.memory.switches import checkpointed_layers
 from memfit.memory.techniques import (
     apply_activation_checkpointing,
-    checkpointed_layers,
     chunked_cross_entropy,
 )
 from memfit.models.llama import build_llama

@@ -16,13 +16,14 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
-from memfit.config import LORA_TARGETS, OptimizerConfig
+from memfit.config import OptimizerConfig
 from memfit.convert.peft_adapter import PEFT_CONFIG, PEFT_WEIGHTS, load_peft_adapter, save_peft_adapter
 from memfit.memory.optim import build_optimizer
 from memfit.memory.techniques import apply_activation_checkpointing, apply_compile, chunked_cross_entropy
 from memfit.memory.tracker import MemoryTracker
 from memfit.models.llama import build_llama
 from memfit.models.peft import (
+    LORA_TARGETS,
     adapter_state_dict,
     apply_adapter,
     apply_lora,

@@ -4,24 +4,8 @@ optimizer step inside backward.
 Parameter groups: matrices (``ndim == 2``: projections and embeddings) get weight decay; 1-D tensors (RMSNorm
 weights, biases) do not, as in GPT-2/nanoGPT, litgpt and torchtune practice.
 
-Optimizers (``optimizer.name``) and the bytes of state they keep per parameter:
-
-=====================  ==================================================================================
-``adamw``              torch.optim.AdamW: m and v in the parameter dtype (8 bytes/parameter in fp32).
-``adamw8bit``          bitsandbytes AdamW8bit: m and v as 8-bit codes with one fp32 absmax per 256 values
-                       (~2.03 bytes/parameter); tensors of fewer than 4,096 elements keep fp32 state.
-``paged_adamw8bit``    as ``adamw8bit``, and on CUDA the state of tensors of >= 100,000 elements lives in
-                       unified (managed) memory that the driver pages out to host RAM under memory pressure.
-                       On CPU it runs unpaged (a warning says so).
-``paged_adamw``        bitsandbytes 32-bit AdamW (8 bytes/parameter), paged as above.
-``torchao_adamw8bit``  torchao AdamW8bit: 8-bit codes, one fp32 scale per 256 values and a 256-entry fp32
-                       code table per state tensor; tensors of fewer than 4,096 elements, or whose size is
-                       not a multiple of 256, keep unquantized state in the parameter dtype.
-``torchao_adamw4bit``  torchao AdamW4bit: 4-bit codes (two per byte), one fp32 scale per 128 values
-                       (~1.06 bytes/parameter); threshold 4,096 elements and a multiple of 128.
-``torchao_adamw_fp8``  torchao AdamWFp8: float8 e4m3 codes, one fp32 scale per 256 values; threshold as
-                       ``torchao_adamw8bit``. On CUDA it needs compute capability >= 8.9.
-=====================  ==================================================================================
+The optimizers behind ``optimizer.name``, their state in closed form and where they run are declared in
+:mod:`memfit.memory.optimizers`; this module builds them.
 
 torchao's optimizers compile their update with ``torch.compile``. memfit keeps that on CUDA; on CPU it runs the
 same update eagerly (identical math): compiling on CPU needs a C++ toolchain and costs 25-60 s of start-up on
@@ -47,7 +31,9 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from memfit.config import PAGED_OPTIMIZERS, OptimizerConfig, check_optimizer_supported
+from memfit.config import OptimizerConfig
+from memfit.memory import optimizers
+from memfit.memory.optimizers import check_optimizer_supported
 from memfit.quiet import quiet_bitsandbytes_import, quiet_torchao_import
 
 _ADAMW_IMPLEMENTATIONS = {
@@ -55,20 +41,6 @@ _ADAMW_IMPLEMENTATIONS = {
     "for_loop": {"foreach": False, "fused": False},
     "fused": {"foreach": False, "fused": True},
 }
-_BNB_CLASSES = {"adamw8bit": "AdamW8bit", "paged_adamw8bit": "PagedAdamW8bit", "paged_adamw": "PagedAdamW"}
-_TORCHAO_CLASSES = {
-    "torchao_adamw8bit": "AdamW8bit",
-    "torchao_adamw4bit": "AdamW4bit",
-    "torchao_adamw_fp8": "AdamWFp8",
-}
-
-BNB_MIN_8BIT_SIZE = 4096
-"""bitsandbytes keeps 32-bit state for tensors with fewer elements than this (its ``min_8bit_size``)."""
-TORCHAO_MIN_QUANTIZED_SIZE = 4096
-"""torchao keeps unquantized state for tensors with fewer elements than this (hard-coded in its ``_new_buffer``)."""
-TORCHAO_BLOCK_SIZES = {"torchao_adamw8bit": 256, "torchao_adamw4bit": 128, "torchao_adamw_fp8": 256}
-"""torchao's default quantization block sizes; a tensor whose size is not a multiple keeps unquantized state."""
-
 _GROUP_LABELS = ("params", "param_names", "name")  # group keys that are not hyperparameters
 
 
@@ -133,9 +105,11 @@ def lr_at(step: int, *, lr: float, min_lr: float, warmup_steps: int, max_steps: 
 def unquantized_state_params(model: torch.nn.Module, name: str) -> list[str]:
     """Names of the trainable parameters whose optimizer state ``name`` keeps unquantized.
 
-    bitsandbytes keeps fp32 state for tensors of fewer than :data:`BNB_MIN_8BIT_SIZE` elements; torchao keeps
-    state in the parameter dtype for tensors of fewer than :data:`TORCHAO_MIN_QUANTIZED_SIZE` elements or whose
-    size is not a multiple of its block size. 32-bit optimizers quantize nothing.
+    bitsandbytes keeps fp32 state for tensors of fewer than
+    :data:`~memfit.memory.optimizers.BNB_MIN_8BIT_SIZE` elements; torchao keeps state in the parameter dtype for
+    tensors of fewer than :data:`~memfit.memory.optimizers.TORCHAO_MIN_QUANTIZED_SIZE` elements or whose size is
+    not a multiple of its block size (:attr:`Optimizer.quantizes <memfit.memory.optimizers.Optimizer.quantizes>`).
+    32-bit optimizers quantize nothing.
 
     Args:
         model: the model.
@@ -146,12 +120,8 @@ def unquantized_state_params(model: torch.nn.Module, name: str) -> list[str]:
     """
     names = [n for n, p in model.named_parameters() if p.requires_grad]
     numel = {n: p.numel() for n, p in model.named_parameters()}
-    if name in ("adamw8bit", "paged_adamw8bit"):
-        return [n for n in names if numel[n] < BNB_MIN_8BIT_SIZE]
-    if name in _TORCHAO_CLASSES:
-        block = TORCHAO_BLOCK_SIZES[name]
-        return [n for n in names if numel[n] < TORCHAO_MIN_QUANTIZED_SIZE or numel[n] % block != 0]
-    return names
+    quantizes = optimizers.spec(name).quantizes
+    return names if quantizes is None else [n for n in names if not quantizes(numel[n])]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -165,7 +135,7 @@ def _torchao_class(name: str) -> type[torch.optim.Optimizer]:
     with quiet_torchao_import():
         import torchao.optim  # deferred: torchao and bitsandbytes take seconds each to import
 
-    base = getattr(torchao.optim, _TORCHAO_CLASSES[name])
+    base = getattr(torchao.optim, optimizers.spec(name).class_name)
 
     class _LowBitAdamW(base):  # type: ignore[misc, valid-type]
         @torch.no_grad()
@@ -183,19 +153,31 @@ def _torchao_class(name: str) -> type[torch.optim.Optimizer]:
 
 
 def _optimizer_class(cfg: OptimizerConfig) -> tuple[Callable[..., torch.optim.Optimizer], dict[str, Any]]:
-    """The optimizer class ``cfg.name`` names and its keyword arguments (imports third-party packages lazily)."""
-    kwargs: dict[str, Any] = {"lr": cfg.lr, "betas": tuple(cfg.betas), "eps": cfg.eps}
-    if cfg.name == "adamw":
+    """The class of ``cfg.name``'s entry (:data:`memfit.memory.optimizers.OPTIMIZERS`) and its keyword arguments
+    (the entry's ``hyperparameters``); imports its library when first asked.
+
+    Raises:
+        ValueError: an ``implementation`` torch's AdamW does not know.
+        KeyError: an unknown name (config validation refuses it first).
+    """
+    entry = optimizers.spec(cfg.name)
+    kwargs: dict[str, Any] = {
+        k: tuple(getattr(cfg, k)) if k == "betas" else getattr(cfg, k) for k in entry.hyperparameters
+    }
+    if entry.library == "torch":
+        cls = getattr(torch.optim, entry.class_name)
+        if not entry.implementations:
+            return cls, kwargs
         if cfg.implementation not in _ADAMW_IMPLEMENTATIONS:
             raise ValueError(
                 f"unknown optimizer.implementation {cfg.implementation!r}; known: {', '.join(_ADAMW_IMPLEMENTATIONS)}"
             )
-        return torch.optim.AdamW, {**kwargs, **_ADAMW_IMPLEMENTATIONS[cfg.implementation]}
-    if cfg.name in _BNB_CLASSES:
+        return cls, {**kwargs, **_ADAMW_IMPLEMENTATIONS[cfg.implementation]}
+    if entry.library == "bitsandbytes":
         with quiet_bitsandbytes_import():
             import bitsandbytes as bnb  # deferred: torchao and bitsandbytes take seconds each to import
 
-        return getattr(bnb.optim, _BNB_CLASSES[cfg.name]), kwargs
+        return getattr(bnb.optim, entry.class_name), kwargs
     return _torchao_class(cfg.name), kwargs
 
 
@@ -238,7 +220,7 @@ def build_optimizer(
     if reason is not None:
         raise ValueError(reason)
     cls, kwargs = _optimizer_class(cfg)
-    paged_on_cpu = cfg.name in PAGED_OPTIMIZERS and device_type != "cuda"
+    paged_on_cpu = optimizers.spec(cfg.name).paged and device_type != "cuda"
     if paged_on_cpu:
         _paged_on_cpu_warning(cfg.name)
 

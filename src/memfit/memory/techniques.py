@@ -30,31 +30,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from memfit.config import AC_MODES
+from memfit.memory.switches import checkpointed_layers
 
 IGNORE_INDEX = -100
-
-
-def checkpointed_layers(num_layers: int, mode: str, interval: int = 1) -> list[int]:
-    """Indices of the decoder layers that ``mode`` checkpoints.
-
-    Args:
-        num_layers: layers in the model.
-        mode: ``none``, ``selective`` or ``full`` (every layer) or ``every_n`` (layers 0, n, 2n, ...).
-        interval: ``n`` for ``every_n``.
-
-    Raises:
-        ValueError: unknown mode or ``interval < 1``.
-    """
-    if mode not in AC_MODES:
-        raise ValueError(f"activation_checkpointing must be one of {', '.join(AC_MODES)}, got {mode!r}")
-    if mode == "none":
-        return []
-    if mode in ("full", "selective"):
-        return list(range(num_layers))
-    if interval < 1:
-        raise ValueError(f"activation_checkpointing_interval must be >= 1, got {interval}")
-    return list(range(0, num_layers, interval))
 
 
 def apply_activation_checkpointing(model: nn.Module, mode: str, interval: int = 1) -> list[int]:

@@ -49,9 +49,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from memfit.config import LORA_TARGETS, NF4_BLOCK_SIZE
 from memfit.models.llama import Attention, Llama, causal_attention
 from memfit.quiet import quiet_torchao_import
+
+LORA_METHODS = ("lora", "qlora")
+"""Methods whose settings are ``lora.*`` (QLoRA is LoRA over a 4-bit NormalFloat base)."""
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head")
+"""Linear layers LoRA can adapt (:func:`apply_lora`)."""
+NF4_BLOCK_SIZE = 64
+"""Weights per block of QLoRA's 4-bit NormalFloat base."""
 
 """Names of the linear layers LoRA can adapt (the last component of the module name)."""
 ADAPTER_PROMPT_STD = 1.0
@@ -479,7 +485,7 @@ def load_lora_state_dict(model: Llama, state_dict: Mapping[str, Tensor]) -> None
 
 NF4_SCALER_BLOCK_SIZE = 256
 """Block scales per block of the second (double) quantization to int8 (the paper's 256). NF4 blocks hold
-:data:`~memfit.config.NF4_BLOCK_SIZE` (64) weights, each block scaled by its absolute maximum (the paper's and
+:data:`NF4_BLOCK_SIZE` (64) weights, each block scaled by its absolute maximum (the paper's and
 torchtune's block). A weight whose block count is not a multiple of 256 uses the largest power of two that divides
 the count (:func:`nf4_layout`)."""
 NF4_LUT_SIZE = 16

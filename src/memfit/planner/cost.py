@@ -12,7 +12,8 @@ from __future__ import annotations
 from typing import Any
 
 from memfit.config import TrainConfig, device_type
-from memfit.memory.techniques import checkpointed_layers
+from memfit.memory import optimizers, switches
+from memfit.memory.switches import layer_weights
 from memfit.models.llama import LlamaConfig
 
 _CUDA_CONSTANTS: dict[str, Any] = {
@@ -23,18 +24,10 @@ _CUDA_CONSTANTS: dict[str, Any] = {
     # an AdamW update reads p, g, m, v and writes p, m, v: 7 x bytes(param dtype) per parameter, memory-bound at
     # this rate (~60% of an H100 SXM's 3.35 TB/s HBM3)
     "device_memory_bytes_per_second": 2.0e12,
-    # other optimizers' updates, as multiples of AdamW's at the same dtype. bitsandbytes 8-bit: 1.4, the ratio
-    # measured on CPU (docs/memory.md, "optimizer.name"); no GPU measurement yet, the same 1.4 is assumed for
-    # torchao's (torch.compile'd on CUDA) and for paged state that is resident
-    "optimizer_update_factor": {
-        "adamw": 1.0,
-        "paged_adamw": 1.0,
-        "adamw8bit": 1.4,
-        "paged_adamw8bit": 1.4,
-        "torchao_adamw8bit": 1.4,
-        "torchao_adamw4bit": 1.4,
-        "torchao_adamw_fp8": 1.4,
-    },
+    # other optimizers' updates, as multiples of AdamW's at the same dtype: each optimizer's entry has its own
+    # (memfit.memory.optimizers, update_factor; bitsandbytes 8-bit: 1.4, the ratio measured on CPU, docs/memory.md,
+    # "optimizer.name"; no GPU measurement yet, the same 1.4 is assumed for torchao's, torch.compile'd on CUDA)
+    "optimizer_update_factor": optimizers.update_factors("cuda"),
     # one optimizer per tensor (optimizer_in_backward, implementation for_loop): kernel launches per tensor update
     # (AdamW's for-loop runs ~10 elementwise kernels per tensor) at this CPU-side cost each
     "kernels_per_tensor_update": 10,
@@ -80,12 +73,7 @@ COST_CONSTANTS: dict[str, dict[str, Any]] = {
         **_CUDA_CONSTANTS,
         "matmul_flops_per_second": {"fp32": 140e9, "bf16": 5.6e9, "bf16_mixed": 5.6e9},
         "device_memory_bytes_per_second": 10e9,
-        "optimizer_update_factor": {
-            **_CUDA_CONSTANTS["optimizer_update_factor"],
-            "torchao_adamw8bit": 8.0,
-            "torchao_adamw4bit": 8.0,
-            "torchao_adamw_fp8": 8.0,
-        },
+        "optimizer_update_factor": optimizers.update_factors("cpu"),
         "kernel_launch_seconds": 0.0,
         # measured on the 2 development cores (torch 2.13 CPU, torchao 0.18; best of 7-9 runs, in 4 sessions;
         # docs/memory.md, "method: qlora"): `.to(dtype)` of a 4096 x 4096 NF4 weight took 82-116 ms in bf16
@@ -103,32 +91,6 @@ sources in docs/memory.md ("Planner"); ``memfit plan --explain`` prints them."""
 def param_bytes(dtype: str) -> int:
     """Bytes per element of parameters (and gradients, AdamW state) under a dtype policy."""
     return 2 if dtype == "bf16" else 4
-
-
-def layer_weights(mcfg: LlamaConfig) -> int:
-    """Weights of one decoder layer's linears: q, k, v, o projections and the SwiGLU MLP's gate, up and down (the
-    weights QLoRA stores in NF4, :data:`memfit.models.peft.QLORA_QUANTIZED`)."""
-    d, hd = mcfg.dim, mcfg.dim // mcfg.num_heads
-    return 2 * d * mcfg.num_heads * hd + 2 * d * mcfg.num_kv_heads * hd + 3 * d * mcfg.intermediate_size
-
-
-def dequantize_passes(cfg: TrainConfig, num_layers: int) -> float:
-    """How many times a step dequantizes each NF4 weight of QLoRA, averaged over the layers (0 for other methods).
-
-    Per micro-batch: once in the forward and once in the backward (the input gradient; frozen weights have no weight
-    gradient), and once more in the recomputed forward of a checkpointed layer (``full``: every layer;
-    ``every_n``: every n-th; ``selective`` recomputes no matmul, so no dequantization).
-    """
-    if cfg.method != "qlora":
-        return 0.0
-    recomputed = 0
-    if cfg.activation_checkpointing != "selective":
-        recomputed = len(
-            checkpointed_layers(
-                num_layers, cfg.activation_checkpointing, cfg.activation_checkpointing_interval
-            )
-        )
-    return cfg.gradient_accumulation_steps * (2 + recomputed / num_layers)
 
 
 def model_flops_per_token(mcfg: LlamaConfig, seq_len: int) -> dict[str, float]:
@@ -161,16 +123,20 @@ def step_cost(
 ) -> dict[str, float]:
     """Predicted seconds of one optimizer step of one rank, by component.
 
+    What each memory switch adds is its entry's rule (:attr:`memfit.memory.switches.Switch.cost`, which adjusts a
+    :class:`~memfit.memory.switches.StepTerms`); the components are:
+
     - ``compute``: ``tokens * (3 * (layers + head) + recompute) / matmul_flops_per_second[dtype]``, with the
       per-token FLOPs of :func:`model_flops_per_token`, ``tokens = batch_size * seq_len *
       gradient_accumulation_steps``; activation checkpointing recomputes the forward of each checkpointed layer
       (``full``: +1/3 of the layers' FLOPs; ``every_n``: that for every n-th layer; ``selective``: the constant
       ``selective_recompute_layer_forwards`` of one forward of the layers); chunked (fused) cross-entropy
       costs ``chunked_ce_extra_head_forwards`` lm_head forwards more than the plain loss;
-    - ``dequantize`` (``method: qlora``): every NF4 weight (:func:`layer_weights` per layer) dequantized
-      :func:`dequantize_passes` times, at ``nf4_dequantize_bytes_per_element[dtype]`` bytes per element and
-      ``device_memory_bytes_per_second``; on the device's stream with the matmuls, so it adds to ``compute``
-      (every rank dequantizes the whole gathered weight when sharded);
+    - ``dequantize`` (``method: qlora``): every NF4 weight (:func:`~memfit.memory.switches.layer_weights` per
+      layer) dequantized :func:`~memfit.memory.switches.dequantize_passes` times, at
+      ``nf4_dequantize_bytes_per_element[dtype]`` bytes per element and ``device_memory_bytes_per_second``; on
+      the device's stream with the matmuls, so it adds to ``compute`` (every rank dequantizes the whole gathered
+      weight when sharded);
     - ``communication`` (sharded): all-gathers of the parameters (2 per step, 1 without
       ``reshard_after_forward``) and a reduce-scatter of the gradients, ``(N - 1) / N`` of their bytes each, at
       ``interconnect_bytes_per_second``; overlapped with compute, so the step pays ``max(compute,
@@ -201,49 +167,37 @@ def step_cost(
     c = constants or COST_CONSTANTS[target]
     tokens = cfg.batch_size * seq_len * cfg.gradient_accumulation_steps
     flops = model_flops_per_token(mcfg, seq_len)
-    recomputed = len(
-        checkpointed_layers(
-            mcfg.num_layers, cfg.activation_checkpointing, cfg.activation_checkpointing_interval
-        )
+    terms = switches.StepTerms(
+        cfg=cfg,
+        mcfg=mcfg,
+        constants=c,
+        flops=flops,
+        tokens=tokens,
+        states=states,
+        world_size=world_size,
+        offloaded_activation_bytes=offloaded_activation_bytes,
+        paged_out_bytes=paged_out_bytes,
+        per_token=3 * (flops["layers"] + flops["head"]),
     )
-    if cfg.activation_checkpointing == "selective":  # only elementwise ops are redone
-        recomputed = c["selective_recompute_layer_forwards"] * mcfg.num_layers
-    per_token = 3 * (flops["layers"] + flops["head"]) + flops["layers"] * recomputed / mcfg.num_layers
-    if cfg.chunked_cross_entropy:
-        per_token += c["chunked_ce_extra_head_forwards"] * flops["head"]
-    compute = tokens * per_token / c["matmul_flops_per_second"][cfg.dtype]
-    dequantize = 0.0
-    if cfg.method == "qlora":
-        elements = dequantize_passes(cfg, mcfg.num_layers) * mcfg.num_layers * layer_weights(mcfg)
-        bytes_moved = elements * c["nf4_dequantize_bytes_per_element"][cfg.dtype]
-        dequantize = bytes_moved / c["device_memory_bytes_per_second"]
+    switches.add_costs(terms)  # each switch's share, by its entry (memfit.memory.switches.Switch.cost)
+    compute = tokens * terms.per_token / c["matmul_flops_per_second"][cfg.dtype]
+    dequantize = (
+        terms.dequantize_bytes / c["device_memory_bytes_per_second"] if terms.dequantize_bytes else 0.0
+    )
 
     communication = 0.0
     if world_size > 1:
-        gathers = 2 if cfg.distributed.reshard_after_forward else 1
         full = states["parameters"] * world_size  # the unsharded bytes, to within padding
-        moved = (gathers + 1) * full * (world_size - 1) / world_size
+        moved = (terms.gathers + 1) * full * (world_size - 1) / world_size
         communication = moved / c["interconnect_bytes_per_second"]
 
     trainable = states["trainable_parameters"]
-    factor = c["optimizer_update_factor"].get(cfg.optimizer.name, 1.0)
-    host_update = cfg.optimizer.cpu_offload or cfg.distributed.cpu_offload
-    rate = c["host_memory_bytes_per_second"] if host_update else c["device_memory_bytes_per_second"]
-    optimizer = trainable * 7 * factor / rate
-    per_tensor = cfg.optimizer_in_backward or (
-        cfg.optimizer.name == "adamw" and cfg.optimizer.implementation == "for_loop"
-    )
-    if per_tensor:
+    rate = c["host_memory_bytes_per_second"] if terms.host_update else c["device_memory_bytes_per_second"]
+    optimizer = trainable * 7 * terms.update_factor / rate
+    if terms.per_tensor:
         tensors = _trainable_tensor_count(cfg, mcfg)
         optimizer += tensors * c["kernels_per_tensor_update"] * c["kernel_launch_seconds"]
-
-    moved = 2 * offloaded_activation_bytes + 2 * paged_out_bytes
-    if cfg.optimizer.cpu_offload:
-        moved += 2 * trainable  # gradients out, updated parameters in
-    if cfg.distributed.cpu_offload:
-        moved += (2 if cfg.distributed.reshard_after_forward else 1) * states["parameters"]
-        moved += states["gradients"]
-    transfers = moved / c["host_link_bytes_per_second"] if target == "cuda" else 0.0
+    transfers = terms.moved_bytes / c["host_link_bytes_per_second"] if target == "cuda" else 0.0
 
     total = max(compute + dequantize, communication) + optimizer + transfers
     return {

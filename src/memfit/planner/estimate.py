@@ -61,12 +61,14 @@ from memfit.build import build_training, run_model_config
 from memfit.checkpoint import init_optimizer_state
 from memfit.config import TrainConfig, check_lengths
 from memfit.errors import ConfigError
+from memfit.memory import optimizers, switches
 from memfit.memory.allocator import CUDA_CONTEXT_BYTES_ESTIMATE, replay, workspace_events
 from memfit.memory.host import predict_peak_rss, process_rss_bytes, retained_heap_bytes
 from memfit.memory.optim import optimizers_in
+from memfit.memory.optimizers import BNB_PAGED_MIN_NUMEL
 from memfit.memory.tracker import CATEGORIES, MemoryTracker, model_state_bytes
 from memfit.models.llama import LlamaConfig
-from memfit.planner.closed_form import BNB_PAGED_MIN_NUMEL, model_state_bytes_closed_form
+from memfit.planner.closed_form import model_state_bytes_closed_form
 from memfit.planner.cuda_paths import cuda_paths
 from memfit.quiet import quiet_bitsandbytes_import, quiet_torchao_import
 from memfit.step import train_step, train_step_options
@@ -275,8 +277,8 @@ default workspace (32 MiB; 8.1 MiB on others, :func:`memfit.memory.allocator.cub
 def _paged_state_entries(cfg: TrainConfig, tracker: Any, optimizer: Any) -> set[int]:
     """The ledger entries (by ``id``) of the optimizer state a paged bitsandbytes optimizer keeps in unified memory
     on CUDA (``cudaMallocManaged``, outside the caching allocator): the two moments (``state1``, ``state2``) of each
-    parameter of at least :data:`memfit.planner.closed_form.BNB_PAGED_MIN_NUMEL` elements."""
-    if not cfg.optimizer.name.startswith("paged_"):
+    parameter of at least :data:`memfit.memory.optimizers.BNB_PAGED_MIN_NUMEL` elements."""
+    if not optimizers.spec(cfg.optimizer.name).paged:
         return set()
     entries = set()
     for opt in optimizers_in(optimizer):
@@ -309,20 +311,11 @@ def fake_ids(batch_size: int, seq_len: int, vocab_size: int) -> torch.Tensor:
 
 
 def _traceable(cfg: TrainConfig) -> TrainConfig:
-    """The config the trace runs: the run's, with the switches that need a CUDA device at build time turned into
-    their on-device equivalent (their bytes are moved to host / unified memory afterwards, see the module doc), and
-    eager (``compile`` off: the trace runs the eager step, an upper bound of the compiled one, docs/memory.md)."""
-    opt = dataclasses.replace(cfg.optimizer, cpu_offload=False)
-    dist = dataclasses.replace(cfg.distributed, cpu_offload=False)
-    return dataclasses.replace(
-        cfg,
-        optimizer=opt,
-        distributed=dist,
-        activation_offloading=False,
-        device="cpu",
-        track_memory=False,
-        compile=False,
-    )
+    """The config the trace runs: the run's, on the CPU, untracked, with each switch that needs a CUDA device or a
+    compiler at build time set to its entry's trace value (:func:`memfit.memory.switches.trace_values`: their bytes
+    are moved to host / unified memory afterwards, see the module doc; ``compile`` off: the trace runs the eager
+    step, an upper bound of the compiled one, docs/memory.md)."""
+    return switches.with_values(cfg, {**switches.trace_values(cfg), "device": "cpu", "track_memory": False})
 
 
 @contextlib.contextmanager
@@ -332,9 +325,10 @@ def _fake_mode(optimizer_name: str) -> Iterator[Any]:
     computed with data-dependent ops that fake tensors cannot run) are computed for real. Only the library that
     ``optimizer_name`` uses is imported (torchao and bitsandbytes take seconds each to import)."""
     with contextlib.ExitStack() as stack:
-        if optimizer_name.startswith("torchao_"):
+        library = optimizers.spec(optimizer_name).library
+        if library == "torchao":
             _compute_torchao_tables()
-        if optimizer_name in ("adamw8bit", "paged_adamw8bit", "paged_adamw"):
+        if library == "bitsandbytes":
             _real_bnb_dynamic_map(stack)
         yield FakeTensorMode(allow_non_fake_inputs=True)
 
@@ -434,17 +428,10 @@ def _split_unseen(
 ) -> tuple[int, dict[str, int], str, dict[str, int], int]:
     """From the trace's timeline: the device peak, its breakdown and phase, once the categories that live in
     unified or host memory are taken out; those by name; and the host bytes."""
-    moved: dict[str, str] = {}  # category -> the name it is reported under
+    moved = switches.moved_categories(cfg, target)  # category -> the name it is reported under
     paged = 0  # the part of optimizer_state in unified memory (bitsandbytes pages big tensors only)
-    if target == "cuda":
-        if cfg.optimizer.name.startswith("paged_"):
-            paged = closed["paged_optimizer_state"]
-        if cfg.optimizer.cpu_offload:
-            moved["optimizer_state"] = "offloaded_optimizer_state"
-        if cfg.distributed.cpu_offload:
-            moved["optimizer_state"] = "offloaded_optimizer_state"
-        if cfg.activation_offloading:
-            moved["activations"] = "offloaded_activations"
+    if target == "cuda" and optimizers.spec(cfg.optimizer.name).paged:
+        paged = closed["paged_optimizer_state"]
     best, best_total, best_paged, unseen = None, -1, 0, dict.fromkeys(moved.values(), 0)
     if paged:
         unseen["paged_optimizer_state"] = 0
@@ -463,20 +450,14 @@ def _split_unseen(
     breakdown = {k: (0 if k in moved else v) for k, v in b.items()}
     breakdown["optimizer_state"] -= best_paged
     host = sum(v for k, v in unseen.items() if k != "paged_optimizer_state")
-    if target == "cuda" and cfg.optimizer.cpu_offload:
-        # torchao CPUOffloadOptimizer: a pinned host copy of every trainable parameter and of its gradient
-        unseen["host_parameter_copies"] = closed["trainable_parameters"]
-        unseen["host_gradient_copies"] = closed["gradients"]
-        host += closed["trainable_parameters"] + closed["gradients"]
-    if target == "cuda" and cfg.distributed.cpu_offload:
-        # FSDP CPUOffloadPolicy: the shards and their gradients stay on the host; the device sees gathered layers
-        unseen["offloaded_parameter_shards"] = closed["parameters"]
-        unseen["offloaded_gradient_shards"] = closed["gradients"]
-        host += closed["parameters"] + closed["gradients"]
-        best_total -= min(breakdown["parameters"], closed["parameters"])
-        best_total -= min(breakdown["gradients"], closed["gradients"])
-        breakdown["parameters"] -= min(breakdown["parameters"], closed["parameters"])
-        breakdown["gradients"] -= min(breakdown["gradients"], closed["gradients"])
+    # host copies the trace does not see (optimizer.cpu_offload's, distributed.cpu_offload's shards)
+    copies = switches.host_copies(cfg, target, closed)
+    unseen.update(copies)
+    host += sum(copies.values())
+    for state in switches.off_device_states(cfg, target):
+        # the device sees only the gathered layers in flight of what lives on the host
+        best_total -= min(breakdown[state], closed[state])
+        breakdown[state] -= min(breakdown[state], closed[state])
     return best_total, breakdown, phase, unseen, host
 
 

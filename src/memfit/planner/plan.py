@@ -33,8 +33,8 @@ Rows that were not estimated carry their bounds: peak bytes ``>=``, throughput `
 
 from __future__ import annotations
 
+import copy
 import dataclasses
-import itertools
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -46,8 +46,9 @@ from memfit.build import build_model, run_model_config
 from memfit.config import TrainConfig, check_lengths, config_from_dict, config_to_dict, device_type
 from memfit.distributed import shard_numel
 from memfit.errors import ConfigError
+from memfit.memory import optimizers, switches
 from memfit.memory.host import process_overhead_bytes
-from memfit.memory.techniques import checkpointed_layers
+from memfit.memory.switches import checkpointed_layers
 from memfit.models import peft
 from memfit.planner.closed_form import model_state_bytes_closed_form
 from memfit.planner.cost import COST_CONSTANTS, param_bytes, step_cost
@@ -58,26 +59,6 @@ from memfit.units import GIB, format_bytes
 # Candidates
 # ----------------------------------------------------------------------------------------------------------------
 
-SWITCH_KEYS: tuple[str, ...] = (
-    "method",
-    "dtype",
-    "optimizer.name",
-    "optimizer.implementation",
-    "optimizer_in_backward",
-    "optimizer.cpu_offload",
-    "activation_checkpointing",
-    "chunked_cross_entropy",
-    "activation_offloading",
-    "distributed.reshard_after_forward",
-    "distributed.cpu_offload",
-)
-"""The switches a plan sets (each counts as one change; ``activation_checkpointing`` includes its interval,
-``optimizer_in_backward`` and ``optimizer.cpu_offload`` the ``max_grad_norm=0`` they need). ``method`` changes only
-from ``lora`` to ``qlora`` (:func:`candidates`)."""
-
-PLAN_OPTIMIZERS = ("adamw", "adamw8bit", "paged_adamw8bit", "torchao_adamw8bit", "torchao_adamw4bit")
-PLAN_CHECKPOINTING = (("none", None), ("selective", None), ("every_n", 2), ("full", None))
-PLAN_CHUNKS = (0, 8)
 DEFAULT_MARGIN = 0.1
 """Part of the budget kept free by default: the caching allocator's rounding and fragmentation, the CUDA context
 and kernel workspaces, none of which the trace sees (docs/memory.md, "Planner")."""
@@ -90,7 +71,7 @@ class PlanRow:
     config: TrainConfig
     """The whole run config with these switches (validated)."""
     switches: dict[str, Any]
-    """Dotted switch key (:data:`SWITCH_KEYS`) -> value."""
+    """Dotted switch key (:func:`memfit.memory.switches.switch_keys`) -> value."""
     changes: tuple[str, ...]
     """The switch keys whose value differs from the config planned from."""
     status: str = "not estimated"
@@ -123,32 +104,8 @@ class PlanRow:
 
     def label(self) -> str:
         """Short names of the switches: ``bf16 paged_adamw8bit in_bwd ac=full ce=8``; a fine-tuning method first
-        (``qlora bf16 adamw:fused ac=full``)."""
-        s = self.switches
-        opt = s["optimizer.name"]
-        if opt == "adamw":
-            opt += f":{s['optimizer.implementation']}"
-        parts = [s["dtype"], opt]
-        if s.get("method", "full") != "full":
-            parts.insert(0, s["method"])
-        if s["optimizer_in_backward"]:
-            parts.append("in_bwd")
-        if s["optimizer.cpu_offload"]:
-            parts.append("opt_offload")
-        ac = s["activation_checkpointing"]
-        if ac == "every_n":
-            parts.append(f"ac=every_{self.config.activation_checkpointing_interval}")
-        elif ac != "none":
-            parts.append(f"ac={ac}")
-        if s["chunked_cross_entropy"]:
-            parts.append(f"ce={s['chunked_cross_entropy']}")
-        if s["activation_offloading"]:
-            parts.append("act_offload")
-        if "distributed.reshard_after_forward" in s and not s["distributed.reshard_after_forward"]:
-            parts.append("no_reshard")
-        if s.get("distributed.cpu_offload"):
-            parts.append("fsdp_offload")
-        return " ".join(parts)
+        (``qlora bf16 adamw:fused ac=full``). Each entry of :data:`memfit.memory.switches.SWITCHES` gives its own."""
+        return switches.label(self.switches, self.config)
 
     def to_json(self) -> dict[str, Any]:
         """GiB (1024**3 bytes) and seconds; ``estimated`` says whether the memory numbers are estimates or
@@ -235,32 +192,12 @@ def default_dtypes(cfg: TrainConfig) -> tuple[str, ...]:
     return ("bf16_mixed", "bf16") if device_type(cfg.device) == "cuda" else ("fp32", "bf16_mixed", "bf16")
 
 
-def switch_value(cfg: TrainConfig, dotted: str) -> Any:
-    """The value of a dotted key (``optimizer.name``) of ``cfg``."""
-    obj: Any = cfg
-    for part in dotted.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
 def _switches_of(cfg: TrainConfig, world_size: int) -> dict[str, Any]:
-    keys = SWITCH_KEYS if world_size > 1 else SWITCH_KEYS[:-2]
-    return {k: switch_value(cfg, k) for k in keys}
+    return switches.values(cfg, world_size)
 
 
 def _changes(cfg: TrainConfig, base: TrainConfig, world_size: int) -> tuple[str, ...]:
-    out = []
-    for key, value in _switches_of(cfg, world_size).items():
-        before = switch_value(base, key)
-        if key == "optimizer.implementation" and cfg.optimizer.name != "adamw":
-            continue  # only AdamW has implementations
-        if key == "activation_checkpointing" and value == "every_n" and before == "every_n":
-            if cfg.activation_checkpointing_interval != base.activation_checkpointing_interval:
-                out.append(key)
-            continue
-        if value != before:
-            out.append(key)
-    return tuple(out)
+    return switches.changed_keys(cfg, base, world_size)
 
 
 def candidates(
@@ -268,21 +205,23 @@ def candidates(
 ) -> list[TrainConfig]:
     """Every combination of the plan's switches over ``cfg`` that config validation accepts.
 
-    Enumerated: ``dtype`` in ``dtypes`` (default: ``cfg.dtype`` alone); ``optimizer.name`` in
-    :data:`PLAN_OPTIMIZERS` and ``cfg``'s own (AdamW with ``cfg``'s implementation and ``fused``; paged
-    optimizers only on CUDA, where they differ from the unpaged ones); ``optimizer_in_backward`` (with
-    ``max_grad_norm=0``; only when ``gradient_accumulation_steps`` is 1: the planner never changes the
-    batch of a step); ``optimizer.cpu_offload`` (with ``max_grad_norm=0``); ``activation_checkpointing`` none,
-    every_n with interval 2, full (and ``cfg``'s own); ``chunked_cross_entropy`` 0 and 8 (and ``cfg``'s own);
-    ``activation_offloading`` with full checkpointing (so that only the layer inputs cross PCIe: offloading
-    every saved tensor moves ~34 x ``dim`` bytes per token and layer (Korthikanti et al. 2022), which the cost
-    model makes 10-20x slower than recomputing them at Llama widths 4096-8192, for about the same device
-    memory), or as ``cfg`` has it; sharded, ``distributed.reshard_after_forward`` and ``distributed.cpu_offload``;
-    for a LoRA fine-tune (``method: lora``), ``method`` lora and qlora (the same LoRA over an NF4 base: less
-    memory, a dequantization per weight in every forward and backward), when every decoder linear can be stored
-    in NF4 (and, sharded, split evenly over the ranks). Combinations validation rejects (CUDA-only switches on
-    CPU, offload with paging, ...) are left out. Configs are validated as predictions (``needs_weights=False``):
-    a LoRA or QLoRA config planned from a preset needs no ``checkpoint_dir``.
+    The values tried are each planned entry's :attr:`~memfit.memory.switches.Switch.candidates`
+    (:func:`memfit.memory.switches.plan_settings`), ``cfg``'s own first. Today: ``dtype`` in ``dtypes`` (default:
+    ``cfg.dtype`` alone); ``optimizer.name`` in the planned entries of :data:`memfit.memory.optimizers.OPTIMIZERS`
+    and ``cfg``'s own (AdamW with ``cfg``'s implementation and ``fused``; paged optimizers only on CUDA, where they
+    differ from the unpaged ones); ``optimizer_in_backward`` (with ``max_grad_norm=0``; only when
+    ``gradient_accumulation_steps`` is 1: the planner never changes the batch of a step); ``optimizer.cpu_offload``
+    (with ``max_grad_norm=0``); ``activation_checkpointing`` none, selective, every_n with interval 2, full (and
+    ``cfg``'s own); ``chunked_cross_entropy`` 0 and 8 (and ``cfg``'s own); ``activation_offloading`` with full
+    checkpointing (so that only the layer inputs cross PCIe: offloading every saved tensor moves ~34 x ``dim``
+    bytes per token and layer (Korthikanti et al. 2022), which the cost model makes 10-20x slower than recomputing
+    them at Llama widths 4096-8192, for about the same device memory), or as ``cfg`` has it; sharded,
+    ``distributed.reshard_after_forward`` and ``distributed.cpu_offload``; for a LoRA fine-tune (``method: lora``),
+    ``method`` lora and qlora (the same LoRA over an NF4 base: less memory, a dequantization per weight in every
+    forward and backward), when every decoder linear can be stored in NF4 (and, sharded, split evenly over the
+    ranks). Combinations validation rejects (CUDA-only switches on CPU, offload with paging, ...) are left out.
+    Configs are validated as predictions (``needs_weights=False``): a LoRA or QLoRA config planned from a preset
+    needs no ``checkpoint_dir``.
 
     Args:
         cfg: the run config to plan from (its model, batch, sequence length, device and other keys stay).
@@ -292,55 +231,23 @@ def candidates(
     Returns:
         Validated configs, ``cfg``'s own switches first when valid; no two with the same switches.
     """
-    cuda = device_type(cfg.device) == "cuda"
     dtypes = tuple(dict.fromkeys(dtypes or (cfg.dtype,)))
-    optimizers: list[tuple[str, str]] = [(cfg.optimizer.name, cfg.optimizer.implementation)]
-    for name in PLAN_OPTIMIZERS:
-        if name.startswith("paged_") and not cuda:
-            continue  # on CPU paged state is ordinary memory: the same as the unpaged optimizer
-        impls = (
-            (cfg.optimizer.implementation, "fused") if name == "adamw" else (cfg.optimizer.implementation,)
-        )
-        optimizers += [(name, impl) for impl in impls]
-    checkpointing = [(cfg.activation_checkpointing, cfg.activation_checkpointing_interval)]
-    checkpointing += [(m, n or cfg.activation_checkpointing_interval) for m, n in PLAN_CHECKPOINTING]
-    chunks = (cfg.chunked_cross_entropy, *PLAN_CHUNKS)
-    in_backward = (cfg.optimizer_in_backward, False) + (
-        (True,) if cfg.gradient_accumulation_steps == 1 else ()
+    space = switches.PlanSpace(
+        cuda=device_type(cfg.device) == "cuda",
+        world_size=world_size,
+        dtypes=dtypes,
+        qlora_possible=cfg.method == "lora" and _qlora_possible(cfg, world_size),
     )
-    bools = (False, True)
-    sharded = world_size > 1
-    reshard = (cfg.distributed.reshard_after_forward, True, False) if sharded else (None,)
-    fsdp_offload = (cfg.distributed.cpu_offload, False, True) if sharded and cuda else (None,)
-
-    methods = (
-        (cfg.method, "qlora") if cfg.method == "lora" and _qlora_possible(cfg, world_size) else (cfg.method,)
-    )
-
     base = config_to_dict(cfg)
     out: list[TrainConfig] = []
-    seen: set[tuple] = set()
-    grid = itertools.product(
-        methods,
-        dtypes,
-        dict.fromkeys(optimizers),
-        dict.fromkeys(in_backward),
-        (cfg.optimizer.cpu_offload, *bools),
-        dict.fromkeys(checkpointing),
-        dict.fromkeys(chunks),
-        (cfg.activation_offloading, *bools),
-        dict.fromkeys(reshard),
-        dict.fromkeys(fsdp_offload),
-    )
-    for method, dtype, (name, impl), in_bwd, opt_off, (ac, every), ce, act_off, resh, fsdp_off in grid:
-        key = (method, dtype, name, impl, in_bwd, opt_off, ac, every if ac == "every_n" else 0)
-        key += (ce, act_off, resh, fsdp_off)
-        own = (ac, act_off) == (cfg.activation_checkpointing, cfg.activation_offloading)
-        if key in seen or (act_off and ac != "full" and not own):
-            continue
-        seen.add(key)
-        tree = _with(base, dtype, name, impl, in_bwd, opt_off, ac, every, ce, act_off, resh, fsdp_off, cfg)
-        tree["method"] = method
+    for settings in switches.plan_settings(cfg, space):
+        tree = copy.deepcopy(base)
+        for dotted, value in settings.items():
+            *parents, leaf = dotted.split(".")
+            node = tree
+            for part in parents:
+                node = node[part]
+            node[leaf] = value
         try:
             out.append(config_from_dict(tree, world_size=world_size, needs_weights=False))
         except ConfigError:
@@ -361,40 +268,6 @@ def _qlora_possible(cfg: TrainConfig, world_size: int) -> bool:
     except (ConfigError, ValueError):
         return False
     return True
-
-
-def _with(
-    base: dict[str, Any],
-    dtype: str,
-    name: str,
-    impl: str,
-    in_bwd: bool,
-    opt_off: bool,
-    ac: str,
-    every: int,
-    ce: int,
-    act_off: bool,
-    resh: bool | None,
-    fsdp_off: bool | None,
-    cfg: TrainConfig,
-) -> dict[str, Any]:
-    tree = {**base, "optimizer": dict(base["optimizer"]), "distributed": dict(base["distributed"])}
-    tree["dtype"] = dtype
-    tree["optimizer"]["name"] = name
-    tree["optimizer"]["implementation"] = impl
-    tree["optimizer"]["cpu_offload"] = opt_off
-    tree["optimizer_in_backward"] = in_bwd
-    if (in_bwd and not cfg.optimizer_in_backward) or (opt_off and not cfg.optimizer.cpu_offload):
-        tree["max_grad_norm"] = 0.0  # what both need: no global-norm clipping (grad_norm is still reported)
-    tree["activation_checkpointing"] = ac
-    tree["activation_checkpointing_interval"] = every
-    tree["chunked_cross_entropy"] = ce
-    tree["activation_offloading"] = act_off
-    if resh is not None:
-        tree["distributed"]["reshard_after_forward"] = resh
-    if fsdp_off is not None:
-        tree["distributed"]["cpu_offload"] = fsdp_off
-    return tree
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -447,9 +320,9 @@ class _Context:
         """Where the optimizer state lives when not in the allocator: ``paged``, ``host`` or None."""
         if self.target != "cuda":
             return None
-        if cfg.optimizer.name.startswith("paged_"):
+        if optimizers.spec(cfg.optimizer.name).paged:
             return "paged"
-        if cfg.optimizer.cpu_offload or cfg.distributed.cpu_offload:
+        if "optimizer_state" in switches.moved_categories(cfg, self.target):
             return "host"
         return None
 
@@ -466,23 +339,20 @@ class _Context:
         gradient (optimizer in backward, before its update frees it).
         """
         closed = self.closed(cfg)
-        fsdp_off = self.target == "cuda" and cfg.distributed.cpu_offload
-        params = 0 if fsdp_off else closed["parameters"]
-        grads = 0 if fsdp_off else closed["gradients"]
+        off_device = switches.off_device_states(cfg, self.target)
+        params = 0 if "parameters" in off_device else closed["parameters"]
+        grads = 0 if "gradients" in off_device else closed["gradients"]
         layers, loss = (0, 0) if self.offloads_activations(cfg) else self.saved_activations(cfg)
-        head, largest = (0, 0) if fsdp_off else self.gradient_sizes(cfg)
+        head, largest = (0, 0) if "gradients" in off_device else self.gradient_sizes(cfg)
         peak = params + self.device_state(cfg) + max(layers + loss, layers + head, grads, largest)
         moved = self.moved_state(cfg)
         total = peak + (closed["optimizer_state"] if moved == "paged" else 0)
         host = closed["optimizer_state"] if moved == "host" else 0
-        if self.target == "cuda" and cfg.optimizer.cpu_offload:
-            host += closed["trainable_parameters"] + closed["gradients"]
-        if fsdp_off:
-            host += closed["parameters"] + closed["gradients"]
+        host += sum(switches.host_copies(cfg, self.target, closed).values())
         return peak, total, host
 
     def offloads_activations(self, cfg: TrainConfig) -> bool:
-        return self.target == "cuda" and cfg.activation_offloading
+        return "activations" in switches.moved_categories(cfg, self.target)
 
     def saved_activations(self, cfg: TrainConfig) -> tuple[int, int]:
         """Lower bounds of the bytes the forward saves for backward: ``(decoder layers, loss)``.
@@ -544,21 +414,6 @@ class _Context:
         return cfg.batch_size * self.seq_len * cfg.gradient_accumulation_steps
 
 
-def _activation_key(cfg: TrainConfig) -> tuple:
-    """Switches that decide what forward and backward allocate (all but the optimizer's)."""
-    return (
-        cfg.method,
-        cfg.dtype,
-        cfg.optimizer_in_backward,
-        cfg.activation_checkpointing,
-        cfg.activation_checkpointing_interval if cfg.activation_checkpointing == "every_n" else 0,
-        cfg.chunked_cross_entropy,
-        cfg.activation_offloading,
-        cfg.distributed.reshard_after_forward,
-        cfg.distributed.cpu_offload,
-    )
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # The search
 # ----------------------------------------------------------------------------------------------------------------
@@ -601,7 +456,7 @@ class _Search:
         """The bound from an estimated row with the same activation switches whose peak fell in forward or
         backward (module doc, 2)."""
         best = 0
-        for other in self.by_activation.get(_activation_key(row.config), []):
+        for other in self.by_activation.get(switches.activation_key(row.config), []):
             e = other.estimate
             if e is None or e.phase not in ("forward", "backward"):
                 continue
@@ -629,7 +484,7 @@ class _Search:
         acts = e.unseen.get("offloaded_activations", 0)
         row.cost = ctx.cost(row.config, acts, e.device_total_bytes)
         row.status = "fits" if e.peak_bytes <= ctx.usable else "over budget"
-        self.by_activation.setdefault(_activation_key(row.config), []).append(row)
+        self.by_activation.setdefault(switches.activation_key(row.config), []).append(row)
         self.failed_since_fit = 0 if row.fits else self.failed_since_fit + 1
         self.progress(
             f"  estimate {self.estimates}{why}: {row.label()}: peak {format_bytes(e.peak_bytes)}, "
@@ -823,11 +678,11 @@ def cheapest_fix(
 ) -> PlanRow | None:
     """The combination that fits with the **fewest switches changed** from ``cfg``, the fastest of those.
 
-    Combinations are searched by the number of :data:`SWITCH_KEYS` they change (0: ``cfg`` itself, then one
-    switch, then two, ...), each group fastest-first (branch and bound, as :func:`plan`); the first group with a
-    fit gives the answer. ``changes`` of the row names the keys to set and ``config`` is the whole fixed
-    config. Without a fit after a few estimates, the least-memory combination is estimated; when even it does not
-    fit, the answer is None.
+    Combinations are searched by the number of planned switches (:func:`memfit.memory.switches.switch_keys`) they
+    change (0: ``cfg`` itself, then one switch, then two, ...), each group fastest-first (branch and bound, as
+    :func:`plan`); the first group with a fit gives the answer. ``changes`` of the row names the keys to set and
+    ``config`` is the whole fixed config. Without a fit after a few estimates, the least-memory combination is
+    estimated; when even it does not fit, the answer is None.
 
     Args:
         cfg, budget_bytes, world_size, margin, dtypes, constants, progress, estimator: as :func:`plan`.

@@ -6,16 +6,16 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from memfit.config import TrainConfig, config_to_dict
+from memfit.memory import switches
 from memfit.planner.cost import COST_CONSTANTS
 from memfit.planner.estimate import Estimate
-from memfit.planner.plan import SWITCH_KEYS, Plan, PlanRow, switch_value
+from memfit.planner.plan import Plan, PlanRow
 from memfit.units import GIB, MIB, format_bytes
 
 
@@ -167,7 +167,7 @@ def format_plan(p: Plan, top: int = 10) -> str:
         ]
         if best.changes:
             lines.append(
-                "  changes: " + ", ".join(f"{k}={switch_value(best.config, k)}" for k in best.changes)
+                "  changes: " + ", ".join(f"{k}={switches.value_of(best.config, k)}" for k in best.changes)
             )
         if p.base is not None and best.config.max_grad_norm != p.base.max_grad_norm:
             needs = "optimizer_in_backward" if best.config.optimizer_in_backward else "optimizer.cpu_offload"
@@ -197,52 +197,13 @@ def format_constants(target: str) -> str:
 # The runnable YAML
 # ----------------------------------------------------------------------------------------------------------------
 
-_COMMENTS: dict[str, Callable[[Any], str]] = {
-    "method": lambda v: {
-        "lora": "LoRA: only the low-rank adapters train; the base stays in the parameter dtype",
-        "qlora": "LoRA over an NF4 base: ~0.52 B per frozen linear weight, dequantized in every forward/backward",
-    }.get(v, ""),
-    "dtype": lambda v: {
-        "bf16": "weights, gradients and optimizer state bf16 (loss in fp32)",
-        "bf16_mixed": "fp32 weights, gradients and state; forward/backward under bf16 autocast",
-        "fp32": "everything fp32",
-    }[v],
-    "optimizer.name": lambda v: {
-        "adamw": "torch AdamW: 2 moments in the parameter dtype",
-        "adamw8bit": "bitsandbytes 8-bit AdamW: ~2 bytes/parameter of state",
-        "paged_adamw8bit": "8-bit state in CUDA unified memory: the driver pages it to host RAM when short",
-        "paged_adamw": "32-bit state in CUDA unified memory",
-        "torchao_adamw8bit": "torchao 8-bit AdamW: ~2 bytes/parameter of state",
-        "torchao_adamw4bit": "torchao 4-bit AdamW: ~1 byte/parameter of state",
-        "torchao_adamw_fp8": "torchao fp8 AdamW state: ~2 bytes/parameter",
-    }.get(v, ""),
-    "optimizer.implementation": lambda v: {
-        "fused": "one fused kernel: fewest temporaries, fastest",
-        "foreach": "multi-tensor: one parameter-sized set of temporaries at the step",
-        "for_loop": "one tensor at a time",
-    }[v],
-    "optimizer.cpu_offload": lambda v: (
-        "state and update on the host (torchao CPUOffloadOptimizer)" if v else ""
-    ),
-    "optimizer_in_backward": lambda v: (
-        "no gradient memory; needs gradient_accumulation_steps == 1" if v else ""
-    ),
-    "max_grad_norm": lambda v: "0: no global-norm clipping (grad_norm is still logged)" if v == 0 else "",
-    "activation_checkpointing": lambda v: {
-        "full": "recompute every layer in backward: ~1/3 more compute",
-        "selective": "keep matmul and attention outputs, recompute the elementwise ops in backward",
-        "every_n": "recompute every n-th layer in backward",
-        "none": "",
-    }[v],
-    "chunked_cross_entropy": lambda v: "never materialise the whole (B, T, vocab) logits" if v else "",
-    "activation_offloading": lambda v: (
-        "saved activations in pinned host memory (PCIe each step)" if v else ""
-    ),
-    "distributed.reshard_after_forward": lambda v: (
-        "" if v else "keep gathered layers to backward: fewer all-gathers"
-    ),
-    "distributed.cpu_offload": lambda v: "shards, gradients and the step on the host" if v else "",
-}
+
+def _comment(dotted: str, value: Any) -> str:
+    """The trade-off beside ``dotted: value`` in the plan's YAML: the switch's entry's
+    (:func:`memfit.memory.switches.comment`), and ``max_grad_norm``'s, which two switches set."""
+    if dotted == "max_grad_norm":
+        return "0: no global-norm clipping (grad_norm is still logged)" if value == 0 else ""
+    return switches.comment(dotted, value)
 
 
 def plan_yaml(row: PlanRow, p: Plan, command: str | None = None) -> str:
@@ -262,13 +223,7 @@ def plan_yaml(row: PlanRow, p: Plan, command: str | None = None) -> str:
         "gradient_accumulation_steps",
         "max_grad_norm",
     }
-    always |= set(SWITCH_KEYS)
-    if cfg.optimizer.name != "adamw":
-        always.discard("optimizer.implementation")  # AdamW's only
-    if cfg.method == "full":
-        always.discard("method")  # the default: a pretraining plan's config stays as it was
-    if cfg.activation_checkpointing == "every_n":
-        always.add("activation_checkpointing_interval")
+    always |= switches.yaml_keys(cfg)  # every planned switch, by its entry
     out: dict[str, Any] = {}
     first = ["model", "model_args", "checkpoint_dir", "method", "dtype", "device", "batch_size", "seq_len"]
     for key in first + [k for k in tree if k not in first]:
@@ -326,9 +281,9 @@ def _commented(body: str) -> str:
             section = key
         dotted = f"{section}.{key}" if indent and section else key
         comment = ""
-        if sep and raw.strip() and dotted in _COMMENTS:
+        if sep and raw.strip():
             try:
-                comment = _COMMENTS[dotted](yaml.safe_load(raw))
+                comment = _comment(dotted, yaml.safe_load(raw))
             except (KeyError, yaml.YAMLError):
                 comment = ""
         out.append(f"{line:<40}  # {comment}" if comment else line)
