@@ -716,6 +716,7 @@ def validate(cfg: TrainConfig, world_size: int = 1, *, needs_weights: bool = Tru
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     _validate_run(cfg)
+    switches.check_values(cfg)
     _validate_tokenizer_and_data(cfg)
     _validate_finetuning(cfg, needs_weights)
     _validate_optimizer(cfg)

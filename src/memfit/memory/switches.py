@@ -237,7 +237,7 @@ class Switch:
     <function>`` or ``shard: <function>`` (:func:`memfit.distributed.shard_model`)."""
     check: Callable[[TrainConfig, Target], None]
     """Refuse a conflict with :func:`require` (``ConfigError``, exit 2 at the CLI); :attr:`choices` are checked
-    before any entry's ``check`` runs."""
+    (:func:`check_values`) before any entry's ``check`` runs."""
     choices: tuple[Any, ...] = ()
     """The allowed values, when they are a list."""
     check_model: Callable[[TrainConfig, LlamaConfig], None] | None = None
@@ -941,15 +941,25 @@ SWITCHES_BY_KEY: dict[str, Switch] = {s.key: s for s in SWITCHES}
 # ----------------------------------------------------------------------------------------------------------------
 
 
+def check_values(cfg: TrainConfig) -> None:
+    """Every switch's value against its allowed values (:attr:`Switch.choices`), in :data:`SWITCHES` order; config
+    validation runs this before the checks that read other keys.
+
+    Raises:
+        ConfigError: naming the first offending key and listing its values.
+    """
+    for switch in SWITCHES:
+        if switch.choices:
+            one_of(value_of(cfg, switch.key), switch.choices, switch.key)
+
+
 def check(cfg: TrainConfig, target: Target) -> None:
-    """Every switch's value and conflicts (:attr:`Switch.check`), in :data:`SWITCHES` order.
+    """Every switch's conflicts (:attr:`Switch.check`), in :data:`SWITCHES` order, once :func:`check_values`
+    passed.
 
     Raises:
         ConfigError: naming the first offending key.
     """
-    for switch in SWITCHES:  # the values first, then the combinations
-        if switch.choices:
-            one_of(value_of(cfg, switch.key), switch.choices, switch.key)
     for switch in SWITCHES:
         switch.check(cfg, target)
 
