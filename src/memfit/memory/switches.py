@@ -226,6 +226,20 @@ class Parity:
 
 
 @dataclass(frozen=True)
+class Refusal:
+    """A config an entry refuses and the start of what users are told (``config key 'KEY': MESSAGE...``, exit 2):
+    the entry's declared conflicts, which ``tests/memory/test_switches.py`` holds it to."""
+
+    settings: dict[str, Any]
+    """Overrides of the default config (``memfit estimate`` takes them as they are)."""
+    message: str
+    """The start of the message after ``config key 'KEY': ``."""
+    key: str = ""
+    """The key the message names; default the entry's."""
+    world_size: int = 1
+
+
+@dataclass(frozen=True)
 class Switch:
     """One memory technique's config key and what every layer needs to know of it (see the module doc)."""
 
@@ -270,6 +284,8 @@ class Switch:
     """Whether the plan's YAML always shows the key (default: when planned)."""
     cost: Callable[[Any, StepTerms], None] | None = None
     """``(value, terms)``: its share of the step's cost; ``None``: it costs no time."""
+    refusals: tuple[Refusal, ...] = ()
+    """Examples of what :attr:`check` and :attr:`check_model` refuse, one per conflict."""
     parity: tuple[Parity, ...] = ()
     no_parity: str = ""
     """Why it has no parity run (it needs CUDA, or another switch's run covers it)."""
@@ -713,6 +729,34 @@ SWITCHES: tuple[Switch, ...] = (
         }.get(v, ""),
         in_yaml=lambda cfg: cfg.method != "full",  # the default: a pretraining plan's config stays as it was
         cost=_cost_method,
+        refusals=(
+            Refusal(
+                {"method": "qlora", "distributed.strategy": "fsdp1"}, "qlora does not work with", world_size=2
+            ),
+            Refusal(
+                {
+                    "method": "qlora",
+                    "model_args.dim": 36,
+                    "model_args.num_heads": 2,
+                    "model_args.num_kv_heads": 1,
+                },
+                "qlora stores each decoder linear in NF4 blocks of 64 weights, but q_proj/o_proj have 36 x 36",
+            ),
+            Refusal(
+                {
+                    "method": "lora",
+                    "lora.target_modules": "[q_proj,lm_head]",
+                    "model_args.tie_word_embeddings": True,
+                },
+                "this model ties lm_head to the input embedding",
+                key="lora.target_modules",
+            ),
+            Refusal(
+                {"method": "adapter", "adapter.num_layers": 99},
+                "99 exceeds the model's 6",
+                key="adapter.num_layers",
+            ),
+        ),
         no_parity="fine-tuning methods train other weights than the baseline; tests/models/test_peft.py and "
         "test_qlora.py compare them with Hugging Face PEFT",
         doc="full, lora, qlora (LoRA over a 4-bit NormalFloat base) or adapter",
@@ -751,6 +795,23 @@ SWITCHES: tuple[Switch, ...] = (
         label=_label_optimizer,
         comment=lambda v: optimizers.spec(v).comment if v in optimizers.OPTIMIZER_NAMES else "",
         cost=_cost_optimizer,
+        refusals=(
+            Refusal(
+                {"optimizer.name": "paged_adamw8bit"},
+                "'paged_adamw8bit' (bitsandbytes) does not",
+                world_size=2,
+            ),
+            Refusal(
+                {"optimizer.name": "torchao_adamw8bit", "dtype": "bf16"},
+                "'torchao_adamw8bit' with",
+                world_size=2,
+            ),
+            Refusal(
+                {"optimizer.name": "torchao_adamw4bit", "distributed.strategy": "fsdp1"},
+                "'torchao_adamw4bit' does not work with distributed.strategy=fsdp1",
+                world_size=2,
+            ),
+        ),
         parity=(
             Parity(
                 {"optimizer.name": "adamw8bit"},
@@ -790,6 +851,18 @@ SWITCHES: tuple[Switch, ...] = (
         label=_flag("in_bwd"),
         comment=_when("no gradient memory; needs gradient_accumulation_steps == 1"),
         cost=_cost_in_backward,
+        refusals=(
+            Refusal({"optimizer_in_backward": True}, "cannot clip by the global gradient norm"),
+            Refusal(
+                {"optimizer_in_backward": True, "max_grad_norm": 0, "gradient_accumulation_steps": 2},
+                "needs gradient_accumulation_steps=1",
+            ),
+            Refusal(
+                {"optimizer_in_backward": True, "max_grad_norm": 0, "distributed.strategy": "fsdp1"},
+                "does not work with distributed.strategy=fsdp1: FSDP1 reduces",
+                world_size=2,
+            ),
+        ),
         parity=(Parity({"optimizer_in_backward": "true"}, _EXACT),),
         doc="each parameter's update runs in backward as soon as its gradient is ready, then the gradient is freed",
     ),
@@ -804,6 +877,39 @@ SWITCHES: tuple[Switch, ...] = (
         label=_flag("opt_offload"),
         comment=_when("state and update on the host (torchao CPUOffloadOptimizer)"),
         cost=_cost_optimizer_offload,
+        refusals=(  # the device and the optimizer: optimizers.check_optimizer_supported, via optimizer.name's check
+            Refusal(
+                {"optimizer.cpu_offload": True, "max_grad_norm": 0},
+                "optimizer.cpu_offload moves optimizer state",
+            ),
+            Refusal(
+                {
+                    "optimizer.cpu_offload": True,
+                    "max_grad_norm": 0,
+                    "device": "cuda",
+                    "optimizer.name": "paged_adamw",
+                },
+                "optimizer.cpu_offload cannot be combined with 'paged_adamw'",
+            ),
+            Refusal(
+                {
+                    "optimizer.cpu_offload": True,
+                    "max_grad_norm": 0,
+                    "device": "cuda",
+                    "optimizer_in_backward": True,
+                },
+                "optimizer.cpu_offload cannot be combined with optimizer_in_backward",
+            ),
+            Refusal(
+                {"optimizer.cpu_offload": True, "device": "cuda"},
+                "optimizer.cpu_offload cannot clip gradients",
+            ),
+            Refusal(
+                {"optimizer.cpu_offload": True, "max_grad_norm": 0, "device": "cuda"},
+                "is not supported sharded",
+                world_size=2,
+            ),
+        ),
         no_parity="CUDA only (torchao's CPUOffloadOptimizer); not run on CPU",
         doc="optimizer state and the update on the host (CUDA only)",
     ),
@@ -835,6 +941,12 @@ SWITCHES: tuple[Switch, ...] = (
         check=_check_interval,
         activation=True,
         in_yaml=lambda cfg: cfg.activation_checkpointing == "every_n",
+        refusals=(
+            Refusal(
+                {"activation_checkpointing": "every_n", "activation_checkpointing_interval": 0},
+                "must be >= 1, got 0",
+            ),
+        ),
         parity=(
             Parity({"activation_checkpointing": "every_n", "activation_checkpointing_interval": 2}, _EXACT),
         ),
@@ -852,6 +964,17 @@ SWITCHES: tuple[Switch, ...] = (
         label=lambda v, cfg: f"ce={v}" if v else "",
         comment=_when("never materialise the whole (B, T, vocab) logits"),
         cost=_cost_chunks,
+        refusals=(
+            Refusal({"chunked_cross_entropy": -1}, "must be >= 0 (0 is off), got -1"),
+            Refusal(
+                {"chunked_cross_entropy": 4, "distributed.strategy": "fsdp1"},
+                "does not work with distributed.strategy=fsdp1: the loss",
+                world_size=2,
+            ),
+            Refusal(
+                {"chunked_cross_entropy": 100_000}, "100000 chunks exceed the 4096 tokens of a micro-batch"
+            ),
+        ),
         parity=(Parity({"chunked_cross_entropy": 4}, _EXACT),),
         doc="the loss in chunks of tokens: the (B, T, vocab_size) logits never exist",
     ),
@@ -867,6 +990,9 @@ SWITCHES: tuple[Switch, ...] = (
         label=_flag("act_offload"),
         comment=_when("saved activations in pinned host memory (PCIe each step)"),
         cost=_cost_activation_offloading,
+        refusals=(
+            Refusal({"activation_offloading": True}, "moves saved activations from GPU to host memory"),
+        ),
         no_parity="CUDA only; not run on CPU",
         doc="tensors saved for backward in pinned host memory (CUDA only)",
     ),
@@ -875,6 +1001,18 @@ SWITCHES: tuple[Switch, ...] = (
         applied="build: memfit.build.build_training (torch.compile per decoder layer); step: the loss",
         check=_check_compile,
         trace_value=False,
+        refusals=(  # and, on a CPU without a C++ compiler, "needs a C++ compiler on CPU"
+            Refusal({"compile": True, "track_memory": True}, "cannot be combined with track_memory"),
+            Refusal(
+                {"compile": True, "activation_offloading": True, "device": "cuda"},
+                "cannot be combined with activation_offloading",
+            ),
+            Refusal(
+                {"compile": True, "distributed.strategy": "fsdp1"},
+                "does not work with distributed.strategy=fsdp1, which flattens",
+                world_size=2,
+            ),
+        ),
         parity=(_COMPILED,),
         doc="torch.compile each decoder layer and the loss (the estimator traces the eager step, an upper bound)",
     ),
@@ -913,6 +1051,7 @@ SWITCHES: tuple[Switch, ...] = (
         label=_flag("fsdp_offload"),
         comment=_when("shards, gradients and the step on the host"),
         cost=_cost_fsdp_offload,
+        refusals=(Refusal({"distributed.cpu_offload": True}, "moves parameter shards", world_size=2),),
         no_parity="CUDA only; not run on CPU",
         doc="parameter shards, gradients and the optimizer step on the host (CUDA only)",
     ),
@@ -920,6 +1059,7 @@ SWITCHES: tuple[Switch, ...] = (
         key="distributed.prefetch",
         applied="shard: memfit.distributed.shard_model (explicit forward/backward prefetch)",
         check=_check_prefetch,
+        refusals=(Refusal({"distributed.prefetch": -1}, "must be >= 0 (0: FSDP's defaults), got -1"),),
         no_parity="sharded: tests/test_distributed.py",
         doc="layers whose all-gather is issued ahead of use",
     ),
@@ -927,6 +1067,9 @@ SWITCHES: tuple[Switch, ...] = (
         key="distributed.limit_all_gathers",
         applied="shard: memfit.distributed.shard_model (FSDP1 limit_all_gathers)",
         check=_check_limit_all_gathers,
+        refusals=(
+            Refusal({"distributed.limit_all_gathers": False}, "applies to distributed.strategy=fsdp1 only"),
+        ),
         no_parity="sharded, FSDP1 only: tests/test_distributed.py",
         doc="fsdp1 only: at most two layers' unsharded weights at once",
     ),
