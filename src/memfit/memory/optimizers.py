@@ -15,6 +15,8 @@ and its one-line comment in ``memfit plan``'s YAML.
                        unified (managed) memory that the driver pages out to host RAM under memory pressure.
                        On CPU it runs unpaged (a warning says so).
 ``paged_adamw``        bitsandbytes 32-bit AdamW (8 bytes/parameter), paged as above.
+``lion8bit``           bitsandbytes Lion8bit (Chen et al. 2023, "Symbolic Discovery of Optimization
+                       Algorithms"): one moment as 8-bit codes (~1.02 bytes/parameter); small tensors fp32.
 ``torchao_adamw8bit``  torchao AdamW8bit: 8-bit codes, one fp32 scale per 256 values and a 256-entry fp32
                        code table per state tensor; tensors of fewer than 4,096 elements, or whose size is
                        not a multiple of 256, keep unquantized state in the parameter dtype.
@@ -278,6 +280,17 @@ OPTIMIZERS: tuple[Optimizer, ...] = (
         cpu_update_factor=8.0,
         sharded=_torchao_sharded,
         device=_fp8_capability,
+    ),
+    Optimizer(
+        "lion8bit",
+        "bitsandbytes",
+        "Lion8bit",
+        _bnb_state(moments=1, bits=8),
+        "bitsandbytes 8-bit Lion: one moment, ~1 byte/parameter of state",
+        quantizes=_bnb_quantizes,
+        hyperparameters=("lr", "betas"),  # Lion has no epsilon
+        update_factor=1.4,  # bitsandbytes' 8-bit kernel, as AdamW8bit's (not measured apart)
+        sharded=_bnb_sharded,
     ),
 )
 """Every optimizer, in the order config errors list them."""
