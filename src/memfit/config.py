@@ -29,6 +29,7 @@ from typing import Any
 import torch
 import yaml
 
+from memfit.data import formats
 from memfit.errors import ConfigError, DataError
 from memfit.memory import switches
 from memfit.models import peft
@@ -38,29 +39,12 @@ from memfit.units import parse_bytes
 
 # ----------------------------------------------------------------------------------------------------------------
 # The allowed values of the keys that are not memory switches (those are in memfit.memory.switches; optimizers in
-# memfit.memory.optimizers; LoRA's targets in memfit.models.peft)
+# memfit.memory.optimizers; LoRA's targets in memfit.models.peft; instruction data's in memfit.data.formats)
 # ----------------------------------------------------------------------------------------------------------------
 
 DEVICES = ("auto", "cpu", "cuda")
 NONFINITE_POLICIES = ("stop", "skip")  # on_nonfinite
 TOKENIZER_KINDS = ("bpe", "char", "file")
-INSTRUCT_FORMATS = ("alpaca", "dolly", "sharegpt", "openai")
-"""Record formats of instruction / chat data (:mod:`memfit.data.instruct`, which config may not import: the data
-schema is declared here, below it)."""
-DATA_FORMATS = ("text", *INSTRUCT_FORMATS)
-TEMPLATES = ("alpaca", "llama2-chat", "llama3-chat", "chatml")
-"""Prompt templates of instruction / chat data and of ``memfit generate``."""
-
-INSTRUCT_COLUMNS: dict[str, dict[str, str]] = {
-    "alpaca": {"instruction": "instruction", "input": "input", "output": "output"},
-    "dolly": {"instruction": "instruction", "input": "context", "output": "response"},
-    "sharegpt": {"conversations": "conversations", "from": "from", "value": "value"},
-    "openai": {"messages": "messages", "role": "role", "content": "content"},
-}
-"""Each instruction format's fields, by canonical name -> the name in the file; ``data.column_map`` overrides the
-right-hand side."""
-DOLLY_ALIASES = {"context": "input", "response": "output"}
-"""Dolly's own field names, accepted as ``column_map`` keys beside the canonical Alpaca ones."""
 
 
 @dataclass
@@ -903,8 +887,8 @@ def check_lengths(cfg: TrainConfig, mcfg: LlamaConfig, vocab_size: int) -> int:
 def _validate_finetuning(cfg: TrainConfig, needs_weights: bool = True) -> None:
     """The fine-tuning keys: method, checkpoint_dir, instruction data, LoRA and adapter settings."""
     data = cfg.data
-    _one_of(data.format, DATA_FORMATS, "data.format")
-    _one_of(data.template, TEMPLATES, "data.template")
+    _one_of(data.format, formats.DATA_FORMATS, "data.format")
+    _one_of(data.template, formats.TEMPLATES, "data.template")
     _require(
         cfg.method == "full" or cfg.checkpoint_dir is not None or not needs_weights,
         "method",
@@ -946,7 +930,7 @@ def _validate_finetuning(cfg: TrainConfig, needs_weights: bool = True) -> None:
     if data.column_map:
         _require(data.format != "text", "data.column_map", "renames fields of instruction / chat records")
         try:
-            format_columns(data.format, data.column_map)
+            formats.format_columns(data.format, data.column_map)
         except DataError as exc:
             raise ConfigError(f"config key 'data.column_map': {exc}") from None
     lora = cfg.lora
@@ -966,25 +950,3 @@ def _validate_finetuning(cfg: TrainConfig, needs_weights: bool = True) -> None:
         "adapter.num_layers",
         f"must be >= 0 (0 = all), got {cfg.adapter.num_layers}",
     )
-
-
-def format_columns(fmt: str, column_map: dict[str, str] | None) -> dict[str, str]:
-    """An instruction format's fields (canonical name -> name in the file) with ``column_map`` applied.
-
-    Raises:
-        DataError: unknown format, a ``column_map`` key that is not a field of the format, or an empty name.
-    """
-    if fmt not in INSTRUCT_FORMATS:
-        raise DataError(f"unknown data format {fmt!r}; expected one of {', '.join(INSTRUCT_FORMATS)}")
-    columns = dict(INSTRUCT_COLUMNS[fmt])
-    for key, name in (column_map or {}).items():
-        canonical = DOLLY_ALIASES.get(key, key) if fmt == "dolly" else key
-        if canonical not in columns:
-            raise DataError(
-                f"column_map key {key!r} is not a field of the {fmt} format; its fields are "
-                f"{', '.join(columns)} (map each to the name used in your file)"
-            )
-        if not isinstance(name, str) or not name:
-            raise DataError(f"column_map[{key!r}] must be a non-empty field name, got {name!r}")
-        columns[canonical] = name
-    return columns

@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from memfit.config import TEMPLATES
+from memfit.data.formats import TEMPLATES
 from memfit.data.instruct import (
     IGNORE_INDEX,
     InstructSplit,

@@ -3,7 +3,7 @@
 Three stages, each a function of its inputs alone:
 
 1. :func:`load_conversations` reads a ``.json`` file (a list of records, or one record as an object) or a
-   ``.jsonl`` file (one record per line, blank lines ignored) in one of :data:`memfit.config.INSTRUCT_FORMATS` and
+   ``.jsonl`` file (one record per line, blank lines ignored) in one of :data:`memfit.data.formats.INSTRUCT_FORMATS` and
    turns every record into a conversation: a list of messages ``{"role": "system" | "user" | "assistant",
    "content": str}``. Alpaca and Dolly records become ``[user, assistant]``; a non-empty ``input`` (Dolly's
    ``context``) rides on the user message as an extra ``"input"`` key, so the ``alpaca`` template can render
@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from memfit.config import TEMPLATES, format_columns
+from memfit.data.formats import TEMPLATES, format_columns
 from memfit.data.jsonl import Lines, MalformedJSON, NotUTF8, is_blank
 from memfit.data.jsonl import loads as jsonl_loads
 from memfit.errors import DataError
@@ -131,7 +131,7 @@ def load_conversations(
 
     Args:
         path: A ``.json`` file (a list of records, or a single record as an object) or a ``.jsonl`` file.
-        fmt: One of :data:`memfit.config.INSTRUCT_FORMATS`.
+        fmt: One of :data:`memfit.data.formats.INSTRUCT_FORMATS`.
         column_map: Canonical field name -> field name in the file, for example ``{"instruction": "question"}``.
             Canonical names: ``instruction``, ``input``, ``output`` (alpaca, dolly; dolly also accepts
             ``context`` and ``response``), ``conversations``, ``from``, ``value`` (sharegpt), ``messages``,
@@ -934,7 +934,7 @@ def prepare_instruct(
 
     Args:
         path: The data file (see :func:`load_conversations`).
-        fmt: One of :data:`memfit.config.INSTRUCT_FORMATS`.
+        fmt: One of :data:`memfit.data.formats.INSTRUCT_FORMATS`.
         template: One of :data:`TEMPLATES`.
         tokenizer: A ``memfit.tokenizer.Tokenizer``.
         max_seq_len: Model inputs per sample ``T``; samples hold at most ``T + 1`` tokens (longer ones are cut

@@ -1,0 +1,48 @@
+"""The schema of instruction / chat data: its record formats, their fields and the prompt templates.
+
+The data layer reads records with it (:mod:`memfit.data.instruct`) and config validation checks ``data.format``,
+``data.template`` and ``data.column_map`` against it, so it sits below both.
+"""
+
+from __future__ import annotations
+
+from memfit.errors import DataError
+
+INSTRUCT_FORMATS = ("alpaca", "dolly", "sharegpt", "openai")
+"""Record formats of instruction / chat data (:mod:`memfit.data.instruct`)."""
+DATA_FORMATS = ("text", *INSTRUCT_FORMATS)
+TEMPLATES = ("alpaca", "llama2-chat", "llama3-chat", "chatml")
+"""Prompt templates of instruction / chat data and of ``memfit generate``."""
+
+INSTRUCT_COLUMNS: dict[str, dict[str, str]] = {
+    "alpaca": {"instruction": "instruction", "input": "input", "output": "output"},
+    "dolly": {"instruction": "instruction", "input": "context", "output": "response"},
+    "sharegpt": {"conversations": "conversations", "from": "from", "value": "value"},
+    "openai": {"messages": "messages", "role": "role", "content": "content"},
+}
+"""Each instruction format's fields, by canonical name -> the name in the file; ``data.column_map`` overrides the
+right-hand side."""
+DOLLY_ALIASES = {"context": "input", "response": "output"}
+"""Dolly's own field names, accepted as ``column_map`` keys beside the canonical Alpaca ones."""
+
+
+def format_columns(fmt: str, column_map: dict[str, str] | None) -> dict[str, str]:
+    """An instruction format's fields (canonical name -> name in the file) with ``column_map`` applied.
+
+    Raises:
+        DataError: unknown format, a ``column_map`` key that is not a field of the format, or an empty name.
+    """
+    if fmt not in INSTRUCT_FORMATS:
+        raise DataError(f"unknown data format {fmt!r}; expected one of {', '.join(INSTRUCT_FORMATS)}")
+    columns = dict(INSTRUCT_COLUMNS[fmt])
+    for key, name in (column_map or {}).items():
+        canonical = DOLLY_ALIASES.get(key, key) if fmt == "dolly" else key
+        if canonical not in columns:
+            raise DataError(
+                f"column_map key {key!r} is not a field of the {fmt} format; its fields are "
+                f"{', '.join(columns)} (map each to the name used in your file)"
+            )
+        if not isinstance(name, str) or not name:
+            raise DataError(f"column_map[{key!r}] must be a non-empty field name, got {name!r}")
+        columns[canonical] = name
+    return columns
