@@ -126,10 +126,9 @@ class OptimizerConfig:
     """The optimizer and its hyperparameters."""
 
     name: str = "adamw"
-    """``adamw`` (torch.optim.AdamW, 8 bytes/parameter of state in fp32); bitsandbytes ``adamw8bit``,
-    ``paged_adamw8bit`` (8-bit state, ~2 bytes/parameter; paged: state in CUDA unified memory that the driver can
-    evict to host under pressure), ``paged_adamw`` (32-bit paged); torchao ``torchao_adamw8bit``,
-    ``torchao_adamw4bit``, ``torchao_adamw_fp8``. See docs/memory.md."""
+    """An entry of :data:`memfit.memory.optimizers.OPTIMIZERS`: ``adamw`` (torch.optim.AdamW, 8 bytes/parameter of
+    state in fp32), bitsandbytes' 8-bit and paged ones, torchao's low-bit ones (the table in that module and
+    docs/memory.md)."""
     implementation: str = "foreach"
     """``foreach`` (multi-tensor, holds one parameter-sized set of temporaries at the step), ``for_loop`` (one
     tensor at a time; least memory), ``fused`` (one fused kernel)."""
