@@ -278,7 +278,10 @@ def load_prepare_config(overrides: list[str], **given: Any) -> PrepareConfig:
 class TrainConfig:
     """One run: pretraining, or fine-tuning (``checkpoint_dir`` set) with ``method`` full, lora or adapter.
 
-    Field names are the CLI's dotted override keys (``optimizer.lr=3e-4``)."""
+    Field names are the CLI's dotted override keys (``optimizer.lr=3e-4``). A memory switch's field is declared
+    here with its type and default; everything else about it (allowed values, conflicts, how it is applied, what
+    the estimator and the planner do with it) is its entry in :data:`memfit.memory.switches.SWITCHES`, found by its
+    key (``key="activation_offloading"``)."""
 
     model: str = "shakespeare"
     """Model preset (see :mod:`memfit.models.presets`)."""

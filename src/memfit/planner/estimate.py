@@ -295,7 +295,7 @@ def _replay_reserved(cfg: TrainConfig, tracker: Any, paged: set[int]) -> int | N
     (:func:`_paged_state_entries`), after the cuBLAS workspace, replayed through the caching allocator model; FSDP2's
     all-gather and reduce-scatter buffers on their own streams, whose cached blocks the compute stream cannot use.
     ``None`` when the run moves memory to the host (:attr:`Estimate.peak_reserved_bytes`)."""
-    if cfg.optimizer.cpu_offload or cfg.distributed.cpu_offload or cfg.activation_offloading:
+    if switches.moved_categories(cfg, "cuda"):
         return None
     events: list[tuple] = workspace_events(CUBLAS_SM)
     for op, entry, nbytes in tracker.allocations:
