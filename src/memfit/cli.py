@@ -340,6 +340,7 @@ def _config_verb(
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``memfit`` parser: one sub-parser per verb, in the order ``memfit --help`` lists them."""
     parser = argparse.ArgumentParser(
         prog="memfit",
         description=__doc__.split("\n\n")[0],
@@ -348,6 +349,21 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="verb", required=True)
 
     parser.add_argument("--version", action="version", version=f"memfit {__version__}")
+    for add in (
+        _add_pretrain,
+        _add_finetune,
+        _add_estimate,
+        _add_plan,
+        _add_prepare,
+        _add_generate,
+        _add_export,
+    ):
+        add(sub)
+    return parser
+
+
+def _add_pretrain(sub: Any) -> None:
+    """``memfit pretrain``."""
     _config_verb(
         sub,
         "pretrain",
@@ -361,6 +377,9 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="keys and defaults (the defaults are the main job):\n  " + "\n  ".join(describe_keys()),
     )
 
+
+def _add_finetune(sub: Any) -> None:
+    """``memfit finetune``: the keys of pretrain."""
     _config_verb(
         sub,
         "finetune",
@@ -375,6 +394,9 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="keys and defaults:\n  " + "\n  ".join(describe_keys()),
     )
 
+
+def _add_estimate(sub: Any) -> None:
+    """``memfit estimate``."""
     est = _config_verb(
         sub,
         "estimate",
@@ -395,6 +417,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="print one JSON object (peak_memory_gib, breakdown, ...) (default: the text report)",
     )
 
+
+def _add_plan(sub: Any) -> None:
+    """``memfit plan``."""
     pl = _config_verb(
         sub,
         "plan",
@@ -439,6 +464,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--explain", action="store_true", help="also print the cost model's constants (default: not printed)"
     )
 
+
+def _add_prepare(sub: Any) -> None:
+    """``memfit prepare``."""
     pr = sub.add_parser(
         "prepare",
         help="turn raw text (jsonl, jsonl.gz, jsonl.zst, parquet, txt) into a sharded token dataset, once",
@@ -491,6 +519,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     pr.set_defaults(func=_prepare)
 
+
+def _add_generate(sub: Any) -> None:
+    """``memfit generate``."""
     g = sub.add_parser(
         "generate", help="sample text from a checkpoint", description="Sample text from a checkpoint."
     )
@@ -532,6 +563,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.set_defaults(func=_generate)
 
+
+def _add_export(sub: Any) -> None:
+    """``memfit export``."""
     e = sub.add_parser(
         "export",
         help="write a checkpoint as a Hugging Face directory (config.json + safetensors + tokenizer)",
@@ -560,7 +594,6 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-shard-size", type=float, default=5.0, help="GiB per safetensors file, > 0 (default: 5)"
     )
     e.set_defaults(func=_export)
-    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
