@@ -99,7 +99,7 @@ def run_one(spec: dict, batch_size: int, seq_len: int, timed_steps: int, timelin
     step_kw = {
         "max_grad_norm": 0.0 if spec.get("optimizer_in_backward") else 1.0,
         "dtype": dtype,
-        "chunked_cross_entropy_chunks": spec.get("chunked_cross_entropy", 0),
+        "chunked_cross_entropy": spec.get("chunked_cross_entropy", 0),
     }
     g = torch.Generator().manual_seed(0)
 

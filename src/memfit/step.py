@@ -28,8 +28,9 @@ import torch.nn.functional as F
 
 from memfit import distributed as dist_
 from memfit.config import TrainConfig
+from memfit.memory import techniques
 from memfit.memory.optim import OptimizerInBackward
-from memfit.memory.techniques import IGNORE_INDEX, activation_offloading, chunked_cross_entropy, compiled
+from memfit.memory.techniques import IGNORE_INDEX, compiled
 from memfit.models.peft import lora_effective_weight
 
 
@@ -80,10 +81,10 @@ def micro_batch_loss(
     targets: torch.Tensor,
     *,
     dtype: str,
-    chunked_cross_entropy_chunks: int = 0,
-    offload_activations: bool = False,
+    chunked_cross_entropy: int = 0,
+    activation_offloading: bool = False,
     doc_ids: torch.Tensor | None = None,
-    compile_loss: bool = False,
+    compile: bool = False,
 ) -> torch.Tensor:
     """Summed cross-entropy of one micro-batch (the forward half of a step).
 
@@ -92,27 +93,27 @@ def micro_batch_loss(
         inputs: ``(B, T)`` int64 ids.
         targets: ``(B, T)`` int64; ``-100`` does not count.
         dtype: the dtype policy (``bf16_mixed`` runs the forward under bf16 autocast).
-        chunked_cross_entropy_chunks: > 0 computes the loss chunk by chunk from the hidden states, never
-            materialising the ``(B, T, vocab_size)`` logits.
-        offload_activations: save tensors for backward in pinned host memory (CUDA).
+        chunked_cross_entropy: > 0 computes the loss in this many chunks of tokens from the hidden states, never
+            materialising the ``(B, T, vocab_size)`` logits (the config key of the same name).
+        activation_offloading: save tensors for backward in pinned host memory (CUDA).
         doc_ids: ``(B, T)`` ids of the samples packed into each row, or ``None`` (one sequence per row).
-        compile_loss: run the loss (or each chunk's) as a ``torch.compile``'d function (``compile: true``; the
+        compile: run the loss (or each chunk's) as a ``torch.compile``'d function (``compile: true``; the
             decoder layers are compiled at build time).
 
     Returns:
         0-dim fp32 summed loss in nats.
     """
-    with autocast_context(dtype, inputs.device.type), activation_offloading(offload_activations):
-        if chunked_cross_entropy_chunks > 0:
+    with autocast_context(dtype, inputs.device.type), techniques.activation_offloading(activation_offloading):
+        if chunked_cross_entropy > 0:
             hidden = model(
                 inputs, doc_ids, return_hidden=True
             )  # (B, T, dim); one call of the whole model (FSDP)
             weight = lora_effective_weight(model.lm_head)  # (V, dim); with LoRA on lm_head: W + scale * B @ A
-            return chunked_cross_entropy(
-                hidden, weight, targets, chunked_cross_entropy_chunks, compile=compile_loss
+            return techniques.chunked_cross_entropy(
+                hidden, weight, targets, chunked_cross_entropy, compile=compile
             )
         logits = model(inputs, doc_ids)  # (B, T, V)
-        return (compiled(loss_sum) if compile_loss else loss_sum)(logits, targets)
+        return (compiled(loss_sum) if compile else loss_sum)(logits, targets)
 
 
 def train_step(
@@ -122,9 +123,9 @@ def train_step(
     *,
     max_grad_norm: float,
     dtype: str,
-    chunked_cross_entropy_chunks: int = 0,
-    offload_activations: bool = False,
-    compile_loss: bool = False,
+    chunked_cross_entropy: int = 0,
+    activation_offloading: bool = False,
+    compile: bool = False,
     skip_nonfinite: bool = False,
     tracker=None,
 ) -> StepResult:
@@ -144,9 +145,9 @@ def train_step(
             int64 on the model's device (``doc_ids``: packed samples, or ``None``).
         max_grad_norm: clip the global gradient norm to this; 0 disables clipping.
         dtype: the dtype policy (``fp32``, ``bf16``, ``bf16_mixed``).
-        chunked_cross_entropy_chunks: see :func:`micro_batch_loss`.
-        offload_activations: see :func:`micro_batch_loss`.
-        compile_loss: see :func:`micro_batch_loss`.
+        chunked_cross_entropy: see :func:`micro_batch_loss`.
+        activation_offloading: see :func:`micro_batch_loss`.
+        compile: see :func:`micro_batch_loss`.
         skip_nonfinite: when the loss or the gradient norm is not finite, apply no update and return
             ``skipped=True`` (one host sync: the decision is needed before the update). Not with an
             :class:`~memfit.memory.optim.OptimizerInBackward`, whose updates happen during backward.
@@ -172,10 +173,10 @@ def train_step(
                 inputs,
                 targets,
                 dtype=dtype,
-                chunked_cross_entropy_chunks=chunked_cross_entropy_chunks,
-                offload_activations=offload_activations,
+                chunked_cross_entropy=chunked_cross_entropy,
+                activation_offloading=activation_offloading,
                 doc_ids=rest[0] if rest else None,
-                compile_loss=compile_loss,
+                compile=compile,
             )
             / denom
         )
@@ -205,8 +206,8 @@ def evaluate(
     *,
     dtype: str,
     device: torch.device,
-    chunked_cross_entropy_chunks: int = 0,
-    compile_loss: bool = False,
+    chunked_cross_entropy: int = 0,
+    compile: bool = False,
 ) -> float:
     """Mean cross-entropy per counted token over ``batches`` (the same fixed validation batches at every call).
 
@@ -218,8 +219,8 @@ def evaluate(
         batches: ``(inputs, targets, doc_ids)`` on the CPU; ``targets`` ``-100`` does not count.
         dtype: the dtype policy.
         device: where the model is.
-        chunked_cross_entropy_chunks: see :func:`micro_batch_loss`.
-        compile_loss: see :func:`micro_batch_loss`.
+        chunked_cross_entropy: see :func:`micro_batch_loss`.
+        compile: see :func:`micro_batch_loss`.
 
     Returns:
         Validation loss in nats/token (NaN when no token counted).
@@ -234,9 +235,9 @@ def evaluate(
             inputs.to(device),
             targets.to(device),
             dtype=dtype,
-            chunked_cross_entropy_chunks=chunked_cross_entropy_chunks,
+            chunked_cross_entropy=chunked_cross_entropy,
             doc_ids=None if doc_ids is None else doc_ids.to(device),
-            compile_loss=compile_loss,
+            compile=compile,
         )
         total += loss.double()
         count += (targets != IGNORE_INDEX).sum().to(device)
@@ -245,12 +246,19 @@ def evaluate(
     return float(total.item() / count) if count else math.nan
 
 
+STEP_OPTIONS = ("dtype", "chunked_cross_entropy", "activation_offloading", "compile")
+"""The config keys :func:`train_step` takes as keyword arguments of the same name (with ``max_grad_norm``)."""
+EVALUATION_OPTIONS = ("dtype", "chunked_cross_entropy", "compile")
+"""Those :func:`evaluate` takes too (it runs no backward, so nothing is saved for one to offload)."""
+
+
 def train_step_options(cfg: TrainConfig) -> dict[str, Any]:
     """The keyword arguments of :func:`train_step` that ``cfg`` sets (the loop and the estimator pass the same)."""
-    return {
-        "max_grad_norm": cfg.max_grad_norm,
-        "dtype": cfg.dtype,
-        "chunked_cross_entropy_chunks": cfg.chunked_cross_entropy,
-        "offload_activations": cfg.activation_offloading,
-        "compile_loss": cfg.compile,
-    }
+    return {"max_grad_norm": cfg.max_grad_norm, **{key: getattr(cfg, key) for key in STEP_OPTIONS}}
+
+
+def evaluation_options(cfg: TrainConfig, device: torch.device) -> dict[str, Any]:
+    """The keyword arguments of :func:`evaluate` that ``cfg`` sets: :func:`train_step_options`' evaluation part, and
+    the model's ``device``."""
+    step = train_step_options(cfg)
+    return {**{key: step[key] for key in EVALUATION_OPTIONS}, "device": device}

@@ -45,7 +45,7 @@ from memfit.memory.tracker import MemoryTracker
 from memfit.metrics import MetricsLogger, Throughput, plot_losses
 from memfit.planner.preflight import preflight
 from memfit.resume import check_resume, check_resume_model, find_resume, resume_notes
-from memfit.step import StepResult, evaluate, train_step, train_step_options
+from memfit.step import StepResult, evaluate, evaluation_options, train_step, train_step_options
 from memfit.units import to_gib
 
 
@@ -132,12 +132,7 @@ def _train(cfg: TrainConfig, device: torch.device, cleanup: contextlib.ExitStack
         trainer_state["base_fingerprint"] = weights_fingerprint(cfg.checkpoint_dir)
     # skipping a non-finite step changes no memory: the estimator traces the step without it
     step_options = {**train_step_options(cfg), "skip_nonfinite": cfg.on_nonfinite == "skip"}
-    eval_options = {
-        "dtype": cfg.dtype,
-        "device": device,
-        "chunked_cross_entropy_chunks": cfg.chunked_cross_entropy,
-        "compile_loss": cfg.compile,
-    }
+    eval_options = evaluation_options(cfg, device)
     tracker = MemoryTracker(model, optimizer) if cfg.track_memory else None
 
     divergence = _Divergence(cfg, out, device, start_step)

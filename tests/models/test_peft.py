@@ -509,7 +509,7 @@ def test_compiled_layers_train_lora_and_adapter_as_eager_ones(method):
         apply_activation_checkpointing(model, "selective")
         if compile_:
             apply_compile(model)
-        loss = micro_batch_loss(model, x, x.roll(-1, 1), dtype="fp32", compile_loss=compile_)
+        loss = micro_batch_loss(model, x, x.roll(-1, 1), dtype="fp32", compile=compile_)
         loss.backward()
         results.append((loss.item(), {n: p.grad for n, p in model.named_parameters() if p.requires_grad}))
     (eager, eager_grads), (compiled, compiled_grads) = results
