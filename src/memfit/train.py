@@ -13,7 +13,8 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +44,7 @@ from memfit.memory.stats import PeakMemory, process_peak_rss, tracked_memory_fie
 from memfit.memory.timeline import plot_timeline
 from memfit.memory.tracker import MemoryTracker
 from memfit.metrics import MetricsLogger, Throughput, plot_losses
+from memfit.models.llama import LlamaConfig
 from memfit.planner.preflight import preflight
 from memfit.resume import check_resume, check_resume_model, find_resume, resume_notes
 from memfit.step import StepResult, evaluate, evaluation_options, train_step, train_step_options
@@ -71,6 +73,117 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
 def _train(cfg: TrainConfig, device: torch.device, cleanup: contextlib.ExitStack) -> dict[str, Any]:
     """:func:`train` holding the run directory's lock; ``cleanup`` closes what the run opens, however it ends."""
     # --- set-up: resume state, tokenizer, data, pre-flight (all checked before any weight is allocated) -------
+    run = _set_up(cfg, device)
+    out, main_rank = run.out, run.main_rank
+
+    # --- model and optimizer (sharded: built on meta, each rank fills only its shards) ------------------------
+    built = build_training(cfg, run.mcfg, device, world_size=run.world)
+    model, optimizer = built.model, built.optimizer
+    start_step = 0
+    if run.resume_dir is not None:
+        start_step = int(ckpt_io.load_checkpoint(run.resume_dir, model, optimizer)["step"])
+    verb = "pretrain" if cfg.checkpoint_dir is None else f"finetune ({cfg.method})"
+    if main_rank:
+        tqdm.write(
+            _banner(cfg, verb, built, run.tokenizer, run.data, run.seq_len, run.world, device, start_step)
+        )
+    logger = cleanup.enter_context(_metrics_logger(cfg, run, start_step))  # a failed W&B run ends as failed
+    memory = cleanup.enter_context(contextlib.closing(PeakMemory(device)))
+    records = _StepRecords(cfg, run, device, logger)
+    # skipping a non-finite step changes no memory: the estimator traces the step without it
+    step_options = {**train_step_options(cfg), "skip_nonfinite": cfg.on_nonfinite == "skip"}
+    eval_options = evaluation_options(cfg, device)
+    tracker = MemoryTracker(model, optimizer) if cfg.track_memory else None
+    divergence = _Divergence(cfg, out, device, start_step)
+    save = _saver(cfg, run, model, optimizer, divergence)
+
+    # --- the loop ---------------------------------------------------------------------------------------------
+    model.train()
+    bar = tqdm(
+        total=cfg.max_steps,
+        initial=start_step,
+        desc=verb.split(" ")[0],
+        unit="step",
+        disable=not (show_progress(cfg.progress_bar) and main_rank),
+        dynamic_ncols=True,
+    )
+    last_ckpt = None
+    for step in range(start_step, cfg.max_steps):
+        t0 = time.perf_counter()
+        lr = _set_lr(cfg, optimizer, step)
+        micro_batches = [
+            tuple(t if t is None else t.to(device, non_blocking=True) for t in run.data.train_batch(step, m))
+            for m in range(cfg.gradient_accumulation_steps)
+        ]
+        tokens_this_step = sum(mb[0].numel() for mb in micro_batches)
+        if tracker is None:
+            result = train_step(model, optimizer, micro_batches, **step_options)
+        else:
+            # draw the run's second step (optimizer state exists by then), or its only step; rank 0 draws its own
+            plot_this = main_rank and (step == start_step + 1 or step == cfg.max_steps - 1 == start_step)
+            title = f"memory by category, step {step + 1} ({cfg.model})"
+            plot = (out / "memory_timeline.png", title) if plot_this else None
+            result = _tracked_step(tracker, model, optimizer, micro_batches, step_options, plot)
+        memory.sample()
+        done = step + 1
+        bar.update(1)
+        divergence.observe(done, result)
+
+        # once in a while: log (the only host sync of a training step)
+        if done % cfg.log_every == 0 or done == cfg.max_steps:
+            divergence.check()
+            loss = records.log(done, lr, result, t0, tokens_this_step, memory, tracker)
+            bar.set_postfix(loss=f"{loss:.3f}")
+        else:
+            records.throughput.add(time.perf_counter() - t0, tokens_this_step)
+
+        # once in a while: evaluate
+        if cfg.eval_every and done % cfg.eval_every == 0 and done != cfg.max_steps:
+            divergence.check()
+            val = _validate(model, run.data, eval_options)
+            if not math.isnan(val["val_loss"]):  # NaN: no validation samples (data.val_fraction=0)
+                logger.log({"step": done, **val})
+
+        # once in a while: checkpoint
+        if cfg.checkpoint_every and done % cfg.checkpoint_every == 0 and done != cfg.max_steps:
+            last_ckpt = save(done)
+    bar.close()
+
+    # --- the end: final evaluation, checkpoint, plot, sample --------------------------------------------------
+    divergence.check()
+    val = _validate(model, run.data, eval_options)
+    val_loss = val["val_loss"]
+    if start_step < cfg.max_steps:
+        if not math.isnan(val_loss):
+            logger.log({"step": cfg.max_steps, **val})
+        last_ckpt = save(cfg.max_steps)
+    else:  # resumed a finished run: report, but add nothing to its records or checkpoints
+        if main_rank:
+            tqdm.write(f"the run in '{out}' is already complete at step {start_step}; nothing to train")
+        last_ckpt = run.resume_dir
+    logger.close()
+    return _summary(cfg, run, built, model, records, val_loss, last_ckpt, device)
+
+
+@dataclass
+class _Run:
+    """What the set-up of a run found, all checked before any weight is allocated."""
+
+    main_rank: bool
+    world: int
+    """Ranks of the run."""
+    out: Path
+    resume_dir: Path | None
+    resume_state: dict[str, Any] | None
+    tokenizer: Any
+    mcfg: LlamaConfig
+    seq_len: int
+    data: RunData
+
+
+def _set_up(cfg: TrainConfig, device: torch.device) -> _Run:
+    """Resume state, tokenizer, architecture, data and the pre-flight check; ``output_dir`` is created last, so
+    that bad input leaves none behind."""
     main_rank, world = dist_.is_main(), dist_.world_size()
     out = Path(cfg.output_dir)
     resume_dir, resume_state = find_resume(cfg)
@@ -99,172 +212,127 @@ def _train(cfg: TrainConfig, device: torch.device, cleanup: contextlib.ExitStack
             f"note: optimizer.warmup_steps ({cfg.optimizer.warmup_steps}) >= max_steps ({cfg.max_steps}): the "
             f"learning rate never reaches optimizer.lr ({cfg.optimizer.lr:g})"
         )
+    return _Run(main_rank, world, out, resume_dir, resume_state, tokenizer, mcfg, seq_len, data)
 
-    # --- model and optimizer (sharded: built on meta, each rank fills only its shards) ------------------------
-    built = build_training(cfg, mcfg, device, world_size=world)
-    model, optimizer = built.model, built.optimizer
-    start_step = 0
-    if resume_dir is not None:
-        start_step = int(ckpt_io.load_checkpoint(resume_dir, model, optimizer)["step"])
-    verb = "pretrain" if cfg.checkpoint_dir is None else f"finetune ({cfg.method})"
-    if main_rank:
-        tqdm.write(_banner(cfg, verb, built, tokenizer, data, seq_len, world, device, start_step))
 
-    logger = cleanup.enter_context(  # closed at the end, or on an error (a W&B run then ends as failed)
-        MetricsLogger(
-            out,
-            tensorboard=cfg.tensorboard,
-            resume_step=start_step if resume_dir else None,
-            enabled=main_rank,
-            wandb_project=cfg.wandb_project if cfg.wandb else None,
-            wandb_run_name=cfg.wandb_run_name,
-            run_config=config_to_dict(cfg),
-        )
+def _metrics_logger(cfg: TrainConfig, run: _Run, start_step: int) -> MetricsLogger:
+    """The run's step records (stdout, metrics.jsonl, TensorBoard, W&B), written by the main rank."""
+    return MetricsLogger(
+        run.out,
+        tensorboard=cfg.tensorboard,
+        resume_step=start_step if run.resume_dir else None,
+        enabled=run.main_rank,
+        wandb_project=cfg.wandb_project if cfg.wandb else None,
+        wandb_run_name=cfg.wandb_run_name,
+        run_config=config_to_dict(cfg),
     )
-    memory = cleanup.enter_context(contextlib.closing(PeakMemory(device)))
-    throughput, rank_peak = Throughput(), {}  # this rank's own peaks over the run (GiB)
-    flops_per_token = training_flops_per_token(mcfg, seq_len, full=cfg.method == "full")
-    peak_flops = peak_flops_per_second(device, cfg.dtype, cfg.peak_flops)
-    mfu_warned = False
+
+
+def _saver(cfg: TrainConfig, run: _Run, model, optimizer, divergence: _Divergence) -> Callable[[int], Path]:
+    """``save(step)``: the run's checkpoint at ``step``, refused when the run diverged."""
     # world_size: a resume on other ranks says what became of the global batch (resume_notes)
-    trainer_state = {"config": config_to_dict(cfg), "data_position": "step", "world_size": world}
+    trainer_state = {"config": config_to_dict(cfg), "data_position": "step", "world_size": run.world}
     if cfg.method != "full":  # the base stays in checkpoint_dir: remember which weights it held
         trainer_state["base_fingerprint"] = weights_fingerprint(cfg.checkpoint_dir)
-    # skipping a non-finite step changes no memory: the estimator traces the step without it
-    step_options = {**train_step_options(cfg), "skip_nonfinite": cfg.on_nonfinite == "skip"}
-    eval_options = evaluation_options(cfg, device)
-    tracker = MemoryTracker(model, optimizer) if cfg.track_memory else None
-
-    divergence = _Divergence(cfg, out, device, start_step)
 
     def save(step: int) -> Path:
         divergence.check()
         if not dist_.all_finite(p for p in model.parameters() if p.requires_grad):
             raise DivergenceError(  # a finite loss and gradient norm, but not finite weights (an overflow)
                 f"the weights are not finite at step {step} (the run diverged), so no checkpoint was written; "
-                f"{ckpt_io.kept_checkpoint(out)}. Lower optimizer.lr or raise optimizer.warmup_steps"
+                f"{ckpt_io.kept_checkpoint(run.out)}. Lower optimizer.lr or raise optimizer.warmup_steps"
             )
         return ckpt_io.save(
-            out,
+            run.out,
             step,
             model,
             optimizer,
-            model_config=mcfg,
+            model_config=run.mcfg,
             trainer_state=trainer_state,
-            tokenizer=tokenizer,
+            tokenizer=run.tokenizer,
             keep_last=cfg.keep_last_checkpoints,
             trainable_only=cfg.method != "full",
         )
 
-    # --- the loop ---------------------------------------------------------------------------------------------
-    model.train()
-    bar = tqdm(
-        total=cfg.max_steps,
-        initial=start_step,
-        desc=verb.split(" ")[0],
-        unit="step",
-        disable=not (show_progress(cfg.progress_bar) and main_rank),
-        dynamic_ncols=True,
+    return save
+
+
+def _set_lr(cfg: TrainConfig, optimizer, step: int) -> float:
+    """Set and return the learning rate of ``step`` (warm-up, then cosine decay)."""
+    lr = lr_at(
+        step,
+        lr=cfg.optimizer.lr,
+        min_lr=cfg.optimizer.min_lr,
+        warmup_steps=cfg.optimizer.warmup_steps,
+        max_steps=cfg.max_steps,
     )
-    last_ckpt = None
-    for step in range(start_step, cfg.max_steps):
-        t0 = time.perf_counter()
-        lr = lr_at(
-            step,
-            lr=cfg.optimizer.lr,
-            min_lr=cfg.optimizer.min_lr,
-            warmup_steps=cfg.optimizer.warmup_steps,
-            max_steps=cfg.max_steps,
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    return lr
+
+
+class _StepRecords:
+    """The step records of a run: throughput, this rank's memory peaks over the run, MFU."""
+
+    def __init__(self, cfg: TrainConfig, run: _Run, device: torch.device, logger: MetricsLogger) -> None:
+        self.cfg, self.device, self.logger, self.main_rank = cfg, device, logger, run.main_rank
+        self.throughput = Throughput()
+        self.rank_peak: dict[str, float] = {}  # this rank's own peaks over the run (GiB)
+        self.flops_per_token = training_flops_per_token(run.mcfg, run.seq_len, full=cfg.method == "full")
+        self.peak_flops = peak_flops_per_second(device, cfg.dtype, cfg.peak_flops)
+        self.mfu_warned = False
+
+    def log(self, done: int, lr: float, result: StepResult, t0: float, tokens: int, memory, tracker) -> float:
+        """Log the record of step ``done`` (the only host sync of a training step); returns its loss."""
+        loss = result.loss.item()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.throughput.add(time.perf_counter() - t0, tokens)
+        rate = self.throughput.interval_rate()  # this rank's
+        peaks = memory.read_and_reset()  # this rank's
+        self.rank_peak.update(
+            {k: max(self.rank_peak.get(k, 0.0), v) for k, v in peaks.items() if v is not None}
         )
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        micro_batches = [
-            tuple(t if t is None else t.to(device, non_blocking=True) for t in data.train_batch(step, m))
-            for m in range(cfg.gradient_accumulation_steps)
-        ]
-        tokens_this_step = sum(mb[0].numel() for mb in micro_batches)
-        if tracker is None:
-            result = train_step(model, optimizer, micro_batches, **step_options)
-        else:
-            # draw the run's second step (optimizer state exists by then), or its only step; rank 0 draws its own
-            plot_this = main_rank and (step == start_step + 1 or step == cfg.max_steps - 1 == start_step)
-            title = f"memory by category, step {step + 1} ({cfg.model})"
-            plot = (out / "memory_timeline.png", title) if plot_this else None
-            result = _tracked_step(tracker, model, optimizer, micro_batches, step_options, plot)
-        memory.sample()
-        done = step + 1
-        bar.update(1)
-        divergence.observe(done, result)
-
-        # once in a while: log (the only host sync of a training step)
-        if done % cfg.log_every == 0 or done == cfg.max_steps:
-            divergence.check()
-            loss = result.loss.item()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            throughput.add(time.perf_counter() - t0, tokens_this_step)
-            rate = throughput.interval_rate()  # this rank's
-            peaks = memory.read_and_reset()  # this rank's
-            rank_peak.update({k: max(rank_peak.get(k, 0.0), v) for k, v in peaks.items() if v is not None})
-            record = {
-                "step": done,
-                "loss": loss,
-                "lr": lr,
-                "grad_norm": result.grad_norm.item(),
-                "tokens_per_second_per_gpu": rate,
-                "mfu": rate * flops_per_token / peak_flops if peak_flops else None,
-                **dist_.max_over_ranks(peaks),  # the peaks of the fullest rank
-            }
-            if record["mfu"] is not None and record["mfu"] > 1 and not mfu_warned:  # once, saying why
-                mfu_warned = True
-                if main_rank:
-                    achieved = rate * flops_per_token
-                    tqdm.write(
-                        mfu_above_one(record["mfu"], done, achieved, peak_flops, device, cfg.peak_flops)
+        record = {
+            "step": done,
+            "loss": loss,
+            "lr": lr,
+            "grad_norm": result.grad_norm.item(),
+            "tokens_per_second_per_gpu": rate,
+            "mfu": rate * self.flops_per_token / self.peak_flops if self.peak_flops else None,
+            **dist_.max_over_ranks(peaks),  # the peaks of the fullest rank
+        }
+        if record["mfu"] is not None and record["mfu"] > 1 and not self.mfu_warned:  # once, saying why
+            self.mfu_warned = True
+            if self.main_rank:
+                achieved = rate * self.flops_per_token
+                tqdm.write(
+                    mfu_above_one(
+                        record["mfu"], done, achieved, self.peak_flops, self.device, self.cfg.peak_flops
                     )
-            if tracker is not None:  # sharded: the breakdown of the rank with the highest tracked peak
-                record.update(tracked_memory_fields(tracker))
-            logger.log(record)
-            bar.set_postfix(loss=f"{loss:.3f}")
-        else:
-            throughput.add(time.perf_counter() - t0, tokens_this_step)
+                )
+        if tracker is not None:  # sharded: the breakdown of the rank with the highest tracked peak
+            record.update(tracked_memory_fields(tracker))
+        self.logger.log(record)
+        return loss
 
-        # once in a while: evaluate
-        if cfg.eval_every and done % cfg.eval_every == 0 and done != cfg.max_steps:
-            divergence.check()
-            val = _validate(model, data, eval_options)
-            if not math.isnan(val["val_loss"]):  # NaN: no validation samples (data.val_fraction=0)
-                logger.log({"step": done, **val})
 
-        # once in a while: checkpoint
-        if cfg.checkpoint_every and done % cfg.checkpoint_every == 0 and done != cfg.max_steps:
-            last_ckpt = save(done)
-    bar.close()
-
-    # --- the end: final evaluation, checkpoint, plot, sample --------------------------------------------------
-    divergence.check()
-    val = _validate(model, data, eval_options)
-    val_loss = val["val_loss"]
-    if start_step < cfg.max_steps:
-        if not math.isnan(val_loss):
-            logger.log({"step": cfg.max_steps, **val})
-        last_ckpt = save(cfg.max_steps)
-    else:  # resumed a finished run: report, but add nothing to its records or checkpoints
-        if main_rank:
-            tqdm.write(f"the run in '{out}' is already complete at step {start_step}; nothing to train")
-        last_ckpt = resume_dir
-    logger.close()
-    plot = plot_losses(out / "metrics.jsonl", out / "loss.png") if main_rank else None
-    sample = _sample(cfg, model, tokenizer, last_ckpt, device) if main_rank else ""
+def _summary(
+    cfg, run: _Run, built, model, records: _StepRecords, val_loss, last_ckpt, device
+) -> dict[str, Any]:
+    """The end of a run once its records are closed: the loss plot, the sample, and what :func:`train` returns."""
+    plot = plot_losses(run.out / "metrics.jsonl", run.out / "loss.png") if run.main_rank else None
+    sample = _sample(cfg, model, run.tokenizer, last_ckpt, device) if run.main_rank else ""
+    rank_peak = records.rank_peak
     if device.type == "cpu" and process_peak_rss() is not None:  # the whole process's, as ru_maxrss says
         rank_peak["peak_memory_rss"] = to_gib(process_peak_rss())
     return {
         "final_val_loss": None if math.isnan(val_loss) else val_loss,
-        "val_empty_reason": data.val_empty_reason,
+        "val_empty_reason": run.data.val_empty_reason,
         "steps": cfg.max_steps,
         "num_params": built.num_params,
         "num_trainable_params": built.num_trainable,
-        "tokens_per_second_per_gpu": throughput.run_rate,
+        "tokens_per_second_per_gpu": records.throughput.run_rate,
         **run_peaks(rank_peak),
         "checkpoint": str(last_ckpt),
         "loss_plot": str(plot) if plot else None,
