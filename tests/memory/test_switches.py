@@ -152,6 +152,13 @@ def test_every_planned_switch_is_estimated(switch):
         assert e.host_bytes > 0
 
 
+def test_every_switch_is_planned_or_says_why_not():
+    for s in switches.SWITCHES:
+        assert (s.candidates is None) == bool(s.not_planned), f"{s.key}: plan it (candidates) or say why not"
+        if s.candidates is not None:
+            assert s.cost is not None, f"{s.key}: planned without a cost rule"
+
+
 def test_plan_settings_start_with_the_config_s_own_and_never_repeat():
     cfg = load_config(None, ["device=cuda"], needs_weights=False)
     space = switches.PlanSpace(cuda=True, world_size=1, dtypes=(cfg.dtype,), qlora_possible=False)

@@ -199,6 +199,8 @@ class StepTerms:
     paged_out_bytes: int
     per_token: float = 0.0
     """FLOPs per token: 3 forwards of the model, plus what switches add (recomputation, the chunked loss)."""
+    matmul_flops_per_second: float = 0.0
+    """The effective matmul rate of the dtype policy."""
     dequantize_bytes: float = 0.0
     """Bytes moved by QLoRA's dequantization (at device memory bandwidth, on the compute stream)."""
     gathers: int = 2
@@ -269,7 +271,9 @@ class Switch:
     activation: bool = False
     """It changes what forward and backward allocate (the planner's bound from an estimated sibling)."""
     candidates: Callable[[TrainConfig, PlanSpace], tuple[dict[str, Any], ...]] | None = None
-    """The settings the planner tries, ``cfg``'s own first; ``None``: not planned."""
+    """The settings the planner tries, ``cfg``'s own first; ``None``: not planned (say why in :attr:`not_planned`)."""
+    not_planned: str = ""
+    """Why the planner leaves it as the config has it."""
     prune: Callable[[dict[str, Any], TrainConfig], bool] | None = None
     """A combination of settings the planner skips (not worth estimating)."""
     sharded_only: bool = False
@@ -618,6 +622,10 @@ def _cost_method(method: str, t: StepTerms) -> None:
         t.dequantize_bytes = elements * t.constants["nf4_dequantize_bytes_per_element"][t.cfg.dtype]
 
 
+def _cost_dtype(dtype: str, t: StepTerms) -> None:
+    t.matmul_flops_per_second = t.constants["matmul_flops_per_second"][dtype]
+
+
 def _cost_optimizer(name: str, t: StepTerms) -> None:
     t.update_factor = t.constants["optimizer_update_factor"].get(name, 1.0)
     t.moved_bytes += 2 * t.paged_out_bytes
@@ -774,6 +782,7 @@ SWITCHES: tuple[Switch, ...] = (
             "bf16_mixed": "fp32 weights, gradients and state; forward/backward under bf16 autocast",
             "fp32": "everything fp32",
         }[v],
+        cost=_cost_dtype,
         parity=(
             Parity(
                 {"dtype": "bf16"},
@@ -950,6 +959,7 @@ SWITCHES: tuple[Switch, ...] = (
         parity=(
             Parity({"activation_checkpointing": "every_n", "activation_checkpointing_interval": 2}, _EXACT),
         ),
+        not_planned="planned with activation_checkpointing (every_n with interval 2, and the config's own)",
         doc="n of activation_checkpointing: every_n (planned with it, labelled ac=every_n)",
     ),
     Switch(
@@ -1014,6 +1024,8 @@ SWITCHES: tuple[Switch, ...] = (
             ),
         ),
         parity=(_COMPILED,),
+        not_planned="the estimate traces the eager step (an upper bound of the compiled one): the planner cannot tell "
+        "what compiling saves",
         doc="torch.compile each decoder layer and the loss (the estimator traces the eager step, an upper bound)",
     ),
     Switch(
@@ -1022,6 +1034,8 @@ SWITCHES: tuple[Switch, ...] = (
         check=_check_nothing,
         choices=STRATEGIES,
         no_parity="sharded: tests/test_distributed.py compares 2 ranks with one process",
+        not_planned="plans of sharded runs are estimated with FSDP2 (FSDP1 holds the same model states to within "
+        "padding)",
         doc="fsdp2 or fsdp1",
     ),
     Switch(
@@ -1061,6 +1075,7 @@ SWITCHES: tuple[Switch, ...] = (
         check=_check_prefetch,
         refusals=(Refusal({"distributed.prefetch": -1}, "must be >= 0 (0: FSDP's defaults), got -1"),),
         no_parity="sharded: tests/test_distributed.py",
+        not_planned="it trades overlap for a layer of gathered weights; the plan keeps the config's",
         doc="layers whose all-gather is issued ahead of use",
     ),
     Switch(
@@ -1071,6 +1086,7 @@ SWITCHES: tuple[Switch, ...] = (
             Refusal({"distributed.limit_all_gathers": False}, "applies to distributed.strategy=fsdp1 only"),
         ),
         no_parity="sharded, FSDP1 only: tests/test_distributed.py",
+        not_planned="FSDP1 only, and plans are FSDP2's",
         doc="fsdp1 only: at most two layers' unsharded weights at once",
     ),
 )

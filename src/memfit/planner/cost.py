@@ -180,7 +180,7 @@ def step_cost(
         per_token=3 * (flops["layers"] + flops["head"]),
     )
     switches.add_costs(terms)  # each switch's share, by its entry (memfit.memory.switches.Switch.cost)
-    compute = tokens * terms.per_token / c["matmul_flops_per_second"][cfg.dtype]
+    compute = tokens * terms.per_token / terms.matmul_flops_per_second
     dequantize = (
         terms.dequantize_bytes / c["device_memory_bytes_per_second"] if terms.dequantize_bytes else 0.0
     )
