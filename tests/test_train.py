@@ -1,17 +1,18 @@
 """The training step: token-weighted accumulation, determinism, fake-tensor execution, the LR schedule."""
 
+import inspect
 import math
 
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from memfit.config import OptimizerConfig
+from memfit.config import OptimizerConfig, load_config
 from memfit.memory.optim import build_optimizer, lr_at, param_groups
 from memfit.memory.techniques import IGNORE_INDEX
 from memfit.models.llama import build_llama
 from memfit.models.presets import model_config
-from memfit.step import train_step
+from memfit.step import evaluate, evaluation_options, train_step, train_step_options
 
 
 def _model_and_opt(seed=0, dtype=torch.float32):
@@ -124,3 +125,20 @@ def test_one_step_of_llama3_8b_runs_on_fake_tensors():
         assert opt.state[q]["exp_avg"].shape == (4096, 4096)
         assert q.grad is None  # zero_grad(set_to_none=True) ran
     assert sum(p.numel() for p in model.parameters()) == 8_030_261_248
+
+
+def test_step_and_evaluation_options_are_the_config_keys_of_the_same_name():
+    cfg = load_config(None, ["chunked_cross_entropy=4", "dtype=bf16"])
+    device = torch.device("cpu")
+    step = train_step_options(cfg)
+    assert step == {
+        "max_grad_norm": cfg.max_grad_norm,
+        "dtype": "bf16",
+        "chunked_cross_entropy": 4,
+        "activation_offloading": False,
+        "compile": False,
+    }
+    assert set(step) <= set(inspect.signature(train_step).parameters)
+    options = evaluation_options(cfg, device)
+    assert options == {"dtype": "bf16", "chunked_cross_entropy": 4, "compile": False, "device": device}
+    assert set(options) == set(inspect.signature(evaluate).parameters) - {"model", "batches"}

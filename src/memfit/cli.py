@@ -339,6 +339,11 @@ def _config_verb(
     return parser
 
 
+def _keys_epilog(title: str = "keys and defaults", keys: list[str] | None = None) -> str:
+    """A verb's epilog: its ``key=value`` settings and their defaults (default: :class:`TrainConfig`'s)."""
+    return f"{title}:\n  " + "\n  ".join(describe_keys() if keys is None else keys)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``memfit`` parser: one sub-parser per verb, in the order ``memfit --help`` lists them."""
     parser = argparse.ArgumentParser(
@@ -374,7 +379,7 @@ def _add_pretrain(sub: Any) -> None:
         description="Pretrain a Llama on a text corpus. Keys are memfit.config.TrainConfig fields; "
         "override any with dotted key=value (optimizer.lr=3e-4). nproc=N starts N sharded ranks on this machine "
         "(torchrun --standalone --nproc_per_node N -m memfit pretrain ...).",
-        epilog="keys and defaults (the defaults are the main job):\n  " + "\n  ".join(describe_keys()),
+        epilog=_keys_epilog("keys and defaults (the defaults are the main job)"),
     )
 
 
@@ -391,7 +396,7 @@ def _add_finetune(sub: Any) -> None:
         "or adapter, on instruction / chat records (data.format alpaca, dolly, sharegpt, openai; data.template "
         "alpaca, llama2-chat, llama3-chat, chatml) or a text corpus. The same keys as pretrain; output_dir "
         "defaults to out/finetune. nproc=N starts N sharded ranks on this machine (through torchrun).",
-        epilog="keys and defaults:\n  " + "\n  ".join(describe_keys()),
+        epilog=_keys_epilog(),
     )
 
 
@@ -409,7 +414,7 @@ def _add_estimate(sub: Any) -> None:
         "phase, what the allocator cannot see (paged, offloaded), and the closed-form model states beside the "
         "traced ones. world_size=N estimates one rank of an N-rank FSDP2 run. device=cuda estimates a GPU run "
         "(on any machine).",
-        epilog="keys and defaults:\n  " + "\n  ".join(describe_keys()),
+        epilog=_keys_epilog(),
     )
     est.add_argument(
         "--json",
@@ -434,7 +439,7 @@ def _add_plan(sub: Any) -> None:
         "budget is required: 24GiB (GiB = 1024**3 bytes; also MiB, TiB) or 24GB (GB = 10**9 bytes; also MB, TB). "
         "world_size=N plans one rank of an N-rank FSDP2 run. dtype: kept when given, else bf16_mixed and bf16 "
         "(on CPU also fp32) are considered. device=cuda plans a GPU run on any machine.",
-        epilog="keys and defaults:\n  " + "\n  ".join(describe_keys()),
+        epilog=_keys_epilog(),
     )
     pl.add_argument(
         "--out",
@@ -474,7 +479,7 @@ def _add_prepare(sub: Any) -> None:
         "uint16/uint32 ids per source with BOS/EOS between documents, validation documents held out by a hash of "
         "their text, and DIR/manifest.json. Streams its inputs (memory bounded by a few batches), uses every core, "
         "resumes after being killed, and is a no-op when run again on the same inputs. See docs/data.md.",
-        epilog="key=value settings and defaults:\n  " + "\n  ".join(describe_keys(PrepareConfig)[3:]),
+        epilog=_keys_epilog("key=value settings and defaults", describe_keys(PrepareConfig)[3:]),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     pr.add_argument("--out", required=True, help="the dataset directory to write (required)")
