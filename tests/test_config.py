@@ -114,7 +114,7 @@ def test_cli_config_error_exits_2_before_touching_disk(tmp_path, capsys):
             "gradient_accumulation_steps=1",
         ),
         (["optimizer_in_backward=true"], "optimizer_in_backward", "max_grad_norm=0"),
-        (["activation_offloading=true", "device=cpu"], "activation_offloading", "CUDA"),
+        (["tiled_mlp=-1"], "tiled_mlp", ">= 0 tiles"),
         (["optimizer.cpu_offload=true", "device=cpu"], "optimizer.cpu_offload", "CUDA"),
         (["activation_checkpointing=some"], "activation_checkpointing", "none, selective, every_n, full"),
         (

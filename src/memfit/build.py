@@ -33,7 +33,12 @@ from memfit.convert import (
 from memfit.errors import CheckpointError, ConfigError
 from memfit.memory.host import release_free_heap
 from memfit.memory.optim import build_optimizer
-from memfit.memory.techniques import apply_activation_checkpointing, apply_compile
+from memfit.memory.techniques import (
+    apply_activation_checkpointing,
+    apply_activation_offloading,
+    apply_compile,
+    apply_tiled_mlp,
+)
 from memfit.models import peft
 from memfit.models.llama import Llama, LlamaConfig, build_llama, init_parameter_
 from memfit.models.presets import MODEL_PRESETS, model_config
@@ -270,7 +275,8 @@ def build_training(
        model).
     2. Sharded: the starting tensors (:func:`initial_parameters`), checked against the model before anything is
        allocated.
-    3. Activation checkpointing (``activation_checkpointing``), then ``compile`` (each decoder layer, with its
+    3. The tiled MLP (``tiled_mlp``), activation checkpointing (``activation_checkpointing``), activation
+       offloading around the layers (``activation_offloading``), then ``compile`` (each decoder layer, with its
        checkpointing; the estimator's config has it off: it traces the eager step).
     4. Sharded: FSDP over the process group (:func:`memfit.distributed.shard_model`).
     5. Sharded: each rank fills its shards one whole tensor at a time; fake: every parameter (or shard) gets fake
@@ -295,7 +301,10 @@ def build_training(
     on_meta = fake_mode is not None or world_size > 1
     model: torch.nn.Module = build_model(cfg, mcfg, torch.device("meta") if on_meta else device)
     initial = initial_parameters(cfg, mcfg, model, device) if world_size > 1 and fake_mode is None else None
+    apply_tiled_mlp(model, cfg.tiled_mlp)
     apply_activation_checkpointing(model, cfg.activation_checkpointing, cfg.activation_checkpointing_interval)
+    if cfg.activation_offloading:
+        apply_activation_offloading(model)
     if cfg.compile:
         apply_compile(model)
     num_params = sum(p.numel() for p in model.parameters())

@@ -339,11 +339,19 @@ class TrainConfig:
     activation_checkpointing_interval: int = 2
     """``n`` for ``activation_checkpointing: every_n``."""
     activation_offloading: bool = False
-    """Move tensors saved for backward to pinned host memory during the forward (CUDA only)."""
-    chunked_cross_entropy: int = 0
+    """Move tensors saved for backward outside checkpointed layers to pinned host memory during the forward (a side
+    stream, overlapped) and bring them back one ahead in the backward: with ``activation_checkpointing: full`` the
+    offloaded checkpoints (every layer's input on the host, one or two on the device). On CPU the host is the
+    device: nothing moves."""
+    chunked_cross_entropy: int | str = 0
     """Compute the loss in this many chunks of tokens, each chunk's gradients with respect to the hidden states and
     ``lm_head``'s weight computed in the same pass (a fused linear cross-entropy), so the full
-    ``(B, T, vocab_size)`` logits never exist and the backward recomputes nothing; 0 is off."""
+    ``(B, T, vocab_size)`` logits never exist and the backward recomputes nothing; 0 is off. ``auto``: chunks of at
+    most 2^25 logits each (261 tokens for Llama 3's vocabulary), bounded at any sequence length."""
+    tiled_mlp: int | str = 0
+    """Run each decoder layer's SwiGLU MLP over the tokens in this many tiles, recomputing each tile in the backward,
+    so its ``(B, T, intermediate_size)`` tensors exist for one tile at a time (Arctic Long Sequence Training's
+    TiledMLP); 0 is off. ``auto``: tiles of about ``dim`` tokens. Costs one more MLP forward per layer."""
     compile: bool = False
     """``torch.compile`` each decoder layer (with its activation checkpointing, LoRA or adapter) and the loss, as
     torchtitan does: the layers share one compiled graph. The first steps pay the compilation (seconds to minutes;
@@ -489,7 +497,12 @@ def _from_dict(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
     return cls(**kwargs)
 
 
-def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
+def set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    """Set ``tree[a][b] = value`` for ``dotted`` ``a.b`` (sections made as needed).
+
+    Raises:
+        ConfigError: a part of ``dotted`` names a value, not a section.
+    """
     parts = dotted.split(".")
     node = tree
     for i, part in enumerate(parts[:-1]):
@@ -545,7 +558,7 @@ def parse_overrides(overrides: list[str]) -> dict[str, Any]:
             value = raw  # "sample.prompt=ROMEO:" is text, not a YAML mapping
         if isinstance(value, str) and _looks_like_float(value):
             value = float(value)  # YAML 1.1 reads "3e-4" as a string
-        _set_dotted(tree, key.strip(), value)
+        set_dotted(tree, key.strip(), value)
     return tree
 
 

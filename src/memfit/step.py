@@ -81,8 +81,7 @@ def micro_batch_loss(
     targets: torch.Tensor,
     *,
     dtype: str,
-    chunked_cross_entropy: int = 0,
-    activation_offloading: bool = False,
+    chunked_cross_entropy: int | str = 0,
     doc_ids: torch.Tensor | None = None,
     compile: bool = False,
 ) -> torch.Tensor:
@@ -94,8 +93,8 @@ def micro_batch_loss(
         targets: ``(B, T)`` int64; ``-100`` does not count.
         dtype: the dtype policy (``bf16_mixed`` runs the forward under bf16 autocast).
         chunked_cross_entropy: > 0 computes the loss in this many chunks of tokens from the hidden states, never
-            materialising the ``(B, T, vocab_size)`` logits (the config key of the same name).
-        activation_offloading: save tensors for backward in pinned host memory (CUDA).
+            materialising the ``(B, T, vocab_size)`` logits; ``auto`` sizes the chunks in tokens
+            (:func:`memfit.memory.techniques.loss_chunks`; the config key of the same name).
         doc_ids: ``(B, T)`` ids of the samples packed into each row, or ``None`` (one sequence per row).
         compile: run the loss (or each chunk's) as a ``torch.compile``'d function (``compile: true``; the
             decoder layers are compiled at build time).
@@ -103,15 +102,14 @@ def micro_batch_loss(
     Returns:
         0-dim fp32 summed loss in nats.
     """
-    with autocast_context(dtype, inputs.device.type), techniques.activation_offloading(activation_offloading):
-        if chunked_cross_entropy > 0:
+    with autocast_context(dtype, inputs.device.type):
+        if chunked_cross_entropy:
             hidden = model(
                 inputs, doc_ids, return_hidden=True
             )  # (B, T, dim); one call of the whole model (FSDP)
             weight = lora_effective_weight(model.lm_head)  # (V, dim); with LoRA on lm_head: W + scale * B @ A
-            return techniques.chunked_cross_entropy(
-                hidden, weight, targets, chunked_cross_entropy, compile=compile
-            )
+            chunks = techniques.loss_chunks(chunked_cross_entropy, targets.numel(), weight.shape[0])
+            return techniques.chunked_cross_entropy(hidden, weight, targets, chunks, compile=compile)
         logits = model(inputs, doc_ids)  # (B, T, V)
         return (compiled(loss_sum) if compile else loss_sum)(logits, targets)
 
@@ -123,8 +121,7 @@ def train_step(
     *,
     max_grad_norm: float,
     dtype: str,
-    chunked_cross_entropy: int = 0,
-    activation_offloading: bool = False,
+    chunked_cross_entropy: int | str = 0,
     compile: bool = False,
     skip_nonfinite: bool = False,
     tracker=None,
@@ -146,7 +143,6 @@ def train_step(
         max_grad_norm: clip the global gradient norm to this; 0 disables clipping.
         dtype: the dtype policy (``fp32``, ``bf16``, ``bf16_mixed``).
         chunked_cross_entropy: see :func:`micro_batch_loss`.
-        activation_offloading: see :func:`micro_batch_loss`.
         compile: see :func:`micro_batch_loss`.
         skip_nonfinite: when the loss or the gradient norm is not finite, apply no update and return
             ``skipped=True`` (one host sync: the decision is needed before the update). Not with an
@@ -174,7 +170,6 @@ def train_step(
                 targets,
                 dtype=dtype,
                 chunked_cross_entropy=chunked_cross_entropy,
-                activation_offloading=activation_offloading,
                 doc_ids=rest[0] if rest else None,
                 compile=compile,
             )
@@ -206,7 +201,7 @@ def evaluate(
     *,
     dtype: str,
     device: torch.device,
-    chunked_cross_entropy: int = 0,
+    chunked_cross_entropy: int | str = 0,
     compile: bool = False,
 ) -> float:
     """Mean cross-entropy per counted token over ``batches`` (the same fixed validation batches at every call).
@@ -246,10 +241,10 @@ def evaluate(
     return float(total.item() / count) if count else math.nan
 
 
-STEP_OPTIONS = ("dtype", "chunked_cross_entropy", "activation_offloading", "compile")
+STEP_OPTIONS = ("dtype", "chunked_cross_entropy", "compile")
 """The config keys :func:`train_step` takes as keyword arguments of the same name (with ``max_grad_norm``)."""
 EVALUATION_OPTIONS = ("dtype", "chunked_cross_entropy", "compile")
-"""Those :func:`evaluate` takes too (it runs no backward, so nothing is saved for one to offload)."""
+"""Those :func:`evaluate` takes too."""
 
 
 def train_step_options(cfg: TrainConfig) -> dict[str, Any]:

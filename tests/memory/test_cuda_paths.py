@@ -156,13 +156,13 @@ B, NH, NKV, HD = 2, 4, 2, 16
             2 * (2 * B * NH * 16 * HD + 2 * B * NKV * 16 * HD) + 4 * B * NH * 16,
             2 * (2 * B * NH * 16 * HD + 2 * B * NKV * 16 * HD) + 4 * B * NH * 16 + 16 + 8,
         ),
-        # bf16, packed-sample mask, T = 12: keys and values expanded to nh heads (memfit does it for any mask);
-        # CPU flash saves the additive bf16 mask (B, 1, T, T); CUDA's memory-efficient kernel the mask padded to
-        # 16 keys, the logsumexp padded to 32 queries, and the philox seed and offset (8 bytes each)
+        # bf16, packed documents, T = 12 (memfit.models.attention, no mask kept): on CPU q, k, v (nkv heads), the
+        # document ids (B, T) int64, the output and its fp32 logsumexp (B, nh, T); on CUDA, where the backward
+        # recomputes each block, only q, k, v and the ids
         (
             torch.bfloat16, 12, True,
-            2 * 4 * B * NH * 12 * HD + 4 * B * NH * 12 + 2 * B * 12 * 12,
-            2 * 4 * B * NH * 12 * HD + 4 * B * NH * 32 + 2 * B * 12 * 16 + 16,
+            2 * (2 * B * NH * 12 * HD + 2 * B * NKV * 12 * HD) + 8 * B * 12 + 4 * B * NH * 12,
+            2 * (B * NH * 12 * HD + 2 * B * NKV * 12 * HD) + 8 * B * 12,
         ),
         # fp32, causal, grouped-query, T = 40: on CUDA memfit expands keys and values (2 copies of (B, nh, T, hd))
         # and the memory-efficient kernel pads the logsumexp to 64 queries
@@ -179,11 +179,11 @@ def test_attention_saves_what_the_cuda_kernel_saves(dtype, t, masked, on_cpu, on
 
     with FakeTensorMode():
         q, k, v = qkv(B, NH, NKV, t, HD, dtype)
-        mask = torch.ones(B, 1, t, t, dtype=torch.bool).tril() if masked else None
-        assert saved_bytes(lambda: llama.causal_attention(q, k, v, mask=mask)) == on_cpu
+        doc_ids = torch.zeros(B, t, dtype=torch.long) if masked else None
+        assert saved_bytes(lambda: llama.causal_attention(q, k, v, doc_ids=doc_ids)) == on_cpu
         with cuda_paths(True):
-            assert saved_bytes(lambda: llama.causal_attention(q, k, v, mask=mask)) == on_cuda
-            y = llama.causal_attention(q, k, v, mask=mask)
+            assert saved_bytes(lambda: llama.causal_attention(q, k, v, doc_ids=doc_ids)) == on_cuda
+            y = llama.causal_attention(q, k, v, doc_ids=doc_ids)
             y.sum().backward()  # the CUDA kernels' backward runs on fake tensors too
         assert y.shape == q.shape and k.grad.shape == k.shape
 

@@ -330,7 +330,7 @@ def test_sharded_estimate_of_fsdp1_is_a_config_error(capsys):
     assert not torch.distributed.is_initialized()
 
 
-def test_reserved_is_the_replayed_timeline_and_is_left_out_where_memory_moves_to_the_host(capsys):
+def test_reserved_is_the_replayed_timeline_and_is_left_out_where_the_host_steps(capsys):
     """On CUDA the trace's allocations and frees, after the 32 MiB cuBLAS workspace of a Hopper GPU, are replayed
     through the caching allocator model: every block is rounded to 512 bytes and lives in a segment of at least
     2 MiB, so the reserved peak is at least the live peak plus the workspace, and whole segments."""
@@ -352,9 +352,14 @@ def test_reserved_is_the_replayed_timeline_and_is_left_out_where_memory_moves_to
     unpaged = estimate(**big, device="cuda", **{"optimizer.name": "adamw8bit"})
     assert paged.unseen["paged_optimizer_state"] == 4 * 163840 * 64 == 4 * 10 * MIB
     assert unpaged.peak_reserved_bytes - paged.peak_reserved_bytes == 4 * 10 * MIB
+    # offloaded checkpoints: the trace itself moves them off the device (and back, one ahead), so its allocations
+    # are the device's and are replayed too; the host holds them apart
     offloaded = estimate(device="cuda", activation_checkpointing="full", activation_offloading=True)
-    assert offloaded.peak_reserved_bytes is None
-    assert offloaded.device_total_bytes == offloaded.peak_bytes + CUDA_CONTEXT_BYTES_ESTIMATE
+    assert offloaded.peak_reserved_bytes >= offloaded.peak_bytes + cublas_workspace_bytes(CUBLAS_SM)
+    assert offloaded.device_total_bytes == offloaded.peak_reserved_bytes + CUDA_CONTEXT_BYTES_ESTIMATE
+    assert offloaded.host_bytes == offloaded.unseen["offloaded_activations"] > 0
+    moved = estimate(device="cuda", **{"optimizer.cpu_offload": True, "max_grad_norm": 0})
+    assert moved.peak_reserved_bytes is None  # optimizer state and its update on the host: not replayed
 
 
 def test_sharded_reserved_puts_fsdp2_all_gathers_on_their_own_stream(monkeypatch):

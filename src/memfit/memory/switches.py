@@ -176,6 +176,10 @@ class PlanSpace:
     """The dtype policies to consider."""
     qlora_possible: bool
     """Every decoder linear can be stored in NF4 (and, sharded, split evenly over the ranks)."""
+    tokens: int = 0
+    """Tokens of a micro-batch, ``batch_size * seq_len``."""
+    vocab_size: int = 0
+    """The model's vocabulary."""
 
 
 @dataclass
@@ -212,7 +216,9 @@ class StepTerms:
     per_tensor: bool = False
     """Each tensor is updated on its own (kernel launches per tensor)."""
     moved_bytes: int = 0
-    """Bytes over the host link per step."""
+    """Bytes over the host link per step, on the compute stream."""
+    overlapped_bytes: int = 0
+    """Bytes over the host link per step on a side stream, overlapping compute (offloaded activations)."""
 
 
 @dataclass(frozen=True)
@@ -268,6 +274,9 @@ class Switch:
     """``(cfg, target, closed-form states) -> {name: bytes}``: host copies the trace does not see."""
     off_device: tuple[str, ...] = ()
     """When on (on CUDA), these closed-form states leave the device: its peak keeps only what is in flight."""
+    offloads_activations: bool = False
+    """When on (on CUDA), tensors saved for backward leave the device (the trace moves them itself; the planner's
+    lower bound keeps none of them on the device, and its cost model charges their traffic)."""
     activation: bool = False
     """It changes what forward and backward allocate (the planner's bound from an estimated sibling)."""
     candidates: Callable[[TrainConfig, PlanSpace], tuple[dict[str, Any], ...]] | None = None
@@ -400,12 +409,16 @@ def _check_interval(cfg: TrainConfig, target: Target) -> None:
     )
 
 
-def _check_chunks(cfg: TrainConfig, target: Target) -> None:
+def _auto_or_count(value: Any, key: str, what: str) -> None:
     require(
-        cfg.chunked_cross_entropy >= 0,
-        "chunked_cross_entropy",
-        f"must be >= 0 (0 is off), got {cfg.chunked_cross_entropy}",
+        value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value >= 0),
+        key,
+        f"must be >= 0 {what} (0 is off) or auto, got {value!r}",
     )
+
+
+def _check_chunks(cfg: TrainConfig, target: Target) -> None:
+    _auto_or_count(cfg.chunked_cross_entropy, "chunked_cross_entropy", "chunks")
     require(
         not (target.sharded and cfg.chunked_cross_entropy and cfg.distributed.strategy == "fsdp1"),
         "chunked_cross_entropy",
@@ -418,20 +431,34 @@ def _check_chunks(cfg: TrainConfig, target: Target) -> None:
 
 def _check_chunks_model(cfg: TrainConfig, mcfg: LlamaConfig) -> None:
     seq_len = cfg.seq_len or mcfg.max_seq_len
+    chunks = cfg.chunked_cross_entropy
     require(
-        cfg.chunked_cross_entropy <= cfg.batch_size * seq_len,
+        chunks == "auto" or chunks <= cfg.batch_size * seq_len,
         "chunked_cross_entropy",
-        f"{cfg.chunked_cross_entropy} chunks exceed the {cfg.batch_size * seq_len} tokens of a micro-batch "
-        f"(batch_size * seq_len); use at most that many (4-16 is typical)",
+        f"{chunks} chunks exceed the {cfg.batch_size * seq_len} tokens of a micro-batch "
+        f"(batch_size * seq_len); use at most that many (4-16 is typical), or auto",
     )
 
 
-def _check_activation_offloading(cfg: TrainConfig, target: Target) -> None:
+def _check_tiled(cfg: TrainConfig, target: Target) -> None:
+    _auto_or_count(cfg.tiled_mlp, "tiled_mlp", "tiles")
     require(
-        not cfg.activation_offloading or target.device == "cuda",
-        "activation_offloading",
-        "moves saved activations from GPU to host memory and needs a CUDA device; on CPU they already live "
-        "in host memory. Use activation_checkpointing to save activation memory here",
+        not (target.sharded and cfg.tiled_mlp and cfg.distributed.strategy == "fsdp1"),
+        "tiled_mlp",
+        "does not work with distributed.strategy=fsdp1: FSDP1 gives the MLP's weights to the forward as views of "
+        "its flat parameter, not as the module's parameters, so the tiles' recomputation in the backward cannot "
+        "return their gradients. Use distributed.strategy=fsdp2 or tiled_mlp=0",
+    )
+
+
+def _check_tiled_model(cfg: TrainConfig, mcfg: LlamaConfig) -> None:
+    seq_len = cfg.seq_len or mcfg.max_seq_len
+    tiles = cfg.tiled_mlp
+    require(
+        tiles == "auto" or tiles <= cfg.batch_size * seq_len,
+        "tiled_mlp",
+        f"{tiles} tiles exceed the {cfg.batch_size * seq_len} tokens of a micro-batch (batch_size * seq_len); "
+        f"use at most that many, or auto (tiles of about dim tokens)",
     )
 
 
@@ -497,7 +524,19 @@ def _check_fsdp_offload(cfg: TrainConfig, target: Target) -> None:
 PLAN_CHECKPOINTING = (("none", None), ("selective", None), ("every_n", 2), ("full", None))
 """``activation_checkpointing`` modes the planner tries (with the interval of ``every_n``)."""
 PLAN_CHUNKS = (0, 8)
-"""``chunked_cross_entropy`` values the planner tries."""
+"""``chunked_cross_entropy`` values the planner tries; ``auto`` in place of 8 where 8 chunks would hold more
+logits each than ``auto``'s (long sequences, large vocabularies: :func:`_plan_chunks`)."""
+PLAN_TILES = (0, "auto")
+"""``tiled_mlp`` values the planner tries."""
+AUTO_CHUNK_LOGITS = 2**25
+"""The most logits of one chunk of ``chunked_cross_entropy: auto`` (:func:`memfit.memory.techniques.loss_chunks`)."""
+
+
+def _plan_chunks(cfg: TrainConfig, space: PlanSpace) -> tuple[dict[str, Any], ...]:
+    values = list(PLAN_CHUNKS)
+    if space.tokens * space.vocab_size > 8 * AUTO_CHUNK_LOGITS:
+        values = [0, "auto"]
+    return _each("chunked_cross_entropy", (cfg.chunked_cross_entropy, *values))
 
 
 def _each(key: str, values: Any) -> tuple[dict[str, Any], ...]:
@@ -660,9 +699,17 @@ def _cost_chunks(chunks: int, t: StepTerms) -> None:
         t.per_token += t.constants["chunked_ce_extra_head_forwards"] * t.flops["head"]
 
 
+def _cost_tiled(tiles: int | str, t: StepTerms) -> None:
+    if tiles:  # each tile's forward again in the backward
+        t.per_token += t.flops["mlp"]
+
+
 def _cost_activation_offloading(on: bool, t: StepTerms) -> None:
-    # unconditional: the caller passes the offloaded bytes (0 unless the run offloads on CUDA)
-    t.moved_bytes += 2 * t.offloaded_activation_bytes
+    # unconditional: the caller passes the offloaded bytes (0 unless the run offloads on CUDA); out in the forward
+    # and back in the backward on a side stream, overlapping the layers' compute, but for the first layer's copy
+    # back at the start of the backward, which nothing was prefetched ahead of
+    t.overlapped_bytes += 2 * t.offloaded_activation_bytes
+    t.moved_bytes += t.offloaded_activation_bytes // t.mcfg.num_layers
 
 
 def _cost_reshard(on: bool, t: StepTerms) -> None:
@@ -683,10 +730,6 @@ def _cost_fsdp_offload(on: bool, t: StepTerms) -> None:
 
 def _moves_state(cfg: Any, target: str) -> dict[str, str]:
     return {"optimizer_state": "offloaded_optimizer_state"} if target == "cuda" else {}
-
-
-def _moves_activations(cfg: Any, target: str) -> dict[str, str]:
-    return {"activations": "offloaded_activations"} if target == "cuda" else {}
 
 
 def _host_copies(cfg: Any, target: str, closed: dict[str, int]) -> dict[str, int]:
@@ -968,14 +1011,13 @@ SWITCHES: tuple[Switch, ...] = (
         check=_check_chunks,
         check_model=_check_chunks_model,
         activation=True,
-        candidates=lambda cfg, space: _each(
-            "chunked_cross_entropy", (cfg.chunked_cross_entropy, *PLAN_CHUNKS)
-        ),
+        candidates=_plan_chunks,
         label=lambda v, cfg: f"ce={v}" if v else "",
         comment=_when("never materialise the whole (B, T, vocab) logits"),
         cost=_cost_chunks,
         refusals=(
-            Refusal({"chunked_cross_entropy": -1}, "must be >= 0 (0 is off), got -1"),
+            Refusal({"chunked_cross_entropy": -1}, "must be >= 0 chunks (0 is off) or auto, got -1"),
+            Refusal({"chunked_cross_entropy": "many"}, "must be >= 0 chunks (0 is off) or auto, got 'many'"),
             Refusal(
                 {"chunked_cross_entropy": 4, "distributed.strategy": "fsdp1"},
                 "does not work with distributed.strategy=fsdp1: the loss",
@@ -985,26 +1027,61 @@ SWITCHES: tuple[Switch, ...] = (
                 {"chunked_cross_entropy": 100_000}, "100000 chunks exceed the 4096 tokens of a micro-batch"
             ),
         ),
-        parity=(Parity({"chunked_cross_entropy": 4}, _EXACT),),
-        doc="the loss in chunks of tokens: the (B, T, vocab_size) logits never exist",
+        parity=(
+            Parity({"chunked_cross_entropy": 4}, _EXACT),
+            Parity({"chunked_cross_entropy": "auto"}, _EXACT),
+        ),
+        doc="the loss in chunks of tokens: the (B, T, vocab_size) logits never exist; auto bounds a chunk's logits",
+    ),
+    Switch(
+        key="tiled_mlp",
+        applied="build: memfit.memory.techniques.apply_tiled_mlp",
+        check=_check_tiled,
+        check_model=_check_tiled_model,
+        activation=True,
+        candidates=lambda cfg, space: _each("tiled_mlp", (cfg.tiled_mlp, *PLAN_TILES)),
+        label=lambda v, cfg: "" if not v else ("tiled" if v == "auto" else f"tiled={v}"),
+        comment=_when("the MLP in tiles of ~dim tokens, each recomputed in backward: one more MLP forward"),
+        cost=_cost_tiled,
+        refusals=(
+            Refusal({"tiled_mlp": -2}, "must be >= 0 tiles (0 is off) or auto, got -2"),
+            Refusal(
+                {"tiled_mlp": 4, "distributed.strategy": "fsdp1"},
+                "does not work with distributed.strategy=fsdp1: FSDP1 gives",
+                world_size=2,
+            ),
+            Refusal({"tiled_mlp": 5000}, "5000 tiles exceed the 4096 tokens of a micro-batch"),
+        ),
+        parity=(
+            Parity(
+                {"tiled_mlp": 4},
+                1e-5,
+                why="the MLP's weight gradients add up over the tiles in another order (~1e-7 relative a step)",
+            ),
+            Parity({"tiled_mlp": "auto", "activation_checkpointing": "full"}, 1e-5, why="as tiled_mlp=4"),
+        ),
+        doc="the SwiGLU MLP tile by tile over the tokens, each tile recomputed in backward (auto: ~dim tokens a tile)",
     ),
     Switch(
         key="activation_offloading",
-        applied="step: memfit.memory.techniques.activation_offloading (saved-tensor hooks to pinned host memory)",
-        check=_check_activation_offloading,
-        trace_value=False,
-        moves=_moves_activations,
+        applied="build: memfit.memory.techniques.apply_activation_offloading (OffloadSavedTensors around each "
+        "decoder layer: saved-tensor hooks to pinned host memory, a side stream, one ahead)",
+        check=_check_nothing,
+        offloads_activations=True,
         activation=True,
-        candidates=_plan_bool("activation_offloading"),
+        candidates=_plan_bool("activation_offloading", cuda_only=True),
         prune=_prune_offloading,
         label=_flag("act_offload"),
-        comment=_when("saved activations in pinned host memory (PCIe each step)"),
+        comment=_when("saved activations (with ac=full: the checkpoints) in pinned host memory, overlapped"),
         cost=_cost_activation_offloading,
-        refusals=(
-            Refusal({"activation_offloading": True}, "moves saved activations from GPU to host memory"),
+        parity=(
+            Parity(
+                {"activation_offloading": True, "activation_checkpointing": "full"},
+                _EXACT,
+                why="on CPU nothing moves (the host is the device): the hooks run and hand each tensor back",
+            ),
         ),
-        no_parity="CUDA only; not run on CPU",
-        doc="tensors saved for backward in pinned host memory (CUDA only)",
+        doc="tensors saved for backward (with ac=full: the layers' inputs) in pinned host memory, back one ahead",
     ),
     Switch(
         key="compile",
@@ -1130,12 +1207,13 @@ def check_model(cfg: TrainConfig, mcfg: LlamaConfig) -> None:
             switch.check_model(cfg, mcfg)
 
 
-def trace_values(cfg: TrainConfig) -> dict[str, Any]:
+def trace_values() -> dict[str, Any]:
     """``{dotted key: value}`` the estimator's trace runs with instead of ``cfg``'s (:attr:`Switch.trace_value`)."""
     return {s.key: s.trace_value for s in SWITCHES if s.trace_value is not None}
 
 
-def is_on(cfg: TrainConfig, switch: Switch) -> bool:
+def _is_on(cfg: TrainConfig, switch: Switch) -> bool:
+    """The switch's value is truthy (set, on, > 0)."""
     return bool(value_of(cfg, switch.key))
 
 
@@ -1143,7 +1221,7 @@ def moved_categories(cfg: TrainConfig, target: str) -> dict[str, str]:
     """Traced categories that live outside the device allocator, by the name they are reported under."""
     moved: dict[str, str] = {}
     for s in SWITCHES:
-        if s.moves is not None and is_on(cfg, s):
+        if s.moves is not None and _is_on(cfg, s):
             moved.update(s.moves(cfg, target))
     return moved
 
@@ -1152,16 +1230,22 @@ def host_copies(cfg: TrainConfig, target: str, closed: dict[str, int]) -> dict[s
     """Host bytes the trace does not see, by name (:attr:`Switch.host_bytes`)."""
     out: dict[str, int] = {}
     for s in SWITCHES:
-        if s.host_bytes is not None and is_on(cfg, s):
+        if s.host_bytes is not None and _is_on(cfg, s):
             out.update(s.host_bytes(cfg, target, closed))
     return out
+
+
+def offloads_activations(cfg: TrainConfig, target: str) -> bool:
+    """Tensors saved for backward leave the device (:attr:`Switch.offloads_activations`; only a CUDA target has a
+    host apart from the device)."""
+    return target == "cuda" and any(s.offloads_activations and _is_on(cfg, s) for s in SWITCHES)
 
 
 def off_device_states(cfg: TrainConfig, target: str) -> tuple[str, ...]:
     """Closed-form states that leave the device on ``target`` (:attr:`Switch.off_device`)."""
     if target != "cuda":
         return ()
-    return tuple(k for s in SWITCHES if s.off_device and is_on(cfg, s) for k in s.off_device)
+    return tuple(k for s in SWITCHES if s.off_device and _is_on(cfg, s) for k in s.off_device)
 
 
 def planned(world_size: int) -> tuple[Switch, ...]:

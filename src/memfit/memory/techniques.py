@@ -8,29 +8,38 @@
   Transformer Models"; op-level as torchtitan applies it): every decoder layer is checkpointed with a policy that
   saves the outputs of its matmuls and of attention and recomputes everything else (norms, RoPE, SiLU, the
   elementwise products, casts), so the backward redoes no matmul.
-- **Activation offloading** (CUDA only): tensors saved for backward move to pinned host memory during the forward
-  and come back in the backward (``torch.autograd.graph.save_on_cpu``).
+- **Tiled MLP** (Arctic Long Sequence Training's TiledMLP, Bekman et al. 2025, arXiv 2506.13996): each decoder
+  layer's SwiGLU MLP runs over the tokens tile by tile; in the backward each tile is recomputed and its gradients
+  taken at once, so SwiGLU's three ``(B, T, intermediate_size)`` tensors exist for one tile at a time. The weight
+  gradients add up over the tiles and reach the weights once (optimizer-in-backward hooks and FSDP see one).
+- **Activation offloading**: tensors saved for backward outside checkpointed regions (with full checkpointing: the
+  checkpointed layer inputs) move to pinned host memory in the forward, copied on a side stream, and come back
+  one ahead in the backward (:class:`OffloadSavedTensors`).
 - **Chunked (fused linear) cross-entropy**: the loss over ``lm_head`` is computed chunk by chunk of tokens, each
   chunk's gradients with respect to the hidden states and the weight computed in the same pass (Liger-Kernel's
   fused linear cross-entropy), so the full ``(B, T, vocab_size)`` logits — and their fp32 copy, softmax and
   gradient — never exist at once, and the backward recomputes nothing. For Llama 3's 128,256-entry vocabulary
   at ``B*T = 16k`` tokens those are 8 GiB in fp32.
 
-All four keep the arithmetic of the plain computation, so losses are identical within float rounding of the
-summation order (tested to 1e-6).
+All keep the arithmetic of the plain computation, so losses are identical within float rounding of the summation
+order (tested to 1e-6; tiled MLP and the chunked loss add their tiles' weight gradients in another order, 1e-5).
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import math
+import weakref
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from memfit.memory.switches import checkpointed_layers
+from memfit.memory.switches import AUTO_CHUNK_LOGITS, checkpointed_layers
 
 IGNORE_INDEX = -100
 
@@ -96,14 +105,318 @@ def _selective_contexts():
 _SAVED_OPS = _saved_ops()
 
 
-def activation_offloading(enabled: bool) -> contextlib.AbstractContextManager:
-    """Context for the forward pass: tensors saved for backward live in pinned host memory while enabled.
+# ----------------------------------------------------------------------------------------------------------------
+# Tiled MLP
+# ----------------------------------------------------------------------------------------------------------------
 
-    Only meaningful on CUDA; config validation rejects it elsewhere.
+
+def mlp_tiles(setting: int | str, tokens: int, dim: int) -> int:
+    """How many tiles a tiled MLP cuts ``tokens`` into.
+
+    Args:
+        setting: ``tiled_mlp``: a number of tiles, or ``auto`` (tiles of about ``dim`` tokens, as Arctic Long
+            Sequence Training sizes them: a tile's ``(tile, intermediate_size)`` tensors are then about the size of
+            one MLP weight, whatever the sequence length).
+        tokens: tokens of the micro-batch, ``B * T``.
+        dim: the model's width C.
+
+    Returns:
+        Tiles, at least 1 and at most ``tokens``.
     """
-    if not enabled:
-        return contextlib.nullcontext()
-    return torch.autograd.graph.save_on_cpu(pin_memory=True)
+    tiles = math.ceil(tokens / dim) if setting == "auto" else int(setting)
+    return max(1, min(tiles, tokens))
+
+
+class _TiledMLP(torch.autograd.Function):
+    """The MLP tile by tile without a graph; in the backward each tile again, with one, and its gradients at once.
+
+    Inputs: the MLP's own (untiled) forward, the ``tiled_mlp`` setting, ``x`` ``(B, T, C)`` and the MLP's trainable
+    parameters (so that their gradients are this function's outputs: summed over the tiles, they reach each
+    parameter once).
+    """
+
+    @staticmethod
+    def forward(ctx, forward, setting, x, *params):  # noqa: D102 (autograd's signature)
+        ctx.forward, ctx.tiles = forward, mlp_tiles(setting, x.numel() // x.shape[-1], x.shape[-1])
+        ctx.autocast = _autocast_state(x.device.type)
+        ctx.rng = _rng_state(x.device)
+        ctx.save_for_backward(x)
+        return _tiles_without_graph(forward, x, ctx.tiles)
+
+    @staticmethod
+    def backward(ctx, grad_out):  # noqa: D102
+        (x,) = ctx.saved_tensors
+        module = ctx.forward.__self__
+        params = [
+            p for p in module.parameters() if p.requires_grad
+        ]  # as in the forward (FSDP2 gathered them again)
+        flat = x.detach().reshape(-1, x.shape[-1])  # (N, C)
+        grads = grad_out.reshape(-1, grad_out.shape[-1])  # (N, C)
+        need_x = ctx.needs_input_grad[2]
+        grad_x = torch.empty_like(flat) if need_x else None  # (N, C)
+        summed: list[torch.Tensor | None] = [None] * len(params)
+        start = 0
+        # the tiles in the forward's order, from the forward's random state: LoRA dropout draws the same masks
+        with torch.random.fork_rng(devices=ctx.rng[1]), _autocast(x.device.type, ctx.autocast):
+            _set_rng_state(ctx.rng)
+            for tile, grad in zip(flat.tensor_split(ctx.tiles), grads.tensor_split(ctx.tiles), strict=True):
+                tile = tile.requires_grad_(need_x)  # (n, C)
+                with torch.enable_grad():
+                    out = ctx.forward(tile)  # (n, C); SwiGLU's (n, I) tensors live until the grad below
+                inputs = ([tile] if need_x else []) + params
+                tile_grads = list(torch.autograd.grad(out, inputs, grad)) if inputs else []
+                if need_x:
+                    grad_x[start : start + len(tile)] = tile_grads.pop(0)
+                for i, g in enumerate(tile_grads):  # in the parameter's dtype, as autograd accumulates
+                    summed[i] = g if summed[i] is None else summed[i].add_(g)
+                start += len(tile)
+        return (None, None, grad_x.view_as(x) if need_x else None, *summed)
+
+
+def _tiles_without_graph(forward: Callable, x: torch.Tensor, tiles: int) -> torch.Tensor:
+    """``forward`` of ``x`` ``(B, T, C)`` over ``tiles`` tiles of its tokens, written into one output."""
+    flat = x.reshape(-1, x.shape[-1])  # (N, C)
+    out = None
+    start = 0
+    with torch.no_grad():
+        for tile in flat.tensor_split(tiles):
+            y = forward(tile)  # (n, C)
+            if out is None:
+                out = y.new_empty(flat.shape[0], y.shape[-1])  # (N, C), in the dtype the MLP returns
+            out[start : start + len(tile)] = y
+            start += len(tile)
+    return out.view(*x.shape[:-1], out.shape[-1])  # (B, T, C)
+
+
+def _tiled_forward(forward: Callable, setting: int | str, x: torch.Tensor) -> torch.Tensor:
+    """A tiled MLP's ``forward`` (bound by :func:`apply_tiled_mlp`)."""
+    module = forward.__self__
+    params = [p for p in module.parameters() if p.requires_grad]
+    if not torch.is_grad_enabled() or not (x.requires_grad or params):
+        tokens = x.numel() // x.shape[-1]
+        return _tiles_without_graph(forward, x, mlp_tiles(setting, tokens, x.shape[-1]))
+    return _TiledMLP.apply(forward, setting, x, *params)
+
+
+def apply_tiled_mlp(model: nn.Module, setting: int | str) -> int:
+    """Make every decoder layer's MLP run tile by tile (``tiled_mlp``; see the module doc).
+
+    The MLP's ``forward`` is replaced by a tiled one around the original (LoRA's adapted projections included), so
+    module structure and parameter names are unchanged. Apply before activation checkpointing and compile; both
+    then take the tiled MLP as part of the layer.
+
+    Args:
+        model: a :class:`memfit.models.llama.Llama`.
+        setting: tiles per micro-batch, or ``auto`` (:func:`mlp_tiles`); 0 leaves the model as it is.
+
+    Returns:
+        The number of MLPs tiled.
+    """
+    if setting == 0:
+        return 0
+    layers = model.model.layers
+    for layer in layers:
+        mlp = layer.mlp
+        if getattr(mlp, "_memfit_tiles", 0):
+            continue
+        mlp.forward = functools.partial(_tiled_forward, mlp.forward, setting)
+        mlp._memfit_tiles = setting
+    return len(layers)
+
+
+def _autocast_state(device_type: str) -> tuple[bool, torch.dtype]:
+    return torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type)
+
+
+def _autocast(device_type: str, state: tuple[bool, torch.dtype]) -> contextlib.AbstractContextManager:
+    enabled, dtype = state
+    return torch.autocast(device_type, dtype=dtype) if enabled else contextlib.nullcontext()
+
+
+def _rng_state(device: torch.device) -> tuple[torch.Tensor, list, list]:
+    """The CPU generator's state, and the CUDA device's when ``device`` is one (what dropout draws from)."""
+    if device.type == "cuda":
+        return torch.get_rng_state(), [device], [torch.cuda.get_rng_state(device)]
+    return torch.get_rng_state(), [], []
+
+
+def _set_rng_state(state: tuple[torch.Tensor, list, list]) -> None:
+    cpu, devices, states = state
+    torch.set_rng_state(cpu)
+    for device, cuda_state in zip(devices, states, strict=True):
+        torch.cuda.set_rng_state(cuda_state, device)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Activation offloading
+# ----------------------------------------------------------------------------------------------------------------
+
+
+MIN_OFFLOAD_BYTES = 1024
+"""Saved tensors smaller than this stay on the device (0-dim scalars, step counters): not worth a copy (as torchtune's
+OffloadActivations)."""
+
+
+def offload_host(device: torch.device) -> torch.device | None:
+    """Where :class:`OffloadSavedTensors` moves tensors saved on ``device``: the CPU (pinned memory) from a CUDA
+    device; None (they stay) on the CPU, which is the host. The estimator's trace of a CUDA run swaps this for
+    ``meta`` (:mod:`memfit.planner.cuda_paths`): the moved tensors then leave the traced device as they leave a GPU.
+    """
+    return torch.device("cpu") if device.type == "cuda" else None
+
+
+class OffloadStats:
+    """Bytes of saved tensors held on the host by the offloading hooks of this process (all of them): now and at
+    the peak since :meth:`reset`. The estimator reads the peak as the run's offloaded activations."""
+
+    live = 0
+    peak = 0
+
+    @classmethod
+    def reset(cls) -> None:
+        cls.live = cls.peak = 0
+
+    @classmethod
+    def add(cls, nbytes: int) -> None:
+        cls.live += nbytes
+        cls.peak = max(cls.peak, cls.live)
+
+
+class _Offloaded:
+    """One tensor saved on the host: its host copy, the device it came from, and its copy back once fetched."""
+
+    __slots__ = ("host", "device", "nbytes", "back", "event", "__weakref__")
+
+    def __init__(self, host: torch.Tensor, device: torch.device, nbytes: int) -> None:
+        self.host = host
+        self.device = device
+        self.nbytes = nbytes
+        self.back: torch.Tensor | None = None  # on the device again (prefetched or fetched)
+        self.event: Any = None  # CUDA: the copy's completion, on the side stream
+        OffloadStats.add(nbytes)
+
+    def __del__(self) -> None:
+        OffloadStats.live -= self.nbytes
+
+
+class OffloadSavedTensors(torch.autograd.graph.saved_tensors_hooks):
+    """Saved-tensor hooks that keep what decoder layers save for backward in host memory, and bring it back one
+    ahead in the backward (:func:`apply_activation_offloading` puts them around every decoder layer).
+
+    - **Pack** (forward): a tensor of at least :data:`MIN_OFFLOAD_BYTES` that is not a parameter (nor a view of
+      one) is copied to a pinned host buffer on a side CUDA stream, overlapping the next kernels; the device tensor
+      is freed once the copy is done (``record_stream``). A tensor saved again (the RoPE tables and document ids
+      every layer keeps) is copied once.
+    - **Unpack** (backward): the compute stream waits for the tensor's copy back, started earlier on the side
+      stream; then the copy back of the tensor packed before it starts, so the next one (in backward order)
+      arrives while this one is used: one ahead.
+
+    Under activation checkpointing only a checkpointed layer's inputs are saved outside it (torch's non-reentrant
+    checkpoint saves them through the hooks in force; its recomputation in the backward runs without these), so
+    with ``activation_checkpointing: full`` this offloads exactly the checkpoints: ``num_layers * B * T * dim``
+    elements, leaving the device the input of the layer being recomputed and the next one in flight. A layer that
+    is not checkpointed moves everything it saves (slow: ~34 x ``dim`` bytes per token, Korthikanti et al. 2022).
+
+    Where the host is the device (a CPU run) nothing moves: the hooks hand each tensor back as it is.
+    """
+
+    def __init__(self) -> None:
+        self._order: list[weakref.ref] = []  # the offloaded tensors, in pack order
+        self._seen: dict[int, tuple[weakref.ref, weakref.ref]] = {}  # id(saved tensor) -> (it, its copy)
+        self._stream: Any = None
+        super().__init__(self._pack, self._unpack)
+
+    def _pack(self, t: torch.Tensor) -> Any:
+        host = offload_host(t.device)
+        if host is None or t.numel() * t.element_size() < MIN_OFFLOAD_BYTES or _is_parameter(t):
+            return t
+        seen = self._seen.get(id(t))
+        if seen is not None and seen[0]() is t and (again := seen[1]()) is not None:
+            return again
+        if t.device.type == "cuda":
+            copy = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            stream = self._side_stream(t.device)
+            stream.wait_stream(torch.cuda.current_stream(t.device))
+            with torch.cuda.stream(stream):
+                copy.copy_(t, non_blocking=True)
+            t.record_stream(stream)  # the device memory is not reused before the copy is done
+        else:  # the estimator's trace: a fake tensor on the meta device, which the tracker does not count
+            copy = t.detach().to(host)
+        item = _Offloaded(copy, t.device, t.numel() * t.element_size())
+        if len(self._order) > 2 * len(self._seen) + 64:  # the last steps' tensors, freed with their graphs
+            self._order = [r for r in self._order if r() is not None]
+            self._seen = {k: v for k, v in self._seen.items() if v[1]() is not None}
+        self._seen[id(t)] = (weakref.ref(t), weakref.ref(item))
+        self._order.append(weakref.ref(item))
+        return item
+
+    def _unpack(self, packed: Any) -> torch.Tensor:
+        if not isinstance(packed, _Offloaded):
+            return packed
+        if packed.back is None:
+            self._fetch(packed)
+        if packed.event is not None:
+            current = torch.cuda.current_stream(packed.device)
+            current.wait_event(packed.event)
+            packed.back.record_stream(current)
+            packed.event = None
+        # one ahead: the one packed before this one comes back while this one is used
+        index = next((i for i in range(len(self._order) - 1, -1, -1) if self._order[i]() is packed), None)
+        if index is not None:
+            for ref in reversed(self._order[:index]):
+                earlier = ref()
+                if earlier is not None and earlier.back is None:
+                    self._fetch(earlier)
+                    break
+        return packed.back
+
+    def _fetch(self, item: _Offloaded) -> None:
+        if item.device.type == "cuda":
+            stream = self._side_stream(item.device)
+            stream.wait_stream(torch.cuda.current_stream(item.device))
+            with torch.cuda.stream(stream):
+                item.back = item.host.to(item.device, non_blocking=True)
+                item.event = torch.cuda.Event()
+                item.event.record(stream)
+        else:
+            item.back = item.host.to(item.device)
+
+    def _side_stream(self, device: torch.device) -> Any:
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device)
+        return self._stream
+
+
+def _is_parameter(t: torch.Tensor) -> bool:
+    """A parameter, or a view of one (``weight.t()`` that a matmul saves): it stays where it is."""
+    return isinstance(t, nn.Parameter) or isinstance(getattr(t, "_base", None), nn.Parameter)
+
+
+def apply_activation_offloading(model: nn.Module) -> int:
+    """Offload what every decoder layer saves for backward (``activation_offloading``): one
+    :class:`OffloadSavedTensors` for the model, entered around each layer's forward. Apply after activation
+    checkpointing, so that a checkpointed layer offloads its inputs (the checkpoint's) and nothing else; the
+    embedding, the final norm and the loss keep theirs on the device (the backward needs them first).
+
+    Args:
+        model: a :class:`memfit.models.llama.Llama`.
+
+    Returns:
+        The number of layers whose saved tensors are offloaded.
+    """
+    layers = model.model.layers
+    hooks = OffloadSavedTensors()
+    for layer in layers:
+        if getattr(layer, "_memfit_offloaded", False):
+            continue
+        layer.forward = functools.partial(_offloaded, hooks, layer.forward)
+        layer._memfit_offloaded = True
+    return len(layers)
+
+
+def _offloaded(hooks: OffloadSavedTensors, forward: Callable, *args: Any, **kwargs: Any) -> Any:
+    with hooks:
+        return forward(*args, **kwargs)
 
 
 def apply_compile(model: nn.Module) -> int:
@@ -112,8 +425,10 @@ def apply_compile(model: nn.Module) -> int:
     Each layer gets ``nn.Module.compile`` (its ``__call__`` compiled, parameter names and so checkpoints
     unchanged). The layers share their code, so TorchDynamo captures one graph (per grad mode, and one more for
     the plain layers of ``every_n`` checkpointing) and all layers reuse it; activation checkpointing applied
-    before is compiled with the layer (torch's checkpoint is a higher-order op the compiler traces). The
-    embedding, the final norm and ``lm_head`` stay eager; the loss is compiled apart (:func:`compiled`).
+    before is compiled with the layer (torch's checkpoint is a higher-order op the compiler traces), and so is a
+    tiled MLP (its backward takes each tile's gradients with ``torch.autograd.grad``, which TorchDynamo traces
+    once ``torch._dynamo.config.trace_autograd_ops`` is set: this function sets it when a layer's MLP is tiled).
+    The embedding, the final norm and ``lm_head`` stay eager; the loss is compiled apart (:func:`compiled`).
 
     Args:
         model: a :class:`memfit.models.llama.Llama` (its ``model.layers``), before FSDP wraps it.
@@ -122,6 +437,8 @@ def apply_compile(model: nn.Module) -> int:
         The number of layers compiled.
     """
     layers = model.model.layers
+    if any(getattr(layer.mlp, "_memfit_tiles", 0) for layer in layers):
+        torch._dynamo.config.trace_autograd_ops = True
     for layer in layers:
         layer.compile(fullgraph=True)
     return len(layers)
@@ -131,6 +448,25 @@ def apply_compile(model: nn.Module) -> int:
 def compiled(fn):
     """``torch.compile(fn)``, made once per function (the compiled loss of a ``compile: true`` run)."""
     return torch.compile(fn, fullgraph=True)
+
+
+def loss_chunks(setting: int | str, tokens: int, vocab_size: int) -> int:
+    """How many chunks the fused chunked cross-entropy cuts ``tokens`` into.
+
+    Args:
+        setting: ``chunked_cross_entropy``: a number of chunks (0: the plain loss), or ``auto`` (chunks of at most
+            :data:`memfit.memory.switches.AUTO_CHUNK_LOGITS` logits each: 261 tokens a chunk for Llama 3's 128,256
+            ids, so the ``(chunk, vocab_size)`` logits stay bounded at any
+            sequence length).
+        tokens: tokens of the micro-batch, ``B * T``.
+        vocab_size: V.
+
+    Returns:
+        Chunks (0 for the plain loss), at most ``tokens``.
+    """
+    if setting == "auto":
+        return max(1, math.ceil(tokens * vocab_size / AUTO_CHUNK_LOGITS)) if tokens else 0
+    return min(int(setting), tokens)
 
 
 def _chunk_loss_and_grad(

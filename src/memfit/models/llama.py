@@ -21,6 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from memfit.models.attention import document_attention
+
 INIT_STD = 0.02
 """Standard deviation of the normal initialisation of embeddings and linear weights (GPT-2, Llama)."""
 
@@ -290,7 +292,12 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 def causal_attention(
-    q: Tensor, k: Tensor, v: Tensor, native_gqa: bool | None = None, mask: Tensor | None = None
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    native_gqa: bool | None = None,
+    doc_ids: Tensor | None = None,
+    device_type: str | None = None,
 ) -> Tensor:
     """Causal ``F.scaled_dot_product_attention`` where each group of nh // nkv query heads shares a kv head.
 
@@ -299,30 +306,32 @@ def causal_attention(
     back to the math kernel, which materialises the (B, nh, T, T) scores; there keys and values are expanded to
     nh heads instead, (B, nh, T, hd) copies that keep the memory-efficient kernels eligible.
 
+    Rows that pack several documents (``doc_ids``) attend within each document, in blocks of queries without a
+    (T, T) mask (:func:`memfit.models.attention.document_attention`).
+
     Args:
         q: (B, nh, T, hd) queries.
         k: (B, nkv, T, hd) keys; nkv divides nh.
         v: (B, nkv, T, hd) values.
         native_gqa: True passes ``enable_gqa``, False expands; None picks as described above, from the device
             type and dtype only (no data dependence).
-        mask: None for plain causal attention, or a (B, 1, T, T) bool mask, True where a query may attend (packed
-            sequences: causal and within the same sample; see :func:`packed_attention_mask`). SDPA then uses a
-            kernel that takes an explicit mask, and keys/values are always expanded to nh heads.
+        doc_ids: None for plain causal attention, or (B, T) int ids of the documents packed into each row: a query
+            attends to the keys before it in its own document.
+        device_type: the device whose kernels decide (``native_gqa`` and the document blocks' kernel); default
+            ``q``'s. The estimator passes ``cuda`` to trace a GPU run on CPU tensors.
 
     Returns:
         (B, nh, T, hd).
     """
+    device_type = device_type or q.device.type
+    if doc_ids is not None:
+        return document_attention(q, k, v, doc_ids, recompute=device_type != "cpu")
     B, nh, T, hd = q.shape
     nkv = k.shape[1]
-    if mask is not None:
-        if nkv != nh:
-            k = k[:, :, None].expand(B, nkv, nh // nkv, T, hd).reshape(B, nh, T, hd)  # (B, nh, T, hd)
-            v = v[:, :, None].expand(B, nkv, nh // nkv, T, hd).reshape(B, nh, T, hd)  # (B, nh, T, hd)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     if nkv == nh:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
     if native_gqa is None:
-        native_gqa = q.device.type == "cpu" or q.dtype in (torch.float16, torch.bfloat16)
+        native_gqa = device_type == "cpu" or q.dtype in (torch.float16, torch.bfloat16)
     if not native_gqa:
         k = k[:, :, None].expand(B, nkv, nh // nkv, T, hd).reshape(B, nh, T, hd)  # (B, nh, T, hd)
         v = v[:, :, None].expand(B, nkv, nh // nkv, T, hd).reshape(B, nh, T, hd)  # (B, nh, T, hd)
@@ -344,21 +353,6 @@ def packed_positions(doc_ids: Tensor) -> Tensor:
     starts[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
     start_of_doc = torch.where(starts, idx, torch.zeros_like(idx)).cummax(dim=1).values  # (B, T)
     return idx - start_of_doc
-
-
-def packed_attention_mask(doc_ids: Tensor) -> Tensor:
-    """Causal attention restricted to each packed sample (a block-diagonal causal mask).
-
-    Args:
-        doc_ids: (B, T) int; tokens of one sample share an id.
-
-    Returns:
-        (B, 1, T, T) bool, True where query t may attend to key s: ``s <= t`` and the same id.
-    """
-    T = doc_ids.shape[1]
-    causal = torch.ones(T, T, dtype=torch.bool, device=doc_ids.device).tril()  # (T, T)
-    same = doc_ids[:, :, None] == doc_ids[:, None, :]  # (B, T, T)
-    return (same & causal)[:, None]  # (B, 1, T, T)
 
 
 class Attention(nn.Module):
@@ -395,21 +389,21 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)  # (B, nkv, T, hd)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None = None) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, doc_ids: Tensor | None = None) -> Tensor:
         """Attend causally over the sequence.
 
         Args:
             x: (B, T, C) normed hidden states.
             cos: (T, hd) or (B, 1, T, hd) RoPE table.
             sin: same shape as ``cos``.
-            mask: None (causal), or (B, 1, T, T) bool for packed samples (see :func:`causal_attention`).
+            doc_ids: None (causal), or (B, T) ids of packed documents (see :func:`causal_attention`).
 
         Returns:
             (B, T, C).
         """
         B, T, _ = x.shape
         q, k, v = self.project_qkv(x, cos, sin)
-        y = causal_attention(q, k, v, mask=mask)  # (B, nh, T, hd)
+        y = causal_attention(q, k, v, doc_ids=doc_ids)  # (B, nh, T, hd)
         y = y.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim)  # (B, T, nh * hd)
         return self.o_proj(y)  # (B, T, C)
 
@@ -453,19 +447,19 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.dim, config.norm_eps)
         self.post_attention_layernorm = RMSNorm(config.dim, config.norm_eps)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None = None) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, doc_ids: Tensor | None = None) -> Tensor:
         """Apply the block.
 
         Args:
             x: (B, T, C) residual stream.
             cos: (T, hd) or (B, 1, T, hd) RoPE table.
             sin: same shape as ``cos``.
-            mask: None (causal), or (B, 1, T, T) bool for packed samples.
+            doc_ids: None (causal), or (B, T) ids of packed documents.
 
         Returns:
             (B, T, C) residual stream.
         """
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, doc_ids)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -497,13 +491,11 @@ class LlamaModel(nn.Module):
         """
         x = self.embed_tokens(input_ids)  # (B, T, C)
         if doc_ids is None:
-            mask = None
             cos, sin = self.rotary_emb(input_ids.shape[1], x.dtype)  # (T, hd) each
         else:
-            mask = packed_attention_mask(doc_ids)  # (B, 1, T, T)
             cos, sin = self.rotary_emb(packed_positions(doc_ids), x.dtype)  # (B, 1, T, hd) each
         for layer in self.layers:
-            x = layer(x, cos, sin, mask)  # (B, T, C)
+            x = layer(x, cos, sin, doc_ids)  # (B, T, C)
         return self.norm(x)
 
 

@@ -808,7 +808,7 @@ def _prompt_attention(attn: Attention, q: Tensor) -> Tensor:
 
 
 def _adapter_attention_forward(
-    self: Attention, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None = None
+    self: Attention, x: Tensor, cos: Tensor, sin: Tensor, doc_ids: Tensor | None = None
 ) -> Tensor:
     """Causal attention plus the gated attention over the adapter prompt, bound to an adapted ``Attention``.
 
@@ -816,7 +816,7 @@ def _adapter_attention_forward(
         x: (B, T, C) normed hidden states.
         cos: (T, hd) or (B, 1, T, hd) RoPE table.
         sin: same shape as ``cos``.
-        mask: None (causal), or (B, 1, T, T) bool for packed samples; it restricts the sequence part only, every
+        doc_ids: None (causal), or (B, T) ids of packed documents; they restrict the sequence part only, every
             query sees every prompt vector.
 
     Returns:
@@ -824,7 +824,7 @@ def _adapter_attention_forward(
     """
     B, T, _ = x.shape
     q, k, v = self.project_qkv(x, cos, sin)  # (B, nh, T, hd), (B, nkv, T, hd) x 2
-    y = causal_attention(q, k, v, mask=mask)  # (B, nh, T, hd)
+    y = causal_attention(q, k, v, doc_ids=doc_ids)  # (B, nh, T, hd)
     y = y + self.adapter_gate * _prompt_attention(self, q)  # gate (1, nh, 1, 1)
     y = y.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim)  # (B, T, nh * hd)
     return self.o_proj(y)  # (B, T, C)

@@ -101,12 +101,14 @@ def model_flops_per_token(mcfg: LlamaConfig, seq_len: int) -> dict[str, float]:
     (backward = 2 forwards).
 
     Returns:
-        ``{"layers": ..., "head": ...}`` in FLOPs per token.
+        ``{"layers": ..., "head": ..., "mlp": ...}`` in FLOPs per token (``mlp``: the SwiGLU MLPs' part of
+        ``layers``, ``2 * 3 * dim * intermediate_size`` a layer).
     """
     weights = layer_weights(mcfg)
     return {
         "layers": mcfg.num_layers * (2.0 * weights + 4.0 * seq_len * mcfg.dim),
         "head": 2.0 * mcfg.dim * mcfg.vocab_size,
+        "mlp": mcfg.num_layers * 6.0 * mcfg.dim * mcfg.intermediate_size,
     }
 
 
@@ -145,9 +147,10 @@ def step_cost(
       optimizer_update_factor[name]`` (on the host at ``host_memory_bytes_per_second`` when offloaded), plus
       ``kernels_per_tensor_update * kernel_launch_seconds`` per trainable tensor when each tensor is updated on
       its own (``optimizer_in_backward``, ``implementation: for_loop``);
-    - ``transfers``: bytes over the host link at ``host_link_bytes_per_second``: offloaded activations out and
-      back (2x), paged-out optimizer state out and back (2x), offloaded parameters in and gradients out
-      (``optimizer.cpu_offload``; ``distributed.cpu_offload``: shards, in twice when resharding).
+    - ``transfers``: bytes over the host link at ``host_link_bytes_per_second``: paged-out optimizer state out and
+      back (2x), offloaded parameters in and gradients out (``optimizer.cpu_offload``; ``distributed.cpu_offload``:
+      shards, in twice when resharding); offloaded activations out and back (2x) go on a side stream that
+      overlaps compute, so the step pays ``max(compute, their transfer)``.
 
     Args:
         cfg: the run's config (its switches, ``batch_size``, ``gradient_accumulation_steps``, ``device``).
@@ -197,9 +200,11 @@ def step_cost(
     if terms.per_tensor:
         tensors = _trainable_tensor_count(cfg, mcfg)
         optimizer += tensors * c["kernels_per_tensor_update"] * c["kernel_launch_seconds"]
-    transfers = terms.moved_bytes / c["host_link_bytes_per_second"] if target == "cuda" else 0.0
+    link = c["host_link_bytes_per_second"]
+    transfers = terms.moved_bytes / link if target == "cuda" else 0.0
+    overlapped = terms.overlapped_bytes / link if target == "cuda" else 0.0
 
-    total = max(compute + dequantize, communication) + optimizer + transfers
+    total = max(compute + dequantize, communication, overlapped) + optimizer + transfers
     return {
         "compute": compute,
         "dequantize": dequantize,

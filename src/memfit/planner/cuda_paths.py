@@ -71,6 +71,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from memfit.memory import techniques
 from memfit.models import llama
 
 _HALF = (torch.float16, torch.bfloat16)
@@ -317,13 +318,15 @@ def sdpa_as_on_cuda(
 def kv_heads_as_on_cuda(
     original: Callable[..., torch.Tensor],
 ) -> Callable[..., torch.Tensor]:
-    """:func:`memfit.models.llama.causal_attention`, deciding whether to expand keys and values as on CUDA.
+    """:func:`memfit.models.llama.causal_attention`, deciding as on CUDA (``device_type="cuda"``).
 
     ``causal_attention`` passes ``enable_gqa`` (keys and values of ``nkv`` heads read in place) when ``native_gqa``
-    is None and the query is on the CPU or in fp16/bf16; else it expands them to ``nh`` heads, two (B, nh, T, hd)
-    copies that memory-efficient attention saves for backward (and that the expansion's backward sums back). The
-    trace's queries are on the CPU; on CUDA only the dtype decides: in fp32, ``2 B nh T hd * 4`` bytes per layer
-    more, saved for backward, in place of the (B, nkv, T, hd) keys and values.
+    is None and the device is the CPU or the query is fp16/bf16; else it expands them to ``nh`` heads, two
+    (B, nh, T, hd) copies that memory-efficient attention saves for backward (and that the expansion's backward sums
+    back). The trace's queries are on the CPU; on CUDA only the dtype decides: in fp32, ``2 B nh T hd * 4`` bytes
+    per layer more, saved for backward, in place of the (B, nkv, T, hd) keys and values. Rows of packed documents
+    (``doc_ids``) run their blocks as on CUDA too (:func:`memfit.models.attention.document_attention`, recomputed:
+    the forward saves only its inputs, each block's backward runs the memory-efficient kernel again).
 
     Args:
         original: ``causal_attention``.
@@ -337,13 +340,20 @@ def kv_heads_as_on_cuda(
         k: torch.Tensor,
         v: torch.Tensor,
         native_gqa: bool | None = None,
-        mask: torch.Tensor | None = None,
+        doc_ids: torch.Tensor | None = None,
+        device_type: str | None = None,
     ) -> torch.Tensor:
-        if native_gqa is None:
-            native_gqa = q.dtype in _HALF
-        return original(q, k, v, native_gqa=native_gqa, mask=mask)
+        return original(q, k, v, native_gqa=native_gqa, doc_ids=doc_ids, device_type=device_type or "cuda")
 
     return causal_attention
+
+
+def offloaded_as_from_cuda(device: torch.device) -> torch.device | None:
+    """:func:`memfit.memory.techniques.offload_host` as from a CUDA device: the trace's (CPU) saved tensors go to
+    the ``meta`` device, which the tracker does not count, as a GPU's go to host memory; they come back when the
+    backward unpacks them (one ahead, :class:`memfit.memory.techniques.OffloadSavedTensors`), so the device's
+    timeline is the GPU's, and the host's bytes are :class:`~memfit.memory.techniques.OffloadStats`' peak."""
+    return torch.device("meta")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -356,7 +366,8 @@ def cuda_paths(enabled: bool) -> Iterator[None]:
     """While the trace runs, the library paths that allocate differently on CUDA behave as on CUDA.
 
     Swaps in, until the context exits: ``torch.nn.functional.scaled_dot_product_attention`` (:func:`sdpa_as_on_cuda`),
-    ``memfit.models.llama.causal_attention`` (:func:`kv_heads_as_on_cuda`), and, when torchao's optimizers are
+    ``memfit.models.llama.causal_attention`` (:func:`kv_heads_as_on_cuda`),
+    ``memfit.memory.techniques.offload_host`` (:func:`offloaded_as_from_cuda`), and, when torchao's optimizers are
     imported (the estimator imports the optimizer's library before the trace), ``torchao.optim.adam
     .single_param_adam`` (:func:`torchao_compiled_update`). Each is looked up by name at call time by its caller,
     so the swap reaches it.
@@ -370,6 +381,7 @@ def cuda_paths(enabled: bool) -> Iterator[None]:
     with contextlib.ExitStack() as stack:
         _swap(stack, F, "scaled_dot_product_attention", sdpa_as_on_cuda(F.scaled_dot_product_attention))
         _swap(stack, llama, "causal_attention", kv_heads_as_on_cuda(llama.causal_attention))
+        _swap(stack, techniques, "offload_host", offloaded_as_from_cuda)
         adam = sys.modules.get("torchao.optim.adam")
         if adam is not None:
             _swap(stack, adam, "single_param_adam", torchao_compiled_update)

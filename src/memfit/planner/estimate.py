@@ -21,7 +21,9 @@ What the caching allocator cannot see is moved out of the device peak and report
   of each gradient live in pinned host memory (``host``).
 - ``distributed.cpu_offload`` (FSDP ``CPUOffloadPolicy``): parameter shards, gradient shards and optimizer state
   live on the host; the device keeps the gathered layers in flight and the activations.
-- ``activation_offloading``: tensors saved for backward live in pinned host memory.
+- ``activation_offloading``: tensors saved for backward live in pinned host memory. The trace runs the offloading
+  hooks themselves, which move them (on a CUDA target) to the ``meta`` device the tracker does not count and bring
+  them back one ahead in the backward, so the device's timeline is traced; their host bytes are the hooks' peak.
 
 The trace runs on CPU fake tensors whatever ``device`` says (a CPU build of torch cannot make CUDA tensors, fake or
 not); sizes are the same, but kernels may differ in their workspaces, which no tracker sees (see docs/memory.md).
@@ -66,6 +68,7 @@ from memfit.memory.allocator import CUDA_CONTEXT_BYTES_ESTIMATE, replay, workspa
 from memfit.memory.host import predict_peak_rss, process_rss_bytes, retained_heap_bytes
 from memfit.memory.optim import optimizers_in
 from memfit.memory.optimizers import BNB_PAGED_MIN_NUMEL
+from memfit.memory.techniques import OffloadStats
 from memfit.memory.tracker import CATEGORIES, MemoryTracker, model_state_bytes
 from memfit.models.llama import LlamaConfig
 from memfit.planner.closed_form import model_state_bytes_closed_form
@@ -208,6 +211,7 @@ def estimate_run(
         with fake:
             batches = [
                 tuple(fake_ids(cfg.batch_size, seq_len, mcfg.vocab_size) for _ in ("inputs", "targets"))
+                + ((torch.zeros(cfg.batch_size, seq_len, dtype=torch.long),) if packs_documents(cfg) else ())
                 for _ in range(cfg.gradient_accumulation_steps)
             ]
             # step 1 only creates the optimizer state: an optimizer step on zero gradients at lr 0 (what torch's
@@ -221,8 +225,10 @@ def estimate_run(
             gloo = (
                 _GlooBuffers(world_size) if target == "cpu" and world_size > 1 else contextlib.nullcontext()
             )
+            OffloadStats.reset()
             with tracker, gloo:
                 train_step(model, optimizer, batches, tracker=tracker, **train_step_options(trace_cfg))
+            offloaded = OffloadStats.peak
             traced = model_state_bytes(model, optimizer)
             paged_keys = _paged_state_entries(cfg, tracker, optimizer) if target == "cuda" else set()
             # the gradients a step holds for its update: those live at the last op of the optimizer phase, when
@@ -235,6 +241,9 @@ def estimate_run(
             del fake
     closed = model_state_bytes_closed_form(cfg, mcfg, world_size)
     peak, breakdown, phase, unseen, host = _split_unseen(cfg, target, tracker, closed)
+    if switches.offloads_activations(cfg, target):  # the trace moved them off the device itself (cuda_paths)
+        unseen["offloaded_activations"] = offloaded
+        host += offloaded
     reserved = _replay_reserved(cfg, tracker, paged_keys) if target == "cuda" else None
     device = peak if reserved is None else reserved
     if target == "cuda":
@@ -305,6 +314,16 @@ def _replay_reserved(cfg: TrainConfig, tracker: Any, paged: set[int]) -> int | N
     return replay(events).peak_reserved
 
 
+def packs_documents(cfg: TrainConfig) -> bool:
+    """Whether the run's rows carry document ids (packed instruction samples, or a text dataset read with
+    ``data.cross_document_attention: false``): its attention then runs in blocks of queries within documents
+    (:func:`memfit.models.attention.document_attention`), and the trace gives it ids too (one document a row: the
+    blocks' shapes, and so their bytes, do not depend on where documents end)."""
+    if cfg.data.format == "text":
+        return not cfg.data.cross_document_attention
+    return cfg.data.packing
+
+
 def fake_ids(batch_size: int, seq_len: int, vocab_size: int) -> torch.Tensor:
     """A ``(B, T)`` int64 batch of token ids (fake inside a ``FakeTensorMode``)."""
     return torch.randint(0, vocab_size, (batch_size, seq_len))
@@ -315,7 +334,7 @@ def _traceable(cfg: TrainConfig) -> TrainConfig:
     compiler at build time set to its entry's trace value (:func:`memfit.memory.switches.trace_values`: their bytes
     are moved to host / unified memory afterwards, see the module doc; ``compile`` off: the trace runs the eager
     step, an upper bound of the compiled one, docs/memory.md)."""
-    return switches.with_values(cfg, {**switches.trace_values(cfg), "device": "cpu", "track_memory": False})
+    return switches.with_values(cfg, {**switches.trace_values(), "device": "cpu", "track_memory": False})
 
 
 @contextlib.contextmanager
@@ -474,6 +493,8 @@ def _switches(cfg: TrainConfig) -> dict[str, Any]:
         "activation_checkpointing": cfg.activation_checkpointing,
         "activation_offloading": cfg.activation_offloading,
         "chunked_cross_entropy": cfg.chunked_cross_entropy,
+        "tiled_mlp": cfg.tiled_mlp,
+        "packed_documents": packs_documents(cfg),
         "gradient_accumulation_steps": cfg.gradient_accumulation_steps,
         "distributed": dataclasses.asdict(cfg.distributed),
     }

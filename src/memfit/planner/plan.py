@@ -43,7 +43,14 @@ from typing import Any
 import torch
 
 from memfit.build import build_model, run_model_config
-from memfit.config import TrainConfig, check_lengths, config_from_dict, config_to_dict, device_type
+from memfit.config import (
+    TrainConfig,
+    check_lengths,
+    config_from_dict,
+    config_to_dict,
+    device_type,
+    set_dotted,
+)
 from memfit.distributed import shard_numel
 from memfit.errors import ConfigError
 from memfit.memory import optimizers, switches
@@ -232,22 +239,21 @@ def candidates(
         Validated configs, ``cfg``'s own switches first when valid; no two with the same switches.
     """
     dtypes = tuple(dict.fromkeys(dtypes or (cfg.dtype,)))
+    mcfg = run_model_config(cfg)
     space = switches.PlanSpace(
         cuda=device_type(cfg.device) == "cuda",
         world_size=world_size,
         dtypes=dtypes,
         qlora_possible=cfg.method == "lora" and _qlora_possible(cfg, world_size),
+        tokens=cfg.batch_size * (cfg.seq_len or mcfg.max_seq_len),
+        vocab_size=mcfg.vocab_size,
     )
     base = config_to_dict(cfg)
     out: list[TrainConfig] = []
     for settings in switches.plan_settings(cfg, space):
         tree = copy.deepcopy(base)
         for dotted, value in settings.items():
-            *parents, leaf = dotted.split(".")
-            node = tree
-            for part in parents:
-                node = node[part]
-            node[leaf] = value
+            set_dotted(tree, dotted, value)
         try:
             out.append(config_from_dict(tree, world_size=world_size, needs_weights=False))
         except ConfigError:
@@ -352,7 +358,7 @@ class _Context:
         return peak, total, host
 
     def offloads_activations(self, cfg: TrainConfig) -> bool:
-        return "activations" in switches.moved_categories(cfg, self.target)
+        return switches.offloads_activations(cfg, self.target)
 
     def saved_activations(self, cfg: TrainConfig) -> tuple[int, int]:
         """Lower bounds of the bytes the forward saves for backward: ``(decoder layers, loss)``.
@@ -578,6 +584,7 @@ def _build(
         optimizer_in_backward=False,
         activation_checkpointing="none",
         chunked_cross_entropy=0,
+        tiled_mlp=0,
         activation_offloading=False,
         distributed=dataclasses.replace(cfg.distributed, reshard_after_forward=True, cpu_offload=False),
     )

@@ -1,0 +1,215 @@
+"""Causal attention within documents, without a ``(T, T)`` tensor: what a row that packs several documents needs.
+
+A row of ``T`` tokens that packs several documents (packed fine-tuning samples, or a pretraining window read with
+``data.cross_document_attention: false``) attends causally *within* each document. A dense ``(B, 1, T, T)`` mask
+says that in T^2 bytes (16 GiB at 128K tokens), and an explicit mask also moves CUDA's SDPA off its flash kernel and
+makes it expand grouped keys and values to every head. :func:`document_attention` computes the same attention in
+blocks of queries instead (the blocking of FlashAttention, Dao et al. 2022, one level up): the queries ``[s, e)``
+attend over the keys ``[0, e)`` (no later key can be visible to them) under an additive mask of ``(B, 1, e - s,
+e)`` built from the document ids of those rows, which exists for one block at a time. Memory is linear in ``T``: the
+mask of one block (:func:`query_block` bounds it to :data:`BLOCK_MASK_ELEMENTS`), the output and its per-row
+log-sum-exp. Work is the causal half of the square, as with ``is_causal``.
+
+Two kernels run the blocks, the same arithmetic either way:
+
+- **with the log-sum-exp** (CPU): ``aten._scaled_dot_product_flash_attention_for_cpu`` and its backward, the fused
+  kernels SDPA itself runs on CPU, take the block's mask and read grouped keys and values in place (``nkv < nh``).
+  The forward keeps the output and its log-sum-exp ``(B, nh, T)``, so the backward recomputes nothing.
+- **recomputed** (CUDA, and every other device): each block runs ``F.scaled_dot_product_attention`` (on CUDA the
+  memory-efficient kernel, which takes a mask), without a graph in the forward; the backward runs each block again
+  with one and takes its gradients. Keys and values are expanded to every head one block at a time (the
+  memory-efficient kernel reads no grouped heads). It costs one more forward of the attention, and keeps nothing
+  but the inputs.
+
+The step runs under ``FakeTensorMode`` (no data-dependent Python branching: blocks are a function of shapes only).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+BLOCK_MASK_ELEMENTS = 2**24
+"""The most elements of one block's additive mask ``(B, 1, Bq, T)`` (64 MiB in fp32) that :func:`query_block`
+allows, down to :data:`MIN_QUERY_BLOCK` queries a block."""
+MIN_QUERY_BLOCK = 128
+MAX_QUERY_BLOCK = 1024
+"""Queries per block at most: larger blocks run the fused kernels with fewer calls, but the mask of a block grows
+with them."""
+
+
+def query_block(batch: int, seq_len: int) -> int:
+    """Queries per block of :func:`document_attention`: the largest power of two in ``[128, 1024]`` whose mask
+    ``(batch, 1, block, seq_len)`` has at most :data:`BLOCK_MASK_ELEMENTS` elements (128 when none does), and never
+    more than ``seq_len``.
+
+    Args:
+        batch: rows B.
+        seq_len: tokens per row T.
+
+    Returns:
+        Bq, a function of the shapes only (the same on every rank and under fake tensors).
+    """
+    block = MAX_QUERY_BLOCK
+    while block > MIN_QUERY_BLOCK and batch * block * seq_len > BLOCK_MASK_ELEMENTS:
+        block //= 2
+    return min(block, seq_len)
+
+
+def block_mask(doc_ids: Tensor, start: int, end: int, dtype: torch.dtype) -> Tensor:
+    """The additive mask of the queries ``[start, end)`` over the keys ``[0, end)``.
+
+    Args:
+        doc_ids: (B, T) int; tokens of one document share an id.
+        start: first query of the block.
+        end: one past its last query (and the number of keys it sees).
+        dtype: the queries' dtype (the kernels add the mask to scores of that dtype).
+
+    Returns:
+        (B, 1, end - start, end): 0 where query t may attend to key s (``s <= t`` and the same document), -inf
+        elsewhere. Every query sees at least itself, so no row is all -inf.
+    """
+    queries = torch.arange(start, end, device=doc_ids.device)  # (Bq,)
+    keys = torch.arange(end, device=doc_ids.device)  # (Tk,)
+    causal = keys[None, :] <= queries[:, None]  # (Bq, Tk)
+    same = doc_ids[:, start:end, None] == doc_ids[:, None, :end]  # (B, Bq, Tk)
+    allowed = (same & causal)[:, None]  # (B, 1, Bq, Tk)
+    return torch.zeros(allowed.shape, dtype=dtype, device=doc_ids.device).masked_fill_(~allowed, -math.inf)
+
+
+def _blocks(batch: int, seq_len: int) -> list[tuple[int, int]]:
+    size = query_block(batch, seq_len)
+    return [(s, min(seq_len, s + size)) for s in range(0, seq_len, size)]
+
+
+class _WithLogSumExp(torch.autograd.Function):
+    """Blocks through the CPU flash kernels, keeping each block's output and log-sum-exp for the backward."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, doc_ids):  # noqa: D102 (autograd's signature)
+        B, nh, T, hd = q.shape
+        aten = torch.ops.aten
+        # (B, T, nh, hd) memory viewed as (B, nh, T, hd): the caller's transpose back to (B, T, C) is then a view
+        out = q.new_empty(B, T, nh, hd).transpose(1, 2)  # (B, nh, T, hd)
+        lse = q.new_empty(B, nh, T, dtype=torch.float32)  # (B, nh, T)
+        for s, e in _blocks(B, T):
+            o, m = aten._scaled_dot_product_flash_attention_for_cpu(
+                q[:, :, s:e],
+                k[:, :, :e],
+                v[:, :, :e],
+                0.0,
+                False,
+                attn_mask=block_mask(doc_ids, s, e, q.dtype),
+            )  # (B, nh, Bq, hd), (B, nh, Bq)
+            out[:, :, s:e] = o
+            lse[:, :, s:e] = m
+        ctx.save_for_backward(q, k, v, doc_ids, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):  # noqa: D102
+        q, k, v, doc_ids, out, lse = ctx.saved_tensors
+        B, nh, T, hd = q.shape
+        aten = torch.ops.aten
+        grad_out = grad_out.contiguous()
+        dq = torch.empty_like(q)  # (B, nh, T, hd)
+        # keys and values get a part from every block that sees them: summed in fp32 (the kernels' own precision)
+        dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)  # (B, nkv, T, hd)
+        dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)  # (B, nkv, T, hd)
+        for s, e in _blocks(B, T):
+            gq, gk, gv = aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                grad_out[:, :, s:e],
+                q[:, :, s:e],
+                k[:, :, :e],
+                v[:, :, :e],
+                out[:, :, s:e],
+                lse[:, :, s:e],
+                0.0,
+                False,
+                attn_mask=block_mask(doc_ids, s, e, q.dtype),
+            )  # (B, nh, Bq, hd), (B, nkv, e, hd) x 2
+            dq[:, :, s:e] = gq
+            dk[:, :, :e] += gk
+            dv[:, :, :e] += gv
+        return dq, dk.to(k.dtype), dv.to(v.dtype), None
+
+
+def _sdpa_block(qb: Tensor, kb: Tensor, vb: Tensor, doc_ids: Tensor, s: int, e: int) -> Tensor:
+    """The queries ``[s, e)`` over the keys ``[0, e)`` through ``F.scaled_dot_product_attention`` (looked up at call
+    time), keys and values expanded to every head for this block.
+
+    Args:
+        qb: (B, nh, e - s, hd) the block's queries.
+        kb: (B, nkv, e, hd) the keys it sees.
+        vb: (B, nkv, e, hd) their values.
+        doc_ids: (B, T) the row's document ids.
+        s: the block's first query.
+        e: one past its last.
+
+    Returns:
+        (B, nh, e - s, hd).
+    """
+    B, nh, _, hd = qb.shape
+    nkv = kb.shape[1]
+    if nkv != nh:
+        kb = kb[:, :, None].expand(B, nkv, nh // nkv, e, hd).reshape(B, nh, e, hd)  # (B, nh, e, hd)
+        vb = vb[:, :, None].expand(B, nkv, nh // nkv, e, hd).reshape(B, nh, e, hd)  # (B, nh, e, hd)
+    return F.scaled_dot_product_attention(qb, kb, vb, attn_mask=block_mask(doc_ids, s, e, qb.dtype))
+
+
+class _Recomputed(torch.autograd.Function):
+    """Blocks through the public SDPA; the backward runs each block again with a graph."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, doc_ids):  # noqa: D102
+        B, nh, T, hd = q.shape
+        out = q.new_empty(B, T, nh, hd).transpose(1, 2)  # (B, nh, T, hd)
+        for s, e in _blocks(B, T):
+            out[:, :, s:e] = _sdpa_block(q[:, :, s:e], k[:, :, :e], v[:, :, :e], doc_ids, s, e)
+        ctx.save_for_backward(q, k, v, doc_ids)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):  # noqa: D102
+        q, k, v, doc_ids = ctx.saved_tensors
+        B, nh, T, hd = q.shape
+        dq = torch.empty_like(q)
+        dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
+        dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
+        for s, e in _blocks(B, T):
+            qb = q[:, :, s:e].detach().requires_grad_()
+            kb = k[:, :, :e].detach().requires_grad_()
+            vb = v[:, :, :e].detach().requires_grad_()
+            with torch.enable_grad():
+                o = _sdpa_block(qb, kb, vb, doc_ids, s, e)  # (B, nh, Bq, hd)
+            gq, gk, gv = torch.autograd.grad(o, (qb, kb, vb), grad_out[:, :, s:e])
+            dq[:, :, s:e] = gq
+            dk[:, :, :e] += gk
+            dv[:, :, :e] += gv
+        return dq, dk.to(k.dtype), dv.to(v.dtype), None
+
+
+def document_attention(
+    q: Tensor, k: Tensor, v: Tensor, doc_ids: Tensor, *, recompute: bool | None = None
+) -> Tensor:
+    """Causal attention restricted to each document of a packed row, in blocks of queries (see the module doc).
+
+    Args:
+        q: (B, nh, T, hd) queries.
+        k: (B, nkv, T, hd) keys; nkv divides nh (grouped-query attention).
+        v: (B, nkv, T, hd) values.
+        doc_ids: (B, T) int; tokens of one document share an id and are contiguous.
+        recompute: True runs the blocks through ``F.scaled_dot_product_attention`` and recomputes them in the
+            backward; False through the CPU flash kernels with their log-sum-exp (CPU tensors only). None: False
+            on CPU, True elsewhere.
+
+    Returns:
+        (B, nh, T, hd), laid out as (B, T, nh, hd) in memory (``transpose(1, 2)`` of it is contiguous). Equal to
+        ``F.scaled_dot_product_attention`` with the dense block-diagonal causal mask, within float rounding.
+    """
+    if recompute is None:
+        recompute = q.device.type != "cpu"
+    return (_Recomputed if recompute else _WithLogSumExp).apply(q, k, v, doc_ids)
