@@ -40,6 +40,7 @@ JSON and the plot in the work directory; ``--quick`` is a smoke test (a tiny mod
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -206,11 +207,14 @@ def peer_loop(spec: dict[str, Any]) -> dict[str, Any]:
 
     Args:
         spec: ``peer`` (a :class:`Peer` as a dict), ``checkpoint``, ``data`` (the prepared dataset), ``steps``,
-            ``batch_size``, ``seq_len``, ``lr`` and ``seed``.
+            ``batch_size``, ``seq_len``, ``lr`` and ``seed``; optionally ``track_memory`` (true: the steps run
+            inside memfit's :class:`~memfit.memory.tracker.MemoryTracker`, as ``memfit track_memory=true`` runs).
 
     Returns:
         ``losses`` and ``step_seconds`` per step, ``num_params``, ``imports_rss_mib`` (the process's peak after
-        its imports) and the library versions.
+        its imports) and the library versions; with ``track_memory``, also ``tracked_peak_bytes`` (the peak of
+        live tensor bytes over the steps), ``tracked_breakdown`` (bytes by category at that peak) and
+        ``tracked_peak_phase``.
     """
     import resource
 
@@ -263,22 +267,39 @@ def peer_loop(spec: dict[str, Any]) -> dict[str, Any]:
     else:
         optimizer = make_optimizer(list(model.parameters()))
 
+    tracker = None
+    if spec.get(
+        "track_memory"
+    ):  # live tensor bytes (an in-backward peer's optimizer state counts as temporaries)
+        from memfit.memory.tracker import MemoryTracker
+
+        tracker = MemoryTracker(model, None if peer.in_backward else optimizer, record_timeline=False)
+
     # --- the loop --------------------------------------------------------------------------------------------
     losses, seconds = [], []
     for step in range(spec["steps"]):
         t0 = time.perf_counter()
-        inputs, targets, _ = data.train_batch(step, 0)  # (B, T) each
-        logits = model(input_ids=inputs).logits  # (B, T, V)
-        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())  # (B*T, V) vs (B*T,)
-        loss.backward()
-        if not peer.in_backward:
-            if peer.max_grad_norm:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), peer.max_grad_norm)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+        with tracker if tracker is not None else contextlib.nullcontext():
+            inputs, targets, _ = data.train_batch(step, 0)  # (B, T) each
+            logits = model(input_ids=inputs).logits  # (B, T, V)
+            loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())  # (B*T, V) vs (B*T,)
+            loss.backward()
+            if not peer.in_backward:
+                if peer.max_grad_norm:
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), peer.max_grad_norm)
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
         losses.append(loss.item())
         seconds.append(time.perf_counter() - t0)
+    tracked = {}
+    if tracker is not None:
+        tracked = {
+            "tracked_peak_bytes": tracker.peak_bytes,
+            "tracked_breakdown": tracker.peak_breakdown,
+            "tracked_peak_phase": tracker.peak_phase,
+        }
     return {
+        **tracked,
         "losses": losses,
         "step_seconds": seconds,
         "num_params": sum(p.numel() for p in model.parameters()),

@@ -62,17 +62,23 @@ def _assert_same_run(sharded: Path, single: Path) -> dict[str, float]:
 
 @pytest.fixture(scope="module")
 def single_runs(tmp_path_factory, small_corpus) -> dict[str, Path]:
-    """One-process references with batch_size 8 (= 2 ranks x 4): plain, and optimizer in backward."""
+    """One-process references with batch_size 8 (= 2 ranks x 4): plain, optimizer in backward, the long-context
+    switches, torchao's 8-bit AdamW (and, under ``long_context_settings``, the settings of that run)."""
     root = tmp_path_factory.mktemp("single")
     runs = {
         "plain": {},
         "in_backward": {"optimizer_in_backward": "true", "max_grad_norm": 0},
-        "chunked": {"chunked_cross_entropy": 4},
+        "long_context": {
+            "chunked_cross_entropy": 4,
+            "tiled_mlp": 3,
+            "activation_checkpointing": "full",
+            "activation_offloading": "true",
+        },
         "torchao8": {"optimizer.name": "torchao_adamw8bit"},
     }
     for name, extra in runs.items():
         assert main(["pretrain", *_overrides(small_corpus, root / name, batch_size=8, **extra)]) == 0
-    return {name: root / name for name in runs}
+    return {**{name: root / name for name in runs}, "long_context_settings": runs["long_context"]}
 
 
 @pytest.mark.parametrize("strategy", ["fsdp2", "fsdp1"])
@@ -106,12 +112,15 @@ def test_two_ranks_with_optimizer_in_backward(single_runs, small_corpus, tmp_pat
         torch.testing.assert_close(saved["state"][i]["exp_avg"], state["exp_avg"], atol=TOL, rtol=0)
 
 
-def test_two_ranks_with_chunked_cross_entropy(single_runs, small_corpus, tmp_path):
-    """The loss reads lm_head's weight outside the decoder: it must be the gathered one, with its gradient reduced."""
-    out = tmp_path / "chunked"
-    extra = {"chunked_cross_entropy": 4, "distributed.strategy": "fsdp2"}
+def test_two_ranks_with_the_long_context_switches(single_runs, small_corpus, tmp_path):
+    """The chunked loss reads lm_head's weight outside the decoder: it must be the gathered one, with its gradient
+    reduced. The tiled MLP recomputes its tiles inside the layer's backward, after FSDP2 has gathered the layer
+    again (no all-gather of its own), and hands its weights' gradients to FSDP2's reduce-scatter summed; under
+    full checkpointing with the offloading hooks around each layer."""
+    out = tmp_path / "long_context"
+    extra = {**dict(single_runs["long_context_settings"]), "distributed.strategy": "fsdp2"}
     run_torchrun(["pretrain", *_overrides(small_corpus, out, batch_size=4, **extra)])
-    _assert_same_run(out, single_runs["chunked"])
+    _assert_same_run(out, single_runs["long_context"])
 
 
 # torchao quantizes a state tensor block-wise only when it has >= 4096 elements in whole blocks of 256; a rank's

@@ -57,6 +57,27 @@ COMBINATIONS = {
         1e-5,
         why="compiled kernels' fp32 reductions add in another order (the compile entry's tolerance)",
     ),
+    "long_context": Parity(
+        {
+            "activation_checkpointing": "full",
+            "tiled_mlp": "auto",
+            "chunked_cross_entropy": "auto",
+            "activation_offloading": "true",
+            "optimizer_in_backward": "true",
+        },
+        1e-5,
+        why="tiled_mlp's tolerance (the tiles' weight gradients add up in another order)",
+    ),
+    "compile+tiled+checkpointing": Parity(
+        {
+            "compile": "true",
+            "tiled_mlp": 3,
+            "activation_checkpointing": "full",
+            "chunked_cross_entropy": "auto",
+        },
+        1e-5,
+        why="the compile and tiled_mlp entries' tolerance",
+    ),
     "in_backward+adamw8bit": Parity(
         {"optimizer.name": "adamw8bit", "optimizer_in_backward": "true"},
         0.02,

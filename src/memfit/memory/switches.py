@@ -442,12 +442,31 @@ def _check_chunks_model(cfg: TrainConfig, mcfg: LlamaConfig) -> None:
 
 def _check_tiled(cfg: TrainConfig, target: Target) -> None:
     _auto_or_count(cfg.tiled_mlp, "tiled_mlp", "tiles")
+    _check_tiled_compiled(cfg, target)
     require(
         not (target.sharded and cfg.tiled_mlp and cfg.distributed.strategy == "fsdp1"),
         "tiled_mlp",
         "does not work with distributed.strategy=fsdp1: FSDP1 gives the MLP's weights to the forward as views of "
         "its flat parameter, not as the module's parameters, so the tiles' recomputation in the backward cannot "
         "return their gradients. Use distributed.strategy=fsdp2 or tiled_mlp=0",
+    )
+
+
+MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+
+
+def _check_tiled_compiled(cfg: TrainConfig, target: Target) -> None:
+    dropout_inside = (
+        cfg.method in peft.LORA_METHODS
+        and cfg.lora.dropout > 0
+        and any(m in MLP_PROJECTIONS for m in cfg.lora.target_modules)
+    )
+    require(
+        not (cfg.tiled_mlp and cfg.compile and dropout_inside),
+        "tiled_mlp",
+        "with compile cannot replay LoRA's dropout inside the MLP: the tiles recomputed in the backward would draw "
+        "other dropout masks than the forward's, which a compiled graph cannot rewind. Set lora.dropout=0, leave "
+        "gate_proj/up_proj/down_proj out of lora.target_modules, or turn compile or tiled_mlp off",
     )
 
 
@@ -1051,6 +1070,15 @@ SWITCHES: tuple[Switch, ...] = (
                 world_size=2,
             ),
             Refusal({"tiled_mlp": 5000}, "5000 tiles exceed the 4096 tokens of a micro-batch"),
+            Refusal(
+                {
+                    "tiled_mlp": 2,
+                    "compile": True,
+                    "method": "lora",
+                    "lora.target_modules": "[q_proj,up_proj]",
+                },
+                "with compile cannot replay LoRA's dropout inside the MLP",
+            ),
         ),
         parity=(
             Parity(

@@ -139,7 +139,9 @@ class _TiledMLP(torch.autograd.Function):
     def forward(ctx, forward, setting, x, *params):  # noqa: D102 (autograd's signature)
         ctx.forward, ctx.tiles = forward, mlp_tiles(setting, x.numel() // x.shape[-1], x.shape[-1])
         ctx.autocast = _autocast_state(x.device.type)
-        ctx.rng = _rng_state(x.device)
+        # the random state dropout (LoRA's) draws from, replayed for the backward's tiles; a compiled layer's
+        # graph cannot read it (config validation refuses compile with dropout inside a tiled MLP)
+        ctx.rng = None if torch.compiler.is_compiling() else _rng_state(x.device)
         ctx.save_for_backward(x)
         return _tiles_without_graph(forward, x, ctx.tiles)
 
@@ -157,8 +159,7 @@ class _TiledMLP(torch.autograd.Function):
         summed: list[torch.Tensor | None] = [None] * len(params)
         start = 0
         # the tiles in the forward's order, from the forward's random state: LoRA dropout draws the same masks
-        with torch.random.fork_rng(devices=ctx.rng[1]), _autocast(x.device.type, ctx.autocast):
-            _set_rng_state(ctx.rng)
+        with _replayed_rng(ctx.rng), _autocast(x.device.type, ctx.autocast):
             for tile, grad in zip(flat.tensor_split(ctx.tiles), grads.tensor_split(ctx.tiles), strict=True):
                 tile = tile.requires_grad_(need_x)  # (n, C)
                 with torch.enable_grad():
@@ -240,11 +241,18 @@ def _rng_state(device: torch.device) -> tuple[torch.Tensor, list, list]:
     return torch.get_rng_state(), [], []
 
 
-def _set_rng_state(state: tuple[torch.Tensor, list, list]) -> None:
+@contextlib.contextmanager
+def _replayed_rng(state: tuple[torch.Tensor, list, list] | None) -> Any:
+    """Draw from ``state`` (:func:`_rng_state`) until the context exits, then from where the generators were."""
+    if state is None:
+        yield
+        return
     cpu, devices, states = state
-    torch.set_rng_state(cpu)
-    for device, cuda_state in zip(devices, states, strict=True):
-        torch.cuda.set_rng_state(cuda_state, device)
+    with torch.random.fork_rng(devices=devices):
+        torch.set_rng_state(cpu)
+        for device, cuda_state in zip(devices, states, strict=True):
+            torch.cuda.set_rng_state(cuda_state, device)
+        yield
 
 
 # ----------------------------------------------------------------------------------------------------------------
