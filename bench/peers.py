@@ -234,6 +234,7 @@ def peer_loop(spec: dict[str, Any]) -> dict[str, Any]:
 
     # --- data: memfit's own reader, so step n draws memfit's batch n ---------------------------------------
     overrides = [f"data.path={spec['data']}", *(f"{k}={spec[k]}" for k in ("batch_size", "seq_len", "seed"))]
+    overrides.append(f"checkpoint_dir={spec['checkpoint']}")  # seq_len is checked against its max_seq_len
     cfg = load_config(None, overrides)
     data = text_data(cfg, Path(spec["data"]), read_manifest(spec["data"]), spec["seq_len"])
 
@@ -268,9 +269,8 @@ def peer_loop(spec: dict[str, Any]) -> dict[str, Any]:
         optimizer = make_optimizer(list(model.parameters()))
 
     tracker = None
-    if spec.get(
-        "track_memory"
-    ):  # live tensor bytes (an in-backward peer's optimizer state counts as temporaries)
+    if spec.get("track_memory"):
+        # live tensor bytes by category (an in-backward peer's optimizer state counts as temporaries)
         from memfit.memory.tracker import MemoryTracker
 
         tracker = MemoryTracker(model, None if peer.in_backward else optimizer, record_timeline=False)

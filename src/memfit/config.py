@@ -347,7 +347,7 @@ class TrainConfig:
     """Compute the loss in this many chunks of tokens, each chunk's gradients with respect to the hidden states and
     ``lm_head``'s weight computed in the same pass (a fused linear cross-entropy), so the full
     ``(B, T, vocab_size)`` logits never exist and the backward recomputes nothing; 0 is off. ``auto``: chunks of at
-    most 2^25 logits each (261 tokens for Llama 3's vocabulary), bounded at any sequence length."""
+    most 2^25 logits and 2,048 tokens each (261 tokens for Llama 3's vocabulary), bounded at any sequence length."""
     tiled_mlp: int | str = 0
     """Run each decoder layer's SwiGLU MLP over the tokens in this many tiles, recomputing each tile in the backward,
     so its ``(B, T, intermediate_size)`` tensors exist for one tile at a time (Arctic Long Sequence Training's

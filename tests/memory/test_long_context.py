@@ -70,10 +70,10 @@ def test_tiles_and_chunks_are_functions_of_the_shapes():
     )  # tiles of ~dim tokens (Arctic Long Sequence Training)
     assert mlp_tiles("auto", tokens=500_000, dim=4096) == 123
     assert mlp_tiles(8, tokens=5, dim=64) == 5 and mlp_tiles(3, tokens=100, dim=64) == 3
-    # auto: at most 2^25 logits a chunk, 261 tokens for Llama 3's 128,256 ids; 0 and counts as given
+    # auto: at most 2^25 logits (261 tokens for Llama 3's 128,256 ids) and 2,048 tokens a chunk; counts as given
     assert loss_chunks("auto", tokens=131_072, vocab_size=128_256) == 501
     assert 131_072 / 501 * 128_256 <= 2**25
-    assert loss_chunks("auto", tokens=4096, vocab_size=2048) == 1
+    assert loss_chunks("auto", tokens=16_384, vocab_size=2048) == 8 and loss_chunks("auto", 2000, 2048) == 1
     assert loss_chunks(8, tokens=4096, vocab_size=2048) == 8 and loss_chunks(0, 10, 10) == 0
 
 

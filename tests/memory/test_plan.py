@@ -220,9 +220,12 @@ def test_bounds_never_exceed_the_estimate(tight_plan):
     """Every bound the search prunes with is below the estimate, for each combination it estimated (an offline
     check of all 408 tiny combinations, bf16 and bf16_mixed, found no exception either)."""
     search = tight_plan.search
+    probe = search.least_memory()  # estimated here where the search found its fits before it needed the probe
+    assert probe.label() == "bf16 paged_adamw8bit in_bwd ac=full ce=8 tiled act_offload"
+    if not probe.estimated:
+        search.run_estimate(probe)
     estimated = [r for r in tight_plan.rows if r.estimated]
-    labels = {r.label() for r in estimated}
-    assert "bf16 paged_adamw8bit in_bwd ac=full ce=8 tiled act_offload" in labels  # the least-memory probe
+    assert len(estimated) >= 4
     siblings = 0
     for row in estimated:
         peak, total, host = search.ctx.lower_bounds(row.config)

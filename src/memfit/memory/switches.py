@@ -549,6 +549,9 @@ PLAN_TILES = (0, "auto")
 """``tiled_mlp`` values the planner tries."""
 AUTO_CHUNK_LOGITS = 2**25
 """The most logits of one chunk of ``chunked_cross_entropy: auto`` (:func:`memfit.memory.techniques.loss_chunks`)."""
+AUTO_CHUNK_TOKENS = 2048
+"""The most tokens of one chunk of ``chunked_cross_entropy: auto``, whatever the vocabulary (a small one would
+otherwise make chunks of 16K tokens and more, whose logits grow with the sequence up to there)."""
 
 
 def _plan_chunks(cfg: TrainConfig, space: PlanSpace) -> tuple[dict[str, Any], ...]:

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import math
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -39,7 +38,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from memfit.memory.switches import AUTO_CHUNK_LOGITS, checkpointed_layers
+from memfit.memory.switches import AUTO_CHUNK_LOGITS, AUTO_CHUNK_TOKENS, checkpointed_layers
+from memfit.models.tiles import representative
 
 IGNORE_INDEX = -100
 
@@ -123,88 +123,123 @@ def mlp_tiles(setting: int | str, tokens: int, dim: int) -> int:
     Returns:
         Tiles, at least 1 and at most ``tokens``.
     """
-    tiles = math.ceil(tokens / dim) if setting == "auto" else int(setting)
+    tiles = -(-tokens // dim) if setting == "auto" else int(setting)  # ceil, in integers (SymInt-safe)
     return max(1, min(tiles, tokens))
+
+
+def tile_ranges(rows: int, count: int, like: torch.Tensor) -> list[tuple[int, int]]:
+    """The ``[start, end)`` rows of ``count`` tiles of ``rows`` (as ``tensor_split`` cuts them: the first
+    ``rows % count`` one row longer) that a loop runs: all of them, or in the estimator's trace the first and the
+    last (:func:`memfit.models.tiles.representative`)."""
+    size = rows // count  # no divmod: under a compiled layer with dynamic shapes ``rows`` is a SymInt
+    longer = rows - size * count
+    bounds = [0]
+    for i in range(count):
+        bounds.append(bounds[-1] + size + (1 if i < longer else 0))
+    return [(bounds[i], bounds[i + 1]) for i in representative(count, like)]
 
 
 class _TiledMLP(torch.autograd.Function):
     """The MLP tile by tile without a graph; in the backward each tile again, with one, and its gradients at once.
 
-    Inputs: the MLP's own (untiled) forward, the ``tiled_mlp`` setting, ``x`` ``(B, T, C)`` and the MLP's trainable
-    parameters (so that their gradients are this function's outputs: summed over the tiles, they reach each
-    parameter once).
+    Inputs: the tiled MLP module, ``x`` ``(B, T, C)`` and the MLP's trainable parameters (so that their gradients
+    are this function's outputs: summed over the tiles, they reach each parameter once).
     """
 
     @staticmethod
-    def forward(ctx, forward, setting, x, *params):  # noqa: D102 (autograd's signature)
-        ctx.forward, ctx.tiles = forward, mlp_tiles(setting, x.numel() // x.shape[-1], x.shape[-1])
+    def forward(ctx, module, x, *params):  # noqa: D102 (autograd's signature)
+        ctx.module = module
+        ctx.tiles = mlp_tiles(module.memfit_tiles, x.numel() // x.shape[-1], x.shape[-1])
         ctx.autocast = _autocast_state(x.device.type)
         # the random state dropout (LoRA's) draws from, replayed for the backward's tiles; a compiled layer's
         # graph cannot read it (config validation refuses compile with dropout inside a tiled MLP)
         ctx.rng = None if torch.compiler.is_compiling() else _rng_state(x.device)
         ctx.save_for_backward(x)
-        return _tiles_without_graph(forward, x, ctx.tiles)
+        return _tiles_without_graph(module, x, ctx.tiles)
 
     @staticmethod
     def backward(ctx, grad_out):  # noqa: D102
         (x,) = ctx.saved_tensors
-        module = ctx.forward.__self__
+        module = ctx.module
         params = [
             p for p in module.parameters() if p.requires_grad
-        ]  # as in the forward (FSDP2 gathered them again)
+        ]  # as in the forward (FSDP2 gathered them)
         flat = x.detach().reshape(-1, x.shape[-1])  # (N, C)
         grads = grad_out.reshape(-1, grad_out.shape[-1])  # (N, C)
-        need_x = ctx.needs_input_grad[2]
+        need_x = ctx.needs_input_grad[1]
         grad_x = torch.empty_like(flat) if need_x else None  # (N, C)
         summed: list[torch.Tensor | None] = [None] * len(params)
-        start = 0
         # the tiles in the forward's order, from the forward's random state: LoRA dropout draws the same masks
         with _replayed_rng(ctx.rng), _autocast(x.device.type, ctx.autocast):
-            for tile, grad in zip(flat.tensor_split(ctx.tiles), grads.tensor_split(ctx.tiles), strict=True):
-                tile = tile.requires_grad_(need_x)  # (n, C)
+            for s, e in tile_ranges(len(flat), ctx.tiles, flat):
+                tile = flat[s:e].requires_grad_(need_x)  # (n, C)
                 with torch.enable_grad():
-                    out = ctx.forward(tile)  # (n, C); SwiGLU's (n, I) tensors live until the grad below
+                    out = _untiled(module, tile)  # (n, C); SwiGLU's (n, I) tensors live until the grad below
                 inputs = ([tile] if need_x else []) + params
-                tile_grads = list(torch.autograd.grad(out, inputs, grad)) if inputs else []
+                tile_grads = list(torch.autograd.grad(out, inputs, grads[s:e])) if inputs else []
                 if need_x:
-                    grad_x[start : start + len(tile)] = tile_grads.pop(0)
+                    grad_x[s:e] = tile_grads.pop(0)
                 for i, g in enumerate(tile_grads):  # in the parameter's dtype, as autograd accumulates
                     summed[i] = g if summed[i] is None else summed[i].add_(g)
-                start += len(tile)
-        return (None, None, grad_x.view_as(x) if need_x else None, *summed)
+        return (None, grad_x.view_as(x) if need_x else None, *summed)
 
 
-def _tiles_without_graph(forward: Callable, x: torch.Tensor, tiles: int) -> torch.Tensor:
-    """``forward`` of ``x`` ``(B, T, C)`` over ``tiles`` tiles of its tokens, written into one output."""
+def _untiled(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The MLP's own ``forward`` (its class's base, :func:`apply_tiled_mlp`) of ``x``."""
+    return _UNTILED[type(module)].forward(module, x)
+
+
+def _tiles_without_graph(module: nn.Module, x: torch.Tensor, tiles: int) -> torch.Tensor:
+    """The MLP of ``x`` ``(B, T, C)`` over ``tiles`` tiles of its tokens, written into one output."""
     flat = x.reshape(-1, x.shape[-1])  # (N, C)
     out = None
-    start = 0
     with torch.no_grad():
-        for tile in flat.tensor_split(tiles):
-            y = forward(tile)  # (n, C)
+        for s, e in tile_ranges(len(flat), tiles, flat):
+            y = _untiled(module, flat[s:e])  # (n, C)
             if out is None:
                 out = y.new_empty(flat.shape[0], y.shape[-1])  # (N, C), in the dtype the MLP returns
-            out[start : start + len(tile)] = y
-            start += len(tile)
+            out[s:e] = y
     return out.view(*x.shape[:-1], out.shape[-1])  # (B, T, C)
 
 
-def _tiled_forward(forward: Callable, setting: int | str, x: torch.Tensor) -> torch.Tensor:
-    """A tiled MLP's ``forward`` (bound by :func:`apply_tiled_mlp`)."""
-    module = forward.__self__
-    params = [p for p in module.parameters() if p.requires_grad]
+def _tiled_mlp_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The ``forward`` of a tiled MLP's class (:func:`apply_tiled_mlp`).
+
+    Args:
+        x: (B, T, C).
+
+    Returns:
+        (B, T, C), the MLP's output.
+    """
+    params = [p for p in self.parameters() if p.requires_grad]
     if not torch.is_grad_enabled() or not (x.requires_grad or params):
         tokens = x.numel() // x.shape[-1]
-        return _tiles_without_graph(forward, x, mlp_tiles(setting, tokens, x.shape[-1]))
-    return _TiledMLP.apply(forward, setting, x, *params)
+        return _tiles_without_graph(self, x, mlp_tiles(self.memfit_tiles, tokens, x.shape[-1]))
+    return _TiledMLP.apply(self, x, *params)
+
+
+_UNTILED: dict[type, type] = {}
+"""A tiled MLP class -> the MLP class it derives from (whose ``forward`` each tile runs)."""
+
+
+def _tiled_class(cls: type) -> type:
+    """The subclass of ``cls`` whose ``forward`` runs tile by tile, made once per class (so that every layer has
+    the same class and a compiled layer's graph serves them all, without a guard on a per-layer object)."""
+    for tiled, base in _UNTILED.items():
+        if base is cls:
+            return tiled
+    tiled = type(f"Tiled{cls.__name__}", (cls,), {"forward": _tiled_mlp_forward, "__module__": __name__})
+    _UNTILED[tiled] = cls
+    return tiled
 
 
 def apply_tiled_mlp(model: nn.Module, setting: int | str) -> int:
     """Make every decoder layer's MLP run tile by tile (``tiled_mlp``; see the module doc).
 
-    The MLP's ``forward`` is replaced by a tiled one around the original (LoRA's adapted projections included), so
-    module structure and parameter names are unchanged. Apply before activation checkpointing and compile; both
-    then take the tiled MLP as part of the layer.
+    Each MLP becomes an instance of a subclass of its class (``TiledMLP``) whose ``forward`` runs the original tile
+    by tile (LoRA's adapted projections included), with ``memfit_tiles`` the setting; module structure and parameter
+    names are unchanged. Apply before activation checkpointing and compile; both then take the tiled MLP as part of
+    the layer.
 
     Args:
         model: a :class:`memfit.models.llama.Llama`.
@@ -218,10 +253,9 @@ def apply_tiled_mlp(model: nn.Module, setting: int | str) -> int:
     layers = model.model.layers
     for layer in layers:
         mlp = layer.mlp
-        if getattr(mlp, "_memfit_tiles", 0):
-            continue
-        mlp.forward = functools.partial(_tiled_forward, mlp.forward, setting)
-        mlp._memfit_tiles = setting
+        if type(mlp) not in _UNTILED:
+            mlp.__class__ = _tiled_class(type(mlp))
+        mlp.memfit_tiles = setting
     return len(layers)
 
 
@@ -445,7 +479,7 @@ def apply_compile(model: nn.Module) -> int:
         The number of layers compiled.
     """
     layers = model.model.layers
-    if any(getattr(layer.mlp, "_memfit_tiles", 0) for layer in layers):
+    if any(type(layer.mlp) in _UNTILED for layer in layers):
         torch._dynamo.config.trace_autograd_ops = True
     for layer in layers:
         layer.compile(fullgraph=True)
@@ -462,10 +496,11 @@ def loss_chunks(setting: int | str, tokens: int, vocab_size: int) -> int:
     """How many chunks the fused chunked cross-entropy cuts ``tokens`` into.
 
     Args:
-        setting: ``chunked_cross_entropy``: a number of chunks (0: the plain loss), or ``auto`` (chunks of at most
-            :data:`memfit.memory.switches.AUTO_CHUNK_LOGITS` logits each: 261 tokens a chunk for Llama 3's 128,256
-            ids, so the ``(chunk, vocab_size)`` logits stay bounded at any
-            sequence length).
+        setting: ``chunked_cross_entropy``: a number of chunks (0: the plain loss), or ``auto``: chunks of at most
+            :data:`memfit.memory.switches.AUTO_CHUNK_LOGITS` logits and
+            :data:`memfit.memory.switches.AUTO_CHUNK_TOKENS` tokens each (261 tokens a chunk for Llama 3's
+            128,256 ids, 2,048 for a 2,048-id vocabulary), so the ``(chunk, vocab_size)`` logits stay bounded at
+            any sequence length.
         tokens: tokens of the micro-batch, ``B * T``.
         vocab_size: V.
 
@@ -473,7 +508,8 @@ def loss_chunks(setting: int | str, tokens: int, vocab_size: int) -> int:
         Chunks (0 for the plain loss), at most ``tokens``.
     """
     if setting == "auto":
-        return max(1, math.ceil(tokens * vocab_size / AUTO_CHUNK_LOGITS)) if tokens else 0
+        by_logits = -(-tokens * vocab_size // AUTO_CHUNK_LOGITS)  # ceil, in integers (SymInt-safe)
+        return max(1, by_logits, -(-tokens // AUTO_CHUNK_TOKENS)) if tokens else 0
     return min(int(setting), tokens)
 
 
@@ -519,18 +555,17 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         # parameter's gradient over the chunks of a chunked computation (each matmul sums its chunk in fp32)
         grad_weight = torch.zeros_like(weight) if need_weight else None
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        start = 0
-        for h, t in zip(hidden.tensor_split(num_chunks), targets.tensor_split(num_chunks), strict=True):
-            loss, grad_logits = chunk_fn(h, weight, t)  # 0-dim, (n, V)
+        for s, e in tile_ranges(len(hidden), num_chunks, hidden):
+            h = hidden[s:e]  # (n, dim)
+            loss, grad_logits = chunk_fn(h, weight, targets[s:e])  # 0-dim, (n, V)
             total += loss
             if need_hidden:
-                grad_hidden[start : start + len(h)] = grad_logits @ weight  # (n, dim)
+                grad_hidden[s:e] = grad_logits @ weight  # (n, dim)
             if need_weight:
                 if grad_logits.dtype == h.dtype == grad_weight.dtype:
                     grad_weight.addmm_(grad_logits.t(), h)  # (V, dim), no temporary
                 else:  # autocast: the matmul in its dtype, the sum in the weight's
                     grad_weight += grad_logits.t() @ h
-            start += len(h)
         ctx.save_for_backward(grad_hidden, grad_weight)
         return total
 
@@ -580,7 +615,7 @@ def chunked_cross_entropy(
         chunk_fn = compiled(_chunk_loss_and_grad) if compile else _chunk_loss_and_grad
         return _FusedLinearCrossEntropy.apply(flat_h, lm_head_weight, flat_t, num_chunks, chunk_fn)
     total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-    for h, t in zip(flat_h.tensor_split(num_chunks), flat_t.tensor_split(num_chunks), strict=True):
-        logits = F.linear(h, lm_head_weight)  # (n, V)
-        total += F.cross_entropy(logits.float(), t, ignore_index=IGNORE_INDEX, reduction="sum")
+    for s, e in tile_ranges(len(flat_h), num_chunks, flat_h):
+        logits = F.linear(flat_h[s:e], lm_head_weight)  # (n, V)
+        total += F.cross_entropy(logits.float(), flat_t[s:e], ignore_index=IGNORE_INDEX, reduction="sum")
     return total

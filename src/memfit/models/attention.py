@@ -32,6 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from memfit.models.tiles import representative
+
 BLOCK_MASK_ELEMENTS = 2**24
 """The most elements of one block's additive mask ``(B, 1, Bq, T)`` (64 MiB in fp32) that :func:`query_block`
 allows, down to :data:`MIN_QUERY_BLOCK` queries a block."""
@@ -80,9 +82,13 @@ def block_mask(doc_ids: Tensor, start: int, end: int, dtype: torch.dtype) -> Ten
     return torch.zeros(allowed.shape, dtype=dtype, device=doc_ids.device).masked_fill_(~allowed, -math.inf)
 
 
-def _blocks(batch: int, seq_len: int) -> list[tuple[int, int]]:
-    size = query_block(batch, seq_len)
-    return [(s, min(seq_len, s + size)) for s in range(0, seq_len, size)]
+def _blocks(q: Tensor) -> list[tuple[int, int]]:
+    """The query blocks ``[s, e)`` of ``q`` (B, nh, T, hd) that a loop runs
+    (:func:`memfit.models.tiles.representative`)."""
+    B, _, T, _ = q.shape
+    size = query_block(B, T)
+    blocks = [(s, min(T, s + size)) for s in range(0, T, size)]
+    return [blocks[i] for i in representative(len(blocks), q)]
 
 
 class _WithLogSumExp(torch.autograd.Function):
@@ -95,7 +101,7 @@ class _WithLogSumExp(torch.autograd.Function):
         # (B, T, nh, hd) memory viewed as (B, nh, T, hd): the caller's transpose back to (B, T, C) is then a view
         out = q.new_empty(B, T, nh, hd).transpose(1, 2)  # (B, nh, T, hd)
         lse = q.new_empty(B, nh, T, dtype=torch.float32)  # (B, nh, T)
-        for s, e in _blocks(B, T):
+        for s, e in _blocks(q):
             o, m = aten._scaled_dot_product_flash_attention_for_cpu(
                 q[:, :, s:e],
                 k[:, :, :e],
@@ -119,7 +125,7 @@ class _WithLogSumExp(torch.autograd.Function):
         # keys and values get a part from every block that sees them: summed in fp32 (the kernels' own precision)
         dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)  # (B, nkv, T, hd)
         dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)  # (B, nkv, T, hd)
-        for s, e in _blocks(B, T):
+        for s, e in _blocks(q):
             gq, gk, gv = aten._scaled_dot_product_flash_attention_for_cpu_backward(
                 grad_out[:, :, s:e],
                 q[:, :, s:e],
@@ -167,7 +173,7 @@ class _Recomputed(torch.autograd.Function):
     def forward(ctx, q, k, v, doc_ids):  # noqa: D102
         B, nh, T, hd = q.shape
         out = q.new_empty(B, T, nh, hd).transpose(1, 2)  # (B, nh, T, hd)
-        for s, e in _blocks(B, T):
+        for s, e in _blocks(q):
             out[:, :, s:e] = _sdpa_block(q[:, :, s:e], k[:, :, :e], v[:, :, :e], doc_ids, s, e)
         ctx.save_for_backward(q, k, v, doc_ids)
         return out
@@ -179,7 +185,7 @@ class _Recomputed(torch.autograd.Function):
         dq = torch.empty_like(q)
         dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
         dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
-        for s, e in _blocks(B, T):
+        for s, e in _blocks(q):
             qb = q[:, :, s:e].detach().requires_grad_()
             kb = k[:, :, :e].detach().requires_grad_()
             vb = v[:, :, :e].detach().requires_grad_()
