@@ -57,6 +57,15 @@ CONFIGS = {
     "1B torchao AdamW8bit": ["model=llama3.2-1b", "optimizer.name=torchao_adamw8bit"],
     "1B optimizer in backward": ["model=llama3.2-1b", *IN_BACKWARD],
     "1B activation offloading": ["model=llama3.2-1b", "activation_offloading=true"],
+    "1B long context: offloaded checkpoints, tiled MLP, chunked CE, the planner's longest T for 8 GiB": [
+        "model=llama3.2-1b",
+        *IN_BACKWARD,
+        "activation_checkpointing=full",
+        "chunked_cross_entropy=auto",
+        "tiled_mlp=auto",
+        "activation_offloading=true",
+        "seq_len=longest:8GiB",
+    ],
     "8B paged AdamW8bit + in backward + AC + chunked CE": [
         "model=llama3-8b",
         "optimizer.name=paged_adamw8bit",
@@ -95,6 +104,26 @@ def _config(overrides: list[str]):
     return load_config(None, [*BASE, *overrides], needs_weights=False)
 
 
+def resolve_longest(overrides: list[str], dry_run: bool = False) -> list[str]:
+    """``seq_len=longest:BUDGET`` -> the longest ``seq_len`` at which the planner predicts the configuration fits
+    ``BUDGET`` (:func:`memfit.planner.context.longest_length`, 10% margin), with ``model_args.max_seq_len`` raised to
+    it: the configuration is then measured at the length the planner calls the longest. Other overrides pass."""
+    from memfit.planner.context import at_length, longest_length
+    from memfit.units import parse_bytes
+
+    marker = next((o for o in overrides if o.startswith("seq_len=longest:")), None)
+    if marker is None:
+        return overrides
+    rest = [o for o in overrides if o != marker]
+    budget = parse_bytes(marker.split(":", 1)[1], "seq_len")
+    cfg = _config([*rest, "seq_len=0"])  # valid at any model's context; the search sets the length
+    if dry_run:
+        cfg = dataclasses.replace(cfg, device="cpu")
+    length = longest_length(cfg, int(budget * 0.9))[0]
+    cfg = at_length(cfg, length)
+    return [*rest, f"seq_len={length}", f"model_args.max_seq_len={cfg.model_args.get('max_seq_len', length)}"]
+
+
 def measure(path: Path, dry_run: bool = False) -> None:
     """Measure every configuration (see the module docstring) and write ``path`` after each one.
 
@@ -102,15 +131,27 @@ def measure(path: Path, dry_run: bool = False) -> None:
         path: the JSON to write (gzip-compressed when it ends in ``.gz``).
         dry_run: one tiny configuration on CPU, with the CUDA statistics as zeros (checks the script).
     """
-    from memfit.build import build_model, run_model_config
+    from memfit.build import build_training, run_model_config
     from memfit.memory.allocator import replay
-    from memfit.memory.optim import build_optimizer
-    from memfit.memory.techniques import apply_activation_checkpointing
     from memfit.step import train_step, train_step_options
 
     device = torch.device("cpu" if dry_run else "cuda")
     cuda = torch.cuda if not dry_run else _NoCuda()
-    configs = {"tiny (dry run)": ["model=tiny", "seq_len=64", "tokenizer.kind=char"]} if dry_run else CONFIGS
+    configs = (
+        {
+            "tiny (dry run)": ["model=tiny", "seq_len=64", "tokenizer.kind=char"],
+            "tiny long context (dry run)": [
+                "model=tiny",
+                "tokenizer.kind=char",
+                "activation_checkpointing=full",
+                "tiled_mlp=auto",
+                "chunked_cross_entropy=auto",
+                "seq_len=longest:16MiB",
+            ],
+        }
+        if dry_run
+        else CONFIGS
+    )
     info = {"device": cuda.get_device_name(), "torch": torch.__version__}
     results: dict[str, dict] = {}
     for name, overrides in configs.items():
@@ -121,15 +162,15 @@ def measure(path: Path, dry_run: bool = False) -> None:
                 "all", context=None, max_entries=2_000_000, clear_history=True
             )
         try:
+            overrides = resolve_longest(overrides, dry_run)
             cfg = _config(overrides)
             if dry_run:
                 cfg = dataclasses.replace(cfg, device="cpu")
             mcfg = run_model_config(cfg)
-            model = build_model(cfg, mcfg, device)
-            apply_activation_checkpointing(
-                model, cfg.activation_checkpointing, cfg.activation_checkpointing_interval
-            )
-            optimizer = build_optimizer(model, cfg.optimizer, in_backward=cfg.optimizer_in_backward)
+            built = build_training(
+                cfg, mcfg, device
+            )  # the run's build: method, tiling, checkpointing, offloading
+            model, optimizer = built.model, built.optimizer
             T = cfg.seq_len
             g = torch.Generator(device=device).manual_seed(0)
             result = None

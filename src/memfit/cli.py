@@ -49,8 +49,8 @@ from memfit.data.tokens import MANIFEST
 from memfit.errors import ConfigError, MemfitError, NoPlanError
 from memfit.export import export_run
 from memfit.generate import generate_text
+from memfit.planner import context, report
 from memfit.planner import plan as plan_
-from memfit.planner import report
 from memfit.planner.estimate import estimate_run
 from memfit.planner.preflight import preflight_sharded
 from memfit.train import train
@@ -193,6 +193,8 @@ def _plan(args: argparse.Namespace) -> int:
     )
     world_size = world_size or 1
     budget, overrides = split_budget(overrides)
+    longest = "seq_len=max" in [o.replace(" ", "") for o in overrides]
+    overrides = [o for o in overrides if o.replace(" ", "") != "seq_len=max"]
     cfg = load_config(args.config, overrides, world_size=world_size, needs_weights=False)
     budget = budget if budget is not None else memory_budget_bytes(cfg)  # budget= wins over the config's
     if budget is None:
@@ -203,18 +205,35 @@ def _plan(args: argparse.Namespace) -> int:
     dtypes = None if _sets_key(args.config, overrides, "dtype") else plan_.default_dtypes(cfg)
     progress = None if args.json else (lambda line: print(line, file=sys.stderr, flush=True))
     if progress:
-        progress(f"memfit plan: {cfg.model}, budget {format_bytes(budget)}, world_size {world_size}")
-    result = plan_.plan(
-        cfg, budget, world_size, margin=args.margin, dtypes=dtypes, fits=args.fits, progress=progress
-    )
+        progress(
+            f"memfit plan: {cfg.model}, budget {format_bytes(budget)}, world_size {world_size}"
+            + (", seq_len=max: the longest context that fits" if longest else "")
+        )
+    options = dict(margin=args.margin, dtypes=dtypes, fits=args.fits, progress=progress)
+    if longest:
+        found = context.longest_context(cfg, budget, world_size, **options)
+        if found.plan is None:
+            raise NoPlanError(
+                "memfit plan: nothing fits the budget at any sequence length, not even "
+                f"{context.FINE_GRANULARITY} tokens with every memory switch on; raise the budget, use more ranks "
+                "(world_size) or a smaller batch_size"
+            )
+        result = found.plan
+    else:
+        result = plan_.plan(cfg, budget, world_size, **options)
     best = result.best
     if args.json:
-        print(json.dumps({**result.to_json(), "out": args.out if best and args.out else None}))
+        out = found.to_json() if longest else result.to_json()
+        print(json.dumps({**out, "out": args.out if best and args.out else None}))
     else:
         if args.explain:
             print(report.format_constants(result.target))
             print()
-        print(report.format_plan(result, top=args.top))
+        print(
+            context.format_context(found, top=args.top)
+            if longest
+            else report.format_plan(result, top=args.top)
+        )
     if best is None:
         raise NoPlanError(report.no_fit_message(result))
     if args.out:
@@ -430,7 +449,8 @@ def _add_plan(sub: Any) -> None:
         "plan",
         _plan,
         "YAML preset to plan from (its keys are kept) (default: none, the built-in defaults)",
-        "budget=24GiB (required), model=llama3-8b, world_size=N (default: 1), batch_size=B, seq_len=T, ...",
+        "budget=24GiB (required), model=llama3-8b, world_size=N (default: 1), batch_size=B, seq_len=T or "
+        "seq_len=max (the longest context that fits), ...",
         help="pick the fastest memory switches that fit a memory budget, and write them as a config",
         description="Enumerate combinations of the memory switches (dtype, optimizer, optimizer in backward, "
         "activation checkpointing, chunked cross-entropy, offloading; sharded: FSDP resharding and CPU offload), "
@@ -438,7 +458,9 @@ def _add_plan(sub: Any) -> None:
         "device by a throughput cost model (docs/memory.md, Planner) and write the fastest as a runnable YAML. "
         "budget is required: 24GiB (GiB = 1024**3 bytes; also MiB, TiB) or 24GB (GB = 10**9 bytes; also MB, TB). "
         "world_size=N plans one rank of an N-rank FSDP2 run. dtype: kept when given, else bf16_mixed and bf16 "
-        "(on CPU also fp32) are considered. device=cuda plans a GPU run on any machine.",
+        "(on CPU also fp32) are considered. device=cuda plans a GPU run on any machine. seq_len=max searches the "
+        "sequence length too: the longest context each switch set allows (each adding one technique), and the "
+        "fastest switch set at the longest.",
         epilog=_keys_epilog(),
     )
     pl.add_argument(
