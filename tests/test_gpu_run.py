@@ -134,10 +134,11 @@ def test_dry_run_runs_every_step_on_cpu_with_the_carried_packages(carry, tmp_pat
     assert all(set(r["memory_breakdown"]) >= {"parameters", "optimizer_state", "activations"} for r in train)
 
     measured = json.loads(gzip.decompress((out / "gpu_estimate.json.gz").read_bytes()))
-    assert (
-        list(measured["results"]) == ["tiny (dry run)"]
-        and "error" not in measured["results"]["tiny (dry run)"]
-    )
+    assert list(measured["results"]) == ["tiny (dry run)", "tiny long context (dry run)"]
+    assert not any("error" in r for r in measured["results"].values())
+    # measured at the length the planner calls the longest for its budget (seq_len=longest:16MiB)
+    longest = measured["results"]["tiny long context (dry run)"]["overrides"]
+    assert any(o.startswith("seq_len=") and int(o.split("=")[1]) >= 1024 for o in longest)
     table = (out / "gpu_seed_table.md").read_text()
     assert [
         line.split(" | ")[0] for line in table.splitlines() if line.startswith("| ") and "0.00" in line

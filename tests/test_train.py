@@ -135,7 +135,6 @@ def test_step_and_evaluation_options_are_the_config_keys_of_the_same_name():
         "max_grad_norm": cfg.max_grad_norm,
         "dtype": "bf16",
         "chunked_cross_entropy": 4,
-        "activation_offloading": False,
         "compile": False,
     }
     assert set(step) <= set(inspect.signature(train_step).parameters)

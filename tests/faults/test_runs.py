@@ -120,7 +120,7 @@ def test_a_diverging_run_stops_and_keeps_its_finite_checkpoint(small_corpus, tmp
     err = capsys.readouterr().err
     # found at the step-8 checkpoint (no host sync in the steps), named by its first non-finite step
     assert err.strip().splitlines()[-1] == (
-        "memfit: error: training diverged at step 6: loss 5.545177936553955, grad_norm nan (on_nonfinite=stop). "
+        "memfit: error: training diverged at step 8: loss nan, grad_norm nan (on_nonfinite=stop). "
         f"Nothing non-finite was saved: the newest complete checkpoint '{out}/checkpoints/step_00000004' is kept "
         "(resume=true continues from it). Lower optimizer.lr (now 3000), raise optimizer.warmup_steps or set "
         "max_grad_norm, then resume=true; on_nonfinite=skip skips such steps"

@@ -20,7 +20,9 @@ def _stand_in(peak_of):
 
     def estimator(cfg, *, world_size=1, seq_len=None):
         asked.append(seq_len)
-        return SimpleNamespace(peak_bytes=int(peak_of(seq_len)), device_total_bytes=0, host_bytes=0, unseen={})
+        return SimpleNamespace(
+            peak_bytes=int(peak_of(seq_len)), device_total_bytes=0, host_bytes=0, unseen={}
+        )
 
     return estimator, asked
 
@@ -83,13 +85,21 @@ def test_plan_seq_len_max_through_the_cli(capsys):
     assert ladder[-1]["seq_len"] == max(r["seq_len"] for r in ladder) == seq_len
     last = ladder[-1]
     step = context.GRANULARITY if seq_len >= context.GRANULARITY else context.FINE_GRANULARITY
-    longer = estimate_run(context.at_length(load_config(None, [*TINY, *_label_overrides(last)]), seq_len + step))
+    longer = estimate_run(
+        context.at_length(load_config(None, [*TINY, *_label_overrides(last)]), seq_len + step)
+    )
     assert longer.peak_bytes > usable  # the longest: one step more does not fit
     assert out["limit"] in again.breakdown
-    # the text report: the ladder's table, then the plan at the longest length
-    assert main(["plan", *TINY, f"budget={budget}B", "seq_len=max"]) == 0
-    text = capsys.readouterr().out
-    assert "longest context per switch set" in text and f"longest context: seq_len {seq_len:,}" in text
+
+
+def test_the_text_report_gives_the_ladder_then_the_plan():
+    found = context.longest_context(load_config(None, TINY, needs_weights=False), 48 * MIB)
+    text = context.format_context(found)
+    assert "longest context per switch set" in text and f"longest context: seq_len {found.seq_len:,}" in text
+    assert text.index("longest context per switch set") < text.index(
+        "rank  switches"
+    )  # then the plan's table
+    assert [r.name for r in found.rungs][:2] == ["config as given", "least-memory model states"]
 
 
 def _label_overrides(rung):

@@ -417,38 +417,52 @@ def _auto_or_count(value: Any, key: str, what: str) -> None:
     )
 
 
+def _not_with_fsdp1(cfg: TrainConfig, target: Target, key: str, why: str) -> None:
+    require(
+        not (target.sharded and value_of(cfg, key) and cfg.distributed.strategy == "fsdp1"),
+        key,
+        f"does not work with distributed.strategy=fsdp1: {why}",
+    )
+
+
 def _check_chunks(cfg: TrainConfig, target: Target) -> None:
     _auto_or_count(cfg.chunked_cross_entropy, "chunked_cross_entropy", "chunks")
-    require(
-        not (target.sharded and cfg.chunked_cross_entropy and cfg.distributed.strategy == "fsdp1"),
+    _not_with_fsdp1(
+        cfg,
+        target,
         "chunked_cross_entropy",
-        "does not work with distributed.strategy=fsdp1: the loss applies lm_head's weight after the model's "
-        "forward, where FSDP1 has put its flat shard back in place of the gathered weight. Use "
-        "distributed.strategy=fsdp2 (which keeps the root's weights gathered until the backward) or "
-        "chunked_cross_entropy=0",
+        "the loss applies lm_head's weight after the model's forward, where FSDP1 has put its flat shard back in "
+        "place of the gathered weight. Use distributed.strategy=fsdp2 (which keeps the root's weights gathered "
+        "until the backward) or chunked_cross_entropy=0",
     )
 
 
-def _check_chunks_model(cfg: TrainConfig, mcfg: LlamaConfig) -> None:
-    seq_len = cfg.seq_len or mcfg.max_seq_len
-    chunks = cfg.chunked_cross_entropy
-    require(
-        chunks == "auto" or chunks <= cfg.batch_size * seq_len,
-        "chunked_cross_entropy",
-        f"{chunks} chunks exceed the {cfg.batch_size * seq_len} tokens of a micro-batch "
-        f"(batch_size * seq_len); use at most that many (4-16 is typical), or auto",
-    )
+def _within_tokens(key: str, what: str, advice: str) -> Callable[[TrainConfig, LlamaConfig], None]:
+    """A ``check_model`` refusing more ``what`` (chunks, tiles) than the tokens of a micro-batch."""
+
+    def check(cfg: TrainConfig, mcfg: LlamaConfig) -> None:
+        tokens = cfg.batch_size * (cfg.seq_len or mcfg.max_seq_len)
+        value = value_of(cfg, key)
+        require(
+            value == "auto" or value <= tokens,
+            key,
+            f"{value} {what} exceed the {tokens} tokens of a micro-batch (batch_size * seq_len); use at most that "
+            f"many{advice}",
+        )
+
+    return check
 
 
 def _check_tiled(cfg: TrainConfig, target: Target) -> None:
     _auto_or_count(cfg.tiled_mlp, "tiled_mlp", "tiles")
     _check_tiled_compiled(cfg, target)
-    require(
-        not (target.sharded and cfg.tiled_mlp and cfg.distributed.strategy == "fsdp1"),
+    _not_with_fsdp1(
+        cfg,
+        target,
         "tiled_mlp",
-        "does not work with distributed.strategy=fsdp1: FSDP1 gives the MLP's weights to the forward as views of "
-        "its flat parameter, not as the module's parameters, so the tiles' recomputation in the backward cannot "
-        "return their gradients. Use distributed.strategy=fsdp2 or tiled_mlp=0",
+        "FSDP1 gives the MLP's weights to the forward as views of its flat parameter, not as the module's "
+        "parameters, so the tiles' recomputation in the backward cannot return their gradients. Use "
+        "distributed.strategy=fsdp2 or tiled_mlp=0",
     )
 
 
@@ -467,17 +481,6 @@ def _check_tiled_compiled(cfg: TrainConfig, target: Target) -> None:
         "with compile cannot replay LoRA's dropout inside the MLP: the tiles recomputed in the backward would draw "
         "other dropout masks than the forward's, which a compiled graph cannot rewind. Set lora.dropout=0, leave "
         "gate_proj/up_proj/down_proj out of lora.target_modules, or turn compile or tiled_mlp off",
-    )
-
-
-def _check_tiled_model(cfg: TrainConfig, mcfg: LlamaConfig) -> None:
-    seq_len = cfg.seq_len or mcfg.max_seq_len
-    tiles = cfg.tiled_mlp
-    require(
-        tiles == "auto" or tiles <= cfg.batch_size * seq_len,
-        "tiled_mlp",
-        f"{tiles} tiles exceed the {cfg.batch_size * seq_len} tokens of a micro-batch (batch_size * seq_len); "
-        f"use at most that many, or auto (tiles of about dim tokens)",
     )
 
 
@@ -1031,7 +1034,7 @@ SWITCHES: tuple[Switch, ...] = (
         key="chunked_cross_entropy",
         applied="step: memfit.memory.techniques.chunked_cross_entropy (fused linear cross-entropy)",
         check=_check_chunks,
-        check_model=_check_chunks_model,
+        check_model=_within_tokens("chunked_cross_entropy", "chunks", " (4-16 is typical), or auto"),
         activation=True,
         candidates=_plan_chunks,
         label=lambda v, cfg: f"ce={v}" if v else "",
@@ -1059,7 +1062,7 @@ SWITCHES: tuple[Switch, ...] = (
         key="tiled_mlp",
         applied="build: memfit.memory.techniques.apply_tiled_mlp",
         check=_check_tiled,
-        check_model=_check_tiled_model,
+        check_model=_within_tokens("tiled_mlp", "tiles", ", or auto (tiles of about dim tokens)"),
         activation=True,
         candidates=lambda cfg, space: _each("tiled_mlp", (cfg.tiled_mlp, *PLAN_TILES)),
         label=lambda v, cfg: "" if not v else ("tiled" if v == "auto" else f"tiled={v}"),

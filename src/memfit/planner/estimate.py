@@ -122,7 +122,7 @@ class Estimate:
     """CUDA runs: what ``torch.cuda.max_memory_reserved()`` would report, the traced allocations and frees (with
     the cuBLAS workspace, :data:`CUBLAS_SM`) replayed through a model of PyTorch's caching allocator
     (:func:`memfit.memory.allocator.replay`). ``None`` on CPU, and where part of the step's memory moves to the
-    host (``optimizer.cpu_offload``, ``distributed.cpu_offload``, ``activation_offloading``), which the replay
+    host (``optimizer.cpu_offload``, ``distributed.cpu_offload``), which the replay
     does not model."""
 
     def to_json(self) -> dict[str, Any]:

@@ -219,10 +219,12 @@ def candidates(
     differ from the unpaged ones); ``optimizer_in_backward`` (with ``max_grad_norm=0``; only when
     ``gradient_accumulation_steps`` is 1: the planner never changes the batch of a step); ``optimizer.cpu_offload``
     (with ``max_grad_norm=0``); ``activation_checkpointing`` none, selective, every_n with interval 2, full (and
-    ``cfg``'s own); ``chunked_cross_entropy`` 0 and 8 (and ``cfg``'s own); ``activation_offloading`` with full
-    checkpointing (so that only the layer inputs cross PCIe: offloading every saved tensor moves ~34 x ``dim``
-    bytes per token and layer (Korthikanti et al. 2022), which the cost model makes 10-20x slower than recomputing
-    them at Llama widths 4096-8192, for about the same device memory), or as ``cfg`` has it; sharded,
+    ``cfg``'s own); ``chunked_cross_entropy`` 0 and 8, or ``auto`` in place of 8 where 8 chunks would hold more
+    logits each than ``auto``'s (and ``cfg``'s own); ``tiled_mlp`` 0 and ``auto`` (and ``cfg``'s own);
+    ``activation_offloading`` (CUDA) with full checkpointing (so that only the layer inputs cross PCIe: offloading
+    every saved tensor moves ~34 x ``dim`` bytes per token and layer (Korthikanti et al. 2022), which the cost model
+    makes 10-20x slower than recomputing them at Llama widths 4096-8192, for about the same device memory), or as
+    ``cfg`` has it; sharded,
     ``distributed.reshard_after_forward`` and ``distributed.cpu_offload``; for a LoRA fine-tune (``method: lora``),
     ``method`` lora and qlora (the same LoRA over an NF4 base: less memory, a dequantization per weight in every
     forward and backward), when every decoder linear can be stored in NF4 (and, sharded, split evenly over the
