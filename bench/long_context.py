@@ -438,7 +438,7 @@ def floor_bytes(shape: dict[str, int], vocab_size: int, num_params: int, seq_len
     T, V, fp32 = seq_len, vocab_size, 4
     chunks = max(1, math.ceil(T * V / 2**25))  # memfit.memory.techniques.loss_chunks(auto)
     chunk = math.ceil(T / chunks)
-    tiles = max(1, min(math.ceil(T / C), T))  # memfit.memory.techniques.mlp_tiles(auto)
+    tiles = max(1, min(math.ceil(T / C), T))  # memfit.memory.tiled.mlp_tiles(auto)
     tile = math.ceil(T / tiles)
     items = {
         "model_states": 16 * num_params,

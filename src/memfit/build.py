@@ -32,13 +32,10 @@ from memfit.convert import (
 )
 from memfit.errors import CheckpointError, ConfigError
 from memfit.memory.host import release_free_heap
+from memfit.memory.offload import apply_activation_offloading
 from memfit.memory.optim import build_optimizer
-from memfit.memory.techniques import (
-    apply_activation_checkpointing,
-    apply_activation_offloading,
-    apply_compile,
-    apply_tiled_mlp,
-)
+from memfit.memory.techniques import apply_activation_checkpointing, apply_compile
+from memfit.memory.tiled import apply_tiled_mlp
 from memfit.models import peft
 from memfit.models.llama import Llama, LlamaConfig, build_llama, init_parameter_
 from memfit.models.presets import MODEL_PRESETS, model_config

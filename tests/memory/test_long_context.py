@@ -9,14 +9,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from memfit.build import build_training, run_model_config
 from memfit.config import load_config
-from memfit.memory import techniques
-from memfit.memory.techniques import (
-    apply_activation_checkpointing,
-    apply_activation_offloading,
-    apply_tiled_mlp,
-    loss_chunks,
-    mlp_tiles,
-)
+from memfit.memory import offload
+from memfit.memory.offload import apply_activation_offloading
+from memfit.memory.techniques import apply_activation_checkpointing, loss_chunks
+from memfit.memory.tiled import apply_tiled_mlp, mlp_tiles
 from memfit.memory.tracker import MemoryTracker
 from memfit.models import peft
 from memfit.models.llama import build_llama
@@ -257,9 +253,9 @@ def test_offloading_on_cpu_hands_tensors_back_as_they_are():
     model = build_llama(TINY, seed=0)
     apply_activation_checkpointing(model, "full")
     assert apply_activation_offloading(model) == TINY.num_layers
-    techniques.OffloadStats.reset()
+    offload.OffloadStats.reset()
     loss, got = _loss_and_grads(model, x, y)
-    assert techniques.OffloadStats.peak == 0
+    assert offload.OffloadStats.peak == 0
     assert torch.equal(loss, want_loss) and all(torch.equal(got[n], want[n]) for n in want)
 
 

@@ -1060,7 +1060,7 @@ SWITCHES: tuple[Switch, ...] = (
     ),
     Switch(
         key="tiled_mlp",
-        applied="build: memfit.memory.techniques.apply_tiled_mlp",
+        applied="build: memfit.memory.tiled.apply_tiled_mlp",
         check=_check_tiled,
         check_model=_within_tokens("tiled_mlp", "tiles", ", or auto (tiles of about dim tokens)"),
         activation=True,
@@ -1098,7 +1098,7 @@ SWITCHES: tuple[Switch, ...] = (
     ),
     Switch(
         key="activation_offloading",
-        applied="build: memfit.memory.techniques.apply_activation_offloading (OffloadSavedTensors around each "
+        applied="build: memfit.memory.offload.apply_activation_offloading (OffloadSavedTensors around each "
         "decoder layer: saved-tensor hooks to pinned host memory, a side stream, one ahead)",
         check=_check_nothing,
         offloads_activations=True,

@@ -71,7 +71,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from memfit.memory import techniques
+from memfit.memory import offload
 from memfit.models import llama
 
 _HALF = (torch.float16, torch.bfloat16)
@@ -349,10 +349,10 @@ def kv_heads_as_on_cuda(
 
 
 def offloaded_as_from_cuda(device: torch.device) -> torch.device | None:
-    """:func:`memfit.memory.techniques.offload_host` as from a CUDA device: the trace's (CPU) saved tensors go to
+    """:func:`memfit.memory.offload.offload_host` as from a CUDA device: the trace's (CPU) saved tensors go to
     the ``meta`` device, which the tracker does not count, as a GPU's go to host memory; they come back when the
-    backward unpacks them (one ahead, :class:`memfit.memory.techniques.OffloadSavedTensors`), so the device's
-    timeline is the GPU's, and the host's bytes are :class:`~memfit.memory.techniques.OffloadStats`' peak."""
+    backward unpacks them (one ahead, :class:`memfit.memory.offload.OffloadSavedTensors`), so the device's
+    timeline is the GPU's, and the host's bytes are :class:`~memfit.memory.offload.OffloadStats`' peak."""
     return torch.device("meta")
 
 
@@ -367,7 +367,7 @@ def cuda_paths(enabled: bool) -> Iterator[None]:
 
     Swaps in, until the context exits: ``torch.nn.functional.scaled_dot_product_attention`` (:func:`sdpa_as_on_cuda`),
     ``memfit.models.llama.causal_attention`` (:func:`kv_heads_as_on_cuda`),
-    ``memfit.memory.techniques.offload_host`` (:func:`offloaded_as_from_cuda`), and, when torchao's optimizers are
+    ``memfit.memory.offload.offload_host`` (:func:`offloaded_as_from_cuda`), and, when torchao's optimizers are
     imported (the estimator imports the optimizer's library before the trace), ``torchao.optim.adam
     .single_param_adam`` (:func:`torchao_compiled_update`). Each is looked up by name at call time by its caller,
     so the swap reaches it.
@@ -381,7 +381,7 @@ def cuda_paths(enabled: bool) -> Iterator[None]:
     with contextlib.ExitStack() as stack:
         _swap(stack, F, "scaled_dot_product_attention", sdpa_as_on_cuda(F.scaled_dot_product_attention))
         _swap(stack, llama, "causal_attention", kv_heads_as_on_cuda(llama.causal_attention))
-        _swap(stack, techniques, "offload_host", offloaded_as_from_cuda)
+        _swap(stack, offload, "offload_host", offloaded_as_from_cuda)
         adam = sys.modules.get("torchao.optim.adam")
         if adam is not None:
             _swap(stack, adam, "single_param_adam", torchao_compiled_update)

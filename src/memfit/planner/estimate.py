@@ -66,9 +66,9 @@ from memfit.errors import ConfigError
 from memfit.memory import optimizers, switches
 from memfit.memory.allocator import CUDA_CONTEXT_BYTES_ESTIMATE, replay, workspace_events
 from memfit.memory.host import predict_peak_rss, process_rss_bytes, retained_heap_bytes
+from memfit.memory.offload import OffloadStats
 from memfit.memory.optim import optimizers_in
 from memfit.memory.optimizers import BNB_PAGED_MIN_NUMEL
-from memfit.memory.techniques import OffloadStats
 from memfit.memory.tracker import CATEGORIES, MemoryTracker, model_state_bytes
 from memfit.models.llama import LlamaConfig
 from memfit.planner.closed_form import model_state_bytes_closed_form
