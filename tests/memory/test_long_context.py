@@ -131,6 +131,24 @@ def test_tiled_mlp_hands_each_parameter_one_gradient():
     assert set(calls.values()) == {1} and len(calls) == len(list(model.parameters()))
 
 
+@pytest.mark.parametrize("ac, forwards", [("none", 2), ("full", 2), ("selective", 2)])
+def test_a_checkpointed_layer_s_recomputation_skips_the_tiles(ac, forwards, monkeypatch):
+    """Each tile runs once in the forward and once in the backward; the recomputation of a checkpointed layer
+    (which needs the MLP's input, not its output) does not run them again: untiled, full checkpointing runs the MLP
+    twice as well (forward, recomputation)."""
+    from memfit.memory import tiled
+
+    calls = []
+    plain = tiled._untiled
+    monkeypatch.setattr(tiled, "_untiled", lambda module, x: calls.append(len(x)) or plain(module, x))
+    x, y = _batch()
+    model = build_llama(TINY, seed=0)
+    apply_tiled_mlp(model, 3)
+    apply_activation_checkpointing(model, ac)
+    loss_sum(model(x), y).backward()
+    assert len(calls) == forwards * 3 * TINY.num_layers and sum(calls) == forwards * 48 * TINY.num_layers
+
+
 def test_tiled_mlp_holds_swiglu_tensors_for_one_tile_at_a_time():
     """No tensor of the MLP's width has more rows than a tile: at 4 tiles of 256 x 2 tokens, at most 128 rows."""
     x, y = _batch(B=2, T=256)

@@ -101,6 +101,8 @@ def _base(switch):
     settings = ["device=cuda", "activation_checkpointing=full", "batch_size=1", "seq_len=64"]
     if switch.key == "method":
         settings.append("method=lora")
+    if switch.key == "tiled_mlp":  # under full checkpointing the tiles' recomputation is free
+        settings[1] = "activation_checkpointing=none"
     return load_config(None, settings, world_size=world_size, needs_weights=False), world_size
 
 

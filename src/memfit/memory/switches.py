@@ -725,8 +725,18 @@ def _cost_chunks(chunks: int, t: StepTerms) -> None:
 
 
 def _cost_tiled(tiles: int | str, t: StepTerms) -> None:
-    if tiles:  # each tile's forward again in the backward
-        t.per_token += t.flops["mlp"]
+    """Each tile's forward again in the backward: one more MLP forward, but in a layer that full (or every_n)
+    checkpointing recomputes, whose recomputation then skips the MLP (memfit.memory.tiled): no more there."""
+    if tiles:
+        m, cfg = t.mcfg, t.cfg
+        recomputed = 0
+        if cfg.activation_checkpointing != "selective":  # selective recomputes no matmul
+            recomputed = len(
+                checkpointed_layers(
+                    m.num_layers, cfg.activation_checkpointing, cfg.activation_checkpointing_interval
+                )
+            )
+        t.per_token += t.flops["mlp"] * (m.num_layers - recomputed) / m.num_layers
 
 
 def _cost_activation_offloading(on: bool, t: StepTerms) -> None:
@@ -1066,7 +1076,7 @@ SWITCHES: tuple[Switch, ...] = (
         activation=True,
         candidates=lambda cfg, space: _each("tiled_mlp", (cfg.tiled_mlp, *PLAN_TILES)),
         label=lambda v, cfg: "" if not v else ("tiled" if v == "auto" else f"tiled={v}"),
-        comment=_when("the MLP in tiles of ~dim tokens, each recomputed in backward: one more MLP forward"),
+        comment=_when("the MLP in tiles of ~dim tokens, each recomputed in backward (free with ac=full)"),
         cost=_cost_tiled,
         refusals=(
             Refusal({"tiled_mlp": -2}, "must be >= 0 tiles (0 is off) or auto, got -2"),

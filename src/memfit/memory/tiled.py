@@ -5,7 +5,9 @@ tile without a graph and keeps only its input; the backward runs each tile again
 gradients at once, so SwiGLU's three ``(B, T, intermediate_size)`` tensors exist for one tile at a time. The MLP's
 trainable parameters are inputs of the autograd function: the tiles' weight gradients add up and reach each
 parameter once (optimizer-in-backward hooks and FSDP2's reduce-scatter see one gradient). The same arithmetic as
-the untiled MLP, the weight gradients summed in another order (1e-5 on the losses).
+the untiled MLP, the weight gradients summed in another order (1e-5 on the losses). Under activation checkpointing
+the layer's recomputation in the backward does not run the tiles again (it needs the MLP's input, not its output):
+the MLP costs one forward more than untiled, as without checkpointing.
 """
 
 from __future__ import annotations
@@ -64,6 +66,11 @@ class _TiledMLP(torch.autograd.Function):
         # graph cannot read it (config validation refuses compile with dropout inside a tiled MLP)
         ctx.rng = None if torch.compiler.is_compiling() else _rng_state(x.device)
         ctx.save_for_backward(x)
+        if not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1:
+            # a checkpointed layer recomputed in the backward: the recomputation needs what the layer saves (this
+            # input is its last), not its output, which torch's non-reentrant checkpoint discards (and stops right
+            # after the last saved tensor): the tiles' forward is not run again, and the output stays unwritten
+            return x.new_empty(x.shape)
         return _tiles_without_graph(module, x, ctx.tiles)
 
     @staticmethod
