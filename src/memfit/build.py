@@ -36,6 +36,7 @@ from memfit.memory.offload import apply_activation_offloading
 from memfit.memory.optim import build_optimizer
 from memfit.memory.techniques import apply_activation_checkpointing, apply_compile
 from memfit.memory.tiled import apply_tiled_mlp
+from memfit.memory.ulysses import apply_sequence_parallel
 from memfit.models import peft
 from memfit.models.llama import Llama, LlamaConfig, build_llama, init_parameter_
 from memfit.models.presets import MODEL_PRESETS, model_config
@@ -272,7 +273,8 @@ def build_training(
        model).
     2. Sharded: the starting tensors (:func:`initial_parameters`), checked against the model before anything is
        allocated.
-    3. The tiled MLP (``tiled_mlp``), activation checkpointing (``activation_checkpointing``), activation
+    3. Sequence parallelism (``distributed.sequence_parallel``: Ulysses attention over this rank's group), the
+       tiled MLP (``tiled_mlp``), activation checkpointing (``activation_checkpointing``), activation
        offloading around the layers (``activation_offloading``), then ``compile`` (each decoder layer, with its
        checkpointing; the estimator's config has it off: it traces the eager step).
     4. Sharded: FSDP over the process group (:func:`memfit.distributed.shard_model`).
@@ -298,6 +300,9 @@ def build_training(
     on_meta = fake_mode is not None or world_size > 1
     model: torch.nn.Module = build_model(cfg, mcfg, torch.device("meta") if on_meta else device)
     initial = initial_parameters(cfg, mcfg, model, device) if world_size > 1 and fake_mode is None else None
+    sp = cfg.distributed.sequence_parallel
+    if world_size > 1 and sp > 1:
+        apply_sequence_parallel(model, dist_.sequence_group(sp), sp)
     apply_tiled_mlp(model, cfg.tiled_mlp)
     apply_activation_checkpointing(model, cfg.activation_checkpointing, cfg.activation_checkpointing_interval)
     if cfg.activation_offloading:

@@ -161,8 +161,9 @@ class SampleConfig:
 @dataclass
 class DistributedConfig:
     """Sharding over the ranks of a ``torchrun`` launch (ignored in a single process). See
-    :mod:`memfit.distributed`. Each rank trains on its own ``batch_size`` sequences: a step sees
-    ``batch_size * gradient_accumulation_steps * world_size`` sequences."""
+    :mod:`memfit.distributed`. Each group of ``sequence_parallel`` ranks trains on its own ``batch_size``
+    sequences: a step sees ``batch_size * gradient_accumulation_steps * world_size / sequence_parallel``
+    sequences."""
 
     strategy: str = "fsdp2"
     """``fsdp2`` (``fully_shard`` per decoder layer plus the root; DTensor parameters) or ``fsdp1``
@@ -178,6 +179,11 @@ class DistributedConfig:
     ``CPUOffload``); CUDA only: on CPU everything is already in host memory."""
     limit_all_gathers: bool = True
     """fsdp1 only: rate-limit all-gathers issued ahead so at most two layers' unsharded weights exist at once."""
+    sequence_parallel: int = 1
+    """N > 1: sequence parallelism (DeepSpeed-Ulysses, :mod:`memfit.memory.ulysses`). The ranks form a 2-D mesh,
+    ``world_size / N`` data-parallel groups of N consecutive ranks; a group shares one batch of sequences and each
+    rank holds ``seq_len / N`` consecutive tokens of it, exchanging heads for tokens around attention (an
+    all-to-all). FSDP2 shards parameters over all ranks. N divides ``world_size``, ``num_heads`` and ``seq_len``."""
 
 
 @dataclass

@@ -112,6 +112,53 @@ def is_main() -> bool:
     return rank() == 0
 
 
+_MESHES: dict[tuple[int, int], Any] = {}
+
+
+def sequence_mesh(sequence_parallel: int):
+    """The 2-D ``DeviceMesh`` (``dp`` x ``sp``) of a sequence-parallel run: ``world_size / N`` data-parallel
+    groups of N consecutive ranks (``rank = dp_rank * N + sp_rank``; consecutive ranks share a node's links).
+    Made once per process group; also under the estimator's fake process group.
+
+    Args:
+        sequence_parallel: N, ranks per sequence; divides the world size.
+
+    Returns:
+        The mesh, with dimension names ``dp`` and ``sp``.
+    """
+    world = dist.get_world_size()
+    key = (id(dist.group.WORLD), sequence_parallel)
+    if key not in _MESHES:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        _MESHES.clear()  # a mesh of an earlier (destroyed) process group
+        device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
+        _MESHES[key] = init_device_mesh(
+            device_type, (world // sequence_parallel, sequence_parallel), mesh_dim_names=("dp", "sp")
+        )
+    return _MESHES[key]
+
+
+def sequence_group(sequence_parallel: int):
+    """The process group of this rank's sequence-parallel group (:func:`sequence_mesh`'s ``sp`` dimension)."""
+    return sequence_mesh(sequence_parallel)["sp"].get_group()
+
+
+def sequence_rank(sequence_parallel: int) -> int:
+    """This rank's place in its sequence-parallel group, ``0 .. N - 1`` (0 for N = 1)."""
+    return rank() % sequence_parallel
+
+
+def data_rank(sequence_parallel: int = 1) -> int:
+    """This rank's data-parallel group: which ``batch_size`` rows of each global batch it trains on."""
+    return rank() // sequence_parallel
+
+
+def data_world_size(sequence_parallel: int = 1) -> int:
+    """Data-parallel groups: a global batch holds this many times ``batch_size`` sequences."""
+    return world_size() // sequence_parallel
+
+
 def barrier() -> None:
     """Wait for every rank (nothing without a process group)."""
     if is_distributed():

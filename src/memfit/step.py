@@ -84,6 +84,7 @@ def micro_batch_loss(
     chunked_cross_entropy: int | str = 0,
     doc_ids: torch.Tensor | None = None,
     compile: bool = False,
+    positions: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Summed cross-entropy of one micro-batch (the forward half of a step).
 
@@ -98,6 +99,9 @@ def micro_batch_loss(
         doc_ids: ``(B, T)`` ids of the samples packed into each row, or ``None`` (one sequence per row).
         compile: run the loss (or each chunk's) as a ``torch.compile``'d function (``compile: true``; the
             decoder layers are compiled at build time).
+        positions: the tokens' RoPE positions, (T,) or (B, T), or ``None`` (``0 .. T - 1``): a sequence-parallel
+            rank's slice of its rows (:func:`memfit.memory.ulysses.shard_batch`; ``doc_ids`` are then the whole
+            rows').
 
     Returns:
         0-dim fp32 summed loss in nats.
@@ -105,12 +109,12 @@ def micro_batch_loss(
     with autocast_context(dtype, inputs.device.type):
         if chunked_cross_entropy:
             hidden = model(
-                inputs, doc_ids, return_hidden=True
+                inputs, doc_ids, return_hidden=True, positions=positions
             )  # (B, T, dim); one call of the whole model (FSDP)
             weight = lora_effective_weight(model.lm_head)  # (V, dim); with LoRA on lm_head: W + scale * B @ A
             chunks = techniques.loss_chunks(chunked_cross_entropy, targets.numel(), weight.shape[0])
             return techniques.chunked_cross_entropy(hidden, weight, targets, chunks, compile=compile)
-        logits = model(inputs, doc_ids)  # (B, T, V)
+        logits = model(inputs, doc_ids, positions=positions)  # (B, T, V)
         return (compiled(loss_sum) if compile else loss_sum)(logits, targets)
 
 
@@ -138,8 +142,9 @@ def train_step(
     Args:
         model: maps ``(B, T)`` int64 ids to ``(B, T, vocab_size)`` logits.
         optimizer: over the model's trainable parameters; its learning rate is already set for this step.
-        micro_batches: ``[(inputs, targets), ...]`` or ``[(inputs, targets, doc_ids), ...]``, each ``(B, T)``
-            int64 on the model's device (``doc_ids``: packed samples, or ``None``).
+        micro_batches: ``[(inputs, targets), ...]``, ``[(inputs, targets, doc_ids), ...]`` or ``[(inputs,
+            targets, doc_ids, positions), ...]``, each ``(B, T)`` int64 on the model's device (``doc_ids``: packed
+            samples, or ``None``; ``positions``: a sequence-parallel rank's, see :func:`micro_batch_loss`).
         max_grad_norm: clip the global gradient norm to this; 0 disables clipping.
         dtype: the dtype policy (``fp32``, ``bf16``, ``bf16_mixed``).
         chunked_cross_entropy: see :func:`micro_batch_loss`.
@@ -172,6 +177,7 @@ def train_step(
                 chunked_cross_entropy=chunked_cross_entropy,
                 doc_ids=rest[0] if rest else None,
                 compile=compile,
+                positions=rest[1] if len(rest) > 1 else None,
             )
             / denom
         )
@@ -211,7 +217,8 @@ def evaluate(
 
     Args:
         model: the model (put in eval mode for the call).
-        batches: ``(inputs, targets, doc_ids)`` on the CPU; ``targets`` ``-100`` does not count.
+        batches: ``(inputs, targets, doc_ids)`` or ``(inputs, targets, doc_ids, positions)`` on the CPU (see
+            :func:`train_step`); ``targets`` ``-100`` does not count.
         dtype: the dtype policy.
         device: where the model is.
         chunked_cross_entropy: see :func:`micro_batch_loss`.
@@ -224,7 +231,7 @@ def evaluate(
     model.eval()
     total = torch.zeros((), dtype=torch.float64, device=device)
     count = torch.zeros((), dtype=torch.int64, device=device)
-    for inputs, targets, doc_ids in batches:
+    for inputs, targets, doc_ids, *rest in batches:
         loss = micro_batch_loss(
             model,
             inputs.to(device),
@@ -233,6 +240,7 @@ def evaluate(
             chunked_cross_entropy=chunked_cross_entropy,
             doc_ids=None if doc_ids is None else doc_ids.to(device),
             compile=compile,
+            positions=rest[0].to(device) if rest else None,
         )
         total += loss.double()
         count += (targets != IGNORE_INDEX).sum().to(device)

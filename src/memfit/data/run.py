@@ -9,6 +9,7 @@ seen, and N ranks draw their slices of one global batch.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import re
 from collections.abc import Callable, Iterator
@@ -27,10 +28,12 @@ from memfit.data.prepare import empty_file_notes, prepare
 from memfit.data.sources import default_corpus_path, source_tree
 from memfit.data.tokens import TRAIN, VAL, TokenDataset, document_ids, is_dataset, read_manifest
 from memfit.errors import ConfigError, DataError
+from memfit.memory.ulysses import shard_batch
 from memfit.tokenizer import Tokenizer, load_tokenizer
 
-Batch = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
-"""``(inputs, targets, doc_ids)``: ``(B, T)`` int64 each; ``doc_ids`` is ``None`` unless samples are packed."""
+Batch = tuple[torch.Tensor | None, ...]
+"""``(inputs, targets, doc_ids)``: ``(B, T)`` int64 each; ``doc_ids`` is ``None`` unless samples are packed. A
+sequence-parallel rank's adds its tokens' ``positions`` (:func:`sequence_shards`)."""
 
 
 @dataclass
@@ -171,8 +174,30 @@ def run_data(
 ) -> RunData:
     """Where the run's batches come from: :func:`text_data` for a token dataset, else :func:`instruct_data`."""
     if manifest is not None:
-        return text_data(cfg, text_dataset_dir(cfg, out), manifest, seq_len)
-    return instruct_data(cfg, tokenizer, seq_len)
+        data = text_data(cfg, text_dataset_dir(cfg, out), manifest, seq_len)
+    else:
+        data = instruct_data(cfg, tokenizer, seq_len)
+    return sequence_shards(data, cfg.distributed.sequence_parallel)
+
+
+def sequence_shards(data: RunData, sequence_parallel: int) -> RunData:
+    """``data`` as a rank of a sequence-parallel group sees it: every batch its slice of the group's rows
+    (:func:`memfit.memory.ulysses.shard_batch`: inputs and targets of its ``T / N`` tokens, the whole rows'
+    document ids, its tokens' positions). Unchanged for N = 1 or a single process."""
+    sp = sequence_parallel
+    if sp == 1 or dist_.world_size() == 1:
+        return data
+    rank = dist_.sequence_rank(sp)
+
+    def shard(batches: Callable[[], Iterator[Batch]]) -> Callable[[], Iterator[Batch]]:
+        return lambda: (shard_batch(b, rank, sp) for b in batches())
+
+    return dataclasses.replace(
+        data,
+        train_batch=lambda step, micro: shard_batch(data.train_batch(step, micro), rank, sp),
+        val_batches=shard(data.val_batches),
+        val_sources={name: shard(batches) for name, batches in data.val_sources.items()},
+    )
 
 
 def text_data(cfg: TrainConfig, directory: Path, manifest: dict, seq_len: int) -> RunData:
@@ -204,7 +229,8 @@ def text_data(cfg: TrainConfig, directory: Path, manifest: dict, seq_len: int) -
         )
     train = TokenDataset(directory, "train", seq_len, cfg.data.weights or None, manifest)
     val = TokenDataset(directory, "val", seq_len, None, manifest)
-    B, rank, world = cfg.batch_size, dist_.rank(), dist_.world_size()
+    sp = cfg.distributed.sequence_parallel  # a sequence-parallel group shares its rows
+    B, rank, world = cfg.batch_size, dist_.data_rank(sp), dist_.data_world_size(sp)
     G = world * B  # the global batch: the same sequences on any number of ranks
 
     def rows(batch: int) -> range:
@@ -279,13 +305,12 @@ def instruct_data(cfg: TrainConfig, tokenizer, seq_len: int) -> RunData:
         length_fix=_length_fix(cfg),
     )
 
-    def train_batch(step: int, micro: int) -> Batch:
-        position = batch_position(
-            step, micro, cfg.batch_size, cfg.gradient_accumulation_steps, dist_.rank(), dist_.world_size()
-        )
-        return data.train.batch(cfg.batch_size, position, cfg.seed)
+    sp = cfg.distributed.sequence_parallel  # a sequence-parallel group shares its rows
+    B, rank, world = cfg.batch_size, dist_.data_rank(sp), dist_.data_world_size(sp)
 
-    B, rank, world = cfg.batch_size, dist_.rank(), dist_.world_size()
+    def train_batch(step: int, micro: int) -> Batch:
+        position = batch_position(step, micro, cfg.batch_size, cfg.gradient_accumulation_steps, rank, world)
+        return data.train.batch(cfg.batch_size, position, cfg.seed)
 
     def val_batches() -> Iterator[Batch]:
         # global batches of world * B samples, of which this rank takes its B rows (see text_data)

@@ -127,6 +127,42 @@ def layer_weights(mcfg: LlamaConfig) -> int:
     return 2 * d * mcfg.num_heads * hd + 2 * d * mcfg.num_kv_heads * hd + 3 * d * mcfg.intermediate_size
 
 
+def kv_heads_sent(num_kv_heads: int, size: int) -> int:
+    """Key/value heads each rank exchanges: ``num_kv_heads``, or ``size`` when each is repeated to fill the group.
+
+    Raises:
+        ValueError: ``num_kv_heads`` and ``size`` divide neither way.
+    """
+    if num_kv_heads % size == 0:
+        return num_kv_heads
+    if size % num_kv_heads == 0:
+        return size
+    raise ValueError(f"num_kv_heads {num_kv_heads} and sequence_parallel {size}: neither divides the other")
+
+
+def all_to_all_elements(
+    batch_size: int, seq_len: int, num_heads: int, num_kv_heads: int, head_dim: int, size: int
+) -> int:
+    """Elements one rank sends (and receives) in one layer's forward: ``(N - 1) / N`` of its query, key, value and
+    attention-output shards (the backward exchanges as many again, a recomputed forward as many again).
+
+    Args:
+        batch_size: B.
+        seq_len: T, the whole sequence (each rank holds ``T / size`` tokens).
+        num_heads: nh.
+        num_kv_heads: nkv (repeated to ``size`` heads when fewer, :func:`kv_heads_sent`).
+        head_dim: hd.
+        size: N, ranks of the sequence-parallel group.
+
+    Returns:
+        Elements (multiply by the activation dtype's size for bytes); 0 for ``size`` 1.
+    """
+    if size == 1:
+        return 0
+    heads = 2 * num_heads + 2 * kv_heads_sent(num_kv_heads, size)  # q and the output; k and v
+    return batch_size * (seq_len // size) * heads * head_dim * (size - 1) // size
+
+
 def dequantize_passes(cfg: TrainConfig, num_layers: int) -> float:
     """How many times a step dequantizes each NF4 weight of QLoRA, averaged over the layers (0 for other methods).
 
@@ -180,6 +216,10 @@ class PlanSpace:
     """Tokens of a micro-batch, ``batch_size * seq_len``."""
     vocab_size: int = 0
     """The model's vocabulary."""
+    num_heads: int = 0
+    """The model's query heads (sequence parallelism splits them over its ranks)."""
+    num_kv_heads: int = 0
+    """The model's key/value heads."""
 
 
 @dataclass
@@ -219,6 +259,9 @@ class StepTerms:
     """Bytes over the host link per step, on the compute stream."""
     overlapped_bytes: int = 0
     """Bytes over the host link per step on a side stream, overlapping compute (offloaded activations)."""
+    exchanged_bytes: int = 0
+    """Bytes one rank sends per step in sequence parallelism's all-to-alls, at the interconnect; attention waits
+    for them (not overlapped)."""
 
 
 @dataclass(frozen=True)
@@ -441,13 +484,14 @@ def _within_tokens(key: str, what: str, advice: str) -> Callable[[TrainConfig, L
     """A ``check_model`` refusing more ``what`` (chunks, tiles) than the tokens of a micro-batch."""
 
     def check(cfg: TrainConfig, mcfg: LlamaConfig) -> None:
-        tokens = cfg.batch_size * (cfg.seq_len or mcfg.max_seq_len)
+        sp = cfg.distributed.sequence_parallel
+        tokens = cfg.batch_size * (cfg.seq_len or mcfg.max_seq_len) // sp
         value = value_of(cfg, key)
+        of = "batch_size * seq_len" + (f" / sequence_parallel {sp}" if sp > 1 else "")
         require(
             value == "auto" or value <= tokens,
             key,
-            f"{value} {what} exceed the {tokens} tokens of a micro-batch (batch_size * seq_len); use at most that "
-            f"many{advice}",
+            f"{value} {what} exceed the {tokens} tokens of a micro-batch ({of}); use at most that many{advice}",
         )
 
     return check
@@ -467,6 +511,58 @@ def _check_tiled(cfg: TrainConfig, target: Target) -> None:
 
 
 MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+
+
+def _check_sequence_parallel(cfg: TrainConfig, target: Target) -> None:
+    sp, key = cfg.distributed.sequence_parallel, "distributed.sequence_parallel"
+    require(
+        isinstance(sp, int) and not isinstance(sp, bool) and sp >= 1, key, f"must be >= 1 ranks, got {sp!r}"
+    )
+    if sp == 1:
+        return
+    require(
+        target.world_size % sp == 0 and target.world_size > 1,
+        key,
+        f"{sp} ranks per sequence need a multiple of {sp} ranks, and the run has {target.world_size}; launch with "
+        f"nproc={sp} (or a multiple: the rest is data parallel), or set it to 1",
+    )
+    require(
+        cfg.distributed.strategy == "fsdp2",
+        key,
+        "needs distributed.strategy=fsdp2: FSDP1 flattens each layer's weights into one buffer, and the attention "
+        "exchange is written for FSDP2's per-parameter sharding",
+    )
+    require(
+        cfg.seq_len is None or cfg.seq_len % sp == 0,
+        key,
+        f"seq_len {cfg.seq_len} is not divisible by {sp}: each rank holds seq_len / {sp} tokens; use a seq_len "
+        f"that is a multiple of {sp}",
+    )
+
+
+def _check_sequence_parallel_model(cfg: TrainConfig, mcfg: LlamaConfig) -> None:
+    sp, key = cfg.distributed.sequence_parallel, "distributed.sequence_parallel"
+    if sp == 1:
+        return
+    require(
+        mcfg.num_heads % sp == 0,
+        key,
+        f"the model's num_heads {mcfg.num_heads} is not divisible by {sp}: each rank attends with num_heads / "
+        f"{sp} heads; use a divisor of {mcfg.num_heads}",
+    )
+    require(
+        mcfg.num_kv_heads % sp == 0 or sp % mcfg.num_kv_heads == 0,
+        key,
+        f"the model's num_kv_heads {mcfg.num_kv_heads} and {sp} divide neither way: key/value heads are split over "
+        f"the ranks or repeated to fill them",
+    )
+    seq_len = cfg.seq_len or mcfg.max_seq_len
+    require(
+        seq_len % sp == 0,
+        key,
+        f"seq_len {seq_len} is not divisible by {sp}: each rank holds seq_len / {sp} tokens; use a seq_len that "
+        f"is a multiple of {sp}",
+    )
 
 
 def _check_tiled_compiled(cfg: TrainConfig, target: Target) -> None:
@@ -633,6 +729,20 @@ def _plan_sharded(key: str, values: tuple[bool, ...], *, cuda_only: bool = False
     return plan
 
 
+def _plan_sequence_parallel(cfg: TrainConfig, space: PlanSpace) -> tuple[dict[str, Any], ...]:
+    """The config's own, then every N > 1 dividing ``world_size`` and the model's heads (as Ulysses needs)."""
+    key, own = "distributed.sequence_parallel", cfg.distributed.sequence_parallel
+    if space.world_size == 1:
+        return ({},)
+    nh, nkv = space.num_heads, space.num_kv_heads
+    sizes = [
+        n
+        for n in range(2, space.world_size + 1)
+        if space.world_size % n == 0 and nh % n == 0 and (nkv % n == 0 or n % nkv == 0)
+    ]
+    return _each(key, (own, 1, *sizes))
+
+
 def _prune_offloading(settings: dict[str, Any], cfg: TrainConfig) -> bool:
     """Offload activations with full checkpointing only, or as ``cfg`` has it: offloading every saved tensor moves
     ~34 x ``dim`` bytes per token and layer (Korthikanti et al. 2022), which the cost model makes 10-20x slower
@@ -749,6 +859,28 @@ def _cost_activation_offloading(on: bool, t: StepTerms) -> None:
 
 def _cost_reshard(on: bool, t: StepTerms) -> None:
     t.gathers = 2 if on else 1
+
+
+def _cost_sequence_parallel(sp: int, t: StepTerms) -> None:
+    """Each rank computes ``1 / sp`` of the step (its tokens' linear work, its heads' attention over whole
+    sequences) and exchanges q, k, v and the attention output around every layer's attention: in the forward, in
+    the backward, and again in a recomputed forward (:func:`all_to_all_elements`)."""
+    if sp > 1:
+        m, cfg = t.mcfg, t.cfg
+        t.tokens //= sp
+        seq_len = t.tokens * sp // (cfg.batch_size * cfg.gradient_accumulation_steps)
+        layers = m.num_layers
+        recomputed = 0.0
+        if cfg.activation_checkpointing != "selective":  # selective keeps the attention output
+            recomputed = len(
+                checkpointed_layers(
+                    layers, cfg.activation_checkpointing, cfg.activation_checkpointing_interval
+                )
+            )
+        passes = 2 * layers + recomputed
+        per_layer = all_to_all_elements(cfg.batch_size, seq_len, m.num_heads, m.num_kv_heads, m.head_dim, sp)
+        width = 4 if cfg.dtype == "fp32" else 2
+        t.exchanged_bytes += int(passes * per_layer * width * cfg.gradient_accumulation_steps)
 
 
 def _cost_fsdp_offload(on: bool, t: StepTerms) -> None:
@@ -1209,6 +1341,45 @@ SWITCHES: tuple[Switch, ...] = (
         no_parity="sharded, FSDP1 only: tests/test_distributed.py",
         not_planned="FSDP1 only, and plans are FSDP2's",
         doc="fsdp1 only: at most two layers' unsharded weights at once",
+    ),
+    Switch(
+        key="distributed.sequence_parallel",
+        applied="build: memfit.memory.ulysses.apply_sequence_parallel (Ulysses all-to-all around attention); data: "
+        "memfit.memory.ulysses.shard_batch (each rank's slice of its group's sequences)",
+        check=_check_sequence_parallel,
+        check_model=_check_sequence_parallel_model,
+        activation=True,
+        candidates=_plan_sequence_parallel,
+        sharded_only=True,
+        label=lambda v, cfg: f"sp={v}" if v > 1 else "",
+        comment=lambda v: (
+            f"each sequence split over {v} ranks: an all-to-all around attention, 1/{v} of the activations"
+            if v > 1
+            else ""
+        ),
+        cost=_cost_sequence_parallel,
+        refusals=(
+            Refusal({"distributed.sequence_parallel": 0}, "must be >= 1 ranks, got 0"),
+            Refusal({"distributed.sequence_parallel": 2}, "2 ranks per sequence need a multiple of 2 ranks"),
+            Refusal(
+                {"distributed.sequence_parallel": 2, "distributed.strategy": "fsdp1"},
+                "needs distributed.strategy=fsdp2",
+                world_size=2,
+            ),
+            Refusal(
+                {"distributed.sequence_parallel": 2, "seq_len": 255},
+                "seq_len 255 is not divisible by 2",
+                world_size=2,
+            ),
+            Refusal(
+                {"distributed.sequence_parallel": 3, "model": "tiny", "seq_len": 96},
+                "the model's num_heads 4 is not divisible by 3",
+                world_size=3,
+            ),
+        ),
+        no_parity="sharded: tests/test_sequence_parallel.py compares 2 ranks (sp=2) with one process",
+        doc="split each sequence over N ranks (DeepSpeed-Ulysses): an all-to-all exchanges tokens for heads around "
+        "attention",
     ),
 )
 """Every memory technique, in the order the planner combines them and a plan's label lists them."""

@@ -317,16 +317,18 @@ class RotaryEmbedding(nn.Module):
         """Cosine and sine tables for the given positions.
 
         Args:
-            positions: T (positions ``0 .. T - 1``), or a (B, T) int tensor of positions (packed sequences, where
-                each sample's positions restart at 0).
+            positions: T (positions ``0 .. T - 1``), a (T,) int tensor of positions, or a (B, T) one (packed
+                sequences, where each sample's positions restart at 0).
             dtype: dtype of the activations the tables multiply.
 
         Returns:
-            ``(cos, sin)``, each (T, hd) for an int, or (B, 1, T, hd) for a tensor (broadcasting over heads);
-            computed in float32 and cast to ``dtype``.
+            ``(cos, sin)``, each (T, hd) for an int or a (T,) tensor, or (B, 1, T, hd) for a (B, T) tensor
+            (broadcasting over heads); computed in float32 and cast to ``dtype``.
         """
         if isinstance(positions, int):
             pos = torch.arange(positions, device=self.inv_freq.device, dtype=torch.float32)  # (T,)
+        elif positions.dim() == 1:
+            pos = positions.float()  # (T,)
         else:
             pos = positions.float()[:, None, :]  # (B, 1, T)
         freqs = pos[..., None] * self.inv_freq.float()  # (T, hd/2) or (B, 1, T, hd/2)
@@ -548,19 +550,26 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.dim, config.norm_eps)
         self.rotary_emb = RotaryEmbedding(config)
 
-    def forward(self, input_ids: Tensor, doc_ids: Tensor | None = None) -> Tensor:
+    def forward(
+        self, input_ids: Tensor, doc_ids: Tensor | None = None, positions: Tensor | None = None
+    ) -> Tensor:
         """Run the backbone.
 
         Args:
             input_ids: (B, T) int64 token ids.
             doc_ids: None, or (B, T) int ids of the samples packed into each row: attention stays within a sample
                 and positions restart at 0 for each (so a packed row computes exactly what its samples would alone).
+            positions: None (positions ``0 .. T - 1``, or per sample with ``doc_ids``), or the tokens' RoPE
+                positions, (T,) or (B, T) int64 (HF's ``position_ids``: a sequence-parallel rank holds a slice of
+                its rows, whose ``doc_ids`` are then the whole rows').
 
         Returns:
             (B, T, C) final-normed hidden states, in the dtype of the embedding.
         """
         x = self.embed_tokens(input_ids)  # (B, T, C)
-        if doc_ids is None:
+        if positions is not None:
+            cos, sin = self.rotary_emb(positions, x.dtype)  # (T, hd) or (B, 1, T, hd) each
+        elif doc_ids is None:
             cos, sin = self.rotary_emb(input_ids.shape[1], x.dtype)  # (T, hd) each
         else:
             cos, sin = self.rotary_emb(packed_positions(doc_ids), x.dtype)  # (B, 1, T, hd) each
@@ -607,7 +616,11 @@ class Llama(nn.Module):
         return self
 
     def forward(
-        self, input_ids: Tensor, doc_ids: Tensor | None = None, return_hidden: bool = False
+        self,
+        input_ids: Tensor,
+        doc_ids: Tensor | None = None,
+        return_hidden: bool = False,
+        positions: Tensor | None = None,
     ) -> Tensor:
         """Compute next-token logits, or the hidden states ``lm_head`` would project.
 
@@ -617,11 +630,12 @@ class Llama(nn.Module):
             return_hidden: return the final-normed hidden states instead of the logits (a loss that applies
                 ``lm_head.weight`` itself, chunk by chunk, calls the model this way so that wrappers of the whole
                 model, such as FSDP, see one forward).
+            positions: None, or the tokens' RoPE positions (see :meth:`LlamaModel.forward`).
 
         Returns:
             (B, T, V) logits, or (B, T, C) hidden states with ``return_hidden``; in the dtype of the parameters.
         """
-        hidden = self.model(input_ids, doc_ids)  # (B, T, C)
+        hidden = self.model(input_ids, doc_ids, positions)  # (B, T, C)
         return hidden if return_hidden else self.lm_head(hidden)  # (B, T, V)
 
     @torch.no_grad()

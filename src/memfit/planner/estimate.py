@@ -70,6 +70,7 @@ from memfit.memory.offload import OffloadStats
 from memfit.memory.optim import optimizers_in
 from memfit.memory.optimizers import BNB_PAGED_MIN_NUMEL
 from memfit.memory.tracker import CATEGORIES, MemoryTracker, model_state_bytes
+from memfit.memory.ulysses import shard_batch
 from memfit.models.llama import LlamaConfig
 from memfit.planner.closed_form import model_state_bytes_closed_form
 from memfit.planner.cuda_paths import cuda_paths
@@ -214,6 +215,9 @@ def estimate_run(
                 + ((torch.zeros(cfg.batch_size, seq_len, dtype=torch.long),) if packs_documents(cfg) else ())
                 for _ in range(cfg.gradient_accumulation_steps)
             ]
+            sp = cfg.distributed.sequence_parallel
+            if world_size > 1 and sp > 1:  # rank 0's slice of its group's sequences, as a run draws it
+                batches = [shard_batch(b, 0, sp) for b in batches]
             # step 1 only creates the optimizer state: an optimizer step on zero gradients at lr 0 (what torch's
             # distributed checkpointing does to lay the state out); step 2, the run's train_step, is traced
             init_optimizer_state(optimizer)
