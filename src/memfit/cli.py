@@ -51,6 +51,7 @@ from memfit.export import export_run
 from memfit.generate import generate_text
 from memfit.planner import context, report
 from memfit.planner import plan as plan_
+from memfit.planner.cost import COST_CONSTANTS
 from memfit.planner.estimate import estimate_run
 from memfit.planner.preflight import preflight_sharded
 from memfit.train import train
@@ -209,7 +210,12 @@ def _plan(args: argparse.Namespace) -> int:
             f"memfit plan: {cfg.model}, budget {format_bytes(budget)}, world_size {world_size}"
             + (", seq_len=max: the longest context that fits" if longest else "")
         )
-    options = dict(margin=args.margin, dtypes=dtypes, fits=args.fits, progress=progress)
+    constants = None
+    if args.interconnect_gbps is not None:
+        _check_option("--interconnect-gbps", args.interconnect_gbps, args.interconnect_gbps > 0, "> 0 (GB/s)")
+        target = "cuda" if cfg.device == "cuda" else "cpu"
+        constants = {**COST_CONSTANTS[target], "interconnect_bytes_per_second": args.interconnect_gbps * 1e9}
+    options = dict(margin=args.margin, dtypes=dtypes, fits=args.fits, progress=progress, constants=constants)
     if longest:
         found = context.longest_context(cfg, budget, world_size, **options)
         if found.plan is None:
@@ -489,6 +495,13 @@ def _add_plan(sub: Any) -> None:
     )
     pl.add_argument(
         "--explain", action="store_true", help="also print the cost model's constants (default: not printed)"
+    )
+    pl.add_argument(
+        "--interconnect-gbps",
+        type=float,
+        default=None,
+        help="GB/s (10**9 bytes) per rank between ranks, for FSDP's collectives and sequence parallelism's "
+        "all-to-alls (default: 200, an NVLink node; InfiniBand between nodes is ~50)",
     )
 
 

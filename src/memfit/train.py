@@ -489,6 +489,12 @@ def _banner(cfg, verb, built, tokenizer, data, seq_len, world, device, start_ste
     source = cfg.model if cfg.checkpoint_dir is None else cfg.checkpoint_dir
     trainable = "" if built.num_trainable == built.num_params else f", {built.num_trainable:,} trainable"
     sharded = f" x {world} ranks ({cfg.distributed.strategy})" if world > 1 else ""
+    sp = cfg.distributed.sequence_parallel
+    if world > 1 and sp > 1:
+        sharded = (
+            f" x {world // sp} data-parallel x {sp} sequence-parallel ranks ({cfg.distributed.strategy} over all "
+            f"{world}; {seq_len // sp} tokens of each sequence a rank)"
+        )
     return (
         f"memfit {verb}: model {source} ({built.num_params:,} parameters{trainable}), tokenizer {tokenizer.kind} "
         f"({tokenizer.vocab_size:,} ids), {data.summary}, batch {cfg.batch_size} x "

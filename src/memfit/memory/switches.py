@@ -1372,8 +1372,8 @@ SWITCHES: tuple[Switch, ...] = (
                 world_size=2,
             ),
             Refusal(
-                {"distributed.sequence_parallel": 3, "model": "tiny", "seq_len": 96},
-                "the model's num_heads 4 is not divisible by 3",
+                {"distributed.sequence_parallel": 3, "seq_len": 255},
+                "the model's num_heads 8 is not divisible by 3",
                 world_size=3,
             ),
         ),

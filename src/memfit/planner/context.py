@@ -9,7 +9,8 @@ at, on this device?* -- before anything is allocated, with the estimator's trace
    optimizer in backward, QLoRA for a LoRA run), with the config's activation switches; then, each added to the
    set before it, full activation checkpointing, the loss in chunks sized in tokens
    (``chunked_cross_entropy: auto``), the tiled MLP (``tiled_mlp: auto``) and offloaded checkpoints
-   (``activation_offloading``, CUDA only). For each, the longest ``seq_len`` whose estimated peak fits
+   (``activation_offloading``, CUDA only), and, sharded, sequence parallelism over the most ranks the model's
+   heads allow (``distributed.sequence_parallel``). For each, the longest ``seq_len`` whose estimated peak fits
    (:func:`longest_length`), so the table says what each technique buys.
 2. **The plan at the longest of them**: :func:`memfit.planner.plan.plan` at that ``seq_len``, which picks the
    fastest combination that fits there (every combination is estimated as it would run).
@@ -36,6 +37,7 @@ from memfit.build import run_model_config
 from memfit.config import TrainConfig, config_from_dict, config_to_dict, device_type
 from memfit.errors import ConfigError
 from memfit.memory import switches
+from memfit.models.llama import LlamaConfig
 from memfit.planner import plan as plan_
 from memfit.planner import report
 from memfit.planner.estimate import Estimate, estimate_run
@@ -57,6 +59,21 @@ LADDER: tuple[tuple[str, dict[str, Any]], ...] = (
     ("activation_offloading=true", {"activation_offloading": True}),
 )
 """The techniques the ladder adds, in order, each to the set before it (offloading on CUDA targets only)."""
+
+SP_KEY = "distributed.sequence_parallel"
+"""Sharded, the ladder's last rung splits each sequence over the most ranks the model allows."""
+
+
+def largest_sequence_parallel(world_size: int, mcfg: LlamaConfig) -> int:
+    """The largest N dividing ``world_size`` and ``num_heads`` whose key/value heads split or repeat evenly (1 for
+    one rank): the ranks a sequence can be split over (:mod:`memfit.memory.ulysses`)."""
+    return max(
+        n
+        for n in range(1, world_size + 1)
+        if world_size % n == 0
+        and mcfg.num_heads % n == 0
+        and (mcfg.num_kv_heads % n == 0 or n % mcfg.num_kv_heads == 0)
+    )
 
 
 @dataclass
@@ -138,8 +155,9 @@ class ContextPlan:
         return out
 
 
-def at_length(cfg: TrainConfig, seq_len: int) -> TrainConfig:
-    """``cfg`` at ``seq_len`` tokens, a preset's ``max_seq_len`` raised to it when shorter (validated).
+def at_length(cfg: TrainConfig, seq_len: int, world_size: int = 1) -> TrainConfig:
+    """``cfg`` at ``seq_len`` tokens, a preset's ``max_seq_len`` raised to it when shorter (validated for a run of
+    ``world_size`` ranks).
 
     Raises:
         ConfigError: ``seq_len`` is longer than a checkpoint's context, or the config is invalid at that length.
@@ -148,7 +166,7 @@ def at_length(cfg: TrainConfig, seq_len: int) -> TrainConfig:
     tree["seq_len"] = seq_len
     if cfg.checkpoint_dir is None and run_model_config(cfg).max_seq_len < seq_len:
         tree["model_args"] = {**tree.get("model_args", {}), "max_seq_len": seq_len}
-    return config_from_dict(tree, needs_weights=False)
+    return config_from_dict(tree, world_size=world_size, needs_weights=False)
 
 
 def longest_length(
@@ -186,7 +204,7 @@ def longest_length(
     def peak(length: int) -> int:
         if length not in cache:
             start = time.perf_counter()
-            cache[length] = estimator(at_length(cfg, length), world_size=world_size, seq_len=length)
+            cache[length] = estimator(at_length(cfg, length, world_size), world_size=world_size, seq_len=length)
             if progress:
                 e = cache[length]
                 verdict = "fits" if e.peak_bytes <= usable else "over"
@@ -251,6 +269,7 @@ def longest_context(
     fits: int = 1,
     progress: Callable[[str], None] | None = None,
     estimator: Callable[..., Estimate] | None = None,
+    constants: dict[str, Any] | None = None,
 ) -> ContextPlan:
     """The longest context that fits ``budget_bytes`` on one rank, the ladder of what each technique buys, and the
     fastest switch set at that length (see the module doc).
@@ -264,6 +283,7 @@ def longest_context(
         fits: fitting combinations the plan at the longest length establishes.
         progress: called with a line per rung and per estimate.
         estimator: ``estimate_run`` (tests may pass a stand-in).
+        constants: cost-model constants, as :func:`memfit.planner.plan.plan`.
 
     Returns:
         The :class:`ContextPlan`.
@@ -277,7 +297,7 @@ def longest_context(
     mcfg = run_model_config(cfg)
     cap = mcfg.max_seq_len if cfg.checkpoint_dir is not None else MAX_LENGTH
     # the budget's usable part, as the plan computes it (on CPU less the process's own memory)
-    probe_cfg = at_length(cfg, min(FIRST_LENGTH, cap))
+    probe_cfg = at_length(cfg, min(FIRST_LENGTH, cap), world_size)
     ctx = plan_._Context(probe_cfg, world_size, budget_bytes, margin, None)
     rungs = [Rung("config as given", cfg)]
     # the model states of the least-memory combination (dtype, optimizer, method, ...), so that the rungs below
@@ -285,7 +305,10 @@ def longest_context(
     current = cfg
     least = _least_memory(cfg, budget_bytes, world_size, margin, dtypes, cap)
     if least is not None:
-        ladder_keys = {k for _, settings in LADDER for k in settings} | {"activation_checkpointing_interval"}
+        ladder_keys = {k for _, settings in LADDER for k in settings} | {
+            "activation_checkpointing_interval",
+            SP_KEY,
+        }
         states = {
             k: switches.value_of(least, k)
             for k in (*switches.switch_keys(world_size), "max_grad_norm")
@@ -301,6 +324,10 @@ def longest_context(
             continue
         current = switches.with_values(current, settings)
         rungs.append(Rung(f"+ {name}", current))
+    sp = largest_sequence_parallel(world_size, mcfg)
+    if sp > switches.value_of(current, SP_KEY):  # sharded: each rank holds 1/sp of every sequence
+        current = switches.with_values(current, {SP_KEY: sp})
+        rungs.append(Rung(f"+ {SP_KEY}={sp}", current))
     total = 0
     for rung in rungs:
         say(
@@ -320,8 +347,8 @@ def longest_context(
             continue
         total += rung.estimates
         if rung.seq_len:
-            rung.config = at_length(rung.config, rung.seq_len)
-            at = plan_._Context(rung.config, world_size, budget_bytes, margin, None)
+            rung.config = at_length(rung.config, rung.seq_len, world_size)
+            at = plan_._Context(rung.config, world_size, budget_bytes, margin, constants)
             rung.tokens_per_second_per_gpu = (
                 at.tokens(rung.config)
                 / at.cost(
@@ -338,7 +365,7 @@ def longest_context(
     if longest:
         say(f"  the fastest switch set at seq_len {longest:,}:")
         result = plan_.plan(
-            at_length(cfg, longest),
+            at_length(cfg, longest, world_size),
             budget_bytes,
             world_size,
             margin=margin,
@@ -346,6 +373,7 @@ def longest_context(
             fits=fits,
             progress=progress,
             estimator=estimator,
+            constants=constants,
         )
         total += result.estimates
     return ContextPlan(rungs, result, time.perf_counter() - start, total, capped=cap, notes=notes)
@@ -363,7 +391,7 @@ def _least_memory(
     bounds at a long length; None when validation accepts no combination."""
     try:
         search, _ = plan_._build(
-            at_length(cfg, min(4 * FIRST_LENGTH, cap)),
+            at_length(cfg, min(4 * FIRST_LENGTH, cap), world_size),
             budget_bytes,
             world_size,
             margin,

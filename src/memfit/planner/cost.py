@@ -39,7 +39,9 @@ _CUDA_CONSTANTS: dict[str, Any] = {
     # dtype) per parameter at this host memory rate
     "host_memory_bytes_per_second": 50e9,
     # FSDP all-gathers and reduce-scatters, per rank (an NVLink node; PCIe or Ethernet is 10-20x less); they
-    # overlap compute (prefetch), so a step takes the longer of the two
+    # overlap compute (prefetch), so a step takes the longer of the two. Sequence parallelism's all-to-alls go at
+    # this rate too, without overlap (`memfit plan --interconnect-gbps` sets it: 200 GB/s is ~45% of an H100
+    # node's NVLink 4 at 450 GB/s per direction; InfiniBand NDR between nodes is 50 GB/s per GPU)
     "interconnect_bytes_per_second": 200e9,
     # chunked (fused linear) cross-entropy does the plain loss's 3 lm_head matmuls; its softmax and gradient run
     # as separate elementwise kernels per chunk instead of one fused one: charged as this share of an lm_head
@@ -143,6 +145,11 @@ def step_cost(
       ``reshard_after_forward``) and a reduce-scatter of the gradients, ``(N - 1) / N`` of their bytes each, at
       ``interconnect_bytes_per_second``; overlapped with compute, so the step pays ``max(compute,
       communication)``;
+    - ``exchange`` (``distributed.sequence_parallel`` N > 1): each rank computes ``1 / N`` of the tokens' work
+      (``tokens`` above divided by N: its tokens' linear work, its heads' attention over whole sequences) and
+      sends ``(N - 1) / N`` of its q, k, v and attention-output shards around every attention, in the forward, the
+      backward and a recomputed forward (:func:`memfit.memory.switches.all_to_all_elements`), at
+      ``interconnect_bytes_per_second``; attention waits for it, so it adds to the step;
     - ``optimizer``: ``trainable parameters * 7 * bytes(dtype) / device_memory_bytes_per_second *
       optimizer_update_factor[name]`` (on the host at ``host_memory_bytes_per_second`` when offloaded), plus
       ``kernels_per_tensor_update * kernel_launch_seconds`` per trainable tensor when each tensor is updated on
@@ -164,7 +171,8 @@ def step_cost(
         constants: default ``COST_CONSTANTS[target device]``.
 
     Returns:
-        ``{"compute", "dequantize", "communication", "optimizer", "transfers", "total"}`` in seconds.
+        ``{"compute", "dequantize", "communication", "exchange", "optimizer", "transfers", "total"}`` in
+        seconds.
     """
     target = device_type(cfg.device)
     c = constants or COST_CONSTANTS[target]
@@ -183,7 +191,7 @@ def step_cost(
         per_token=3 * (flops["layers"] + flops["head"]),
     )
     switches.add_costs(terms)  # each switch's share, by its entry (memfit.memory.switches.Switch.cost)
-    compute = tokens * terms.per_token / terms.matmul_flops_per_second
+    compute = terms.tokens * terms.per_token / terms.matmul_flops_per_second
     dequantize = (
         terms.dequantize_bytes / c["device_memory_bytes_per_second"] if terms.dequantize_bytes else 0.0
     )
@@ -204,11 +212,14 @@ def step_cost(
     transfers = terms.moved_bytes / link if target == "cuda" else 0.0
     overlapped = terms.overlapped_bytes / link if target == "cuda" else 0.0
 
-    total = max(compute + dequantize, communication, overlapped) + optimizer + transfers
+    exchange = terms.exchanged_bytes / c["interconnect_bytes_per_second"]
+
+    total = max(compute + dequantize, communication, overlapped) + exchange + optimizer + transfers
     return {
         "compute": compute,
         "dequantize": dequantize,
         "communication": communication,
+        "exchange": exchange,
         "optimizer": optimizer,
         "transfers": transfers,
         "total": total,

@@ -249,6 +249,8 @@ def candidates(
         qlora_possible=cfg.method == "lora" and _qlora_possible(cfg, world_size),
         tokens=cfg.batch_size * (cfg.seq_len or mcfg.max_seq_len),
         vocab_size=mcfg.vocab_size,
+        num_heads=mcfg.num_heads,
+        num_kv_heads=mcfg.num_kv_heads,
     )
     base = config_to_dict(cfg)
     out: list[TrainConfig] = []
@@ -372,10 +374,11 @@ class _Context:
         of down_proj (``intermediate_size``), at the matmul dtype (bf16 under ``bf16`` and ``bf16_mixed``); LoRA's and
         QLoRA's frozen projections need no input for a weight gradient (QLoRA saves exactly what LoRA does). The
         loss without chunking saves the fp32 log-probabilities ``(B * T, V)``; the chunked (fused) loss its gradient
-        with respect to the hidden states ``(B * T, dim)`` (and the weight's, counted apart as ``lm_head``'s).
+        with respect to the hidden states ``(B * T, dim)`` (and the weight's, counted apart as ``lm_head``'s). A
+        sequence-parallel rank holds ``T / sequence_parallel`` tokens of each row.
         """
         m = self.mcfg
-        tokens = cfg.batch_size * self.seq_len
+        tokens = self.tokens(cfg) // cfg.gradient_accumulation_steps  # a micro-batch's, of this rank
         resid = param_bytes(cfg.dtype)
         matmul = 4 if cfg.dtype == "fp32" else 2
         checkpointed = len(
@@ -419,7 +422,9 @@ class _Context:
         )
 
     def tokens(self, cfg: TrainConfig) -> int:
-        return cfg.batch_size * self.seq_len * cfg.gradient_accumulation_steps
+        """Tokens one rank computes in a step (a sequence-parallel rank: its share of its group's)."""
+        sp = cfg.distributed.sequence_parallel if self.world_size > 1 else 1
+        return cfg.batch_size * self.seq_len * cfg.gradient_accumulation_steps // sp
 
 
 # ----------------------------------------------------------------------------------------------------------------

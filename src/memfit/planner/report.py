@@ -25,6 +25,9 @@ def format_estimate(e: Estimate) -> str:
     largest = max(e.peak_bytes, e.device_total_bytes, e.host_bytes)
     unit, size = ("GiB", GIB) if largest >= GIB else ("MiB", MIB)
     ranks = f" per rank of {e.world_size}" if e.world_size > 1 else ""
+    sp = (e.config.get("distributed") or {}).get("sequence_parallel", 1)
+    if e.world_size > 1 and sp > 1:
+        ranks += f" (sequence parallel {sp}: {e.seq_len // sp} tokens of each sequence a rank)"
     lines = [
         f"model {e.config.get('model')} ({e.num_params:,} parameters, {e.num_trainable_params:,} trainable), "
         f"method {e.config.get('method')}, dtype {e.config.get('dtype')}, batch {e.batch_size} x "
@@ -157,6 +160,7 @@ def format_plan(p: Plan, top: int = 10) -> str:
     if best is not None:
         c = best.cost
         dequantize = f", NF4 dequantization {c['dequantize'] * 1e3:.0f}" if c.get("dequantize") else ""
+        dequantize += f", all-to-all {c['exchange'] * 1e3:.0f}" if c.get("exchange") else ""
         lines += [
             "",
             f"best: {best.label()}",
