@@ -55,7 +55,7 @@ def check_resume(cfg: TrainConfig, resume_dir: Path, state: dict[str, Any]) -> N
     """
     saved_cfg = state.get("config", {})
     if saved_cfg:
-        now, then = tokenizer_settings(cfg), tokenizer_settings(config_from_dict(saved_cfg))
+        now, then = tokenizer_settings(cfg), tokenizer_settings(config_from_dict(saved_cfg, check=False))
         if then != now:
             raise ConfigError(
                 f"config key 'tokenizer': the run in '{cfg.output_dir}' was trained with tokenizer {then}, "
