@@ -91,6 +91,14 @@ def test_with_every_long_context_switch_and_the_optimizer_in_backward(single_run
     _assert_same_run(out, single_runs["long_context"])
 
 
+def test_compiled(single_runs, small_corpus, tmp_path):
+    """compile=true: each decoder layer is compiled with its all-to-alls (functional collectives trace into the
+    graph): the same losses as one eager process."""
+    out = tmp_path / "compiled"
+    run_torchrun(["pretrain", *_overrides(small_corpus, out, batch_size=4, compile="true", **SP2)], timeout=400)
+    _assert_same_run(out, single_runs["plain"])
+
+
 @pytest.mark.parametrize(
     "sp, reference",
     [(2, "batch8"), (4, "plain")],
