@@ -77,25 +77,39 @@ def test_two_ranks_sharing_each_sequence_train_what_one_process_does(sp_run, sin
         in (stdout)
     )
     assert stdout.count("final validation loss") == 1
-    # each rank computed half the tokens: its throughput counts its own 4 x 16 a step
     assert (out / "checkpoints" / "step_00000004" / "dcp" / ".metadata").is_file()
+    # the checkpoint is an ordinary sharded one: one process samples from it
+    assert main(["generate", "--checkpoint", str(out), "--prompt", "ROMEO:", "--max-new-tokens", "8"]) == 0
 
 
 def test_with_every_long_context_switch_and_the_optimizer_in_backward(single_runs, small_corpus, tmp_path):
     """Full checkpointing recomputes each layer's forward in the backward, all-to-alls included (every rank in
     the same order); the tiled MLP and the chunked loss run on the rank's tokens; offloading hooks around each
-    layer; the optimizer steps in backward after FSDP2's reduce-scatter."""
+    layer; the optimizer steps in backward after FSDP2's reduce-scatter; ``track_memory`` names the fullest rank."""
     out = tmp_path / "long_context"
-    extra = {**LONG_CONTEXT, "optimizer_in_backward": "true", "max_grad_norm": 0, **SP2}
+    extra = {
+        **LONG_CONTEXT,
+        "optimizer_in_backward": "true",
+        "max_grad_norm": 0,
+        "track_memory": "true",
+        **SP2,
+    }
     run_torchrun(["pretrain", *_overrides(small_corpus, out, batch_size=4, **extra)])
-    _assert_same_run(out, single_runs["long_context"])
+    _assert_same_run(
+        out, single_runs["long_context"]
+    )  # tracked here, untracked there: tracking changes nothing
+    tracked = [r for r in read_records(out / "metrics.jsonl") if "memory_breakdown" in r]
+    assert len(tracked) == RUN["max_steps"]
+    assert all(r["memory_peak_rank"] in (0, 1) and r["memory_breakdown"]["activations"] > 0 for r in tracked)
 
 
 def test_compiled(single_runs, small_corpus, tmp_path):
     """compile=true: each decoder layer is compiled with its all-to-alls (functional collectives trace into the
     graph): the same losses as one eager process."""
     out = tmp_path / "compiled"
-    run_torchrun(["pretrain", *_overrides(small_corpus, out, batch_size=4, compile="true", **SP2)], timeout=400)
+    run_torchrun(
+        ["pretrain", *_overrides(small_corpus, out, batch_size=4, compile="true", **SP2)], timeout=400
+    )
     _assert_same_run(out, single_runs["plain"])
 
 
