@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from docs_section import write_section
-from peers import ROOT, cpu_model, prepare_inputs, run_measured
+from peers import ROOT, cpu_model, prepare_inputs, run_memfit
 
 LONG_CONTEXT = {
     "activation_checkpointing": "full",
@@ -69,50 +69,31 @@ def parse_args() -> argparse.Namespace:
 def run_point(
     work: Path, env: dict[str, str], inputs: dict[str, Path], name: str, seq_len: int, args
 ) -> dict:
-    """One ``memfit finetune`` launch of configuration ``name`` at ``seq_len``: its measurements or ``error``."""
+    """One ``memfit finetune`` launch of configuration ``name`` at ``seq_len`` (:func:`peers.run_memfit`): its
+    measurements or ``error``."""
     out = work / "runs" / f"{name.split(' ')[0]}_{seq_len}"
-    settings = {
-        "checkpoint_dir": inputs["checkpoint"],
-        "data.path": inputs["data"],
-        "method": "full",
-        "output_dir": out / "run",
-        "max_steps": 2,
-        "batch_size": 1,
-        "seq_len": seq_len,
-        "seed": args.seed,
-        "device": "cpu",
-        "optimizer.lr": args.lr,
-        "optimizer.min_lr": args.lr,
-        "optimizer.warmup_steps": 0,
-        "optimizer.implementation": "for_loop",
-        "log_every": 1,
-        "eval_every": 0,
-        "eval_batches": 1,
-        "checkpoint_every": 0,
-        "sample.max_new_tokens": 0,
-        "tensorboard": "false",
-        "progress_bar": "false",
-        **LONG_CONTEXT,
-        **CONFIGS[name],
-    }
-    cmd = [sys.executable, "-m", "memfit", "finetune", *(f"{k}={v}" for k, v in settings.items())]
-    code, rss, wall, stdout = run_measured(cmd, env, out)
-    if code != 0:
-        return {"error": (out / "stderr.txt").read_text()[-500:], "wall_seconds": wall}
-    records = [json.loads(line) for line in (out / "run" / "metrics.jsonl").read_text().splitlines()]
-    steps = [r for r in records if "tokens_per_second_per_gpu" in r]
+    run_args = argparse.Namespace(
+        steps=2, warmup=1, batch_size=1, seq_len=seq_len, seed=args.seed, lr=args.lr
+    )
+    overrides = {"optimizer.implementation": "for_loop", **LONG_CONTEXT, **CONFIGS[name]}
+    result = run_memfit(run_args, env, overrides, inputs["checkpoint"], inputs["data"], out)
+    if "error" in result:
+        return result
+    # tokens_per_second_per_gpu counts a rank's own tokens, T / sp: run_memfit's seconds (from T) are sp times long
     sp = CONFIGS[name].get("distributed.sequence_parallel", 1)
-    rank_tokens = seq_len // sp
-    by_rank = [line for line in stdout.splitlines() if line.startswith("peak_memory_rss:")]
+    seconds = [s / sp for s in result["step_seconds"]]
+    by_rank = [
+        line for line in (out / "stdout.txt").read_text().splitlines() if line.startswith("peak_memory_rss:")
+    ]
     return {
-        "losses": [r["loss"] for r in steps],
-        "step_seconds": [rank_tokens / r["tokens_per_second_per_gpu"] for r in steps],
-        "tokens_per_second_per_rank": steps[-1]["tokens_per_second_per_gpu"],
-        "tokens_per_second": steps[-1]["tokens_per_second_per_gpu"] * sp,
-        "peak_rss_mib": max(r["peak_memory_rss"] for r in steps) * 1024,
-        "launch_rss_mib": rss,
+        "losses": result["losses"],
+        "step_seconds": seconds,
+        "tokens_per_second_per_rank": seq_len / sp / seconds[-1],
+        "tokens_per_second": seq_len / seconds[-1],
+        "peak_rss_mib": result["metrics_peak_rss_mib"],
+        "launch_rss_mib": result["rss_mib"],
         "summary_rss": by_rank[-1] if by_rank else "",
-        "wall_seconds": wall,
+        "wall_seconds": result["wall_seconds"],
     }
 
 

@@ -202,23 +202,7 @@ def test_two_ranks_finetune_what_one_process_does(strategy, method, request, tmp
     )
     proc = run_torchrun(["finetune", *over], timeout=180)
     assert proc.stdout.count("final validation loss") == 1
-    train1, val1 = _records(single)
-    train2, val2 = _records(sharded)
-    assert [r["step"] for r in train2] == [r["step"] for r in train1] == [1, 2, 3, 4]
-    diffs = {
-        "loss": max(abs(a["loss"] - b["loss"]) for a, b in zip(train2, train1, strict=True)),
-        "val_loss": max(abs(a["val_loss"] - b["val_loss"]) for a, b in zip(val2, val1, strict=True)),
-    }
-    final = "checkpoints/step_00000004"
-    assert sorted(p.name for p in (sharded / final).iterdir()) == sorted(
-        p.name for p in (single / final).iterdir()
-    )
-    w1, w2 = (
-        load_file(single / final / ckpt_io.ADAPTER_WEIGHTS),
-        load_file(sharded / final / ckpt_io.ADAPTER_WEIGHTS),
-    )
-    assert w1.keys() == w2.keys() and w1
-    diffs["weights"] = max((w2[k] - w1[k]).abs().max().item() for k in w1)
+    diffs, w1 = finetune_diffs(sharded, single)
     print(f"max |2 ranks - 1 process| ({strategy}, {method['method']}): {diffs}")
     tols = {"loss": TOL, "val_loss": TOL, "weights": WIDE_WEIGHT_TOL if fixture.startswith("wide") else TOL}
     assert all(d <= tols[k] for k, d in diffs.items()), diffs
@@ -257,6 +241,29 @@ def _assert_fullest_rank_s_peak(stdout: str, out: Path) -> None:
     assert {rank, other} == {"0", "1"} and float(fullest) >= float(lowest) > 0
     records = [r["peak_memory_rss"] for r in read_records(out / "metrics.jsonl") if "loss" in r]
     assert max(records) <= float(fullest) + 0.0005  # printed to 1 MiB
+
+
+def finetune_diffs(sharded: Path, single: Path) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
+    """The largest differences of two 4-step fine-tuning runs' losses, validation losses and final trained weights
+    (the same checkpoint files in both), and the one-process run's trained weights."""
+    train1, val1 = _records(single)
+    train2, val2 = _records(sharded)
+    assert [r["step"] for r in train2] == [r["step"] for r in train1] == [1, 2, 3, 4]
+    diffs = {
+        "loss": max(abs(a["loss"] - b["loss"]) for a, b in zip(train2, train1, strict=True)),
+        "val_loss": max(abs(a["val_loss"] - b["val_loss"]) for a, b in zip(val2, val1, strict=True)),
+    }
+    final = "checkpoints/step_00000004"
+    assert sorted(p.name for p in (sharded / final).iterdir()) == sorted(
+        p.name for p in (single / final).iterdir()
+    )
+    w1, w2 = (
+        load_file(single / final / ckpt_io.ADAPTER_WEIGHTS),
+        load_file(sharded / final / ckpt_io.ADAPTER_WEIGHTS),
+    )
+    assert w1.keys() == w2.keys() and w1
+    diffs["weights"] = max((w2[k] - w1[k]).abs().max().item() for k in w1)
+    return diffs, w1
 
 
 def _one_process_optimizer_state(ckpt: Path) -> dict:

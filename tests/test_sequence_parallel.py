@@ -15,10 +15,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from memfit import checkpoint as ckpt_io
 from memfit.cli import main
 from memfit.config import load_config
 from memfit.errors import ConfigError
@@ -28,7 +26,15 @@ from memfit.metrics import read_records
 from memfit.models.llama import packed_positions
 
 from .conftest import finetune_overrides, kill_launch, run_torchrun, tiny_run_overrides
-from .test_distributed import LORA, RUN, TOL, _assert_same_run, _interrupted_at_step_3, _losses, _records
+from .test_distributed import (
+    LORA,
+    RUN,
+    TOL,
+    _assert_same_run,
+    _interrupted_at_step_3,
+    _losses,
+    finetune_diffs,
+)
 
 SP2 = {"distributed.sequence_parallel": 2}
 
@@ -148,18 +154,7 @@ def test_lora_on_packed_instruction_rows(hf_checkpoint, tmp_path):
         ["finetune", *finetune_overrides(hf_checkpoint, sharded, batch_size=2, **extra, **SP2)]
     )
     assert "2 sequence-parallel ranks" in proc.stdout
-    train1, val1 = _records(single)
-    train2, val2 = _records(sharded)
-    assert [r["step"] for r in train2] == [r["step"] for r in train1] == [1, 2, 3, 4]
-    diffs = {
-        "loss": max(abs(a["loss"] - b["loss"]) for a, b in zip(train2, train1, strict=True)),
-        "val_loss": max(abs(a["val_loss"] - b["val_loss"]) for a, b in zip(val2, val1, strict=True)),
-    }
-    final = "checkpoints/step_00000004"
-    w1 = load_file(single / final / ckpt_io.ADAPTER_WEIGHTS)
-    w2 = load_file(sharded / final / ckpt_io.ADAPTER_WEIGHTS)
-    assert w1.keys() == w2.keys() and w1
-    diffs["weights"] = max((w2[k] - w1[k]).abs().max().item() for k in w1)
+    diffs, w1 = finetune_diffs(sharded, single)
     print(f"max |sp=2 - 1 process| (LoRA, packed): {diffs}")
     assert all(d <= TOL for d in diffs.values()), diffs
     assert all(w1[k].abs().max() > 0 for k in w1 if k.endswith("lora_B"))  # it trained
