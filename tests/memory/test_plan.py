@@ -324,7 +324,7 @@ def test_sharded_plan_writes_the_launch(tmp_path):
     assert best is not None and best.estimate.world_size == 2 and p.world_size == 2
     path = report.write_plan_yaml(tmp_path / "sharded.yaml", best, p)
     assert f"# run: memfit pretrain --config {path} nproc=2" in path.read_text()
-    assert P._switches_of(load_config(path), 2) == best.switches
+    assert P._switches_of(load_config(path, world_size=2), 2) == best.switches
 
 
 def test_a_cpu_plan_gives_the_tensors_the_budget_less_the_process_overhead(monkeypatch):

@@ -378,7 +378,7 @@ class _Context:
         sequence-parallel rank holds ``T / sequence_parallel`` tokens of each row.
         """
         m = self.mcfg
-        tokens = self.tokens(cfg) // cfg.gradient_accumulation_steps  # a micro-batch's, of this rank
+        tokens = cfg.batch_size * self.seq_len // self.sequence_parallel(cfg)  # a micro-batch's, of this rank
         resid = param_bytes(cfg.dtype)
         matmul = 4 if cfg.dtype == "fp32" else 2
         checkpointed = len(
@@ -409,8 +409,16 @@ class _Context:
         return self._grad_sizes[key]
 
     def cost(self, cfg: TrainConfig, offloaded_activations: int, device_total: int) -> dict[str, float]:
+        """Seconds of one rank's work on ``batch_size`` sequences a step, by component (:func:`step_cost`).
+
+        With sequence parallelism (N > 1) a rank's step does ``1 / N`` of that work (its group shares the
+        sequences), so the step's seconds are multiplied by N: rows with and without it then compare at equal
+        tokens per GPU (N steps of a group, each with its all-gathers and all-to-alls, train the tokens one step
+        trains without it).
+        """
         paged_out = max(0, device_total - self.usable) if self.moved_state(cfg) == "paged" else 0
-        return step_cost(
+        sp = self.sequence_parallel(cfg)
+        cost = step_cost(
             cfg,
             self.mcfg,
             world_size=self.world_size,
@@ -420,11 +428,14 @@ class _Context:
             paged_out_bytes=paged_out,
             constants=self.constants,
         )
+        return {k: v * sp for k, v in cost.items()} if sp > 1 else cost
 
     def tokens(self, cfg: TrainConfig) -> int:
-        """Tokens one rank computes in a step (a sequence-parallel rank: its share of its group's)."""
-        sp = cfg.distributed.sequence_parallel if self.world_size > 1 else 1
-        return cfg.batch_size * self.seq_len * cfg.gradient_accumulation_steps // sp
+        """Tokens of one rank's ``batch_size`` sequences a step: the work :meth:`cost` prices."""
+        return cfg.batch_size * self.seq_len * cfg.gradient_accumulation_steps
+
+    def sequence_parallel(self, cfg: TrainConfig) -> int:
+        return cfg.distributed.sequence_parallel if self.world_size > 1 else 1
 
 
 # ----------------------------------------------------------------------------------------------------------------
