@@ -204,7 +204,9 @@ def longest_length(
     def peak(length: int) -> int:
         if length not in cache:
             start = time.perf_counter()
-            cache[length] = estimator(at_length(cfg, length, world_size), world_size=world_size, seq_len=length)
+            cache[length] = estimator(
+                at_length(cfg, length, world_size), world_size=world_size, seq_len=length
+            )
             if progress:
                 e = cache[length]
                 verdict = "fits" if e.peak_bytes <= usable else "over"
