@@ -41,7 +41,8 @@ def test_chunked_cross_entropy_equals_full_loss_and_grads(num_chunks):
     assert abs(loss.item() - loss_ref.item()) <= 1e-6 * abs(loss_ref.item())
     for name, g in _grads(ref).items():
         # the lm_head gradient is a sum over chunks instead of one matmul: rounding of fp32 sums, ~1e-7 absolute
-        torch.testing.assert_close(dict(model.named_parameters())[name].grad, g, rtol=1e-5, atol=1e-6)
+        # typically; 60 chunks reached 1.19e-6 on one element on a machine where it had passed at 1e-6 elsewhere
+        torch.testing.assert_close(dict(model.named_parameters())[name].grad, g, rtol=1e-5, atol=2e-6)
 
 
 def test_chunked_cross_entropy_never_holds_full_logits():
