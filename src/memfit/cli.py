@@ -37,6 +37,7 @@ from memfit.build import check_sharding, load_for_generation, resolve_device
 from memfit.config import (
     PrepareConfig,
     describe_keys,
+    device_type,
     load_config,
     load_prepare_config,
     memory_budget_bytes,
@@ -213,8 +214,10 @@ def _plan(args: argparse.Namespace) -> int:
     constants = None
     if args.interconnect_gbps is not None:
         _check_option("--interconnect-gbps", args.interconnect_gbps, args.interconnect_gbps > 0, "> 0 (GB/s)")
-        target = "cuda" if cfg.device == "cuda" else "cpu"
-        constants = {**COST_CONSTANTS[target], "interconnect_bytes_per_second": args.interconnect_gbps * 1e9}
+        constants = {
+            **COST_CONSTANTS[device_type(cfg.device)],
+            "interconnect_bytes_per_second": args.interconnect_gbps * 1e9,
+        }
     options = dict(margin=args.margin, dtypes=dtypes, fits=args.fits, progress=progress, constants=constants)
     if longest:
         found = context.longest_context(cfg, budget, world_size, **options)

@@ -532,11 +532,16 @@ def _check_sequence_parallel(cfg: TrainConfig, target: Target) -> None:
         "needs distributed.strategy=fsdp2: FSDP1 flattens each layer's weights into one buffer, and the attention "
         "exchange is written for FSDP2's per-parameter sharding",
     )
+    if cfg.seq_len:  # else the model's max_seq_len, checked with the architecture
+        _require_sequence_divides(cfg.seq_len, sp)
+
+
+def _require_sequence_divides(seq_len: int, sp: int) -> None:
     require(
-        cfg.seq_len is None or cfg.seq_len % sp == 0,
-        key,
-        f"seq_len {cfg.seq_len} is not divisible by {sp}: each rank holds seq_len / {sp} tokens; use a seq_len "
-        f"that is a multiple of {sp}",
+        seq_len % sp == 0,
+        "distributed.sequence_parallel",
+        f"seq_len {seq_len} is not divisible by {sp}: each rank holds seq_len / {sp} tokens; use a seq_len that "
+        f"is a multiple of {sp}",
     )
 
 
@@ -556,13 +561,7 @@ def _check_sequence_parallel_model(cfg: TrainConfig, mcfg: LlamaConfig) -> None:
         f"the model's num_kv_heads {mcfg.num_kv_heads} and {sp} divide neither way: key/value heads are split over "
         f"the ranks or repeated to fill them",
     )
-    seq_len = cfg.seq_len or mcfg.max_seq_len
-    require(
-        seq_len % sp == 0,
-        key,
-        f"seq_len {seq_len} is not divisible by {sp}: each rank holds seq_len / {sp} tokens; use a seq_len that "
-        f"is a multiple of {sp}",
-    )
+    _require_sequence_divides(cfg.seq_len or mcfg.max_seq_len, sp)
 
 
 def _check_tiled_compiled(cfg: TrainConfig, target: Target) -> None:
@@ -867,8 +866,8 @@ def _cost_sequence_parallel(sp: int, t: StepTerms) -> None:
     the backward, and again in a recomputed forward (:func:`all_to_all_elements`)."""
     if sp > 1:
         m, cfg = t.mcfg, t.cfg
+        seq_len = t.tokens // (cfg.batch_size * cfg.gradient_accumulation_steps)  # the whole sequence, T
         t.tokens //= sp
-        seq_len = t.tokens * sp // (cfg.batch_size * cfg.gradient_accumulation_steps)
         layers = m.num_layers
         recomputed = 0.0
         if cfg.activation_checkpointing != "selective":  # selective keeps the attention output
