@@ -951,3 +951,25 @@ def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     inner = getattr(optimizer, "_inner", None)
     for opt in inner.values() if isinstance(inner, dict) else [optimizer]:
         _init_optim_state(opt)
+        if opt.state and not any(
+            isinstance(v, torch.Tensor) for st in opt.state.values() for v in st.values()
+        ):
+            _init_numbered_state(opt)
+
+
+def _init_numbered_state(optimizer: torch.optim.Optimizer) -> None:
+    """torch's initialiser (one step on zero gradients at lr 0) for an optimizer whose state holds numbers but no
+    tensor before its first step (APOLLO numbers each parameter's seed at construction), which torch's takes for
+    made."""
+    params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+    if any(p.grad is not None for p in params):
+        return
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    lrs = [g["lr"] for g in optimizer.param_groups]
+    for g in optimizer.param_groups:
+        g["lr"] = torch.tensor(0.0) if isinstance(g["lr"], torch.Tensor) else 0.0
+    optimizer.step()
+    for g, lr in zip(optimizer.param_groups, lrs, strict=True):
+        g["lr"] = lr
+    optimizer.zero_grad(set_to_none=True)

@@ -50,6 +50,7 @@ from memfit.data.tokens import MANIFEST
 from memfit.errors import ConfigError, MemfitError, NoPlanError
 from memfit.export import export_run
 from memfit.generate import generate_text
+from memfit.memory import optimizers
 from memfit.planner import context, report
 from memfit.planner import plan as plan_
 from memfit.planner.cost import COST_CONSTANTS
@@ -218,7 +219,24 @@ def _plan(args: argparse.Namespace) -> int:
             **COST_CONSTANTS[device_type(cfg.device)],
             "interconnect_bytes_per_second": args.interconnect_gbps * 1e9,
         }
-    options = dict(margin=args.margin, dtypes=dtypes, fits=args.fits, progress=progress, constants=constants)
+    allowed = None
+    if args.optimizers is not None:
+        allowed = tuple(name.strip() for name in args.optimizers.split(",") if name.strip())
+        unknown = [name for name in allowed if name not in optimizers.OPTIMIZER_NAMES]
+        _check_option(
+            "--optimizers",
+            args.optimizers,
+            bool(allowed) and not unknown,
+            f"a comma-separated list of optimizer.name values ({', '.join(optimizers.OPTIMIZER_NAMES)})",
+        )
+    options = dict(
+        margin=args.margin,
+        dtypes=dtypes,
+        fits=args.fits,
+        progress=progress,
+        constants=constants,
+        optimizers=allowed,
+    )
     if longest:
         found = context.longest_context(cfg, budget, world_size, **options)
         if found.plan is None:
@@ -498,6 +516,14 @@ def _add_plan(sub: Any) -> None:
     )
     pl.add_argument(
         "--explain", action="store_true", help="also print the cost model's constants (default: not printed)"
+    )
+    pl.add_argument(
+        "--optimizers",
+        default=None,
+        metavar="NAME,NAME,...",
+        help="optimizer.name values the plan may choose, other update rules included (muon, adafactor, apollo, "
+        "apollo_mini, adam_mini change the update and so the losses) (default: the config's optimizer and the "
+        "8-bit and paged ones that keep its update rule)",
     )
     pl.add_argument(
         "--interconnect-gbps",

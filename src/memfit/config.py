@@ -127,7 +127,8 @@ class OptimizerConfig:
 
     name: str = "adamw"
     """An entry of :data:`memfit.memory.optimizers.OPTIMIZERS`: ``adamw`` (torch.optim.AdamW, 8 bytes/parameter of
-    state in fp32), bitsandbytes' 8-bit and paged ones, torchao's low-bit ones (the table in that module and
+    state in fp32), bitsandbytes' 8-bit and paged ones, torchao's low-bit ones, and the optimizers that keep less
+    state: ``muon``, ``adafactor``, ``apollo``, ``apollo_mini``, ``adam_mini`` (the table in that module and
     docs/memory.md)."""
     implementation: str = "foreach"
     """``foreach`` (multi-tensor, holds one parameter-sized set of temporaries at the step), ``for_loop`` (one
@@ -144,6 +145,32 @@ class OptimizerConfig:
     eps: float = 1e-8
     cpu_offload: bool = False
     """Keep optimizer state and the update on the CPU (torchao ``CPUOffloadOptimizer``); CUDA only."""
+    momentum: float = 0.95
+    """``muon``: momentum of the hidden matrices' buffer (torch.optim.Muon's default, Keller Jordan's Muon)."""
+    nesterov: bool = True
+    """``muon``: Nesterov momentum (torch.optim.Muon's default)."""
+    ns_steps: int = 5
+    """``muon``: Newton-Schulz iterations that orthogonalise each update (torch.optim.Muon's default)."""
+    adjust_lr_fn: str = "match_rms_adamw"
+    """``muon``: the learning-rate rule of an m x n matrix. ``match_rms_adamw`` (Moonlight, Liu et al. 2025:
+    ``0.2 * sqrt(max(m, n)) * lr``, so Muon's update has AdamW's RMS and reuses AdamW's ``lr`` and
+    ``weight_decay``) or ``original`` (Keller Jordan's ``sqrt(max(1, m / n)) * lr``, with ``lr`` ~0.02)."""
+    adamw_lr: float = 0.0
+    """``muon``: peak learning rate of the AdamW group (embedding, ``lm_head``, 1-D tensors); 0: ``lr``. It
+    follows the same warm-up and decay (its ratio to ``lr`` is kept)."""
+    beta2_decay: float = -0.8
+    """``adafactor``: the second-moment decay exponent, ``beta2_t = 1 - t ** beta2_decay`` (torch's default)."""
+    clipping_threshold: float = 1.0
+    """``adafactor``: the update-clipping threshold ``d`` (Shazeer and Stern 2018; torch's default)."""
+    apollo_rank: int = 0
+    """``apollo``/``apollo_mini``: rank of the gradient projection; 0: a quarter of the model width for ``apollo``
+    (GaLore's and APOLLO's pretraining runs) and 1 for ``apollo_mini``. At most each matrix's smaller side."""
+    apollo_scale: float = 0.0
+    """``apollo``/``apollo_mini``: APOLLO's gradient scale factor alpha (its update is multiplied by
+    ``sqrt(alpha)``); 0: the authors' defaults, 1 for ``apollo`` (channel-wise scaling) and 128 for
+    ``apollo_mini`` (tensor-wise)."""
+    update_proj_gap: int = 200
+    """``apollo``/``apollo_mini``: steps between new random projections (the authors' default)."""
 
 
 @dataclass
@@ -824,6 +851,37 @@ def _validate_optimizer(cfg: TrainConfig) -> None:
         f"must be two numbers in [0, 1), got {opt.betas}",
     )
     _require(opt.eps > 0, "optimizer.eps", f"must be > 0, got {opt.eps}")
+    _check_low_state_optimizer(opt)
+
+
+def _check_low_state_optimizer(opt: OptimizerConfig) -> None:
+    """The settings of Muon, Adafactor and APOLLO, before anything is built (the libraries' own checks, said by
+    key)."""
+    _require(0 <= opt.momentum < 1, "optimizer.momentum", f"must be in [0, 1), got {opt.momentum}")
+    _require(1 <= opt.ns_steps < 100, "optimizer.ns_steps", f"must be in [1, 99], got {opt.ns_steps}")
+    _require(
+        opt.adjust_lr_fn in ("match_rms_adamw", "original"),
+        "optimizer.adjust_lr_fn",
+        f"must be match_rms_adamw or original, got {opt.adjust_lr_fn!r}",
+    )
+    _require(opt.adamw_lr >= 0, "optimizer.adamw_lr", f"must be >= 0 (0: optimizer.lr), got {opt.adamw_lr}")
+    _require(opt.beta2_decay <= 0, "optimizer.beta2_decay", f"must be <= 0, got {opt.beta2_decay}")
+    _require(
+        opt.clipping_threshold >= 1,
+        "optimizer.clipping_threshold",
+        f"must be >= 1, got {opt.clipping_threshold}",
+    )
+    _require(
+        opt.apollo_rank >= 0, "optimizer.apollo_rank", f"must be >= 0 (0: the default), got {opt.apollo_rank}"
+    )
+    _require(
+        opt.apollo_scale >= 0,
+        "optimizer.apollo_scale",
+        f"must be >= 0 (0: the default), got {opt.apollo_scale}",
+    )
+    _require(
+        opt.update_proj_gap >= 1, "optimizer.update_proj_gap", f"must be >= 1, got {opt.update_proj_gap}"
+    )
 
 
 def _validate_sample_and_logging(cfg: TrainConfig) -> None:

@@ -334,6 +334,13 @@ def shard_model(model: torch.nn.Module, cfg: TrainConfig, device: torch.device) 
     )
 
 
+def local_shape(shape: tuple[int, ...], world_size: int) -> tuple[int, ...]:
+    """The shape of rank 0's shard of a parameter of ``shape`` (:func:`shard_numel`'s chunk of dim 0)."""
+    if world_size == 1 or not shape:
+        return shape
+    return (min(shape[0], -(-shape[0] // world_size)), *shape[1:])
+
+
 def shard_numel(shape: tuple[int, ...], world_size: int) -> int:
     """Elements of rank 0's shard of a parameter of ``shape``: its dim-0 chunk of ``ceil(rows / world_size)`` rows
     (``torch.chunk``'s layout, as FSDP2 shards; rank 0's chunk is the largest). The whole tensor for one rank or

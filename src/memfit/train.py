@@ -39,7 +39,7 @@ from memfit.errors import DivergenceError, RunLockedError
 from memfit.flops import mfu_above_one, peak_flops_per_second, training_flops_per_token
 from memfit.generate import generate_text
 from memfit.memory import host
-from memfit.memory.optim import lr_at
+from memfit.memory.optim import describe_partition, lr_at
 from memfit.memory.stats import PeakMemory, process_peak_rss, tracked_memory_fields
 from memfit.memory.timeline import plot_timeline
 from memfit.memory.tracker import MemoryTracker
@@ -267,7 +267,7 @@ def _set_lr(cfg: TrainConfig, optimizer, step: int) -> float:
         max_steps=cfg.max_steps,
     )
     for group in optimizer.param_groups:
-        group["lr"] = lr
+        group["lr"] = lr * group.get("lr_scale", 1.0)  # Muon's AdamW group: optimizer.adamw_lr / optimizer.lr
     return lr
 
 
@@ -499,6 +499,11 @@ def _banner(cfg, verb, built, tokenizer, data, seq_len, world, device, start_ste
         f"memfit {verb}: model {source} ({built.num_params:,} parameters{trainable}), tokenizer {tokenizer.kind} "
         f"({tokenizer.vocab_size:,} ids), {data.summary}, batch {cfg.batch_size} x "
         f"{cfg.gradient_accumulation_steps} x {seq_len} tokens{sharded}, dtype {cfg.dtype}, device {device}"
+        + (
+            f", optimizer {cfg.optimizer.name} ({split})"
+            if (split := describe_partition(built.model, cfg.optimizer.name))
+            else ""
+        )
         + (f", resuming at step {start_step}" if start_step else "")
         + (f"; {data.val_empty_reason}" if data.val_empty_reason else "")
     )

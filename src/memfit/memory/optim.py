@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
+import itertools
 import math
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -32,7 +34,9 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from memfit.config import OptimizerConfig
+from memfit.distributed import unwrap
 from memfit.memory import optimizers
+from memfit.memory.hybrids import hybrid_class
 from memfit.memory.optimizers import check_optimizer_supported
 from memfit.quiet import quiet_bitsandbytes_import, quiet_torchao_import
 
@@ -49,31 +53,84 @@ _GROUP_LABELS = ("params", "param_names", "name")  # group keys that are not hyp
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+def param_groups(
+    model: torch.nn.Module, weight_decay: float, optimizer: str = "adamw", *, adamw_lr_scale: float = 1.0
+) -> list[dict]:
     """Split trainable parameters into a decayed group (matrices: ``ndim == 2``) and an undecayed one (norms,
-    LLaMA-Adapter's per-head gates and any other non-matrix tensor).
+    LLaMA-Adapter's per-head gates and any other non-matrix tensor); for an optimizer that treats tensors apart
+    (Muon, APOLLO, Adam-mini), first by the algorithm :func:`memfit.memory.optimizers.part_of` gives each.
 
     Args:
         model: the model; parameters with ``requires_grad=False`` are left out, a shared (tied) one appears once.
         weight_decay: decoupled weight decay of the matrices.
+        optimizer: ``optimizer.name``.
+        adamw_lr_scale: Muon's AdamW group's learning rate over ``optimizer.lr`` (``lr_scale`` of its groups,
+            which the training loop multiplies the scheduled learning rate by).
 
     Returns:
-        Two parameter groups with ``name`` ("decay" / "no_decay") and ``param_names`` recorded for inspection.
+        Groups with ``name`` and ``param_names`` recorded for inspection: ``decay`` / ``no_decay`` for one
+        algorithm; with several, each algorithm's (``algorithm`` set in the group) named by it, ``_no_decay``
+        appended to the undecayed, ``adamw``'s named ``decay`` / ``no_decay``; in order of first appearance.
     """
-    decay, no_decay, decay_names, no_decay_names = [], [], [], []
+    partitioned = optimizers.spec(optimizer).partition is not None
+    groups: dict[tuple[str, bool], dict] = {}
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
-        if getattr(p, "_memfit_ndim", p.ndim) == 2:  # FSDP1 flattens parameters in place; it records ndim
-            decay.append(p)
-            decay_names.append(name)
-        else:
-            no_decay.append(p)
-            no_decay_names.append(name)
-    return [
-        {"params": decay, "weight_decay": weight_decay, "name": "decay", "param_names": decay_names},
-        {"params": no_decay, "weight_decay": 0.0, "name": "no_decay", "param_names": no_decay_names},
-    ]
+        ndim = getattr(p, "_memfit_ndim", p.ndim)  # FSDP1 flattens parameters in place; it records ndim
+        algorithm = optimizers.part_of(optimizer, name, ndim) if partitioned else ""
+        decayed = ndim == 2
+        group = groups.get((algorithm, decayed))
+        if group is None:
+            label = "decay" if decayed else "no_decay"
+            if algorithm and algorithm != "adamw":
+                label = algorithm if decayed else f"{algorithm}_no_decay"
+            group = {"params": [], "weight_decay": weight_decay if decayed else 0.0, "name": label}
+            group["param_names"] = []
+            if algorithm:
+                group["algorithm"] = algorithm
+            if algorithm == "adamw" and adamw_lr_scale != 1.0:
+                group["lr_scale"] = adamw_lr_scale
+            groups[(algorithm, decayed)] = group
+        group["params"].append(p)
+        group["param_names"].append(name)
+    if not partitioned:  # both groups, even empty, as the training loop and checkpoints have always had them
+        for decayed in (True, False):
+            groups.setdefault(
+                ("", decayed),
+                {
+                    "params": [],
+                    "weight_decay": weight_decay if decayed else 0.0,
+                    "name": "decay" if decayed else "no_decay",
+                    "param_names": [],
+                },
+            )
+        return [groups[("", True)], groups[("", False)]]
+    return list(groups.values())
+
+
+def describe_partition(model: torch.nn.Module, optimizer: str) -> str:
+    """The banner's line of which algorithm takes which tensors, e.g. ``muon: 84 matrices (23.1M), adamw: 19
+    tensors (2.1M)``; empty for an optimizer that treats every tensor alike.
+
+    Args:
+        model: the model (unsharded names and shapes: the sizes are of the whole tensors).
+        optimizer: ``optimizer.name``.
+    """
+    if optimizers.spec(optimizer).partition is None:
+        return ""
+    counts: dict[str, list[int]] = {}
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            ndim = getattr(p, "_memfit_ndim", p.ndim)
+            entry = counts.setdefault(optimizers.part_of(optimizer, name, ndim), [0, 0, 0])
+            entry[0] += 1
+            entry[1] += getattr(p, "_memfit_numel", p.numel())
+            entry[2] += ndim == 2
+    return ", ".join(
+        f"{part}: {n} {'matrices' if matrices == n else 'tensors'} ({numel / 1e6:.1f}M)"
+        for part, (n, numel, matrices) in sorted(counts.items(), key=lambda item: -item[1][1])
+    )
 
 
 def lr_at(step: int, *, lr: float, min_lr: float, warmup_steps: int, max_steps: int) -> float:
@@ -152,33 +209,56 @@ def _torchao_class(name: str) -> type[torch.optim.Optimizer]:
     return _LowBitAdamW
 
 
-def _optimizer_class(cfg: OptimizerConfig) -> tuple[Callable[..., torch.optim.Optimizer], dict[str, Any]]:
+def _optimizer_class(
+    cfg: OptimizerConfig, model_config: Any = None
+) -> tuple[Callable[..., torch.optim.Optimizer], dict[str, Any]]:
     """The class of ``cfg.name``'s entry (:data:`memfit.memory.optimizers.OPTIMIZERS`) and its keyword arguments
-    (the entry's ``hyperparameters``); imports its library when first asked.
+    (the entry's ``hyperparameters``, renamed by its ``arguments``, and its ``model_arguments`` read from
+    ``model_config``); imports its library when first asked.
 
     Raises:
-        ValueError: an ``implementation`` torch's AdamW does not know.
+        ValueError: an ``implementation`` torch's AdamW does not know, or a class that needs the model's shape
+            without ``model_config``.
         KeyError: an unknown name (config validation refuses it first).
     """
     entry = optimizers.spec(cfg.name)
+    renamed = dict(entry.arguments)
     kwargs: dict[str, Any] = {
-        k: tuple(getattr(cfg, k)) if k == "betas" else getattr(cfg, k) for k in entry.hyperparameters
+        renamed.get(k, k): tuple(getattr(cfg, k)) if k == "betas" else getattr(cfg, k)
+        for k in entry.hyperparameters
+        if k != "adamw_lr"  # a group setting (param_groups' lr_scale)
     }
+    if entry.model_arguments:
+        if model_config is None:
+            raise ValueError(
+                f"optimizer {cfg.name!r} needs the model's config ({', '.join(entry.model_arguments)})"
+            )
+        kwargs.update({k: getattr(model_config, k) for k in entry.model_arguments})
+    hybrid = hybrid_class(cfg.name)
+    if hybrid is not None:
+        return hybrid, kwargs
     if entry.library == "torch":
         cls = getattr(torch.optim, entry.class_name)
         if not entry.implementations:
             return cls, kwargs
-        if cfg.implementation not in _ADAMW_IMPLEMENTATIONS:
+        if cfg.implementation not in entry.implementations:
             raise ValueError(
-                f"unknown optimizer.implementation {cfg.implementation!r}; known: {', '.join(_ADAMW_IMPLEMENTATIONS)}"
+                f"unknown optimizer.implementation {cfg.implementation!r} for {cfg.name}; known: "
+                f"{', '.join(entry.implementations)}"
             )
-        return cls, {**kwargs, **_ADAMW_IMPLEMENTATIONS[cfg.implementation]}
+        flags = _ADAMW_IMPLEMENTATIONS[cfg.implementation]
+        return cls, {**kwargs, **{k: v for k, v in flags.items() if k != "fused" or "fused" in _accepts(cls)}}
     if entry.library == "bitsandbytes":
         with quiet_bitsandbytes_import():
             import bitsandbytes as bnb  # deferred: torchao and bitsandbytes take seconds each to import
 
         return getattr(bnb.optim, entry.class_name), kwargs
     return _torchao_class(cfg.name), kwargs
+
+
+def _accepts(cls: Callable[..., Any]) -> set[str]:
+    """Keyword arguments of a class (or a ``functools.partial`` of one)."""
+    return set(inspect.signature(cls).parameters)
 
 
 def _paged_on_cpu_warning(name: str) -> None:
@@ -219,15 +299,23 @@ def build_optimizer(
     )
     if reason is not None:
         raise ValueError(reason)
-    cls, kwargs = _optimizer_class(cfg)
+    model_config = getattr(unwrap(model), "config", None)
+    cls, kwargs = _optimizer_class(cfg, model_config)
     paged_on_cpu = optimizers.spec(cfg.name).paged and device_type != "cuda"
     if paged_on_cpu:
         _paged_on_cpu_warning(cfg.name)
 
     shared_qmaps: list[dict] = []
+    seeds = itertools.count(1)  # APOLLO's per-parameter seeds, numbered over all optimizers as in one
+    seeded = "first_seed" in _accepts(cls)
 
     def make(groups: list[dict]) -> torch.optim.Optimizer:
-        opt = cls(groups, **kwargs)
+        extra = {}
+        if seeded:
+            extra["first_seed"] = next(seeds)
+            for _ in range(sum(len(g["params"]) for g in groups) - 1):
+                next(seeds)
+        opt = cls(groups, **kwargs, **extra)
         if paged_on_cpu:
             opt._cpu_paged_warned = True  # memfit's warning above replaces bitsandbytes' one per optimizer
         # bitsandbytes: one pair of code tables for all per-parameter optimizers, as in a single optimizer
@@ -238,7 +326,8 @@ def build_optimizer(
                 shared_qmaps.append(opt.name2qmap)
         return opt
 
-    groups = param_groups(model, cfg.weight_decay)
+    lr_scale = cfg.adamw_lr / cfg.lr if getattr(cfg, "adamw_lr", 0.0) else 1.0
+    groups = param_groups(model, cfg.weight_decay, cfg.name, adamw_lr_scale=lr_scale)
     if in_backward:
         optimizer: torch.optim.Optimizer = OptimizerInBackward(groups, make)
     elif cpu_offload:

@@ -24,7 +24,23 @@ and its one-line comment in ``memfit plan``'s YAML.
                        (~1.06 bytes/parameter); threshold 4,096 elements and a multiple of 128.
 ``torchao_adamw_fp8``  torchao AdamWFp8: float8 e4m3 codes, one fp32 scale per 256 values; threshold as
                        ``torchao_adamw8bit``. On CUDA it needs compute capability >= 8.9.
+``muon``               torch.optim.Muon (Jordan et al. 2024; "Muon is Scalable for LLM Training", Liu et al.
+                       2025) on the hidden matrices: one momentum buffer (4 bytes/parameter in fp32), the
+                       update orthogonalised by a Newton-Schulz iteration; the embedding, ``lm_head`` and
+                       1-D tensors on torch AdamW, as in nanochat, Moonlight and torchtitan.
+``adafactor``          torch.optim.Adafactor (Shazeer and Stern 2018): a factored second moment (a row and a
+                       column vector per matrix, a full one per 1-D tensor), no first moment, a 4-byte step.
+``apollo``             APOLLO (Zhu et al., MLSys 2025; ``apollo-torch``, the authors' package) on the hidden
+                       matrices: AdamW moments of a random rank-r projection of the gradient (r x n or m x r
+                       each) and the r x n (m x r) projection; channel-wise scaling. Other tensors: its AdamW.
+``apollo_mini``        APOLLO-Mini: as ``apollo`` with rank 1 and one tensor-wise scale (~0 bytes/parameter).
+``adam_mini``          Adam-mini (Zhang et al., ICLR 2025; ``adam-mini``, the authors' package): AdamW's first
+                       moment and one second-moment value per block: per head for q/k, per row (output
+                       neuron, token) for the other matrices, per tensor for 1-D ones (~4 bytes/parameter).
 =====================  ==================================================================================
+
+Which trainable tensors each algorithm of a hybrid takes (Muon, APOLLO, Adam-mini's blocks) is decided here,
+once, by :func:`part_of`: the training banner, the optimizer's parameter groups and the closed form all read it.
 
 Adding an optimizer is one entry in :data:`OPTIMIZERS` (and, for a library memfit does not call yet, its import
 in :func:`memfit.memory.optim._optimizer_class`); ``tests/memory/test_switches.py`` checks its closed form against a
@@ -34,8 +50,10 @@ real step and its line in docs/memory.md.
 from __future__ import annotations
 
 import importlib.util
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import torch
 
@@ -50,8 +68,25 @@ BNB_PAGED_MIN_NUMEL = 100_000
 TORCHAO_MIN_QUANTIZED_SIZE = 4096
 """torchao keeps unquantized state for tensors with fewer elements than this (hard-coded in its ``_new_buffer``)."""
 
-Tensors = list[tuple[int, int]]
-"""Trainable tensors of one rank as ``(numel, element_size in bytes)``."""
+
+class TensorInfo(NamedTuple):
+    """One trainable tensor of one rank, as the closed forms of :attr:`Optimizer.state` see it."""
+
+    numel: int
+    """Elements of this rank's part of it."""
+    size: int
+    """Bytes per element (the parameter dtype's)."""
+    shape: tuple[int, ...] = ()
+    """This rank's shape of it (``()``: not known; only the optimizers that factor or project need it)."""
+    part: str = ""
+    """Which algorithm of the optimizer takes it (:func:`part_of`): ``muon`` / ``apollo`` / ``adamw`` for the
+    hybrids, ``heads`` / ``rows`` / ``tensor`` for Adam-mini's blocks, else the optimizer's name."""
+    blocks: int = 0
+    """APOLLO: the projection rank r of this matrix; Adam-mini: its number of second-moment values."""
+
+
+Tensors = list[TensorInfo]
+"""Trainable tensors of one rank."""
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -61,7 +96,46 @@ Tensors = list[tuple[int, int]]
 
 def _torch_adamw_state(tensors: Tensors) -> int:
     """Two moments in the parameter dtype and a 4-byte fp32 ``step`` tensor per parameter."""
-    return sum(2 * numel * size + 4 for numel, size in tensors)
+    return sum(2 * t.numel * t.size + 4 for t in tensors)
+
+
+def _muon_state(tensors: Tensors) -> int:
+    """torch Muon: one momentum buffer in the parameter dtype per matrix (no ``step``); torch AdamW for the rest."""
+    return sum(t.numel * t.size if t.part == "muon" else 2 * t.numel * t.size + 4 for t in tensors)
+
+
+def _adafactor_state(tensors: Tensors) -> int:
+    """torch Adafactor: a 4-byte fp32 ``step`` per tensor; for a tensor of >= 2 dims a row vector (``numel /
+    shape[-1]`` elements) and a column vector (``numel / shape[-2]``) of the second moment, else a full one, in the
+    parameter dtype."""
+    total = 0
+    for t in tensors:
+        if len(t.shape) >= 2:
+            total += 4 + (t.numel // t.shape[-1] + t.numel // t.shape[-2]) * t.size
+        else:
+            total += 4 + t.numel * t.size
+    return total
+
+
+def _apollo_state(tensors: Tensors) -> int:
+    """APOLLO: for a projected m x n matrix of rank r, the projection (r x n when m >= n, else m x r) and AdamW's
+    two moments of the projected gradient (m x r, else r x n), and a 0-dim norm (``scaled_grad``), all in the
+    parameter dtype; its AdamW for the rest (two full moments; ``step`` and ``seed`` are Python numbers)."""
+    total = 0
+    for t in tensors:
+        if t.part == "apollo":
+            (m, n), r = t.shape, t.blocks
+            projection, projected = (r * n, m * r) if m >= n else (m * r, r * n)
+            total += (projection + 2 * projected + 1) * t.size
+        else:
+            total += 2 * t.numel * t.size
+    return total
+
+
+def _adam_mini_state(tensors: Tensors) -> int:
+    """Adam-mini: the first moment in the parameter dtype, and one second-moment value per block (``blocks``) in
+    the parameter dtype; its counters are Python numbers."""
+    return sum((t.numel + t.blocks) * t.size for t in tensors)
 
 
 def _bnb_state(moments: int, bits: int) -> Callable[[Tensors], int]:
@@ -72,9 +146,9 @@ def _bnb_state(moments: int, bits: int) -> Callable[[Tensors], int]:
 
     def state(tensors: Tensors) -> int:
         total = 0
-        if bits == 8 and any(n >= BNB_MIN_8BIT_SIZE for n, _ in tensors):
+        if bits == 8 and any(t.numel >= BNB_MIN_8BIT_SIZE for t in tensors):
             total += moments * 256 * 4
-        for numel, _ in tensors:
+        for numel, *_ in tensors:
             if bits == 8 and numel >= BNB_MIN_8BIT_SIZE:
                 total += moments * (numel + -(-numel // 256) * 4)
             else:
@@ -92,7 +166,7 @@ def _torchao_state(code_bits: int, block: int, table_entries: int) -> Callable[[
 
     def state(tensors: Tensors) -> int:
         total = 0
-        for numel, size in tensors:
+        for numel, size, *_ in tensors:
             if _torchao_quantizes(block)(numel):
                 total += int(2 * numel * code_bits / 8) + 2 * (numel // block) * 4 + 4 + 2 * table_entries * 4
             else:
@@ -138,6 +212,37 @@ def _torchao_sharded(name: str, strategy: str, dtype: str) -> str | None:
     return None
 
 
+def _reshaping_sharded(name: str, strategy: str, dtype: str) -> str | None:
+    """Muon and Adam-mini need each tensor's shape: FSDP1 flattens a unit's parameters into one 1-D buffer (their
+    shapes are gone). FSDP2 keeps DTensor shards of the real shapes, whose whole-matrix operations (Muon's
+    Newton-Schulz products, Adam-mini's block norms) DTensor gathers or reduces over the ranks, as torchtitan's
+    distributed Muon gathers each matrix: ``tests/test_distributed.py`` holds them equal to one process."""
+    if strategy == "fsdp1":
+        return (
+            f"{name!r} does not work with distributed.strategy=fsdp1: FSDP1 flattens each unit's parameters into "
+            f"one 1-D buffer, so the matrix shapes {name} works on are gone. Use distributed.strategy=fsdp2"
+        )
+    return None
+
+
+def _adafactor_sharded(name: str, strategy: str, dtype: str) -> str | None:
+    return (
+        f"{name!r} does not work sharded: torch's Adafactor updates its factored second moment in place from row "
+        f"and column norms, which on FSDP2's DTensor shards are partial sums over the ranks that DTensor cannot "
+        f"update in place ('in-place operations that require placement changes are not supported'); FSDP1 "
+        f"flattens the matrices it factors. Use adam_mini or muon sharded, or adafactor in one process"
+    )
+
+
+def _apollo_sharded(name: str, strategy: str, dtype: str) -> str | None:
+    return (
+        f"{name!r} does not work sharded: APOLLO (apollo-torch) projects each gradient with a plain random matrix "
+        f"drawn for the parameter's shape, which cannot multiply the DTensor shard FSDP2 gives it (nor FSDP1's flat "
+        f"buffer), and its scaling factors need whole rows and columns. Use muon or adam_mini (whose whole-matrix "
+        f"steps DTensor gathers) or torchao_adamw4bit sharded, or apollo in one process"
+    )
+
+
 def _fp8_capability(device_type: str) -> str | None:
     if device_type == "cuda" and torch.cuda.is_available():
         major, minor = torch.cuda.get_device_capability()
@@ -147,6 +252,119 @@ def _fp8_capability(device_type: str) -> str | None:
                 f"(Ada, Hopper); this GPU is {major}.{minor}. Use torchao_adamw8bit (same memory) instead"
             )
     return None
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Which algorithm takes which tensor
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def parameter_role(param_name: str, ndim: int) -> str:
+    """What a trainable tensor is to an optimizer that treats tensors apart.
+
+    Args:
+        param_name: its name in ``named_parameters`` (Hugging Face layout: ``model.embed_tokens.weight``,
+            ``lm_head.weight``, ``model.layers.0.self_attn.q_proj.weight``, ``...q_proj.lora_A``).
+        ndim: its number of dimensions (before FSDP1 flattens it).
+
+    Returns:
+        ``embedding``, ``output`` (``lm_head``), ``matrix`` (any other 2-D tensor: a decoder layer's projections,
+        LoRA's A and B, the adapter's prompt) or ``vector`` (norm weights, the adapter's gates).
+    """
+    if ndim != 2:
+        return "vector"
+    if param_name.endswith("embed_tokens.weight"):
+        return "embedding"
+    if param_name.endswith("lm_head.weight"):
+        return "output"
+    return "matrix"
+
+
+def _hidden_matrices(algorithm: str) -> Callable[[str, int], str]:
+    """Muon's and APOLLO's split: the hidden matrices to ``algorithm``, the embedding, ``lm_head`` and 1-D tensors
+    to AdamW (Jordan et al. 2024; torchtitan, nanochat; APOLLO's ``attn``/``mlp`` target modules)."""
+    return lambda name, ndim: algorithm if parameter_role(name, ndim) == "matrix" else "adamw"
+
+
+def _adam_mini_blocks(name: str, ndim: int) -> str:
+    """Adam-mini's partition (Zhang et al. 2025, section 3): query and key weights by head, other matrices by row
+    (an output neuron; a token for the embedding and ``lm_head``), every 1-D tensor as one block."""
+    if parameter_role(name, ndim) == "matrix" and name.endswith(("q_proj.weight", "k_proj.weight")):
+        return "heads"
+    return "rows" if ndim == 2 else "tensor"
+
+
+def part_of(optimizer: str, param_name: str, ndim: int) -> str:
+    """Which algorithm of ``optimizer`` takes a trainable tensor: THE split of the hybrids, which the parameter
+    groups, the training banner and the closed form all read.
+
+    Returns:
+        ``muon`` / ``apollo`` / ``adamw`` for ``muon``, ``apollo``, ``apollo_mini``; ``heads`` / ``rows`` /
+        ``tensor`` for ``adam_mini``; ``optimizer`` itself for the others.
+    """
+    entry = spec(optimizer)
+    return entry.partition(param_name, ndim) if entry.partition is not None else optimizer
+
+
+def apollo_rank(optimizer: str, rank: int, dim: int, shape: tuple[int, ...]) -> int:
+    """APOLLO's projection rank of an m x n matrix: ``optimizer.apollo_rank``, or when 0 the variant's default
+    (``apollo``: a quarter of the model width, as GaLore's and APOLLO's pretraining runs, 128 at width 512 to 512 at
+    2048; ``apollo_mini``: 1), at most ``min(m, n)`` (a smaller matrix is projected to its smaller side)."""
+    r = rank or (1 if optimizer == "apollo_mini" else max(1, dim // 4))
+    return min(r, *shape)
+
+
+def tensor_infos(
+    optimizer: str,
+    params: Iterable[tuple[str, tuple[int, ...], int, int]],
+    *,
+    rank: int = 0,
+    dim: int = 0,
+    num_heads: int = 1,
+) -> Tensors:
+    """The trainable tensors of one rank as the closed forms see them.
+
+    Args:
+        optimizer: ``optimizer.name``.
+        params: ``(name, this rank's shape, element size, ndim before any flattening)`` per trainable tensor.
+        rank: ``optimizer.apollo_rank`` (0: the variant's default).
+        dim: the model width (APOLLO's default rank, Adam-mini's head size ``dim * dim / num_heads``).
+        num_heads: the model's query heads.
+
+    Returns:
+        One :class:`TensorInfo` each, in ``params`` order.
+    """
+    out = []
+    for name, shape, size, ndim in params:
+        part = part_of(optimizer, name, ndim)
+        numel = math.prod(shape)
+        blocks = 0
+        if part == "apollo":
+            blocks = apollo_rank(optimizer, rank, dim, shape)
+        elif part == "heads":
+            blocks = numel // (dim * (dim // num_heads))
+        elif part == "rows":
+            blocks = shape[0]
+        elif part == "tensor":
+            blocks = 1
+        out.append(TensorInfo(numel, size, tuple(shape), part, blocks))
+    return out
+
+
+def _newton_schulz_flops(tensors: Tensors, settings: Any) -> float:
+    """Muon's Newton-Schulz iteration on each m x n matrix (m <= n after a transpose): per step X X^T (2 m^2 n),
+    the quintic's A A (2 m^3) and B X (2 m^2 n) FLOPs."""
+    total = 0.0
+    for t in tensors:
+        if t.part == "muon":
+            m, n = sorted(t.shape)
+            total += settings.ns_steps * (4.0 * m * m * n + 2.0 * m**3)
+    return total
+
+
+def _projection_flops(tensors: Tensors, settings: Any) -> float:
+    """APOLLO's projection of each m x n gradient to rank r: one (m x n) by (n x r) product, 2 m n r FLOPs."""
+    return sum(2.0 * t.numel * t.blocks for t in tensors if t.part == "apollo")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -161,9 +379,11 @@ class Optimizer:
     name: str
     """The ``optimizer.name`` value."""
     library: str
-    """``torch``, ``bitsandbytes`` or ``torchao``: the package its class comes from (imported when used)."""
+    """``torch``, ``bitsandbytes``, ``torchao``, ``apollo_torch`` or ``adam_mini``: the package its class comes
+    from (imported when used)."""
     class_name: str
-    """The class in ``torch.optim``, ``bitsandbytes.optim`` or ``torchao.optim``."""
+    """The class in ``torch.optim``, ``bitsandbytes.optim``, ``torchao.optim`` or the package (``apollo_torch``'s
+    ``APOLLOAdamW``, ``adam_mini``'s ``Adam_mini``), which :mod:`memfit.memory.hybrids` wraps for the hybrids."""
     state: Callable[[Tensors], int]
     """Bytes of state it keeps for trainable tensors given as ``(numel, element_size)``."""
     comment: str
@@ -172,6 +392,18 @@ class Optimizer:
     """``numel -> bool``: whether a tensor of that size gets quantized state; ``None``: full-precision state."""
     hyperparameters: tuple[str, ...] = ("lr", "betas", "eps")
     """The fields of :class:`memfit.config.OptimizerConfig` passed to the class (weight decay is per group)."""
+    arguments: tuple[tuple[str, str], ...] = ()
+    """``(config field, keyword)`` where the class names a hyperparameter otherwise (Adafactor's ``d``)."""
+    model_arguments: tuple[str, ...] = ()
+    """Fields of the model's :class:`~memfit.models.llama.LlamaConfig` passed too (``dim``, ``num_heads``, ...)."""
+    update_rule: str = "adamw"
+    """The update it computes (quantized or paged state computes the same one): ``memfit plan`` keeps the config's
+    update rule unless ``--optimizers`` allows others."""
+    partition: Callable[[str, int], str] | None = None
+    """``(parameter name, ndim) -> algorithm`` for an optimizer that treats tensors apart (:func:`part_of`)."""
+    update_flops: Callable[[Tensors, Any], float] | None = None
+    """``(tensors, optimizer settings) -> matmul FLOPs`` of one update beyond AdamW's elementwise work (Muon's
+    Newton-Schulz iteration, APOLLO's projection), charged at the matmul rate by :mod:`memfit.planner.cost`."""
     implementations: tuple[str, ...] = ()
     """The ``optimizer.implementation`` values it takes; ``()``: the setting does not apply."""
     paged_bytes_per_element: int = 0
@@ -195,7 +427,7 @@ class Optimizer:
     def paged_state(self, tensors: Tensors) -> int:
         """Bytes of state a paged optimizer keeps in CUDA unified memory (0 for the others)."""
         per = self.paged_bytes_per_element
-        return sum(per * numel for numel, _ in tensors if numel >= BNB_PAGED_MIN_NUMEL)
+        return sum(per * t.numel for t in tensors if t.numel >= BNB_PAGED_MIN_NUMEL)
 
 
 _BNB_ADAMW8BIT = _bnb_state(moments=2, bits=8)
@@ -291,6 +523,77 @@ OPTIMIZERS: tuple[Optimizer, ...] = (
         hyperparameters=("lr", "betas"),  # Lion has no epsilon
         update_factor=1.4,  # bitsandbytes' 8-bit kernel, as AdamW8bit's (not measured apart)
         sharded=_bnb_sharded,
+        update_rule="lion",
+    ),
+    Optimizer(
+        "muon",
+        "torch",
+        "Muon",
+        _muon_state,
+        "torch Muon on the hidden matrices (one momentum buffer), AdamW on the rest",
+        hyperparameters=(
+            "lr",
+            "betas",
+            "eps",
+            "momentum",
+            "nesterov",
+            "ns_steps",
+            "adjust_lr_fn",
+            "adamw_lr",
+        ),
+        update_rule="muon",
+        partition=_hidden_matrices("muon"),
+        update_flops=_newton_schulz_flops,
+        sharded=_reshaping_sharded,
+    ),
+    Optimizer(
+        "adafactor",
+        "torch",
+        "Adafactor",
+        _adafactor_state,
+        "torch Adafactor: a factored second moment, no first moment",
+        hyperparameters=("lr", "beta2_decay", "clipping_threshold"),
+        arguments=(("clipping_threshold", "d"),),
+        implementations=("foreach", "for_loop"),
+        update_rule="adafactor",
+        sharded=_adafactor_sharded,
+    ),
+    Optimizer(
+        "apollo",
+        "apollo_torch",
+        "APOLLOAdamW",
+        _apollo_state,
+        "APOLLO: AdamW moments of a rank-r random projection of each hidden matrix's gradient",
+        hyperparameters=("lr", "betas", "eps", "apollo_rank", "apollo_scale", "update_proj_gap"),
+        model_arguments=("dim",),
+        update_rule="apollo",
+        partition=_hidden_matrices("apollo"),
+        update_flops=_projection_flops,
+        sharded=_apollo_sharded,
+    ),
+    Optimizer(
+        "apollo_mini",
+        "apollo_torch",
+        "APOLLOAdamW",
+        _apollo_state,
+        "APOLLO-Mini: rank-1 projection, one scale per tensor: ~0 bytes/parameter of state",
+        hyperparameters=("lr", "betas", "eps", "apollo_rank", "apollo_scale", "update_proj_gap"),
+        model_arguments=("dim",),
+        update_rule="apollo",
+        partition=_hidden_matrices("apollo"),
+        update_flops=_projection_flops,
+        sharded=_apollo_sharded,
+    ),
+    Optimizer(
+        "adam_mini",
+        "adam_mini",
+        "Adam_mini",
+        _adam_mini_state,
+        "Adam-mini: AdamW's first moment, one second moment per head / row / tensor",
+        model_arguments=("dim", "num_heads", "num_kv_heads"),
+        update_rule="adam_mini",
+        partition=_adam_mini_blocks,
+        sharded=_reshaping_sharded,
     ),
 )
 """Every optimizer, in the order config errors list them."""
@@ -298,6 +601,10 @@ OPTIMIZERS: tuple[Optimizer, ...] = (
 OPTIMIZERS_BY_NAME: dict[str, Optimizer] = {o.name: o for o in OPTIMIZERS}
 OPTIMIZER_NAMES: tuple[str, ...] = tuple(OPTIMIZERS_BY_NAME)
 """``optimizer.name`` values."""
+
+
+_PACKAGES = {"bitsandbytes": "bitsandbytes", "apollo_torch": "apollo-torch", "adam_mini": "adam-mini"}
+"""Import name -> PyPI name of the optional optimizer packages torch does not ship."""
 
 
 def spec(name: str) -> Optimizer:
@@ -351,14 +658,24 @@ def check_optimizer_supported(
     if name not in OPTIMIZERS_BY_NAME:
         return f"unknown optimizer {name!r}; known: {', '.join(OPTIMIZER_NAMES)}"
     entry = spec(name)
-    if entry.library == "bitsandbytes" and importlib.util.find_spec("bitsandbytes") is None:
-        return f"optimizer {name!r} needs bitsandbytes, which is not installed (pip install bitsandbytes)"
+    if entry.library in _PACKAGES and importlib.util.find_spec(entry.library) is None:
+        return (
+            f"optimizer {name!r} needs {_PACKAGES[entry.library]}, which is not installed "
+            f"(pip install {_PACKAGES[entry.library]})"
+        )
     if (entry.library == "torchao" or cpu_offload) and importlib.util.find_spec("torchao") is None:
         what = "optimizer.cpu_offload" if cpu_offload else f"optimizer {name!r}"
         return f"{what} needs torchao, which is not installed (pip install torchao)"
     if entry.device is not None and (reason := entry.device(device_type)) is not None:
         return reason
     if cpu_offload:
+        if entry.update_rule not in ("adamw", "lion"):
+            return (
+                f"optimizer.cpu_offload cannot be combined with {name!r}: torchao's CPUOffloadOptimizer gives "
+                f"each parameter an optimizer of its own over a copy on the host, which memfit verified for the "
+                f"AdamW family only (it has no CUDA device to verify {name} there). Turn cpu_offload off: "
+                f"{name}'s state is already small"
+            )
         if device_type != "cuda":
             return (
                 "optimizer.cpu_offload moves optimizer state and the update from GPU memory to host memory "

@@ -220,6 +220,9 @@ class PlanSpace:
     """The model's query heads (sequence parallelism splits them over its ranks)."""
     num_kv_heads: int = 0
     """The model's key/value heads."""
+    optimizers: tuple[str, ...] | None = None
+    """``optimizer.name`` values allowed besides the config's (``memfit plan --optimizers``), any update rule;
+    ``None``: the planned entries that keep the config's update rule."""
 
 
 @dataclass
@@ -409,6 +412,15 @@ def _check_optimizer_name(cfg: TrainConfig, target: Target) -> None:
     if target.sharded:
         reason = optimizers.sharded_refusal(opt.name, strategy=cfg.distributed.strategy, dtype=cfg.dtype)
         require(reason is None, "optimizer.name", str(reason))
+
+
+def _check_implementation(cfg: TrainConfig, target: Target) -> None:
+    known = optimizers.spec(cfg.optimizer.name).implementations
+    require(
+        not known or cfg.optimizer.implementation in known,
+        "optimizer.implementation",
+        f"{cfg.optimizer.implementation!r} is not one of {cfg.optimizer.name}'s: {', '.join(known)}",
+    )
 
 
 def _check_in_backward(cfg: TrainConfig, target: Target) -> None:
@@ -669,17 +681,20 @@ def _plan_method(cfg: TrainConfig, space: PlanSpace) -> tuple[dict[str, Any], ..
 
 
 def _plan_optimizer(cfg: TrainConfig, space: PlanSpace) -> tuple[dict[str, Any], ...]:
-    """``cfg``'s optimizer, then the registry's planned ones (paged only on CUDA, where paging differs); AdamW
-    with ``cfg``'s implementation and ``fused``."""
+    """``cfg``'s optimizer, then the registry's planned ones that keep its update rule, or those the user allows
+    (``space.optimizers``, any update rule); paged ones only on CUDA, where paging differs; AdamW with ``cfg``'s
+    implementation and ``fused``."""
     pairs = [(cfg.optimizer.name, cfg.optimizer.implementation)]
+    rule = optimizers.spec(cfg.optimizer.name).update_rule
     for spec in optimizers.OPTIMIZERS:
-        if not spec.planned or (spec.paged and not space.cuda):
-            continue  # on CPU paged state is ordinary memory: the same as the unpaged optimizer
-        impls = (
-            (cfg.optimizer.implementation, "fused")
-            if spec.implementations
-            else (cfg.optimizer.implementation,)
+        allowed = (
+            spec.planned and spec.update_rule == rule
+            if space.optimizers is None
+            else spec.name in space.optimizers
         )
+        if not allowed or (spec.paged and not space.cuda):
+            continue  # on CPU paged state is ordinary memory: the same as the unpaged optimizer
+        impls = (cfg.optimizer.implementation,) + (("fused",) if "fused" in spec.implementations else ())
         pairs += [(spec.name, impl) for impl in impls]
     return tuple(
         {"optimizer.name": name, "optimizer.implementation": impl} for name, impl in dict.fromkeys(pairs)
@@ -1043,7 +1058,7 @@ SWITCHES: tuple[Switch, ...] = (
     Switch(
         key="optimizer.implementation",
         applied="optimizer: memfit.memory.optim.build_optimizer (torch.optim.AdamW foreach / for_loop / fused)",
-        check=_check_nothing,
+        check=_check_implementation,
         choices=optimizers.OPTIMIZER_IMPLEMENTATIONS,
         candidates=lambda cfg, space: ({},),  # planned in pairs with optimizer.name (_plan_optimizer)
         changed=_changed_implementation,

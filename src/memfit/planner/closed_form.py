@@ -10,10 +10,42 @@ import torch
 
 from memfit.build import PARAM_DTYPES, build_model
 from memfit.config import TrainConfig
-from memfit.distributed import shard_numel
+from memfit.distributed import local_shape, shard_numel
 from memfit.memory import optimizers
 from memfit.models import peft
 from memfit.models.llama import LlamaConfig
+
+_UPDATE_FLOPS: dict[str, float] = {}
+
+
+def _update_flops(cfg: TrainConfig, mcfg: LlamaConfig) -> float:
+    entry = optimizers.spec(cfg.optimizer.name)
+    model = build_model(cfg, mcfg, torch.device("meta"))
+    tensors = optimizers.tensor_infos(
+        cfg.optimizer.name,
+        [(n, tuple(p.shape), 4, p.ndim) for n, p in model.named_parameters() if p.requires_grad],
+        rank=cfg.optimizer.apollo_rank,
+        dim=mcfg.dim,
+        num_heads=mcfg.num_heads,
+    )
+    return entry.update_flops(tensors, cfg.optimizer) if entry.update_flops is not None else 0.0
+
+
+def optimizer_update_flops(cfg: TrainConfig, mcfg: LlamaConfig) -> float:
+    """Matmul FLOPs of one optimizer update beyond AdamW's elementwise work, on each rank: Muon's Newton-Schulz
+    iteration of every hidden matrix, APOLLO's projections (:attr:`memfit.memory.optimizers.Optimizer.
+    update_flops`); 0 for the others. Of the whole matrices: sharded, DTensor gathers each matrix for Muon's
+    iteration and every rank runs it (as torchtitan's distributed Muon does).
+
+    Returns:
+        FLOPs (cached by the settings they depend on).
+    """
+    if optimizers.spec(cfg.optimizer.name).update_flops is None:
+        return 0.0
+    key = repr((cfg.method, cfg.lora, cfg.adapter, cfg.optimizer, mcfg))
+    if key not in _UPDATE_FLOPS:
+        _UPDATE_FLOPS[key] = _update_flops(cfg, mcfg)
+    return _UPDATE_FLOPS[key]
 
 
 def model_state_bytes_closed_form(cfg: TrainConfig, mcfg: LlamaConfig, world_size: int = 1) -> dict[str, int]:
@@ -43,7 +75,13 @@ def model_state_bytes_closed_form(cfg: TrainConfig, mcfg: LlamaConfig, world_siz
     params = {n: p for n, p in model.named_parameters()}
     local = {n: shard_numel(tuple(p.shape), world_size) for n, p in params.items()}
     trainable = [n for n, p in params.items() if p.requires_grad]
-    tensors = [(local[n], size) for n in trainable]
+    tensors = optimizers.tensor_infos(
+        cfg.optimizer.name,
+        [(n, local_shape(tuple(params[n].shape), world_size), size, params[n].ndim) for n in trainable],
+        rank=cfg.optimizer.apollo_rank,
+        dim=mcfg.dim,
+        num_heads=mcfg.num_heads,
+    )
     parameters = buffers + sum(
         peft.nf4_bytes(tuple(p.shape), dtype, world_size) if peft.is_nf4(p) else local[n] * size
         for n, p in params.items()

@@ -272,6 +272,7 @@ def longest_context(
     progress: Callable[[str], None] | None = None,
     estimator: Callable[..., Estimate] | None = None,
     constants: dict[str, Any] | None = None,
+    optimizers: Iterable[str] | None = None,
 ) -> ContextPlan:
     """The longest context that fits ``budget_bytes`` on one rank, the ladder of what each technique buys, and the
     fastest switch set at that length (see the module doc).
@@ -376,6 +377,7 @@ def longest_context(
             progress=progress,
             estimator=estimator,
             constants=constants,
+            optimizers=optimizers,
         )
         total += result.estimates
     return ContextPlan(rungs, result, time.perf_counter() - start, total, capped=cap, notes=notes)

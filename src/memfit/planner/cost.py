@@ -15,6 +15,7 @@ from memfit.config import TrainConfig, device_type
 from memfit.memory import optimizers, switches
 from memfit.memory.switches import layer_weights
 from memfit.models.llama import LlamaConfig
+from memfit.planner.closed_form import optimizer_update_flops
 
 _CUDA_CONSTANTS: dict[str, Any] = {
     # forward + backward: 6 FLOPs per weight and token, + 12 * T * dim per layer and token for attention
@@ -28,6 +29,10 @@ _CUDA_CONSTANTS: dict[str, Any] = {
     # (memfit.memory.optimizers, update_factor; bitsandbytes 8-bit: 1.4, the ratio measured on CPU, docs/memory.md,
     # "optimizer.name"; no GPU measurement yet, the same 1.4 is assumed for torchao's, torch.compile'd on CUDA)
     "optimizer_update_factor": optimizers.update_factors("cuda"),
+    # the matmuls some updates add (Muon's Newton-Schulz iteration in bf16, APOLLO's projections), at this rate:
+    # the bf16 rate above (one matrix at a time, smaller than a layer's batched matmuls: an assumption, not
+    # measured)
+    "optimizer_matmul_flops_per_second": 400e12,
     # one optimizer per tensor (optimizer_in_backward, implementation for_loop): kernel launches per tensor update
     # (AdamW's for-loop runs ~10 elementwise kernels per tensor) at this CPU-side cost each
     "kernels_per_tensor_update": 10,
@@ -76,6 +81,7 @@ COST_CONSTANTS: dict[str, dict[str, Any]] = {
         "matmul_flops_per_second": {"fp32": 140e9, "bf16": 5.6e9, "bf16_mixed": 5.6e9},
         "device_memory_bytes_per_second": 10e9,
         "optimizer_update_factor": optimizers.update_factors("cpu"),
+        "optimizer_matmul_flops_per_second": 100e9,
         "kernel_launch_seconds": 0.0,
         # measured on the 2 development cores (torch 2.13 CPU, torchao 0.18; best of 7-9 runs, in 4 sessions;
         # docs/memory.md, "method: qlora"): `.to(dtype)` of a 4096 x 4096 NF4 weight took 82-116 ms in bf16
@@ -153,7 +159,9 @@ def step_cost(
     - ``optimizer``: ``trainable parameters * 7 * bytes(dtype) / device_memory_bytes_per_second *
       optimizer_update_factor[name]`` (on the host at ``host_memory_bytes_per_second`` when offloaded), plus
       ``kernels_per_tensor_update * kernel_launch_seconds`` per trainable tensor when each tensor is updated on
-      its own (``optimizer_in_backward``, ``implementation: for_loop``);
+      its own (``optimizer_in_backward``, ``implementation: for_loop``), plus the matmul FLOPs of the update
+      (Muon's Newton-Schulz iteration, APOLLO's projections:
+      :func:`memfit.planner.closed_form.optimizer_update_flops`) at ``optimizer_matmul_flops_per_second``;
     - ``transfers``: bytes over the host link at ``host_link_bytes_per_second``: paged-out optimizer state out and
       back (2x), offloaded parameters in and gradients out (``optimizer.cpu_offload``; ``distributed.cpu_offload``:
       shards, in twice when resharding); offloaded activations out and back (2x) go on a side stream that
@@ -205,6 +213,7 @@ def step_cost(
     trainable = states["trainable_parameters"]
     rate = c["host_memory_bytes_per_second"] if terms.host_update else c["device_memory_bytes_per_second"]
     optimizer = trainable * 7 * terms.update_factor / rate
+    optimizer += optimizer_update_flops(cfg, mcfg) / c["optimizer_matmul_flops_per_second"]
     if terms.per_tensor:
         tensors = _trainable_tensor_count(cfg, mcfg)
         optimizer += tensors * c["kernels_per_tensor_update"] * c["kernel_launch_seconds"]

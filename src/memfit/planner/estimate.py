@@ -209,7 +209,7 @@ def estimate_run(
         # the run's own build sequence, on the meta device, materialised with fake storage
         built = build_training(trace_cfg, mcfg, torch.device("cpu"), world_size=world_size, fake_mode=fake)
         model, optimizer = built.model, built.optimizer
-        with fake:
+        with fake, _ScalarReads():
             batches = [
                 tuple(fake_ids(cfg.batch_size, seq_len, mcfg.vocab_size) for _ in ("inputs", "targets"))
                 + ((torch.zeros(cfg.batch_size, seq_len, dtype=torch.long),) if packs_documents(cfg) else ())
@@ -405,6 +405,21 @@ def _fake_process_group(world_size: int) -> Iterator[None]:
         yield
     finally:
         dist.destroy_process_group()
+
+
+class _ScalarReads(TorchDispatchMode):
+    """Under the trace, a tensor's value read on the host (``.item()``, ``float(t)``) is 1 unless the fake tensor
+    knows it: Adafactor reads each parameter's RMS, APOLLO its norm-growth limiter, to scale a step: a number that
+    steers no shape and no allocation, which fake tensors cannot give. Entered inside the ``FakeTensorMode``, so
+    that the read reaches this mode first."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if func is torch.ops.aten._local_scalar_dense.default and getattr(args[0], "constant", None) is None:
+            tensor = args[0]
+            if tensor.dtype == torch.bool:
+                return True
+            return 1.0 if tensor.is_floating_point() else 1
+        return func(*args, **(kwargs or {}))
 
 
 class _GlooBuffers(TorchDispatchMode):

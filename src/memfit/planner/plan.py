@@ -208,16 +208,20 @@ def _changes(cfg: TrainConfig, base: TrainConfig, world_size: int) -> tuple[str,
 
 
 def candidates(
-    cfg: TrainConfig, world_size: int = 1, dtypes: Iterable[str] | None = None
+    cfg: TrainConfig,
+    world_size: int = 1,
+    dtypes: Iterable[str] | None = None,
+    optimizers: Iterable[str] | None = None,
 ) -> list[TrainConfig]:
     """Every combination of the plan's switches over ``cfg`` that config validation accepts.
 
     The values tried are each planned entry's :attr:`~memfit.memory.switches.Switch.candidates`
     (:func:`memfit.memory.switches.plan_settings`), ``cfg``'s own first. Today: ``dtype`` in ``dtypes`` (default:
-    ``cfg.dtype`` alone); ``optimizer.name`` in the planned entries of :data:`memfit.memory.optimizers.OPTIMIZERS`
-    and ``cfg``'s own (AdamW with ``cfg``'s implementation and ``fused``; paged optimizers only on CUDA, where they
-    differ from the unpaged ones); ``optimizer_in_backward`` (with ``max_grad_norm=0``; only when
-    ``gradient_accumulation_steps`` is 1: the planner never changes the batch of a step); ``optimizer.cpu_offload``
+    ``cfg.dtype`` alone); ``optimizer.name`` in ``optimizers`` and ``cfg``'s own, or by default the planned entries
+    of :data:`memfit.memory.optimizers.OPTIMIZERS` that keep ``cfg``'s update rule (AdamW with ``cfg``'s
+    implementation and ``fused``; paged optimizers only on CUDA, where they differ from the unpaged ones);
+    ``optimizer_in_backward`` (with ``max_grad_norm=0``; only when ``gradient_accumulation_steps`` is 1: the
+    planner never changes the batch of a step); ``optimizer.cpu_offload``
     (with ``max_grad_norm=0``); ``activation_checkpointing`` none, selective, every_n with interval 2, full (and
     ``cfg``'s own); ``chunked_cross_entropy`` 0 and 8, or ``auto`` in place of 8 where 8 chunks would hold more
     logits each than ``auto``'s (and ``cfg``'s own); ``tiled_mlp`` 0 and ``auto`` (and ``cfg``'s own);
@@ -236,6 +240,8 @@ def candidates(
         cfg: the run config to plan from (its model, batch, sequence length, device and other keys stay).
         world_size: ranks of the sharded run (validation then applies the sharded rules).
         dtypes: dtype policies to consider.
+        optimizers: ``optimizer.name`` values the plan may choose besides ``cfg``'s (``memfit plan --optimizers``),
+            update rules other than ``cfg``'s included; default: those that keep ``cfg``'s update rule.
 
     Returns:
         Validated configs, ``cfg``'s own switches first when valid; no two with the same switches.
@@ -251,6 +257,7 @@ def candidates(
         vocab_size=mcfg.vocab_size,
         num_heads=mcfg.num_heads,
         num_kv_heads=mcfg.num_kv_heads,
+        optimizers=None if optimizers is None else tuple(optimizers),
     )
     base = config_to_dict(cfg)
     out: list[TrainConfig] = []
@@ -571,6 +578,7 @@ def _build(
     progress: Callable[[str], None] | None,
     estimator: Callable[..., Estimate] | None,
     host_overhead_bytes: int | None = None,
+    optimizers: Iterable[str] | None = None,
 ) -> tuple[_Search, float]:
     if budget_bytes <= 0:
         raise ConfigError(f"config key 'budget': must be > 0 bytes, got {budget_bytes}")
@@ -584,7 +592,7 @@ def _build(
             "distributed.strategy=fsdp2"
         )
     ctx = _Context(cfg, world_size, budget_bytes, margin, constants, host_overhead_bytes)
-    configs = candidates(cfg, world_size, dtypes)
+    configs = candidates(cfg, world_size, dtypes, optimizers)
     if not configs:
         raise ConfigError(
             "config key 'dtype': no combination of switches over this config passes validation; check it with "
@@ -653,6 +661,7 @@ def plan(
     constants: dict[str, Any] | None = None,
     progress: Callable[[str], None] | None = None,
     estimator: Callable[..., Estimate] | None = None,
+    optimizers: Iterable[str] | None = None,
 ) -> Plan:
     """The fastest combinations of memory switches over ``cfg`` whose peak fits ``budget_bytes`` on one rank.
 
@@ -673,6 +682,8 @@ def plan(
         constants: cost-model constants; default ``COST_CONSTANTS[target device]``.
         progress: called with one line per estimate (wall time is minutes for 8B models).
         estimator: ``estimate_run`` (tests may pass a stand-in).
+        optimizers: ``optimizer.name`` values to consider besides ``cfg``'s, other update rules included (see
+            :func:`candidates`); default: those that keep ``cfg``'s update rule.
 
     Returns:
         The :class:`Plan`; ``plan(...).best`` is the fastest fitting row, None when nothing fits.
@@ -681,7 +692,9 @@ def plan(
         ConfigError: a bad budget, margin, world size or strategy; no valid combination.
     """
     start = time.perf_counter()
-    search, baseline = _build(cfg, budget_bytes, world_size, margin, dtypes, constants, progress, estimator)
+    search, baseline = _build(
+        cfg, budget_bytes, world_size, margin, dtypes, constants, progress, estimator, optimizers=optimizers
+    )
     search.search(search.rows, max(1, fits))
     if not any(r.fits for r in search.rows) and search.probe is None:
         search.failed_since_fit = PROBE_AFTER

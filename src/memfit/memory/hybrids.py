@@ -1,0 +1,305 @@
+"""The optimizers that treat trainable tensors apart, as ``torch.optim.Optimizer`` classes memfit can build,
+checkpoint and account like any other: the library does the update, this module only routes parameters and keeps
+the state in tensors and numbers.
+
+- :class:`MuonWithAdamW`: ``torch.optim.Muon`` on the groups marked ``algorithm: muon`` (the hidden matrices),
+  ``torch.optim.AdamW`` on the rest, as one optimizer whose groups and state are the two's own;
+- :func:`apollo_class`: ``apollo_torch.APOLLOAdamW`` (Zhu et al., "APOLLO: SGD-like Memory, AdamW-level
+  Performance", MLSys 2025) with its per-matrix projector kept in the state as a tensor and a seed, so that its
+  state dict loads with ``torch.load(weights_only=True)`` and the state walker sees the projection;
+- :func:`adam_mini_class`: ``adam_mini.Adam_mini`` (Zhang et al., "Adam-mini: Use Fewer Learning Rates To Gain
+  More", ICLR 2025) fed memfit's partition (:func:`memfit.memory.optimizers.part_of`) instead of its own
+  matching of parameter names.
+
+Which tensor goes where is decided by :func:`memfit.memory.optimizers.part_of`; :func:`memfit.memory.optim.
+param_groups` writes it into each group as ``algorithm``.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import torch
+
+from memfit.memory import optimizers
+from memfit.quiet import quiet_bitsandbytes_import
+
+_GROUP_ONLY = ("params", "param_names")
+
+
+def _groups(params: Iterable[Any], algorithm: str) -> list[dict]:
+    """Parameter groups from ``params`` (tensors: one group of ``algorithm``)."""
+    groups = list(params)
+    if groups and not isinstance(groups[0], dict):
+        return [{"params": groups, "algorithm": algorithm}]
+    return groups
+
+
+class MuonWithAdamW(torch.optim.Optimizer):
+    """``torch.optim.Muon`` on the groups whose ``algorithm`` is ``muon``, ``torch.optim.AdamW`` on the others.
+
+    One optimizer to the training loop, checkpoints and DCP: ``param_groups`` are both optimizers' groups (the same
+    dicts, in the order given), ``state`` is one mapping both write to, and ``state_dict()`` has a plain
+    optimizer's layout. Muon keeps one momentum buffer per matrix (Jordan et al. 2024, "Muon: An optimizer for
+    hidden layers in neural networks"); its update is orthogonalised by torch's Newton-Schulz iteration (in bf16).
+
+    Args:
+        params: parameter groups with ``algorithm`` ``muon`` (2-D tensors only) or ``adamw``.
+        lr: learning rate of both (a group's own ``lr`` wins; the training loop sets them each step).
+        betas: AdamW's.
+        eps: AdamW's.
+        momentum: Muon's.
+        nesterov: Muon's.
+        ns_steps: Muon's Newton-Schulz iterations.
+        adjust_lr_fn: Muon's per-shape learning-rate rule, ``match_rms_adamw`` or ``original``.
+
+    Raises:
+        ValueError: a ``muon`` group holds a tensor that is not 2-D (torch's Muon says so).
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.95),
+        eps: float = 1e-8,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        ns_steps: int = 5,
+        adjust_lr_fn: str = "match_rms_adamw",
+    ):
+        groups = _groups(params, "muon")
+        muon = [g for g in groups if g.get("algorithm") == "muon"]
+        adamw = [g for g in groups if g.get("algorithm") != "muon"]
+        for g in adamw:
+            g["algorithm"] = "adamw"
+        self._muon = (
+            torch.optim.Muon(
+                muon,
+                lr=lr,
+                momentum=momentum,
+                nesterov=nesterov,
+                ns_steps=ns_steps,
+                adjust_lr_fn=adjust_lr_fn,
+            )
+            if muon
+            else None
+        )
+        self._adamw = torch.optim.AdamW(adamw, lr=lr, betas=tuple(betas), eps=eps) if adamw else None
+        super().__init__(groups, {"lr": lr})
+        self._link()
+
+    def _parts(self) -> Iterator[torch.optim.Optimizer]:
+        return (opt for opt in (self._muon, self._adamw) if opt is not None)
+
+    def _link(self) -> None:
+        """Point both optimizers at this one's groups and state (after construction and after a load, which
+        replaces them)."""
+        for opt, algorithm in ((self._muon, "muon"), (self._adamw, "adamw")):
+            if opt is not None:
+                opt.param_groups = [g for g in self.param_groups if g["algorithm"] == algorithm]
+                opt.state = self.state
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """One Muon step of the matrices and one AdamW step of the rest.
+
+        Args:
+            closure: called with grad enabled before the update; its result is returned.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for opt in self._parts():
+            opt.step()
+        return loss
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore a :meth:`state_dict` (a plain optimizer's layout) and re-link both optimizers to it."""
+        super().load_state_dict(state_dict)
+        self._link()
+
+
+@functools.cache
+def apollo_class() -> type[torch.optim.Optimizer]:
+    """``apollo_torch.APOLLOAdamW`` for memfit's groups; imports the package (which imports transformers) once."""
+    with quiet_bitsandbytes_import():  # it imports bitsandbytes (for its 8-bit variant) and transformers
+        from apollo_torch import APOLLOAdamW  # deferred: seconds to import
+
+    class Apollo(APOLLOAdamW):
+        """APOLLO on the groups whose ``algorithm`` is ``apollo``, its own AdamW on the rest.
+
+        A projected group is split by projection rank (:func:`memfit.memory.optimizers.apollo_rank`: a matrix
+        smaller than the rank is projected to its smaller side) and given APOLLO's group settings: random
+        projection (``proj: random``, ``proj_type: std``), channel-wise scaling with ``scale`` 1 (``apollo``) or
+        tensor-wise with 128 (``apollo_mini``), a new projection every ``update_proj_gap`` steps.
+
+        Between steps each projector is kept in the parameter's state as ``ortho_matrix`` (the r x n or m x r
+        projection) and ``projector_seed`` (the seed of the next one) instead of the package's Python object, so
+        the state is tensors and numbers: it checkpoints, loads with ``torch.load(weights_only=True)`` and is
+        counted as ``optimizer_state``. Each parameter's first seed is its position among the trainable
+        parameters (from 1, as the package numbers them), ``first_seed`` for the first.
+
+        Args:
+            params: memfit's parameter groups.
+            lr: learning rate (the training loop sets each group's).
+            betas: AdamW's.
+            eps: AdamW's.
+            apollo_rank: projection rank; 0: the variant's default.
+            apollo_scale: APOLLO's scale alpha (the update is multiplied by ``sqrt(alpha)``); 0: the default.
+            update_proj_gap: steps between new projections.
+            dim: the model width (the default rank of ``apollo``).
+            variant: ``apollo`` or ``apollo_mini``.
+            first_seed: the first parameter's seed.
+        """
+
+        def __init__(
+            self,
+            params: Iterable[Any],
+            lr: float = 1e-3,
+            betas: tuple[float, float] = (0.9, 0.999),
+            eps: float = 1e-6,
+            apollo_rank: int = 0,
+            apollo_scale: float = 0.0,
+            update_proj_gap: int = 200,
+            dim: int = 0,
+            variant: str = "apollo",
+            first_seed: int = 1,
+        ):
+            mini = variant == "apollo_mini"
+            settings = {
+                "proj": "random",
+                "proj_type": "std",
+                "scale_type": "tensor" if mini else "channel",
+                "scale": apollo_scale or (128.0 if mini else 1.0),
+                "update_proj_gap": update_proj_gap,
+            }
+            order: list[torch.Tensor] = []
+            groups = []
+            for g in _groups(params, "apollo"):
+                order += g["params"]
+                if g.get("algorithm") != "apollo":
+                    groups.append(g)
+                    continue
+                names = g.get("param_names", [None] * len(g["params"]))
+                by_rank: dict[int, list] = {}
+                for name, p in zip(names, g["params"], strict=True):
+                    r = optimizers.apollo_rank(variant, apollo_rank, dim, tuple(p.shape))
+                    by_rank.setdefault(r, []).append((name, p))
+                hyper = {k: v for k, v in g.items() if k not in _GROUP_ONLY}
+                for r, members in by_rank.items():
+                    group = {**hyper, **settings, "rank": r, "params": [p for _, p in members]}
+                    if "param_names" in g:
+                        group["param_names"] = [n for n, _ in members]
+                    groups.append(group)
+            super().__init__(groups, lr=lr, betas=tuple(betas), eps=eps)
+            for i, p in enumerate(order):  # the package numbers them in its own group order
+                self.state[p]["seed"] = first_seed + i
+
+        @torch.no_grad()
+        def step(self, closure: Callable[[], Any] | None = None) -> Any:
+            """The package's step, with the projectors rebuilt from the state before it and put back after it."""
+            projected = [(g, p) for g in self.param_groups if "rank" in g for p in g["params"]]
+            for group, p in projected:
+                state = self.state[p]
+                if "ortho_matrix" in state:
+                    projector = self._initialize_projector(group, state)
+                    projector.ortho_matrix = state.pop("ortho_matrix")
+                    projector.seed = state.pop("projector_seed")
+                    state["projector"] = projector
+            try:
+                return super().step(closure)
+            finally:
+                for _, p in projected:
+                    projector = self.state[p].pop("projector", None)
+                    if projector is not None:
+                        self.state[p]["ortho_matrix"] = projector.ortho_matrix
+                        self.state[p]["projector_seed"] = projector.seed
+
+    return Apollo
+
+
+@functools.cache
+def adam_mini_class() -> type[torch.optim.Optimizer]:
+    """``adam_mini.Adam_mini`` for memfit's groups; imports the package once."""
+    from adam_mini import Adam_mini  # deferred: only runs that use it
+
+    tags = {"heads": "@heads", "rows": "@rows", "tensor": "@tensor"}
+
+    class AdamMini(Adam_mini):
+        """Adam-mini over memfit's partition: each group's ``algorithm`` (``heads``, ``rows`` or ``tensor``,
+        :func:`memfit.memory.optimizers.part_of`) picks the package's branch, by a tag put before the parameter's
+        name (the package matches substrings of names; the tags match nothing else). Each parameter becomes a
+        group of its own, as the package makes them, with the weight decay of the memfit group it came from.
+
+        ``world_size`` is 1: a 1-D tensor's block norm is this process's (the package would all-gather across
+        every visible GPU even in one process).
+
+        Args:
+            params: memfit's parameter groups.
+            lr: learning rate (the training loop sets each group's).
+            betas: Adam's.
+            eps: Adam's.
+            dim: the model width; with ``num_heads`` it sets the size of a q/k head block, ``dim * dim /
+                num_heads``.
+            num_heads: query heads.
+            num_kv_heads: key/value heads.
+        """
+
+        def __init__(
+            self,
+            params: Iterable[Any],
+            lr: float = 1e-3,
+            betas: tuple[float, float] = (0.9, 0.999),
+            eps: float = 1e-8,
+            dim: int = 2048,
+            num_heads: int = 32,
+            num_kv_heads: int | None = None,
+        ):
+            named, decays = [], []
+            for g in _groups(params, "rows"):
+                names = g.get("param_names") or [str(i) for i in range(len(g["params"]))]
+                for name, p in zip(names, g["params"], strict=True):
+                    named.append((f"{tags[g['algorithm']]}:{name}", p))
+                    decays.append(g.get("weight_decay", 0.0))
+            super().__init__(
+                named,
+                lr=lr,
+                betas=tuple(betas),
+                eps=eps,
+                weight_decay=0.0,
+                dim=dim,
+                n_heads=num_heads,
+                n_kv_heads=num_kv_heads,
+                verbose=False,
+            )
+            for group, decay in zip(self.param_groups, decays, strict=True):
+                group["weight_decay"] = decay
+            self.embd_names, self.output_names, self.wv_names, self.attn_proj_names = (
+                set(),
+                set(),
+                set(),
+                set(),
+            )
+            self.wqk_names, self.mlp_names, self.adam_block_names = {tags["heads"]}, {tags["rows"]}, set()
+            self.world_size = 1
+            self.check_block_name = False  # its name census prints advice for names it matches itself
+
+    return AdamMini
+
+
+def hybrid_class(name: str) -> Callable[..., torch.optim.Optimizer] | None:
+    """The class memfit builds for ``optimizer.name`` ``name`` when it is one of this module's, else ``None``."""
+    if name == "muon":
+        return MuonWithAdamW
+    if name in ("apollo", "apollo_mini"):
+        return functools.partial(apollo_class(), variant=name)
+    if name == "adam_mini":
+        return adam_mini_class()
+    return None
+
+
+__all__ = ["MuonWithAdamW", "adam_mini_class", "apollo_class", "hybrid_class"]
