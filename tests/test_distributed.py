@@ -36,7 +36,7 @@ def _records(out: Path) -> tuple[list[dict], list[dict]]:
     return [r for r in records if "loss" in r], [r for r in records if "val_loss" in r]
 
 
-def _assert_same_run(sharded: Path, single: Path) -> dict[str, float]:
+def _assert_same_run(sharded: Path, single: Path, tol: float = TOL) -> dict[str, float]:
     """Same steps, losses, gradient norms, validation losses and final weights; returns the largest differences."""
     train2, val2 = _records(sharded)
     train1, val1 = _records(single)
@@ -54,7 +54,7 @@ def _assert_same_run(sharded: Path, single: Path) -> dict[str, float]:
     assert w2.keys() == w1.keys()
     diffs["weights"] = max((w2[k] - w1[k]).abs().max().item() for k in w1)
     print(f"max |2 ranks - 1 process|: {diffs}")
-    assert all(d <= TOL for d in diffs.values()), diffs
+    assert all(d <= tol for d in diffs.values()), diffs
     for r in train2:
         assert r["tokens_per_second_per_gpu"] > 0 and 0 < r["peak_memory_rss"] < 8
     return diffs
@@ -143,6 +143,50 @@ def test_two_ranks_with_torchao_8bit_adamw(single_runs, small_corpus, tmp_path):
     diff = max(abs(a - b) for (_, a), (_, b) in zip(_losses(resumed), sharded, strict=True))
     print(f"max |resumed - uninterrupted| loss, torchao AdamW8bit on 2 ranks: {diff}")
     assert diff <= 1e-6
+
+
+# Muon's Newton-Schulz iteration runs in bf16 (torch's): where 2 ranks' reduced gradients differ from one process's
+# in the 7th digit, a bf16 rounding (2**-8 relative) of the update can flip: measured 2.6e-4 on the weights, 6e-5 on
+# grad_norm, 5e-6 on the losses after 4 steps
+MUON_TOL = 1e-3
+
+
+@pytest.mark.parametrize(("name", "tol"), [("muon", MUON_TOL), ("adam_mini", TOL)])
+def test_two_ranks_with_an_optimizer_that_keeps_less_state(name, tol, small_corpus, tmp_path):
+    """Muon's Newton-Schulz iteration and Adam-mini's block norms need whole matrices: on FSDP2's DTensor shards
+    DTensor gathers them, so 2 ranks train what one process does (Muon's iteration runs in bf16 on both); the
+    sharded checkpoint resumes onto the uninterrupted run's losses (Muon's momentum and Adam-mini's blocks through
+    DCP)."""
+    extra = {"optimizer.name": name}
+    single = tmp_path / "single"
+    assert main(["pretrain", *_overrides(small_corpus, single, batch_size=8, **extra)]) == 0
+    out = tmp_path / "sharded"
+    proc = run_torchrun(
+        [
+            "pretrain",
+            *_overrides(small_corpus, out, batch_size=4, **extra, **{"distributed.strategy": "fsdp2"}),
+        ]
+    )
+    assert f"optimizer {name} (" in proc.stdout  # the banner says which tensors each algorithm takes
+    _assert_same_run(out, single, tol)
+    if name == "muon":
+        resumed = _interrupted_at_step_3(out, tmp_path / "resumed")
+        run_torchrun(
+            [
+                "pretrain",
+                *_overrides(
+                    small_corpus,
+                    resumed,
+                    batch_size=4,
+                    resume="true",
+                    **extra,
+                    **{"distributed.strategy": "fsdp2"},
+                ),
+            ]
+        )
+        diff = max(abs(a - b) for (_, a), (_, b) in zip(_losses(resumed), _losses(out), strict=True))
+        print(f"max |resumed - uninterrupted| loss, muon on 2 ranks: {diff}")
+        assert diff <= 1e-6
 
 
 FINETUNE = dict(max_steps=4, eval_every=2, checkpoint_every=2, log_every=1, sample__max_new_tokens=4)
@@ -399,6 +443,8 @@ def _sharded_config(monkeypatch, *overrides: str):
         (["optimizer.name=adamw8bit"], "optimizer.name"),
         (["distributed.strategy=fsdp1", "optimizer.name=torchao_adamw8bit"], "optimizer.name"),
         (["dtype=bf16", "optimizer.name=torchao_adamw4bit"], "optimizer.name"),
+        (["optimizer.name=apollo"], "optimizer.name"),
+        (["distributed.strategy=fsdp1", "optimizer.name=adam_mini"], "optimizer.name"),
     ],
 )
 def test_sharded_combinations_that_cannot_work_are_rejected(monkeypatch, overrides, key):

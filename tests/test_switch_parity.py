@@ -112,8 +112,16 @@ def test_losses_keep_the_declared_parity(baseline, small_corpus, tmp_path, name)
         {"optimizer_in_backward": "true"},
         {"optimizer_in_backward": "true", "optimizer.name": "adamw8bit", "activation_checkpointing": "full"},
         {"optimizer.name": "torchao_adamw4bit", "chunked_cross_entropy": 3},
+        {"optimizer.name": "muon", "activation_checkpointing": "full"},
+        {"optimizer.name": "apollo_mini", "optimizer_in_backward": "true", "optimizer.update_proj_gap": 4},
     ],
-    ids=["in_backward", "in_backward+adamw8bit+ac", "torchao4bit+chunked"],
+    ids=[
+        "in_backward",
+        "in_backward+adamw8bit+ac",
+        "torchao4bit+chunked",
+        "muon+ac",
+        "in_backward+apollo_mini",
+    ],
 )
 def test_resume_is_exact_with_memory_switches(small_corpus, tmp_path, switches):
     """Stop after step 5 (checkpoint at 5), resume to 10: the same losses as the uninterrupted run."""

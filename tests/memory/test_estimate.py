@@ -89,6 +89,13 @@ STATE_CASES = {
     "lora": (1, {"method": "lora"}, by_hand(4, LORA_BASE + LORA, LORA, 8)),  # only the adapters train
     "adapter": (1, {"method": "adapter"}, None),
     "fsdp2_2_ranks_lora": (2, {"method": "lora"}, None),
+    "muon": (1, {"optimizer.name": "muon"}, None),
+    "adafactor": (1, {"optimizer.name": "adafactor"}, None),
+    "apollo_mini": (1, {"optimizer.name": "apollo_mini"}, None),
+    "adam_mini": (1, {"optimizer.name": "adam_mini"}, None),
+    "fsdp2_2_ranks_muon": (2, {"optimizer.name": "muon"}, None),
+    "fsdp2_2_ranks_adam_mini": (2, {"optimizer.name": "adam_mini"}, None),
+    "lora_apollo": (1, {"method": "lora", "optimizer.name": "apollo"}, None),
 }
 
 
@@ -189,6 +196,12 @@ PEAK_CASES = {
     "adamw8bit": {"optimizer.name": "adamw8bit"},
     "torchao_adamw4bit": {"optimizer.name": "torchao_adamw4bit"},
     "optimizer_in_backward": {"optimizer_in_backward": "true", "max_grad_norm": 0},
+    "muon": {"optimizer.name": "muon"},
+    "apollo_mini_in_backward": {
+        "optimizer.name": "apollo_mini",
+        "optimizer_in_backward": "true",
+        "max_grad_norm": 0,
+    },
     "activation_checkpointing": {"activation_checkpointing": "full"},
     "selective_checkpointing": {"activation_checkpointing": "selective"},
     "chunked_cross_entropy": {"chunked_cross_entropy": 4},

@@ -53,6 +53,10 @@ def _require(name):
         pytest.importorskip("bitsandbytes")
     if name.startswith("torchao"):
         pytest.importorskip("torchao")
+    if name.startswith("apollo"):
+        pytest.importorskip("apollo_torch")
+    if name == "adam_mini":
+        pytest.importorskip("adam_mini")
 
 
 def _batch(seed, B=4, T=16, vocab=256):
@@ -77,8 +81,13 @@ def _max_diff(a, b):
     return max((pa - pb).abs().max().item() for pa, pb in zip(a.parameters(), b.parameters(), strict=True))
 
 
+# Adafactor's lr caps a step relative to each parameter's RMS (~0.02 here), not an absolute step
+LR = {"adafactor": 0.1}
+
+
 def _cfg(name="adamw", **kw):
-    return OptimizerConfig(name=name, lr=kw.pop("lr", 1e-2), weight_decay=kw.pop("weight_decay", 0.1), **kw)
+    lr = kw.pop("lr", LR.get(name, 1e-2))
+    return OptimizerConfig(name=name, lr=lr, weight_decay=kw.pop("weight_decay", 0.1), **kw)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -296,7 +305,9 @@ def test_every_optimizer_trains_on_cpu(name, in_backward):
             train_step(model, opt, [_batch(0)], max_grad_norm=0.0, dtype="fp32").loss.item() for _ in range(5)
         ]
     assert all(math.isfinite(v) for v in losses)
-    assert losses[-1] < losses[0] - 1.0  # measured 5.559 -> 3.86 (3.92 for 4-bit state)
+    assert (
+        losses[-1] < losses[0] - 1.0
+    )  # measured 5.559 -> 3.86 (3.92 for 4-bit state; 1.16 to 2.98 for others)
     paged = [str(w.message) for w in caught if "paged" in str(w.message).lower()]
     if name.startswith("paged_"):
         assert len(paged) == 1, paged  # memfit's, once; bitsandbytes' own per-optimizer warning is silenced

@@ -21,7 +21,7 @@ from memfit.config import OptimizerConfig, TrainConfig, load_config
 from memfit.errors import ConfigError
 from memfit.memory import optimizers, switches
 from memfit.memory.optim import build_optimizer, optimizer_state_bytes
-from memfit.models.llama import build_llama
+from memfit.models.llama import LlamaConfig, build_llama
 from memfit.models.presets import model_config
 from memfit.planner import plan as P
 from memfit.planner.estimate import estimate_run
@@ -195,14 +195,24 @@ def test_every_switch_and_optimizer_is_documented():
 def test_closed_form_state_equals_the_state_a_step_leaves(name, dtype, one_thread):
     entry = optimizers.spec(name)
     pytest.importorskip(entry.library)
-    model = build_llama(model_config("tiny"), seed=0).to(dtype)
+    mcfg = model_config("tiny")
+    model = build_llama(mcfg, seed=0).to(dtype)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # paged optimizers run unpaged on CPU, and say so
         opt = build_optimizer(model, OptimizerConfig(name=name))
         for p in model.parameters():
             p.grad = torch.ones_like(p)
         opt.step()
-    tensors = [(p.numel(), p.element_size()) for p in model.parameters() if p.requires_grad]
+    tensors = optimizers.tensor_infos(
+        name,
+        [
+            (n, tuple(p.shape), p.element_size(), p.ndim)
+            for n, p in model.named_parameters()
+            if p.requires_grad
+        ],
+        dim=mcfg.dim,
+        num_heads=mcfg.num_heads,
+    )
     assert optimizer_state_bytes(opt) == entry.state(tensors)
     quantized = [n for n, p in model.named_parameters() if entry.quantizes and entry.quantizes(p.numel())]
     assert sorted(set(dict(model.named_parameters())) - set(opt.memfit_unquantized_state_params)) == sorted(
@@ -212,7 +222,9 @@ def test_closed_form_state_equals_the_state_a_step_leaves(name, dtype, one_threa
 
 def test_every_optimizer_is_complete():
     for o in optimizers.OPTIMIZERS:
-        assert o.comment and o.class_name and o.library in ("torch", "bitsandbytes", "torchao"), o.name
+        assert o.comment and o.class_name, o.name
+        assert o.library in ("torch", "bitsandbytes", "torchao", "apollo_torch", "adam_mini"), o.name
         assert o.update_factor > 0 and (o.cpu_update_factor is None or o.cpu_update_factor > 0), o.name
         assert set(o.hyperparameters) <= {f.name for f in dataclasses.fields(OptimizerConfig)}, o.name
+        assert set(o.model_arguments) <= {f.name for f in dataclasses.fields(LlamaConfig)}, o.name
         assert set(o.implementations) <= set(optimizers.OPTIMIZER_IMPLEMENTATIONS), o.name

@@ -1044,6 +1044,13 @@ SWITCHES: tuple[Switch, ...] = (
                 "'torchao_adamw4bit' does not work with distributed.strategy=fsdp1",
                 world_size=2,
             ),
+            Refusal(
+                {"optimizer.name": "muon", "distributed.strategy": "fsdp1"},
+                "'muon' does not work with distributed.strategy=fsdp1",
+                world_size=2,
+            ),
+            Refusal({"optimizer.name": "apollo_mini"}, "'apollo_mini' does not work sharded", world_size=2),
+            Refusal({"optimizer.name": "adafactor"}, "'adafactor' does not work sharded", world_size=2),
         ),
         parity=(
             Parity(
@@ -1069,6 +1076,12 @@ SWITCHES: tuple[Switch, ...] = (
             "for_loop": "one tensor at a time",
         }[v],
         cost=_cost_implementation,
+        refusals=(
+            Refusal(
+                {"optimizer.name": "adafactor", "optimizer.implementation": "fused"},
+                "'fused' is not one of adafactor's: foreach, for_loop",
+            ),
+        ),
         parity=(
             Parity({"optimizer.implementation": "for_loop"}, _EXACT),
             Parity({"optimizer.implementation": "fused"}, _EXACT),

@@ -1,0 +1,330 @@
+"""The optimizers that keep less state (``muon``, ``adafactor``, ``apollo``, ``apollo_mini``, ``adam_mini``): memfit
+only routes parameters to their libraries, so after N steps the weights are those of the library's optimizer built
+by hand; the state checkpoints exactly; its bytes are the closed form's, worked out here by hand.
+
+The tiny model (``model_config("tiny")``: dim 64, 4 heads of 16, 2 kv heads, MLP 128, vocabulary 256, untied) has
+21 trainable tensors: per layer q, o (64, 64), k, v (32, 64), gate, up (128, 64), down (64, 128) and two norms of
+64; the embedding and ``lm_head`` (256, 64); the final norm. Its hidden matrices (the 14 layer projections) hold
+73,728 elements; the rest 33,088 (32,768 in the embedding and ``lm_head``, 320 in the five norms).
+"""
+
+import io
+
+import pytest
+import torch
+
+from memfit.config import OptimizerConfig, load_config
+from memfit.memory import optimizers
+from memfit.memory.optim import build_optimizer, describe_partition, optimizer_state_bytes, param_groups
+from memfit.models.llama import build_llama
+from memfit.models.presets import model_config
+from memfit.planner import plan as P
+from memfit.step import train_step
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+LOW_STATE = ("muon", "adafactor", "apollo", "apollo_mini", "adam_mini")
+LR = {"adafactor": 0.1}  # Adafactor's lr caps a step relative to each parameter's RMS
+TINY = model_config("tiny")
+
+
+def _batch(seed, B=4, T=16, vocab=256):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, vocab, (B, T + 1), generator=g)
+    return x[:, :-1].contiguous(), x[:, 1:].contiguous()
+
+
+def _cfg(name, **kw):
+    return OptimizerConfig(name=name, lr=kw.pop("lr", LR.get(name, 1e-2)), weight_decay=0.1, **kw)
+
+
+def _train(model, opt, steps, first=0):
+    return [
+        train_step(model, opt, [_batch(first + s)], max_grad_norm=0.0, dtype="fp32").loss.item()
+        for s in range(steps)
+    ]
+
+
+def _same_weights(a, b):
+    return all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters(), strict=True))
+
+
+def _require(name):
+    if name.startswith("apollo"):
+        pytest.importorskip("apollo_torch")
+    if name == "adam_mini":
+        pytest.importorskip("adam_mini")
+
+
+def _named(model, *suffixes, ndim=2):
+    return [
+        p for n, p in model.named_parameters() if p.ndim == ndim and (not suffixes or n.endswith(suffixes))
+    ]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The library's optimizer, built by hand, gives the same weights
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def test_muon_is_a_hand_built_torch_muon_and_adamw_pair():
+    """Hidden matrices on torch.optim.Muon, the embedding and lm_head (decayed) and the norms (not) on AdamW."""
+    model, ref = build_llama(TINY, seed=0), build_llama(TINY, seed=0)
+    opt = build_optimizer(model, _cfg("muon"))
+    hidden = [p for n, p in ref.named_parameters() if p.ndim == 2 and ".layers." in n]
+    outer = [p for n, p in ref.named_parameters() if p.ndim == 2 and ".layers." not in n]
+    muon = torch.optim.Muon(hidden, lr=1e-2, weight_decay=0.1, adjust_lr_fn="match_rms_adamw")
+    adamw = torch.optim.AdamW(
+        [{"params": outer, "weight_decay": 0.1}, {"params": _named(ref, ndim=1), "weight_decay": 0.0}],
+        lr=1e-2,
+        betas=(0.9, 0.95),
+        eps=1e-8,
+    )
+    assert len(hidden) == 14 and len(outer) == 2
+    for step in range(3):
+        _train(model, opt, 1, step)
+        x, y = _batch(step)
+        torch.nn.functional.cross_entropy(ref(x).flatten(0, 1), y.flatten()).backward()
+        muon.step(), adamw.step()
+        muon.zero_grad(), adamw.zero_grad()
+    assert _same_weights(model, ref)
+    assert not _same_weights(model, build_llama(TINY, seed=0))
+
+
+def test_adafactor_is_torch_adafactor():
+    model, ref = build_llama(TINY, seed=0), build_llama(TINY, seed=0)
+    opt = build_optimizer(model, _cfg("adafactor"))
+    groups = [
+        {"params": _named(ref), "weight_decay": 0.1},
+        {"params": _named(ref, ndim=1), "weight_decay": 0.0},
+    ]
+    adafactor = torch.optim.Adafactor(groups, lr=0.1, foreach=True)
+    _train(model, opt, 3)
+    for step in range(3):
+        train_step(ref, adafactor, [_batch(step)], max_grad_norm=0.0, dtype="fp32")
+    assert _same_weights(model, ref)
+
+
+@pytest.mark.parametrize("name", ["apollo", "apollo_mini"])
+def test_apollo_is_the_authors_apollo_adamw(name):
+    """The package's APOLLOAdamW over the same groups with the authors' settings (APOLLO: rank 16 = width / 4,
+    channel-wise, scale 1; Mini: rank 1, tensor-wise, scale 128; random projections, a new one every 2 steps here
+    so that one is redrawn)."""
+    _require(name)
+    from apollo_torch import APOLLOAdamW
+
+    model, ref = build_llama(TINY, seed=0), build_llama(TINY, seed=0)
+    opt = build_optimizer(model, _cfg(name, update_proj_gap=2))
+    mini = name == "apollo_mini"
+    settings = {
+        "rank": 1 if mini else 16,
+        "proj": "random",
+        "scale_type": "tensor" if mini else "channel",
+        "scale": 128 if mini else 1,
+        "update_proj_gap": 2,
+        "proj_type": "std",
+    }
+    groups = [
+        {
+            "params": [dict(ref.named_parameters())[n] for n in g["param_names"]],
+            "weight_decay": g["weight_decay"],
+        }
+        | (settings if g.get("algorithm") == "apollo" else {})
+        for g in param_groups(model, 0.1, name)
+    ]
+    assert [len(g["params"]) for g in groups] == [2, 14, 5]  # embedding + lm_head, hidden matrices, norms
+    package = APOLLOAdamW(groups, lr=1e-2, betas=(0.9, 0.95), eps=1e-8)
+    _train(model, opt, 3)
+    for step in range(3):
+        train_step(ref, package, [_batch(step)], max_grad_norm=0.0, dtype="fp32")
+    assert _same_weights(model, ref)
+    assert not _same_weights(model, build_llama(TINY, seed=0))
+
+
+def test_adam_mini_is_the_authors_adam_mini_on_llama_names():
+    """The package partitions by its own matching of Hugging Face names; memfit feeds it its partition (q/k by
+    head, other matrices by row, 1-D tensors whole): the same blocks, the same weights."""
+    _require("adam_mini")
+    from adam_mini import Adam_mini
+
+    model, ref = build_llama(TINY, seed=0), build_llama(TINY, seed=0)
+    opt = build_optimizer(model, _cfg("adam_mini"))
+    package = Adam_mini(
+        ref.named_parameters(),
+        lr=1e-2,
+        betas=(0.9, 0.95),
+        eps=1e-8,
+        weight_decay=0.1,
+        dim=64,
+        n_heads=4,
+        n_kv_heads=2,
+        verbose=False,
+    )
+    _train(model, opt, 3)
+    for step in range(3):
+        train_step(ref, package, [_batch(step)], max_grad_norm=0.0, dtype="fp32")
+    assert _same_weights(model, ref)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# In backward, resume, state bytes
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", LOW_STATE)
+def test_in_backward_takes_the_same_steps(name):
+    """One optimizer per parameter updated inside backward: the same weights as one optimizer after the backward
+    (APOLLO's seeds numbered as in one optimizer)."""
+    _require(name)
+    plain, inside = build_llama(TINY, seed=0), build_llama(TINY, seed=0)
+    cfg = _cfg(name, update_proj_gap=2)
+    assert _train(plain, build_optimizer(plain, cfg), 3) == _train(
+        inside, build_optimizer(inside, cfg, in_backward=True), 3
+    )
+    assert _same_weights(plain, inside)
+
+
+def _save_load(state_dict):
+    buffer = io.BytesIO()
+    torch.save(state_dict, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=True)
+
+
+@pytest.mark.parametrize("in_backward", [False, True], ids=["step", "in_backward"])
+@pytest.mark.parametrize("name", LOW_STATE)
+def test_state_dict_round_trip_resumes_exactly(name, in_backward):
+    """state_dict -> torch.save -> torch.load(weights_only=True) -> a fresh optimizer: the next steps are those of
+    the uninterrupted one (APOLLO redraws its projection at step 4: the saved seed carries over)."""
+    _require(name)
+    cfg = _cfg(name, update_proj_gap=2)
+    model = build_llama(TINY, seed=0)
+    opt = build_optimizer(model, cfg, in_backward=in_backward)
+    _train(model, opt, 3)
+    saved = _save_load(opt.state_dict())
+    resumed = build_llama(TINY, seed=1)
+    resumed.load_state_dict(model.state_dict())
+    resumed_opt = build_optimizer(resumed, cfg, in_backward=in_backward)
+    resumed_opt.load_state_dict(saved)
+    assert _train(model, opt, 2, first=3) == _train(resumed, resumed_opt, 2, first=3)
+    assert _same_weights(model, resumed)
+    assert optimizer_state_bytes(opt) == optimizer_state_bytes(resumed_opt)
+
+
+# by hand, from the shapes in the module doc (fp32: 4 bytes an element)
+STATE_BYTES = {
+    # hidden matrices: one momentum buffer each (73,728 x 4); the rest AdamW: 2 moments (33,088 x 8) and a 4-byte
+    # step for each of its 7 tensors
+    "muon": 73_728 * 4 + 33_088 * 8 + 7 * 4,
+    # a 4-byte step per tensor (21); per layer rows + columns of q, o 128, k, v 96, gate, up, down 192 = 1,024,
+    # the embedding and lm_head 320 each, the five norms a full vector of 64 each
+    "adafactor": 21 * 4 + (2 * 1_024 + 2 * 320 + 5 * 64) * 4,
+    # rank 1, per matrix: the projection (n for m >= n, else m), two projected moments (2m, else 2n) and a 0-dim
+    # norm: q, o 193, k, v 161, gate, up, down 321 -> 1,671 a layer; the rest AdamW's two moments (no step tensor)
+    "apollo_mini": 2 * 1_671 * 4 + 33_088 * 8,
+    # the first moment of every element (106,816 x 4); second moments: embedding and lm_head 256 rows each, per
+    # layer q 4 heads, k 2 heads, v 32 rows, o 64, gate 128, up 128, down 64 (422); the five norms 1 each
+    "adam_mini": 106_816 * 4 + (256 + 256 + 2 * 422 + 5) * 4,
+}
+
+
+@pytest.mark.parametrize("name", sorted(STATE_BYTES))
+def test_state_bytes_by_hand(name):
+    _require(name)
+    model = build_llama(TINY, seed=0)
+    opt = build_optimizer(model, _cfg(name))
+    _train(model, opt, 1)
+    assert optimizer_state_bytes(opt) == STATE_BYTES[name]
+    adamw = 106_816 * 8 + 21 * 4
+    print(f"{name}: {STATE_BYTES[name]:,} bytes of state, {STATE_BYTES[name] / adamw:.2f} of AdamW's")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# One partition: groups, banner, closed form; settings; the planner
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def test_one_partition_for_groups_banner_and_closed_form():
+    model = build_llama(TINY, seed=0)
+    groups = param_groups(model, 0.1, "muon", adamw_lr_scale=0.5)
+    assert [(g["name"], g.get("algorithm"), len(g["params"])) for g in groups] == [
+        ("decay", "adamw", 2),
+        ("muon", "muon", 14),
+        ("no_decay", "adamw", 5),
+    ]
+    assert [g.get("lr_scale") for g in groups] == [0.5, None, 0.5]  # optimizer.adamw_lr / optimizer.lr
+    assert describe_partition(model, "muon") == "muon: 14 matrices (0.1M), adamw: 7 tensors (0.0M)"
+    assert describe_partition(model, "adamw") == ""
+    named = {n: p for n, p in model.named_parameters()}
+    infos = optimizers.tensor_infos(
+        "adam_mini", [(n, tuple(p.shape), 4, p.ndim) for n, p in named.items()], dim=64, num_heads=4
+    )
+    blocks = {n: (t.part, t.blocks) for n, t in zip(named, infos, strict=True)}
+    assert blocks["model.layers.0.self_attn.q_proj.weight"] == ("heads", 4)
+    assert blocks["model.layers.0.self_attn.k_proj.weight"] == ("heads", 2)
+    assert blocks["model.layers.0.mlp.down_proj.weight"] == ("rows", 64)
+    assert blocks["model.norm.weight"] == ("tensor", 1)
+    assert optimizers.part_of("apollo", "model.layers.1.self_attn.q_proj.lora_A", 2) == "apollo"
+    assert optimizers.part_of("muon", "lm_head.weight", 2) == "adamw"
+    assert (
+        optimizers.apollo_rank("apollo", 0, 4096, (1024, 4096)) == 1024
+    )  # width / 4, at most the smaller side
+    assert optimizers.apollo_rank("apollo", 0, 4096, (512, 4096)) == 512
+    assert optimizers.apollo_rank("apollo_mini", 0, 4096, (1024, 4096)) == 1
+
+
+def test_the_adamw_group_of_muon_follows_the_schedule_at_its_own_lr():
+    from memfit.train import _set_lr
+
+    cfg = load_config(None, ["optimizer.name=muon", "optimizer.lr=0.02", "optimizer.adamw_lr=0.002"])
+    opt = build_optimizer(build_llama(TINY, seed=0), cfg.optimizer)
+    lr = _set_lr(cfg, opt, cfg.optimizer.warmup_steps)  # the peak
+    assert lr == pytest.approx(0.02)
+    assert {g["name"]: pytest.approx(g["lr"]) for g in opt.param_groups} == {
+        "decay": 0.002,
+        "muon": 0.02,
+        "no_decay": 0.002,
+    }
+
+
+@pytest.mark.parametrize(
+    ("setting", "key"),
+    [
+        ("optimizer.momentum=1.0", "optimizer.momentum"),
+        ("optimizer.ns_steps=0", "optimizer.ns_steps"),
+        ("optimizer.adjust_lr_fn=spectral", "optimizer.adjust_lr_fn"),
+        ("optimizer.beta2_decay=0.5", "optimizer.beta2_decay"),
+        ("optimizer.clipping_threshold=0.5", "optimizer.clipping_threshold"),
+        ("optimizer.apollo_rank=-1", "optimizer.apollo_rank"),
+        ("optimizer.update_proj_gap=0", "optimizer.update_proj_gap"),
+    ],
+)
+def test_bad_settings_name_their_key(setting, key):
+    from memfit.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=f"config key '{key}'"):
+        load_config(None, [setting])
+
+
+def test_cpu_offload_is_refused_for_them():
+    reason = optimizers.check_optimizer_supported("muon", "cuda", cpu_offload=True)
+    assert reason is not None and "offload" in reason and "'muon'" in reason
+
+
+def test_the_plan_keeps_the_update_rule_unless_allowed():
+    cfg = load_config(None, ["model=tiny", "tokenizer.kind=char"], needs_weights=False)
+
+    def names(**kw):
+        return {c.optimizer.name for c in P.candidates(cfg, **kw)}
+
+    assert names() == {"adamw", "adamw8bit", "torchao_adamw8bit", "torchao_adamw4bit"}
+    assert names(optimizers=["muon", "apollo_mini", "adamw8bit"]) == {
+        "adamw",
+        "muon",
+        "apollo_mini",
+        "adamw8bit",
+    }
+    muon = load_config(
+        None, ["model=tiny", "tokenizer.kind=char", "optimizer.name=muon"], needs_weights=False
+    )
+    assert {c.optimizer.name for c in P.candidates(muon)} == {"muon"}
