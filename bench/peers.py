@@ -568,8 +568,8 @@ def plot(rows: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
-def reproduce_command(argv: list[str]) -> str:
-    """This run's command line, without where it wrote (``--workdir``, ``--out``)."""
+def reproduce_command(argv: list[str], script: str = "bench/peers.py") -> str:
+    """This run's command line (of ``script``), without where it wrote (``--workdir``, ``--out``)."""
     kept, skip = [], False
     for arg in argv:
         if skip or arg.startswith(("--workdir=", "--out=")):
@@ -578,7 +578,7 @@ def reproduce_command(argv: list[str]) -> str:
             skip = True
         else:
             kept.append(shlex.quote(arg))
-    return " ".join([".venv/bin/python bench/peers.py", *kept])
+    return " ".join([f".venv/bin/python {script}", *kept])
 
 
 def section(rows: list[dict], runs: list[dict], args: argparse.Namespace, models: dict[str, dict]) -> str:

@@ -1,0 +1,302 @@
+"""The optimizers that keep less state against AdamW and the low-bit AdamWs, on CPU, one fresh process per run.
+
+Two parts (``--part state quality``, both by default):
+
+- **state** — the 78.6M model of ``bench/peers.py`` (dim 768, 12 layers, 12/4 heads, SwiGLU 2048, vocabulary
+  2,048; a random-init Hugging Face checkpoint fine-tuned with ``memfit finetune method=full``, fp32, batch 4 x 256,
+  constant lr 1e-3), each optimizer eagerly and with ``optimizer_in_backward`` (``max_grad_norm=0``): the tracked
+  ``optimizer_state`` (a 2-step run with ``track_memory=true``: the bytes of the state tensors the tracker finds,
+  GiB = 1024**3), then, in a run of ``--steps`` untracked steps, the process's peak RSS (``ru_maxrss``) and
+  tokens/s over the steps after ``--warmup``; the estimator's closed form of the state beside the tracked bytes.
+- **quality** — the main job (``memfit pretrain`` with no other keys: the 5.2M-parameter Llama on Tiny Shakespeare,
+  250 steps of 16 x 256 tokens, warm-up 25 steps then cosine decay to a tenth) with each optimizer at each of its
+  learning rates (``--sweep``; the rest at their recommended defaults), validation every 25 steps: the final
+  validation loss, and the steps and training seconds (the step records' time, evaluation left out) at which the
+  validation loss first reaches AdamW's final one at the main job's default learning rate.
+
+Reproduce (about 75 minutes on 2 CPU cores, alone on the machine)::
+
+    .venv/bin/python bench/optimizers.py
+
+It rewrites the sections ``optimizers`` and ``optimizers-quality`` of ``docs/benchmarks.md`` and writes
+``docs/optimizers_results.json``; ``--out -`` prints them instead; ``--quick`` is a smoke test (a tiny model, 3
+steps; quality: 20 steps, one rate each).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from docs_section import write_section
+from peers import MODELS, ROOT, prepare_inputs, reproduce_command, run_measured, run_memfit
+
+GIB = 1024**3
+STATE_OPTIMIZERS = (
+    "adamw",
+    "adamw8bit",
+    "paged_adamw8bit",
+    "torchao_adamw4bit",
+    "muon",
+    "adafactor",
+    "apollo",
+    "apollo_mini",
+    "adam_mini",
+)
+# optimizer -> learning rates of the main job's sweep. AdamW: the main job's default and twice it. Muon with
+# match_rms_adamw (memfit's default): AdamW's learning rate carries over (Moonlight), and twice it. APOLLO-Mini:
+# the main job's rate and the authors' 1e-2 for small models. Adafactor: its lr caps a step relative to each
+# parameter's RMS (torch's default 1e-2) and 3x that.
+SWEEP = {
+    "adamw": (2e-3, 4e-3),
+    "muon": (2e-3, 4e-3),
+    "apollo_mini": (2e-3, 1e-2),
+    "adafactor": (1e-2, 3e-2),
+}
+REFERENCE = ("adamw", 2e-3)  # the main job as it ships
+
+
+def closed_form_state(model_dir: Path, name: str, env: dict[str, str]) -> int:
+    """The estimator's closed form of the optimizer state of a full fine-tune of ``model_dir``, in bytes."""
+    code = (
+        "import json, sys\n"
+        "from memfit.config import load_config\n"
+        "from memfit.build import run_model_config\n"
+        "from memfit.planner.closed_form import model_state_bytes_closed_form\n"
+        f"cfg = load_config(None, ['checkpoint_dir={model_dir}', 'method=full', 'optimizer.name={name}'])\n"
+        "print(model_state_bytes_closed_form(cfg, run_model_config(cfg))['optimizer_state'])\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    return int(out.stdout.strip().splitlines()[-1])
+
+
+def tracked_state(
+    args: argparse.Namespace, env: dict, overrides: dict, checkpoint: Path, data: Path, out: Path
+):
+    """The tracked ``optimizer_state`` in bytes of a 2-step run (the state exists after step 1)."""
+    short = argparse.Namespace(**{**vars(args), "steps": 2, "warmup": 0})
+    result = run_memfit(short, env, {**overrides, "track_memory": "true"}, checkpoint, data, out)
+    if "error" in result:
+        return None, result["error"]
+    records = [json.loads(line) for line in (out / "run" / "metrics.jsonl").read_text().splitlines()]
+    last = [r for r in records if "memory_breakdown" in r][-1]
+    return round(last["memory_breakdown"]["optimizer_state"] * GIB), None
+
+
+def state_part(args: argparse.Namespace, env: dict[str, str], work: Path) -> list[dict]:
+    data, models = prepare_inputs(args, work, env)
+    (model,) = args.grid
+    checkpoint = work / f"checkpoint_{model}"
+    rows = []
+    for name in args.optimizers:
+        for in_backward in (False, True):
+            overrides: dict[str, Any] = {"optimizer.name": name, "optimizer.weight_decay": 0.1}
+            if in_backward:
+                overrides.update({"optimizer_in_backward": "true", "max_grad_norm": 0})
+            label = f"{name}{' + in backward' if in_backward else ''}"
+            out = work / "runs" / label.replace(" ", "_").replace("+", "")
+            state, error = tracked_state(args, env, overrides, checkpoint, data, out / "tracked")
+            result = run_memfit(args, env, overrides, checkpoint, data, out / "timed")
+            row = {
+                "optimizer": name,
+                "in_backward": in_backward,
+                "tracked_state_bytes": state,
+                "closed_form_state_bytes": closed_form_state(checkpoint, name, env),
+                "num_params": models[model]["num_params"],
+                **{k: result.get(k) for k in ("rss_mib", "tokens_per_second", "losses", "error")},
+            }
+            if error:
+                row["error"] = error
+            rows.append(row)
+            print(
+                f"{label}: state {state} B, RSS {row['rss_mib']:,.0f} MiB, "
+                f"{row['tokens_per_second'] or 0:,.0f} tok/s",
+                file=sys.stderr,
+                flush=True,
+            )
+    return rows
+
+
+def seconds_to(records: list[dict], step: int, tokens_per_step: int) -> float:
+    """Training seconds up to the end of ``step`` from the step records (each over the steps since the last)."""
+    seconds, previous = 0.0, 0
+    for r in records:
+        if r["step"] > step:
+            break
+        seconds += (r["step"] - previous) * tokens_per_step / r["tokens_per_second_per_gpu"]
+        previous = r["step"]
+    return seconds
+
+
+def quality_part(args: argparse.Namespace, env: dict[str, str], work: Path) -> list[dict]:
+    rows = []
+    for name, rates in args.sweep.items():
+        for lr in rates:
+            out = work / "quality" / f"{name}_{lr:g}"
+            settings = {
+                "output_dir": out / "run",
+                "optimizer.name": name,
+                "optimizer.lr": lr,
+                "optimizer.min_lr": lr / 10,
+                "eval_every": 25,
+                "log_every": 5,
+                "sample.max_new_tokens": 0,
+                "progress_bar": "false",
+                **({"max_steps": args.quality_steps, "eval_every": 5} if args.quick else {}),
+            }
+            cmd = [sys.executable, "-m", "memfit", "pretrain", *(f"{k}={v}" for k, v in settings.items())]
+            code, rss, wall, _ = run_measured(cmd, env, out)
+            row: dict[str, Any] = {"optimizer": name, "lr": lr, "rss_mib": rss, "wall_seconds": wall}
+            if code != 0:
+                row["error"] = (out / "stderr.txt").read_text().strip().splitlines()[-1][:160]
+            else:
+                records = [
+                    json.loads(line) for line in (out / "run" / "metrics.jsonl").read_text().splitlines()
+                ]
+                steps = [r for r in records if "loss" in r and "tokens_per_second_per_gpu" in r]
+                row["val"] = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
+                row["records"] = [
+                    {k: r[k] for k in ("step", "loss", "tokens_per_second_per_gpu")} for r in steps
+                ]
+                row["final_val_loss"] = row["val"][-1][1]
+                row["train_seconds"] = seconds_to(row["records"], 10**9, 16 * 256)
+            rows.append(row)
+            print(
+                f"{name} lr {lr:g}: final val {row.get('final_val_loss')}, {wall:.0f} s",
+                file=sys.stderr,
+                flush=True,
+            )
+    reference = next(r for r in rows if (r["optimizer"], r["lr"]) == REFERENCE and "error" not in r)
+    target = reference["final_val_loss"]
+    for row in rows:
+        if "error" in row:
+            continue
+        reached = next((s for s, v in row["val"] if v <= target), None)
+        row["steps_to_target"] = reached
+        row["seconds_to_target"] = seconds_to(row["records"], reached, 16 * 256) if reached else None
+    return rows
+
+
+def _mib(b: int | None) -> str:
+    return "" if b is None else f"{b / 2**20:,.1f}"
+
+
+def state_table(rows: list[dict]) -> str:
+    adamw = next(r for r in rows if r["optimizer"] == "adamw" and not r["in_backward"])
+    lines = [
+        "| optimizer | in backward | tracked `optimizer_state` (MiB) | closed form (MiB) | bytes/param | vs AdamW | "
+        "peak RSS (MiB) | tok/s | tok/s vs AdamW | step-1 -> last loss |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for r in rows:
+        if r.get("error"):
+            lines.append(
+                f"| `{r['optimizer']}` | {'yes' if r['in_backward'] else ''} | failed: {r['error']} |"
+            )
+            continue
+        state = r["tracked_state_bytes"]
+        speed = (
+            r["tokens_per_second"] / adamw["tokens_per_second"] if adamw.get("tokens_per_second") else None
+        )
+        lines.append(
+            f"| `{r['optimizer']}` | {'yes' if r['in_backward'] else ''} | {_mib(state)} | "
+            f"{_mib(r['closed_form_state_bytes'])} | {state / r['num_params']:.2f} | "
+            f"{state / adamw['tracked_state_bytes']:.2f} | {r['rss_mib']:,.0f} | {r['tokens_per_second']:,.0f} | "
+            f"{speed:.2f} | {r['losses'][0]:.3f} -> {r['losses'][-1]:.3f} |"
+        )
+    return "\n".join(lines)
+
+
+def quality_table(rows: list[dict]) -> str:
+    target = next(r for r in rows if (r["optimizer"], r["lr"]) == REFERENCE)["final_val_loss"]
+    lines = [
+        f"Target: AdamW's final validation loss at the main job's lr {REFERENCE[1]:g}, **{target:.4f}**.",
+        "",
+        "| optimizer | lr | final val loss | steps to target | training s to target | training s (250 steps) | "
+        "tok/s | peak RSS (MiB) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        if r.get("error"):
+            lines.append(f"| `{r['optimizer']}` | {r['lr']:g} | failed: {r['error']} |")
+            continue
+        tokens = 16 * 256 * r["records"][-1]["step"]
+        to_target = "" if r["seconds_to_target"] is None else f"{r['seconds_to_target']:.0f}"
+        lines.append(
+            f"| `{r['optimizer']}` | {r['lr']:g} | {r['final_val_loss']:.4f} | {r['steps_to_target'] or 'not reached'} "
+            f"| {to_target} | {r['train_seconds']:.0f} | {tokens / r['train_seconds']:,.0f} | {r['rss_mib']:,.0f} |"
+        )
+    return "\n".join(lines)
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--part", nargs="+", choices=("state", "quality"), default=["state", "quality"])
+    parser.add_argument("--optimizers", nargs="+", default=list(STATE_OPTIMIZERS), help="of the state part")
+    parser.add_argument("--steps", type=int, default=6, help="timed steps of the state part")
+    parser.add_argument("--warmup", type=int, default=2, help="steps left out of tokens/s")
+    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--quick", action="store_true", help="smoke test")
+    parser.add_argument("--workdir", default=None, help="reuse its prepared data and checkpoint")
+    parser.add_argument("--out", default=str(ROOT / "docs" / "benchmarks.md"), help="'-' prints only")
+    args = parser.parse_args()
+    args.argv = sys.argv[1:]
+    args.grid = {"tiny" if args.quick else "78.6M": None}
+    args.sweep = {k: v[:1] for k, v in SWEEP.items()} if args.quick else SWEEP
+    args.quality_steps = 20
+    if args.quick:
+        args.steps, args.warmup = 3, 1
+    assert set(args.grid) <= set(MODELS)
+    return args
+
+
+def main() -> int:
+    args = parse_args()
+    started = time.perf_counter()
+    work = Path(args.workdir or tempfile.mkdtemp(prefix="memfit_optimizers_bench_"))
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    results_path = ROOT / "docs" / "optimizers_results.json" if args.out != "-" else work / "results.json"
+    results = json.loads(results_path.read_text()) if results_path.exists() else {}
+    command = reproduce_command(args.argv, "bench/optimizers.py")
+    sections = {}
+    if "state" in args.part:
+        rows = state_part(args, env, work)
+        results["state"] = rows
+        sections["optimizers"] = (
+            f"Reproduce: `{command}` (state part: `--part state`). Model 78.6M of `bench/peers.py` "
+            f"({rows[0]['num_params']:,} parameters), `memfit finetune method=full`, fp32, batch "
+            f"{args.batch_size} x {args.seq_len}, constant lr {args.lr:g}, weight decay 0.1; tok/s over steps "
+            f"{args.warmup + 1}-{args.steps}; each optimizer's defaults (`apollo`: rank 192 = width / 4; "
+            f"`apollo_mini`: rank 1). MiB = 1024**2 bytes.\n\n{state_table(rows)}"
+        )
+    if "quality" in args.part:
+        rows = quality_part(args, env, work)
+        results["quality"] = rows
+        sections["optimizers-quality"] = (
+            f"Reproduce: `{command}` (quality part: `--part quality`). The main job (`memfit pretrain`: 5.2M "
+            f"parameters, Tiny Shakespeare, 250 steps of 16 x 256 tokens, warm-up 25 steps, cosine to lr / 10), "
+            f"validation every 25 steps (10 batches); training seconds from the step records (evaluation left "
+            f"out); one run each, in turn, alone on 2 cores.\n\n{quality_table(rows)}"
+        )
+    results_path.write_text(json.dumps(results, indent=1))
+    for name, text in sections.items():
+        if args.out == "-":
+            print(f"<!-- {name} -->\n{text}\n")
+        else:
+            write_section(Path(args.out), name, text)
+    print(f"done in {time.perf_counter() - started:.0f} s; work directory {work}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
