@@ -1,6 +1,6 @@
 """The optimizers that keep less state against AdamW and the low-bit AdamWs, on CPU, one fresh process per run.
 
-Two parts (``--part state quality``, both by default):
+Three parts (``--part state quality predict``, all by default):
 
 - **state** — the 78.6M model of ``bench/peers.py`` (dim 768, 12 layers, 12/4 heads, SwiGLU 2048, vocabulary
   2,048; a random-init Hugging Face checkpoint fine-tuned with ``memfit finetune method=full``, fp32, batch 4 x 256,
@@ -13,14 +13,17 @@ Two parts (``--part state quality``, both by default):
   learning rates (``--sweep``; the rest at their recommended defaults), validation every 25 steps: the final
   validation loss, and the steps and training seconds (the step records' time, evaluation left out) at which the
   validation loss first reaches AdamW's final one at the main job's default learning rate.
+- **predict** — ``memfit estimate`` of the Llama-3-8B full fine-tune on one GPU (``configs/
+  llama3_8b_full_single_device.yaml``: bf16, the optimizer in backward, full checkpointing, chunked
+  cross-entropy) with each optimizer: its state and the predicted peak.
 
 Reproduce (about 75 minutes on 2 CPU cores, alone on the machine)::
 
     .venv/bin/python bench/optimizers.py
 
-It rewrites the sections ``optimizers`` and ``optimizers-quality`` of ``docs/benchmarks.md`` and writes
-``docs/optimizers_results.json``; ``--out -`` prints them instead; ``--quick`` is a smoke test (a tiny model, 3
-steps; quality: 20 steps, one rate each).
+It rewrites the sections ``optimizers``, ``optimizers-quality`` and ``optimizers-8b`` of ``docs/benchmarks.md``
+and writes ``docs/optimizers_results.json``; ``--out -`` prints them instead; ``--quick`` is a smoke test (a tiny
+model, 3 steps; quality: 20 steps, one rate each).
 """
 
 from __future__ import annotations
@@ -184,6 +187,54 @@ def quality_part(args: argparse.Namespace, env: dict[str, str], work: Path) -> l
     return rows
 
 
+PREDICT_CONFIG = ROOT / "configs" / "llama3_8b_full_single_device.yaml"
+
+
+def predict_part(args: argparse.Namespace, env: dict[str, str]) -> list[dict]:
+    """``memfit estimate --json`` of the seed recipe (Llama-3-8B full fine-tune on one GPU: bf16, full activation
+    checkpointing, chunked cross-entropy, the optimizer in backward, batch 2 x 2048) with each optimizer."""
+    rows = []
+    for name in args.optimizers:
+        cmd = [sys.executable, "-m", "memfit", "estimate", "--config", str(PREDICT_CONFIG), "device=cuda"]
+        cmd += [f"optimizer.name={name}", "--json"]
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        if done.returncode != 0:
+            rows.append({"optimizer": name, "error": done.stderr.strip().splitlines()[-1][:160]})
+            continue
+        e = json.loads(done.stdout.strip().splitlines()[-1])
+        rows.append(
+            {
+                "optimizer": name,
+                "peak_gib": e["peak_memory_gib"],
+                "reserved_gib": e["peak_memory_reserved_gib"],
+                "state_gib": e["model_states_gib"]["optimizer_state"],
+                "paged_gib": e["model_states_gib"]["paged_optimizer_state"],
+                "parameters_gib": e["model_states_gib"]["parameters"],
+                "phase": e["phase"],
+                "num_params": e["num_params"],
+                "seconds": e["seconds"],
+            }
+        )
+        print(f"8B {name}: peak {rows[-1]['peak_gib']:.2f} GiB", file=sys.stderr, flush=True)
+    return rows
+
+
+def predict_table(rows: list[dict]) -> str:
+    lines = [
+        "| optimizer | state (GiB) | of it paged (GiB) | predicted allocator peak (GiB) | reserved (GiB) | at |",
+        "|---|---:|---:|---:|---:|---|",
+    ]
+    for r in rows:
+        if r.get("error"):
+            lines.append(f"| `{r['optimizer']}` | failed: {r['error']} |")
+            continue
+        lines.append(
+            f"| `{r['optimizer']}` | {r['state_gib']:.2f} | {r['paged_gib']:.2f} | {r['peak_gib']:.2f} | "
+            f"{r['reserved_gib']:.2f} | {r['phase']} |"
+        )
+    return "\n".join(lines)
+
+
 def _mib(b: int | None) -> str:
     return "" if b is None else f"{b / 2**20:,.1f}"
 
@@ -238,7 +289,9 @@ def quality_table(rows: list[dict]) -> str:
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--part", nargs="+", choices=("state", "quality"), default=["state", "quality"])
+    parser.add_argument(
+        "--part", nargs="+", choices=("state", "quality", "predict"), default=["state", "quality", "predict"]
+    )
     parser.add_argument("--optimizers", nargs="+", default=list(STATE_OPTIMIZERS), help="of the state part")
     parser.add_argument("--steps", type=int, default=6, help="timed steps of the state part")
     parser.add_argument("--warmup", type=int, default=2, help="steps left out of tokens/s")
@@ -287,6 +340,17 @@ def main() -> int:
             f"parameters, Tiny Shakespeare, 250 steps of 16 x 256 tokens, warm-up 25 steps, cosine to lr / 10), "
             f"validation every 25 steps (10 batches); training seconds from the step records (evaluation left "
             f"out); one run each, in turn, alone on 2 cores.\n\n{quality_table(rows)}"
+        )
+    if "predict" in args.part:
+        rows = predict_part(args, env)
+        results["predict"] = rows
+        sections["optimizers-8b"] = (
+            f"Reproduce: `{command}` (`--part predict`): `memfit estimate --config "
+            f"configs/llama3_8b_full_single_device.yaml device=cuda optimizer.name=NAME --json` (Llama-3-8B, "
+            f"{rows[0].get('num_params', 0):,} parameters, full fine-tune on one GPU: bf16, `optimizer_in_backward`, "
+            f"full activation checkpointing, chunked cross-entropy, batch 2 x 2048; each optimizer at its defaults: "
+            f"`apollo` rank 1024 = width / 4). Weights 14.96 GiB in every row. GiB = 1024**3 bytes.\n\n"
+            f"{predict_table(rows)}"
         )
     results_path.write_text(json.dumps(results, indent=1))
     for name, text in sections.items():
