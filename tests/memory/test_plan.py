@@ -461,3 +461,25 @@ def test_preflight_of_a_qlora_run(monkeypatch):
     fix = P.cheapest_fix(cfg, need - 1, host_overhead_bytes=0)
     assert fix is not None and fix.fits and fix.config.method == "qlora" and "method" not in fix.changes
     assert f"{fix.changes[0]}=" in message
+
+
+def test_cost_model_charges_muon_s_newton_schulz_and_apollo_s_projections():
+    """Llama-3-8B, by hand: per layer q, o (4096 x 4096: 6 * 4096**3 FLOPs a Newton-Schulz iteration each), k, v
+    (1024 x 4096: 4 * 1024**2 * 4096 + 2 * 1024**3 each) and gate, up, down (4096 x 14336: 4 * 4096**2 * 14336
+    + 2 * 4096**3 each); 5 iterations, 32 layers, at the bf16 rate of the update's matmuls."""
+    base = _seconds()
+    per_layer = (
+        2 * 6 * 4096**3 + 2 * (4 * 1024**2 * 4096 + 2 * 1024**3) + 3 * (4 * 4096**2 * 14336 + 2 * 4096**3)
+    )
+    muon = _seconds(**{"optimizer.name": "muon"}) - base
+    assert muon == pytest.approx(5 * 32 * per_layer / 400e12)
+    # APOLLO: 2 m n r a matrix, r = 1024 (a quarter of the width): 2 * r * (weights of the hidden matrices)
+    hidden = 32 * (2 * 4096 * 4096 + 2 * 1024 * 4096 + 3 * 4096 * 14336)
+    apollo = _seconds(**{"optimizer.name": "apollo"}) - base
+    assert apollo == pytest.approx(2 * 1024 * hidden / 400e12, rel=1e-6)
+
+
+def test_cli_plan_names_a_bad_optimizers_list(capsys):
+    assert main(["plan", *TINY, "budget=1GiB", "--optimizers", "muon,sgd"]) == 2
+    err = capsys.readouterr().err
+    assert "--optimizers must be a comma-separated list" in err and "'muon,sgd'" in err

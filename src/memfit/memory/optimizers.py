@@ -558,31 +558,30 @@ OPTIMIZERS: tuple[Optimizer, ...] = (
         update_rule="adafactor",
         sharded=_adafactor_sharded,
     ),
-    Optimizer(
-        "apollo",
-        "apollo_torch",
-        "APOLLOAdamW",
-        _apollo_state,
-        "APOLLO: AdamW moments of a rank-r random projection of each hidden matrix's gradient",
-        hyperparameters=("lr", "betas", "eps", "apollo_rank", "apollo_scale", "update_proj_gap"),
-        model_arguments=("dim",),
-        update_rule="apollo",
-        partition=_hidden_matrices("apollo"),
-        update_flops=_projection_flops,
-        sharded=_apollo_sharded,
-    ),
-    Optimizer(
-        "apollo_mini",
-        "apollo_torch",
-        "APOLLOAdamW",
-        _apollo_state,
-        "APOLLO-Mini: rank-1 projection, one scale per tensor: ~0 bytes/parameter of state",
-        hyperparameters=("lr", "betas", "eps", "apollo_rank", "apollo_scale", "update_proj_gap"),
-        model_arguments=("dim",),
-        update_rule="apollo",
-        partition=_hidden_matrices("apollo"),
-        update_flops=_projection_flops,
-        sharded=_apollo_sharded,
+    *(
+        Optimizer(
+            name,
+            "apollo_torch",
+            "APOLLOAdamW",
+            _apollo_state,
+            comment,
+            hyperparameters=("lr", "betas", "eps", "apollo_rank", "apollo_scale", "update_proj_gap"),
+            model_arguments=("dim",),
+            update_rule="apollo",
+            partition=_hidden_matrices("apollo"),
+            update_flops=_projection_flops,
+            sharded=_apollo_sharded,
+        )
+        for name, comment in (
+            (
+                "apollo",
+                "APOLLO: AdamW moments of a rank-r random projection of each hidden matrix's gradient",
+            ),
+            (
+                "apollo_mini",
+                "APOLLO-Mini: rank-1 projection, one scale per tensor: ~0 bytes/parameter of state",
+            ),
+        )
     ),
     Optimizer(
         "adam_mini",
