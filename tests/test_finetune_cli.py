@@ -8,7 +8,6 @@ stay bit-identical, exported directories load in transformers with equal logits.
 from __future__ import annotations
 
 import json
-import math
 import shutil
 from pathlib import Path
 
@@ -323,59 +322,3 @@ def test_resume_with_dropout_is_exact(hf_checkpoint, tmp_path):
     keys = ("step", "loss", "lr", "grad_norm", "val_loss")
     records = [[{k: r[k] for k in keys if k in r} for r in read_metrics(out)] for out in (whole, resumed)]
     assert records[0] == records[1] and len(records[0]) >= 6
-
-
-# Each optimizer that keeps less state in a recipe and with switches it must work with (a few steps each): the loss
-# falls and the trainable tensors, only, have their state (tracked as optimizer_state).
-LOW_STATE_RECIPES = {
-    "lora+muon+in_backward": {"method": "lora", "optimizer.name": "muon", "optimizer_in_backward": True},
-    "qlora+apollo_mini+accumulation": {
-        "method": "qlora",
-        "optimizer.name": "apollo_mini",
-        "gradient_accumulation_steps": 2,
-        "batch_size": 5,
-    },
-    "adapter+adam_mini": {"method": "adapter", "optimizer.name": "adam_mini"},
-    "full+adafactor+bf16": {
-        "method": "full",
-        "optimizer.name": "adafactor",
-        "dtype": "bf16",
-        "optimizer.lr": 0.05,
-    },
-    "full+muon+compile+clipping": {
-        "method": "full",
-        "optimizer.name": "muon",
-        "compile": True,
-        "max_grad_norm": 0.5,
-    },
-}
-
-
-@pytest.mark.parametrize("name", list(LOW_STATE_RECIPES))
-def test_optimizers_that_keep_less_state_in_every_recipe(name, hf_checkpoint, tmp_path):
-    extra = dict(LOW_STATE_RECIPES[name])
-    method = extra["method"]
-    lr = extra.pop("optimizer.lr", LR[method])
-    if extra.get("optimizer_in_backward"):
-        extra["max_grad_norm"] = 0
-    settings = {
-        **extra,
-        "optimizer.lr": lr,
-        "optimizer.min_lr": lr / 10,
-        "max_steps": 6,
-        "eval_every": 0,
-        "checkpoint_every": 0,
-        "track_memory": True,
-        "sample.max_new_tokens": 0,
-    }
-    assert main(["finetune", *finetune_overrides(hf_checkpoint, tmp_path / "run", **settings)]) == 0
-    records = [r for r in read_metrics(tmp_path / "run") if "loss" in r]
-    assert len(records) == 6 and all(math.isfinite(r["loss"]) for r in records)
-    assert records[-1]["loss"] < records[0]["loss"] - MIN_FALL[method] / 2, [r["loss"] for r in records]
-    state = records[-1]["memory_breakdown"]["optimizer_state"]
-    assert state > 0
-    if (
-        method != "full"
-    ):  # the trainable tensors' state only: under half a full fine-tune's AdamW state (8 bytes
-        # for each of the base's 139,584 parameters: the tiny model with 512 ids)
-        assert state * 2**30 < 0.5 * 8 * 139_584
