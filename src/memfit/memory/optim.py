@@ -23,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-import itertools
 import math
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -53,6 +52,11 @@ _GROUP_LABELS = ("params", "param_names", "name")  # group keys that are not hyp
 # ----------------------------------------------------------------------------------------------------------------
 
 
+def _ndim(p: torch.Tensor) -> int:
+    """A parameter's dimensions before FSDP1 flattened it in place (it records them as ``_memfit_ndim``)."""
+    return getattr(p, "_memfit_ndim", p.ndim)
+
+
 def param_groups(
     model: torch.nn.Module, weight_decay: float, optimizer: str = "adamw", *, adamw_lr_scale: float = 1.0
 ) -> list[dict]:
@@ -77,7 +81,7 @@ def param_groups(
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
-        ndim = getattr(p, "_memfit_ndim", p.ndim)  # FSDP1 flattens parameters in place; it records ndim
+        ndim = _ndim(p)
         algorithm = optimizers.part_of(optimizer, name, ndim) if partitioned else ""
         decayed = ndim == 2
         group = groups.get((algorithm, decayed))
@@ -122,7 +126,7 @@ def describe_partition(model: torch.nn.Module, optimizer: str) -> str:
     counts: dict[str, list[int]] = {}
     for name, p in model.named_parameters():
         if p.requires_grad:
-            ndim = getattr(p, "_memfit_ndim", p.ndim)
+            ndim = _ndim(p)
             entry = counts.setdefault(optimizers.part_of(optimizer, name, ndim), [0, 0, 0])
             entry[0] += 1
             entry[1] += getattr(p, "_memfit_numel", p.numel())
@@ -306,15 +310,13 @@ def build_optimizer(
         _paged_on_cpu_warning(cfg.name)
 
     shared_qmaps: list[dict] = []
-    seeds = itertools.count(1)  # APOLLO's per-parameter seeds, numbered over all optimizers as in one
     seeded = "first_seed" in _accepts(cls)
+    numbered = 0  # APOLLO's per-parameter seeds, numbered over all per-parameter optimizers as in one
 
     def make(groups: list[dict]) -> torch.optim.Optimizer:
-        extra = {}
-        if seeded:
-            extra["first_seed"] = next(seeds)
-            for _ in range(sum(len(g["params"]) for g in groups) - 1):
-                next(seeds)
+        nonlocal numbered
+        extra = {"first_seed": numbered + 1} if seeded else {}
+        numbered += sum(len(g["params"]) for g in groups)
         opt = cls(groups, **kwargs, **extra)
         if paged_on_cpu:
             opt._cpu_paged_warned = True  # memfit's warning above replaces bitsandbytes' one per optimizer
