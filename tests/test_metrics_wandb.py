@@ -3,6 +3,7 @@ into ``output_dir/wandb``; the keys are validated before anything runs."""
 
 import json
 import struct
+import time
 import zlib
 from pathlib import Path
 
@@ -61,12 +62,29 @@ def _key(item) -> str:
     return item.key or "/".join(item.nested_key)
 
 
-def offline_run(output_dir: Path) -> tuple[dict, dict[int, dict], int | None]:
+def offline_run(output_dir: Path, wait_s: float = 30.0) -> tuple[dict, dict[int, dict], int | None]:
     """The one offline W&B run in ``output_dir/wandb``: its config, its history rows by step (without wandb's own
-    ``_`` keys), and its exit code (``None`` if it never finished)."""
+    ``_`` keys), and its exit code (``None`` if it never finished).
+
+    ``run.finish()`` returns before wandb-core has written the exit record to the log (seen 1 time in 8 with wandb
+    0.31, offline), so the log is read again, for up to ``wait_s`` seconds, until it holds one."""
     runs = list((output_dir / "wandb").glob("offline-run-*"))
     assert len(runs) == 1, runs
     (log,) = runs[0].glob("run-*.wandb")
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            config, history, exit_code = _read_run(log)
+        except AssertionError:  # a chunk being written: torn until wandb-core finishes it
+            if time.monotonic() > deadline:
+                raise
+            exit_code = None
+        if exit_code is not None or time.monotonic() > deadline:
+            return config, history, exit_code
+        time.sleep(0.1)
+
+
+def _read_run(log: Path) -> tuple[dict, dict[int, dict], int | None]:
     config, history, exit_code = {}, {}, None
     for record in read_wandb_log(log):
         kind = record.WhichOneof("record_type")
