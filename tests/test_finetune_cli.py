@@ -8,6 +8,7 @@ stay bit-identical, exported directories load in transformers with equal logits.
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from pathlib import Path
 
@@ -322,3 +323,69 @@ def test_resume_with_dropout_is_exact(hf_checkpoint, tmp_path):
     keys = ("step", "loss", "lr", "grad_norm", "val_loss")
     records = [[{k: r[k] for k in keys if k in r} for r in read_metrics(out)] for out in (whole, resumed)]
     assert records[0] == records[1] and len(records[0]) >= 6
+
+
+# Each optimizer that keeps less state in a recipe and with switches it must work with (a few steps each): the loss
+# falls and the trainable tensors, only, have their state (tracked as optimizer_state).
+LOW_STATE_RECIPES = {
+    # Muon's update has RMS 0.2 x lr (adjust_lr_fn match_rms_adamw), AdamW's first ones ~lr: a larger lr for LoRA
+    "lora+muon+in_backward": {
+        "method": "lora",
+        "optimizer.name": "muon",
+        "optimizer_in_backward": True,
+        "optimizer.lr": 5e-2,
+    },
+    "qlora+apollo_mini+accumulation": {
+        "method": "qlora",
+        "optimizer.name": "apollo_mini",
+        "gradient_accumulation_steps": 2,
+        "batch_size": 5,
+    },
+    "adapter+adam_mini": {"method": "adapter", "optimizer.name": "adam_mini"},
+    "full+adafactor+bf16": {
+        "method": "full",
+        "optimizer.name": "adafactor",
+        "dtype": "bf16",
+        "optimizer.lr": 0.05,
+    },
+    "full+muon+compile+clipping": {
+        "method": "full",
+        "optimizer.name": "muon",
+        "compile": True,
+        "max_grad_norm": 0.5,
+    },
+}
+
+
+@pytest.mark.parametrize("name", list(LOW_STATE_RECIPES))
+def test_optimizers_that_keep_less_state_in_every_recipe(name, hf_checkpoint, tmp_path):
+    extra = dict(LOW_STATE_RECIPES[name])
+    method = extra["method"]
+    lr = extra.pop("optimizer.lr", LR[method])
+    if extra.get("optimizer_in_backward"):
+        extra["max_grad_norm"] = 0
+    tracked = not extra.get(
+        "compile"
+    )  # the tracker refuses compile (compiled kernels bypass its dispatch mode)
+    settings = {
+        **extra,
+        "optimizer.lr": lr,
+        "optimizer.min_lr": lr / 10,
+        "max_steps": 6,
+        "eval_every": 0,
+        "checkpoint_every": 0,
+        "track_memory": tracked,
+        "sample.max_new_tokens": 0,
+    }
+    assert main(["finetune", *finetune_overrides(hf_checkpoint, tmp_path / "run", **settings)]) == 0
+    records = [r for r in read_metrics(tmp_path / "run") if "loss" in r]
+    losses = [r["loss"] for r in records]
+    assert len(records) == 6 and all(math.isfinite(x) for x in losses)
+    # half the steps of MIN_FALL's runs, and the first of them warm-up: a quarter of its fall, at least
+    assert losses[-1] < losses[0] - MIN_FALL[method] / 4, losses
+    if tracked:
+        state = records[-1]["memory_breakdown"]["optimizer_state"]
+        assert state > 0
+        if method != "full":  # the trainable tensors' state only: under half a full fine-tune's AdamW state
+            # (8 bytes for each of the base's 139,584 parameters: the tiny model with 512 ids)
+            assert state * 2**30 < 0.5 * 8 * 139_584
