@@ -1,6 +1,6 @@
 """The optimizers that keep less state against AdamW and the low-bit AdamWs, on CPU, one fresh process per run.
 
-Three parts (``--part state quality predict``, all by default):
+Four parts (``--part state quality seeds predict``, all by default):
 
 - **state** — the 78.6M model of ``bench/peers.py`` (dim 768, 12 layers, 12/4 heads, SwiGLU 2048, vocabulary
   2,048; a random-init Hugging Face checkpoint fine-tuned with ``memfit finetune method=full``, fp32, batch 4 x 256,
@@ -13,17 +13,19 @@ Three parts (``--part state quality predict``, all by default):
   learning rates (``--sweep``; the rest at their recommended defaults), validation every 25 steps: the final
   validation loss, and the steps and training seconds (the step records' time, evaluation left out) at which the
   validation loss first reaches AdamW's final one at the main job's default learning rate.
+- **seeds** — AdamW and Muon at the main job's lr with other seeds (``--seeds``, default 1): does Muon's lead
+  over AdamW hold beyond the seed spread?
 - **predict** — ``memfit estimate`` of the Llama-3-8B full fine-tune on one GPU (``configs/
   llama3_8b_full_single_device.yaml``: bf16, the optimizer in backward, full checkpointing, chunked
   cross-entropy) with each optimizer: its state and the predicted peak.
 
-Reproduce (about 75 minutes on 2 CPU cores, alone on the machine)::
+Reproduce (about 90 minutes on 2 CPU cores, alone on the machine)::
 
     .venv/bin/python bench/optimizers.py
 
-It rewrites the sections ``optimizers``, ``optimizers-quality`` and ``optimizers-8b`` of ``docs/benchmarks.md``
-and writes ``docs/optimizers_results.json``; ``--out -`` prints them instead; ``--quick`` is a smoke test (a tiny
-model, 3 steps; quality: 20 steps, one rate each).
+It rewrites the sections ``optimizers``, ``optimizers-quality``, ``optimizers-seeds`` and ``optimizers-8b`` of
+``docs/benchmarks.md`` and writes ``docs/optimizers_results.json``; ``--out -`` prints them instead; ``--quick`` is
+a smoke test (a tiny model, 3 steps; quality: 20 steps, one rate each).
 """
 
 from __future__ import annotations
@@ -64,6 +66,7 @@ SWEEP = {
     "adafactor": (1e-2, 3e-2),
 }
 REFERENCE = ("adamw", 2e-3)  # the main job as it ships
+DEFAULT_SEED = 1337  # the main job's
 
 
 def closed_form_state(model_dir: Path, name: str, env: dict[str, str]) -> int:
@@ -138,52 +141,70 @@ def seconds_to(records: list[dict], step: int, tokens_per_step: int) -> float:
     return seconds
 
 
-def quality_part(args: argparse.Namespace, env: dict[str, str], work: Path) -> list[dict]:
-    rows = []
-    for name, rates in args.sweep.items():
-        for lr in rates:
-            out = work / "quality" / f"{name}_{lr:g}"
-            settings = {
-                "output_dir": out / "run",
-                "optimizer.name": name,
-                "optimizer.lr": lr,
-                "optimizer.min_lr": lr / 10,
-                "eval_every": 25,
-                "log_every": 5,
-                "sample.max_new_tokens": 0,
-                "progress_bar": "false",
-                **({"max_steps": args.quality_steps, "eval_every": 5} if args.quick else {}),
-            }
-            cmd = [sys.executable, "-m", "memfit", "pretrain", *(f"{k}={v}" for k, v in settings.items())]
-            code, rss, wall, _ = run_measured(cmd, env, out)
-            row: dict[str, Any] = {"optimizer": name, "lr": lr, "rss_mib": rss, "wall_seconds": wall}
-            if code != 0:
-                row["error"] = (out / "stderr.txt").read_text().strip().splitlines()[-1][:160]
-            else:
-                records = [
-                    json.loads(line) for line in (out / "run" / "metrics.jsonl").read_text().splitlines()
-                ]
-                steps = [r for r in records if "loss" in r and "tokens_per_second_per_gpu" in r]
-                row["val"] = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
-                row["records"] = [
-                    {k: r[k] for k in ("step", "loss", "tokens_per_second_per_gpu")} for r in steps
-                ]
-                row["final_val_loss"] = row["val"][-1][1]
-                row["train_seconds"] = seconds_to(row["records"], 10**9, 16 * 256)
-            rows.append(row)
-            print(
-                f"{name} lr {lr:g}: final val {row.get('final_val_loss')}, {wall:.0f} s",
-                file=sys.stderr,
-                flush=True,
-            )
-    reference = next(r for r in rows if (r["optimizer"], r["lr"]) == REFERENCE and "error" not in r)
-    target = reference["final_val_loss"]
+def main_job_run(args: argparse.Namespace, env: dict[str, str], work: Path, name: str, lr: float, seed=None):
+    """One run of the main job with ``name`` at ``lr`` (and ``seed``, if given): its validation curve, step records,
+    final validation loss and training seconds."""
+    out = work / "quality" / f"{name}_{lr:g}{'' if seed is None else f'_seed{seed}'}"
+    settings = {
+        "output_dir": out / "run",
+        "optimizer.name": name,
+        "optimizer.lr": lr,
+        "optimizer.min_lr": lr / 10,
+        "eval_every": 25,
+        "log_every": 5,
+        "sample.max_new_tokens": 0,
+        "progress_bar": "false",
+        **({} if seed is None else {"seed": seed}),
+        **({"max_steps": args.quality_steps, "eval_every": 5} if args.quick else {}),
+    }
+    cmd = [sys.executable, "-m", "memfit", "pretrain", *(f"{k}={v}" for k, v in settings.items())]
+    code, rss, wall, _ = run_measured(cmd, env, out)
+    row: dict[str, Any] = {"optimizer": name, "lr": lr, "rss_mib": rss, "wall_seconds": wall}
+    if seed is not None:
+        row["seed"] = seed
+    if code != 0:
+        row["error"] = (out / "stderr.txt").read_text().strip().splitlines()[-1][:160]
+    else:
+        records = [json.loads(line) for line in (out / "run" / "metrics.jsonl").read_text().splitlines()]
+        steps = [r for r in records if "loss" in r and "tokens_per_second_per_gpu" in r]
+        row["val"] = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
+        row["records"] = [{k: r[k] for k in ("step", "loss", "tokens_per_second_per_gpu")} for r in steps]
+        row["final_val_loss"] = row["val"][-1][1]
+        row["train_seconds"] = seconds_to(row["records"], 10**9, 16 * 256)
+    print(
+        f"{name} lr {lr:g} seed {seed}: final val {row.get('final_val_loss')}, {wall:.0f} s", file=sys.stderr
+    )
+    return row
+
+
+def reach(rows: list[dict], target: float) -> None:
+    """Set each row's ``steps_to_target`` and ``seconds_to_target``: the first validation at or below ``target``."""
     for row in rows:
         if "error" in row:
             continue
         reached = next((s for s, v in row["val"] if v <= target), None)
         row["steps_to_target"] = reached
         row["seconds_to_target"] = seconds_to(row["records"], reached, 16 * 256) if reached else None
+
+
+def quality_part(args: argparse.Namespace, env: dict[str, str], work: Path) -> list[dict]:
+    rows = [main_job_run(args, env, work, name, lr) for name, rates in args.sweep.items() for lr in rates]
+    reference = next(r for r in rows if (r["optimizer"], r["lr"]) == REFERENCE and "error" not in r)
+    reach(rows, reference["final_val_loss"])
+    return rows
+
+
+def seeds_part(args: argparse.Namespace, env: dict[str, str], work: Path) -> list[dict]:
+    """AdamW and Muon at the main job's lr with other seeds (the seed sets the initial weights and the batches):
+    each Muon run against its own seed's AdamW."""
+    rows = []
+    for seed in args.seeds:
+        pair = [
+            main_job_run(args, env, work, name, lr, seed) for name, lr in (REFERENCE, ("muon", REFERENCE[1]))
+        ]
+        if "error" not in pair[0]:
+            reach(pair, pair[0]["final_val_loss"])
+        rows += pair
     return rows
 
 
@@ -287,11 +308,39 @@ def quality_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def seeds_table(rows: list[dict], quality: list[dict] | None) -> str:
+    """Final validation losses by seed: the default seed's from the quality part's rows (if there), then the others."""
+    pairs = (REFERENCE, ("muon", REFERENCE[1]))
+    default = [{**r, "seed": DEFAULT_SEED} for r in quality or [] if (r["optimizer"], r["lr"]) in pairs]
+    everything = default + rows
+    lines = [
+        "| seed | optimizer | lr | final val loss | Muon - AdamW | steps to this seed's AdamW final loss |",
+        "|---:|---|---:|---:|---:|---:|",
+    ]
+    for r in everything:
+        if r.get("error"):
+            lines.append(f"| {r['seed']} | `{r['optimizer']}` | {r['lr']:g} | failed: {r['error']} |")
+            continue
+        adamw = next((a for a in everything if a["optimizer"] == "adamw" and a["seed"] == r["seed"]), None)
+        gap = ""
+        if r["optimizer"] != "adamw" and adamw is not None and "error" not in adamw:
+            gap = f"{r['final_val_loss'] - adamw['final_val_loss']:+.4f}"
+        lines.append(
+            f"| {r['seed']} | `{r['optimizer']}` | {r['lr']:g} | {r['final_val_loss']:.4f} | {gap} | "
+            f"{r.get('steps_to_target') or 'not reached'} |"
+        )
+    return "\n".join(lines)
+
+
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
-        "--part", nargs="+", choices=("state", "quality", "predict"), default=["state", "quality", "predict"]
+        "--part",
+        nargs="+",
+        choices=("state", "quality", "seeds", "predict"),
+        default=["state", "quality", "seeds", "predict"],
     )
+    parser.add_argument("--seeds", nargs="+", type=int, default=[1], help="of the seeds part")
     parser.add_argument("--optimizers", nargs="+", default=list(STATE_OPTIMIZERS), help="of the state part")
     parser.add_argument("--steps", type=int, default=6, help="timed steps of the state part")
     parser.add_argument("--warmup", type=int, default=2, help="steps left out of tokens/s")
@@ -340,6 +389,15 @@ def main() -> int:
             f"parameters, Tiny Shakespeare, 250 steps of 16 x 256 tokens, warm-up 25 steps, cosine to lr / 10), "
             f"validation every 25 steps (10 batches); training seconds from the step records (evaluation left "
             f"out); one run each, in turn, alone on 2 cores.\n\n{quality_table(rows)}"
+        )
+    if "seeds" in args.part:
+        rows = seeds_part(args, env, work)
+        results["seeds"] = rows
+        sections["optimizers-seeds"] = (
+            f"Reproduce: `{command}` (`--part seeds`; the seed-1337 rows are the quality part's). The main job with "
+            f"AdamW and Muon at lr {REFERENCE[1]:g}, other seeds (a seed sets the initial weights and the batches); "
+            f"the main job's seed spread with AdamW is 0.06-0.11 nats (the table above).\n\n"
+            f"{seeds_table(rows, results.get('quality'))}"
         )
     if "predict" in args.part:
         rows = predict_part(args, env)
