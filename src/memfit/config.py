@@ -129,7 +129,8 @@ class OptimizerConfig:
     """An entry of :data:`memfit.memory.optimizers.OPTIMIZERS`: ``adamw`` (torch.optim.AdamW, 8 bytes/parameter of
     state in fp32), bitsandbytes' 8-bit and paged ones, torchao's low-bit ones, and the optimizers that keep less
     state: ``muon``, ``adafactor``, ``apollo``, ``apollo_mini``, ``adam_mini`` (the table in that module and
-    docs/memory.md)."""
+    docs/memory.md). Left out of a run's config it is :func:`default_optimizer`'s: ``muon`` when training from
+    scratch (the main job), ``adamw`` when starting from ``checkpoint_dir``."""
     implementation: str = "foreach"
     """``foreach`` (multi-tensor, holds one parameter-sized set of temporaries at the step), ``for_loop`` (one
     tensor at a time; least memory), ``fused`` (one fused kernel)."""
@@ -322,7 +323,7 @@ class TrainConfig:
     """Overrides of the preset's :class:`~memfit.models.llama.LlamaConfig` fields, e.g. ``model_args.num_layers=4``."""
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     data: DataConfig = field(default_factory=DataConfig)
-    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    optimizer: OptimizerConfig = field(default_factory=lambda: OptimizerConfig(name=default_optimizer(None)))
     sample: SampleConfig = field(default_factory=SampleConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
 
@@ -661,6 +662,20 @@ def load_config(
     return config_from_dict(tree, world_size=world_size, needs_weights=needs_weights)
 
 
+def default_optimizer(checkpoint_dir: str | None) -> str:
+    """``optimizer.name`` when a config leaves it out: ``muon`` for a model trained from scratch, ``adamw`` for one
+    that starts from pretrained weights (``checkpoint_dir``).
+
+    From scratch, Muon reaches the main job's AdamW validation loss in clearly fewer steps, with half AdamW's
+    state (docs/benchmarks.md, "Optimizers that keep less state"), as in the public speed runs (modded-nanogpt) and
+    Moonlight (Liu et al., 2025, "Muon is Scalable for LLM Training"). Open pretrained weights were almost all
+    trained with Adam, and a full fine-tune of them with Muon does worse than with Adam (Qu, Huang and Horvath,
+    2026, "Can Muon Fine-tune Adam-Pretrained Models?", arXiv:2605.10468): from pretrained weights memfit keeps
+    AdamW, as torchtune and litgpt do.
+    """
+    return "muon" if checkpoint_dir is None else "adamw"
+
+
 def config_from_dict(
     tree: dict[str, Any], check: bool = True, *, world_size: int = 1, needs_weights: bool = True
 ) -> TrainConfig:
@@ -676,6 +691,9 @@ def config_from_dict(
     Raises:
         ConfigError: as :func:`load_config`.
     """
+    optimizer = tree.get("optimizer")
+    if optimizer is None or isinstance(optimizer, dict) and "name" not in optimizer:
+        tree = {**tree, "optimizer": {**(optimizer or {}), "name": default_optimizer(tree.get("checkpoint_dir"))}}
     cfg = _from_dict(TrainConfig, tree)
     if check:
         validate(cfg, world_size, needs_weights=needs_weights)
