@@ -15,6 +15,28 @@ def test_defaults_are_the_main_job():
     assert cfg.model == "shakespeare" and cfg.data.path is None and cfg.tokenizer.kind == "bpe"
 
 
+def test_the_main_job_spelled_out_is_the_defaults():
+    assert load_config(Path(__file__).parents[1] / "configs" / "shakespeare.yaml") == load_config(None)
+
+
+def test_the_optimizer_left_out_is_muon_from_scratch_and_adamw_from_a_checkpoint(tmp_path):
+    assert load_config(None).optimizer.name == TrainConfig().optimizer.name == "muon"
+    # another optimizer key does not bring back the section's own default
+    assert load_config(None, ["optimizer.lr=1e-3"]).optimizer.name == "muon"
+    tuned = load_config(
+        None, ["checkpoint_dir=/nowhere", "optimizer.lr=1e-4", "optimizer.min_lr=1e-5"], needs_weights=False
+    )
+    assert tuned.optimizer.name == "adamw"
+    assert load_config(None, ["checkpoint_dir=/nowhere"], needs_weights=False).optimizer.name == "adamw"
+    # written out, either way, it is kept
+    assert load_config(None, ["optimizer.name=adamw"]).optimizer.name == "adamw"
+    picked = load_config(None, ["checkpoint_dir=/nowhere", "optimizer.name=muon"], needs_weights=False)
+    assert picked.optimizer.name == "muon"
+    yaml_file = tmp_path / "run.yaml"
+    yaml_file.write_text("optimizer:\n  lr: 1.0e-3\n")
+    assert load_config(yaml_file).optimizer.name == "muon"
+
+
 def test_overrides_are_parsed_as_typed_values():
     cfg = load_config(
         None,
