@@ -138,6 +138,7 @@ def _train_steps(overrides: list[str], device: str) -> dict:
         "batch_size=2",
         f"dtype={dtype}",
         f"device={device}",
+        "optimizer.name=adamw",  # unless a row names another (left out, a run from scratch gets Muon)
     ]
     cfg = load_config(None, [*base, *overrides], needs_weights=False)
     mcfg = run_model_config(cfg)

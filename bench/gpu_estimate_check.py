@@ -41,7 +41,15 @@ import torch  # noqa: E402
 
 from memfit.units import GIB  # noqa: E402
 
-BASE = ["dtype=bf16", "batch_size=1", "seq_len=2048", "device=cuda", "max_grad_norm=1.0"]
+# AdamW unless a row names another optimizer (left out, a config trained from scratch gets Muon)
+BASE = [
+    "dtype=bf16",
+    "batch_size=1",
+    "seq_len=2048",
+    "device=cuda",
+    "max_grad_norm=1.0",
+    "optimizer.name=adamw",
+]
 IN_BACKWARD = ["optimizer_in_backward=true", "max_grad_norm=0"]
 CONFIGS = {
     "1B AdamW foreach": ["model=llama3.2-1b"],

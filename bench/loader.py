@@ -105,6 +105,7 @@ def child_share(data_dir: str) -> None:
         f"data.path={data_dir}",
         "batch_size=4",
         "seq_len=256",
+        "optimizer.name=adamw",  # the table's update rule (left out, a run from scratch gets Muon)
     ]
     cfg = load_config(None, overrides)
     tokenizer, manifest = run_tokenizer(cfg, Path(tempfile.mkdtemp()), None)
@@ -170,6 +171,7 @@ def main() -> int:
         out = work / f"run_{directory.name}"
         subprocess.run(["rm", "-rf", str(out)], check=True)
         cmd = [python, "-m", "memfit", "pretrain", f"data.path={directory}", f"output_dir={out}", "max_steps=40",
+               "optimizer.name=adamw",
                "log_every=5", "eval_every=0", "eval_batches=2", "checkpoint_every=0", "sample.max_new_tokens=0",
                "progress_bar=false", "tensorboard=false"]  # fmt: skip
         rows.append((name, nbytes // 2, run_rss(cmd, env, out)))

@@ -30,7 +30,15 @@ from docs_section import write_section
 ROOT = Path(__file__).resolve().parents[1]
 BUDGETS_GIB = (24, 48, 80)
 METHODS = ("full", "qlora")
-BASE = ["model=llama3.1-8b", "batch_size=1", "dtype=bf16", "device=cuda", "seq_len=max"]
+# a full fine-tune with AdamW (left out, a preset without checkpoint_dir would get Muon: pretraining)
+BASE = [
+    "model=llama3.1-8b",
+    "batch_size=1",
+    "dtype=bf16",
+    "device=cuda",
+    "seq_len=max",
+    "optimizer.name=adamw",
+]
 
 
 def plan(budget_gib: int, method: str) -> dict:

@@ -39,6 +39,7 @@ from memfit.units import GIB  # noqa: E402
 
 BUDGET = 80 * GIB
 COMMON = {
+    "optimizer.name": "adamw",  # a full fine-tune (left out, a preset without checkpoint_dir gets Muon)
     "batch_size": 1,
     "dtype": "bf16",
     "device": "cuda",
@@ -104,6 +105,7 @@ def memfit_plan() -> dict:
         "dtype=bf16",
         "device=cuda",
         "seq_len=max",
+        "optimizer.name=adamw",  # a full fine-tune (left out, a preset without checkpoint_dir gets Muon)
         "--json",
     ]
     start = time.perf_counter()

@@ -28,6 +28,7 @@ def test_the_optimizer_left_out_is_muon_from_scratch_and_adamw_from_a_checkpoint
     )
     assert tuned.optimizer.name == "adamw"
     assert load_config(None, ["checkpoint_dir=/nowhere"], needs_weights=False).optimizer.name == "adamw"
+    assert load_config(None, ["method=lora"], needs_weights=False).optimizer.name == "adamw"
     # written out, either way, it is kept
     assert load_config(None, ["optimizer.name=adamw"]).optimizer.name == "adamw"
     picked = load_config(None, ["checkpoint_dir=/nowhere", "optimizer.name=muon"], needs_weights=False)
