@@ -65,6 +65,24 @@ def test_run_writes_records_checkpoints_plot(finished_run):
     assert state["step"] == 12 and state["config"]["model"] == "tiny"
 
 
+def test_a_run_from_scratch_without_an_optimizer_trains_with_muon(small_corpus, tmp_path, capsys):
+    """The main job's default (config.default_optimizer): Muon on the hidden matrices, AdamW on the rest, said in
+    the banner and recorded in the checkpoint's config (so a resume keeps it)."""
+    overrides = [
+        o for o in tiny_run_overrides(small_corpus, tmp_path / "run") if not o.startswith("optimizer.name=")
+    ]
+    assert main(["pretrain", *overrides, "max_steps=8", "checkpoint_every=8"]) == 0
+    banner = capsys.readouterr().out
+    # the tiny model: 2 layers x 7 matrices (dim 64, kv 32, SwiGLU 128); embedding, head and 5 norms on AdamW
+    assert "optimizer muon (muon: 14 matrices (0.1M), adamw: 7 tensors" in banner, banner
+    state = json.loads(
+        (tmp_path / "run" / "checkpoints" / "step_00000008" / "trainer_state.json").read_text()
+    )
+    assert state["config"]["optimizer"]["name"] == "muon"
+    train, _ = _losses(tmp_path / "run")
+    assert train[-1][1] < train[0][1] - 0.3  # 5.546 -> 5.132 measured
+
+
 def test_generate_continues_the_prompt_deterministically(finished_run, capsys):
     args = ["generate", "--checkpoint", str(finished_run), "--prompt", "ROMEO:", "--max-new-tokens", "24"]
     assert main(args) == 0

@@ -11,7 +11,14 @@ from memfit.planner import context
 from memfit.planner.estimate import estimate_run
 from memfit.units import MIB
 
-TINY = ["model=tiny", "tokenizer.kind=char", "device=cuda", "dtype=bf16", "batch_size=1"]
+TINY = [
+    "model=tiny",
+    "tokenizer.kind=char",
+    "device=cuda",
+    "dtype=bf16",
+    "batch_size=1",
+    "optimizer.name=adamw",
+]
 
 
 def _stand_in(peak_of):

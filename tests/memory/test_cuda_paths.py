@@ -205,7 +205,7 @@ def test_cuda_paths_swaps_only_while_entered():
 # ----------------------------------------------------------------------------------------------------------------
 
 # the tiny preset: vocab 256, dim 64, 2 layers, 4 query / 2 kv heads of 16; fp32 unless said
-TINY = {"model": "tiny", "tokenizer.kind": "char", "tokenizer.vocab_size": 65}
+TINY = {"model": "tiny", "tokenizer.kind": "char", "tokenizer.vocab_size": 65, "optimizer.name": "adamw"}
 LAYERS, EMBEDDING = 2, 256 * 64
 
 

@@ -35,7 +35,13 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 P, NUM_TENSORS = 106_816, 21  # the tiny preset's parameters and parameter tensors
 BUFFER_BYTES = 4 * 8  # inv_freq, fp32, head_dim / 2 values
 # estimates of a tiny run: the char tokenizer of Tiny Shakespeare has 65 ids (the preset's 256 embeddings hold them)
-BASE = {"model": "tiny", "tokenizer.kind": "char", "tokenizer.vocab_size": 65, "device": "cpu"}
+BASE = {
+    "model": "tiny",
+    "tokenizer.kind": "char",
+    "tokenizer.vocab_size": 65,
+    "device": "cpu",
+    "optimizer.name": "adamw",
+}
 MODEL_STATES = ("parameters", "gradients", "optimizer_state")
 # LoRA on a tiny checkpoint with 512 embeddings and lm_head rows: rank 8 on q_proj (64 -> 64) and v_proj (64 -> 32),
 # each target an A (r, in) and a B (out, r), in each of the 2 layers

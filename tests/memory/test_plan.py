@@ -27,6 +27,7 @@ from memfit.units import format_bytes, parse_bytes
 MIB = 1024**2
 TINY = [
     "model=tiny",
+    "optimizer.name=adamw",  # the plans below keep AdamW's family (left out, a run from scratch gets Muon)
     "tokenizer.vocab_size=512",
     "model_args.vocab_size=512",
     "batch_size=2",
