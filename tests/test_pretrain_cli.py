@@ -83,6 +83,19 @@ def test_a_run_from_scratch_without_an_optimizer_trains_with_muon(small_corpus, 
     assert train[-1][1] < train[0][1] - 0.3  # 5.546 -> 5.132 measured
 
 
+def test_resuming_with_another_optimizer_names_the_key(finished_run, small_corpus, tmp_path, capsys):
+    """The run trained with AdamW; a config that leaves optimizer.name out now means Muon: refused, naming the key
+    and the run's optimizer, before anything is loaded."""
+    out = tmp_path / "run"
+    shutil.copytree(finished_run, out)
+    overrides = [
+        o for o in tiny_run_overrides(small_corpus, out, resume="true") if not o.startswith("optimizer.name=")
+    ]
+    assert main(["pretrain", *overrides]) == 2
+    err = capsys.readouterr().err
+    assert "config key 'optimizer.name'" in err and "trained with 'adamw'" in err and "asks for 'muon'" in err
+
+
 def test_generate_continues_the_prompt_deterministically(finished_run, capsys):
     args = ["generate", "--checkpoint", str(finished_run), "--prompt", "ROMEO:", "--max-new-tokens", "24"]
     assert main(args) == 0

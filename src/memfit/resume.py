@@ -78,6 +78,9 @@ def check_resume_matches(cfg: TrainConfig, saved: TrainConfig, output_dir: str) 
         "method": (cfg.method, saved.method),
         "data.format": (cfg.data.format, saved.data.format),
         "data.packing": (cfg.data.packing, saved.data.packing),
+        # another optimizer cannot take the run's state (and a config that leaves the name out gets the default of
+        # today, which may not be the run's: config.default_optimizer)
+        "optimizer.name": (cfg.optimizer.name, saved.optimizer.name),
     }
     if cfg.data.format != "text":
         keys["data.template"] = (cfg.data.template, saved.data.template)
