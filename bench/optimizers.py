@@ -25,7 +25,8 @@ Reproduce (about 90 minutes on 2 CPU cores, alone on the machine)::
 
 It rewrites the sections ``optimizers``, ``optimizers-quality``, ``optimizers-seeds`` and ``optimizers-8b`` of
 ``docs/benchmarks.md`` and writes ``docs/optimizers_results.json``; ``--out -`` prints them instead; ``--quick`` is
-a smoke test (a tiny model, 3 steps; quality: 20 steps, one rate each).
+a smoke test (a tiny model, 3 steps; quality: 20 steps, one rate each); ``--from-results`` rewrites the sections
+from the JSON without running anything (the parts may be run apart, each alone on the machine).
 """
 
 from __future__ import annotations
@@ -341,6 +342,11 @@ def parse_args() -> argparse.Namespace:
         default=["state", "quality", "seeds", "predict"],
     )
     parser.add_argument("--seeds", nargs="+", type=int, default=[1], help="of the seeds part")
+    parser.add_argument(
+        "--from-results",
+        action="store_true",
+        help="rewrite the sections from docs/optimizers_results.json only",
+    )
     parser.add_argument("--optimizers", nargs="+", default=list(STATE_OPTIMIZERS), help="of the state part")
     parser.add_argument("--steps", type=int, default=6, help="timed steps of the state part")
     parser.add_argument("--warmup", type=int, default=2, help="steps left out of tokens/s")
@@ -362,6 +368,54 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
+def state_section(args: argparse.Namespace, rows: list[dict], command: str, results: dict) -> str:
+    return (
+        f"Reproduce: `{command}` (state part: `--part state`). Model 78.6M of `bench/peers.py` "
+        f"({rows[0]['num_params']:,} parameters), `memfit finetune method=full`, fp32, batch "
+        f"{args.batch_size} x {args.seq_len}, constant lr {args.lr:g}, weight decay 0.1; tok/s over steps "
+        f"{args.warmup + 1}-{args.steps}; each optimizer's defaults (`apollo`: rank 192 = width / 4; "
+        f"`apollo_mini`: rank 1). MiB = 1024**2 bytes.\n\n{state_table(rows)}"
+    )
+
+
+def quality_section(args: argparse.Namespace, rows: list[dict], command: str, results: dict) -> str:
+    return (
+        f"Reproduce: `{command}` (quality part: `--part quality`). The main job (`memfit pretrain`: 5.2M "
+        f"parameters, Tiny Shakespeare, 250 steps of 16 x 256 tokens, warm-up 25 steps, cosine to lr / 10), "
+        f"validation every 25 steps (10 batches); training seconds from the step records (evaluation left "
+        f"out); one run each, in turn, alone on 2 cores.\n\n{quality_table(rows)}"
+    )
+
+
+def seeds_section(args: argparse.Namespace, rows: list[dict], command: str, results: dict) -> str:
+    return (
+        f"Reproduce: `{command}` (`--part seeds`; the seed-{DEFAULT_SEED} rows are the quality part's). The main "
+        f"job with AdamW and Muon at lr {REFERENCE[1]:g} and other seeds (a seed sets the initial weights and the "
+        f"batches); the main job's spread over seeds with AdamW is 0.06-0.11 nats (the second table of this "
+        f"page).\n\n{seeds_table(rows, results.get('quality'))}"
+    )
+
+
+def predict_section(args: argparse.Namespace, rows: list[dict], command: str, results: dict) -> str:
+    return (
+        f"Reproduce: `{command}` (`--part predict`): `memfit estimate --config "
+        f"configs/llama3_8b_full_single_device.yaml device=cuda optimizer.name=NAME --json` (Llama-3-8B, "
+        f"{rows[0].get('num_params', 0):,} parameters, full fine-tune on one GPU: bf16, `optimizer_in_backward`, "
+        f"full activation checkpointing, chunked cross-entropy, batch 2 x 2048; each optimizer at its defaults: "
+        f"`apollo` rank 1024 = width / 4). Weights 14.96 GiB in every row. GiB = 1024**3 bytes.\n\n"
+        f"{predict_table(rows)}"
+    )
+
+
+# part -> (how it runs, its section of docs/benchmarks.md, how the section reads)
+PARTS = {
+    "state": (state_part, "optimizers", state_section),
+    "quality": (quality_part, "optimizers-quality", quality_section),
+    "seeds": (seeds_part, "optimizers-seeds", seeds_section),
+    "predict": (lambda args, env, work: predict_part(args, env), "optimizers-8b", predict_section),
+}
+
+
 def main() -> int:
     args = parse_args()
     started = time.perf_counter()
@@ -369,47 +423,13 @@ def main() -> int:
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     results_path = ROOT / "docs" / "optimizers_results.json" if args.out != "-" else work / "results.json"
     results = json.loads(results_path.read_text()) if results_path.exists() else {}
-    command = reproduce_command(args.argv, "bench/optimizers.py")
+    command = reproduce_command([a for a in args.argv if a != "--from-results"], "bench/optimizers.py")
     sections = {}
-    if "state" in args.part:
-        rows = state_part(args, env, work)
-        results["state"] = rows
-        sections["optimizers"] = (
-            f"Reproduce: `{command}` (state part: `--part state`). Model 78.6M of `bench/peers.py` "
-            f"({rows[0]['num_params']:,} parameters), `memfit finetune method=full`, fp32, batch "
-            f"{args.batch_size} x {args.seq_len}, constant lr {args.lr:g}, weight decay 0.1; tok/s over steps "
-            f"{args.warmup + 1}-{args.steps}; each optimizer's defaults (`apollo`: rank 192 = width / 4; "
-            f"`apollo_mini`: rank 1). MiB = 1024**2 bytes.\n\n{state_table(rows)}"
-        )
-    if "quality" in args.part:
-        rows = quality_part(args, env, work)
-        results["quality"] = rows
-        sections["optimizers-quality"] = (
-            f"Reproduce: `{command}` (quality part: `--part quality`). The main job (`memfit pretrain`: 5.2M "
-            f"parameters, Tiny Shakespeare, 250 steps of 16 x 256 tokens, warm-up 25 steps, cosine to lr / 10), "
-            f"validation every 25 steps (10 batches); training seconds from the step records (evaluation left "
-            f"out); one run each, in turn, alone on 2 cores.\n\n{quality_table(rows)}"
-        )
-    if "seeds" in args.part:
-        rows = seeds_part(args, env, work)
-        results["seeds"] = rows
-        sections["optimizers-seeds"] = (
-            f"Reproduce: `{command}` (`--part seeds`; the seed-1337 rows are the quality part's). The main job with "
-            f"AdamW and Muon at lr {REFERENCE[1]:g}, other seeds (a seed sets the initial weights and the batches); "
-            f"the main job's seed spread with AdamW is 0.06-0.11 nats (the table above).\n\n"
-            f"{seeds_table(rows, results.get('quality'))}"
-        )
-    if "predict" in args.part:
-        rows = predict_part(args, env)
-        results["predict"] = rows
-        sections["optimizers-8b"] = (
-            f"Reproduce: `{command}` (`--part predict`): `memfit estimate --config "
-            f"configs/llama3_8b_full_single_device.yaml device=cuda optimizer.name=NAME --json` (Llama-3-8B, "
-            f"{rows[0].get('num_params', 0):,} parameters, full fine-tune on one GPU: bf16, `optimizer_in_backward`, "
-            f"full activation checkpointing, chunked cross-entropy, batch 2 x 2048; each optimizer at its defaults: "
-            f"`apollo` rank 1024 = width / 4). Weights 14.96 GiB in every row. GiB = 1024**3 bytes.\n\n"
-            f"{predict_table(rows)}"
-        )
+    for part in args.part:
+        run, name, section = PARTS[part]
+        if not args.from_results:
+            results[part] = run(args, env, work)
+        sections[name] = section(args, results[part], command, results)
     results_path.write_text(json.dumps(results, indent=1))
     for name, text in sections.items():
         if args.out == "-":
