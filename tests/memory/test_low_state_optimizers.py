@@ -312,7 +312,9 @@ def test_cpu_offload_is_refused_for_them():
 
 
 def test_the_plan_keeps_the_update_rule_unless_allowed():
-    cfg = load_config(None, ["model=tiny", "tokenizer.kind=char"], needs_weights=False)
+    cfg = load_config(
+        None, ["model=tiny", "tokenizer.kind=char", "optimizer.name=adamw"], needs_weights=False
+    )
 
     def names(**kw):
         return {c.optimizer.name for c in P.candidates(cfg, **kw)}

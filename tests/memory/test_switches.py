@@ -98,7 +98,14 @@ def _base(switch):
     """A CUDA plan's config in which ``switch`` can change on its own (full checkpointing, so that activation
     offloading is planned; LoRA, so that QLoRA is)."""
     world_size = 2 if switch.sharded_only else 1
-    settings = ["device=cuda", "activation_checkpointing=full", "batch_size=1", "seq_len=64"]
+    # AdamW: the planner keeps the config's update rule, and AdamW's family gives optimizer.name choices
+    settings = [
+        "device=cuda",
+        "activation_checkpointing=full",
+        "batch_size=1",
+        "seq_len=64",
+        "optimizer.name=adamw",
+    ]
     if switch.key == "method":
         settings.append("method=lora")
     if switch.key == "tiled_mlp":  # under full checkpointing the tiles' recomputation is free
