@@ -223,6 +223,7 @@ def _tracked_step(T, packed, **switches):
         f"seq_len={T}",
         "batch_size=1",
         "activation_checkpointing=full",
+        "optimizer.name=adamw",  # the bytes by hand below are AdamW's (left out, a run from scratch gets Muon)
         *(f"{k}={v}" for k, v in switches.items()),
     ]
     cfg = load_config(None, overrides, needs_weights=False)
@@ -289,6 +290,7 @@ def _estimate(**over):
         "activation_checkpointing": "full",
         "chunked_cross_entropy": "auto",
         "tiled_mlp": "auto",
+        "optimizer.name": "adamw",
     }
     cfg = load_config(None, [f"{k}={v}" for k, v in {**base, **over}.items()], needs_weights=False)
     return estimate_run(cfg)
