@@ -29,6 +29,10 @@ def test_the_optimizer_left_out_is_muon_from_scratch_and_adamw_from_a_checkpoint
     assert tuned.optimizer.name == "adamw"
     assert load_config(None, ["checkpoint_dir=/nowhere"], needs_weights=False).optimizer.name == "adamw"
     assert load_config(None, ["method=lora"], needs_weights=False).optimizer.name == "adamw"
+    # where Muon cannot run: AdamW
+    assert load_config(None, ["distributed.strategy=fsdp1"], world_size=2).optimizer.name == "adamw"
+    offload = ["optimizer.cpu_offload=true", "device=cuda", "max_grad_norm=0"]
+    assert load_config(None, offload, needs_weights=False).optimizer.name == "adamw"
     # written out, either way, it is kept
     assert load_config(None, ["optimizer.name=adamw"]).optimizer.name == "adamw"
     picked = load_config(None, ["checkpoint_dir=/nowhere", "optimizer.name=muon"], needs_weights=False)

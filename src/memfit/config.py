@@ -130,7 +130,8 @@ class OptimizerConfig:
     state in fp32), bitsandbytes' 8-bit and paged ones, torchao's low-bit ones, and the optimizers that keep less
     state: ``muon``, ``adafactor``, ``apollo``, ``apollo_mini``, ``adam_mini`` (the table in that module and
     docs/memory.md). Left out of a run's config it is :func:`default_optimizer`'s: ``muon`` when training from
-    scratch (the main job), ``adamw`` when fine-tuning (``checkpoint_dir``, or ``method`` other than ``full``)."""
+    scratch (the main job), ``adamw`` when fine-tuning (``checkpoint_dir``, or ``method`` other than ``full``),
+    with ``distributed.strategy: fsdp1`` or with ``optimizer.cpu_offload``."""
     implementation: str = "foreach"
     """``foreach`` (multi-tensor, holds one parameter-sized set of temporaries at the step), ``for_loop`` (one
     tensor at a time; least memory), ``fused`` (one fused kernel)."""
@@ -662,11 +663,17 @@ def load_config(
     return config_from_dict(tree, world_size=world_size, needs_weights=needs_weights)
 
 
-def default_optimizer(checkpoint_dir: str | None, method: str = "full") -> str:
-    """``optimizer.name`` when a config leaves it out: ``muon`` for a model trained from scratch (no
-    ``checkpoint_dir``, ``method: full``), ``adamw`` for one that starts from pretrained weights (``checkpoint_dir``,
-    or a fine-tuning ``method``: ``lora``, ``qlora``, ``adapter``, which ``memfit estimate``/``plan`` take with a
-    preset instead of weights).
+def default_optimizer(
+    checkpoint_dir: str | None = None,
+    method: str = "full",
+    *,
+    strategy: str = "fsdp2",
+    cpu_offload: bool = False,
+) -> str:
+    """``optimizer.name`` when a config leaves it out: ``muon`` for a model trained from scratch, ``adamw`` where
+    the run starts from pretrained weights (``checkpoint_dir``, or a fine-tuning ``method``: ``lora``, ``qlora``,
+    ``adapter``, which ``memfit estimate``/``plan`` take with a preset instead of weights) or asks for what Muon
+    cannot do (``distributed.strategy: fsdp1``, ``optimizer.cpu_offload``).
 
     From scratch, Muon reaches the main job's AdamW validation loss in clearly fewer steps, with half AdamW's
     state (docs/benchmarks.md, "Optimizers that keep less state"), as in the public speed runs (modded-nanogpt) and
@@ -675,7 +682,8 @@ def default_optimizer(checkpoint_dir: str | None, method: str = "full") -> str:
     2026, "Can Muon Fine-tune Adam-Pretrained Models?", arXiv:2605.10468): from pretrained weights memfit keeps
     AdamW, as torchtune and litgpt do.
     """
-    return "muon" if checkpoint_dir is None and method == "full" else "adamw"
+    scratch = checkpoint_dir is None and method == "full"
+    return "muon" if scratch and strategy != "fsdp1" and not cpu_offload else "adamw"
 
 
 def config_from_dict(
@@ -695,7 +703,13 @@ def config_from_dict(
     """
     optimizer = tree.get("optimizer")
     if optimizer is None or isinstance(optimizer, dict) and "name" not in optimizer:
-        name = default_optimizer(tree.get("checkpoint_dir"), tree.get("method", "full"))
+        distributed = tree.get("distributed")
+        name = default_optimizer(
+            tree.get("checkpoint_dir"),
+            tree.get("method", "full"),
+            strategy=distributed.get("strategy", "fsdp2") if isinstance(distributed, dict) else "fsdp2",
+            cpu_offload=(optimizer or {}).get("cpu_offload") is True,
+        )
         tree = {**tree, "optimizer": {**(optimizer or {}), "name": name}}
     cfg = _from_dict(TrainConfig, tree)
     if check:
