@@ -27,13 +27,13 @@ from memfit.units import format_bytes, parse_bytes
 MIB = 1024**2
 TINY = [
     "model=tiny",
-    "optimizer.name=adamw",  # the plans below keep AdamW's family (left out, a run from scratch gets Muon)
     "tokenizer.vocab_size=512",
     "model_args.vocab_size=512",
     "batch_size=2",
     "seq_len=64",
     "device=cuda",  # a GPU plan, made on this CPU machine
     "dtype=bf16",
+    "optimizer.name=adamw",  # the plans below keep AdamW's family (left out, a run from scratch gets Muon)
 ]
 
 
@@ -98,7 +98,15 @@ def test_cli_requires_a_budget(capsys):
 
 def _seconds(**switches) -> float:
     """Step seconds of a Llama-3-8B run (bf16, 1 x 2048 tokens, CUDA) with these switches."""
-    cfg = load_config(None, ["model=llama3-8b", "dtype=bf16", "batch_size=1", "seq_len=2048", "device=cuda"])
+    base = [
+        "model=llama3-8b",
+        "dtype=bf16",
+        "batch_size=1",
+        "seq_len=2048",
+        "device=cuda",
+        "optimizer.name=adamw",
+    ]
+    cfg = load_config(None, base)
     opt = {k[len("optimizer.") :]: v for k, v in switches.items() if k.startswith("optimizer.")}
     rest = {k: v for k, v in switches.items() if not k.startswith("optimizer.")}
     cfg = dataclasses.replace(cfg, optimizer=dataclasses.replace(cfg.optimizer, **opt), **rest)
