@@ -86,6 +86,7 @@ def hf_checkpoint(tmp_path_factory, small_corpus) -> Path:
         "seq_len": 128,
         "batch_size": 8,
         "max_steps": 80,
+        "optimizer.name": "adamw",  # the base the fine-tuning tests' tolerances and falls were measured on
         "optimizer.lr": 1e-2,
         "optimizer.min_lr": 1e-3,
         "optimizer.warmup_steps": 5,
