@@ -81,7 +81,10 @@ COST_CONSTANTS: dict[str, dict[str, Any]] = {
         "matmul_flops_per_second": {"fp32": 140e9, "bf16": 5.6e9, "bf16_mixed": 5.6e9},
         "device_memory_bytes_per_second": 10e9,
         "optimizer_update_factor": optimizers.update_factors("cpu"),
-        "optimizer_matmul_flops_per_second": 100e9,
+        # Muon's bf16 Newton-Schulz (torch's): on the 78.6M model of bench/optimizers.py, 1,387 GFLOP a step took
+        # 3.75 s more than AdamW's step eagerly (370 GFLOP/s: these cores' bf16 matmuls of whole matrices), 5.56 s
+        # more in backward (250); APOLLO's projections are too few FLOPs to time apart (docs/benchmarks.md)
+        "optimizer_matmul_flops_per_second": 370e9,
         "kernel_launch_seconds": 0.0,
         # measured on the 2 development cores (torch 2.13 CPU, torchao 0.18; best of 7-9 runs, in 4 sessions;
         # docs/memory.md, "method: qlora"): `.to(dtype)` of a 4096 x 4096 NF4 weight took 82-116 ms in bf16
