@@ -152,21 +152,12 @@ def plain_side(memfit_model, size: dict[str, int]) -> tuple[object, Callable[[li
     import transformers
     from torch.profiler import record_function
 
+    from memfit.convert.hf import llama_to_hf_config
+
     mcfg = memfit_model.config
-    config = transformers.LlamaConfig(
-        vocab_size=mcfg.vocab_size,
-        hidden_size=mcfg.dim,
-        intermediate_size=mcfg.intermediate_size,
-        num_hidden_layers=mcfg.num_layers,
-        num_attention_heads=mcfg.num_heads,
-        num_key_value_heads=mcfg.num_kv_heads,
-        max_position_embeddings=size["seq_len"],
-        rms_norm_eps=mcfg.norm_eps,
-        rope_parameters={"rope_type": "default", "rope_theta": mcfg.rope_theta},
-        tie_word_embeddings=mcfg.tie_word_embeddings,
-        use_cache=False,
-        attn_implementation="sdpa",
-    )
+    # memfit's own config.json of the architecture (as `memfit export` writes it), without a KV cache, with SDPA
+    hf = {**llama_to_hf_config(mcfg), "max_position_embeddings": size["seq_len"], "use_cache": False}
+    config = transformers.LlamaConfig(**hf, attn_implementation="sdpa")
     model = transformers.LlamaForCausalLM(config)
     model.load_state_dict(memfit_model.state_dict())
     model.train()
