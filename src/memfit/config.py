@@ -681,6 +681,15 @@ def default_optimizer(
     trained with Adam, and a full fine-tune of them with Muon does worse than with Adam (Qu, Huang and Horvath,
     2026, "Can Muon Fine-tune Adam-Pretrained Models?", arXiv:2605.10468): from pretrained weights memfit keeps
     AdamW, as torchtune and litgpt do.
+
+    Args:
+        checkpoint_dir: the config's ``checkpoint_dir`` (``None``: random initialisation).
+        method: the config's ``method``.
+        strategy: the config's ``distributed.strategy``.
+        cpu_offload: the config's ``optimizer.cpu_offload``.
+
+    Returns:
+        ``"muon"`` or ``"adamw"``.
     """
     scratch = checkpoint_dir is None and method == "full"
     return "muon" if scratch and strategy != "fsdp1" and not cpu_offload else "adamw"
@@ -702,7 +711,7 @@ def config_from_dict(
         ConfigError: as :func:`load_config`.
     """
     optimizer = tree.get("optimizer")
-    if optimizer is None or isinstance(optimizer, dict) and "name" not in optimizer:
+    if optimizer is None or (isinstance(optimizer, dict) and "name" not in optimizer):
         distributed = tree.get("distributed")
         name = default_optimizer(
             tree.get("checkpoint_dir"),
