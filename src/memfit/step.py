@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from memfit import distributed as dist_
 from memfit.config import TrainConfig
-from memfit.memory import techniques
+from memfit.memory import optimizers, techniques
 from memfit.memory.optim import OptimizerInBackward
 from memfit.memory.techniques import IGNORE_INDEX, compiled
 from memfit.models.peft import lora_effective_weight
@@ -118,6 +118,12 @@ def micro_batch_loss(
         return (compiled(loss_sum) if compile else loss_sum)(logits, targets)
 
 
+def _optimizer_step(optimizer: torch.optim.Optimizer) -> None:
+    """``optimizer.step()``, as a function of the optimizer for ``torch.compile`` (one graph per optimizer: the
+    guards hold its identity)."""
+    optimizer.step()
+
+
 def train_step(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -148,7 +154,8 @@ def train_step(
         max_grad_norm: clip the global gradient norm to this; 0 disables clipping.
         dtype: the dtype policy (``fp32``, ``bf16``, ``bf16_mixed``).
         chunked_cross_entropy: see :func:`micro_batch_loss`.
-        compile: see :func:`micro_batch_loss`.
+        compile: see :func:`micro_batch_loss`; the optimizer's step is compiled too where
+            :func:`memfit.memory.optimizers.step_compiles` says so.
         skip_nonfinite: when the loss or the gradient norm is not finite, apply no update and return
             ``skipped=True`` (one host sync: the decision is needed before the update). Not with an
             :class:`~memfit.memory.optim.OptimizerInBackward`, whose updates happen during backward.
@@ -194,7 +201,10 @@ def train_step(
         torch.isfinite(total) & torch.isfinite(grad_norm)
     )  # the same on every rank
     if not skipped:
-        optimizer.step()
+        if compile and optimizers.step_compiles(optimizer):
+            compiled(_optimizer_step, fullgraph=False)(optimizer)
+        else:
+            optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     _phase(tracker, "other")
     return StepResult(loss=total, grad_norm=grad_norm, num_tokens=num_tokens, skipped=skipped)

@@ -113,6 +113,49 @@ def test_adamw_implementations_agree():
     assert _max_diff(models["foreach"], models["fused"]) <= 1e-6
 
 
+def test_compile_compiles_the_for_loop_adamw_step_with_the_same_updates():
+    """compile=True: AdamW's step gets graphs of its own (a fused AdamW's does not), made by the first two steps
+    (the second recompiles once with the learning rate as a graph input) and none after, though the warm-up sets a
+    new lr every step (a foreach AdamW would recompile at every one: it stays eager); the weights move as in the
+    eager step (the generated kernels' arithmetic, within the compile
+    entry's 1e-5)."""
+    from torch._dynamo.utils import counters
+
+    def graphs():
+        return counters["stats"]["unique_graphs"]
+
+    def run(implementation, compile_):
+        model = build_llama(model_config("tiny"), seed=0)
+        opt = build_optimizer(model, _cfg(implementation=implementation))
+        made = []
+        for step in range(5):
+            _set_lr(opt, 1e-2 * (step + 1) / 5)  # a warm-up: a new lr every step
+            before = graphs()
+            train_step(model, opt, [_batch(step)], max_grad_norm=1.0, dtype="fp32", compile=compile_)
+            made.append(graphs() - before)
+        return model, made
+
+    torch._dynamo.reset()
+    eager, _ = run("for_loop", False)
+    compiled_model, made = run("for_loop", True)
+    torch._dynamo.reset()
+    _, made_fused = run("fused", True)  # the loss alone is compiled
+    assert made == [2, 1, 0, 0, 0] and made_fused == [1, 0, 0, 0, 0]
+    assert _max_diff(eager, build_llama(model_config("tiny"), seed=0)) > 1e-3
+    assert _max_diff(eager, compiled_model) <= 1e-5
+
+
+def test_which_optimizer_steps_compile():
+    from memfit.memory.optimizers import step_compiles
+
+    model = build_llama(model_config("tiny"), seed=0)
+    assert step_compiles(build_optimizer(model, _cfg(implementation="for_loop")))
+    assert not step_compiles(build_optimizer(model, _cfg(implementation="foreach")))  # would recompile each lr
+    assert not step_compiles(build_optimizer(model, _cfg(implementation="fused")))  # one kernel already
+    assert not step_compiles(build_optimizer(model, _cfg(), in_backward=True))  # updates inside backward
+    assert not step_compiles(build_optimizer(model, _cfg("muon")))  # a hybrid (Muon + AdamW groups)
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # OptimizerInBackward against the reference optimizer
 # ----------------------------------------------------------------------------------------------------------------

@@ -11,7 +11,17 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from memfit.errors import UnknownPresetError
-from memfit.models.llama import Llama, LlamaConfig, RopeScaling, build_llama, causal_attention, rope_inv_freq
+from memfit.models import llama as llama_module
+from memfit.models.llama import (
+    Llama,
+    LlamaConfig,
+    RMSNorm,
+    RopeScaling,
+    apply_rope,
+    build_llama,
+    causal_attention,
+    rope_inv_freq,
+)
 from memfit.models.presets import MODEL_PRESETS, model_config
 
 # Parameter counts of the Meta checkpoints as published (Hugging Face model cards / safetensors metadata).
@@ -257,6 +267,63 @@ def test_causal_attention_native_gqa_equals_expanded_heads():
     torch.testing.assert_close(native, reference, rtol=0, atol=1e-6)
     torch.testing.assert_close(expanded, reference, rtol=0, atol=1e-6)
     assert causal_attention(q.to("meta"), k.to("meta"), v.to("meta")).shape == (2, 8, 10, 16)  # expanded path
+
+
+def _reference_rms_norm(x, weight, eps):
+    """transformers' LlamaRMSNorm, written out: fp32 normalisation, cast back, then the scale."""
+    x32 = x.to(torch.float32)
+    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+@pytest.mark.parametrize(
+    "x_dtype, weight_dtype",
+    [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32)],
+)
+@pytest.mark.parametrize("chunk_elements", [None, 3 * 48])  # one chunk; chunks of 3 rows (the last one short)
+def test_rms_norm_equals_the_plain_expression(x_dtype, weight_dtype, chunk_elements, monkeypatch):
+    if chunk_elements:
+        monkeypatch.setattr(llama_module, "NORM_CHUNK_ELEMENTS", chunk_elements)
+    generator = torch.Generator().manual_seed(0)
+    x = (3 * torch.randn(2, 7, 48, generator=generator)).to(x_dtype)  # (B, T, C)
+    weight = (1 + 0.3 * torch.randn(48, generator=generator)).to(weight_dtype)
+    grad = torch.randn(2, 7, 48, generator=generator).to(torch.promote_types(x_dtype, weight_dtype))
+    norm = RMSNorm(48, 1e-5).to(weight_dtype)
+    with torch.no_grad():
+        norm.weight.copy_(weight)
+    ours_x, ref_x = x.clone().requires_grad_(), x.clone().requires_grad_()
+    ref_weight = weight.clone().requires_grad_()
+    out, expected = norm(ours_x), _reference_rms_norm(ref_x, ref_weight, 1e-5)
+    assert out.dtype == expected.dtype and torch.equal(out, expected)  # bit for bit
+    out.backward(grad)
+    expected.backward(grad)
+    # fp32: the same products in the same order; low precision: autograd rounds its intermediates, ours does not
+    exact = x_dtype == weight_dtype == torch.float32
+    atol = 1e-6 if exact else 2e-2
+    torch.testing.assert_close(ours_x.grad, ref_x.grad, rtol=0, atol=atol)
+    torch.testing.assert_close(norm.weight.grad, ref_weight.grad, rtol=0 if exact else 1e-2, atol=atol * 10)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("table", ["(T, hd)", "(B, 1, T, hd)"])
+def test_rope_equals_rotate_half_expression_bit_for_bit(dtype, table):
+    generator = torch.Generator().manual_seed(0)
+    B, nh, T, hd = 2, 3, 5, 8
+    x = torch.randn(B, T, nh, hd, generator=generator).transpose(1, 2).to(dtype)  # (B, nh, T, hd), as projected
+    shape = (T, hd) if table == "(T, hd)" else (B, 1, T, hd)
+    angles = torch.randn(shape[:-1] + (hd // 2,), generator=generator)
+    emb = torch.cat((angles, angles), dim=-1)
+    cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+    grad = torch.randn(B, nh, T, hd, generator=generator).to(dtype)
+
+    def rotate_half(t):
+        return torch.cat((-t[..., hd // 2 :], t[..., : hd // 2]), dim=-1)
+
+    ours, ref = x.clone().requires_grad_(), x.clone().requires_grad_()
+    out, expected = apply_rope(ours, cos, sin), ref * cos + rotate_half(ref) * sin
+    assert torch.equal(out, expected)
+    out.backward(grad)
+    expected.backward(grad)
+    assert torch.equal(ours.grad, ref.grad)
 
 
 def test_init_weights_deterministic_and_scaled():

@@ -419,6 +419,9 @@ class Optimizer:
     """``(name, strategy, dtype) -> why it cannot run sharded``, or ``None``; the entry itself ``None``: it can."""
     device: Callable[[str], str | None] | None = None
     """``device_type -> why it cannot run there``, or ``None`` (checked on this machine's GPU)."""
+    compiled_step: bool = False
+    """``compile: true`` compiles its ``step`` too (:func:`step_compiles`): a torch optimizer that TorchDynamo
+    traces whole, whose per-tensor update becomes one generated kernel."""
 
     @property
     def paged(self) -> bool:
@@ -444,6 +447,7 @@ OPTIMIZERS: tuple[Optimizer, ...] = (
         "torch AdamW: 2 moments in the parameter dtype",
         implementations=OPTIMIZER_IMPLEMENTATIONS,
         planned=True,
+        compiled_step=True,
     ),
     Optimizer(
         "adamw8bit",
@@ -613,6 +617,27 @@ def spec(name: str) -> Optimizer:
         KeyError: no such optimizer (config validation refuses it first).
     """
     return OPTIMIZERS_BY_NAME[name]
+
+
+def step_compiles(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether a ``compile: true`` run compiles ``optimizer.step`` (PyTorch's recipe "Compiling the optimizer
+    with torch.compile"): its class is exactly that of an entry with ``compiled_step`` (so not
+    :class:`~memfit.memory.optim.OptimizerInBackward`, whose updates run inside backward, nor a hybrid), its
+    implementation is ``for_loop``, and its parameters are plain tensors (FSDP2's ``DTensor`` shards stay eager).
+
+    ``fused`` is one kernel a tensor already. ``foreach`` stays eager: TorchDynamo specialises its learning rate
+    (a Python float scaling the ``_foreach_`` ops), so a schedule that sets a new one every step would recompile
+    every step; ``for_loop``'s becomes a graph input after one recompile. Measured on 2 CPU cores
+    (docs/benchmarks.md, "peers"): the compiled for-loop step of the 25.6M model takes about half the eager one's
+    time; the first step compiles it (seconds to tens of seconds on a CPU, cached by Inductor for the next run).
+    """
+    entries = [o for o in OPTIMIZERS if o.compiled_step and o.library == "torch"]
+    if not any(type(optimizer) is getattr(torch.optim, o.class_name) for o in entries):
+        return False
+    groups = optimizer.param_groups
+    if any(group.get("fused") or group.get("foreach") is not False for group in groups):
+        return False
+    return all(type(p) in (torch.Tensor, torch.nn.Parameter) for group in groups for p in group["params"])
 
 
 def update_factors(target: str) -> dict[str, float]:

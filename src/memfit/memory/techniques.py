@@ -121,9 +121,10 @@ def apply_compile(model: nn.Module) -> int:
 
 
 @functools.cache
-def compiled(fn):
-    """``torch.compile(fn)``, made once per function (the compiled loss of a ``compile: true`` run)."""
-    return torch.compile(fn, fullgraph=True)
+def compiled(fn, fullgraph: bool = True):
+    """``torch.compile(fn)``, made once per function (the compiled loss and optimizer step of a ``compile: true``
+    run)."""
+    return torch.compile(fn, fullgraph=fullgraph)
 
 
 def loss_chunks(setting: int | str, tokens: int, vocab_size: int) -> int:
