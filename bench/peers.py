@@ -65,6 +65,7 @@ MODELS: dict[str, dict[str, int]] = {
     "25.6M": {"dim": 512, "num_layers": 8, "num_heads": 8, "num_kv_heads": 4, "intermediate_size": 1400},
     "78.6M": {key.split(".")[1]: value for key, value in MODEL_78M.items()},
     "tiny": {"dim": 64, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "intermediate_size": 176},
+    "0.8M": {"dim": 128, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "intermediate_size": 232},
 }
 """Model name -> Llama shape (memfit's ``LlamaConfig`` field names); the vocabulary is the tokenizer's."""
 
@@ -149,6 +150,24 @@ GRID: dict[str, list[str]] = {
     ],
 }
 """The default model x variant grid."""
+SPEED_GRID: dict[str, list[str]] = {
+    "25.6M": [
+        "AdamW (for-loop)",
+        "AdamW (for-loop), memfit compiled",
+        "activation checkpointing",
+        "paged 8-bit + in backward + AC",
+        "paged 8-bit + in backward + AC, memfit compiled",
+    ],
+    "78.6M": [
+        "AdamW (for-loop)",
+        "AdamW (for-loop), memfit compiled",
+        "paged 8-bit + in backward + AC",
+        "paged 8-bit + in backward + AC, memfit compiled",
+    ],
+}
+"""``--grid speed``: the rows of the speed goals (eager and compiled memfit against the plain loop at equal
+settings), run with ``--repeats 3 --section peers-speed``."""
+GRIDS = {"default": GRID, "speed": SPEED_GRID}
 QUICK_VARIANTS = ["AdamW (for-loop)", "paged 8-bit + in backward + AC"]
 
 WEIGHT_DECAY, BETAS, EPS = 0.1, (0.9, 0.95), 1e-8  # memfit's defaults, given to the peer too
@@ -605,7 +624,8 @@ def section(rows: list[dict], runs: list[dict], args: argparse.Namespace, models
     )
     return "\n".join(
         [
-            "## memfit vs a plain transformers + PyTorch loop",
+            "## memfit vs a plain transformers + PyTorch loop"
+            + ("" if args.section == "peers" else f" ({', '.join(models)}, {args.batch_size} x {args.seq_len})"),
             "",
             f"The same random-init checkpoint (`save_pretrained`, fp32; {shapes}) trained on the same batches of "
             f"Tiny Shakespeare ({args.batch_size} x {args.seq_len} tokens, AdamW lr {args.lr:g} constant, "
@@ -622,7 +642,7 @@ def section(rows: list[dict], runs: list[dict], args: argparse.Namespace, models
             "",
             table(rows, args.steps),
             "",
-            "![peak RSS against tokens/s](peers_frontier.png)",
+            f"![peak RSS against tokens/s]({args.section.replace('-', '_')}_frontier.png)",
         ]
     )
 
@@ -702,8 +722,16 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--quick", action="store_true", help="smoke test: the tiny model, 4 steps, 2 variants"
     )
+    parser.add_argument("--grid", choices=list(GRIDS), default="default", help="the model x variant grid")
     parser.add_argument("--workdir", default=None, help="reuse its prepared data and checkpoints")
     parser.add_argument("--out", default=str(ROOT / "docs" / "benchmarks.md"), help="'-' prints only")
+    parser.add_argument(
+        "--section",
+        default="peers",
+        help="the section of --out to rewrite; its results and plot are <section>_results.json and "
+        "<section>_frontier.png beside it (a second grid, such as the 0.8M model at another batch, keeps the "
+        "default grid's table)",
+    )
     parser.add_argument("--_peer", help=argparse.SUPPRESS)
     parser.add_argument("--_checkpoint", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -711,8 +739,9 @@ def parse_args() -> argparse.Namespace:
     if args.quick:
         args.models, args.steps, args.warmup = args.models or ["tiny"], 4, 1
         args.variants = args.variants or QUICK_VARIANTS
-    models = args.models or list(GRID)
-    args.grid = {m: args.variants or GRID.get(m, QUICK_VARIANTS) for m in models}
+    grid = GRIDS[args.grid]
+    models = args.models or list(grid)
+    args.grid = {m: args.variants or grid.get(m, QUICK_VARIANTS) for m in models}
     if args.steps <= args.warmup:
         parser.error(f"--steps ({args.steps}) must exceed --warmup ({args.warmup})")
     return args
@@ -766,7 +795,8 @@ def main() -> int:
 
     docs = work if args.out == "-" else Path(args.out).parent
     text = section(rows, runs, args, models)
-    plot(rows, docs / "peers_frontier.png")
+    stem = args.section.replace("-", "_")
+    plot(rows, docs / f"{stem}_frontier.png")
     settings = {k: v for k, v in vars(args).items() if not k.startswith("_")}
     results = {
         "settings": settings,
@@ -781,12 +811,12 @@ def main() -> int:
         "runs": runs,
         "seconds": time.perf_counter() - started,
     }
-    (docs / "peers_results.json").write_text(json.dumps(results, indent=1))
+    (docs / f"{stem}_results.json").write_text(json.dumps(results, indent=1))
     print(text)
     if args.out != "-":
-        write_section(Path(args.out), "peers", text)
+        write_section(Path(args.out), args.section, text)
     print(
-        f"took {time.perf_counter() - started:.0f} s; raw results in {docs / 'peers_results.json'}",
+        f"took {time.perf_counter() - started:.0f} s; raw results in {docs / f'{stem}_results.json'}",
         file=sys.stderr,
     )
     return 0
