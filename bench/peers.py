@@ -395,13 +395,11 @@ def run_peer(
     }
 
 
-def run_memfit(
-    args: argparse.Namespace, env: dict[str, str], overrides: dict, checkpoint: Path, data: Path, out: Path
-) -> dict:
-    """One ``memfit finetune`` run in a fresh process: its measurements from outside and from its
-    ``metrics.jsonl``, or ``error``."""
-    shutil.rmtree(out, ignore_errors=True)
-    settings = {
+def memfit_settings(
+    args: argparse.Namespace, overrides: dict, checkpoint: Path, data: Path, out: Path
+) -> dict[str, Any]:
+    """The ``key=value`` settings of one ``memfit finetune`` run (the variant's ``overrides`` last)."""
+    return {
         "checkpoint_dir": checkpoint,
         "data.path": data,
         "method": "full",
@@ -423,6 +421,40 @@ def run_memfit(
         "progress_bar": "false",
         **overrides,
     }
+
+
+def predict(spec: dict[str, Any]) -> dict[str, float]:
+    """``memfit plan``'s predicted tokens/s of each memfit run: ``tokens / step_cost(...)["total"]`` with the CPU
+    cost constants (:mod:`memfit.planner.cost`), from the run's own config; a child process, like the peer.
+
+    Args:
+        spec: ``{key: settings}`` (:func:`memfit_settings`).
+
+    Returns:
+        ``{key: tokens per second}``.
+    """
+    from memfit.build import run_model_config
+    from memfit.config import load_config
+    from memfit.planner.closed_form import model_state_bytes_closed_form
+    from memfit.planner.cost import step_cost
+
+    predicted = {}
+    for key, settings in spec.items():
+        cfg = load_config(None, [f"{k}={v}" for k, v in settings.items()], needs_weights=False)
+        mcfg = run_model_config(cfg)
+        states = model_state_bytes_closed_form(cfg, mcfg)
+        cost = step_cost(cfg, mcfg, world_size=1, seq_len=cfg.seq_len, states=states)
+        predicted[key] = cfg.batch_size * cfg.seq_len * cfg.gradient_accumulation_steps / cost["total"]
+    return predicted
+
+
+def run_memfit(
+    args: argparse.Namespace, env: dict[str, str], overrides: dict, checkpoint: Path, data: Path, out: Path
+) -> dict:
+    """One ``memfit finetune`` run in a fresh process: its measurements from outside and from its
+    ``metrics.jsonl``, or ``error``."""
+    shutil.rmtree(out, ignore_errors=True)
+    settings = memfit_settings(args, overrides, checkpoint, data, out)
     cmd = [sys.executable, "-m", "memfit", "finetune", *(f"{k}={v}" for k, v in settings.items())]
     code, rss, wall, _ = run_measured(cmd, env, out)
     if code != 0:
@@ -511,10 +543,10 @@ def table(rows: list[dict], steps: int) -> str:
     """The markdown table of the summarized rows."""
     head = (
         "| model | variant | peer RSS (MiB) | memfit RSS (MiB) | memfit/peer RSS | peer tok/s | memfit tok/s "
-        "| memfit/peer tok/s | peer MFU | memfit MFU | memfit step 1 extra (s) | step-1 loss abs diff "
-        f"| step-{steps} loss abs diff |"
+        "| memfit/peer tok/s | plan tok/s | plan/memfit tok/s | peer MFU | memfit MFU | memfit step 1 extra (s) "
+        f"| step-1 loss abs diff | step-{steps} loss abs diff |"
     )
-    lines = [head, "|---|---|" + "---:|" * 11]
+    lines = [head, "|---|---|" + "---:|" * 13]
     for r in rows:
         errors = r["peer_errors"] + r["memfit_errors"]
         note = f" (failed: {errors[0]})" if errors else ""
@@ -523,6 +555,8 @@ def table(rows: list[dict], steps: int) -> str:
             f"| {cell(r['memfit_rss_mib'], ',.0f')} | {cell(ratio(r['memfit_rss_mib'], r['peer_rss_mib']), '.2f')} "
             f"| {cell(r['peer_tokens_per_second'], ',.0f')} | {cell(r['memfit_tokens_per_second'], ',.0f')} "
             f"| {cell(ratio(r['memfit_tokens_per_second'], r['peer_tokens_per_second']), '.2f')} "
+            f"| {cell(r.get('plan_tokens_per_second'), ',.0f')} "
+            f"| {cell(ratio(r.get('plan_tokens_per_second'), r['memfit_tokens_per_second']), '.2f')} "
             f"| {cell(r['peer_mfu'], '.1%')} | {cell(r['memfit_mfu'], '.1%')} "
             f"| {cell(r['memfit_first_step_extra_seconds'], '.1f')} | {cell(r['step1_loss_diff'], '.1e')} "
             f"| {cell(r['last_loss_diff'], '.1e')} |"
@@ -635,8 +669,9 @@ def section(rows: list[dict], runs: list[dict], args: argparse.Namespace, models
             f"batch, the final checkpoint, the loss plot).{baseline} Tokens/s over the steps after the first "
             f"{args.warmup}; "
             "loss diffs compare the two sides' losses at the same step (a memfit-only row's step-1 loss is compared "
-            f"with the peer's). Medians of {args.repeats} run{'s' * (args.repeats != 1)} of each side. Details in the "
-            "module docstring.",
+            f"with the peer's). Medians of {args.repeats} run{'s' * (args.repeats != 1)} of each side. Plan tok/s: "
+            "`memfit plan`'s prediction for memfit's config (`step_cost` with the CPU constants of "
+            "`memfit.planner.cost`). Details in the module docstring.",
             "",
             f"Reproduce: `{reproduce_command(args.argv)}` (2 CPU cores, fp32).",
             "",
@@ -734,6 +769,7 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument("--_peer", help=argparse.SUPPRESS)
     parser.add_argument("--_checkpoint", help=argparse.SUPPRESS)
+    parser.add_argument("--_predict", help=argparse.SUPPRESS)
     args = parser.parse_args()
     args.argv = sys.argv[1:]
     if args.quick:
@@ -755,6 +791,9 @@ def main() -> int:
     if args._peer:
         print(json.dumps(peer_loop(json.loads(args._peer))))
         return 0
+    if args._predict:
+        print(json.dumps(predict(json.loads(args._predict))))
+        return 0
 
     started = time.perf_counter()
     work = Path(args.workdir or tempfile.mkdtemp(prefix="memfit_peers_bench_"))
@@ -764,6 +803,7 @@ def main() -> int:
     print(f"fp32 matmul ceiling: {peak_flops / 1e9:.1f} GFLOP/s", file=sys.stderr, flush=True)
     runs: list[dict] = []
     rows: list[dict] = []
+    plans: dict[int, dict] = {}  # row index -> its memfit settings
     for model, variants in args.grid.items():
         checkpoint = work / f"checkpoint_{model}"
         reference = None  # a peer's step-1 loss on this model, for the memfit-only rows
@@ -792,6 +832,18 @@ def main() -> int:
             if reference is None and ok_peer:
                 reference = ok_peer[0]["losses"][0]
             rows.append(summarize(model, variant, by_side["peer"], by_side["memfit"], reference))
+            plans[len(rows) - 1] = memfit_settings(
+                args, {**overrides, "peak_flops": peak_flops}, checkpoint, data, work / "plan"
+            )
+
+    # the planner's prediction of each memfit row, from the same settings, in a child (this process keeps torch out)
+    spec = json.dumps({str(i): {k: str(v) for k, v in s.items()} for i, s in plans.items()})
+    code, _, _, stdout = run_measured([sys.executable, __file__, "--_predict", spec], env, work / "plan")
+    if code == 0:
+        for i, rate in json.loads(stdout.strip().splitlines()[-1]).items():
+            rows[int(i)]["plan_tokens_per_second"] = rate
+    else:
+        print(f"the planner's predictions failed: {failure(work / 'plan', code)}", file=sys.stderr)
 
     docs = work if args.out == "-" else Path(args.out).parent
     text = section(rows, runs, args, models)
