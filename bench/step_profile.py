@@ -16,7 +16,8 @@ times grouped into categories side by side.
   sides train on one fixed random batch, so their losses agree step by step (printed for the profiled step).
 - **Measured**: ``--warmup`` (2) steps per side; then ``--timed`` unprofiled steps, alternating sides, whose median wall
   time per step is the table's "wall" row; then ``--steps`` steps per side under
-  ``torch.profiler.profile(activities=[CPU])``. During the profile, forward pre/post hooks on every module open a
+  ``torch.profiler.profile(activities=[CPU])``, one step at a time, alternating sides (so that the machine's drift,
+large on shared cores, falls on both). During the profile, forward pre/post hooks on every module open a
   ``module: <class>`` range, so each op's self CPU time can be charged to where it ran: an op is categorised by its
   own name, else by the ranges around it, innermost first (:data:`RULES`); an op of the backward by its own name,
   else by the forward op that made its autograd node (the same ``sequence_nr``). Self time of a module's range is
@@ -24,8 +25,8 @@ times grouped into categories side by side.
   step, so nothing is counted twice. ``key_averages()`` alone could not do this: it groups by op name, and one
   ``aten::mul`` is RoPE, another SwiGLU, another RMSNorm.
 
-Reproduce (about 2 minutes on 2 CPU cores, an estimate from ``bench/peers.py``'s plain steps, 1.2 s at 25.6M and
-3.4 s at 78.6M: each size runs 2 + 5 + 3 steps a side)::
+Reproduce (about 4 minutes on 2 CPU cores: each size runs 2 + 7 + 5 steps a side, 1.2-1.5 s each at 25.6M and
+3.4-4.5 s at 78.6M, profiled ones slower)::
 
     .venv/bin/python bench/step_profile.py
 
@@ -301,15 +302,20 @@ def profile_size(name: str, size: dict[str, int], warmup: int, timed: int, steps
             step(batch)
             wall[side].append(time.perf_counter() - t0)
     result["wall_ms"] = {side: statistics.median(w) * 1000 for side, w in wall.items()}
-    result["ops"], result["profiled_ms"], result["profiled_loss"] = {}, {}, {}
-    for side, step in sides.items():
-        with module_ranges(), profile(activities=[ProfilerActivity.CPU]) as prof:
-            t0 = time.perf_counter()
-            for _ in range(steps):
+    ops: dict[str, dict[tuple[str, str], float]] = {side: defaultdict(float) for side in sides}
+    profiled: dict[str, float] = {side: 0.0 for side in sides}
+    result["profiled_loss"] = {}
+    for _ in range(steps):  # one profiled step a side at a time, alternating: drift of the machine hits both
+        for side, step in sides.items():
+            with module_ranges(), profile(activities=[ProfilerActivity.CPU]) as prof:
+                t0 = time.perf_counter()
                 with record_function(f"step: {side}"):
                     result["profiled_loss"][side] = step(batch)
-            result["profiled_ms"][side] = (time.perf_counter() - t0) * 1000 / steps
-        result["ops"][side] = op_times(prof, steps)
+                profiled[side] += (time.perf_counter() - t0) * 1000 / steps
+            for key, ms in op_times(prof, steps).items():
+                ops[side][key] += ms
+    result["ops"] = {side: dict(times) for side, times in ops.items()}
+    result["profiled_ms"] = profiled
     print(
         f"{name}: {result['num_params']:,} parameters; wall/step memfit {result['wall_ms']['memfit']:.1f} ms, "
         f"plain {result['wall_ms']['plain']:.1f} ms; profiled-step loss memfit "
@@ -413,8 +419,8 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", nargs="+", choices=list(SIZES), help="default: all three")
     parser.add_argument("--warmup", type=int, default=2, help="unmeasured steps per side first")
-    parser.add_argument("--timed", type=int, default=5, help="unprofiled steps per side for the wall time")
-    parser.add_argument("--steps", type=int, default=3, help="profiled steps per side")
+    parser.add_argument("--timed", type=int, default=7, help="unprofiled steps per side for the wall time")
+    parser.add_argument("--steps", type=int, default=5, help="profiled steps per side")
     parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
     parser.add_argument(
         "--quick", action="store_true", help="smoke test: 0.8M, 1 warm-up, timed, profiled step"
