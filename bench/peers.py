@@ -502,17 +502,29 @@ def median_of(runs: list[dict], key: str) -> float | None:
 
 
 def summarize(
-    model: str, variant: str, peer_runs: list[dict], memfit_runs: list[dict], reference: float | None
+    model: str,
+    variant: str,
+    peer_runs: list[dict],
+    memfit_runs: list[dict],
+    reference: float | None,
+    args: argparse.Namespace,
 ) -> dict[str, Any]:
     """One table row: medians over the repeats, and the largest loss differences between peer and memfit.
 
     ``reference`` is a peer's step-1 loss on this model (the same for every variant), compared with a memfit-only
-    row's.
+    row's. Besides each run's tokens/s over its timed steps, ``*_median_step_tokens_per_second`` divides the
+    batch's tokens by the run's median timed step: on shared cores a step now and then takes 1.5x its neighbours
+    (another tenant), which moves a 17-step mean by several percent and the median hardly.
     """
     row: dict[str, Any] = {"model": model, "variant": variant}
+    tokens = args.batch_size * args.seq_len
     for side, runs in (("peer", peer_runs), ("memfit", memfit_runs)):
         row[f"{side}_rss_mib"] = median_of(runs, "rss_mib")
         row[f"{side}_tokens_per_second"] = median_of(runs, "tokens_per_second")
+        rates = [
+            tokens / statistics.median(r["step_seconds"][args.warmup :]) for r in runs if "error" not in r
+        ]
+        row[f"{side}_median_step_tokens_per_second"] = statistics.median(rates) if rates else None
         row[f"{side}_errors"] = [r["error"] for r in runs if "error" in r]
     row["memfit_metrics_peak_rss_mib"] = median_of(memfit_runs, "metrics_peak_rss_mib")
     row["memfit_mfu"] = median_of(memfit_runs, "mfu")
@@ -543,10 +555,10 @@ def table(rows: list[dict], steps: int) -> str:
     """The markdown table of the summarized rows."""
     head = (
         "| model | variant | peer RSS (MiB) | memfit RSS (MiB) | memfit/peer RSS | peer tok/s | memfit tok/s "
-        "| memfit/peer tok/s | plan tok/s | plan/memfit tok/s | peer MFU | memfit MFU | memfit step 1 extra (s) "
+        "| memfit/peer tok/s | memfit/peer (median step) | plan tok/s | plan/memfit tok/s | peer MFU | memfit MFU | memfit step 1 extra (s) "
         f"| step-1 loss abs diff | step-{steps} loss abs diff |"
     )
-    lines = [head, "|---|---|" + "---:|" * 13]
+    lines = [head, "|---|---|" + "---:|" * 14]
     for r in rows:
         errors = r["peer_errors"] + r["memfit_errors"]
         note = f" (failed: {errors[0]})" if errors else ""
@@ -555,6 +567,7 @@ def table(rows: list[dict], steps: int) -> str:
             f"| {cell(r['memfit_rss_mib'], ',.0f')} | {cell(ratio(r['memfit_rss_mib'], r['peer_rss_mib']), '.2f')} "
             f"| {cell(r['peer_tokens_per_second'], ',.0f')} | {cell(r['memfit_tokens_per_second'], ',.0f')} "
             f"| {cell(ratio(r['memfit_tokens_per_second'], r['peer_tokens_per_second']), '.2f')} "
+            f"| {cell(ratio(r.get('memfit_median_step_tokens_per_second'), r.get('peer_median_step_tokens_per_second')), '.2f')} "
             f"| {cell(r.get('plan_tokens_per_second'), ',.0f')} "
             f"| {cell(ratio(r.get('plan_tokens_per_second'), r['memfit_tokens_per_second']), '.2f')} "
             f"| {cell(r['peer_mfu'], '.1%')} | {cell(r['memfit_mfu'], '.1%')} "
@@ -669,7 +682,9 @@ def section(rows: list[dict], runs: list[dict], args: argparse.Namespace, models
             f"batch, the final checkpoint, the loss plot).{baseline} Tokens/s over the steps after the first "
             f"{args.warmup}; "
             "loss diffs compare the two sides' losses at the same step (a memfit-only row's step-1 loss is compared "
-            f"with the peer's). Medians of {args.repeats} run{'s' * (args.repeats != 1)} of each side. Plan tok/s: "
+            f"with the peer's). Medians of {args.repeats} run{'s' * (args.repeats != 1)} of each side. The median-step "
+            "ratio divides the batch by each run's median timed step instead (robust to the occasional step that "
+            "another tenant of shared cores slows by half). Plan tok/s: "
             "`memfit plan`'s prediction for memfit's config (`step_cost` with the CPU constants of "
             "`memfit.planner.cost`). Details in the module docstring.",
             "",
@@ -770,6 +785,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--_peer", help=argparse.SUPPRESS)
     parser.add_argument("--_checkpoint", help=argparse.SUPPRESS)
     parser.add_argument("--_predict", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--from-results",
+        help="a results JSON of an earlier run (its --workdir kept): summarize its runs again and write the section, "
+        "measuring nothing",
+    )
     args = parser.parse_args()
     args.argv = sys.argv[1:]
     if args.quick:
@@ -796,49 +816,39 @@ def main() -> int:
         return 0
 
     started = time.perf_counter()
-    work = Path(args.workdir or tempfile.mkdtemp(prefix="memfit_peers_bench_"))
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    data, models = prepare_inputs(args, work, env)
-    peak_flops = matmul_ceiling(env)
-    print(f"fp32 matmul ceiling: {peak_flops / 1e9:.1f} GFLOP/s", file=sys.stderr, flush=True)
-    runs: list[dict] = []
-    rows: list[dict] = []
-    plans: dict[int, dict] = {}  # row index -> its memfit settings
-    for model, variants in args.grid.items():
-        checkpoint = work / f"checkpoint_{model}"
-        reference = None  # a peer's step-1 loss on this model, for the memfit-only rows
-        peer_runs: dict[str, list[dict]] = {}  # variant -> its peer runs, for the rows compared with them
-        for variant in variants:
-            peer, overrides = VARIANTS[variant]
-            by_side: dict[str, list[dict]] = {"peer": [], "memfit": []}
-            if isinstance(peer, str):  # compared with an earlier variant's peer runs
-                by_side["peer"] = peer_runs.get(peer, [])
-            for repeat in range(args.repeats):  # the sides alternate: peer, memfit, peer, memfit, ...
-                out = work / "runs" / model / variant.replace(" ", "_").replace(",", "") / str(repeat)
-                for side in ("peer", "memfit") if isinstance(peer, Peer) else ("memfit",):
-                    if side == "peer":
-                        result = run_peer(args, env, peer, checkpoint, data, out / side)
-                    else:
-                        result = run_memfit(
-                            args, env, {**overrides, "peak_flops": peak_flops}, checkpoint, data, out / side
-                        )
-                    by_side[side].append(result)
-                    runs.append(
-                        {"model": model, "variant": variant, "side": side, "repeat": repeat, **result}
-                    )
-                    announce(out / side, result, args.steps)
-            peer_runs[variant] = by_side["peer"]
-            ok_peer = [r for r in by_side["peer"] if "error" not in r]
-            if reference is None and ok_peer:
-                reference = ok_peer[0]["losses"][0]
-            rows.append(summarize(model, variant, by_side["peer"], by_side["memfit"], reference))
-            plans[len(rows) - 1] = memfit_settings(
-                args, {**overrides, "peak_flops": peak_flops}, checkpoint, data, work / "plan"
-            )
+    if args.from_results:
+        previous = json.loads(Path(args.from_results).read_text())
+        for key, value in previous["settings"].items():
+            if key not in ("from_results", "out", "section"):
+                setattr(args, key, value)
+        work, env = Path(args.workdir), {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+        data, models, runs = work / "data", previous["models"], previous["runs"]
+        peak_flops = previous["machine"]["fp32_matmul_flops_per_second"]
+        started -= previous["seconds"]
+    else:
+        work = Path(args.workdir or tempfile.mkdtemp(prefix="memfit_peers_bench_"))
+        env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+        data, models = prepare_inputs(args, work, env)
+        peak_flops = matmul_ceiling(env)
+        print(f"fp32 matmul ceiling: {peak_flops / 1e9:.1f} GFLOP/s", file=sys.stderr, flush=True)
+        runs = measure(args, env, work, data, peak_flops)
+    rows = summarize_runs(runs, args)
 
     # the planner's prediction of each memfit row, from the same settings, in a child (this process keeps torch out)
-    spec = json.dumps({str(i): {k: str(v) for k, v in s.items()} for i, s in plans.items()})
-    code, _, _, stdout = run_measured([sys.executable, __file__, "--_predict", spec], env, work / "plan")
+    plans = {
+        str(i): {
+            k: str(v)
+            for k, v in memfit_settings(
+                args,
+                {**VARIANTS[row["variant"]][1], "peak_flops": peak_flops},
+                work / f"checkpoint_{row['model']}",
+                data,
+                work / "plan",
+            ).items()
+        }
+        for i, row in enumerate(rows)
+    }
+    code, _, _, stdout = run_measured([sys.executable, __file__, "--_predict", json.dumps(plans)], env, work / "plan")
     if code == 0:
         for i, rate in json.loads(stdout.strip().splitlines()[-1]).items():
             rows[int(i)]["plan_tokens_per_second"] = rate
@@ -872,6 +882,49 @@ def main() -> int:
         file=sys.stderr,
     )
     return 0
+
+
+def measure(args: argparse.Namespace, env: dict[str, str], work: Path, data: Path, peak_flops: float) -> list[dict]:
+    """Every run of the grid, the sides of a variant alternating over the repeats: a result each, with its
+    ``model``, ``variant``, ``side`` and ``repeat``."""
+    runs: list[dict] = []
+    for model, variants in args.grid.items():
+        checkpoint = work / f"checkpoint_{model}"
+        for variant in variants:
+            peer, overrides = VARIANTS[variant]
+            for repeat in range(args.repeats):  # the sides alternate: peer, memfit, peer, memfit, ...
+                out = work / "runs" / model / variant.replace(" ", "_").replace(",", "") / str(repeat)
+                for side in ("peer", "memfit") if isinstance(peer, Peer) else ("memfit",):
+                    if side == "peer":
+                        result = run_peer(args, env, peer, checkpoint, data, out / side)
+                    else:
+                        result = run_memfit(
+                            args, env, {**overrides, "peak_flops": peak_flops}, checkpoint, data, out / side
+                        )
+                    runs.append({"model": model, "variant": variant, "side": side, "repeat": repeat, **result})
+                    announce(out / side, result, args.steps)
+    return runs
+
+
+def summarize_runs(runs: list[dict], args: argparse.Namespace) -> list[dict]:
+    """A row per model and variant of the grid (:func:`summarize`); a variant that names an earlier one is compared
+    with that one's peer runs, a memfit-only row's step-1 loss with the model's first peer run's."""
+    rows = []
+    for model, variants in args.grid.items():
+        reference = None
+        for variant in variants:
+            peer = VARIANTS[variant][0]
+            peer_variant = peer if isinstance(peer, str) else variant
+
+            def side_runs(side: str, name: str) -> list[dict]:
+                return [r for r in runs if (r["model"], r["variant"], r["side"]) == (model, name, side)]
+
+            peer_runs = side_runs("peer", peer_variant) if peer is not None else []
+            ok_peer = [r for r in peer_runs if "error" not in r]
+            if reference is None and ok_peer:
+                reference = ok_peer[0]["losses"][0]
+            rows.append(summarize(model, variant, peer_runs, side_runs("memfit", variant), reference, args))
+    return rows
 
 
 if __name__ == "__main__":

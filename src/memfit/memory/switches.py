@@ -871,6 +871,22 @@ def _cost_activation_offloading(on: bool, t: StepTerms) -> None:
     t.moved_bytes += t.offloaded_activation_bytes // t.mcfg.num_layers
 
 
+def _cost_compile(on: bool, t: StepTerms) -> None:
+    if not on:
+        return
+    t.matmul_flops_per_second *= t.constants["compiled_compute_speedup"]
+    cfg = t.cfg
+    entry = optimizers.spec(cfg.optimizer.name)
+    if (  # the step memfit.memory.optimizers.step_compiles compiles, told from the config
+        entry.compiled_step
+        and cfg.optimizer.implementation == "for_loop"
+        and not cfg.optimizer_in_backward
+        and t.world_size == 1
+    ):
+        t.update_factor *= t.constants["compiled_update_factor"]
+        t.per_tensor = False  # one generated kernel a tensor, no launches of ~10 eager ones
+
+
 def _cost_reshard(on: bool, t: StepTerms) -> None:
     t.gathers = 2 if on else 1
 
@@ -1304,8 +1320,9 @@ SWITCHES: tuple[Switch, ...] = (
             ),
         ),
         parity=(_COMPILED,),
-        not_planned="the estimate traces the eager step (an upper bound of the compiled one): the planner cannot tell "
-        "what compiling saves",
+        cost=_cost_compile,
+        not_planned="the estimate traces the eager step (an upper bound of the compiled one), and what compiling "
+        "saves is measured on CPU only (memfit.planner.cost): a compiled config is priced, not proposed",
         doc="torch.compile each decoder layer and the loss (the estimator traces the eager step, an upper bound)",
     ),
     Switch(
