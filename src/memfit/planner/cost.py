@@ -66,6 +66,12 @@ _CUDA_CONSTANTS: dict[str, Any] = {
     # 33 B; 47 B with fp32 outputs; bf16_mixed adds autocast's cast of the fp32 weight to bf16 (6 B). Eager
     # dequantization assumed (compile would fuse it to about 0.5 B read + 2 B written). CUDA: not measured
     "nf4_dequantize_bytes_per_element": {"bf16": 33.0, "bf16_mixed": 53.0, "fp32": 47.0},
+    # compile: true (the `compile` switch's cost rule). The fused elementwise work of the compiled layers and loss
+    # as a speed-up of the effective matmul rate, and the compiled for-loop AdamW step (one generated kernel a
+    # tensor) as a factor of the update's time. CUDA: not measured, so 1.0 (compiling is priced as free and as
+    # gaining nothing there)
+    "compiled_compute_speedup": 1.0,
+    "compiled_update_factor": 1.0,
 }
 
 COST_CONSTANTS: dict[str, dict[str, Any]] = {
@@ -86,6 +92,11 @@ COST_CONSTANTS: dict[str, dict[str, Any]] = {
         # more in backward (250); APOLLO's projections are too few FLOPs to time apart (docs/benchmarks.md)
         "optimizer_matmul_flops_per_second": 370e9,
         "kernel_launch_seconds": 0.0,
+        # measured on the 25.6M model of bench/peers.py (fp32, 4 x 256, 2 cores; the same process, steps of each
+        # interleaved): compiled layers and loss 1.035x the eager step's speed with the update eager, and the
+        # compiled for-loop AdamW step of 50 tensors of 10.5M parameters 18.9 ms against 39.1 eager (0.48)
+        "compiled_compute_speedup": 1.035,
+        "compiled_update_factor": 0.5,
         # measured on the 2 development cores (torch 2.13 CPU, torchao 0.18; best of 7-9 runs, in 4 sessions;
         # docs/memory.md, "method: qlora"): `.to(dtype)` of a 4096 x 4096 NF4 weight took 82-116 ms in bf16
         # (4.9-6.9 ns per element), 163-203 ms in fp32 (9.7-12.1 ns) and 172-179 ms from an fp32 NF4 to bf16
