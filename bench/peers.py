@@ -555,19 +555,22 @@ def table(rows: list[dict], steps: int) -> str:
     """The markdown table of the summarized rows."""
     head = (
         "| model | variant | peer RSS (MiB) | memfit RSS (MiB) | memfit/peer RSS | peer tok/s | memfit tok/s "
-        "| memfit/peer tok/s | memfit/peer (median step) | plan tok/s | plan/memfit tok/s | peer MFU | memfit MFU | memfit step 1 extra (s) "
-        f"| step-1 loss abs diff | step-{steps} loss abs diff |"
+        "| memfit/peer tok/s | memfit/peer (median step) | plan tok/s | plan/memfit tok/s | peer MFU | memfit MFU "
+        f"| memfit step 1 extra (s) | step-1 loss abs diff | step-{steps} loss abs diff |"
     )
     lines = [head, "|---|---|" + "---:|" * 14]
     for r in rows:
         errors = r["peer_errors"] + r["memfit_errors"]
         note = f" (failed: {errors[0]})" if errors else ""
+        median_step = ratio(
+            r.get("memfit_median_step_tokens_per_second"), r.get("peer_median_step_tokens_per_second")
+        )
         lines.append(
             f"| {r['model']} | {r['variant']}{note} | {cell(r['peer_rss_mib'], ',.0f')} "
             f"| {cell(r['memfit_rss_mib'], ',.0f')} | {cell(ratio(r['memfit_rss_mib'], r['peer_rss_mib']), '.2f')} "
             f"| {cell(r['peer_tokens_per_second'], ',.0f')} | {cell(r['memfit_tokens_per_second'], ',.0f')} "
             f"| {cell(ratio(r['memfit_tokens_per_second'], r['peer_tokens_per_second']), '.2f')} "
-            f"| {cell(ratio(r.get('memfit_median_step_tokens_per_second'), r.get('peer_median_step_tokens_per_second')), '.2f')} "
+            f"| {cell(median_step, '.2f')} "
             f"| {cell(r.get('plan_tokens_per_second'), ',.0f')} "
             f"| {cell(ratio(r.get('plan_tokens_per_second'), r['memfit_tokens_per_second']), '.2f')} "
             f"| {cell(r['peer_mfu'], '.1%')} | {cell(r['memfit_mfu'], '.1%')} "
@@ -672,7 +675,11 @@ def section(rows: list[dict], runs: list[dict], args: argparse.Namespace, models
     return "\n".join(
         [
             "## memfit vs a plain transformers + PyTorch loop"
-            + ("" if args.section == "peers" else f" ({', '.join(models)}, {args.batch_size} x {args.seq_len})"),
+            + (
+                ""
+                if args.section == "peers"
+                else f" ({', '.join(models)}, {args.batch_size} x {args.seq_len})"
+            ),
             "",
             f"The same random-init checkpoint (`save_pretrained`, fp32; {shapes}) trained on the same batches of "
             f"Tiny Shakespeare ({args.batch_size} x {args.seq_len} tokens, AdamW lr {args.lr:g} constant, "
@@ -827,7 +834,12 @@ def main() -> int:
         started -= previous["seconds"]
     else:
         work = Path(args.workdir or tempfile.mkdtemp(prefix="memfit_peers_bench_"))
-        env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+        env = {
+            **os.environ,
+            "PYTHONPATH": str(ROOT / "src"),
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+        }
         data, models = prepare_inputs(args, work, env)
         peak_flops = matmul_ceiling(env)
         print(f"fp32 matmul ceiling: {peak_flops / 1e9:.1f} GFLOP/s", file=sys.stderr, flush=True)
@@ -848,7 +860,9 @@ def main() -> int:
         }
         for i, row in enumerate(rows)
     }
-    code, _, _, stdout = run_measured([sys.executable, __file__, "--_predict", json.dumps(plans)], env, work / "plan")
+    code, _, _, stdout = run_measured(
+        [sys.executable, __file__, "--_predict", json.dumps(plans)], env, work / "plan"
+    )
     if code == 0:
         for i, rate in json.loads(stdout.strip().splitlines()[-1]).items():
             rows[int(i)]["plan_tokens_per_second"] = rate
@@ -884,7 +898,9 @@ def main() -> int:
     return 0
 
 
-def measure(args: argparse.Namespace, env: dict[str, str], work: Path, data: Path, peak_flops: float) -> list[dict]:
+def measure(
+    args: argparse.Namespace, env: dict[str, str], work: Path, data: Path, peak_flops: float
+) -> list[dict]:
     """Every run of the grid, the sides of a variant alternating over the repeats: a result each, with its
     ``model``, ``variant``, ``side`` and ``repeat``."""
     runs: list[dict] = []
@@ -901,7 +917,9 @@ def measure(args: argparse.Namespace, env: dict[str, str], work: Path, data: Pat
                         result = run_memfit(
                             args, env, {**overrides, "peak_flops": peak_flops}, checkpoint, data, out / side
                         )
-                    runs.append({"model": model, "variant": variant, "side": side, "repeat": repeat, **result})
+                    runs.append(
+                        {"model": model, "variant": variant, "side": side, "repeat": repeat, **result}
+                    )
                     announce(out / side, result, args.steps)
     return runs
 
@@ -916,7 +934,7 @@ def summarize_runs(runs: list[dict], args: argparse.Namespace) -> list[dict]:
             peer = VARIANTS[variant][0]
             peer_variant = peer if isinstance(peer, str) else variant
 
-            def side_runs(side: str, name: str) -> list[dict]:
+            def side_runs(side: str, name: str, model: str = model) -> list[dict]:
                 return [r for r in runs if (r["model"], r["variant"], r["side"]) == (model, name, side)]
 
             peer_runs = side_runs("peer", peer_variant) if peer is not None else []

@@ -150,7 +150,9 @@ def test_which_optimizer_steps_compile():
 
     model = build_llama(model_config("tiny"), seed=0)
     assert step_compiles(build_optimizer(model, _cfg(implementation="for_loop")))
-    assert not step_compiles(build_optimizer(model, _cfg(implementation="foreach")))  # would recompile each lr
+    assert not step_compiles(
+        build_optimizer(model, _cfg(implementation="foreach"))
+    )  # would recompile each lr
     assert not step_compiles(build_optimizer(model, _cfg(implementation="fused")))  # one kernel already
     assert not step_compiles(build_optimizer(model, _cfg(), in_backward=True))  # updates inside backward
     assert not step_compiles(build_optimizer(model, _cfg("muon")))  # a hybrid (Muon + AdamW groups)

@@ -15,8 +15,8 @@ process's resident set at its highest in the interval: the kernel's high-water m
 process set a new one in the interval, else the highest of the samples a background thread takes every 10 ms
 (``/proc/self/statm``; ``psutil`` elsewhere). The thread wakes, takes the GIL and reads a file each time, and on a
 busy CPU it preempts a compute thread: every 2 ms it cost 2.4% of a step of the 0.8M model of
-``bench/step_profile.py`` on 2 cores (0.6% at 25.6M); every 10 ms, within the noise. The kernel's mark is never reset, so ``ru_maxrss`` (what
-``/usr/bin/time -v`` and schedulers report) and the run's ``peak_memory_rss`` agree.
+``bench/step_profile.py`` on 2 cores (0.6% at 25.6M); every 10 ms, within the noise. The kernel's mark is never
+reset, so ``ru_maxrss`` (what ``/usr/bin/time -v`` and schedulers report) and the run's ``peak_memory_rss`` agree.
 """
 
 from __future__ import annotations

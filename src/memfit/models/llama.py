@@ -235,7 +235,9 @@ class _RMSNormFunction(torch.autograd.Function):
             torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_weight else None
         )
         for s, e in _norm_chunks(rows):
-            normed = rows[s:e].float() * rstd[s:e]  # (n, C) fp32: x / rms(x), a new tensor (scaled in place below)
+            normed = (
+                rows[s:e].float() * rstd[s:e]
+            )  # (n, C) fp32: x / rms(x), a new tensor (scaled in place below)
             g = grads[s:e]
             if (
                 need_weight
@@ -341,8 +343,9 @@ class _RopeFunction(torch.autograd.Function):
     """``x * cos + rotate_half(x) * sin`` (``rotate_half``: ``(x1, x2) -> (-x2, x1)`` over the halves of hd) and its
     gradient ``g * cos - rotate_half(g * sin)``, each as one full-size product and two half-size ones updated in
     place: autograd of the plain expression runs five full-size kernels forward (the two products, the negation,
-    the concatenation, the sum) and as many backward; this takes ~2/3 of its time on CPU (``bench/step_profile.py``). Bit-identical to it, forward
-    and backward (the same products, summed in the same pairs); keeps only ``cos`` and ``sin`` for the backward.
+    the concatenation, the sum) and as many backward; this takes ~2/3 of its time on CPU. Bit-identical to it,
+    forward and backward (the same products, summed in the same pairs); keeps only ``cos`` and ``sin`` for the
+    backward.
     """
 
     @staticmethod
