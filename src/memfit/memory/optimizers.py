@@ -434,6 +434,11 @@ class Optimizer:
 
 
 _BNB_ADAMW8BIT = _bnb_state(moments=2, bits=8)
+_BNB_CPU = 7.0
+"""bitsandbytes' 8-bit update on CPU as a multiple of torch AdamW's modelled update (``bench/peers.py``, ``--grid
+speed``, 2026-12-03): the least-memory rows (paged 8-bit in backward + checkpointing) took 0.58 s (25.6M) and 1.1 s
+(78.6M) a step more than checkpointing with AdamW, against AdamW's modelled 0.07 and 0.22 s: 6.6-9x. The earlier
+1.4 was the ratio of a whole step's time; it kept the plan's tokens/s 22-37% too high on those rows."""
 _TORCHAO_BITS = (
     1.4  # bitsandbytes' 8-bit step measured 1.4x torch's AdamW on CPU; assumed on CUDA (docs/memory.md)
 )
@@ -458,6 +463,7 @@ OPTIMIZERS: tuple[Optimizer, ...] = (
         quantizes=_bnb_quantizes,
         planned=True,
         update_factor=1.4,
+        cpu_update_factor=_BNB_CPU,
         sharded=_bnb_sharded,
     ),
     Optimizer(
@@ -470,6 +476,7 @@ OPTIMIZERS: tuple[Optimizer, ...] = (
         paged_bytes_per_element=2,  # such a tensor is always above bitsandbytes' 8-bit threshold
         planned=True,
         update_factor=1.4,
+        cpu_update_factor=_BNB_CPU,
         sharded=_bnb_sharded,
     ),
     Optimizer(

@@ -26,8 +26,9 @@ _CUDA_CONSTANTS: dict[str, Any] = {
     # this rate (~60% of an H100 SXM's 3.35 TB/s HBM3)
     "device_memory_bytes_per_second": 2.0e12,
     # other optimizers' updates, as multiples of AdamW's at the same dtype: each optimizer's entry has its own
-    # (memfit.memory.optimizers, update_factor; bitsandbytes 8-bit: 1.4, the ratio measured on CPU, docs/memory.md,
-    # "optimizer.name"; no GPU measurement yet, the same 1.4 is assumed for torchao's, torch.compile'd on CUDA)
+    # (memfit.memory.optimizers, update_factor; bitsandbytes 8-bit: 1.4, a whole step's ratio on CPU, docs/memory.md,
+    # "optimizer.name"; no GPU measurement yet, the same 1.4 is assumed for torchao's, torch.compile'd on CUDA; on
+    # CPU each entry's cpu_update_factor: bitsandbytes 7, torchao 8, measured)
     "optimizer_update_factor": optimizers.update_factors("cuda"),
     # the matmuls some updates add (Muon's Newton-Schulz iteration in bf16, APOLLO's projections), at this rate:
     # the bf16 rate above (one matrix at a time, smaller than a layer's batched matmuls: an assumption, not
