@@ -117,8 +117,7 @@ def test_compile_compiles_the_for_loop_adamw_step_with_the_same_updates():
     """compile=True: AdamW's step gets graphs of its own (a fused AdamW's does not), made by the first two steps
     (the second recompiles once with the learning rate as a graph input) and none after, though the warm-up sets a
     new lr every step (a foreach AdamW would recompile at every one: it stays eager); the weights move as in the
-    eager step (the generated kernels' arithmetic, within the compile
-    entry's 1e-5)."""
+    eager step (the generated kernels' arithmetic, within the compile entry's 1e-5)."""
     from torch._dynamo.utils import counters
 
     def graphs():
@@ -146,13 +145,17 @@ def test_compile_compiles_the_for_loop_adamw_step_with_the_same_updates():
 
 
 def test_which_optimizer_steps_compile():
-    from memfit.memory.optimizers import step_compiles
+    from memfit.memory.optimizers import step_compiled, step_compiles
 
+    # the rule from a config (the cost model's question)
+    assert step_compiled("adamw", "for_loop", in_backward=False, sharded=False)
+    assert not step_compiled("adamw", "for_loop", in_backward=True, sharded=False)
+    assert not step_compiled("adamw", "for_loop", in_backward=False, sharded=True)
+    assert not step_compiled("adamw8bit", "for_loop", in_backward=False, sharded=False)
     model = build_llama(model_config("tiny"), seed=0)
     assert step_compiles(build_optimizer(model, _cfg(implementation="for_loop")))
-    assert not step_compiles(
-        build_optimizer(model, _cfg(implementation="foreach"))
-    )  # would recompile each lr
+    # foreach would recompile at each new lr
+    assert not step_compiles(build_optimizer(model, _cfg(implementation="foreach")))
     assert not step_compiles(build_optimizer(model, _cfg(implementation="fused")))  # one kernel already
     assert not step_compiles(build_optimizer(model, _cfg(), in_backward=True))  # updates inside backward
     assert not step_compiles(build_optimizer(model, _cfg("muon")))  # a hybrid (Muon + AdamW groups)

@@ -52,3 +52,27 @@ def test_an_interval_that_sets_a_new_high_reports_the_kernel_s_mark():
         assert quiet < rss - 0.2  # the block is gone: the next interval's peak is a sample, well below
     finally:
         memory.close()
+
+
+def test_the_rss_sampler_keeps_the_highest_sample_and_stops_and_joins():
+    """A block touched while the sampler runs is in its peak; ``stop`` then ``join`` ends the thread (its stop
+    event once shadowed ``Thread._stop``, and ``join`` raised)."""
+    import threading
+    import time
+
+    from memfit.memory.stats import _RssSampler
+
+    sampler = _RssSampler(interval=0.001)
+    sampler.start()
+    before = sampler.take()
+    block = bytearray(64 * 2**20)  # 64 MiB, zero pages: touch them so they count
+    for i in range(0, len(block), 4096):
+        block[i] = 1
+    time.sleep(0.05)
+    del block
+    time.sleep(0.05)
+    peak = sampler.take()
+    sampler.stop()
+    sampler.join(timeout=5)
+    assert not sampler.is_alive() and sampler is not threading.current_thread()
+    assert peak >= before + 60 * 2**20

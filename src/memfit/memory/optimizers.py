@@ -440,7 +440,7 @@ speed``, 2026-12-03): the least-memory rows (paged 8-bit in backward + checkpoin
 (78.6M) a step more than checkpointing with AdamW, against AdamW's modelled 0.07 and 0.22 s: 6.6-9x. The earlier
 1.4 was the ratio of a whole step's time; it kept the plan's tokens/s 22-37% too high on those rows."""
 _TORCHAO_BITS = (
-    1.4  # bitsandbytes' 8-bit step measured 1.4x torch's AdamW on CPU; assumed on CUDA (docs/memory.md)
+    1.4  # bitsandbytes' whole 8-bit step over torch's on CPU, assumed for the update on CUDA (docs/memory.md)
 )
 
 OPTIMIZERS: tuple[Optimizer, ...] = (
@@ -626,25 +626,53 @@ def spec(name: str) -> Optimizer:
     return OPTIMIZERS_BY_NAME[name]
 
 
-def step_compiles(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether a ``compile: true`` run compiles ``optimizer.step`` (PyTorch's recipe "Compiling the optimizer
-    with torch.compile"): its class is exactly that of an entry with ``compiled_step`` (so not
-    :class:`~memfit.memory.optim.OptimizerInBackward`, whose updates run inside backward, nor a hybrid), its
-    implementation is ``for_loop``, and its parameters are plain tensors (FSDP2's ``DTensor`` shards stay eager).
+def step_compiled(name: str, implementation: str, *, in_backward: bool, sharded: bool) -> bool:
+    """Whether ``compile: true`` compiles the step of optimizer ``name`` (PyTorch's recipe "Compiling the optimizer
+    with torch.compile"): an entry with ``compiled_step``, ``implementation`` ``for_loop``, not in backward (its
+    updates run inside backward, one optimizer a tensor) and not sharded (FSDP2's ``DTensor`` shards stay eager).
 
     ``fused`` is one kernel a tensor already. ``foreach`` stays eager: TorchDynamo specialises its learning rate
     (a Python float scaling the ``_foreach_`` ops), so a schedule that sets a new one every step would recompile
     every step; ``for_loop``'s becomes a graph input after one recompile. Measured on 2 CPU cores
-    (docs/benchmarks.md, "peers"): the compiled for-loop step of the 25.6M model takes about half the eager one's
-    time; the first step compiles it (seconds to tens of seconds on a CPU, cached by Inductor for the next run).
+    (docs/benchmarks.md, "peers-speed"): the compiled for-loop update takes about half the eager one's time; the
+    first step compiles it (seconds to tens of seconds on a CPU, cached by Inductor for the next run). The cost
+    model's ``compile`` rule and :func:`step_compiles` both ask this.
     """
-    entries = [o for o in OPTIMIZERS if o.compiled_step and o.library == "torch"]
-    if not any(type(optimizer) is getattr(torch.optim, o.class_name) for o in entries):
+    entry = OPTIMIZERS_BY_NAME.get(name)
+    return (
+        entry is not None
+        and entry.compiled_step
+        and implementation == "for_loop"
+        and not in_backward
+        and not sharded
+    )
+
+
+def step_compiles(optimizer: torch.optim.Optimizer) -> bool:
+    """:func:`step_compiled` for a built optimizer: its class is exactly an entry's torch class (so not
+    :class:`~memfit.memory.optim.OptimizerInBackward` nor a hybrid), its implementation read from its groups'
+    ``fused`` and ``foreach`` flags, sharded when a parameter is not a plain tensor."""
+    entry = next(
+        (
+            o
+            for o in OPTIMIZERS
+            if o.library == "torch" and type(optimizer) is getattr(torch.optim, o.class_name)
+        ),
+        None,
+    )
+    if entry is None:
         return False
     groups = optimizer.param_groups
-    if any(group.get("fused") or group.get("foreach") is not False for group in groups):
-        return False
-    return all(type(p) in (torch.Tensor, torch.nn.Parameter) for group in groups for p in group["params"])
+    if any(group.get("fused") for group in groups):
+        implementation = "fused"
+    elif any(group.get("foreach") is not False for group in groups):
+        implementation = "foreach"
+    else:
+        implementation = "for_loop"
+    sharded = any(
+        type(p) not in (torch.Tensor, torch.nn.Parameter) for group in groups for p in group["params"]
+    )
+    return step_compiled(entry.name, implementation, in_backward=False, sharded=sharded)
 
 
 def update_factors(target: str) -> dict[str, float]:

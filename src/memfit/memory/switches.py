@@ -876,12 +876,11 @@ def _cost_compile(on: bool, t: StepTerms) -> None:
         return
     t.matmul_flops_per_second *= t.constants["compiled_compute_speedup"]
     cfg = t.cfg
-    entry = optimizers.spec(cfg.optimizer.name)
-    if (  # the step memfit.memory.optimizers.step_compiles compiles, told from the config
-        entry.compiled_step
-        and cfg.optimizer.implementation == "for_loop"
-        and not cfg.optimizer_in_backward
-        and t.world_size == 1
+    if optimizers.step_compiled(
+        cfg.optimizer.name,
+        cfg.optimizer.implementation,
+        in_backward=cfg.optimizer_in_backward,
+        sharded=t.world_size > 1,
     ):
         t.update_factor *= t.constants["compiled_update_factor"]
         t.per_tensor = False  # one generated kernel a tensor, no launches of ~10 eager ones

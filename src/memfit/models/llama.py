@@ -235,9 +235,8 @@ class _RMSNormFunction(torch.autograd.Function):
             torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_weight else None
         )
         for s, e in _norm_chunks(rows):
-            normed = (
-                rows[s:e].float() * rstd[s:e]
-            )  # (n, C) fp32: x / rms(x), a new tensor (scaled in place below)
+            # (n, C) fp32: x / rms(x), a new tensor (scaled in place below)
+            normed = rows[s:e].float() * rstd[s:e]
             g = grads[s:e]
             if (
                 need_weight
