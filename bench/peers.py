@@ -47,6 +47,7 @@ import os
 import platform
 import shlex
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -295,6 +296,7 @@ def peer_loop(spec: dict[str, Any]) -> dict[str, Any]:
         tracker = MemoryTracker(model, None if peer.in_backward else optimizer, record_timeline=False)
 
     # --- the loop --------------------------------------------------------------------------------------------
+    progress = open(spec["progress"], "a") if spec.get("progress") else None  # noqa: SIM115 (the whole loop)
     losses, seconds = [], []
     for step in range(spec["steps"]):
         t0 = time.perf_counter()
@@ -310,6 +312,9 @@ def peer_loop(spec: dict[str, Any]) -> dict[str, Any]:
                 optimizer.zero_grad(set_to_none=True)
         losses.append(loss.item())
         seconds.append(time.perf_counter() - t0)
+        if progress is not None:  # --lockstep: the parent counts these lines
+            progress.write("step\n")
+            progress.flush()
     tracked = {}
     if tracker is not None:
         tracked = {
@@ -356,6 +361,131 @@ def run_measured(cmd: list[str], env: dict[str, str], log_dir: Path) -> tuple[in
     )
 
 
+class Stepper:
+    """A child process that runs one training step at a time, when the parent lets it (``--lockstep``).
+
+    The child runs in a session of its own, and the parent stops and continues its whole process group (SIGSTOP,
+    SIGCONT). It counts the child's finished steps by the lines holding ``marker`` that the child appends to
+    ``progress`` after each step, and keeps the child's running time: the time of a step is the running time
+    between the parent seeing its line and seeing the previous one's (the poll every :data:`POLL_SECONDS` errs by as
+    much at both ends). Time spent stopped counts for no step, so a slow spell of the machine falls on whichever
+    process was running at that moment, step by step, instead of on a whole run.
+
+    Args:
+        cmd: the child's command line.
+        env: its environment.
+        log_dir: where its ``stdout.txt`` and ``stderr.txt`` go.
+        progress: the file it appends a line to after each step.
+        marker: the text that makes a line of ``progress`` a step's.
+    """
+
+    def __init__(
+        self, cmd: list[str], env: dict[str, str], log_dir: Path, progress: Path, marker: str
+    ) -> None:
+        self.cmd, self.env, self.log_dir, self.progress, self.marker = cmd, env, log_dir, progress, marker
+        self.marks: list[float] = []  # running seconds when each step's line was seen
+        self.ran: tuple[int, float, float, str] | None = None  # run_measured's tuple, once it has exited
+        self._running_before = 0.0
+        self._since: float | None = None
+
+    def start(self) -> None:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        with open(self.log_dir / "stdout.txt", "w") as out, open(self.log_dir / "stderr.txt", "w") as err:
+            self._since = time.perf_counter()
+            self.proc = subprocess.Popen(
+                self.cmd, env=self.env, stdout=out, stderr=err, start_new_session=True
+            )
+
+    @property
+    def alive(self) -> bool:
+        return self.ran is None
+
+    def running_seconds(self) -> float:
+        now = time.perf_counter()
+        return self._running_before + (0.0 if self._since is None else now - self._since)
+
+    def pause(self) -> None:
+        os.killpg(self.proc.pid, signal.SIGSTOP)
+        self._running_before, self._since = self.running_seconds(), None
+
+    def resume(self) -> None:
+        self._since = time.perf_counter()
+        os.killpg(self.proc.pid, signal.SIGCONT)
+
+    def step(self) -> bool:
+        """Wait while it runs until one more step line appears (True) or it exits (False)."""
+        want = len(self.marks) + 1
+        while True:
+            if self._reaped():
+                return False
+            if self._lines() >= want:
+                self.marks.append(self.running_seconds())
+                return True
+            time.sleep(POLL_SECONDS)
+
+    def finish(self) -> None:
+        """Let it run to its end (the rest of the run, alone)."""
+        while not self._reaped():
+            time.sleep(POLL_SECONDS)
+
+    def kill(self) -> None:
+        """End it if it is still there (an interrupted benchmark leaves no stopped process behind)."""
+        if self.alive and hasattr(self, "proc"):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+    def later_step_seconds(self) -> list[float]:
+        """The running time of each step after the first (whose span from the start includes the start-up)."""
+        return [b - a for a, b in zip(self.marks, self.marks[1:], strict=False)]
+
+    def _lines(self) -> int:
+        try:
+            return self.progress.read_text().count(self.marker)
+        except FileNotFoundError:
+            return 0
+
+    def _reaped(self) -> bool:
+        pid, status, usage = os.wait4(self.proc.pid, os.WNOHANG)  # with its rusage, as run_measured
+        if pid == 0:
+            return False
+        self.proc.returncode = os.waitstatus_to_exitcode(status)
+        seconds = self.running_seconds()
+        self._running_before, self._since = seconds, None
+        stdout = (self.log_dir / "stdout.txt").read_text()
+        self.ran = (self.proc.returncode, usage.ru_maxrss / 1024, seconds, stdout)
+        return True
+
+
+POLL_SECONDS = 0.002
+"""How often the parent looks for a lockstep child's step line (a few microseconds of its CPU a look)."""
+
+
+def run_lockstep(steppers: list[Stepper], steps: int) -> None:
+    """Run the children in turns of one step each, only one running at any time.
+
+    Each first runs alone through its start-up and first step (imports, loading, compilation), then they take
+    turns, a step each, in the given order; after its last step a child runs to its end alone.
+    """
+    try:
+        for s in steppers:
+            s.start()
+            if s.step() and len(s.marks) < steps:
+                s.pause()
+            elif s.alive:
+                s.finish()
+        while live := [s for s in steppers if s.alive]:
+            for s in live:
+                s.resume()
+                if s.step() and len(s.marks) < steps:
+                    s.pause()
+                elif s.alive:
+                    s.finish()
+    finally:
+        for s in steppers:
+            s.kill()
+
+
 def failure(log_dir: Path, code: int) -> str:
     """The last line of a failed run's stderr (a table cell: no ``|``)."""
     lines = (log_dir / "stderr.txt").read_text().strip().splitlines() or [f"exit {code}"]
@@ -368,10 +498,10 @@ def tokens_per_second(step_seconds: list[float], tokens: int, warmup: int) -> fl
     return tokens * len(timed) / sum(timed)
 
 
-def run_peer(
-    args: argparse.Namespace, env: dict[str, str], peer: Peer, checkpoint: Path, data: Path, out: Path
-) -> dict:
-    """One peer run in a fresh process: its measurements, or ``error``."""
+def peer_command(
+    args: argparse.Namespace, peer: Peer, checkpoint: Path, data: Path, progress: Path | None = None
+) -> list[str]:
+    """The command line of one peer run (``progress``: a file it appends a line to after each step)."""
     spec = {
         "peer": dataclasses.asdict(peer),
         "checkpoint": str(checkpoint),
@@ -381,11 +511,32 @@ def run_peer(
         "seq_len": args.seq_len,
         "lr": args.lr,
         "seed": args.seed,
+        "progress": None if progress is None else str(progress),
     }
-    code, rss, wall, stdout = run_measured([sys.executable, __file__, "--_peer", json.dumps(spec)], env, out)
+    return [sys.executable, __file__, "--_peer", json.dumps(spec)]
+
+
+def peer_result(
+    args: argparse.Namespace,
+    out: Path,
+    ran: tuple[int, float, float, str],
+    step_seconds: list[float] | None = None,
+) -> dict:
+    """A finished peer run's measurements, or ``error``.
+
+    Args:
+        out: its log directory.
+        ran: :func:`run_measured`'s ``(exit code, peak RSS MiB, wall seconds, stdout)``.
+        step_seconds: the parent's times of its steps after the first (``--lockstep``); default the ones it
+            measured itself.
+    """
+    code, rss, wall, stdout = ran
     if code != 0:
         return {"error": failure(out, code), "rss_mib": rss, "wall_seconds": wall}
     result = json.loads(stdout.strip().splitlines()[-1])
+    if step_seconds is not None:
+        inner = result["step_seconds"]
+        result["inner_step_seconds"], result["step_seconds"] = inner, inner[:1] + step_seconds
     tokens = args.batch_size * args.seq_len
     return {
         **result,
@@ -393,6 +544,13 @@ def run_peer(
         "wall_seconds": wall,
         "tokens_per_second": tokens_per_second(result["step_seconds"], tokens, args.warmup),
     }
+
+
+def run_peer(
+    args: argparse.Namespace, env: dict[str, str], peer: Peer, checkpoint: Path, data: Path, out: Path
+) -> dict:
+    """One peer run in a fresh process: its measurements, or ``error``."""
+    return peer_result(args, out, run_measured(peer_command(args, peer, checkpoint, data), env, out))
 
 
 def memfit_settings(
@@ -448,15 +606,30 @@ def predict(spec: dict[str, Any]) -> dict[str, float]:
     return predicted
 
 
-def run_memfit(
-    args: argparse.Namespace, env: dict[str, str], overrides: dict, checkpoint: Path, data: Path, out: Path
-) -> dict:
-    """One ``memfit finetune`` run in a fresh process: its measurements from outside and from its
-    ``metrics.jsonl``, or ``error``."""
+def memfit_command(
+    args: argparse.Namespace, overrides: dict, checkpoint: Path, data: Path, out: Path
+) -> list[str]:
+    """The command line of one ``memfit finetune`` run into ``out / "run"`` (emptied first)."""
     shutil.rmtree(out, ignore_errors=True)
     settings = memfit_settings(args, overrides, checkpoint, data, out)
-    cmd = [sys.executable, "-m", "memfit", "finetune", *(f"{k}={v}" for k, v in settings.items())]
-    code, rss, wall, _ = run_measured(cmd, env, out)
+    return [sys.executable, "-m", "memfit", "finetune", *(f"{k}={v}" for k, v in settings.items())]
+
+
+def memfit_result(
+    args: argparse.Namespace,
+    out: Path,
+    ran: tuple[int, float, float, str],
+    step_seconds: list[float] | None = None,
+) -> dict:
+    """A finished ``memfit finetune`` run's measurements, from outside and from its ``metrics.jsonl``, or ``error``.
+
+    Args:
+        out: its output directory.
+        ran: :func:`run_measured`'s ``(exit code, peak RSS MiB, wall seconds, stdout)``.
+        step_seconds: the parent's times of its steps after the first (``--lockstep``); default the ones of its
+            step records.
+    """
+    code, rss, wall, _ = ran
     if code != 0:
         return {"error": failure(out, code), "rss_mib": rss, "wall_seconds": wall}
     records = [json.loads(line) for line in (out / "run" / "metrics.jsonl").read_text().splitlines()]
@@ -466,11 +639,15 @@ def run_memfit(
     steps = [r for r in records if "tokens_per_second_per_gpu" in r]
     tokens = args.batch_size * args.seq_len
     seconds = [tokens / r["tokens_per_second_per_gpu"] for r in steps]
+    inner = {}
+    if step_seconds is not None:
+        inner, seconds = {"inner_step_seconds": seconds}, seconds[:1] + step_seconds
     rate = tokens_per_second(seconds, tokens, args.warmup)
     mfu_per_rate = steps[0]["mfu"] / steps[0]["tokens_per_second_per_gpu"]  # FLOPs per token / peak FLOP/s
     return {
         "losses": [r["loss"] for r in steps],
         "step_seconds": seconds,
+        **inner,
         "rss_mib": rss,
         "metrics_peak_rss_mib": max(r["peak_memory_rss"] for r in steps) * 1024,
         "wall_seconds": wall,
@@ -480,6 +657,15 @@ def run_memfit(
         # the first step's time over a timed step's: compilation, with compile=true
         "first_step_extra_seconds": seconds[0] - statistics.median(seconds[args.warmup :]),
     }
+
+
+def run_memfit(
+    args: argparse.Namespace, env: dict[str, str], overrides: dict, checkpoint: Path, data: Path, out: Path
+) -> dict:
+    """One ``memfit finetune`` run in a fresh process: its measurements from outside and from its
+    ``metrics.jsonl``, or ``error``."""
+    cmd = memfit_command(args, overrides, checkpoint, data, out)
+    return memfit_result(args, out, run_measured(cmd, env, out))
 
 
 def announce(where: Path, result: dict, steps: int) -> None:
@@ -780,6 +966,12 @@ def parse_args() -> argparse.Namespace:
         "--quick", action="store_true", help="smoke test: the tiny model, 4 steps, 2 variants"
     )
     parser.add_argument("--grid", choices=list(GRIDS), default="default", help="the model x variant grid")
+    parser.add_argument(
+        "--lockstep",
+        action="store_true",
+        help="the runs of a variant (peer, memfit, memfit compiled) alive together, taking turns step by step, "
+        "each timed by its running time (robust to the slow spells of shared cores)",
+    )
     parser.add_argument("--workdir", default=None, help="reuse its prepared data and checkpoints")
     parser.add_argument("--out", default=str(ROOT / "docs" / "benchmarks.md"), help="'-' prints only")
     parser.add_argument(
@@ -903,6 +1095,8 @@ def measure(
 ) -> list[dict]:
     """Every run of the grid, the sides of a variant alternating over the repeats: a result each, with its
     ``model``, ``variant``, ``side`` and ``repeat``."""
+    if args.lockstep:
+        return measure_lockstep(args, env, work, data, peak_flops)
     runs: list[dict] = []
     for model, variants in args.grid.items():
         checkpoint = work / f"checkpoint_{model}"
@@ -921,6 +1115,50 @@ def measure(
                         {"model": model, "variant": variant, "side": side, "repeat": repeat, **result}
                     )
                     announce(out / side, result, args.steps)
+    return runs
+
+
+def measure_lockstep(
+    args: argparse.Namespace, env: dict[str, str], work: Path, data: Path, peak_flops: float
+) -> list[dict]:
+    """Every run of the grid, ``--lockstep``: a variant's peer run, its memfit run and the memfit runs of the
+    variants compared with its peer (its compiled row) are alive together and take turns step by step
+    (:func:`run_lockstep`); the order of the turns rotates over the repeats. A result each, as :func:`measure`'s."""
+    runs: list[dict] = []
+    for model, variants in args.grid.items():
+        checkpoint = work / f"checkpoint_{model}"
+        grouped: set[str] = set()
+        for variant in variants:
+            if variant in grouped:
+                continue
+            peer = VARIANTS[variant][0]
+            group = [variant] + [v for v in variants if isinstance(peer, Peer) and VARIANTS[v][0] == variant]
+            grouped.update(group)
+            for repeat in range(args.repeats):
+                members = [("peer", variant)] if isinstance(peer, Peer) else []
+                members += [("memfit", v) for v in group]
+                turn = repeat % len(members)
+                members = members[turn:] + members[:turn]
+                steppers, outs = [], []
+                for side, name in members:
+                    out = work / "runs" / model / name.replace(" ", "_").replace(",", "") / str(repeat) / side
+                    if side == "peer":
+                        progress = out / "progress.txt"
+                        cmd = peer_command(args, peer, checkpoint, data, progress)
+                        steppers.append(Stepper(cmd, env, out, progress, "step"))
+                    else:
+                        cmd = memfit_command(
+                            args, {**VARIANTS[name][1], "peak_flops": peak_flops}, checkpoint, data, out
+                        )
+                        metrics = out / "run" / "metrics.jsonl"
+                        steppers.append(Stepper(cmd, env, out, metrics, '"tokens_per_second_per_gpu"'))
+                    outs.append(out)
+                run_lockstep(steppers, args.steps)
+                for (side, name), stepper, out in zip(members, steppers, outs, strict=True):
+                    later = stepper.later_step_seconds() if len(stepper.marks) == args.steps else None
+                    result = (peer_result if side == "peer" else memfit_result)(args, out, stepper.ran, later)
+                    runs.append({"model": model, "variant": name, "side": side, "repeat": repeat, **result})
+                    announce(out, result, args.steps)
     return runs
 
 
