@@ -25,6 +25,14 @@ and the same batches, on CPU. Peak RSS and tokens/s of each, one fresh process p
   the per-step times the peer measures (batch drawn to ``loss.item()``) and from memfit's step records (the same
   span); memfit's ``mfu``; the loss of step 1 and of the last step on both sides. Runs of a variant alternate
   (peer, memfit, peer, memfit, ... with ``--repeats``); the table gives medians over the repeats.
+- **--lockstep**: a variant's runs (the peer's, memfit's, and memfit's compiled one where the grid has it) are
+  alive together and take turns, one step each, the others stopped (SIGSTOP / SIGCONT to each process group: only
+  one runs at any time). Each first runs alone through its start-up and first step; each step is timed by the
+  parent as the process's running time between its step records (memfit's ``metrics.jsonl`` lines, a line the
+  peer appends), so time spent stopped counts for no step. On shared cores, where another tenant can slow every
+  step by a third for tens of seconds, whole runs one after another catch such spells unevenly; steps in turns
+  share them. The processes' own step times (which include their stopped time) are kept as
+  ``inner_step_seconds``.
 
 Reproduce (about 25 minutes on 2 CPU cores, on a quiet machine: an estimate from the per-step times of the smoke
 tests)::
@@ -416,11 +424,14 @@ class Stepper:
         """Wait while it runs until one more step line appears (True) or it exits (False)."""
         want = len(self.marks) + 1
         while True:
-            if self._reaped():
+            # the line first: a child can write its last one and exit between two looks (its running time then
+            # ends at its exit, a little late)
+            seen = self._lines() >= want
+            if seen or self._reaped():
+                if seen or self._lines() >= want:
+                    self.marks.append(self.running_seconds())
+                    return True
                 return False
-            if self._lines() >= want:
-                self.marks.append(self.running_seconds())
-                return True
             time.sleep(POLL_SECONDS)
 
     def finish(self) -> None:
@@ -457,6 +468,13 @@ class Stepper:
         return True
 
 
+LOCKSTEP_TEXT = (
+    ", the runs of a variant (peer, memfit, memfit compiled) alive together and taking turns one step each, the "
+    "others stopped, each step timed by its process's running time (`--lockstep`: the slow spells of shared cores "
+    "fall on every side alike)"
+)
+"""What the section says of ``--lockstep``."""
+
 POLL_SECONDS = 0.002
 """How often the parent looks for a lockstep child's step line (a few microseconds of its CPU a look)."""
 
@@ -467,20 +485,21 @@ def run_lockstep(steppers: list[Stepper], steps: int) -> None:
     Each first runs alone through its start-up and first step (imports, loading, compilation), then they take
     turns, a step each, in the given order; after its last step a child runs to its end alone.
     """
+
+    def turn(s: Stepper) -> None:  # one step, then stopped; after its last, to its end
+        if s.step() and s.alive and len(s.marks) < steps:
+            s.pause()
+        elif s.alive:
+            s.finish()
+
     try:
         for s in steppers:
             s.start()
-            if s.step() and len(s.marks) < steps:
-                s.pause()
-            elif s.alive:
-                s.finish()
+            turn(s)
         while live := [s for s in steppers if s.alive]:
             for s in live:
                 s.resume()
-                if s.step() and len(s.marks) < steps:
-                    s.pause()
-                elif s.alive:
-                    s.finish()
+                turn(s)
     finally:
         for s in steppers:
             s.kill()
@@ -712,6 +731,8 @@ def summarize(
         ]
         row[f"{side}_median_step_tokens_per_second"] = statistics.median(rates) if rates else None
         row[f"{side}_errors"] = [r["error"] for r in runs if "error" in r]
+    if args.lockstep:
+        row["paired_step_ratio"] = paired_step_ratio(peer_runs, memfit_runs, args.warmup)
     row["memfit_metrics_peak_rss_mib"] = median_of(memfit_runs, "metrics_peak_rss_mib")
     row["memfit_mfu"] = median_of(memfit_runs, "mfu")
     per_rate = median_of(memfit_runs, "mfu_per_token_per_second")  # the same model FLOPs on both sides
@@ -727,6 +748,22 @@ def summarize(
     return row
 
 
+def paired_step_ratio(peer_runs: list[dict], memfit_runs: list[dict], warmup: int) -> float | None:
+    """``--lockstep``: the median over every timed step ``k`` of every repeat of the peer's step ``k`` time over
+    memfit's (the two ran one turn apart, so a slow spell of the machine falls on both), or ``None``.
+
+    A speed ratio (above 1: memfit faster), steadier than the ratio of the runs' tokens/s, which the machine's drift
+    over a run still moves by a few percent when it lands on one side's turns more than the other's."""
+    peers = {r["repeat"]: r for r in peer_runs if "error" not in r}
+    ratios = [
+        p / m
+        for r in memfit_runs
+        if "error" not in r and r["repeat"] in peers
+        for p, m in zip(peers[r["repeat"]]["step_seconds"][warmup:], r["step_seconds"][warmup:], strict=True)
+    ]
+    return statistics.median(ratios) if ratios else None
+
+
 def cell(value: float | None, fmt: str) -> str:
     """``value`` formatted, or an em dash when there is none."""
     return "—" if value is None else format(value, fmt)
@@ -738,18 +775,25 @@ def ratio(a: float | None, b: float | None) -> float | None:
 
 
 def table(rows: list[dict], steps: int) -> str:
-    """The markdown table of the summarized rows."""
+    """The markdown table of the summarized rows (``--lockstep``: the paired-steps ratio in place of the
+    median-step one)."""
+    paired = any("paired_step_ratio" in r for r in rows)
     head = (
         "| model | variant | peer RSS (MiB) | memfit RSS (MiB) | memfit/peer RSS | peer tok/s | memfit tok/s "
-        "| memfit/peer tok/s | memfit/peer (median step) | plan tok/s | plan/memfit tok/s | peer MFU | memfit MFU "
+        f"| memfit/peer tok/s | memfit/peer ({'paired steps' if paired else 'median step'}) | plan tok/s "
+        "| plan/memfit tok/s | peer MFU | memfit MFU "
         f"| memfit step 1 extra (s) | step-1 loss abs diff | step-{steps} loss abs diff |"
     )
     lines = [head, "|---|---|" + "---:|" * 14]
     for r in rows:
         errors = r["peer_errors"] + r["memfit_errors"]
         note = f" (failed: {errors[0]})" if errors else ""
-        median_step = ratio(
-            r.get("memfit_median_step_tokens_per_second"), r.get("peer_median_step_tokens_per_second")
+        median_step = (
+            r.get("paired_step_ratio")
+            if paired
+            else ratio(
+                r.get("memfit_median_step_tokens_per_second"), r.get("peer_median_step_tokens_per_second")
+            )
         )
         lines.append(
             f"| {r['model']} | {r['variant']}{note} | {cell(r['peer_rss_mib'], ',.0f')} "
@@ -871,13 +915,20 @@ def section(rows: list[dict], runs: list[dict], args: argparse.Namespace, models
             f"Tiny Shakespeare ({args.batch_size} x {args.seq_len} tokens, AdamW lr {args.lr:g} constant, "
             f"{args.steps} steps) by a plain loop (`LlamaForCausalLM`, `loss.backward()`, `optimizer.step()`, with "
             "the peer's own equivalent of each switch) and by `memfit finetune method=full`. One fresh process per "
-            "run; RSS is the process's peak (`ru_maxrss`; memfit's includes the end of its run: one validation "
+            f"run{LOCKSTEP_TEXT if args.lockstep else ''}; RSS is the process's peak (`ru_maxrss`; memfit's "
+            "includes the end of its run: one validation "
             f"batch, the final checkpoint, the loss plot).{baseline} Tokens/s over the steps after the first "
             f"{args.warmup}; "
             "loss diffs compare the two sides' losses at the same step (a memfit-only row's step-1 loss is compared "
-            f"with the peer's). Medians of {args.repeats} run{'s' * (args.repeats != 1)} of each side. The median-step "
-            "ratio divides the batch by each run's median timed step instead (robust to the occasional step that "
-            "another tenant of shared cores slows by half). Plan tok/s: "
+            f"with the peer's). Medians of {args.repeats} run{'s' * (args.repeats != 1)} of each side. "
+            + (
+                "The paired-steps ratio is the median over every timed step of every repeat of the peer's step time "
+                "over memfit's same step, one turn apart (the steadiest figure here). "
+                if args.lockstep
+                else "The median-step ratio divides the batch by each run's median timed step instead (robust to the "
+                "occasional step that another tenant of shared cores slows by half). "
+            )
+            + "Plan tok/s: "
             "`memfit plan`'s prediction for memfit's config (`step_cost` with the CPU constants of "
             "`memfit.planner.cost`). Details in the module docstring.",
             "",
@@ -1155,8 +1206,15 @@ def measure_lockstep(
                     outs.append(out)
                 run_lockstep(steppers, args.steps)
                 for (side, name), stepper, out in zip(members, steppers, outs, strict=True):
-                    later = stepper.later_step_seconds() if len(stepper.marks) == args.steps else None
-                    result = (peer_result if side == "peer" else memfit_result)(args, out, stepper.ran, later)
+                    code, rss, wall, _ = stepper.ran
+                    if code == 0 and len(stepper.marks) != args.steps:  # its own step times include the stops
+                        result = {"error": f"saw {len(stepper.marks)} of {args.steps} step records", "rss_mib": rss,
+                                  "wall_seconds": wall}  # fmt: skip
+                    else:
+                        later = stepper.later_step_seconds()
+                        result = (peer_result if side == "peer" else memfit_result)(
+                            args, out, stepper.ran, later
+                        )
                     runs.append({"model": model, "variant": name, "side": side, "repeat": repeat, **result})
                     announce(out, result, args.steps)
     return runs
