@@ -398,6 +398,7 @@ class Stepper:
 
     def start(self) -> None:
         self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.progress.unlink(missing_ok=True)  # an earlier run's lines in a reused work directory
         with open(self.log_dir / "stdout.txt", "w") as out, open(self.log_dir / "stderr.txt", "w") as err:
             self._since = time.perf_counter()
             self.proc = subprocess.Popen(
@@ -535,41 +536,11 @@ def peer_command(
     return [sys.executable, __file__, "--_peer", json.dumps(spec)]
 
 
-def peer_result(
-    args: argparse.Namespace,
-    out: Path,
-    ran: tuple[int, float, float, str],
-    step_seconds: list[float] | None = None,
-) -> dict:
-    """A finished peer run's measurements, or ``error``.
-
-    Args:
-        out: its log directory.
-        ran: :func:`run_measured`'s ``(exit code, peak RSS MiB, wall seconds, stdout)``.
-        step_seconds: the parent's times of its steps after the first (``--lockstep``); default the ones it
-            measured itself.
-    """
-    code, rss, wall, stdout = ran
-    if code != 0:
-        return {"error": failure(out, code), "rss_mib": rss, "wall_seconds": wall}
-    result = json.loads(stdout.strip().splitlines()[-1])
-    if step_seconds is not None:
-        inner = result["step_seconds"]
-        result["inner_step_seconds"], result["step_seconds"] = inner, inner[:1] + step_seconds
-    tokens = args.batch_size * args.seq_len
-    return {
-        **result,
-        "rss_mib": rss,
-        "wall_seconds": wall,
-        "tokens_per_second": tokens_per_second(result["step_seconds"], tokens, args.warmup),
-    }
-
-
 def run_peer(
     args: argparse.Namespace, env: dict[str, str], peer: Peer, checkpoint: Path, data: Path, out: Path
 ) -> dict:
     """One peer run in a fresh process: its measurements, or ``error``."""
-    return peer_result(args, out, run_measured(peer_command(args, peer, checkpoint, data), env, out))
+    return run_result("peer", args, out, run_measured(peer_command(args, peer, checkpoint, data), env, out))
 
 
 def memfit_settings(
@@ -634,48 +605,53 @@ def memfit_command(
     return [sys.executable, "-m", "memfit", "finetune", *(f"{k}={v}" for k, v in settings.items())]
 
 
-def memfit_result(
+def run_result(
+    side: str,
     args: argparse.Namespace,
     out: Path,
     ran: tuple[int, float, float, str],
     step_seconds: list[float] | None = None,
 ) -> dict:
-    """A finished ``memfit finetune`` run's measurements, from outside and from its ``metrics.jsonl``, or ``error``.
+    """A finished run's measurements (the peer's from its printed result, memfit's from its ``metrics.jsonl``), or
+    ``error``.
 
     Args:
-        out: its output directory.
+        side: ``peer`` or ``memfit``.
+        out: the run's directory (its logs; memfit's ``run/`` output).
         ran: :func:`run_measured`'s ``(exit code, peak RSS MiB, wall seconds, stdout)``.
-        step_seconds: the parent's times of its steps after the first (``--lockstep``); default the ones of its
-            step records.
+        step_seconds: the parent's times of its steps after the first (``--lockstep``); by default the run's own
+            (the peer's measured in its loop, memfit's from its step records). The run's own are then kept as
+            ``inner_step_seconds``.
     """
-    code, rss, wall, _ = ran
+    code, rss, wall, stdout = ran
     if code != 0:
         return {"error": failure(out, code), "rss_mib": rss, "wall_seconds": wall}
-    records = [json.loads(line) for line in (out / "run" / "metrics.jsonl").read_text().splitlines()]
-    shutil.rmtree(
-        out / "run" / "checkpoints"
-    )  # the final checkpoint: weights and optimizer state, unused here
-    steps = [r for r in records if "tokens_per_second_per_gpu" in r]
-    tokens = args.batch_size * args.seq_len
-    seconds = [tokens / r["tokens_per_second_per_gpu"] for r in steps]
-    inner = {}
+    if side == "peer":
+        result = json.loads(stdout.strip().splitlines()[-1])
+    else:
+        records = [json.loads(line) for line in (out / "run" / "metrics.jsonl").read_text().splitlines()]
+        shutil.rmtree(
+            out / "run" / "checkpoints"
+        )  # the final checkpoint: weights and optimizer state, unused here
+        steps = [r for r in records if "tokens_per_second_per_gpu" in r]
+        result = {
+            "losses": [r["loss"] for r in steps],
+            "step_seconds": [args.batch_size * args.seq_len / r["tokens_per_second_per_gpu"] for r in steps],
+            "metrics_peak_rss_mib": max(r["peak_memory_rss"] for r in steps) * 1024,
+            # FLOPs per token / peak FLOP/s
+            "mfu_per_token_per_second": steps[0]["mfu"] / steps[0]["tokens_per_second_per_gpu"],
+        }
     if step_seconds is not None:
-        inner, seconds = {"inner_step_seconds": seconds}, seconds[:1] + step_seconds
-    rate = tokens_per_second(seconds, tokens, args.warmup)
-    mfu_per_rate = steps[0]["mfu"] / steps[0]["tokens_per_second_per_gpu"]  # FLOPs per token / peak FLOP/s
-    return {
-        "losses": [r["loss"] for r in steps],
-        "step_seconds": seconds,
-        **inner,
-        "rss_mib": rss,
-        "metrics_peak_rss_mib": max(r["peak_memory_rss"] for r in steps) * 1024,
-        "wall_seconds": wall,
-        "tokens_per_second": rate,
-        "mfu": rate * mfu_per_rate,
-        "mfu_per_token_per_second": mfu_per_rate,
+        inner = result["step_seconds"]
+        result["inner_step_seconds"], result["step_seconds"] = inner, inner[:1] + step_seconds
+    seconds = result["step_seconds"]
+    rate = tokens_per_second(seconds, args.batch_size * args.seq_len, args.warmup)
+    result.update(rss_mib=rss, wall_seconds=wall, tokens_per_second=rate)
+    if side == "memfit":
+        result["mfu"] = rate * result["mfu_per_token_per_second"]
         # the first step's time over a timed step's: compilation, with compile=true
-        "first_step_extra_seconds": seconds[0] - statistics.median(seconds[args.warmup :]),
-    }
+        result["first_step_extra_seconds"] = seconds[0] - statistics.median(seconds[args.warmup :])
+    return result
 
 
 def run_memfit(
@@ -684,7 +660,7 @@ def run_memfit(
     """One ``memfit finetune`` run in a fresh process: its measurements from outside and from its
     ``metrics.jsonl``, or ``error``."""
     cmd = memfit_command(args, overrides, checkpoint, data, out)
-    return memfit_result(args, out, run_measured(cmd, env, out))
+    return run_result("memfit", args, out, run_measured(cmd, env, out))
 
 
 def announce(where: Path, result: dict, steps: int) -> None:
@@ -1212,9 +1188,7 @@ def measure_lockstep(
                                   "wall_seconds": wall}  # fmt: skip
                     else:
                         later = stepper.later_step_seconds()
-                        result = (peer_result if side == "peer" else memfit_result)(
-                            args, out, stepper.ran, later
-                        )
+                        result = run_result(side, args, out, stepper.ran, later)
                     runs.append({"model": model, "variant": name, "side": side, "repeat": repeat, **result})
                     announce(out, result, args.steps)
     return runs
