@@ -92,11 +92,15 @@ CATEGORIES = ["python in modules", *(name for name, _ in RULES), "other"]
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def memfit_side(size: dict[str, int]) -> tuple[object, Callable[[list], float]]:
+def memfit_side(
+    size: dict[str, int], implementation: str = "foreach", compile: bool = False
+) -> tuple[object, Callable[[list], float]]:
     """memfit's model and a step function, built through memfit's own config and build path.
 
     Args:
         size: a :data:`SIZES` entry.
+        implementation: AdamW's ``optimizer.implementation`` (``foreach``, ``for_loop``, ``fused``).
+        compile: ``compile=true`` (the layers, the loss and, with ``for_loop``, the optimizer's step).
 
     Returns:
         ``(model, step)``: ``step([(inputs, targets)])`` runs one :func:`memfit.step.train_step` and returns its
@@ -119,7 +123,8 @@ def memfit_side(size: dict[str, int]) -> tuple[object, Callable[[list], float]]:
         "seed=0",
         f"max_grad_norm={MAX_GRAD_NORM}",
         "optimizer.name=adamw",
-        "optimizer.implementation=foreach",
+        f"optimizer.implementation={implementation}",
+        f"compile={str(compile).lower()}",
         f"optimizer.lr={LR}",
         f"optimizer.weight_decay={WEIGHT_DECAY}",
         f"optimizer.betas=[{BETAS[0]},{BETAS[1]}]",
@@ -137,12 +142,15 @@ def memfit_side(size: dict[str, int]) -> tuple[object, Callable[[list], float]]:
     return built.model, step
 
 
-def plain_side(memfit_model, size: dict[str, int]) -> tuple[object, Callable[[list], float]]:
+def plain_side(
+    memfit_model, size: dict[str, int], implementation: str = "foreach"
+) -> tuple[object, Callable[[list], float]]:
     """A ``transformers.LlamaForCausalLM`` of the same shape with memfit's weights, and a plain step function.
 
     Args:
         memfit_model: the memfit side's model, whose state dict (same keys) the plain model loads.
         size: a :data:`SIZES` entry.
+        implementation: torch AdamW's ``foreach`` (default), ``for_loop`` or ``fused``.
 
     Returns:
         ``(model, step)``: ``step([(inputs, targets)])`` runs forward, loss, backward, clipping, AdamW and
@@ -167,7 +175,8 @@ def plain_side(memfit_model, size: dict[str, int]) -> tuple[object, Callable[[li
         {"params": [p for p in params if p.ndim == 2], "weight_decay": WEIGHT_DECAY},
         {"params": [p for p in params if p.ndim != 2], "weight_decay": 0.0},
     ]
-    optimizer = torch.optim.AdamW(groups, lr=LR, betas=BETAS, foreach=True)
+    flags = {"foreach": implementation == "foreach", "fused": implementation == "fused"}
+    optimizer = torch.optim.AdamW(groups, lr=LR, betas=BETAS, **flags)
 
     def step(batch: list) -> float:
         inputs, targets = batch[0]  # (B, T) each
