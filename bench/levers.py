@@ -37,7 +37,16 @@ import time
 from pathlib import Path
 
 from docs_section import write_section
-from peers import Peer, Stepper, cpu_model, memfit_command, peer_command, prepare_inputs, run_lockstep
+from peers import (
+    Peer,
+    Stepper,
+    cpu_model,
+    memfit_command,
+    peer_command,
+    prepare_inputs,
+    reproduce_command,
+    run_lockstep,
+)
 from step_profile import SIZES
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -295,7 +304,7 @@ def main() -> int:
         }[part]()
         print(f"{part}: {time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
         blocks += [f"**{titles[part]}**", "", body, ""]
-    command = " ".join([".venv/bin/python bench/levers.py", *sys.argv[1:]]).replace(f"--out {args.out}", "")
+    command = reproduce_command(sys.argv[1:], "bench/levers.py")
     text = "\n".join(
         [
             "### Levers measured and left",
@@ -303,7 +312,7 @@ def main() -> int:
             f"Measured on {cpu_model()} ({os.cpu_count()} cores), torch {torch.__version__}, fp32. Details in the "
             "module docstring.",
             "",
-            f"Reproduce: `{command.strip()}`.",
+            f"Reproduce: `{command}`.",
             "",
             *blocks,
         ]
