@@ -36,18 +36,18 @@ import tempfile
 import time
 from pathlib import Path
 
+import step_profile
 from docs_section import write_section
 from peers import (
     Peer,
     Stepper,
     cpu_model,
-    memfit_command,
-    peer_command,
+    memfit_stepper,
+    peer_stepper,
     prepare_inputs,
     reproduce_command,
     run_lockstep,
 )
-from step_profile import SIZES
 
 ROOT = Path(__file__).resolve().parents[1]
 PARTS = ("attention", "autotune", "faults", "loop")
@@ -173,11 +173,10 @@ def bare_step(kind: str):
     """One side's bare step on one fixed 25.6M batch (4 x 256), for-loop AdamW: ``memfit`` and ``plain`` are
     ``step_profile``'s sides; ``compiled`` is memfit's with ``compile=true``, ``compiled_autotune`` the same under
     Inductor's ``max_autotune`` with its C++ GEMM backend beside ATen's."""
-    import step_profile
     import torch
     import torch._inductor.config as inductor
 
-    size = SIZES["25.6M"]
+    size = step_profile.SIZES["25.6M"]
     ids = torch.randint(
         0, 2048, (size["batch_size"], size["seq_len"] + 1), generator=torch.Generator().manual_seed(0)
     )
@@ -215,7 +214,7 @@ def bare_stepper(kind: str, env: dict[str, str], runs: Path, steps: int) -> Step
 
 def check(name: str, s: Stepper, steps: int) -> None:
     """Raise unless the lockstep child ``s`` ran all its steps and exited cleanly."""
-    if s.ran is None or s.ran[0] != 0 or len(s.marks) != steps:
+    if not s.complete(steps):
         raise RuntimeError(f"{name} failed: see {s.log_dir / 'stderr.txt'}")
 
 
@@ -228,17 +227,13 @@ def loop(env: dict[str, str], work: Path) -> str:
     checkpoint = work / "checkpoint_25.6M"
     runs = work / "loop"
     stepper = {
-        "memfit finetune": Stepper(
-            memfit_command(ns, {"optimizer.implementation": "for_loop"}, checkpoint, data, runs / "finetune"),
-            env, runs / "finetune", runs / "finetune" / "run" / "metrics.jsonl", '"tokens_per_second_per_gpu"',
+        "memfit finetune": memfit_stepper(
+            ns, env, {"optimizer.implementation": "for_loop"}, checkpoint, data, runs / "finetune"
         ),
-        "plain-loop script": Stepper(
-            peer_command(ns, Peer(), checkpoint, data, runs / "peer" / "progress.txt"),
-            env, runs / "peer", runs / "peer" / "progress.txt", "step",
-        ),
+        "plain-loop script": peer_stepper(ns, env, Peer(), checkpoint, data, runs / "peer"),
         "memfit bare step": bare_stepper("memfit", env, runs, LOOP_STEPS),
         "plain bare step": bare_stepper("plain", env, runs, LOOP_STEPS),
-    }  # fmt: skip
+    }
     run_lockstep(list(stepper.values()), LOOP_STEPS)
     mean = {}
     for name, s in stepper.items():

@@ -447,6 +447,10 @@ class Stepper:
                 os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
 
+    def complete(self, steps: int) -> bool:
+        """Whether it exited cleanly with all ``steps`` step lines seen."""
+        return self.ran is not None and self.ran[0] == 0 and len(self.marks) == steps
+
     def later_step_seconds(self) -> list[float]:
         """The running time of each step after the first (whose span from the start includes the start-up)."""
         return [b - a for a, b in zip(self.marks, self.marks[1:], strict=False)]
@@ -603,6 +607,22 @@ def memfit_command(
     shutil.rmtree(out, ignore_errors=True)
     settings = memfit_settings(args, overrides, checkpoint, data, out)
     return [sys.executable, "-m", "memfit", "finetune", *(f"{k}={v}" for k, v in settings.items())]
+
+
+def peer_stepper(
+    args: argparse.Namespace, env: dict[str, str], peer: Peer, checkpoint: Path, data: Path, out: Path
+) -> Stepper:
+    """A ``--lockstep`` peer run into ``out`` (its step lines in ``out / "progress.txt"``)."""
+    progress = out / "progress.txt"
+    return Stepper(peer_command(args, peer, checkpoint, data, progress), env, out, progress, "step")
+
+
+def memfit_stepper(
+    args: argparse.Namespace, env: dict[str, str], overrides: dict, checkpoint: Path, data: Path, out: Path
+) -> Stepper:
+    """A ``--lockstep`` ``memfit finetune`` run into ``out`` (its step records: ``metrics.jsonl``)."""
+    cmd = memfit_command(args, overrides, checkpoint, data, out)
+    return Stepper(cmd, env, out, out / "run" / "metrics.jsonl", '"tokens_per_second_per_gpu"')
 
 
 def run_result(
@@ -1130,7 +1150,7 @@ def measure(
         for variant in variants:
             peer, overrides = VARIANTS[variant]
             for repeat in range(args.repeats):  # the sides alternate: peer, memfit, peer, memfit, ...
-                out = work / "runs" / model / variant.replace(" ", "_").replace(",", "") / str(repeat)
+                out = run_dir(work, model, variant, repeat)
                 for side in ("peer", "memfit") if isinstance(peer, Peer) else ("memfit",):
                     if side == "peer":
                         result = run_peer(args, env, peer, checkpoint, data, out / side)
@@ -1143,6 +1163,11 @@ def measure(
                     )
                     announce(out / side, result, args.steps)
     return runs
+
+
+def run_dir(work: Path, model: str, variant: str, repeat: int) -> Path:
+    """Where a repeat of a model's variant runs (a ``peer`` and a ``memfit`` directory inside)."""
+    return work / "runs" / model / variant.replace(" ", "_").replace(",", "") / str(repeat)
 
 
 def measure_lockstep(
@@ -1166,24 +1191,19 @@ def measure_lockstep(
                 members += [("memfit", v) for v in group]
                 turn = repeat % len(members)
                 members = members[turn:] + members[:turn]
-                steppers, outs = [], []
-                for side, name in members:
-                    out = work / "runs" / model / name.replace(" ", "_").replace(",", "") / str(repeat) / side
-                    if side == "peer":
-                        progress = out / "progress.txt"
-                        cmd = peer_command(args, peer, checkpoint, data, progress)
-                        steppers.append(Stepper(cmd, env, out, progress, "step"))
-                    else:
-                        cmd = memfit_command(
-                            args, {**VARIANTS[name][1], "peak_flops": peak_flops}, checkpoint, data, out
-                        )
-                        metrics = out / "run" / "metrics.jsonl"
-                        steppers.append(Stepper(cmd, env, out, metrics, '"tokens_per_second_per_gpu"'))
-                    outs.append(out)
+                outs = [run_dir(work, model, name, repeat) / side for side, name in members]
+                steppers = [
+                    peer_stepper(args, env, peer, checkpoint, data, out)
+                    if side == "peer"
+                    else memfit_stepper(
+                        args, env, {**VARIANTS[name][1], "peak_flops": peak_flops}, checkpoint, data, out
+                    )
+                    for (side, name), out in zip(members, outs, strict=True)
+                ]
                 run_lockstep(steppers, args.steps)
                 for (side, name), stepper, out in zip(members, steppers, outs, strict=True):
                     code, rss, wall, _ = stepper.ran
-                    if code == 0 and len(stepper.marks) != args.steps:  # its own step times include the stops
+                    if code == 0 and not stepper.complete(args.steps):  # its own step times include the stops
                         result = {"error": f"saw {len(stepper.marks)} of {args.steps} step records", "rss_mib": rss,
                                   "wall_seconds": wall}  # fmt: skip
                     else:

@@ -308,9 +308,8 @@ def test_rms_norm_equals_the_plain_expression(x_dtype, weight_dtype, chunk_eleme
 def test_rope_equals_rotate_half_expression_bit_for_bit(dtype, table):
     generator = torch.Generator().manual_seed(0)
     B, nh, T, hd = 2, 3, 5, 8
-    x = (
-        torch.randn(B, T, nh, hd, generator=generator).transpose(1, 2).to(dtype)
-    )  # (B, nh, T, hd), as projected
+    # (B, nh, T, hd), as projected
+    x = torch.randn(B, T, nh, hd, generator=generator).transpose(1, 2).to(dtype)
     shape = (T, hd) if table == "(T, hd)" else (B, 1, T, hd)
     angles = torch.randn(shape[:-1] + (hd // 2,), generator=generator)
     emb = torch.cat((angles, angles), dim=-1)
