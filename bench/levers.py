@@ -11,8 +11,8 @@ CPU, each measured side by side.
 - **faults**: minor page faults a step (``ru_minflt``) of memfit's ``train_step`` and of the plain loop
   (:func:`step_profile.plain_side`), each in a fresh process (25.6M, 4 x 256, for-loop AdamW): what the C library
   hands back to the kernel and faults in again.
-- **loop**: the training loop around the step. Four processes in lockstep (:func:`peers.run_lockstep`: they take
-  turns one step each, each step timed by its process's running time): ``memfit finetune`` and the plain-loop
+- **loop**: the training loop around the step. Four processes in lockstep (``bench/lockstep.py``: they take turns
+  one step each, each step timed by its process's running time): ``memfit finetune`` and the plain-loop
   script of ``bench/peers.py`` (the "AdamW (for-loop)" row), and each side's bare step in a loop of its own
   (``step_profile``'s sides, for-loop AdamW, one fixed batch). Mean step over the steps after the first 3.
 
@@ -38,15 +38,14 @@ from pathlib import Path
 
 import step_profile
 from docs_section import write_section
+from lockstep import Stepper, run_lockstep
 from peers import (
     Peer,
-    Stepper,
     cpu_model,
     memfit_stepper,
     peer_stepper,
     prepare_inputs,
     reproduce_command,
-    run_lockstep,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -206,7 +205,7 @@ def bare_child(kind: str, progress: str, steps: int) -> None:
 
 
 def bare_stepper(kind: str, env: dict[str, str], runs: Path, steps: int) -> Stepper:
-    """A :class:`peers.Stepper` of :func:`bare_child`."""
+    """A :class:`lockstep.Stepper` of :func:`bare_child`."""
     progress = runs / f"bare_{kind}.txt"
     cmd = [sys.executable, __file__, "--_bare", kind, str(progress), str(steps)]
     return Stepper(cmd, env, runs / f"bare_{kind}", progress, "step")
