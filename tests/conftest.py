@@ -129,6 +129,41 @@ def finetune_overrides(checkpoint: Path, out: Path, **extra) -> list[str]:
     return [f"{k}={v}" for k, v in base.items()]
 
 
+def start_python(args: list[str], *, module: str = "memfit", code: str | None = None) -> subprocess.Popen:
+    """``python -m module args`` (or ``python -c code args``) in a session of its own, on one thread, stdout and
+    stderr captured together."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
+    head = ["-m", module] if code is None else ["-c", code]
+    return subprocess.Popen(
+        [sys.executable, *head, *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
+
+
+def rank_of(process: psutil.Process) -> str | None:
+    """The ``RANK`` torchrun gave ``process`` (None: not a worker, or gone)."""
+    try:
+        return process.environ().get("RANK")
+    except psutil.Error:
+        return None
+
+
+def alive(processes: list[psutil.Process]) -> list[psutil.Process]:
+    """Those of ``processes`` still running (not gone, not zombies)."""
+
+    def running(p: psutil.Process) -> bool:
+        try:
+            return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+        except psutil.Error:  # gone
+            return False
+
+    return [p for p in processes if running(p)]
+
+
 def kill_launch(proc: subprocess.Popen, known: list[psutil.Process]) -> str:
     """SIGKILL a launch: memfit's session, and every process below it or in ``known``. torchrun starts each worker
     in a session of its own, so killing memfit's session alone would leave the workers running (and holding the

@@ -10,7 +10,6 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -24,7 +23,7 @@ from memfit.cli import main
 from memfit.errors import ConfigError
 from memfit.metrics import read_records
 
-from .conftest import finish_launch, kill_launch, tiny_run_overrides
+from .conftest import alive, finish_launch, kill_launch, rank_of, start_python, tiny_run_overrides
 
 TOL = 1e-5  # as tests/test_distributed.py: fp32, 2 ranks reduce in another order than one process
 FAIL_WITHIN_S = 60  # a launch whose rank died must have exited by then (gloo sees the closed socket at once)
@@ -35,20 +34,6 @@ LONG_RUN = dict(max_steps=100_000, eval_every=0, checkpoint_every=0, sample__max
 def _overrides(corpus: Path, out: Path, **extra) -> list[str]:
     extra = {k.replace("__", "."): v for k, v in extra.items()}
     return tiny_run_overrides(corpus, out, **extra)
-
-
-def _start(args: list[str], *, code: str | None = None) -> subprocess.Popen:
-    """``python -m memfit args`` (or ``python -c code args``) in a session of its own, output captured."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
-    head = ["-m", "memfit"] if code is None else ["-c", code]
-    return subprocess.Popen(
-        [sys.executable, *head, *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=env,
-        start_new_session=True,
-    )
 
 
 def _wait_until_training(proc: subprocess.Popen, out: Path, timeout: float = 120) -> list[psutil.Process]:
@@ -62,23 +47,6 @@ def _wait_until_training(proc: subprocess.Popen, out: Path, timeout: float = 120
     return psutil.Process(proc.pid).children(recursive=True)
 
 
-def _rank(process: psutil.Process) -> str | None:
-    try:
-        return process.environ().get("RANK")
-    except psutil.Error:
-        return None
-
-
-def _alive(processes: list[psutil.Process]) -> list[psutil.Process]:
-    def running(p: psutil.Process) -> bool:
-        try:
-            return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
-        except psutil.Error:  # gone
-            return False
-
-    return [p for p in processes if running(p)]
-
-
 def test_nproc_shortcut_trains_what_one_process_does(small_corpus, tmp_path, capsys):
     run = dict(
         max_steps=4, eval_every=2, checkpoint_every=2, optimizer__warmup_steps=4, sample__max_new_tokens=0
@@ -89,7 +57,7 @@ def test_nproc_shortcut_trains_what_one_process_does(small_corpus, tmp_path, cap
     assert "torchrun" not in capsys.readouterr().out
 
     args = ["pretrain", *_overrides(small_corpus, sharded, batch_size=4, **run), "nproc=2"]
-    proc = _start(args)
+    proc = start_python(args)
     output = finish_launch(proc, timeout=180)
     assert proc.returncode == 0, output[-6000:]
     # one line tells the torchrun command it stands for, with the arguments less nproc
@@ -112,9 +80,9 @@ def test_nproc_shortcut_trains_what_one_process_does(small_corpus, tmp_path, cap
 
 def test_a_killed_rank_ends_the_launch_with_a_report(small_corpus, tmp_path):
     out = tmp_path / "run"
-    proc = _start(["pretrain", "nproc=2", *_overrides(small_corpus, out, **LONG_RUN)])
+    proc = start_python(["pretrain", "nproc=2", *_overrides(small_corpus, out, **LONG_RUN)])
     processes = _wait_until_training(proc, out)
-    rank1 = [p for p in processes if _rank(p) == "1"]
+    rank1 = [p for p in processes if rank_of(p) == "1"]
     assert len(rank1) == 1, [(p.pid, p.cmdline()) for p in processes]
     rank1[0].send_signal(signal.SIGKILL)
     killed_at = time.monotonic()
@@ -126,7 +94,7 @@ def test_a_killed_rank_ends_the_launch_with_a_report(small_corpus, tmp_path):
     assert re.search(r"rank\s*:\s*1 \(local_rank: 1\)", root_cause), output[-6000:]
     assert "SIGKILL" in root_cause
     assert "memfit: error: a rank failed, so the run stopped:" in output
-    assert not _alive(processes)  # no worker left behind
+    assert not alive(processes)  # no worker left behind
 
 
 # workers whose launcher died get SIGTERM at once and exit in 1-10 s (on 2 busy cores a worker's interpreter alone
@@ -148,8 +116,8 @@ def test_workers_stop_when_their_launcher_is_killed(small_corpus, tmp_path):
     22, item 9)."""
     out, checkpoints = tmp_path / "run", tmp_path / "run" / "checkpoints"
     run = {**LONG_RUN, "checkpoint_every": 1}
-    proc = _start(["pretrain", "nproc=2", *_overrides(small_corpus, out, **run)])
-    workers = [p for p in _wait_until_training(proc, out) if _rank(p) in ("0", "1")]
+    proc = start_python(["pretrain", "nproc=2", *_overrides(small_corpus, out, **run)])
+    workers = [p for p in _wait_until_training(proc, out) if rank_of(p) in ("0", "1")]
     try:
         assert len(workers) == 2, workers
         deadline = time.monotonic() + 60
@@ -161,9 +129,9 @@ def test_workers_stop_when_their_launcher_is_killed(small_corpus, tmp_path):
         os.killpg(proc.pid, signal.SIGKILL)
         killed_at = time.monotonic()
         writing = _partial(checkpoints)
-        while _alive(workers) and time.monotonic() - killed_at < STOP_WITHIN_S:
+        while alive(workers) and time.monotonic() - killed_at < STOP_WITHIN_S:
             time.sleep(0.05)
-        survivors = _alive(workers)
+        survivors = alive(workers)
         completed = [w for w in writing if (checkpoints / w.split("-")[1]).is_dir()]
         print(
             f"workers gone {time.monotonic() - killed_at:.1f} s after the kill; being written then: {writing}, "
@@ -199,7 +167,7 @@ def test_a_signal_to_memfit_stops_torchrun_and_its_workers(sig, tmp_path):
     started.mkdir()
     args = ["--standalone", "--nproc_per_node", "2", str(tmp_path / "worker.py"), str(started)]
     code = "import sys; from memfit.launch import run_torchrun; sys.exit(run_torchrun(sys.argv[1:]))"
-    proc = _start(args, code=code)
+    proc = start_python(args, code=code)
     deadline = time.monotonic() + 120
     while len(list(started.iterdir())) < 2:
         if proc.poll() is not None or time.monotonic() > deadline:
@@ -212,7 +180,7 @@ def test_a_signal_to_memfit_stops_torchrun_and_its_workers(sig, tmp_path):
     assert output.startswith("memfit: running torchrun --standalone --nproc_per_node 2 ")
     assert f"Received {int(sig)} death signal, shutting down workers" in output  # memfit is torchrun's agent
     assert ("memfit: stopped by SIGTERM" in output) == (sig == signal.SIGTERM)  # on SIGINT rank 0 says so
-    assert not _alive(workers)
+    assert not alive(workers)
 
 
 @pytest.mark.parametrize("value", ["0", "-1", "two", "1.5", ""])
