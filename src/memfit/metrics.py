@@ -1,8 +1,8 @@
 """The step record and its sinks: a readable stdout line, ``metrics.jsonl``, TensorBoard, Weights & Biases, and a
 loss plot.
 
-A step record is a flat dict. Training records carry ``step, loss, lr, grad_norm, tokens_per_second_per_gpu`` and
-the peak-memory fields of :mod:`memfit.memory.stats` (GiB); validation records carry ``step, val_loss``.
+A step record is a flat dict. Training records carry ``step, loss, lr, grad_norm, tokens_per_second_per_gpu, mfu``
+and the peak-memory fields of :mod:`memfit.memory.stats` (GiB); validation records carry ``step, val_loss``.
 Memory fields are ``null`` in JSON when they do not apply to the device (allocator fields on CPU).
 """
 
