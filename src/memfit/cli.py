@@ -437,9 +437,9 @@ def _add_finetune(sub: Any) -> None:
         _pretrain,
         "YAML preset, e.g. configs/finetune_lora.yaml (default: none, the built-in defaults below)",
         "e.g. checkpoint_dir=DIR method=lora (checkpoint_dir is required); nproc=N ranks (default: 1)",
-        help="fine-tune pretrained weights (full, LoRA or adapter) on instructions, chats or text",
-        description="Fine-tune a Hugging Face, Meta or memfit checkpoint (checkpoint_dir) with method full, lora "
-        "or adapter, on instruction / chat records (data.format alpaca, dolly, sharegpt, openai; data.template "
+        help="fine-tune pretrained weights (full, LoRA, QLoRA or adapter) on instructions, chats or text",
+        description="Fine-tune a Hugging Face, Meta or memfit checkpoint (checkpoint_dir) with method full, lora, "
+        "qlora or adapter, on instruction / chat records (data.format alpaca, dolly, sharegpt, openai; data.template "
         "alpaca, llama2-chat, llama3-chat, chatml) or a text corpus. The same keys as pretrain; output_dir "
         "defaults to out/finetune. nproc=N starts N sharded ranks on this machine (through torchrun).",
         epilog=_keys_epilog(),

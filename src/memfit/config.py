@@ -125,7 +125,10 @@ class AdapterConfig:
 class OptimizerConfig:
     """The optimizer and its hyperparameters."""
 
-    name: str = "adamw"
+    name: str = field(
+        default="adamw",
+        metadata={"shown": "'muon' | 'adamw'", "help": "muon from scratch, adamw from pretrained weights"},
+    )
     """An entry of :data:`memfit.memory.optimizers.OPTIMIZERS`: ``adamw`` (torch.optim.AdamW, 8 bytes/parameter of
     state in fp32), bitsandbytes' 8-bit and paged ones, torchao's low-bit ones, and the optimizers that keep less
     state: ``muon``, ``adafactor``, ``apollo``, ``apollo_mini``, ``adam_mini`` (the table in that module and
@@ -311,7 +314,7 @@ def load_prepare_config(overrides: list[str], **given: Any) -> PrepareConfig:
 
 @dataclass
 class TrainConfig:
-    """One run: pretraining, or fine-tuning (``checkpoint_dir`` set) with ``method`` full, lora or adapter.
+    """One run: pretraining, or fine-tuning (``checkpoint_dir`` set) with ``method`` full, lora, qlora or adapter.
 
     Field names are the CLI's dotted override keys (``optimizer.lr=3e-4``). A memory switch's field is declared
     here with its type and default; everything else about it (allowed values, conflicts, how it is applied, what
@@ -560,7 +563,8 @@ def describe_keys(cls: type = None, prefix: str = "") -> list[str]:
             continue
         default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
         note = f"  ({f.metadata['help']})" if "help" in f.metadata else ""
-        lines.append(f"{prefix}{f.name} = {default!r}{note}")
+        shown = f.metadata.get("shown", repr(default))  # where the default depends on the run
+        lines.append(f"{prefix}{f.name} = {shown}{note}")
     return lines
 
 
