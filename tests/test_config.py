@@ -234,7 +234,7 @@ def test_finetune_verb_needs_a_checkpoint(tmp_path, capsys):
 
 def test_compile_without_a_cxx_compiler_is_refused_before_anything_runs(monkeypatch):
     """TorchInductor's CPU kernels need a C++ compiler: without one, validation says so instead of the first step."""
-    import memfit.memory.switches as switches_module
+    from memfit.memory.switches import compile_offload as switches_module
 
     assert load_config(None, ["compile=true", "device=cpu"]).compile
     monkeypatch.setattr(switches_module.shutil, "which", lambda name: None)

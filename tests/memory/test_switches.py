@@ -61,7 +61,7 @@ def test_declared_conflicts_exit_2_through_the_cli(capsys):
 
 def test_every_entry_that_checks_something_declares_what_it_refuses():
     for s in switches.SWITCHES:
-        if s.check is not switches._check_nothing or s.check_model is not None:
+        if s.check is not switches.check_nothing or s.check_model is not None:
             assert s.refusals, f"{s.key}: add Refusal examples of what its check refuses"
 
 

@@ -1,0 +1,197 @@
+"""The switches of what trains and in which precision: ``method`` (full, LoRA, QLoRA, adapter) and ``dtype``.
+
+Each entry is declared after its checks, candidates and cost (:class:`~memfit.memory.switches.base.Switch`).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from memfit.errors import ConfigError
+from memfit.memory.switches.base import (
+    DTYPES,
+    METHODS,
+    Parity,
+    PlanSpace,
+    Refusal,
+    RunConfig,
+    StepTerms,
+    Switch,
+    Target,
+    check_nothing,
+    checkpointed_layers,
+    each,
+    require,
+)
+from memfit.models import peft
+
+if TYPE_CHECKING:
+    from memfit.models.llama import LlamaConfig
+
+
+def layer_weights(mcfg: LlamaConfig) -> int:
+    """Weights of one decoder layer's linears: q, k, v, o projections and the SwiGLU MLP's gate, up and down (the
+    weights QLoRA stores in NF4, :data:`memfit.models.peft.QLORA_QUANTIZED`)."""
+    d, hd = mcfg.dim, mcfg.dim // mcfg.num_heads
+    return 2 * d * mcfg.num_heads * hd + 2 * d * mcfg.num_kv_heads * hd + 3 * d * mcfg.intermediate_size
+
+
+def dequantize_passes(cfg: RunConfig, num_layers: int) -> float:
+    """How many times a step dequantizes each NF4 weight of QLoRA, averaged over the layers (0 for other methods).
+
+    Per micro-batch: once in the forward and once in the backward (the input gradient; frozen weights have no weight
+    gradient), and once more in the recomputed forward of a checkpointed layer (``full``: every layer;
+    ``every_n``: every n-th; ``selective`` recomputes no matmul, so no dequantization).
+    """
+    if cfg.method != "qlora":
+        return 0.0
+    recomputed = 0
+    if cfg.activation_checkpointing != "selective":
+        recomputed = len(
+            checkpointed_layers(
+                num_layers, cfg.activation_checkpointing, cfg.activation_checkpointing_interval
+            )
+        )
+    return cfg.gradient_accumulation_steps * (2 + recomputed / num_layers)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# method
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _check_method(cfg: RunConfig, target: Target) -> None:
+    require(
+        not (target.sharded and cfg.method == "qlora" and cfg.distributed.strategy == "fsdp1"),
+        "method",
+        "qlora does not work with distributed.strategy=fsdp1: FSDP1 flattens a unit's weights into one buffer of "
+        "one dtype, which cannot hold NF4 weights. Use distributed.strategy=fsdp2 (which shards torchao's NF4 "
+        "tensors as they are)",
+    )
+
+
+def _check_method_model(cfg: RunConfig, mcfg: LlamaConfig) -> None:
+    if cfg.method == "qlora":
+        hd = mcfg.head_dim
+        block = peft.NF4_BLOCK_SIZE
+        shapes = {
+            "q_proj/o_proj": (mcfg.num_heads * hd, mcfg.dim),
+            "k_proj/v_proj": (mcfg.num_kv_heads * hd, mcfg.dim),
+            "gate_proj/up_proj/down_proj": (mcfg.intermediate_size, mcfg.dim),
+        }
+        for names, (rows, cols) in shapes.items():
+            require(
+                rows * cols % block == 0,
+                "method",
+                f"qlora stores each decoder linear in NF4 blocks of {block} weights, but {names} have "
+                f"{rows} x {cols} weights, not a multiple of {block}; use method=lora for this model",
+            )
+    if cfg.method in peft.LORA_METHODS and "lm_head" in cfg.lora.target_modules and mcfg.tie_word_embeddings:
+        raise ConfigError(
+            "config key 'lora.target_modules': this model ties lm_head to the input embedding, so a LoRA update "
+            "of lm_head would also change the embedding when merged; leave lm_head out"
+        )
+    if cfg.method == "adapter" and cfg.adapter.num_layers > mcfg.num_layers:
+        raise ConfigError(
+            f"config key 'adapter.num_layers': {cfg.adapter.num_layers} exceeds the model's {mcfg.num_layers} "
+            f"layers; use at most {mcfg.num_layers} (0 adapts all)"
+        )
+
+
+def _plan_method(cfg: RunConfig, space: PlanSpace) -> tuple[dict[str, Any], ...]:
+    lora_to_qlora = cfg.method == "lora" and space.qlora_possible
+    return each("method", (cfg.method, "qlora") if lora_to_qlora else (cfg.method,))
+
+
+def _cost_method(method: str, t: StepTerms) -> None:
+    if method == "qlora":
+        elements = dequantize_passes(t.cfg, t.mcfg.num_layers) * t.mcfg.num_layers * layer_weights(t.mcfg)
+        t.dequantize_bytes = elements * t.constants["nf4_dequantize_bytes_per_element"][t.cfg.dtype]
+
+
+METHOD = Switch(
+    key="method",
+    record="method",
+    applied="build: memfit.build.build_model (memfit.models.peft.apply_lora / apply_qlora / apply_adapter)",
+    check=_check_method,
+    choices=METHODS,
+    check_model=_check_method_model,
+    activation=True,
+    candidates=_plan_method,
+    label=lambda v, cfg: "" if v == "full" else v,
+    comment=lambda v: {
+        "lora": "LoRA: only the low-rank adapters train; the base stays in the parameter dtype",
+        "qlora": "LoRA over an NF4 base: ~0.52 B per frozen linear weight, dequantized in every forward/backward",
+    }.get(v, ""),
+    in_yaml=lambda cfg: cfg.method != "full",  # the default: a pretraining plan's config stays as it was
+    cost=_cost_method,
+    refusals=(
+        Refusal(
+            {"method": "qlora", "distributed.strategy": "fsdp1"}, "qlora does not work with", world_size=2
+        ),
+        Refusal(
+            {
+                "method": "qlora",
+                "model_args.dim": 36,
+                "model_args.num_heads": 2,
+                "model_args.num_kv_heads": 1,
+            },
+            "qlora stores each decoder linear in NF4 blocks of 64 weights, but q_proj/o_proj have 36 x 36",
+        ),
+        Refusal(
+            {
+                "method": "lora",
+                "lora.target_modules": "[q_proj,lm_head]",
+                "model_args.tie_word_embeddings": True,
+            },
+            "this model ties lm_head to the input embedding",
+            key="lora.target_modules",
+        ),
+        Refusal(
+            {"method": "adapter", "adapter.num_layers": 99},
+            "99 exceeds the model's 6",
+            key="adapter.num_layers",
+        ),
+    ),
+    no_parity="fine-tuning methods train other weights than the baseline; tests/models/test_peft.py and "
+    "test_qlora.py compare them with Hugging Face PEFT",
+    doc="full, lora, qlora (LoRA over a 4-bit NormalFloat base) or adapter",
+)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# dtype
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _cost_dtype(dtype: str, t: StepTerms) -> None:
+    t.matmul_flops_per_second = t.constants["matmul_flops_per_second"][dtype]
+
+
+DTYPE = Switch(
+    key="dtype",
+    record="dtype",
+    applied="build: memfit.build.PARAM_DTYPES; step: memfit.step.autocast_context (bf16_mixed)",
+    check=check_nothing,
+    choices=DTYPES,
+    activation=True,
+    candidates=lambda cfg, space: each("dtype", space.dtypes),
+    label=lambda v, cfg: v,
+    comment=lambda v: {
+        "bf16": "weights, gradients and optimizer state bf16 (loss in fp32)",
+        "bf16_mixed": "fp32 weights, gradients and state; forward/backward under bf16 autocast",
+        "fp32": "everything fp32",
+    }[v],
+    cost=_cost_dtype,
+    parity=(
+        Parity(
+            {"dtype": "bf16"},
+            0.03,
+            relative=True,
+            why="bf16 rounds weights, activations and updates to "
+            "8 bits of mantissa (2**-8 relative), compounding over steps",
+        ),
+        Parity({"dtype": "bf16_mixed"}, 0.02, relative=True, why="bf16 matmuls under autocast"),
+    ),
+    doc="fp32, bf16 (weights, gradients, state in bf16) or bf16_mixed (fp32 states, bf16 autocast)",
+)
