@@ -500,19 +500,12 @@ def _split_unseen(
 
 
 def _switches(cfg: TrainConfig) -> dict[str, Any]:
+    """The estimate's ``config`` record: the model, the device, each switch by its entry's record name
+    (:func:`memfit.memory.switches.records`) and the whole ``distributed`` section."""
     return {
         "model": cfg.model if cfg.checkpoint_dir is None else str(cfg.checkpoint_dir),
-        "method": cfg.method,
         "device": "cuda" if cfg.device == "cuda" else "cpu",
-        "dtype": cfg.dtype,
-        "optimizer": cfg.optimizer.name,
-        "optimizer_implementation": cfg.optimizer.implementation,
-        "optimizer_in_backward": cfg.optimizer_in_backward,
-        "optimizer_cpu_offload": cfg.optimizer.cpu_offload,
-        "activation_checkpointing": cfg.activation_checkpointing,
-        "activation_offloading": cfg.activation_offloading,
-        "chunked_cross_entropy": cfg.chunked_cross_entropy,
-        "tiled_mlp": cfg.tiled_mlp,
+        **switches.records(cfg),
         "packed_documents": packs_documents(cfg),
         "gradient_accumulation_steps": cfg.gradient_accumulation_steps,
         "distributed": dataclasses.asdict(cfg.distributed),
