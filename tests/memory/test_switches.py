@@ -229,7 +229,7 @@ def test_closed_form_state_equals_the_state_a_step_leaves(name, dtype, one_threa
 
 def test_every_optimizer_is_complete():
     for o in optimizers.OPTIMIZERS:
-        assert o.comment and o.class_name, o.name
+        assert o.comment and callable(o.factory), o.name
         assert o.library in ("torch", "bitsandbytes", "torchao", "apollo_torch", "adam_mini"), o.name
         assert o.update_factor > 0 and (o.cpu_update_factor is None or o.cpu_update_factor > 0), o.name
         assert set(o.hyperparameters) <= {f.name for f in dataclasses.fields(OptimizerConfig)}, o.name

@@ -12,21 +12,31 @@ the state in tensors and numbers.
   matching of parameter names.
 
 Which tensor goes where is decided by :func:`memfit.memory.optimizers.part_of`; :func:`memfit.memory.optim.
-param_groups` writes it into each group as ``algorithm``.
+param_groups` writes it into each group as ``algorithm``. :func:`low_bit_class` is torchao's low-bit AdamW made to
+take a float ``lr``. The entries of :data:`memfit.memory.optimizers.OPTIMIZERS` name these classes as their
+factories, so this module sits below that registry and imports nothing of it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
 
-from memfit.memory import optimizers
 from memfit.quiet import quiet_bitsandbytes_import
 
 _GROUP_ONLY = ("params", "param_names")
+
+
+def projection_rank(optimizer: str, rank: int, dim: int, shape: tuple[int, ...]) -> int:
+    """APOLLO's projection rank of an m x n matrix: ``optimizer.apollo_rank``, or when 0 the variant's default
+    (``apollo``: a quarter of the model width, as GaLore's and APOLLO's pretraining runs, 128 at width 512 to 512 at
+    2048; ``apollo_mini``: 1), at most ``min(m, n)`` (a smaller matrix is projected to its smaller side)."""
+    r = rank or (1 if optimizer == "apollo_mini" else max(1, dim // 4))
+    return min(r, *shape)
 
 
 def _groups(params: Iterable[Any], algorithm: str) -> list[dict]:
@@ -132,7 +142,7 @@ def apollo_class() -> type[torch.optim.Optimizer]:
     class Apollo(APOLLOAdamW):
         """APOLLO on the groups whose ``algorithm`` is ``apollo``, its own AdamW on the rest.
 
-        A projected group is split by projection rank (:func:`memfit.memory.optimizers.apollo_rank`: a matrix
+        A projected group is split by projection rank (:func:`projection_rank`: a matrix
         smaller than the rank is projected to its smaller side) and given APOLLO's group settings: random
         projection (``proj: random``, ``proj_type: std``), channel-wise scaling with ``scale`` 1 (``apollo``) or
         tensor-wise with 128 (``apollo_mini``), a new projection every ``update_proj_gap`` steps.
@@ -187,7 +197,7 @@ def apollo_class() -> type[torch.optim.Optimizer]:
                 names = g.get("param_names", [None] * len(g["params"]))
                 by_rank: dict[int, list] = {}
                 for name, p in zip(names, g["params"], strict=True):
-                    r = optimizers.apollo_rank(variant, apollo_rank, dim, tuple(p.shape))
+                    r = projection_rank(variant, apollo_rank, dim, tuple(p.shape))
                     by_rank.setdefault(r, []).append((name, p))
                 hyper = {k: v for k, v in g.items() if k not in _GROUP_ONLY}
                 for r, members in by_rank.items():
@@ -291,15 +301,36 @@ def adam_mini_class() -> type[torch.optim.Optimizer]:
     return AdamMini
 
 
-def hybrid_class(name: str) -> Callable[..., torch.optim.Optimizer] | None:
-    """The class memfit builds for ``optimizer.name`` ``name`` when it is one of this module's, else ``None``."""
-    if name == "muon":
-        return MuonWithAdamW
-    if name in ("apollo", "apollo_mini"):
-        return functools.partial(apollo_class(), variant=name)
-    if name == "adam_mini":
-        return adam_mini_class()
-    return None
+def apollo_variant(name: str) -> Callable[..., torch.optim.Optimizer]:
+    """The class memfit builds for ``optimizer.name`` ``apollo`` or ``apollo_mini`` (its entry's factory)."""
+    return functools.partial(apollo_class(), variant=name)
 
 
-__all__ = ["MuonWithAdamW", "adam_mini_class", "apollo_class", "hybrid_class"]
+@functools.cache
+def low_bit_class(base: type[torch.optim.Optimizer]) -> type[torch.optim.Optimizer]:
+    """torchao's low-bit AdamW ``base`` (``torchao.optim.AdamW8bit``, ...), made to accept a float ``lr`` and to
+    step eagerly on CPU."""
+
+    class _LowBitAdamW(base):  # type: ignore[misc, valid-type]
+        @torch.no_grad()
+        def step(self, closure=None):
+            # torchao keeps lr as a tensor (so a new value does not recompile); the training loop sets a float.
+            for group in self.param_groups:
+                if not isinstance(group["lr"], torch.Tensor):
+                    group["lr"] = torch.tensor(group["lr"], dtype=torch.float32)
+            on_cuda = self.param_groups[0]["params"][0].device.type == "cuda"
+            with contextlib.nullcontext() if on_cuda else torch.compiler.set_stance("force_eager"):
+                return super().step(closure)
+
+    _LowBitAdamW.__name__ = _LowBitAdamW.__qualname__ = f"Memfit{base.__name__}"
+    return _LowBitAdamW
+
+
+__all__ = [
+    "MuonWithAdamW",
+    "adam_mini_class",
+    "apollo_class",
+    "apollo_variant",
+    "low_bit_class",
+    "projection_rank",
+]

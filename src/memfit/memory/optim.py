@@ -20,8 +20,6 @@ the parameters whose state is *not* quantized (all of them for ``adamw`` and ``p
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import inspect
 import math
 import warnings
@@ -35,9 +33,8 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from memfit.config import OptimizerConfig
 from memfit.distributed import unwrap
 from memfit.memory import optimizers
-from memfit.memory.hybrids import hybrid_class
 from memfit.memory.optimizers import check_optimizer_supported
-from memfit.quiet import quiet_bitsandbytes_import, quiet_torchao_import
+from memfit.quiet import quiet_torchao_import
 
 _ADAMW_IMPLEMENTATIONS = {
     "foreach": {"foreach": True, "fused": False},
@@ -190,34 +187,11 @@ def unquantized_state_params(model: torch.nn.Module, name: str) -> list[str]:
 # ----------------------------------------------------------------------------------------------------------------
 
 
-@functools.cache
-def _torchao_class(name: str) -> type[torch.optim.Optimizer]:
-    """torchao's low-bit AdamW, made to accept a float ``lr`` and to step eagerly on CPU."""
-    with quiet_torchao_import():
-        import torchao.optim  # deferred: torchao and bitsandbytes take seconds each to import
-
-    base = getattr(torchao.optim, optimizers.spec(name).class_name)
-
-    class _LowBitAdamW(base):  # type: ignore[misc, valid-type]
-        @torch.no_grad()
-        def step(self, closure=None):
-            # torchao keeps lr as a tensor (so a new value does not recompile); the training loop sets a float.
-            for group in self.param_groups:
-                if not isinstance(group["lr"], torch.Tensor):
-                    group["lr"] = torch.tensor(group["lr"], dtype=torch.float32)
-            on_cuda = self.param_groups[0]["params"][0].device.type == "cuda"
-            with contextlib.nullcontext() if on_cuda else torch.compiler.set_stance("force_eager"):
-                return super().step(closure)
-
-    _LowBitAdamW.__name__ = _LowBitAdamW.__qualname__ = f"Memfit{base.__name__}"
-    return _LowBitAdamW
-
-
 def _optimizer_class(
     cfg: OptimizerConfig, model_config: Any = None
 ) -> tuple[Callable[..., torch.optim.Optimizer], dict[str, Any]]:
-    """The class of ``cfg.name``'s entry (:data:`memfit.memory.optimizers.OPTIMIZERS`) and its keyword arguments
-    (the entry's ``hyperparameters``, renamed by its ``arguments``, and its ``model_arguments`` read from
+    """The class ``cfg.name``'s entry builds (:attr:`memfit.memory.optimizers.Optimizer.factory`) and its keyword
+    arguments (the entry's ``hyperparameters``, renamed by its ``arguments``, and its ``model_arguments`` read from
     ``model_config``); imports its library when first asked.
 
     Raises:
@@ -238,26 +212,16 @@ def _optimizer_class(
                 f"optimizer {cfg.name!r} needs the model's config ({', '.join(entry.model_arguments)})"
             )
         kwargs.update({k: getattr(model_config, k) for k in entry.model_arguments})
-    hybrid = hybrid_class(cfg.name)
-    if hybrid is not None:
-        return hybrid, kwargs
-    if entry.library == "torch":
-        cls = getattr(torch.optim, entry.class_name)
-        if not entry.implementations:
-            return cls, kwargs
-        if cfg.implementation not in entry.implementations:
-            raise ValueError(
-                f"unknown optimizer.implementation {cfg.implementation!r} for {cfg.name}; known: "
-                f"{', '.join(entry.implementations)}"
-            )
-        flags = _ADAMW_IMPLEMENTATIONS[cfg.implementation]
-        return cls, {**kwargs, **{k: v for k, v in flags.items() if k != "fused" or "fused" in _accepts(cls)}}
-    if entry.library == "bitsandbytes":
-        with quiet_bitsandbytes_import():
-            import bitsandbytes as bnb  # deferred: torchao and bitsandbytes take seconds each to import
-
-        return getattr(bnb.optim, entry.class_name), kwargs
-    return _torchao_class(cfg.name), kwargs
+    cls = entry.factory()  # imports its library when first asked (bitsandbytes and torchao take seconds each)
+    if not entry.implementations:
+        return cls, kwargs
+    if cfg.implementation not in entry.implementations:
+        raise ValueError(
+            f"unknown optimizer.implementation {cfg.implementation!r} for {cfg.name}; known: "
+            f"{', '.join(entry.implementations)}"
+        )
+    flags = _ADAMW_IMPLEMENTATIONS[cfg.implementation]
+    return cls, {**kwargs, **{k: v for k, v in flags.items() if k != "fused" or "fused" in _accepts(cls)}}
 
 
 def _accepts(cls: Callable[..., Any]) -> set[str]:

@@ -1,10 +1,10 @@
 """The optimizers behind ``optimizer.name``, one declared entry each: what every layer of memfit needs to know of one.
 
-An :class:`Optimizer` entry holds its library and class (the constructor :func:`memfit.memory.optim.build_optimizer`
-calls), the keyword arguments it takes, the bytes of state it keeps in closed form (:attr:`Optimizer.state`, which
-:func:`memfit.planner.closed_form.model_state_bytes_closed_form` sums and ``tests/memory/test_switches.py`` holds
-against the real state), which tensors it keeps unquantized, whether it pages its state and supports ``implementation``,
-where it runs (sharded, CUDA capability), its share of the planner's cost model (:attr:`Optimizer.update_factor`)
+An :class:`Optimizer` entry holds the factory of its class (what :func:`memfit.memory.optim.build_optimizer`
+constructs) and its library, the keyword arguments it takes, the bytes of state it keeps in closed form
+(:attr:`Optimizer.state`, which :func:`memfit.planner.closed_form.model_state_bytes_closed_form` sums and
+``tests/memory/test_switches.py`` holds against the real state), which tensors it keeps unquantized, whether it
+pages its state and supports ``implementation``, where it runs (sharded, CUDA capability), its share of the planner's cost model (:attr:`Optimizer.update_factor`)
 and its one-line comment in ``memfit plan``'s YAML.
 
 =====================  ==================================================================================
@@ -42,13 +42,13 @@ and its one-line comment in ``memfit plan``'s YAML.
 Which trainable tensors each algorithm of a hybrid takes (Muon, APOLLO, Adam-mini's blocks) is decided here,
 once, by :func:`part_of`: the training banner, the optimizer's parameter groups and the closed form all read it.
 
-Adding an optimizer is one entry in :data:`OPTIMIZERS` (and, for a library memfit does not call yet, its import
-in :func:`memfit.memory.optim._optimizer_class`); ``tests/memory/test_switches.py`` checks its closed form against a
-real step and its line in docs/memory.md.
+Adding an optimizer is one entry in :data:`OPTIMIZERS`, its factory included; ``tests/memory/test_switches.py``
+checks its closed form against a real step and its line in docs/memory.md.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import math
 from collections.abc import Callable, Iterable
@@ -56,6 +56,10 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
+
+from memfit.memory import hybrids
+from memfit.memory.hybrids import projection_rank as apollo_rank  # APOLLO's rule, where its class is
+from memfit.quiet import quiet_bitsandbytes_import, quiet_torchao_import
 
 OPTIMIZER_IMPLEMENTATIONS = ("foreach", "for_loop", "fused")
 """``optimizer.implementation`` values (torch AdamW's ``foreach`` / ``fused`` flags)."""
@@ -306,14 +310,6 @@ def part_of(optimizer: str, param_name: str, ndim: int) -> str:
     return entry.partition(param_name, ndim) if entry.partition is not None else optimizer
 
 
-def apollo_rank(optimizer: str, rank: int, dim: int, shape: tuple[int, ...]) -> int:
-    """APOLLO's projection rank of an m x n matrix: ``optimizer.apollo_rank``, or when 0 the variant's default
-    (``apollo``: a quarter of the model width, as GaLore's and APOLLO's pretraining runs, 128 at width 512 to 512 at
-    2048; ``apollo_mini``: 1), at most ``min(m, n)`` (a smaller matrix is projected to its smaller side)."""
-    r = rank or (1 if optimizer == "apollo_mini" else max(1, dim // 4))
-    return min(r, *shape)
-
-
 def tensor_infos(
     optimizer: str,
     params: Iterable[tuple[str, tuple[int, ...], int, int]],
@@ -380,10 +376,12 @@ class Optimizer:
     """The ``optimizer.name`` value."""
     library: str
     """``torch``, ``bitsandbytes``, ``torchao``, ``apollo_torch`` or ``adam_mini``: the package its class comes
-    from (imported when used)."""
-    class_name: str
-    """The class in ``torch.optim``, ``bitsandbytes.optim``, ``torchao.optim`` or the package (``apollo_torch``'s
-    ``APOLLOAdamW``, ``adam_mini``'s ``Adam_mini``), which :mod:`memfit.memory.hybrids` wraps for the hybrids."""
+    from (:func:`check_optimizer_supported` says when it is not installed; the estimator's fake mode reads it)."""
+    factory: Callable[[], Callable[..., torch.optim.Optimizer]]
+    """Returns the class :func:`memfit.memory.optim.build_optimizer` constructs (or a callable building one),
+    importing its library when first called: ``torch.optim``'s, ``bitsandbytes.optim``'s, torchao's low-bit AdamW
+    made to take a float ``lr`` (:func:`memfit.memory.hybrids.low_bit_class`), or :mod:`memfit.memory.hybrids`'
+    own around ``torch.optim.Muon``, ``apollo_torch.APOLLOAdamW`` and ``adam_mini.Adam_mini``."""
     state: Callable[[Tensors], int]
     """Bytes of state it keeps for trainable tensors given as ``(numel, element_size)``."""
     comment: str
@@ -433,6 +431,22 @@ class Optimizer:
         return sum(per * t.numel for t in tensors if t.numel >= BNB_PAGED_MIN_NUMEL)
 
 
+def _bitsandbytes() -> Any:
+    """``bitsandbytes.optim``, imported when an entry's factory is first called (it takes seconds)."""
+    with quiet_bitsandbytes_import():
+        import bitsandbytes as bnb
+
+    return bnb.optim
+
+
+def _torchao() -> Any:
+    """``torchao.optim``, imported when an entry's factory is first called (it takes seconds)."""
+    with quiet_torchao_import():
+        import torchao.optim
+
+    return torchao.optim
+
+
 _BNB_ADAMW8BIT = _bnb_state(moments=2, bits=8)
 _BNB_CPU = 7.0
 """bitsandbytes' 8-bit update on CPU as a multiple of torch AdamW's modelled update (``bench/peers.py``, ``--grid
@@ -447,7 +461,7 @@ OPTIMIZERS: tuple[Optimizer, ...] = (
     Optimizer(
         "adamw",
         "torch",
-        "AdamW",
+        lambda: torch.optim.AdamW,
         _torch_adamw_state,
         "torch AdamW: 2 moments in the parameter dtype",
         implementations=OPTIMIZER_IMPLEMENTATIONS,
@@ -457,7 +471,7 @@ OPTIMIZERS: tuple[Optimizer, ...] = (
     Optimizer(
         "adamw8bit",
         "bitsandbytes",
-        "AdamW8bit",
+        lambda: _bitsandbytes().AdamW8bit,
         _BNB_ADAMW8BIT,
         "bitsandbytes 8-bit AdamW: ~2 bytes/parameter of state",
         quantizes=_bnb_quantizes,
@@ -469,7 +483,7 @@ OPTIMIZERS: tuple[Optimizer, ...] = (
     Optimizer(
         "paged_adamw8bit",
         "bitsandbytes",
-        "PagedAdamW8bit",
+        lambda: _bitsandbytes().PagedAdamW8bit,
         _BNB_ADAMW8BIT,
         "8-bit state in CUDA unified memory: the driver pages it to host RAM when short",
         quantizes=_bnb_quantizes,
@@ -482,7 +496,7 @@ OPTIMIZERS: tuple[Optimizer, ...] = (
     Optimizer(
         "paged_adamw",
         "bitsandbytes",
-        "PagedAdamW",
+        lambda: _bitsandbytes().PagedAdamW,
         _bnb_state(moments=2, bits=32),
         "32-bit state in CUDA unified memory",
         paged_bytes_per_element=2 * 4,
@@ -491,7 +505,7 @@ OPTIMIZERS: tuple[Optimizer, ...] = (
     Optimizer(
         "torchao_adamw8bit",
         "torchao",
-        "AdamW8bit",
+        lambda: hybrids.low_bit_class(_torchao().AdamW8bit),
         _torchao_state(code_bits=8, block=256, table_entries=256),
         "torchao 8-bit AdamW: ~2 bytes/parameter of state",
         quantizes=_torchao_quantizes(256),
@@ -503,7 +517,7 @@ OPTIMIZERS: tuple[Optimizer, ...] = (
     Optimizer(
         "torchao_adamw4bit",
         "torchao",
-        "AdamW4bit",
+        lambda: hybrids.low_bit_class(_torchao().AdamW4bit),
         _torchao_state(code_bits=4, block=128, table_entries=16),
         "torchao 4-bit AdamW: ~1 byte/parameter of state",
         quantizes=_torchao_quantizes(128),
@@ -515,7 +529,7 @@ OPTIMIZERS: tuple[Optimizer, ...] = (
     Optimizer(
         "torchao_adamw_fp8",
         "torchao",
-        "AdamWFp8",
+        lambda: hybrids.low_bit_class(_torchao().AdamWFp8),
         _torchao_state(code_bits=8, block=256, table_entries=0),
         "torchao fp8 AdamW state: ~2 bytes/parameter",
         quantizes=_torchao_quantizes(256),
@@ -527,7 +541,7 @@ OPTIMIZERS: tuple[Optimizer, ...] = (
     Optimizer(
         "lion8bit",
         "bitsandbytes",
-        "Lion8bit",
+        lambda: _bitsandbytes().Lion8bit,
         _bnb_state(moments=1, bits=8),
         "bitsandbytes 8-bit Lion: one moment, ~1 byte/parameter of state",
         quantizes=_bnb_quantizes,
@@ -539,7 +553,7 @@ OPTIMIZERS: tuple[Optimizer, ...] = (
     Optimizer(
         "muon",
         "torch",
-        "Muon",
+        lambda: hybrids.MuonWithAdamW,
         _muon_state,
         "torch Muon on the hidden matrices (one momentum buffer), AdamW on the rest",
         hyperparameters=(
@@ -560,7 +574,7 @@ OPTIMIZERS: tuple[Optimizer, ...] = (
     Optimizer(
         "adafactor",
         "torch",
-        "Adafactor",
+        lambda: torch.optim.Adafactor,
         _adafactor_state,
         "torch Adafactor: a factored second moment, no first moment",
         hyperparameters=("lr", "beta2_decay", "clipping_threshold"),
@@ -573,7 +587,7 @@ OPTIMIZERS: tuple[Optimizer, ...] = (
         Optimizer(
             name,
             "apollo_torch",
-            "APOLLOAdamW",
+            functools.partial(hybrids.apollo_variant, name),
             _apollo_state,
             comment,
             hyperparameters=("lr", "betas", "eps", "apollo_rank", "apollo_scale", "update_proj_gap"),
@@ -597,7 +611,7 @@ OPTIMIZERS: tuple[Optimizer, ...] = (
     Optimizer(
         "adam_mini",
         "adam_mini",
-        "Adam_mini",
+        hybrids.adam_mini_class,
         _adam_mini_state,
         "Adam-mini: AdamW's first moment, one second moment per head / row / tensor",
         model_arguments=("dim", "num_heads", "num_kv_heads"),
@@ -656,7 +670,7 @@ def step_compiles(optimizer: torch.optim.Optimizer) -> bool:
         (
             o
             for o in OPTIMIZERS
-            if o.library == "torch" and type(optimizer) is getattr(torch.optim, o.class_name)
+            if o.library == "torch" and o.compiled_step and type(optimizer) is o.factory()
         ),
         None,
     )
