@@ -4,8 +4,8 @@ An :class:`Optimizer` entry holds the factory of its class (what :func:`memfit.m
 constructs) and its library, the keyword arguments it takes, the bytes of state it keeps in closed form
 (:attr:`Optimizer.state`, which :func:`memfit.planner.closed_form.model_state_bytes_closed_form` sums and
 ``tests/memory/test_switches.py`` holds against the real state), which tensors it keeps unquantized, whether it
-pages its state and supports ``implementation``, where it runs (sharded, CUDA capability), its share of the planner's cost model (:attr:`Optimizer.update_factor`)
-and its one-line comment in ``memfit plan``'s YAML.
+pages its state and supports ``implementation``, where it runs (sharded, CUDA capability), its share of the
+planner's cost model (:attr:`Optimizer.update_factor`) and its one-line comment in ``memfit plan``'s YAML.
 
 =====================  ==================================================================================
 ``adamw``              torch.optim.AdamW: m and v in the parameter dtype (8 bytes/parameter in fp32).
