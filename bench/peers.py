@@ -455,14 +455,14 @@ def predict(spec: dict[str, Any]) -> dict[str, float]:
     from memfit.build import run_model_config
     from memfit.config import load_config
     from memfit.planner.closed_form import model_state_bytes_closed_form
-    from memfit.planner.cost import step_cost
+    from memfit.planner.cost import CostRequest, step_cost
 
     predicted = {}
     for key, settings in spec.items():
         cfg = load_config(None, [f"{k}={v}" for k, v in settings.items()], needs_weights=False)
         mcfg = run_model_config(cfg)
         states = model_state_bytes_closed_form(cfg, mcfg)
-        cost = step_cost(cfg, mcfg, world_size=1, seq_len=cfg.seq_len, states=states)
+        cost = step_cost(CostRequest(cfg, mcfg, world_size=1, seq_len=cfg.seq_len, states=states))
         predicted[key] = cfg.batch_size * cfg.seq_len * cfg.gradient_accumulation_steps / cost["total"]
     return predicted
 

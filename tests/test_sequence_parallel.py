@@ -319,12 +319,14 @@ def test_all_to_all_volume_by_hand(sp, kv_sent):
     assert len(counter.calls) == 3 * L * 4
     assert switches.all_to_all_elements(B, T, nh, mcfg.num_kv_heads, hd, sp) == per_layer * (sp - 1) // sp
     # the cost model: 1/N of the compute, and those bytes at the interconnect
-    from memfit.planner.cost import step_cost
+    from memfit.planner.cost import CostRequest, step_cost
 
     states = {"trainable_parameters": 0, "parameters": 0, "gradients": 0}
     one = step_cost(
-        load_config(None, args, needs_weights=False), mcfg, world_size=1, seq_len=T, states=states
+        CostRequest(
+            load_config(None, args, needs_weights=False), mcfg, world_size=1, seq_len=T, states=states
+        )
     )
-    split = step_cost(cfg, mcfg, world_size=sp, seq_len=T, states=states)
+    split = step_cost(CostRequest(cfg, mcfg, world_size=sp, seq_len=T, states=states))
     assert split["compute"] == pytest.approx(one["compute"] / sp)
     assert split["exchange"] == pytest.approx(3 * L * per_layer * (sp - 1) / sp * 4 / 200e9)

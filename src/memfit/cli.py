@@ -229,7 +229,10 @@ def _plan(args: argparse.Namespace) -> int:
             bool(allowed) and not unknown,
             f"a comma-separated list of optimizer.name values ({', '.join(optimizers.OPTIMIZER_NAMES)})",
         )
-    options = dict(
+    request = plan_.PlanRequest(
+        cfg,
+        budget,
+        world_size,
         margin=args.margin,
         dtypes=dtypes,
         fits=args.fits,
@@ -238,7 +241,7 @@ def _plan(args: argparse.Namespace) -> int:
         optimizers=allowed,
     )
     if longest:
-        found = context.longest_context(cfg, budget, world_size, **options)
+        found = context.longest_context(request)
         if found.plan is None:
             raise NoPlanError(
                 "memfit plan: nothing fits the budget at any sequence length, not even "
@@ -247,7 +250,7 @@ def _plan(args: argparse.Namespace) -> int:
             )
         result = found.plan
     else:
-        result = plan_.plan(cfg, budget, world_size, **options)
+        result = plan_.plan(request)
     best = result.best
     if args.json:
         out = found.to_json() if longest else result.to_json()

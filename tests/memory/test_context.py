@@ -9,6 +9,7 @@ from memfit.cli import main
 from memfit.config import load_config
 from memfit.planner import context
 from memfit.planner.estimate import estimate_run
+from memfit.planner.plan import PlanRequest
 from memfit.units import MIB
 
 TINY = [
@@ -100,7 +101,7 @@ def test_plan_seq_len_max_through_the_cli(capsys):
 
 
 def test_the_text_report_gives_the_ladder_then_the_plan():
-    found = context.longest_context(load_config(None, TINY, needs_weights=False), 48 * MIB)
+    found = context.longest_context(PlanRequest(load_config(None, TINY, needs_weights=False), 48 * MIB))
     text = context.format_context(found)
     assert "longest context per switch set" in text and f"longest context: seq_len {found.seq_len:,}" in text
     assert text.index("longest context per switch set") < text.index(

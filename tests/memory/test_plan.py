@@ -19,7 +19,7 @@ from memfit.memory.switches import layer_weights
 from memfit.planner import plan as P
 from memfit.planner import report
 from memfit.planner.closed_form import model_state_bytes_closed_form
-from memfit.planner.cost import COST_CONSTANTS, model_flops_per_token, step_cost
+from memfit.planner.cost import COST_CONSTANTS, CostRequest, model_flops_per_token, step_cost
 from memfit.planner.estimate import estimate_run
 from memfit.planner.preflight import preflight
 from memfit.units import format_bytes, parse_bytes
@@ -112,7 +112,7 @@ def _seconds(**switches) -> float:
     cfg = dataclasses.replace(cfg, optimizer=dataclasses.replace(cfg.optimizer, **opt), **rest)
     mcfg = run_model_config(cfg)
     states = model_state_bytes_closed_form(cfg, mcfg)
-    return step_cost(cfg, mcfg, world_size=1, seq_len=2048, states=states)["total"]
+    return step_cost(CostRequest(cfg, mcfg, world_size=1, seq_len=2048, states=states))["total"]
 
 
 def test_cost_model_orders_as_documented():
@@ -156,7 +156,7 @@ def test_cost_model_counts_paged_and_offloaded_bytes():
     cfg = load_config(None, ["model=llama3-8b", "dtype=bf16", "batch_size=1", "seq_len=2048", "device=cuda"])
     mcfg = run_model_config(cfg)
     states = model_state_bytes_closed_form(cfg, mcfg)
-    cost = lambda **kw: step_cost(cfg, mcfg, world_size=1, seq_len=2048, states=states, **kw)  # noqa: E731
+    cost = lambda **kw: step_cost(CostRequest(cfg, mcfg, world_size=1, seq_len=2048, states=states, **kw))  # noqa: E731
     gib = 1024**3
     link = COST_CONSTANTS["cuda"]["host_link_bytes_per_second"]
     assert cost(paged_out_bytes=gib)["transfers"] == pytest.approx(2 * gib / link)
@@ -201,7 +201,7 @@ def tight_plan(peaks):
     """A plan whose budget is between the least and the most memory the tiny run can take."""
     most, least, _ = peaks
     budget = int((least + (most - least) * 0.5) / (1 - P.DEFAULT_MARGIN))
-    return P.plan(tiny(), budget, fits=2, estimator=cached_estimate)
+    return P.plan(P.PlanRequest(tiny(), budget, fits=2, estimator=cached_estimate))
 
 
 def test_the_chosen_plan_fits_per_a_real_estimate(tight_plan, peaks):
@@ -287,12 +287,12 @@ def test_cli_writes_a_runnable_plan(tmp_path, capsys, peaks):
 
 def test_cheapest_fix_changes_the_fewest_switches(tight_plan, peaks):
     cfg = tiny()
-    same = P.cheapest_fix(cfg, peaks[0] * 4, margin=0.0, estimator=cached_estimate)
+    same = P.cheapest_fix(P.PlanRequest(cfg, peaks[0] * 4, margin=0.0, estimator=cached_estimate))
     assert same.changes == () and same.estimated
-    fix = P.cheapest_fix(cfg, tight_plan.budget_bytes, estimator=cached_estimate)
+    fix = P.cheapest_fix(P.PlanRequest(cfg, tight_plan.budget_bytes, estimator=cached_estimate))
     assert fix is not None and fix.fits and fix.peak_bytes <= tight_plan.usable_bytes
     assert 1 <= len(fix.changes) <= len(tight_plan.best.changes)
-    assert P.cheapest_fix(cfg, max(peaks[1] // 4, 1), estimator=cached_estimate) is None
+    assert P.cheapest_fix(P.PlanRequest(cfg, max(peaks[1] // 4, 1), estimator=cached_estimate)) is None
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -328,7 +328,7 @@ def test_candidates_respect_validation_and_the_device():
 
 
 def test_sharded_plan_writes_the_launch(tmp_path):
-    p = P.plan(tiny("dtype=fp32"), 64 * MIB, world_size=2, estimator=cached_estimate)
+    p = P.plan(P.PlanRequest(tiny("dtype=fp32"), 64 * MIB, world_size=2, estimator=cached_estimate))
     best = p.best
     assert best is not None and best.estimate.world_size == 2 and p.world_size == 2
     path = report.write_plan_yaml(tmp_path / "sharded.yaml", best, p)
@@ -341,7 +341,7 @@ def test_a_cpu_plan_gives_the_tensors_the_budget_less_the_process_overhead(monke
     and every fitting row's traced peak fits in what is left."""
     monkeypatch.setattr(P, "process_overhead_bytes", lambda **_: 100 * MIB)
     cfg = load_config(None, [*(t for t in TINY if not t.startswith(("device=", "dtype="))), "device=cpu"])
-    p = P.plan(cfg, 400 * MIB, margin=0.1, estimator=cached_estimate)
+    p = P.plan(P.PlanRequest(cfg, 400 * MIB, margin=0.1, estimator=cached_estimate))
     assert p.host_overhead_bytes == 100 * MIB
     assert p.usable_bytes == int(400 * MIB * 0.9) - 100 * MIB
     assert p.to_json()["host_overhead_gib"] == 100 / 1024
@@ -405,7 +405,7 @@ def test_a_lora_plan_takes_qlora_when_only_qlora_fits(least_peaks, tmp_path):
     lora_least, qlora_least = least_peaks
     assert qlora_least < lora_least
     budget = int((qlora_least + lora_least) / 2 / (1 - P.DEFAULT_MARGIN))
-    p = P.plan(lora(), budget, estimator=cached_estimate)
+    p = P.plan(P.PlanRequest(lora(), budget, estimator=cached_estimate))
     best = p.best
     assert best is not None and best.estimated and best.switches["method"] == best.config.method == "qlora"
     assert best.label().startswith("qlora bf16 ") and best.changes[0] == "method"
@@ -435,7 +435,7 @@ def test_a_lora_plan_takes_qlora_when_only_qlora_fits(least_peaks, tmp_path):
 
 def test_a_lora_plan_with_room_stays_lora(least_peaks):
     """QLoRA dequantizes every weight in each forward and backward: slower, so never chosen when LoRA fits."""
-    p = P.plan(lora(), least_peaks[0] * 4, estimator=cached_estimate)
+    p = P.plan(P.PlanRequest(lora(), least_peaks[0] * 4, estimator=cached_estimate))
     assert p.best.config.method == "lora" and p.best.changes == () and p.estimates == 1
     qlora_row = next(r for r in p.rows if r.label() == "qlora bf16 adamw:foreach")
     assert qlora_row.cost["total"] > p.best.cost["total"] and qlora_row.relative_throughput < 1
@@ -443,7 +443,7 @@ def test_a_lora_plan_with_room_stays_lora(least_peaks):
 
 def test_cheapest_fix_of_lora_may_be_qlora(least_peaks):
     budget = int((least_peaks[0] + least_peaks[1]) / 2 / (1 - P.DEFAULT_MARGIN))
-    fix = P.cheapest_fix(lora(), budget, estimator=cached_estimate)
+    fix = P.cheapest_fix(P.PlanRequest(lora(), budget, estimator=cached_estimate))
     assert fix is not None and fix.fits and fix.config.method == "qlora" and "method" in fix.changes
 
 
@@ -467,7 +467,7 @@ def test_preflight_of_a_qlora_run(monkeypatch):
         preflight(cfg, mcfg, 64, torch.device("cpu"))
     message = str(refused.value)
     assert "method qlora" in message and "Cheapest fix (memfit plan): " in message
-    fix = P.cheapest_fix(cfg, need - 1, host_overhead_bytes=0)
+    fix = P.cheapest_fix(P.PlanRequest(cfg, need - 1, host_overhead_bytes=0))
     assert fix is not None and fix.fits and fix.config.method == "qlora" and "method" not in fix.changes
     assert f"{fix.changes[0]}=" in message
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -261,32 +261,15 @@ def _down(length: float, step: int) -> int:
     return int(length // step) * step
 
 
-def longest_context(
-    cfg: TrainConfig,
-    budget_bytes: int,
-    world_size: int = 1,
-    *,
-    margin: float = plan_.DEFAULT_MARGIN,
-    dtypes: Iterable[str] | None = None,
-    fits: int = 1,
-    progress: Callable[[str], None] | None = None,
-    estimator: Callable[..., Estimate] | None = None,
-    constants: dict[str, Any] | None = None,
-    optimizers: Iterable[str] | None = None,
-) -> ContextPlan:
-    """The longest context that fits ``budget_bytes`` on one rank, the ladder of what each technique buys, and the
-    fastest switch set at that length (see the module doc).
+def longest_context(request: plan_.PlanRequest) -> ContextPlan:
+    """The longest context that fits ``request.budget_bytes`` on one rank, the ladder of what each technique buys,
+    and the fastest switch set at that length (see the module doc).
 
     Args:
-        cfg: the run to plan (``seq_len`` is searched; everything else is kept).
-        budget_bytes: memory of one device.
-        world_size: ranks of the (FSDP2) run.
-        margin: as :func:`memfit.planner.plan.plan`.
-        dtypes: dtype policies to consider in the plan at the longest length; default ``cfg.dtype`` alone.
-        fits: fitting combinations the plan at the longest length establishes.
-        progress: called with a line per rung and per estimate.
-        estimator: ``estimate_run`` (tests may pass a stand-in).
-        constants: cost-model constants, as :func:`memfit.planner.plan.plan`.
+        request: the run to plan (``request.cfg.seq_len`` is searched; everything else is kept), its budget and the
+            settings of the plan at the longest length (:class:`memfit.planner.plan.PlanRequest`: ``dtypes``,
+            ``fits``, ``constants``, ``optimizers``); ``progress`` is called with a line per rung and per estimate,
+            ``estimator`` is ``estimate_run`` (tests may pass a stand-in).
 
     Returns:
         The :class:`ContextPlan`.
@@ -294,8 +277,15 @@ def longest_context(
     Raises:
         ConfigError: as :func:`memfit.planner.plan.plan`.
     """
+    cfg, budget_bytes, world_size, margin = (
+        request.cfg,
+        request.budget_bytes,
+        request.world_size,
+        request.margin,
+    )
+    progress, constants = request.progress, request.constants
     start = time.perf_counter()
-    estimator = estimator or estimate_run
+    estimator = request.estimator or estimate_run
     say = progress or (lambda _line: None)
     mcfg = run_model_config(cfg)
     cap = mcfg.max_seq_len if cfg.checkpoint_dir is not None else MAX_LENGTH
@@ -306,7 +296,7 @@ def longest_context(
     # the model states of the least-memory combination (dtype, optimizer, method, ...), so that the rungs below
     # show what the activation techniques buy where the weights and optimizer fit
     current = cfg
-    least = _least_memory(cfg, budget_bytes, world_size, margin, dtypes, cap)
+    least = _least_memory(request, cap)
     if least is not None:
         ladder_keys = {k for _, settings in LADDER for k in settings} | {
             "activation_checkpointing_interval",
@@ -368,42 +358,26 @@ def longest_context(
     if longest:
         say(f"  the fastest switch set at seq_len {longest:,}:")
         result = plan_.plan(
-            at_length(cfg, longest, world_size),
-            budget_bytes,
-            world_size,
-            margin=margin,
-            dtypes=dtypes,
-            fits=fits,
-            progress=progress,
-            estimator=estimator,
-            constants=constants,
-            optimizers=optimizers,
+            dataclasses.replace(request, cfg=at_length(cfg, longest, world_size), estimator=estimator)
         )
         total += result.estimates
     return ContextPlan(rungs, result, time.perf_counter() - start, total, capped=cap, notes=notes)
 
 
-def _least_memory(
-    cfg: TrainConfig,
-    budget_bytes: int,
-    world_size: int,
-    margin: float,
-    dtypes: Iterable[str] | None,
-    cap: int,
-) -> TrainConfig | None:
-    """The planner's least-memory combination over ``cfg`` (every switch that saves memory on), by its lower
-    bounds at a long length; None when validation accepts no combination."""
+def _least_memory(request: plan_.PlanRequest, cap: int) -> TrainConfig | None:
+    """The planner's least-memory combination over ``request.cfg`` (every switch that saves memory on), by its
+    lower bounds at a long length; None when validation accepts no combination."""
+    cfg = request.cfg
+    bounded = plan_.PlanRequest(
+        at_length(cfg, min(4 * FIRST_LENGTH, cap), request.world_size),
+        request.budget_bytes,
+        request.world_size,
+        margin=request.margin,
+        dtypes=request.dtypes,
+        estimator=lambda *a, **k: None,  # nothing is estimated here
+    )
     try:
-        search, _ = plan_._build(
-            at_length(cfg, min(4 * FIRST_LENGTH, cap), world_size),
-            budget_bytes,
-            world_size,
-            margin,
-            dtypes,
-            None,
-            None,
-            lambda *a, **k: None,  # nothing is estimated here
-        )
+        search, _ = plan_._build(bounded)
     except ConfigError:
         return None
     best = search.least_memory().config

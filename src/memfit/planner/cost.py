@@ -9,6 +9,7 @@ absolute speed.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from memfit.config import TrainConfig, device_type
@@ -135,17 +136,30 @@ def model_flops_per_token(mcfg: LlamaConfig, seq_len: int) -> dict[str, float]:
     }
 
 
-def step_cost(
-    cfg: TrainConfig,
-    mcfg: LlamaConfig,
-    *,
-    world_size: int,
-    seq_len: int,
-    states: dict[str, int],
-    offloaded_activation_bytes: int = 0,
-    paged_out_bytes: int = 0,
-    constants: dict[str, Any] | None = None,
-) -> dict[str, float]:
+@dataclass(frozen=True)
+class CostRequest:
+    """What :func:`step_cost` prices: one rank's step of a run."""
+
+    cfg: TrainConfig
+    """The run's config (its switches, ``batch_size``, ``gradient_accumulation_steps``, ``device``)."""
+    mcfg: LlamaConfig
+    """The architecture."""
+    world_size: int
+    """Ranks."""
+    seq_len: int
+    """Tokens per sequence."""
+    states: dict[str, int]
+    """Closed-form model states of one rank (``trainable_parameters``, ``parameters``, ``gradients`` in bytes;
+    :func:`memfit.planner.closed_form.model_state_bytes_closed_form`)."""
+    offloaded_activation_bytes: int = 0
+    """Activations moved to the host in a step (``activation_offloading``)."""
+    paged_out_bytes: int = 0
+    """Paged optimizer state that does not fit on the device and moves out and back each step."""
+    constants: dict[str, Any] | None = None
+    """Cost-model constants; ``None``: ``COST_CONSTANTS[target device]``."""
+
+
+def step_cost(request: CostRequest) -> dict[str, float]:
     """Predicted seconds of one optimizer step of one rank, by component.
 
     What each memory switch adds is its entry's rule (:attr:`memfit.memory.switches.Switch.cost`, which adjusts a
@@ -183,22 +197,22 @@ def step_cost(
       overlaps compute, so the step pays ``max(compute, their transfer)``.
 
     Args:
-        cfg: the run's config (its switches, ``batch_size``, ``gradient_accumulation_steps``, ``device``).
-        mcfg: the architecture.
-        world_size: ranks.
-        seq_len: tokens per sequence.
-        states: closed-form model states of one rank (``trainable_parameters``, ``parameters``, ``gradients``
-            in bytes; :func:`memfit.planner.closed_form.model_state_bytes_closed_form`).
-        offloaded_activation_bytes: activations moved to the host in a step (``activation_offloading``).
-        paged_out_bytes: paged optimizer state that does not fit on the device and moves out and back each step.
-        constants: default ``COST_CONSTANTS[target device]``.
+        request: the run's config and architecture, its ranks, sequence length, closed-form states, the bytes it
+            moves to the host, and the constants (:class:`CostRequest`).
 
     Returns:
         ``{"compute", "dequantize", "communication", "exchange", "optimizer", "transfers", "total"}`` in
         seconds.
     """
+    cfg, mcfg, world_size, seq_len, states = (
+        request.cfg,
+        request.mcfg,
+        request.world_size,
+        request.seq_len,
+        request.states,
+    )
     target = device_type(cfg.device)
-    c = constants or COST_CONSTANTS[target]
+    c = request.constants or COST_CONSTANTS[target]
     tokens = cfg.batch_size * seq_len * cfg.gradient_accumulation_steps
     flops = model_flops_per_token(mcfg, seq_len)
     terms = switches.StepTerms(
@@ -209,8 +223,8 @@ def step_cost(
         tokens=tokens,
         states=states,
         world_size=world_size,
-        offloaded_activation_bytes=offloaded_activation_bytes,
-        paged_out_bytes=paged_out_bytes,
+        offloaded_activation_bytes=request.offloaded_activation_bytes,
+        paged_out_bytes=request.paged_out_bytes,
         per_token=3 * (flops["layers"] + flops["head"]),
     )
     switches.add_costs(terms)  # each switch's share, by its entry (memfit.memory.switches.Switch.cost)

@@ -58,7 +58,7 @@ from memfit.memory.host import process_overhead_bytes
 from memfit.memory.switches import checkpointed_layers
 from memfit.models import peft
 from memfit.planner.closed_form import model_state_bytes_closed_form
-from memfit.planner.cost import COST_CONSTANTS, param_bytes, step_cost
+from memfit.planner.cost import COST_CONSTANTS, CostRequest, param_bytes, step_cost
 from memfit.planner.estimate import Estimate, estimate_run
 from memfit.units import GIB, format_bytes
 
@@ -69,6 +69,44 @@ from memfit.units import GIB, format_bytes
 DEFAULT_MARGIN = 0.1
 """Part of the budget kept free by default: the caching allocator's rounding and fragmentation, the CUDA context
 and kernel workspaces, none of which the trace sees (docs/memory.md, "Planner")."""
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    """What a search over the memory switches of one run is asked: :func:`plan`, :func:`cheapest_fix` and
+    :func:`memfit.planner.context.longest_context` each take one.
+
+    ``PlanRequest(cfg, 24 * GIB)`` plans ``cfg`` on one device of 24 GiB with the defaults below; a field a
+    function does not use (``fits`` and ``optimizers`` for :func:`cheapest_fix`) is ignored by it.
+    """
+
+    cfg: TrainConfig
+    """The run to plan (model, batch_size, seq_len, device -- ``cuda`` plans a GPU run on any machine -- and every
+    other key are kept)."""
+    budget_bytes: int
+    """Memory of one device (see :func:`memfit.units.parse_bytes`)."""
+    world_size: int = 1
+    """Ranks of the (FSDP2) run; each gets ``batch_size`` sequences."""
+    margin: float = DEFAULT_MARGIN
+    """Part of the budget kept free for what the trace does not see (allocator fragmentation, CUDA context,
+    kernel workspaces)."""
+    dtypes: Iterable[str] | None = None
+    """Dtype policies to consider; ``None``: ``cfg.dtype`` alone."""
+    fits: int = 1
+    """How many fitting combinations :func:`plan` establishes (more means more estimates)."""
+    constants: dict[str, Any] | None = None
+    """Cost-model constants; ``None``: ``COST_CONSTANTS[target device]``."""
+    progress: Callable[[str], None] | None = None
+    """Called with one line per estimate (wall time is minutes for 8B models)."""
+    estimator: Callable[..., Estimate] | None = None
+    """``estimate_run`` (tests may pass a stand-in)."""
+    optimizers: Iterable[str] | None = None
+    """``optimizer.name`` values to consider besides ``cfg``'s, other update rules included (see
+    :func:`candidates`); ``None``: those that keep ``cfg``'s update rule."""
+    host_overhead_bytes: int | None = None
+    """What of ``budget_bytes`` the tensors cannot have; ``None``: on CPU, the process's own
+    (:attr:`Plan.host_overhead_bytes`), 0 on CUDA. The pre-flight check passes 0: its budget is the available
+    memory, which leaves out what the process holds."""
 
 
 @dataclass
@@ -426,14 +464,16 @@ class _Context:
         paged_out = max(0, device_total - self.usable) if self.moved_state(cfg) == "paged" else 0
         sp = self.sequence_parallel(cfg)
         cost = step_cost(
-            cfg,
-            self.mcfg,
-            world_size=self.world_size,
-            seq_len=self.seq_len,
-            states=self.closed(cfg),
-            offloaded_activation_bytes=offloaded_activations if self.target == "cuda" else 0,
-            paged_out_bytes=paged_out,
-            constants=self.constants,
+            CostRequest(
+                cfg,
+                self.mcfg,
+                world_size=self.world_size,
+                seq_len=self.seq_len,
+                states=self.closed(cfg),
+                offloaded_activation_bytes=offloaded_activations if self.target == "cuda" else 0,
+                paged_out_bytes=paged_out,
+                constants=self.constants,
+            )
         )
         return {k: v * sp for k, v in cost.items()} if sp > 1 else cost
 
@@ -568,18 +608,20 @@ class _Search:
         return found
 
 
-def _build(
-    cfg: TrainConfig,
-    budget_bytes: int,
-    world_size: int,
-    margin: float,
-    dtypes: Iterable[str] | None,
-    constants: dict[str, Any] | None,
-    progress: Callable[[str], None] | None,
-    estimator: Callable[..., Estimate] | None,
-    host_overhead_bytes: int | None = None,
-    optimizers: Iterable[str] | None = None,
-) -> tuple[_Search, float]:
+def _build(request: PlanRequest) -> tuple[_Search, float]:
+    """The search's rows (every candidate, bounded) and the baseline's step seconds.
+
+    Args:
+        request: what is planned; its ``fits`` is the caller's.
+
+    Returns:
+        The search, its rows bounded and none estimated, and the baseline's predicted step seconds.
+
+    Raises:
+        ConfigError: a bad budget, margin, world size or strategy; no valid combination.
+    """
+    r = request
+    cfg, budget_bytes, world_size, margin, dtypes = r.cfg, r.budget_bytes, r.world_size, r.margin, r.dtypes
     if budget_bytes <= 0:
         raise ConfigError(f"config key 'budget': must be > 0 bytes, got {budget_bytes}")
     if not 0 <= margin < 1:
@@ -591,15 +633,15 @@ def _build(
             "config key 'distributed.strategy': plans of sharded runs are estimated with FSDP2; set "
             "distributed.strategy=fsdp2"
         )
-    ctx = _Context(cfg, world_size, budget_bytes, margin, constants, host_overhead_bytes)
-    configs = candidates(cfg, world_size, dtypes, optimizers)
+    ctx = _Context(cfg, world_size, budget_bytes, margin, r.constants, r.host_overhead_bytes)
+    configs = candidates(cfg, world_size, dtypes, r.optimizers)
     if not configs:
         raise ConfigError(
             "config key 'dtype': no combination of switches over this config passes validation; check it with "
             "memfit estimate first"
         )
     rows = [PlanRow(c, _switches_of(c, world_size), _changes(c, cfg, world_size)) for c in configs]
-    search = _Search(ctx, rows, progress, estimator)
+    search = _Search(ctx, rows, r.progress, r.estimator)
     for row in rows:
         search.bound(row)
     # the baseline: the first dtype considered, each switch at its entry's fastest (fused AdamW, nothing that costs
@@ -642,40 +684,18 @@ def _finish(search: _Search, baseline: float, start: float) -> Plan:
     )
 
 
-def plan(
-    cfg: TrainConfig,
-    budget_bytes: int,
-    world_size: int = 1,
-    *,
-    margin: float = DEFAULT_MARGIN,
-    dtypes: Iterable[str] | None = None,
-    fits: int = 1,
-    constants: dict[str, Any] | None = None,
-    progress: Callable[[str], None] | None = None,
-    estimator: Callable[..., Estimate] | None = None,
-    optimizers: Iterable[str] | None = None,
-) -> Plan:
-    """The fastest combinations of memory switches over ``cfg`` whose peak fits ``budget_bytes`` on one rank.
+def plan(request: PlanRequest) -> Plan:
+    """The fastest combinations of memory switches over ``request.cfg`` whose peak fits ``request.budget_bytes`` on
+    one rank.
 
     A combination fits when its estimated allocator peak (``estimate_run`` of exactly that config) is at most
     ``budget_bytes * (1 - margin)``; paged optimizer state beyond that pays its PCIe traffic in the cost model
     instead. Rows are ranked by :func:`step_cost`; ``relative_throughput`` is against a baseline of the fastest
-    dtype considered, fused AdamW and no switch that costs time (which need not fit).
+    dtype considered and each switch at its entry's fastest value (:attr:`memfit.memory.switches.Switch.baseline`:
+    fused AdamW, no switch that costs time), which need not fit.
 
     Args:
-        cfg: the run to plan (model, batch_size, seq_len, device -- ``cuda`` plans a GPU run on any machine --
-            and every other key are kept).
-        budget_bytes: memory of one device (see :func:`parse_bytes`).
-        world_size: ranks of the (FSDP2) run; each gets ``batch_size`` sequences.
-        margin: part of the budget kept free for what the trace does not see (allocator fragmentation, CUDA
-            context, kernel workspaces).
-        dtypes: dtype policies to consider; default ``cfg.dtype`` alone.
-        fits: how many fitting combinations to establish (more means more estimates).
-        constants: cost-model constants; default ``COST_CONSTANTS[target device]``.
-        progress: called with one line per estimate (wall time is minutes for 8B models).
-        estimator: ``estimate_run`` (tests may pass a stand-in).
-        optimizers: ``optimizer.name`` values to consider besides ``cfg``'s, other update rules included (see
-            :func:`candidates`); default: those that keep ``cfg``'s update rule.
+        request: the run, its budget and the search's settings (:class:`PlanRequest`).
 
     Returns:
         The :class:`Plan`; ``plan(...).best`` is the fastest fitting row, None when nothing fits.
@@ -684,29 +704,16 @@ def plan(
         ConfigError: a bad budget, margin, world size or strategy; no valid combination.
     """
     start = time.perf_counter()
-    search, baseline = _build(
-        cfg, budget_bytes, world_size, margin, dtypes, constants, progress, estimator, optimizers=optimizers
-    )
-    search.search(search.rows, max(1, fits))
+    search, baseline = _build(request)
+    search.search(search.rows, max(1, request.fits))
     if not any(r.fits for r in search.rows) and search.probe is None:
         search.failed_since_fit = PROBE_AFTER
         search.probe_if_due()  # estimated for the report: the smallest peak there is
     return _finish(search, baseline, start)
 
 
-def cheapest_fix(
-    cfg: TrainConfig,
-    budget_bytes: int,
-    world_size: int = 1,
-    *,
-    margin: float = DEFAULT_MARGIN,
-    dtypes: Iterable[str] | None = None,
-    constants: dict[str, Any] | None = None,
-    progress: Callable[[str], None] | None = None,
-    estimator: Callable[..., Estimate] | None = None,
-    host_overhead_bytes: int | None = None,
-) -> PlanRow | None:
-    """The combination that fits with the **fewest switches changed** from ``cfg``, the fastest of those.
+def cheapest_fix(request: PlanRequest) -> PlanRow | None:
+    """The combination that fits with the **fewest switches changed** from ``request.cfg``, the fastest of those.
 
     Combinations are searched by the number of planned switches (:func:`memfit.memory.switches.switch_keys`) they
     change (0: ``cfg`` itself, then one switch, then two, ...), each group fastest-first (branch and bound, as
@@ -715,10 +722,8 @@ def cheapest_fix(
     estimated; when even it does not fit, the answer is None.
 
     Args:
-        cfg, budget_bytes, world_size, margin, dtypes, constants, progress, estimator: as :func:`plan`.
-        host_overhead_bytes: what of ``budget_bytes`` the tensors cannot have; default: on CPU, the process's own
-            (:attr:`Plan.host_overhead_bytes`), 0 on CUDA. The pre-flight check passes 0: its budget is the
-            available memory, which leaves out what the process holds.
+        request: the run, its budget and the search's settings (:class:`PlanRequest`; its ``fits`` is not used:
+            each group's fastest fit is the one wanted).
 
     Returns:
         The row (``changes == ()`` when ``cfg`` fits as it is; its peak is estimated), or None when nothing fits.
@@ -727,9 +732,7 @@ def cheapest_fix(
         ConfigError: as :func:`plan`.
     """
     start = time.perf_counter()
-    search, baseline = _build(
-        cfg, budget_bytes, world_size, margin, dtypes, constants, progress, estimator, host_overhead_bytes
-    )
+    search, baseline = _build(request)
     levels = sorted({len(r.changes) for r in search.rows})
     for level in levels:
         group = [r for r in search.rows if len(r.changes) == level]

@@ -19,7 +19,7 @@ from memfit.memory.host import process_overhead_bytes
 from memfit.models.llama import LlamaConfig
 from memfit.planner.closed_form import model_state_bytes_closed_form
 from memfit.planner.estimate import Estimate, estimate_run
-from memfit.planner.plan import cheapest_fix
+from memfit.planner.plan import PlanRequest, cheapest_fix
 from memfit.planner.report import format_estimate
 from memfit.units import GIB, format_bytes
 
@@ -199,7 +199,7 @@ def _cheapest_fix(cfg: TrainConfig, budget: int, world_size: int = 1) -> str:
             out what this process holds, or the tensors' share of ``memory_budget``).
         world_size: ranks of the run.
     """
-    fix = cheapest_fix(cfg, budget, world_size, host_overhead_bytes=0)
+    fix = cheapest_fix(PlanRequest(cfg, budget, world_size, host_overhead_bytes=0))
     if fix is None:
         return "No combination of memory switches fits; use more ranks (nproc=N), a smaller batch_size or seq_len."
     keys = " ".join(f"{k}={_yaml_scalar(fix.switches[k])}" for k in fix.changes)
