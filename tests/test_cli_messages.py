@@ -183,7 +183,7 @@ def test_progress_and_quiet_together_are_refused(tmp_path, capsys):
 
 def test_torchao_optimizers_import_without_a_word():
     pytest.importorskip("torchao")
-    code = "from memfit.memory.optim import _torchao_class; _torchao_class('torchao_adamw8bit')"
+    code = "from memfit.memory.optimizers import spec; spec('torchao_adamw8bit').factory()"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert (done.stdout, done.stderr) == ("", "")
 

@@ -414,3 +414,4 @@ def moves_state(cfg: Any, target: str) -> dict[str, str]:
 
 
 EXACT = 1e-6
+"""The tolerance of a :class:`Parity` run that does the same arithmetic as the baseline (float32 noise)."""

@@ -39,12 +39,8 @@ if TYPE_CHECKING:
 PLAN_CHUNKS = (0, 8)
 """``chunked_cross_entropy`` values the planner tries; ``auto`` in place of 8 where 8 chunks would hold more
 logits each than ``auto``'s (long sequences, large vocabularies: :func:`_plan_chunks`)."""
-
-
 AUTO_CHUNK_LOGITS = 2**25
 """The most logits of one chunk of ``chunked_cross_entropy: auto`` (:func:`memfit.memory.techniques.loss_chunks`)."""
-
-
 AUTO_CHUNK_TOKENS = 2048
 """The most tokens of one chunk of ``chunked_cross_entropy: auto``, whatever the vocabulary (a small one would
 otherwise make chunks of 16K tokens and more, whose logits grow with the sequence up to there)."""
@@ -111,8 +107,6 @@ CHUNKED_CROSS_ENTROPY = Switch(
 
 PLAN_TILES = (0, "auto")
 """``tiled_mlp`` values the planner tries."""
-
-
 MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
 
