@@ -8,13 +8,15 @@ import shlex
 import sys
 from pathlib import Path
 
+import pytest
+
 from memfit.cli import main
 from memfit.metrics import read_records
 from tests.conftest import tiny_run_overrides
 
 from .conftest import needs_tmpfs, shell_on_small_disk
 
-pytestmark = needs_tmpfs
+pytestmark = [needs_tmpfs, pytest.mark.slow]  # runs in mount namespaces of their own (subprocesses)
 MIXED = Path(__file__).parents[1] / "assets" / "mixed_corpus"
 
 

@@ -51,6 +51,7 @@ def _leftovers(out: Path) -> list[str]:
     return sorted(str(p.relative_to(out)) for p in out.rglob("*") if ".tmp" in p.name or ".old-" in p.name)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("site", ["safetensors", "torch.save"])
 def test_a_full_disk_during_a_checkpoint_keeps_the_last_one_and_resume_is_exact(
     site, reference, small_corpus, tmp_path, capsys, monkeypatch
@@ -151,7 +152,7 @@ def test_a_full_disk_while_logging_stops_with_a_message(small_corpus, tmp_path, 
         return real(self, record)
 
     monkeypatch.setattr(metrics.MetricsLogger, "log", log)
-    assert main(["pretrain", *tiny_run_overrides(small_corpus, out)]) == 1
+    assert main(["pretrain", *tiny_run_overrides(small_corpus, out, eval_every=4, checkpoint_every=4)]) == 1
     err = capsys.readouterr().err
     assert f"could not write the step 5 record to '{out / 'metrics.jsonl'}': the disk is full" in err
     assert "the newest complete checkpoint in output_dir is kept" in err and "Traceback" not in err
@@ -189,6 +190,7 @@ def test_a_full_disk_during_prepare_leaves_no_partial_shard(tmp_path, capsys, mo
     assert json.loads((out / "manifest.json").read_text())["sources"]["book"]["documents"] == 8
 
 
+@pytest.mark.slow
 def test_a_full_disk_during_export_leaves_nothing(reference, tmp_path, capsys, monkeypatch):
     from memfit.convert import hf
 
