@@ -23,6 +23,11 @@ MIXED = Path(__file__).parents[1] / "assets" / "mixed_corpus"
 ENOSPC = OSError(errno.ENOSPC, "No space left on device")
 
 
+def _checkpointed(corpus: Path, out: Path, **extra) -> list[str]:
+    """The tiny run with what these faults hit: a checkpoint and a validation every 4 steps."""
+    return tiny_run_overrides(corpus, out, **{"eval_every": 4, "checkpoint_every": 4, **extra})
+
+
 def _losses(out: Path) -> list:
     return [(r["step"], r.get("loss"), r.get("val_loss")) for r in read_records(out / "metrics.jsonl")]
 
@@ -30,7 +35,7 @@ def _losses(out: Path) -> list:
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, small_corpus) -> Path:
     out = tmp_path_factory.mktemp("ref") / "out"
-    assert main(["pretrain", *tiny_run_overrides(small_corpus, out)]) == 0
+    assert main(["pretrain", *_checkpointed(small_corpus, out)]) == 0
     return out
 
 
@@ -76,7 +81,7 @@ def test_a_full_disk_during_a_checkpoint_keeps_the_last_one_and_resume_is_exact(
             return real_write(self, data)
 
         monkeypatch.setattr(storage._RecordingWriter, "write", write)
-    assert main(["pretrain", *tiny_run_overrides(small_corpus, out)]) == 1
+    assert main(["pretrain", *_checkpointed(small_corpus, out)]) == 1
     err = capsys.readouterr().err
     first = err.strip().splitlines()[-1]
     assert first.startswith("memfit: error: could not write checkpoint '")
@@ -86,7 +91,7 @@ def test_a_full_disk_during_a_checkpoint_keeps_the_last_one_and_resume_is_exact(
     assert [p.name for p in ckpt_io.list_checkpoints(out)] == ["step_00000004"]
     assert _leftovers(out) == []
     monkeypatch.undo()
-    assert main(["pretrain", *tiny_run_overrides(small_corpus, out, resume="true")]) == 0
+    assert main(["pretrain", *_checkpointed(small_corpus, out, resume="true")]) == 0
     assert _losses(out) == _losses(reference)
 
 
