@@ -181,6 +181,7 @@ def test_progress_and_quiet_together_are_refused(tmp_path, capsys):
 # Third-party import noise stays out of memfit's output
 
 
+@pytest.mark.slow
 def test_torchao_optimizers_import_without_a_word():
     pytest.importorskip("torchao")
     code = "from memfit.memory.optimizers import spec; spec('torchao_adamw8bit').factory()"
@@ -208,6 +209,7 @@ sys.meta_path.insert(0, AVX512BF16())
 """
 
 
+@pytest.mark.slow
 def test_bitsandbytes_optimizers_import_without_a_word():
     pytest.importorskip("bitsandbytes")
     code = _AVX512_BF16 + (

@@ -105,6 +105,7 @@ def _launch(mixed: Path, out: Path, **extra) -> list[str]:
     return ["pretrain", *_run(mixed, out, **{**over, **extra})]
 
 
+@pytest.mark.slow
 def test_sigkill_on_two_ranks_then_resume_exact_and_elastic(mixed, tmp_path):
     """The global batch of a step is a function of the step: a 2-rank run killed and resumed on 2 ranks gives the
     same losses; resumed in one process with the global batch size, the same to float reduction order."""

@@ -81,6 +81,7 @@ def single_runs(tmp_path_factory, small_corpus) -> dict[str, Path]:
     return {**{name: root / name for name in runs}, "long_context_settings": runs["long_context"]}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["fsdp2", "fsdp1"])
 def test_two_ranks_train_what_one_process_does(strategy, single_runs, small_corpus, tmp_path):
     out = tmp_path / strategy
@@ -97,6 +98,7 @@ def test_two_ranks_train_what_one_process_does(strategy, single_runs, small_corp
     assert main(["generate", "--checkpoint", str(out), "--prompt", "ROMEO:", "--max-new-tokens", "8"]) == 0
 
 
+@pytest.mark.slow
 def test_two_ranks_with_optimizer_in_backward(single_runs, small_corpus, tmp_path):
     out = tmp_path / "oib"
     extra = {"optimizer_in_backward": "true", "max_grad_norm": 0, "distributed.strategy": "fsdp2"}
@@ -112,6 +114,7 @@ def test_two_ranks_with_optimizer_in_backward(single_runs, small_corpus, tmp_pat
         torch.testing.assert_close(saved["state"][i]["exp_avg"], state["exp_avg"], atol=TOL, rtol=0)
 
 
+@pytest.mark.slow
 def test_two_ranks_with_the_long_context_switches(single_runs, small_corpus, tmp_path):
     """The chunked loss reads lm_head's weight outside the decoder: it must be the gathered one, with its gradient
     reduced. The tiled MLP recomputes its tiles inside the layer's backward, after FSDP2 has gathered the layer
@@ -128,6 +131,7 @@ def test_two_ranks_with_the_long_context_switches(single_runs, small_corpus, tmp
 LOW_BIT_TOL = 1e-3
 
 
+@pytest.mark.slow
 def test_two_ranks_with_torchao_8bit_adamw(single_runs, small_corpus, tmp_path):
     """torchao's quantized AdamW state on DTensor shards: close to one process, and its checkpoint resumes exactly."""
     out = tmp_path / "torchao8"
@@ -151,6 +155,7 @@ def test_two_ranks_with_torchao_8bit_adamw(single_runs, small_corpus, tmp_path):
 MUON_TOL = 1e-3
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("name", "tol"), [("muon", MUON_TOL), ("adam_mini", TOL)])
 def test_two_ranks_with_an_optimizer_that_keeps_less_state(name, tol, small_corpus, tmp_path):
     """Muon's Newton-Schulz iteration and Adam-mini's block norms need whole matrices: on FSDP2's DTensor shards
@@ -226,6 +231,7 @@ def wide_hf_checkpoint(tmp_path_factory, hf_checkpoint) -> Path:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "strategy, method",
     [("fsdp2", LORA), ("fsdp1", ADAPTER), ("fsdp2", QLORA)],
@@ -264,6 +270,7 @@ def test_two_ranks_finetune_what_one_process_does(strategy, method, request, tmp
     assert [s for s, _ in _losses(resumed)] == [1, 2, 3, 4] and diff <= TOL
 
 
+@pytest.mark.slow
 def test_sharded_weights_are_filled_shard_by_shard(hf_checkpoint):
     """Built on meta and filled one whole tensor at a time (drawn from the seed, or read from a Hugging Face
     checkpoint with LoRA applied): the weights equal one process's bit for bit, under FSDP2 and FSDP1, tied or not,
@@ -347,6 +354,7 @@ def sharded_run(tmp_path_factory, small_corpus) -> Path:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy, tol", [("fsdp2", 1e-6), ("fsdp1", TOL)])
 def test_sharded_resume_on_two_ranks(strategy, tol, sharded_run, small_corpus, tmp_path):
     """The FSDP2 run's step-2 shards resume on 2 ranks: exactly with FSDP2, and with FSDP1 (same names)."""
@@ -384,6 +392,7 @@ def test_sharded_checkpoint_resumes_in_one_process(sharded_run, small_corpus, tm
     assert (out / "checkpoints" / "step_00000004" / WEIGHTS).is_file()  # one process writes an ordinary one
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["fsdp2", "fsdp1"])
 def test_one_process_checkpoint_resumes_on_two_ranks(strategy, single_runs, small_corpus, tmp_path):
     """1 process x batch 8 -> 2 ranks x batch 4: the ordinary step-2 checkpoint is sharded on load."""

@@ -47,6 +47,7 @@ def _wait_until_training(proc: subprocess.Popen, out: Path, timeout: float = 120
     return psutil.Process(proc.pid).children(recursive=True)
 
 
+@pytest.mark.slow
 def test_nproc_shortcut_trains_what_one_process_does(small_corpus, tmp_path, capsys):
     run = dict(
         max_steps=4, eval_every=2, checkpoint_every=2, optimizer__warmup_steps=4, sample__max_new_tokens=0
@@ -78,6 +79,7 @@ def test_nproc_shortcut_trains_what_one_process_does(small_corpus, tmp_path, cap
     assert (sharded / "checkpoints" / "step_00000004" / "dcp" / ".metadata").is_file()
 
 
+@pytest.mark.slow
 def test_a_killed_rank_ends_the_launch_with_a_report(small_corpus, tmp_path):
     out = tmp_path / "run"
     proc = start_python(["pretrain", "nproc=2", *_overrides(small_corpus, out, **LONG_RUN)])
@@ -109,6 +111,7 @@ def _partial(checkpoints: Path) -> list[str]:
     return []
 
 
+@pytest.mark.slow
 def test_workers_stop_when_their_launcher_is_killed(small_corpus, tmp_path):
     """SIGKILL of memfit nproc=2 and its process group (torchrun's agent alone: each worker has a session of its
     own) while a checkpoint is being written: each worker is told by the kernel (SIGTERM), completes the checkpoint
@@ -156,6 +159,7 @@ time.sleep(600)
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_a_signal_to_memfit_stops_torchrun_and_its_workers(sig, tmp_path):
     """SIGTERM or SIGINT sent to memfit (torchrun's agent) stops every worker; memfit exits with 128 + signal.

@@ -130,6 +130,7 @@ def _train_records(out: Path) -> list[dict]:
 # ----------------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["fsdp2", "fsdp1"])
 def test_breakdown_counts_this_ranks_shards_and_the_gathered_layers(strategy, tracked_run):
     out = tracked_run(strategy)
@@ -163,6 +164,7 @@ def test_breakdown_counts_this_ranks_shards_and_the_gathered_layers(strategy, tr
     assert (out / "memory_timeline.png").read_bytes()[:4] == b"\x89PNG"  # rank 0 draws
 
 
+@pytest.mark.slow
 def test_tracked_two_ranks_train_what_one_untracked_process_does(tracked_run, small_corpus, tmp_path):
     out = tracked_run(
         "fsdp2"

@@ -157,6 +157,7 @@ def test_export_adapter_only_and_adapter_method(runs, tmp_path, capsys):
     assert not (tmp_path / "x").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["lora", "qlora"])
 def test_lora_resume_equals_uninterrupted_run(runs, tmp_path, hf_checkpoint, method):
     """Drop the final checkpoint of the (Q)LoRA run and resume from step 6: steps 7-12 reproduce exactly."""
@@ -298,6 +299,7 @@ def test_qlora_adapter_only_export_is_the_trained_lora(runs, tmp_path):
         assert torch.equal(exported[f"{PEFT_PREFIX}{module}.{which}.weight"], tensor), name
 
 
+@pytest.mark.slow
 def test_resume_with_dropout_is_exact(hf_checkpoint, tmp_path):
     """LoRA dropout draws from the global generator, whose state a checkpoint restores: a QLoRA run with dropout
     resumed from step 3 gives steps 4-6 of the uninterrupted run exactly (nothing between the restore and the first
@@ -357,6 +359,7 @@ LOW_STATE_RECIPES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(LOW_STATE_RECIPES))
 def test_optimizers_that_keep_less_state_in_every_recipe(name, hf_checkpoint, tmp_path):
     extra = dict(LOW_STATE_RECIPES[name])

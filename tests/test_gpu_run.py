@@ -104,6 +104,7 @@ def test_the_documented_device_call_fits_the_tool():
     assert sum(map(int, budgets.values())) <= total <= 9 * 60 < int(timeout_s)
 
 
+@pytest.mark.slow
 def test_dry_run_runs_every_step_on_cpu_with_the_carried_packages(carry, tmp_path):
     out = tmp_path / "out"
     result = _run_script(out, carry, GPU_RUN_DRY="1", GPU_RUN_SECONDS="1200")
@@ -151,6 +152,7 @@ def test_dry_run_runs_every_step_on_cpu_with_the_carried_packages(carry, tmp_pat
     assert re.search(r"\[\d\d:\d\d:\d\d \+\d+s\] step seed: start \(limit \d+s\)", log)
 
 
+@pytest.mark.slow
 def test_a_step_that_fails_or_overruns_costs_only_itself(tmp_path):
     # a stand-in python that notes its arguments: the env check hangs, every other step fails at once
     calls = tmp_path / "calls.txt"

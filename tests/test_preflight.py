@@ -132,6 +132,7 @@ def test_plan_takes_memory_budget_as_its_budget(capsys):
     assert json.loads(capsys.readouterr().out)["budget_gib"] == 2.0
 
 
+@pytest.mark.slow
 def test_a_sharded_run_s_memory_budget_is_checked_per_rank_before_torchrun_starts(
     monkeypatch, small_corpus, tmp_path, capsys
 ):

@@ -37,10 +37,17 @@ def _losses(out: Path) -> tuple[list, list]:
     return train, val
 
 
+def _main_job(corpus: Path, out: Path, **extra) -> list[str]:
+    """The tiny run with everything the main job does once in a while, checked here: validation and a checkpoint
+    every 4 steps, the sample and the loss plot."""
+    over = {"eval_every": 4, "checkpoint_every": 4, "sample.max_new_tokens": 16, "loss_plot": True}
+    return tiny_run_overrides(corpus, out, **{**over, **extra})
+
+
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory, small_corpus):
     out = tmp_path_factory.mktemp("run") / "out"
-    assert main(["pretrain", *tiny_run_overrides(small_corpus, out)]) == 0
+    assert main(["pretrain", *_main_job(small_corpus, out)]) == 0
     return out
 
 
@@ -107,7 +114,7 @@ def test_generate_continues_the_prompt_deterministically(finished_run, capsys):
 
 def test_same_seed_same_losses(finished_run, small_corpus, tmp_path):
     out = tmp_path / "again"
-    assert main(["pretrain", *tiny_run_overrides(small_corpus, out)]) == 0
+    assert main(["pretrain", *_main_job(small_corpus, out)]) == 0
     assert _losses(out) == _losses(finished_run)
 
 
@@ -119,10 +126,11 @@ def test_resume_from_a_checkpoint_logs_the_same_losses(finished_run, small_corpu
     shutil.rmtree(out / "checkpoints" / "step_00000012")
     records = [r for r in read_records(out / "metrics.jsonl") if r["step"] <= 10]
     (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    assert main(["pretrain", *tiny_run_overrides(small_corpus, out, resume="true")]) == 0
+    assert main(["pretrain", *_main_job(small_corpus, out, resume="true")]) == 0
     assert _losses(out) == _losses(finished_run)
 
 
+@pytest.mark.slow
 def test_sigkill_at_any_moment_then_resume_is_exact(small_corpus, tmp_path):
     ref = tmp_path / "ref"
     over = dict(max_steps=120, checkpoint_every=7, eval_every=30, log_every=1)
@@ -144,7 +152,7 @@ def test_sigkill_at_any_moment_then_resume_is_exact(small_corpus, tmp_path):
 
 def test_a_second_run_does_not_overwrite_the_first(finished_run, small_corpus, capsys):
     before = {p: p.read_bytes() for p in finished_run.rglob("*") if p.is_file()}
-    assert main(["pretrain", *tiny_run_overrides(small_corpus, finished_run)]) == 1
+    assert main(["pretrain", *_main_job(small_corpus, finished_run)]) == 1
     assert "resume=true" in capsys.readouterr().err
     assert {p: p.read_bytes() for p in finished_run.rglob("*") if p.is_file()} == before
 
@@ -194,7 +202,7 @@ def test_resume_with_a_truncated_latest_checkpoint_says_what_to_do(
     shutil.copytree(finished_run, out)
     opt = out / "checkpoints" / "step_00000012" / "optimizer.pt"
     opt.write_bytes(opt.read_bytes()[:100])
-    assert main(["pretrain", *tiny_run_overrides(small_corpus, out, resume="true", max_steps=16)]) == 1
+    assert main(["pretrain", *_main_job(small_corpus, out, resume="true", max_steps=16)]) == 1
     err = capsys.readouterr().err
     assert "optimizer.pt' is truncated" in err and "Delete" in err
 
@@ -222,7 +230,7 @@ def test_resuming_a_finished_run_adds_nothing(finished_run, small_corpus, tmp_pa
     out = tmp_path / "done"
     shutil.copytree(finished_run, out)
     before = (out / "metrics.jsonl").read_text()
-    assert main(["pretrain", *tiny_run_overrides(small_corpus, out, resume="true")]) == 0
+    assert main(["pretrain", *_main_job(small_corpus, out, resume="true")]) == 0
     assert "already complete at step 12" in capsys.readouterr().out
     assert (out / "metrics.jsonl").read_text() == before
     assert [p.name for p in sorted((out / "checkpoints").iterdir())][-1] == "step_00000012"
@@ -232,7 +240,7 @@ def test_resume_with_another_tokenizer_is_refused(finished_run, small_corpus, tm
     out = tmp_path / "tok"
     shutil.copytree(finished_run, out)
     gpt2 = Path(__file__).parent / "assets"
-    over = tiny_run_overrides(small_corpus, out, resume="true", max_steps=16, **{"tokenizer.kind": "file"})
+    over = _main_job(small_corpus, out, resume="true", max_steps=16, **{"tokenizer.kind": "file"})
     assert main(["pretrain", *over, f"tokenizer.path={gpt2}"]) == 2
     assert "config key 'tokenizer'" in capsys.readouterr().err
 

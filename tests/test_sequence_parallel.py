@@ -75,6 +75,7 @@ def sp_run(tmp_path_factory, small_corpus) -> tuple[Path, str]:
     return out, proc.stdout
 
 
+@pytest.mark.slow
 def test_two_ranks_sharing_each_sequence_train_what_one_process_does(sp_run, single_runs):
     out, stdout = sp_run
     _assert_same_run(out, single_runs["plain"])
@@ -88,6 +89,7 @@ def test_two_ranks_sharing_each_sequence_train_what_one_process_does(sp_run, sin
     assert main(["generate", "--checkpoint", str(out), "--prompt", "ROMEO:", "--max-new-tokens", "8"]) == 0
 
 
+@pytest.mark.slow
 def test_with_every_long_context_switch_and_the_optimizer_in_backward(single_runs, small_corpus, tmp_path):
     """Full checkpointing recomputes each layer's forward in the backward, all-to-alls included (every rank in
     the same order); the tiled MLP and the chunked loss run on the rank's tokens; offloading hooks around each
@@ -109,6 +111,7 @@ def test_with_every_long_context_switch_and_the_optimizer_in_backward(single_run
     assert all(r["memory_peak_rank"] in (0, 1) and r["memory_breakdown"]["activations"] > 0 for r in tracked)
 
 
+@pytest.mark.slow
 def test_compiled(single_runs, small_corpus, tmp_path):
     """compile=true: each decoder layer is compiled with its all-to-alls (functional collectives trace into the
     graph): the same losses as one eager process."""
@@ -119,6 +122,7 @@ def test_compiled(single_runs, small_corpus, tmp_path):
     _assert_same_run(out, single_runs["plain"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "sp, reference",
     [(2, "batch8"), (4, "plain")],
@@ -137,6 +141,7 @@ def test_four_ranks(sp, reference, single_runs, small_corpus, tmp_path):
     _assert_same_run(out, single_runs[reference])
 
 
+@pytest.mark.slow
 def test_lora_on_packed_instruction_rows(hf_checkpoint, tmp_path):
     """LoRA on Dolly records packed into rows (document masks and positions that restart per sample, kept global
     across the ranks' halves), the rows padded to an even length; the gathered adapter equals one process's."""
@@ -160,6 +165,7 @@ def test_lora_on_packed_instruction_rows(hf_checkpoint, tmp_path):
     assert all(w1[k].abs().max() > 0 for k in w1 if k.endswith("lora_B"))  # it trained
 
 
+@pytest.mark.slow
 def test_its_checkpoint_resumes_in_one_process_on_the_same_sequences(
     sp_run, single_runs, small_corpus, tmp_path
 ):
@@ -177,6 +183,7 @@ def _last_by_step(out: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in read_records(out / "metrics.jsonl") if "loss" in r}
 
 
+@pytest.mark.slow
 def test_a_sigkilled_run_resumes_exactly(small_corpus, tmp_path):
     """``memfit pretrain nproc=2 distributed.sequence_parallel=2`` killed (SIGKILL, launcher and workers) after
     its second checkpoint, then resumed: the losses of an uninterrupted sp=2 run, to the bit."""

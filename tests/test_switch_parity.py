@@ -89,9 +89,11 @@ CASES = {
     **{",".join(f"{k}={v}" for k, v in p.settings.items()): p for s in SWITCHES for p in s.parity},
     **COMBINATIONS,
 }
+# the fast tier runs every switch's own case (and the tracker's); the combinations run in the slow tier
+FAST = {*CASES.keys() - COMBINATIONS.keys(), "track_memory"}
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", [n if n in FAST else pytest.param(n, marks=pytest.mark.slow) for n in CASES])
 def test_losses_keep_the_declared_parity(baseline, small_corpus, tmp_path, name):
     """Every step's loss (and, where the arithmetic is the same, the last validation loss) within the case's
     tolerance of the baseline's; a run with other arithmetic still trains."""
@@ -106,6 +108,7 @@ def test_losses_keep_the_declared_parity(baseline, small_corpus, tmp_path, name)
         assert abs(val[-1] - baseline[1][-1]) <= parity.tolerance
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "switches",
     [

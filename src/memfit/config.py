@@ -440,6 +440,8 @@ class TrainConfig:
     """How many of the newest checkpoints to keep."""
     resume: bool = False
     """Continue from the newest complete checkpoint in ``output_dir`` (safe after SIGKILL at any moment)."""
+    loss_plot: bool = True
+    """Draw the training and validation losses into ``output_dir/loss.png`` at the end of the run (matplotlib)."""
     tensorboard: bool = True
     """Write TensorBoard events to ``output_dir/tensorboard`` when the package is installed."""
     wandb: bool = False

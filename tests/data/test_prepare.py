@@ -277,6 +277,7 @@ def _prepare_command(out: Path, *extra: str) -> list[str]:
     ]  # fmt: skip
 
 
+@pytest.mark.slow
 def test_sigkill_then_resume_gives_the_same_bytes(prepared, tmp_path):
     reference = tmp_path / "reference"
     subprocess.run(_prepare_command(reference), check=True, capture_output=True, timeout=300)
@@ -302,6 +303,7 @@ def test_sigkill_then_resume_gives_the_same_bytes(prepared, tmp_path):
     assert {n: (out / "github" / n).stat().st_mtime_ns for n in finished} == finished  # kept, not redone
 
 
+@pytest.mark.slow
 def test_two_nodes_prepare_disjoint_parts_into_one_directory(prepared, tmp_path):
     out = tmp_path / "nodes"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}

@@ -54,6 +54,7 @@ def test_a_lock_is_held_once_and_names_its_holder(tmp_path):
     runlock.acquire(out).release()
 
 
+@pytest.mark.slow
 def test_a_lock_left_by_a_dead_process_is_taken_over_with_a_note(tmp_path):
     dead = subprocess.run(
         [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
@@ -73,6 +74,7 @@ def test_a_lock_left_by_a_dead_process_is_taken_over_with_a_note(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["keep.txt"]
 
 
+@pytest.mark.slow
 def test_a_second_run_on_a_running_run_s_output_dir_is_refused(small_corpus, tmp_path, capsys):
     out = tmp_path / "run"
     over = tiny_run_overrides(small_corpus, out, max_steps=150, checkpoint_every=50, eval_every=0)
@@ -95,6 +97,7 @@ def test_a_second_run_on_a_running_run_s_output_dir_is_refused(small_corpus, tmp
     assert not (out / runlock.LOCK_NAME).exists()
 
 
+@pytest.mark.slow
 def test_every_rank_refuses_a_locked_output_dir(small_corpus, tmp_path):
     out = tmp_path / "run"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -217,6 +220,7 @@ def kill_reference(tmp_path_factory, small_corpus) -> Path:
     return out
 
 
+@pytest.mark.slow
 def test_sigterm_stops_like_ctrl_c_and_resume_is_exact(kill_reference, small_corpus, tmp_path):
     out = tmp_path / "term"
     proc = subprocess.Popen(
@@ -242,6 +246,7 @@ def test_sigterm_stops_like_ctrl_c_and_resume_is_exact(kill_reference, small_cor
 KILL_TRIALS = 8
 
 
+@pytest.mark.slow
 def test_sigkill_inside_checkpoint_saves_then_resume_is_exact(kill_reference, small_corpus, tmp_path):
     """``KILL_TRIALS`` SIGKILLs, each at a random moment after the start of a randomly chosen one (1st-3rd) of the
     process's checkpoint saves (its ``.tmp-`` directory exists), each followed by a resume from whatever is left;

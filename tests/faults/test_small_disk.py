@@ -8,14 +8,21 @@ import shlex
 import sys
 from pathlib import Path
 
+import pytest
+
 from memfit.cli import main
 from memfit.metrics import read_records
 from tests.conftest import tiny_run_overrides
 
 from .conftest import needs_tmpfs, shell_on_small_disk
 
-pytestmark = needs_tmpfs
+pytestmark = [needs_tmpfs, pytest.mark.slow]  # runs in mount namespaces of their own (subprocesses)
 MIXED = Path(__file__).parents[1] / "assets" / "mixed_corpus"
+
+
+def _checkpointed(corpus: Path, out: Path, **extra) -> list[str]:
+    """The tiny run with what these faults hit: a checkpoint and a validation every 4 steps."""
+    return tiny_run_overrides(corpus, out, **{"eval_every": 4, "checkpoint_every": 4, **extra})
 
 
 def _memfit(*args: str) -> str:
@@ -24,13 +31,13 @@ def _memfit(*args: str) -> str:
 
 def test_a_full_disk_keeps_the_last_checkpoint_and_resume_is_exact(small_corpus, tmp_path):
     ref = tmp_path / "ref"
-    assert main(["pretrain", *tiny_run_overrides(small_corpus, ref)]) == 0
+    assert main(["pretrain", *_checkpointed(small_corpus, ref)]) == 0
     mount, saved = tmp_path / "disk", tmp_path / "saved"
     mount.mkdir()
     run = mount / "run"
     # 2 MiB: the prepared text, the records and the step-4 checkpoint (1.3 MB) fit; the step-8 one does not
     script = (
-        f"{_memfit('pretrain', *tiny_run_overrides(small_corpus, run))} > /dev/null; echo exit=$?; "
+        f"{_memfit('pretrain', *_checkpointed(small_corpus, run))} > /dev/null; echo exit=$?; "
         f"find {run} -name '.tmp*' -o -name '.old-*'; cp -a {run} {saved}"
     )
     proc = shell_on_small_disk(mount, "2m", script)
@@ -43,7 +50,7 @@ def test_a_full_disk_keeps_the_last_checkpoint_and_resume_is_exact(small_corpus,
     assert proc.stdout.strip().splitlines() == ["exit=1"]  # no temporary file or directory left behind
     assert sorted(p.name for p in (saved / "checkpoints").iterdir()) == ["step_00000004"]
     # space freed (here: the run moved to a bigger disk): resume gives the uninterrupted run's numbers
-    assert main(["pretrain", *tiny_run_overrides(small_corpus, saved, resume="true")]) == 0
+    assert main(["pretrain", *_checkpointed(small_corpus, saved, resume="true")]) == 0
     records = [(r["step"], r.get("loss"), r.get("val_loss")) for r in read_records(saved / "metrics.jsonl")]
     assert records == [
         (r["step"], r.get("loss"), r.get("val_loss")) for r in read_records(ref / "metrics.jsonl")
@@ -67,7 +74,7 @@ def test_a_read_only_file_system_is_refused_before_anything_runs(small_corpus, t
     mount = tmp_path / "disk"
     mount.mkdir()
     run = mount / "run"
-    script = f"mount -o remount,ro {mount} && {_memfit('pretrain', *tiny_run_overrides(small_corpus, run))}"
+    script = f"mount -o remount,ro {mount} && {_memfit('pretrain', *_checkpointed(small_corpus, run))}"
     proc = shell_on_small_disk(mount, "1m", script)
     assert proc.returncode == 1
     err = proc.stderr.strip()

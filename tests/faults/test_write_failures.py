@@ -23,6 +23,11 @@ MIXED = Path(__file__).parents[1] / "assets" / "mixed_corpus"
 ENOSPC = OSError(errno.ENOSPC, "No space left on device")
 
 
+def _checkpointed(corpus: Path, out: Path, **extra) -> list[str]:
+    """The tiny run with what these faults hit: a checkpoint and a validation every 4 steps."""
+    return tiny_run_overrides(corpus, out, **{"eval_every": 4, "checkpoint_every": 4, **extra})
+
+
 def _losses(out: Path) -> list:
     return [(r["step"], r.get("loss"), r.get("val_loss")) for r in read_records(out / "metrics.jsonl")]
 
@@ -30,7 +35,7 @@ def _losses(out: Path) -> list:
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, small_corpus) -> Path:
     out = tmp_path_factory.mktemp("ref") / "out"
-    assert main(["pretrain", *tiny_run_overrides(small_corpus, out)]) == 0
+    assert main(["pretrain", *_checkpointed(small_corpus, out)]) == 0
     return out
 
 
@@ -51,6 +56,7 @@ def _leftovers(out: Path) -> list[str]:
     return sorted(str(p.relative_to(out)) for p in out.rglob("*") if ".tmp" in p.name or ".old-" in p.name)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("site", ["safetensors", "torch.save"])
 def test_a_full_disk_during_a_checkpoint_keeps_the_last_one_and_resume_is_exact(
     site, reference, small_corpus, tmp_path, capsys, monkeypatch
@@ -75,7 +81,7 @@ def test_a_full_disk_during_a_checkpoint_keeps_the_last_one_and_resume_is_exact(
             return real_write(self, data)
 
         monkeypatch.setattr(storage._RecordingWriter, "write", write)
-    assert main(["pretrain", *tiny_run_overrides(small_corpus, out)]) == 1
+    assert main(["pretrain", *_checkpointed(small_corpus, out)]) == 1
     err = capsys.readouterr().err
     first = err.strip().splitlines()[-1]
     assert first.startswith("memfit: error: could not write checkpoint '")
@@ -85,7 +91,7 @@ def test_a_full_disk_during_a_checkpoint_keeps_the_last_one_and_resume_is_exact(
     assert [p.name for p in ckpt_io.list_checkpoints(out)] == ["step_00000004"]
     assert _leftovers(out) == []
     monkeypatch.undo()
-    assert main(["pretrain", *tiny_run_overrides(small_corpus, out, resume="true")]) == 0
+    assert main(["pretrain", *_checkpointed(small_corpus, out, resume="true")]) == 0
     assert _losses(out) == _losses(reference)
 
 
@@ -151,7 +157,7 @@ def test_a_full_disk_while_logging_stops_with_a_message(small_corpus, tmp_path, 
         return real(self, record)
 
     monkeypatch.setattr(metrics.MetricsLogger, "log", log)
-    assert main(["pretrain", *tiny_run_overrides(small_corpus, out)]) == 1
+    assert main(["pretrain", *tiny_run_overrides(small_corpus, out, eval_every=4, checkpoint_every=4)]) == 1
     err = capsys.readouterr().err
     assert f"could not write the step 5 record to '{out / 'metrics.jsonl'}': the disk is full" in err
     assert "the newest complete checkpoint in output_dir is kept" in err and "Traceback" not in err
@@ -189,6 +195,7 @@ def test_a_full_disk_during_prepare_leaves_no_partial_shard(tmp_path, capsys, mo
     assert json.loads((out / "manifest.json").read_text())["sources"]["book"]["documents"] == 8
 
 
+@pytest.mark.slow
 def test_a_full_disk_during_export_leaves_nothing(reference, tmp_path, capsys, monkeypatch):
     from memfit.convert import hf
 

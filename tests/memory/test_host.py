@@ -150,6 +150,7 @@ print((before - host.process_rss_bytes()) >> 20)
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not GLIBC, reason="glibc's malloc_trim")
 def test_releasing_the_free_heap_returns_freed_small_blocks_to_the_kernel():
     env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != "GLIBC_TUNABLES"}

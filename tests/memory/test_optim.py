@@ -113,6 +113,7 @@ def test_adamw_implementations_agree():
     assert _max_diff(models["foreach"], models["fused"]) <= 1e-6
 
 
+@pytest.mark.slow
 def test_compile_compiles_the_for_loop_adamw_step_with_the_same_updates():
     """compile=True: AdamW's step gets graphs of its own (a fused AdamW's does not), made by the first two steps
     (the second recompiles once with the learning rate as a graph input) and none after, though the warm-up sets a

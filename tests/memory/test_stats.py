@@ -15,6 +15,7 @@ from memfit.units import GIB
 from tests.conftest import tiny_run_overrides
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not Path("/usr/bin/time").exists(), reason="needs GNU time (/usr/bin/time)")
 def test_the_run_s_peak_is_the_kernel_s_and_no_interval_exceeds_it(small_corpus, tmp_path):
     """Against ``/usr/bin/time``'s maximum resident set (``ru_maxrss``). The run is started by ``time``, a small

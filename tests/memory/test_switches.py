@@ -29,6 +29,11 @@ from memfit.planner.estimate import estimate_run
 DOCS = Path(__file__).parents[2] / "docs"
 REFUSALS = [(s.key, r) for s in switches.SWITCHES for r in s.refusals]
 PLANNED = switches.planned(world_size=2)
+# the sharded switches are estimated on several fake ranks (tens of seconds each): the slow tier checks them
+PLANNED_CASES = [
+    pytest.param(s, id=s.key, marks=[pytest.mark.slow] if s.key.startswith("distributed.") else [])
+    for s in PLANNED
+]
 
 
 def _overrides(settings):
@@ -130,7 +135,7 @@ def _cost(cfg, world_size):
     return ctx.cost(cfg, acts, 0)["total"]
 
 
-@pytest.mark.parametrize("switch", PLANNED, ids=lambda s: s.key)
+@pytest.mark.parametrize("switch", PLANNED_CASES)
 def test_every_planned_switch_has_a_label_a_comment_and_a_cost(switch):
     base, world_size, rows = _changing_only(switch)
     base_label = switches.label(switches.values(base, world_size), base)
@@ -148,7 +153,7 @@ def test_every_planned_switch_has_a_label_a_comment_and_a_cost(switch):
     assert any(_cost(cfg, world_size) != base_cost for cfg in rows + others), f"{switch.key} costs nothing"
 
 
-@pytest.mark.parametrize("switch", PLANNED, ids=lambda s: s.key)
+@pytest.mark.parametrize("switch", PLANNED_CASES)
 def test_every_planned_switch_is_estimated(switch):
     _, world_size, rows = _changing_only(switch)
     cfg = rows[0]

@@ -489,6 +489,7 @@ def test_lora_effective_weight_gives_chunked_cross_entropy_the_adapted_lm_head()
         assert torch.allclose(got, want, atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["lora", "adapter"])
 def test_compiled_layers_train_lora_and_adapter_as_eager_ones(method):
     """compile: the adapted layers compile with their added weights; loss and trained-weight gradients as eager."""
