@@ -321,7 +321,11 @@ def _summary(
     cfg, run: _Run, built, model, records: _StepRecords, val_loss, last_ckpt, device
 ) -> dict[str, Any]:
     """The end of a run once its records are closed: the loss plot, the sample, and what :func:`train` returns."""
-    plot = plot_losses(run.out / "metrics.jsonl", run.out / "loss.png") if run.main_rank and cfg.loss_plot else None
+    plot = (
+        plot_losses(run.out / "metrics.jsonl", run.out / "loss.png")
+        if run.main_rank and cfg.loss_plot
+        else None
+    )
     sample = _sample(cfg, model, run.tokenizer, last_ckpt, device) if run.main_rank else ""
     rank_peak = records.rank_peak
     if device.type == "cpu" and process_peak_rss() is not None:  # the whole process's, as ru_maxrss says
