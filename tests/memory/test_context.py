@@ -74,6 +74,7 @@ def test_a_preset_s_context_is_raised_to_the_length():
     assert cfg.seq_len == 5000 and cfg.model_args["max_seq_len"] == 5000  # the tiny preset's is 128
 
 
+@pytest.mark.slow  # a seq_len=max ladder of estimates: over 10 s on 2 cores
 def test_plan_seq_len_max_through_the_cli(capsys):
     """The chosen row has the longest ``seq_len`` that fits and its peak: estimated at that length it fits, and at
     the next length the search steps by (1,024 tokens; 64 below 1,024) the same switches do not; the ladder gives
@@ -100,6 +101,7 @@ def test_plan_seq_len_max_through_the_cli(capsys):
     assert out["limit"] in again.breakdown
 
 
+@pytest.mark.slow  # a seq_len=max ladder of estimates: over 10 s on 2 cores
 def test_the_text_report_gives_the_ladder_then_the_plan():
     found = context.longest_context(PlanRequest(load_config(None, TINY, needs_weights=False), 48 * MIB))
     text = context.format_context(found)
