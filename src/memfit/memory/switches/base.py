@@ -413,5 +413,16 @@ def moves_state(cfg: Any, target: str) -> dict[str, str]:
     return {"optimizer_state": "offloaded_optimizer_state"} if target == "cuda" else {}
 
 
+def host_on_cuda(reported: dict[str, str]) -> Callable[[Any, str, dict[str, int]], dict[str, int]]:
+    """A :attr:`Switch.host_bytes` rule: on CUDA, host memory reported under each key of ``reported``, as many bytes
+    as the closed-form model state named by its value (``closed``: bytes by state); nothing on CPU, where the
+    states already live in host memory."""
+
+    def host_bytes(cfg: Any, target: str, closed: dict[str, int]) -> dict[str, int]:
+        return {name: closed[state] for name, state in reported.items()} if target == "cuda" else {}
+
+    return host_bytes
+
+
 EXACT = 1e-6
 """The tolerance of a :class:`Parity` run that does the same arithmetic as the baseline (float32 noise)."""

@@ -20,6 +20,7 @@ from memfit.memory.switches.base import (
     Switch,
     Target,
     flag,
+    host_on_cuda,
     moves_state,
     require,
     value_of,
@@ -275,16 +276,6 @@ def _check_optimizer_offload(cfg: RunConfig, target: Target) -> None:
     )
 
 
-def _host_copies(cfg: Any, target: str, closed: dict[str, int]) -> dict[str, int]:
-    """torchao ``CPUOffloadOptimizer``: a pinned host copy of every trainable parameter and of its gradient."""
-    if target != "cuda":
-        return {}
-    return {
-        "host_parameter_copies": closed["trainable_parameters"],
-        "host_gradient_copies": closed["gradients"],
-    }
-
-
 def _cost_optimizer_offload(on: bool, t: StepTerms) -> None:
     if on:
         t.host_update = True
@@ -299,7 +290,10 @@ OPTIMIZER_CPU_OFFLOAD = Switch(
     check=_check_optimizer_offload,
     trace_value=False,
     moves=moves_state,
-    host_bytes=_host_copies,
+    # torchao CPUOffloadOptimizer: a pinned host copy of every trainable parameter and of its gradient
+    host_bytes=host_on_cuda(
+        {"host_parameter_copies": "trainable_parameters", "host_gradient_copies": "gradients"}
+    ),
     candidates=_plan_unclipped("optimizer.cpu_offload"),
     label=flag("opt_offload"),
     comment=when("state and update on the host (torchao CPUOffloadOptimizer)"),

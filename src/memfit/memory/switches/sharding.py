@@ -20,6 +20,7 @@ from memfit.memory.switches.base import (
     check_nothing,
     each,
     flag,
+    host_on_cuda,
     moves_state,
     require,
     value_of,
@@ -92,16 +93,6 @@ def _check_fsdp_offload(cfg: RunConfig, target: Target) -> None:
     )
 
 
-def _host_shards(cfg: Any, target: str, closed: dict[str, int]) -> dict[str, int]:
-    """FSDP ``CPUOffloadPolicy``: the shards and their gradients stay on the host."""
-    if target != "cuda":
-        return {}
-    return {
-        "offloaded_parameter_shards": closed["parameters"],
-        "offloaded_gradient_shards": closed["gradients"],
-    }
-
-
 def _cost_fsdp_offload(on: bool, t: StepTerms) -> None:
     if on:
         t.host_update = True
@@ -116,7 +107,10 @@ FSDP_CPU_OFFLOAD = Switch(
     check=_check_fsdp_offload,
     trace_value=False,
     moves=moves_state,
-    host_bytes=_host_shards,
+    # FSDP CPUOffloadPolicy: the shards and their gradients stay on the host
+    host_bytes=host_on_cuda(
+        {"offloaded_parameter_shards": "parameters", "offloaded_gradient_shards": "gradients"}
+    ),
     off_device=("parameters", "gradients"),
     activation=True,
     candidates=_plan_sharded("distributed.cpu_offload", (False, True), cuda_only=True),
