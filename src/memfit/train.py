@@ -123,7 +123,12 @@ def _train(cfg: TrainConfig, device: torch.device, cleanup: contextlib.ExitStack
             plot_this = main_rank and (step == start_step + 1 or step == cfg.max_steps - 1 == start_step)
             title = f"memory by category, step {step + 1} ({cfg.model})"
             plot = (out / "memory_timeline.png", title) if plot_this else None
-            result = _tracked_step(tracker, model, optimizer, micro_batches, step_options, plot)
+            result = _tracked_step(tracker, model, optimizer, micro_batches, step_options, plot is not None)
+            if plot is not None:
+                # drawn here, not inside the step's frame: matplotlib's first import leaves a reference cycle that
+                # keeps the frames below it alive until the garbage collector runs (a tracked step's batches with
+                # them, which the next step's peak would then hold)
+                plot_timeline(tracker.timeline, plot[0], title=plot[1])
         memory.sample()
         done = step + 1
         bar.update(1)
@@ -454,17 +459,14 @@ def _validate(model: torch.nn.Module, data: RunData, eval_options: dict[str, Any
     return {"val_loss": sum(losses.values()) / len(losses), **losses}
 
 
-def _tracked_step(tracker, model, optimizer, micro_batches, step_options, plot) -> StepResult:
-    """:func:`~memfit.step.train_step` under the run's :class:`~memfit.memory.tracker.MemoryTracker`;
-    ``plot`` = ``(png path, title)`` also draws the step's memory timeline."""
-    tracker.record_timeline = plot is not None
-    if plot is not None:
+def _tracked_step(tracker, model, optimizer, micro_batches, step_options, timeline: bool) -> StepResult:
+    """:func:`~memfit.step.train_step` under the run's :class:`~memfit.memory.tracker.MemoryTracker`; with
+    ``timeline`` the tracker also records the step's memory timeline (``tracker.timeline``)."""
+    tracker.record_timeline = timeline
+    if timeline:
         tracker.clear_timeline()
     with tracker:
-        result = train_step(model, optimizer, micro_batches, tracker=tracker, **step_options)
-    if plot is not None:
-        plot_timeline(tracker.timeline, plot[0], title=plot[1])
-    return result
+        return train_step(model, optimizer, micro_batches, tracker=tracker, **step_options)
 
 
 def _sample(cfg: TrainConfig, model, tokenizer, last_ckpt: Path | None, device: torch.device) -> str:
