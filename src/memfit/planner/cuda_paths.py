@@ -71,7 +71,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from memfit.memory import offload
+from memfit.memory import hybrids, offload
 from memfit.models import llama
 
 _HALF = (torch.float16, torch.bfloat16)
@@ -369,8 +369,9 @@ def cuda_paths(enabled: bool) -> Iterator[None]:
     ``memfit.models.llama.causal_attention`` (:func:`kv_heads_as_on_cuda`),
     ``memfit.memory.offload.offload_host`` (:func:`offloaded_as_from_cuda`), and, when torchao's optimizers are
     imported (the estimator imports the optimizer's library before the trace), ``torchao.optim.adam
-    .single_param_adam`` (:func:`torchao_compiled_update`). Each is looked up by name at call time by its caller,
-    so the swap reaches it.
+    .single_param_adam`` (:func:`torchao_compiled_update`) and ``memfit.memory.hybrids.LOW_BIT_CHUNK_ELEMENTS``
+    (no chunks: CUDA updates each tensor whole). Each is looked up by name at call time by its caller, so the swap
+    reaches it.
 
     Args:
         enabled: False does nothing (a CPU target: the trace already runs the CPU paths).
@@ -385,6 +386,8 @@ def cuda_paths(enabled: bool) -> Iterator[None]:
         adam = sys.modules.get("torchao.optim.adam")
         if adam is not None:
             _swap(stack, adam, "single_param_adam", torchao_compiled_update)
+            # on CUDA the whole tensor goes through the compiled update at once: no eager chunks
+            _swap(stack, hybrids, "LOW_BIT_CHUNK_ELEMENTS", sys.maxsize)
         yield
 
 
