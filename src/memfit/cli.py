@@ -341,6 +341,8 @@ def _generate(args: argparse.Namespace) -> int:
     device = resolve_device(args.device)
     model, tokenizer, run_template = load_for_generation(args.checkpoint, device=device)
     template = {"auto": run_template, "none": None}.get(args.template, args.template)
+    if template is not None and not isinstance(template, str):
+        template.check(tokenizer)  # a checkpoint's own template: refused before sampling, naming its file
     text = generate_text(
         model,
         tokenizer,
@@ -352,7 +354,8 @@ def _generate(args: argparse.Namespace) -> int:
         template=template,
     )
     if args.json:
-        print(json.dumps({"prompt": args.prompt, "template": template, "text": text}))
+        shown = template if template is None or isinstance(template, str) else template.path
+        print(json.dumps({"prompt": args.prompt, "template": shown, "text": text}))
     else:
         print(text)
     return 0
@@ -443,7 +446,8 @@ def _add_finetune(sub: Any) -> None:
         help="fine-tune pretrained weights (full, LoRA, QLoRA or adapter) on instructions, chats or text",
         description="Fine-tune a Hugging Face, Meta or memfit checkpoint (checkpoint_dir) with method full, lora, "
         "qlora or adapter, on instruction / chat records (data.format alpaca, dolly, sharegpt, openai; data.template "
-        "alpaca, llama2-chat, llama3-chat, chatml) or a text corpus. The same keys as pretrain; output_dir "
+        "auto = the checkpoint's own chat template, else alpaca; or alpaca, llama2-chat, llama3-chat, chatml) or a "
+        "text corpus. The same keys as pretrain; output_dir "
         "defaults to out/finetune. nproc=N starts N sharded ranks on this machine (through torchrun).",
         epilog=_keys_epilog(),
     )
@@ -627,8 +631,9 @@ def _add_generate(sub: Any) -> None:
         "--template",
         default="auto",
         choices=["auto", "none", "alpaca", "llama2-chat", "llama3-chat", "chatml"],
-        help="prompt template: auto = the one the run fine-tuned with (none for pretraining runs and "
-        "foreign checkpoints); the prompt is then the user's message and only the reply is printed (default: auto)",
+        help="prompt template: auto = the one the run fine-tuned with (none for pretraining runs), or a Hugging "
+        "Face checkpoint's own chat template (chat_template.jinja or tokenizer_config.json; none where it has "
+        "none); the prompt is then the user's message and only the reply is printed (default: auto)",
     )
     g.add_argument(
         "--json", action="store_true", help="print {prompt, template, text} as JSON (default: the text only)"

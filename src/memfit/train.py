@@ -485,7 +485,7 @@ def _sample(cfg: TrainConfig, model, tokenizer, last_ckpt: Path | None, device: 
         top_k=cfg.sample.top_k,
         seed=cfg.seed,
         dtype=cfg.dtype,
-        template=run_template(cfg),
+        template=run_template(cfg, tokenizer),
     )
 
 
