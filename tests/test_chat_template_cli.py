@@ -32,9 +32,11 @@ def chat_checkpoint(hf_checkpoint, tmp_path_factory) -> Path:
     return d
 
 
-def _finetune(checkpoint: Path, out: Path, **extra) -> list[str]:
-    args = finetune_overrides(checkpoint, out, max_steps=1, **extra)
-    return [a for a in args if not a.startswith("data.template=")]  # the default: auto
+def _finetune(checkpoint: Path, out: Path, template: str | None = None, **extra) -> list[str]:
+    """The tiny fine-tune's overrides with ``data.template`` left at its default (auto), or ``template``."""
+    args = finetune_overrides(checkpoint, out, **{"max_steps": 1, **extra})
+    args = [a for a in args if not a.startswith("data.template=")]
+    return args if template is None else [*args, f"data.template={template}"]
 
 
 def test_finetune_renders_with_the_checkpoint_template_and_trains_only_the_replies(
@@ -135,3 +137,23 @@ def test_generate_auto_on_a_run_uses_the_template_it_was_fine_tuned_with(chat_ch
     assert main(args) == 0
     shown = json.loads(capsys.readouterr().out)
     assert shown["template"] == str(next(out.glob("checkpoints/*/tokenizer/chat_template.jinja")))
+
+
+def test_a_run_trained_with_a_named_template_resumes_with_it_under_the_default(
+    chat_checkpoint, tmp_path, capsys
+):
+    """data.template=auto (the default) resumes a run that named its template (as every run saved before auto
+    existed did: alpaca) with that template, not with the checkpoint's, so a resume renders what the run trained on;
+    the losses of the resumed steps equal an uninterrupted run's."""
+    straight, out = tmp_path / "straight", tmp_path / "resumed"
+    assert main(["finetune", *_finetune(chat_checkpoint, straight, "alpaca", max_steps=2)]) == 0
+    assert main(["finetune", *_finetune(chat_checkpoint, out, "alpaca", max_steps=1)]) == 0
+    capsys.readouterr()
+    assert main(["finetune", *_finetune(chat_checkpoint, out, max_steps=2, resume="true")]) == 0
+    assert "(dolly, template alpaca)" in capsys.readouterr().out
+
+    def losses(run):
+        lines = (run / "metrics.jsonl").read_text().splitlines()
+        return {r["step"]: r["loss"] for r in map(json.loads, lines) if "loss" in r}
+
+    assert losses(out)[2] == losses(straight)[2]

@@ -46,7 +46,7 @@ from memfit.memory.tracker import MemoryTracker
 from memfit.metrics import MetricsLogger, Throughput, plot_losses
 from memfit.models.llama import LlamaConfig
 from memfit.planner.preflight import preflight
-from memfit.resume import check_resume, check_resume_model, find_resume, resume_notes
+from memfit.resume import check_resume, check_resume_model, find_resume, resume_notes, resumed_config
 from memfit.step import StepResult, evaluate, evaluation_options, train_step, train_step_options
 from memfit.units import to_gib
 
@@ -193,6 +193,7 @@ def _set_up(cfg: TrainConfig, device: torch.device) -> _Run:
     out = Path(cfg.output_dir)
     resume_dir, resume_state = find_resume(cfg)
     if resume_dir is not None:
+        cfg = resumed_config(cfg, resume_state)  # data.template=auto: the run's own template
         check_resume(cfg, resume_dir, resume_state)
         if main_rank:
             for note in resume_notes(cfg, resume_state, world):
