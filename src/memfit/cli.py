@@ -160,7 +160,7 @@ def _estimate(args: argparse.Namespace) -> int:
     )
     world_size = world_size or 1
     cfg = load_config(args.config, overrides, world_size=world_size, needs_weights=False)
-    estimate = estimate_run(cfg, world_size=world_size)
+    estimate = estimate_run(cfg, world_size=world_size, compose=False if args.full_trace else None)
     print(json.dumps(estimate.to_json()) if args.json else report.format_estimate(estimate))
     return 0
 
@@ -473,6 +473,12 @@ def _add_estimate(sub: Any) -> None:
         "--json",
         action="store_true",
         help="print one JSON object (peak_memory_gib, breakdown, ...) (default: the text report)",
+    )
+    est.add_argument(
+        "--full-trace",
+        action="store_true",
+        help="trace every decoder layer instead of composing them from traces of 3 and 4 (the same bytes where "
+        "composing holds; slower) (default: compose models of 8 layers or more where it holds)",
     )
 
 

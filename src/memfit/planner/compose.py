@@ -247,14 +247,11 @@ def compose(three: LayerTrace, four: LayerTrace, layers: int) -> Composed:
             while candidates[-1] > 0 and ops4[candidates[-1] - 1] == ops4[candidates[-1] - 1 + m]:
                 candidates.append(candidates[-1] - 1)
             lo = candidates[-1]
+            base3 = _i1 - (j1 - lo)  # the 3-layer event paired with the 4-layer one at lo
 
-            def score(start: int, lo: int = lo, j2: int = j2, m: int = m, i1: int = _i1) -> int:
-                kept = [k for k in range(lo, j2 + 1) if not start <= k < start + m and k < len(d4)]
-                return sum(
-                    1
-                    for n, k in enumerate(kept)
-                    if i1 - (j2 - m - lo) + n < len(d3) and d4[k] == d3[i1 - (j1 - lo) + n]
-                )
+            def score(start: int, lo: int = lo, j2: int = j2, m: int = m, base3: int = base3) -> int:
+                kept = [k for k in range(lo, min(j2 + 1, len(d4))) if not start <= k < start + m]
+                return sum(1 for n, k in enumerate(kept) if base3 + n < len(d3) and d4[k] == d3[base3 + n])
 
             blocks.append(max(candidates, key=score))
             blocks[-1] = (blocks[-1], blocks[-1] + m)
