@@ -795,7 +795,10 @@ def _prompt_attention(attn: Attention, q: Tensor) -> Tensor:
     nkv = attn.num_kv_heads
     prompt = attn.adapter_prompt  # (L, C)
     L = prompt.shape[0]
-    pk = attn.k_proj(prompt).view(L, nkv, hd).transpose(0, 1)  # (nkv, L, hd)
+    pk = attn.k_proj(prompt).view(L, nkv, hd)  # (L, nkv, hd)
+    if "k_norm" in attn._modules:  # qk_norm (Qwen3): the prompt's keys are normed as the sequence's are
+        pk = attn.k_norm(pk)
+    pk = pk.transpose(0, 1)  # (nkv, L, hd)
     pv = attn.v_proj(prompt).view(L, nkv, hd).transpose(0, 1)  # (nkv, L, hd)
     # each kv head serves nh // nkv query heads; the prompt is the same for every sample (a broadcast view)
     pk = (
@@ -824,7 +827,7 @@ def _adapter_attention_forward(
     """
     B, T, _ = x.shape
     q, k, v = self.project_qkv(x, cos, sin)  # (B, nh, T, hd), (B, nkv, T, hd) x 2
-    y = causal_attention(q, k, v, doc_ids=doc_ids)  # (B, nh, T, hd)
+    y = causal_attention(q, k, v, doc_ids=doc_ids, window=self.sliding_window)  # (B, nh, T, hd)
     y = y + self.adapter_gate * _prompt_attention(self, q)  # gate (1, nh, 1, 1)
     y = y.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim)  # (B, T, nh * hd)
     return self.o_proj(y)  # (B, T, C)
