@@ -277,4 +277,9 @@ def document_attention(
         raise ValueError(f"document_attention's window must be a positive int, got {window!r}")
     if recompute is None:
         recompute = q.device.type != "cpu"
+    if torch.is_autocast_enabled(
+        q.device.type
+    ):  # as autocast casts SDPA's inputs (bf16_mixed: RoPE'd q, k fp32)
+        dtype = torch.get_autocast_dtype(q.device.type)
+        q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     return (_Recomputed if recompute else _WithLogSumExp).apply(q, k, v, doc_ids, window)
