@@ -205,7 +205,8 @@ def _set_up(cfg: TrainConfig, device: torch.device) -> _Run:
     if resume_dir is not None:  # the architecture of the run resumed, before the data, pre-flight and build
         check_resume_model(cfg, resume_dir, resume_state, mcfg)
     seq_len = check_lengths(cfg, mcfg, tokenizer.vocab_size)
-    if cfg.preflight:  # the checkpoints' disk space, before data is prepared or anything allocated (planner/disk.py)
+    # the checkpoints' disk space, before data is prepared or anything allocated (planner/disk.py)
+    if cfg.preflight:
         start = int(resume_state["step"]) if resume_state is not None else 0
         check_checkpoint_disk(cfg, mcfg, world, start, len(ckpt_io.list_checkpoints(out)))
     data = run_data(cfg, tokenizer, manifest, seq_len, out)
