@@ -1,11 +1,13 @@
-"""Hugging Face ``LlamaForCausalLM`` directories: config mapping, reading, and writing (:func:`export_hf`).
+"""Hugging Face directories of the families memfit builds (``LlamaForCausalLM``, ``MistralForCausalLM``,
+``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``; :mod:`memfit.models.families`): config mapping, reading, and writing
+(:func:`export_hf`).
 
 A directory holds ``config.json`` and ``model.safetensors``, or the shards listed in
 ``model.safetensors.index.json`` (what ``save_pretrained`` writes). ``config.json`` is read in both the
 transformers 4.x spelling (``rope_theta`` and ``rope_scaling`` at the top level, ``torch_dtype``) and the 5.x one
 (``rope_parameters``, ``dtype``), and written in both. :func:`export_hf` writes a directory that
-``LlamaForCausalLM.from_pretrained`` and ``AutoTokenizer.from_pretrained`` load, atomically and with one shard in
-memory at a time.
+``AutoModelForCausalLM.from_pretrained`` (the family's own class) and ``AutoTokenizer.from_pretrained`` load,
+atomically and with one shard in memory at a time.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from memfit.convert.tensors import (
 )
 from memfit.errors import CheckpointError
 from memfit.filemode import give_default_mode
+from memfit.models.families import family, hf_family
 from memfit.models.llama import Llama, LlamaConfig, RopeScaling, build_llama
 from memfit.tokenizer import CONFIG_NAME as TOKENIZER_CONFIG
 from memfit.tokenizer import Tokenizer
@@ -62,13 +65,23 @@ DEFAULT_MAX_SHARD_SIZE = 5 * GIB
 
 _FLOAT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
+_UNIMPLEMENTED = {
+    "attention_dropout": "dropout inside attention",
+    "attn_logit_softcapping": "soft-capping of the attention scores",
+    "final_logit_softcapping": "soft-capping of the logits",
+    "num_experts": "a mixture of experts",
+    "num_local_experts": "a mixture of experts",
+}
+"""``config.json`` keys that change the computation, which memfit refuses when set (naming the key)."""
+
 
 # ================================================================================================================
 # Configs
 
 
 def read_hf_config(path: str | Path) -> LlamaConfig:
-    """The :class:`LlamaConfig` of a Hugging Face Llama ``config.json``.
+    """The :class:`LlamaConfig` of a Hugging Face ``config.json`` of a family memfit builds
+    (:mod:`memfit.models.families`: Llama, Mistral, Qwen2 / Qwen2.5, Qwen3).
 
     Reads both spellings: transformers 4.x (``rope_theta`` at the top level, ``rope_scaling`` with ``rope_type``
     or ``type``) and 5.x (``rope_parameters`` holding ``rope_theta`` and the scaling). As transformers does, a
@@ -87,9 +100,13 @@ def read_hf_config(path: str | Path) -> LlamaConfig:
 
     Raises:
         CheckpointError: naming the file and the key, when the file is missing or not JSON, a size key is
-            missing, ``model_type`` is not ``"llama"``, ``attention_bias`` or ``mlp_bias`` is true, ``hidden_act``
-            is not ``"silu"``, ``head_dim`` differs from ``hidden_size / num_attention_heads``, the rope type is
-            neither ``"default"`` nor ``"llama3"``, the weights are quantized, or the values fail validation.
+            missing, ``model_type`` / ``architectures`` is not a family memfit builds
+            (:func:`memfit.models.families.hf_family`: a mixture of experts, Mamba, an unknown type), a field the
+            family's entry refuses is set (a bias flag on a family that has none, Qwen's ``use_sliding_window``, a
+            per-layer ``layer_types`` pattern), ``hidden_act`` is not ``"silu"``, a computation memfit does not
+            implement is asked for (``attention_dropout``, soft-capping, experts), the rope type is neither
+            ``"default"`` nor ``"llama3"`` (``"yarn"``, ``"longrope"``, ...), the weights are quantized, or the
+            values fail validation.
     """
     config, _ = _hf_config_from_file(config_file(Path(path), HF_CONFIG))
     return config
@@ -105,7 +122,8 @@ def _hf_config_from_file(path: Path) -> tuple[LlamaConfig, torch.dtype | None]:
 def hf_config_to_llama(
     cfg: dict[str, Any], source: str = "config.json"
 ) -> tuple[LlamaConfig, torch.dtype | None]:
-    """Translate a Hugging Face Llama config dict (4.x or 5.x spelling) to a :class:`LlamaConfig`.
+    """Translate a Hugging Face config dict (4.x or 5.x spelling) of a family memfit builds to a
+    :class:`LlamaConfig`: the shared keys here, the family's own by its entry (:attr:`Family.read`).
 
     Args:
         cfg: the parsed ``config.json``.
@@ -122,35 +140,26 @@ def hf_config_to_llama(
     def refuse(key: str, why: str) -> CheckpointError:
         return CheckpointError(f"'{source}': {key} {why}")
 
-    model_type = cfg.get("model_type")
-    if model_type != "llama":
-        raise refuse(
-            "model_type", f"is {model_type!r}; memfit reads Llama checkpoints only (model_type 'llama')"
-        )
-    for key in ("attention_bias", "mlp_bias"):
-        if cfg.get(key):
-            raise refuse(key, "is true; memfit's Llama has no bias terms (Llama 2/3 checkpoints have none)")
+    fam = hf_family(cfg.get("model_type"), cfg.get("architectures"), refuse)
+    cfg = {**fam.hf_defaults, **cfg}
     if cfg.get("hidden_act", "silu") != "silu":
-        raise refuse("hidden_act", f"is {cfg['hidden_act']!r}; memfit's Llama uses SwiGLU with 'silu'")
+        raise refuse("hidden_act", f"is {cfg['hidden_act']!r}; memfit's decoder uses SwiGLU with 'silu'")
     if cfg.get("quantization_config"):
         raise refuse(
             "quantization_config", "is set; quantized checkpoints are not supported: use the bf16 weights"
         )
+    for key in _UNIMPLEMENTED:
+        if cfg.get(key) not in (None, False, 0, 0.0):
+            raise refuse(
+                key, f"is {cfg[key]!r}; memfit's decoder does not implement it ({_UNIMPLEMENTED[key]})"
+            )
+    family_fields = fam.read(cfg, refuse)
     sizes = {}
     for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size"):
         if cfg.get(key) is None:
             raise refuse(key, "is missing; a Llama config.json needs it")
         sizes[key] = cfg[key]
     heads = sizes["num_attention_heads"]
-    head_dim = cfg.get("head_dim")
-    if head_dim is not None and (
-        not isinstance(heads, int) or heads <= 0 or head_dim * heads != sizes["hidden_size"]
-    ):
-        raise refuse(
-            "head_dim",
-            f"is {head_dim} but hidden_size / num_attention_heads is {sizes['hidden_size']} / {heads}; memfit's "
-            f"Llama needs head_dim == hidden_size / num_attention_heads",
-        )
     rope_key = "rope_scaling" if cfg.get("rope_scaling") else "rope_parameters"
     rope = cfg.get(rope_key) or {}
     if not isinstance(rope, dict):
@@ -179,7 +188,8 @@ def hf_config_to_llama(
     elif rope_type != "default":
         raise refuse(
             f"{rope_key}.rope_type",
-            f"is {rope_type!r}; memfit implements the 'default' and 'llama3' RoPE only",
+            f"is {rope_type!r}; memfit implements the 'default' and 'llama3' RoPE only (no YaRN, LongRoPE, linear "
+            f"or dynamic scaling)",
         )
     num_kv_heads = cfg.get("num_key_value_heads")
     try:
@@ -195,6 +205,8 @@ def hf_config_to_llama(
             rope_scaling=scaling,
             max_seq_len=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            family=fam.name,
+            **family_fields,
         )
     except ValueError as exc:
         raise CheckpointError(f"'{source}': {exc}") from None
@@ -208,7 +220,8 @@ def llama_to_hf_config(
     bos_token_id: int | None = None,
     eos_token_id: int | list[int] | None = None,
 ) -> dict[str, Any]:
-    """The ``config.json`` of a :class:`LlamaConfig` for ``LlamaForCausalLM``.
+    """The ``config.json`` of a :class:`LlamaConfig`, for its family's class (``LlamaForCausalLM``,
+    ``MistralForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``: :attr:`Family.write` adds its keys).
 
     Readable by transformers 5.x (``rope_parameters``, ``dtype``) and 4.x (top-level ``rope_theta``,
     ``rope_scaling``, ``torch_dtype``): both spellings are written and agree. transformers 5.24 accepts the 4.x
@@ -223,30 +236,28 @@ def llama_to_hf_config(
     Returns:
         A JSON-serialisable dict.
     """
+    fam = family(config.family)
     rope_parameters: dict[str, Any] = {"rope_type": "default", "rope_theta": float(config.rope_theta)}
     rope_scaling = None
     if config.rope_scaling is not None:
         rope_scaling = {"rope_type": "llama3", **dataclasses.asdict(config.rope_scaling)}
         rope_parameters = {**rope_scaling, "rope_theta": float(config.rope_theta)}
     out: dict[str, Any] = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        "architectures": [fam.architectures[0]],
+        "model_type": fam.model_types[0],
         "vocab_size": config.vocab_size,
         "hidden_size": config.dim,
         "intermediate_size": config.intermediate_size,
         "num_hidden_layers": config.num_layers,
         "num_attention_heads": config.num_heads,
         "num_key_value_heads": config.num_kv_heads,
-        "head_dim": config.head_dim,
         "hidden_act": "silu",
         "max_position_embeddings": config.max_seq_len,
         "rms_norm_eps": config.norm_eps,
         "tie_word_embeddings": config.tie_word_embeddings,
-        "attention_bias": False,
-        "mlp_bias": False,
+        **fam.write(config),
         "attention_dropout": 0.0,
         "initializer_range": 0.02,
-        "pretraining_tp": 1,
         "use_cache": True,
         "rope_parameters": rope_parameters,
         "rope_theta": float(config.rope_theta),
@@ -376,7 +387,8 @@ def export_hf(
     generation_config: dict[str, Any] | None = None,
     chat_template: str | None = None,
 ) -> Path:
-    """Write ``model`` as a Hugging Face ``LlamaForCausalLM`` directory.
+    """Write ``model`` as a Hugging Face directory of its family (``config.family``: ``LlamaForCausalLM``,
+    ``Qwen2ForCausalLM``, ...).
 
     Files: ``config.json`` (see :func:`llama_to_hf_config`), ``model.safetensors`` or
     ``model-0000i-of-0000n.safetensors`` shards with ``model.safetensors.index.json`` (a tied ``lm_head`` stored

@@ -1,11 +1,17 @@
 """The Llama architecture (Llama 2, Llama 3, 3.1, 3.2): RMSNorm, RoPE, grouped-query attention, SwiGLU.
 
+With the options the other families memfit builds need (:mod:`memfit.models.families`), each a field of
+:class:`LlamaConfig` whose default is Llama's: an explicit ``head_dim`` (Mistral, Qwen3), biases on the q, k and v
+projections (Qwen2), an RMSNorm of each query and key head before RoPE (Qwen3) and a sliding attention window
+(Mistral v0.1).
+
 Architecture only. Checkpointing, sharding, LoRA, optimizer hooks and dtype policy are applied to a built model
 from outside. Submodules are named like Hugging Face's ``LlamaForCausalLM`` so that state dicts load into each
 other with ``strict=True``.
 
 Shape letters used in comments: B batch, T sequence length, C model width (``dim``), nh query heads, nkv key/value
-heads, hd head size (``dim // num_heads``), I SwiGLU hidden size, V vocabulary size.
+heads, hd head size (``head_dim``, by default ``dim // num_heads``), W sliding window, I SwiGLU hidden size, V
+vocabulary size.
 
 The forward pass has no host syncs and no data-dependent Python branching, so it runs under
 ``torch._subclasses.fake_tensor.FakeTensorMode`` on a model of any size built on the meta device.
@@ -70,8 +76,10 @@ class LlamaConfig:
     Raises:
         ValueError: naming the field, from ``__post_init__``, when a size is not a positive int, ``norm_eps`` or
             ``rope_theta`` is not positive, ``dim`` is not divisible by ``num_heads``, ``num_heads`` is not
-            divisible by ``num_kv_heads``, the head size is odd (RoPE rotates pairs), or ``rope_scaling`` is
-            neither None, a ``RopeScaling`` nor a dict of its fields.
+            divisible by ``num_kv_heads``, the head size is odd (RoPE rotates pairs), ``head_dim`` or
+            ``sliding_window`` is neither None nor a positive int, or ``rope_scaling`` is neither None, a
+            ``RopeScaling`` nor a dict of its fields. (Without an explicit ``head_dim``, ``dim`` must be divisible
+            by ``num_heads``.)
     """
 
     vocab_size: int
@@ -96,6 +104,21 @@ class LlamaConfig:
     """Context length the model is meant for (HF ``max_position_embeddings``); not enforced in ``forward``."""
     tie_word_embeddings: bool = False
     """Share one matrix between the token embedding and the output projection."""
+    head_dim: int | None = None
+    """Size of one attention head, hd; None (the default) is ``dim // num_heads``, which ``__post_init__`` writes
+    here (so ``dataclasses.replace(config, dim=...)`` keeps the old head size: pass ``head_dim=None`` too).
+    Mistral and Qwen3 checkpoints set it explicitly (Qwen3-8B: 128 with ``dim // num_heads`` = 128, Qwen3-0.6B:
+    128 where it would be 64)."""
+    attention_bias: bool = False
+    """Biases on the q, k and v projections (Qwen2 / Qwen2.5); ``o_proj`` and the MLP never have one."""
+    qk_norm: bool = False
+    """RMSNorm of each query and key head (a weight of hd each, ``q_norm`` and ``k_norm``) before RoPE (Qwen3)."""
+    sliding_window: int | None = None
+    """Each query attends to at most this many keys, itself and the ``sliding_window - 1`` before it, in every
+    layer (Mistral v0.1: 4096); None attends to all earlier keys."""
+    family: str = "llama"
+    """The checkpoint family (:mod:`memfit.models.families`): which Hugging Face ``model_type`` and
+    ``architectures`` an export writes. The computation is set by the fields above alone."""
 
     def __post_init__(self) -> None:
         """Validate the fields and convert a dict ``rope_scaling`` to ``RopeScaling``.
@@ -112,17 +135,26 @@ class LlamaConfig:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not value > 0:
                 raise ValueError(f"LlamaConfig.{name} must be a positive number, got {value!r}")
-        if self.dim % self.num_heads != 0:
-            raise ValueError(
-                f"LlamaConfig.dim ({self.dim}) must be divisible by num_heads ({self.num_heads})"
-            )
+        for name in ("head_dim", "sliding_window"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
+                raise ValueError(f"LlamaConfig.{name} must be None or a positive int, got {value!r}")
+        derived = self.head_dim is None
+        if derived:
+            if self.dim % self.num_heads != 0:
+                raise ValueError(
+                    f"LlamaConfig.dim ({self.dim}) must be divisible by num_heads ({self.num_heads}), or head_dim "
+                    f"given"
+                )
+            object.__setattr__(self, "head_dim", self.dim // self.num_heads)
         if self.num_heads % self.num_kv_heads != 0:
             raise ValueError(
                 f"LlamaConfig.num_heads ({self.num_heads}) must be divisible by num_kv_heads ({self.num_kv_heads})"
             )
         if self.head_dim % 2 != 0:
             raise ValueError(
-                f"LlamaConfig.dim // num_heads ({self.head_dim}) must be even: RoPE rotates pairs of channels"
+                f"LlamaConfig.{'dim // num_heads' if derived else 'head_dim'} ({self.head_dim}) must be even: RoPE "
+                f"rotates pairs of channels"
             )
         if isinstance(self.rope_scaling, dict):
             known = {f.name for f in fields(RopeScaling)}
@@ -137,10 +169,16 @@ class LlamaConfig:
                 f"LlamaConfig.rope_scaling must be None, a RopeScaling or a dict, got {self.rope_scaling!r}"
             )
 
-    @property
-    def head_dim(self) -> int:
-        """Size of one attention head, hd = ``dim // num_heads``."""
-        return self.dim // self.num_heads
+    def attended_keys(self, seq_len: int) -> int:
+        """Keys the last query of a sequence of ``seq_len`` tokens attends to: ``min(seq_len, sliding_window)``.
+
+        Args:
+            seq_len: tokens per sequence T.
+
+        Returns:
+            T, or W when a sliding window shorter than T caps it.
+        """
+        return seq_len if self.sliding_window is None else min(seq_len, self.sliding_window)
 
     def num_params(self) -> int:
         """Number of parameters in closed form, the tied embedding counted once.
@@ -150,6 +188,10 @@ class LlamaConfig:
         """
         C, hd, I = self.dim, self.head_dim, self.intermediate_size  # noqa: E741
         attention = C * self.num_heads * hd * 2 + C * self.num_kv_heads * hd * 2  # q, o + k, v
+        if self.attention_bias:
+            attention += (self.num_heads + 2 * self.num_kv_heads) * hd  # q, k, v biases
+        if self.qk_norm:
+            attention += 2 * hd  # q_norm, k_norm
         mlp = 3 * C * I  # gate, up, down
         layer = attention + mlp + 2 * C  # + input and post-attention RMSNorm
         embeddings = self.vocab_size * C * (1 if self.tie_word_embeddings else 2)
@@ -387,6 +429,7 @@ def causal_attention(
     native_gqa: bool | None = None,
     doc_ids: Tensor | None = None,
     device_type: str | None = None,
+    window: int | None = None,
 ) -> Tensor:
     """Causal ``F.scaled_dot_product_attention`` where each group of nh // nkv query heads shares a kv head.
 
@@ -396,7 +439,9 @@ def causal_attention(
     nh heads instead, (B, nh, T, hd) copies that keep the memory-efficient kernels eligible.
 
     Rows that pack several documents (``doc_ids``) attend within each document, in blocks of queries without a
-    (T, T) mask (:func:`memfit.models.attention.document_attention`).
+    (T, T) mask (:func:`memfit.models.attention.document_attention`). So does a sliding ``window`` shorter than
+    the sequence: each block of queries reads only the keys its window reaches. A window of T or more keys is
+    plain causal attention, and takes the plain path.
 
     Args:
         q: (B, nh, T, hd) queries.
@@ -408,13 +453,16 @@ def causal_attention(
             attends to the keys before it in its own document.
         device_type: the device whose kernels decide (``native_gqa`` and the document blocks' kernel); default
             ``q``'s. The estimator passes ``cuda`` to trace a GPU run on CPU tensors.
+        window: None, or W: query t attends to the keys ``(t - W, t]`` only (Mistral's ``sliding_window``).
 
     Returns:
         (B, nh, T, hd).
     """
     device_type = device_type or q.device.type
-    if doc_ids is not None:
-        return document_attention(q, k, v, doc_ids, recompute=device_type != "cpu")
+    if window is not None and window >= q.shape[2]:
+        window = None  # the window reaches every earlier key: plain causal attention
+    if doc_ids is not None or window is not None:
+        return document_attention(q, k, v, doc_ids, recompute=device_type != "cpu", window=window)
     B, nh, T, hd = q.shape
     nkv = k.shape[1]
     if nkv == nh:
@@ -445,7 +493,8 @@ def packed_positions(doc_ids: Tensor) -> Tensor:
 
 
 class Attention(nn.Module):
-    """Causal grouped-query self-attention with RoPE (see ``causal_attention``).
+    """Causal grouped-query self-attention with RoPE (see ``causal_attention``), optionally with q/k/v biases,
+    per-head q/k RMSNorm and a sliding window (``config.attention_bias``, ``qk_norm``, ``sliding_window``).
 
     Args:
         config: the model config.
@@ -456,10 +505,15 @@ class Attention(nn.Module):
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
-        self.q_proj = nn.Linear(config.dim, config.num_heads * config.head_dim, bias=False)
-        self.k_proj = nn.Linear(config.dim, config.num_kv_heads * config.head_dim, bias=False)
-        self.v_proj = nn.Linear(config.dim, config.num_kv_heads * config.head_dim, bias=False)
+        self.sliding_window = config.sliding_window
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(config.dim, config.num_heads * config.head_dim, bias=bias)
+        self.k_proj = nn.Linear(config.dim, config.num_kv_heads * config.head_dim, bias=bias)
+        self.v_proj = nn.Linear(config.dim, config.num_kv_heads * config.head_dim, bias=bias)
         self.o_proj = nn.Linear(config.num_heads * config.head_dim, config.dim, bias=False)
+        if config.qk_norm:  # Qwen3: one RMSNorm over hd, shared by the heads
+            self.q_norm = RMSNorm(config.head_dim, config.norm_eps)
+            self.k_norm = RMSNorm(config.head_dim, config.norm_eps)
 
     def project_qkv(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Queries, keys and values of ``x``, with RoPE applied to queries and keys.
@@ -473,9 +527,12 @@ class Attention(nn.Module):
             ``(q, k, v)``: (B, nh, T, hd), (B, nkv, T, hd), (B, nkv, T, hd).
         """
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)  # (B, nh, T, hd)
-        k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)  # (B, nkv, T, hd)
+        q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim)  # (B, T, nh, hd)
+        k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim)  # (B, T, nkv, hd)
         v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)  # (B, nkv, T, hd)
+        if "q_norm" in self._modules:  # qk_norm: each head normed over hd, before RoPE
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)  # (B, nh, T, hd), (B, nkv, T, hd)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, doc_ids: Tensor | None = None) -> Tensor:
@@ -492,7 +549,7 @@ class Attention(nn.Module):
         """
         B, T, _ = x.shape
         q, k, v = self.project_qkv(x, cos, sin)
-        y = causal_attention(q, k, v, doc_ids=doc_ids)  # (B, nh, T, hd)
+        y = causal_attention(q, k, v, doc_ids=doc_ids, window=self.sliding_window)  # (B, nh, T, hd)
         y = y.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim)  # (B, T, nh * hd)
         return self.o_proj(y)  # (B, T, C)
 
@@ -661,8 +718,8 @@ class Llama(nn.Module):
 
         Embeddings and linear weights are drawn from normal(0, 0.02), except the projections that write into the
         residual stream (``o_proj`` and ``down_proj``), whose std is ``0.02 / sqrt(2 * num_layers)`` (GPT-2's
-        scaling, which keeps the residual stream's variance from growing with depth). RMSNorm weights are ones and
-        the RoPE buffer is recomputed. Tensors are visited in ``named_parameters`` order, so the result is a
+        scaling, which keeps the residual stream's variance from growing with depth). RMSNorm weights are ones, biases
+        zeros, and the RoPE buffer is recomputed. Tensors are visited in ``named_parameters`` order, so the result is a
         function of the generator's (or the global RNG's) state alone.
 
         Args:
@@ -697,8 +754,10 @@ def init_parameter_(
         return nn.init.normal_(
             tensor, mean=0.0, std=INIT_STD / math.sqrt(2 * num_layers), generator=generator
         )
-    if name.endswith("layernorm.weight") or name == "model.norm.weight":
+    if name.endswith(("layernorm.weight", "q_norm.weight", "k_norm.weight")) or name == "model.norm.weight":
         return nn.init.ones_(tensor)
+    if name.endswith(".bias"):  # q/k/v biases (attention_bias)
+        return nn.init.zeros_(tensor)
     # embed_tokens, q/k/v_proj, gate/up_proj, lm_head
     return nn.init.normal_(tensor, mean=0.0, std=INIT_STD, generator=generator)
 

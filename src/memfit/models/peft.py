@@ -49,12 +49,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from memfit.models import families
 from memfit.models.llama import Attention, Llama, causal_attention
 from memfit.quiet import quiet_torchao_import
 
 LORA_METHODS = ("lora", "qlora")
 """Methods whose settings are ``lora.*`` (QLoRA is LoRA over a 4-bit NormalFloat base)."""
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head")
+LORA_TARGETS = families.LORA_TARGETS
+"""Every linear layer LoRA may adapt, in module order; a family's own are its entry's ``lora_targets``."""
 """Linear layers LoRA can adapt (:func:`apply_lora`)."""
 NF4_BLOCK_SIZE = 64
 """Weights per block of QLoRA's 4-bit NormalFloat base."""
@@ -294,9 +296,13 @@ def lora_targets(model: Llama, target_modules: Sequence[str]) -> list[tuple[str,
         target_modules = [target_modules]
     if not target_modules:
         raise ValueError(f"LoRA target_modules is empty; choose from {', '.join(LORA_TARGETS)}")
+    valid = families.family(model.config.family).lora_targets
     for name in target_modules:
-        if name not in LORA_TARGETS:
-            raise ValueError(f"unknown LoRA target module {name!r}; valid: {', '.join(LORA_TARGETS)}")
+        if name not in valid:
+            raise ValueError(
+                f"unknown LoRA target module {name!r} for the {model.config.family} family; valid: "
+                f"{', '.join(valid)}"
+            )
     if len(set(target_modules)) != len(target_modules):
         raise ValueError(f"LoRA target_modules repeats a name: {list(target_modules)}")
     return [
@@ -795,7 +801,10 @@ def _prompt_attention(attn: Attention, q: Tensor) -> Tensor:
     nkv = attn.num_kv_heads
     prompt = attn.adapter_prompt  # (L, C)
     L = prompt.shape[0]
-    pk = attn.k_proj(prompt).view(L, nkv, hd).transpose(0, 1)  # (nkv, L, hd)
+    pk = attn.k_proj(prompt).view(L, nkv, hd)  # (L, nkv, hd)
+    if "k_norm" in attn._modules:  # qk_norm (Qwen3): the prompt's keys are normed as the sequence's are
+        pk = attn.k_norm(pk)
+    pk = pk.transpose(0, 1)  # (nkv, L, hd)
     pv = attn.v_proj(prompt).view(L, nkv, hd).transpose(0, 1)  # (nkv, L, hd)
     # each kv head serves nh // nkv query heads; the prompt is the same for every sample (a broadcast view)
     pk = (
@@ -824,7 +833,7 @@ def _adapter_attention_forward(
     """
     B, T, _ = x.shape
     q, k, v = self.project_qkv(x, cos, sin)  # (B, nh, T, hd), (B, nkv, T, hd) x 2
-    y = causal_attention(q, k, v, doc_ids=doc_ids)  # (B, nh, T, hd)
+    y = causal_attention(q, k, v, doc_ids=doc_ids, window=self.sliding_window)  # (B, nh, T, hd)
     y = y + self.adapter_gate * _prompt_attention(self, q)  # gate (1, nh, 1, 1)
     y = y.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim)  # (B, T, nh * hd)
     return self.o_proj(y)  # (B, T, C)

@@ -1,9 +1,12 @@
 """Named model sizes: ``model_config("llama3-8b")`` returns a ``LlamaConfig``.
 
-Published sizes copy the config.json of the Meta checkpoints on the Hugging Face Hub (field names translated:
+Published sizes copy the config.json of the official checkpoints on the Hugging Face Hub (Meta's Llama, Mistral
+AI's, Qwen's, Hugging Face's SmolLM2) (field names translated:
 ``hidden_size`` -> ``dim``, ``num_hidden_layers`` -> ``num_layers``, ``num_attention_heads`` -> ``num_heads``,
 ``num_key_value_heads`` -> ``num_kv_heads``, ``rms_norm_eps`` -> ``norm_eps``, ``max_position_embeddings`` ->
-``max_seq_len``). Each is a small delta from a base. A preset without ``vocab_size`` takes it from the caller
+``max_seq_len``; the family's differences as ``family``, ``attention_bias``, ``qk_norm``, ``head_dim``,
+``sliding_window``: :mod:`memfit.models.families`, whose entries list their presets). Each is a small delta from a
+base. A preset without ``vocab_size`` takes it from the caller
 (the tokenizer).
 """
 
@@ -13,6 +16,7 @@ from dataclasses import fields
 from typing import Any
 
 from memfit.errors import UnknownPresetError
+from memfit.models.families import family
 from memfit.models.llama import LlamaConfig, RopeScaling
 
 # meta-llama/Llama-2-7b-hf config.json
@@ -27,6 +31,21 @@ _LLAMA3_8B: dict[str, Any] = dict(
 )  # fmt: skip
 # meta-llama/Llama-3.1-8B config.json: Llama 3 plus "llama3" rope scaling to a 128k context
 _LLAMA3_1_8B: dict[str, Any] = {**_LLAMA3_8B, "rope_scaling": RopeScaling(factor=8.0), "max_seq_len": 131072}
+# mistralai/Mistral-7B-v0.1 config.json: Llama's layers with a 4096-token sliding window
+_MISTRAL_7B_V01: dict[str, Any] = dict(
+    family="mistral", vocab_size=32000, dim=4096, num_layers=32, num_heads=32, num_kv_heads=8,
+    intermediate_size=14336, norm_eps=1e-5, rope_theta=10000.0, max_seq_len=32768, sliding_window=4096,
+)  # fmt: skip
+# Qwen/Qwen2.5-7B config.json: biases on q, k and v
+_QWEN2_5_7B: dict[str, Any] = dict(
+    family="qwen2", attention_bias=True, vocab_size=152064, dim=3584, num_layers=28, num_heads=28,
+    num_kv_heads=4, intermediate_size=18944, norm_eps=1e-6, rope_theta=1000000.0, max_seq_len=131072,
+)  # fmt: skip
+# Qwen/Qwen3-8B config.json: q/k RMSNorm per head, head_dim 128
+_QWEN3_8B: dict[str, Any] = dict(
+    family="qwen3", qk_norm=True, head_dim=128, vocab_size=151936, dim=4096, num_layers=36, num_heads=32,
+    num_kv_heads=8, intermediate_size=12288, norm_eps=1e-6, rope_theta=1000000.0, max_seq_len=40960,
+)  # fmt: skip
 # tiny sizes for tests: 2 layers, width 64; vocab_size may be overridden
 _TINY: dict[str, Any] = dict(
     vocab_size=256, dim=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128, max_seq_len=128,
@@ -97,6 +116,59 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
         "rope_scaling": RopeScaling(factor=32.0),
         "tie_word_embeddings": True,
     },
+    # HuggingFaceTB/SmolLM2-1.7B config.json (model_type llama, tied): 1,711,376,384 parameters
+    "smollm2-1.7b": {
+        **_LLAMA2_7B,
+        "vocab_size": 49152,
+        "dim": 2048,
+        "num_layers": 24,
+        "num_heads": 32,
+        "num_kv_heads": 32,
+        "intermediate_size": 8192,
+        "rope_theta": 130000.0,
+        "max_seq_len": 8192,
+        "tie_word_embeddings": True,
+    },
+    # mistralai/Mistral-7B-v0.1 config.json: 7,241,732,096 parameters
+    "mistral-7b-v0.1": _MISTRAL_7B_V01,
+    # mistralai/Mistral-7B-v0.3 config.json: 7,248,023,552 parameters (vocabulary 32768, no sliding window)
+    "mistral-7b-v0.3": {
+        **_MISTRAL_7B_V01,
+        "vocab_size": 32768,
+        "rope_theta": 1000000.0,
+        "sliding_window": None,
+    },
+    # Qwen/Qwen2.5-0.5B config.json: 494,032,768 parameters (tied)
+    "qwen2.5-0.5b": {
+        **_QWEN2_5_7B,
+        "vocab_size": 151936,
+        "dim": 896,
+        "num_layers": 24,
+        "num_heads": 14,
+        "num_kv_heads": 2,
+        "intermediate_size": 4864,
+        "max_seq_len": 32768,
+        "tie_word_embeddings": True,
+    },
+    # Qwen/Qwen2.5-7B config.json: 7,615,616,512 parameters
+    "qwen2.5-7b": _QWEN2_5_7B,
+    # Qwen/Qwen3-0.6B config.json: 596,049,920 parameters (tied; head_dim 128 where dim // num_heads is 64)
+    "qwen3-0.6b": {
+        **_QWEN3_8B,
+        "dim": 1024,
+        "num_layers": 28,
+        "num_heads": 16,
+        "num_kv_heads": 8,
+        "intermediate_size": 3072,
+        "tie_word_embeddings": True,
+    },
+    # Qwen/Qwen3-8B config.json: 8,190,735,360 parameters
+    "qwen3-8b": _QWEN3_8B,
+    # tests: each family's differences at the tiny size (a window shorter than the tests' 32 tokens; Qwen3's
+    # head_dim 32 where dim // num_heads is 16)
+    "tiny-mistral": {**_TINY, "family": "mistral", "sliding_window": 12},
+    "tiny-qwen2": {**_TINY, "family": "qwen2", "attention_bias": True, "tie_word_embeddings": True},
+    "tiny-qwen3": {**_TINY, "family": "qwen3", "qk_norm": True, "head_dim": 32},
     # meta-llama/Meta-Llama-3-70B config.json: 70,553,706,496 parameters
     "llama3-70b": {
         **_LLAMA3_8B,
@@ -133,6 +205,7 @@ def model_config(name: str, **overrides: Any) -> LlamaConfig:
         if key not in known:
             raise ValueError(f"{key!r} is not a LlamaConfig field (model preset {name!r}); fields: {known}")
     kwargs = {**MODEL_PRESETS[name], **overrides}
+    family(kwargs.get("family", "llama"))  # a ValueError naming the families memfit builds
     if kwargs.get("vocab_size") is None:
         raise ValueError(
             f"model preset {name!r} has no vocab_size: pass vocab_size (usually the tokenizer's)"

@@ -325,7 +325,8 @@ def kv_heads_as_on_cuda(
     (B, nh, T, hd) copies that memory-efficient attention saves for backward (and that the expansion's backward sums
     back). The trace's queries are on the CPU; on CUDA only the dtype decides: in fp32, ``2 B nh T hd * 4`` bytes
     per layer more, saved for backward, in place of the (B, nkv, T, hd) keys and values. Rows of packed documents
-    (``doc_ids``) run their blocks as on CUDA too (:func:`memfit.models.attention.document_attention`, recomputed:
+    (``doc_ids``) and sliding windows shorter than the sequence run their blocks as on CUDA too
+    (:func:`memfit.models.attention.document_attention`, recomputed:
     the forward saves only its inputs, each block's backward runs the memory-efficient kernel again).
 
     Args:
@@ -342,8 +343,11 @@ def kv_heads_as_on_cuda(
         native_gqa: bool | None = None,
         doc_ids: torch.Tensor | None = None,
         device_type: str | None = None,
+        window: int | None = None,
     ) -> torch.Tensor:
-        return original(q, k, v, native_gqa=native_gqa, doc_ids=doc_ids, device_type=device_type or "cuda")
+        return original(
+            q, k, v, native_gqa=native_gqa, doc_ids=doc_ids, device_type=device_type or "cuda", window=window
+        )
 
     return causal_attention
 

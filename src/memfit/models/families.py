@@ -1,0 +1,315 @@
+"""THE family registry: one declared entry per family of checkpoints that memfit's decoder builds.
+
+Each :class:`Family` is the whole of what sets one family apart: its Hugging Face ``model_type`` and
+``architectures``, the ``config.json`` keys it reads and writes beyond the ones every family shares (the sizes,
+RoPE, the norms' epsilon, tied embeddings: :mod:`memfit.convert.hf`), its architecture differences as
+:class:`~memfit.models.llama.LlamaConfig` fields, the tensors a layer adds to Llama's, its LoRA targets and its
+presets. memfit's own decoder (:mod:`memfit.models.llama`) builds every family from those fields, so every memory
+switch, the tracker, the estimator and the planner apply unchanged, and the model still knows nothing of
+techniques.
+
+Weight names are memfit's module names, which are Hugging Face's for every family here (``q_proj``, ``q_norm``,
+...): a checkpoint's tensors load by name and an export writes them back under the same names. A family whose
+names differ (Phi-3's fused ``qkv_proj`` and ``gate_up_proj``) would declare its split and fusion here.
+
+Families memfit does not build (a mixture of experts, a state-space model, an unknown ``model_type``) are refused
+by :func:`hf_family` before anything is allocated, naming ``model_type`` / ``architectures`` and the families
+memfit builds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from memfit.models.llama import LlamaConfig
+
+__all__ = ["FAMILIES", "Family", "family", "hf_family"]
+
+Refuse = Callable[[str, str], Exception]
+"""``refuse(key, why)``: the error (naming the file and the key) that a family's reader raises."""
+
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head")
+"""The linear layers of the Llama-layout families, in module order."""
+
+
+@dataclass(frozen=True)
+class Family:
+    """One family of checkpoints: what memfit reads, builds and writes for it.
+
+    The keys every family shares (sizes, RoPE, ``rms_norm_eps``, ``tie_word_embeddings``, ``hidden_act``) are
+    mapped by :mod:`memfit.convert.hf`; ``read`` and ``write`` handle the family's own.
+    """
+
+    name: str
+    """memfit's name, the value of :attr:`LlamaConfig.family`."""
+    model_types: tuple[str, ...]
+    """Hugging Face ``model_type`` values read as this family; the first is written."""
+    architectures: tuple[str, ...]
+    """Hugging Face ``architectures`` read as this family; the first is written (AutoModelForCausalLM's class)."""
+    summary: str
+    """What sets it apart from Llama, in words (error messages and docs)."""
+    read: Callable[[Mapping[str, Any], Refuse], dict[str, Any]]
+    """``config.json`` -> the :class:`LlamaConfig` fields of the family's architecture differences
+    (``head_dim``, ``attention_bias``, ``qk_norm``, ``sliding_window``); refuses, naming the key, a field that
+    changes the computation and that memfit does not implement."""
+    write: Callable[[LlamaConfig], dict[str, Any]]
+    """:class:`LlamaConfig` -> the family's own ``config.json`` keys (everything transformers would otherwise
+    default differently)."""
+    hf_defaults: Mapping[str, Any]
+    """Shared keys whose transformers default differs from Llama's, used when ``config.json`` lacks them."""
+    layer_tensors: tuple[str, ...]
+    """A decoder layer's tensors beyond Llama's, under their names in ``model.layers.<i>.`` (checked against
+    transformers' own class in the tests)."""
+    lora_targets: tuple[str, ...] = LORA_TARGETS
+    """Names ``lora.target_modules`` may hold."""
+    presets: tuple[str, ...] = ()
+    """Names of :data:`memfit.models.presets.MODEL_PRESETS` of this family."""
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Readers and writers of the family's own keys
+
+
+def _refuse_true(
+    cfg: Mapping[str, Any], refuse: Refuse, keys: tuple[str, ...], family: str, why: str
+) -> None:
+    for key in keys:
+        if cfg.get(key):
+            raise refuse(key, f"is true; {why} ({family} checkpoints have none)")
+
+
+def _refuse_layer_types(cfg: Mapping[str, Any], refuse: Refuse, allowed: str) -> None:
+    """A per-layer pattern of attention kinds (``layer_types``) that is not one kind throughout."""
+    layer_types = cfg.get("layer_types")
+    if layer_types is not None and set(layer_types) - {allowed}:
+        raise refuse(
+            "layer_types",
+            f"is {sorted(set(layer_types))}; memfit builds every layer alike here ({allowed!r} in each)",
+        )
+
+
+def _refuse_windowed_layers(cfg: Mapping[str, Any], refuse: Refuse, family: str) -> None:
+    """Qwen's ``use_sliding_window``: a window on the layers from ``max_window_layers`` on, which memfit does not
+    build (every Qwen2.5 and Qwen3 release has it off)."""
+    if cfg.get("use_sliding_window"):
+        raise refuse(
+            "use_sliding_window",
+            f"is true; memfit does not build {family}'s sliding window on the layers from max_window_layers on "
+            f"(the released checkpoints have it off)",
+        )
+    _refuse_layer_types(cfg, refuse, "full_attention")
+
+
+def _head_dim(cfg: Mapping[str, Any], refuse: Refuse, default: int | None = None) -> int | None:
+    head_dim = cfg.get("head_dim", default)
+    if head_dim is not None and (
+        not isinstance(head_dim, int) or isinstance(head_dim, bool) or head_dim <= 0
+    ):
+        raise refuse("head_dim", f"is {head_dim!r}; it must be a positive int")
+    return head_dim
+
+
+def _read_llama(cfg: Mapping[str, Any], refuse: Refuse) -> dict[str, Any]:
+    _refuse_true(
+        cfg,
+        refuse,
+        ("attention_bias", "mlp_bias"),
+        "Llama",
+        "memfit builds Llama without bias terms (Qwen2's q/k/v biases are model_type 'qwen2')",
+    )
+    return {"head_dim": _head_dim(cfg, refuse)}
+
+
+def _write_llama(config: LlamaConfig) -> dict[str, Any]:
+    return {"head_dim": config.head_dim, "attention_bias": False, "mlp_bias": False, "pretraining_tp": 1}
+
+
+def _read_mistral(cfg: Mapping[str, Any], refuse: Refuse) -> dict[str, Any]:
+    _refuse_true(
+        cfg, refuse, ("attention_bias", "mlp_bias"), "Mistral", "memfit builds Mistral without biases"
+    )
+    window = cfg.get("sliding_window", 4096)  # MistralConfig's default when the key is absent
+    if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window <= 0):
+        raise refuse("sliding_window", f"is {window!r}; it must be null or a positive int")
+    _refuse_layer_types(cfg, refuse, "full_attention" if window is None else "sliding_attention")
+    return {"head_dim": _head_dim(cfg, refuse), "sliding_window": window}
+
+
+def _write_mistral(config: LlamaConfig) -> dict[str, Any]:
+    # null written out: MistralConfig reads a missing sliding_window as 4096
+    return {"head_dim": config.head_dim, "sliding_window": config.sliding_window}
+
+
+def _read_qwen2(cfg: Mapping[str, Any], refuse: Refuse) -> dict[str, Any]:
+    _refuse_true(cfg, refuse, ("mlp_bias",), "Qwen2", "memfit builds Qwen2's MLP without biases")
+    _refuse_windowed_layers(cfg, refuse, "Qwen2")
+    return {"head_dim": _head_dim(cfg, refuse), "attention_bias": True}
+
+
+def _write_qwen2(config: LlamaConfig) -> dict[str, Any]:
+    return {"use_sliding_window": False, "sliding_window": None, "max_window_layers": config.num_layers}
+
+
+def _read_qwen3(cfg: Mapping[str, Any], refuse: Refuse) -> dict[str, Any]:
+    _refuse_true(
+        cfg,
+        refuse,
+        ("attention_bias", "mlp_bias"),
+        "Qwen3",
+        "memfit builds Qwen3 without bias terms (its attention_bias puts one on o_proj too)",
+    )
+    _refuse_windowed_layers(cfg, refuse, "Qwen3")
+    return {
+        "head_dim": _head_dim(cfg, refuse, default=128),
+        "qk_norm": True,
+    }  # Qwen3Config's default head_dim
+
+
+def _write_qwen3(config: LlamaConfig) -> dict[str, Any]:
+    return {
+        "head_dim": config.head_dim,
+        "attention_bias": False,
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "max_window_layers": config.num_layers,
+    }
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# THE registry
+
+FAMILIES: dict[str, Family] = {
+    f.name: f
+    for f in (
+        Family(
+            name="llama",
+            model_types=("llama",),
+            architectures=("LlamaForCausalLM",),
+            summary="Llama 2/3/3.1/3.2/3.3 and Llama-architecture checkpoints (SmolLM2: tied embeddings)",
+            read=_read_llama,
+            write=_write_llama,
+            hf_defaults={},
+            layer_tensors=(),
+            presets=(
+                "shakespeare",
+                "tiny",
+                "tiny-mha",
+                "tiny-llama3",
+                "tiny-tied",
+                "llama2-7b",
+                "llama2-13b",
+                "llama3-8b",
+                "llama3.1-8b",
+                "llama3.2-1b",
+                "llama3.2-3b",
+                "llama3-70b",
+                "smollm2-1.7b",
+            ),  # fmt: skip
+        ),
+        Family(
+            name="mistral",
+            model_types=("mistral",),
+            architectures=("MistralForCausalLM",),
+            summary="Llama's layers with a sliding attention window (v0.1: 4096; v0.3: none) and an explicit head_dim",
+            read=_read_mistral,
+            write=_write_mistral,
+            hf_defaults={"max_position_embeddings": 4096 * 32},
+            layer_tensors=(),
+            presets=("mistral-7b-v0.1", "mistral-7b-v0.3", "tiny-mistral"),
+        ),
+        Family(
+            name="qwen2",
+            model_types=("qwen2",),
+            architectures=("Qwen2ForCausalLM",),
+            summary="Qwen2 / Qwen2.5: biases on q, k and v; tied embeddings in the small sizes",
+            read=_read_qwen2,
+            write=_write_qwen2,
+            hf_defaults={"max_position_embeddings": 32768},
+            layer_tensors=("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"),
+            presets=("qwen2.5-0.5b", "qwen2.5-7b", "tiny-qwen2"),
+        ),
+        Family(
+            name="qwen3",
+            model_types=("qwen3",),
+            architectures=("Qwen3ForCausalLM",),
+            summary="Qwen3 (dense): RMSNorm of q and k per head before RoPE, an explicit head_dim",
+            read=_read_qwen3,
+            write=_write_qwen3,
+            hf_defaults={"max_position_embeddings": 32768},
+            layer_tensors=("self_attn.q_norm.weight", "self_attn.k_norm.weight"),
+            presets=("qwen3-0.6b", "qwen3-8b", "tiny-qwen3"),
+        ),
+    )
+}
+"""Every family memfit builds, by :attr:`Family.name`."""
+
+_NOT_BUILT = {
+    **dict.fromkeys(
+        ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3", "dbrx", "olmoe", "granitemoe"),
+        "a mixture of experts, which memfit does not build",
+    ),
+    **dict.fromkeys(
+        ("mamba", "mamba2", "falcon_mamba"), "a state-space model (no attention), which memfit does not build"
+    ),
+    "jamba": "a hybrid of Mamba layers and a mixture of experts, which memfit does not build",
+    **dict.fromkeys(
+        ("gemma", "gemma2", "gemma3", "gemma3_text", "phi3"),
+        "a family memfit does not build yet (GeGLU, (1 + w) norms, soft-capping or fused projections)",
+    ),
+}
+"""Why a known ``model_type`` is refused."""
+
+
+def builds() -> str:
+    """The families memfit builds, for messages: ``llama (LlamaForCausalLM), mistral (...), ...``."""
+    return ", ".join(f"{f.model_types[0]} ({f.architectures[0]})" for f in FAMILIES.values())
+
+
+def family(name: str) -> Family:
+    """The entry of :attr:`LlamaConfig.family` ``name``.
+
+    Raises:
+        ValueError: ``name`` is not a family memfit builds; the message lists them.
+    """
+    if name not in FAMILIES:
+        raise ValueError(f"unknown model family {name!r}; memfit builds: {', '.join(FAMILIES)}")
+    return FAMILIES[name]
+
+
+def hf_family(model_type: Any, architectures: Any, refuse: Refuse) -> Family:
+    """The family of a Hugging Face ``config.json``, from its ``model_type`` (or, without one, its
+    ``architectures``).
+
+    Args:
+        model_type: ``config.json``'s ``model_type`` (None when absent).
+        architectures: its ``architectures`` (None when absent).
+        refuse: makes the error naming the file and the key.
+
+    Returns:
+        The entry.
+
+    Raises:
+        The error ``refuse`` makes: naming ``model_type`` and ``architectures`` when the architecture is one memfit
+        does not build (a mixture of experts, Mamba, an unknown type), or ``architectures`` when it names a class
+        of another family or a head other than the causal LM's (``...ForSequenceClassification``); the message
+        lists the families memfit builds.
+    """
+    archs = list(architectures) if isinstance(architectures, (list, tuple)) else []
+    by_type = next((f for f in FAMILIES.values() if model_type in f.model_types), None)
+    if model_type is None and archs:
+        by_type = next((f for f in FAMILIES.values() if archs[0] in f.architectures), None)
+    if by_type is None:
+        why = _NOT_BUILT.get(model_type, "an architecture memfit does not build")
+        raise refuse(
+            "model_type",
+            f"is {model_type!r} (architectures {archs}): {why}. memfit builds {builds()}",
+        )
+    if archs and not set(archs) & set(by_type.architectures):
+        raise refuse(
+            "architectures",
+            f"is {archs} for model_type {model_type!r}; memfit builds {by_type.architectures[0]} for it "
+            f"(memfit builds {builds()})",
+        )
+    return by_type
