@@ -149,8 +149,9 @@ def test_resume_is_exact_with_memory_switches(small_corpus, tmp_path, switches):
 
 # ---- the same cases on the other families (memfit's tiny preset of each: tiny-mistral's window of 12 keys is
 # shorter than the 32-token rows, so its attention runs the windowed blocks; tiny-qwen3 has q/k norms and
-# head_dim 32 where dim // num_heads is 16; tiny-qwen2 has q/k/v biases and tied embeddings)
-FAMILY_PRESETS = ("tiny-mistral", "tiny-qwen3", "tiny-qwen2")
+# head_dim 32 where dim // num_heads is 16; tiny-qwen2 has q/k/v biases and tied embeddings; tiny-phi3 is
+# Phi-3's split modules with a window of 12 keys)
+FAMILY_PRESETS = ("tiny-mistral", "tiny-qwen3", "tiny-qwen2", "tiny-phi3")
 # the fast tier runs these (every other case and family is in the slow tier)
 FAMILY_FAST = {
     ("tiny-mistral", "optimizer_in_backward=true"),
@@ -158,6 +159,7 @@ FAMILY_FAST = {
     ("tiny-mistral", "tiled_mlp=4"),
     ("tiny-mistral", "activation_offloading=True,activation_checkpointing=full"),
     ("tiny-qwen3", "tiled_mlp=4"),
+    ("tiny-phi3", "chunked_cross_entropy=4"),
 }
 
 

@@ -1071,7 +1071,7 @@ def _validate_finetuning(cfg: TrainConfig, needs_weights: bool = True) -> None:
     _require(0 <= lora.dropout < 1, "lora.dropout", f"must be in [0, 1), got {lora.dropout}")
     _require(bool(lora.target_modules), "lora.target_modules", "must name at least one module")
     for name in lora.target_modules:
-        _one_of(name, peft.LORA_TARGETS, "lora.target_modules")
+        _one_of(name, peft.ALL_LORA_TARGETS, "lora.target_modules")
     _require(
         cfg.adapter.prompt_length >= 1,
         "adapter.prompt_length",

@@ -1,6 +1,10 @@
 """Hugging Face directories of the families memfit builds (``LlamaForCausalLM``, ``MistralForCausalLM``,
-``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``; :mod:`memfit.models.families`): config mapping, reading, and writing
-(:func:`export_hf`).
+``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``, ``Phi3ForCausalLM``; :mod:`memfit.models.families`): config mapping,
+reading, and writing (:func:`export_hf`).
+
+A family whose checkpoints fuse several of memfit's matrices (:attr:`~memfit.models.families.Family.fused`:
+Phi-3's ``qkv_proj`` and ``gate_up_proj``) is read split, each fused tensor listed as its parts from the headers
+and split as it is read, and written fused again, each fused tensor concatenated as its shard is written.
 
 A directory holds ``config.json`` and ``model.safetensors``, or the shards listed in
 ``model.safetensors.index.json`` (what ``save_pretrained`` writes). ``config.json`` is read in both the
@@ -15,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -294,7 +299,60 @@ def scan_hf(directory: Path) -> Scan:
         tokenizer_path=tokenizer_path,
         notes=notes,
     )
+    if family(config.family).fused:
+        return _split_scan(config, info, entries)
     return Scan(config, info, entries, lambda: read_safetensors(entries))
+
+
+def _part_rows(config: LlamaConfig) -> dict[str, int]:
+    """Rows of each decoder-layer weight under its name in ``model.layers.<i>.`` (a one-layer meta model's)."""
+    layer = build_llama(dataclasses.replace(config, num_layers=1), device="meta").model.layers[0]
+    return {n: p.shape[0] for n, p in layer.named_parameters()}
+
+
+def _split_scan(config: LlamaConfig, info: PretrainedInfo, stored: list[Entry]) -> Scan:
+    """The scan of a family whose checkpoints fuse memfit's matrices (:attr:`Family.fused`): each fused tensor
+    is listed as its parts, and read once then split, the parts yielded in turn (each owning its memory).
+
+    Raises:
+        CheckpointError: a fused tensor's shape is not its parts' (naming the tensor, the file and the parts).
+    """
+    fusions = dict(family(config.family).fused)
+    rows = _part_rows(config)
+    entries: list[Entry] = []
+    parts_of: dict[str, list[Entry]] = {}  # fused name -> its part entries
+    for e in stored:
+        prefix, _, suffix = e.name.rpartition(".layers.")
+        index, _, local = suffix.partition(".")
+        if not prefix or local not in fusions:
+            entries.append(e)
+            continue
+        names = fusions[local]
+        sizes = [rows[n] for n in names]
+        if len(e.shape) != 2 or e.shape[0] != sum(sizes):
+            raise CheckpointError(
+                f"'{e.file}': tensor '{e.name}' has shape {e.shape} but the config implies "
+                f"({sum(sizes)}, {config.dim}): the rows of {', '.join(n.split('.')[-2] for n in names)} "
+                f"({', '.join(map(str, sizes))}); the weights and the config do not belong together"
+            )
+        parts = [
+            Entry(f"{prefix}.layers.{index}.{n}", (r, e.shape[1]), e.dtype, e.file)
+            for n, r in zip(names, sizes, strict=True)
+        ]
+        parts_of[e.name] = parts
+        entries += parts
+
+    def read() -> Iterator[tuple[Entry, Tensor]]:
+        for e, tensor in read_safetensors(stored):
+            if e.name not in parts_of:
+                yield e, tensor
+                continue
+            sizes = [p.shape[0] for p in parts_of[e.name]]
+            for part, rows_of_part in zip(parts_of[e.name], tensor.split(sizes, dim=0), strict=True):
+                yield part, rows_of_part.clone()  # (rows, C): its own memory, not a view of the fused tensor
+            del tensor
+
+    return Scan(config, info, entries, read)
 
 
 def _has_tokenizer_files(directory: Path) -> bool:
@@ -427,14 +485,14 @@ def export_hf(
     if not isinstance(max_shard_size, int) or max_shard_size <= 0:
         raise ValueError(f"max_shard_size must be a positive number of bytes, got {max_shard_size!r}")
     config = model.config
-    tensors = _export_tensors(model)
+    tensors = _fuse_for_export(_export_tensors(model), config)
     dtype = dtype or tensors["model.embed_tokens.weight"].dtype
 
     # ---- shard plan: tensors in state-dict order, a new shard when the next one would overflow
     shards: list[list[str]] = [[]]
     size = 0
     for name, t in tensors.items():
-        nbytes = t.numel() * dtype.itemsize
+        nbytes = _numel(t) * dtype.itemsize
         if shards[-1] and size + nbytes > max_shard_size:
             shards.append([])
             size = 0
@@ -460,7 +518,7 @@ def export_hf(
         weight_map: dict[str, str] = {}
         total = 0
         for names, file in zip(shards, files, strict=True):
-            shard = {n: tensors[n].detach().to(device="cpu", dtype=dtype).contiguous() for n in names}
+            shard = {n: _stored(tensors[n], dtype) for n in names}
             save_file(shard, str(tmp / file), metadata={"format": "pt"})
             give_default_mode(tmp / file)  # save_file leaves 0o600
             total += sum(t.numel() * t.element_size() for t in shard.values())
@@ -470,7 +528,7 @@ def export_hf(
             index = {
                 "metadata": {
                     "total_size": total,
-                    "total_parameters": sum(t.numel() for t in tensors.values()),
+                    "total_parameters": sum(_numel(t) for t in tensors.values()),
                 },
                 "weight_map": weight_map,
             }
@@ -534,6 +592,44 @@ def _export_tensors(model: Llama) -> dict[str, Tensor]:
             "the model is sharded (DTensor parameters); gather a full copy on one rank before exporting"
         )
     return {n: state[n] for n in expected}
+
+
+def _fuse_for_export(
+    tensors: dict[str, Tensor], config: LlamaConfig
+) -> dict[str, Tensor | tuple[Tensor, ...]]:
+    """The tensors under the family's checkpoint names: the parts of each fused tensor (:attr:`Family.fused`)
+    listed once, in the fused tensor's place and row order, to be concatenated as its shard is written."""
+    fusions = family(config.family).fused
+    if not fusions:
+        return dict(tensors)
+    first_part = {
+        f"model.layers.{i}.{parts[0]}": (
+            f"model.layers.{i}.{fused}",
+            [f"model.layers.{i}.{p}" for p in parts],
+        )
+        for i in range(config.num_layers)
+        for fused, parts in fusions
+    }
+    in_fusion = {p for _, parts in first_part.values() for p in parts}
+    out: dict[str, Tensor | tuple[Tensor, ...]] = {}
+    for name, t in tensors.items():
+        if name in first_part:
+            fused, parts = first_part[name]
+            out[fused] = tuple(tensors[p] for p in parts)
+        elif name not in in_fusion:
+            out[name] = t
+    return out
+
+
+def _numel(t: Tensor | tuple[Tensor, ...]) -> int:
+    return sum(p.numel() for p in t) if isinstance(t, tuple) else t.numel()
+
+
+def _stored(t: Tensor | tuple[Tensor, ...], dtype: torch.dtype) -> Tensor:
+    """A tensor as written: on the CPU in ``dtype``; the parts of a fused one concatenated along dim 0."""
+    if isinstance(t, tuple):
+        return torch.cat([p.detach().to(device="cpu", dtype=dtype) for p in t], dim=0)  # (sum of rows, C)
+    return t.detach().to(device="cpu", dtype=dtype).contiguous()
 
 
 def _write_json(path: Path, data: Any) -> None:

@@ -8,9 +8,13 @@ presets. memfit's own decoder (:mod:`memfit.models.llama`) builds every family f
 switch, the tracker, the estimator and the planner apply unchanged, and the model still knows nothing of
 techniques.
 
-Weight names are memfit's module names, which are Hugging Face's for every family here (``q_proj``, ``q_norm``,
+Weight names are memfit's module names, which are Hugging Face's for most families here (``q_proj``, ``q_norm``,
 ...): a checkpoint's tensors load by name and an export writes them back under the same names. A family whose
-names differ (Phi-3's fused ``qkv_proj`` and ``gate_up_proj``) would declare its split and fusion here.
+checkpoints fuse several of memfit's matrices into one (Phi-3's ``qkv_proj``: the rows of q, then k, then v;
+``gate_up_proj``: gate, then up) declares it in :attr:`Family.fused`: :mod:`memfit.convert.hf` splits such a
+tensor into memfit's modules as it reads it and fuses them again as it writes, so the decoder keeps its split
+modules and every memory switch applies unchanged. Its LoRA targets may name the fused matrix
+(:attr:`Family.lora_aliases`), which adapts each of its parts.
 
 Families memfit does not build (a mixture of experts, a state-space model, an unknown ``model_type``) are refused
 by :func:`hf_family` before anything is allocated, naming ``model_type`` / ``architectures`` and the families
@@ -20,7 +24,7 @@ memfit builds.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from memfit.models.llama import LlamaConfig
@@ -66,6 +70,13 @@ class Family:
     """Names ``lora.target_modules`` may hold."""
     presets: tuple[str, ...] = ()
     """Names of :data:`memfit.models.presets.MODEL_PRESETS` of this family."""
+    fused: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    """``(fused, parts)``: a tensor of the family's checkpoints under ``model.layers.<i>.``, and memfit's tensors
+    whose rows it holds, concatenated along dim 0 in this order (each part's rows are its shape in the model).
+    Read split, written fused (:mod:`memfit.convert.hf`); a memfit checkpoint keeps the parts."""
+    lora_aliases: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    """A name ``lora.target_modules`` may hold for several of memfit's linear layers (Phi-3's ``qkv_proj``:
+    ``q_proj``, ``k_proj``, ``v_proj``): each part gets a LoRA of its own."""
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -177,6 +188,46 @@ def _write_qwen3(config: LlamaConfig) -> dict[str, Any]:
     }
 
 
+def _read_phi3(cfg: Mapping[str, Any], refuse: Refuse) -> dict[str, Any]:
+    for key in ("resid_pdrop", "embd_pdrop"):
+        if cfg.get(key) not in (None, 0, 0.0):
+            raise refuse(
+                key,
+                f"is {cfg[key]!r}; memfit's decoder has no dropout on the residuals or the embedding (0.0)",
+            )
+    _refuse_true(cfg, refuse, ("attention_bias", "mlp_bias"), "Phi-3", "memfit builds Phi-3 without biases")
+    for key in ("rope_scaling", "rope_parameters"):
+        rope = cfg.get(key)
+        rope_type = (
+            rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else "default"
+        )
+        if rope_type != "default":  # Phi3Config turns "su" and "yarn" into "longrope"
+            raise refuse(
+                f"{key}.rope_type",
+                f"is {rope_type!r}; memfit does not implement LongRoPE (Phi-3.5-mini, Phi-3-*-128k): it builds "
+                f"Phi-3 with plain RoPE only (Phi-3-mini-4k)",
+            )
+        if rope:  # a non-null rope_scaling takes precedence, as in hf.py
+            break
+    window = cfg.get("sliding_window")  # Phi3Config's default: None
+    if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window <= 0):
+        raise refuse("sliding_window", f"is {window!r}; it must be null or a positive int")
+    return {"head_dim": _head_dim(cfg, refuse), "sliding_window": window}
+
+
+def _write_phi3(config: LlamaConfig) -> dict[str, Any]:
+    return {
+        "head_dim": config.head_dim,  # Phi3Attention and its RoPE read it where present
+        "sliding_window": config.sliding_window,
+        "original_max_position_embeddings": config.max_seq_len,
+        "resid_pdrop": 0.0,
+        "embd_pdrop": 0.0,
+        # Phi3Config's default pad id, 32000, is an embedding row only a 32064 vocabulary has; the id only
+        # zeroes that row's gradient in transformers' training (memfit keeps no pad id), never the logits
+        "pad_token_id": None,
+    }
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # THE registry
 
@@ -241,6 +292,30 @@ FAMILIES: dict[str, Family] = {
             layer_tensors=("self_attn.q_norm.weight", "self_attn.k_norm.weight"),
             presets=("qwen3-0.6b", "qwen3-8b", "tiny-qwen3"),
         ),
+        Family(
+            name="phi3",
+            model_types=("phi3",),
+            architectures=("Phi3ForCausalLM",),
+            summary="Phi-3 / Phi-3.5-mini: Llama's layers with q, k and v fused into qkv_proj and gate and up into "
+            "gate_up_proj in the checkpoint; a sliding window (Phi-3-mini-4k: 2047)",
+            read=_read_phi3,
+            write=_write_phi3,
+            hf_defaults={"max_position_embeddings": 4096, "rms_norm_eps": 1e-5},
+            layer_tensors=(),
+            lora_targets=(*LORA_TARGETS, "qkv_proj", "gate_up_proj"),
+            presets=("phi-3-mini", "phi-3.5-mini", "tiny-phi3"),
+            fused=(
+                (
+                    "self_attn.qkv_proj.weight",
+                    ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
+                ),
+                ("mlp.gate_up_proj.weight", ("mlp.gate_proj.weight", "mlp.up_proj.weight")),
+            ),
+            lora_aliases={
+                "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+                "gate_up_proj": ("gate_proj", "up_proj"),
+            },
+        ),
     )
 }
 """Every family memfit builds, by :attr:`Family.name`."""
@@ -255,7 +330,7 @@ _NOT_BUILT = {
     ),
     "jamba": "a hybrid of Mamba layers and a mixture of experts, which memfit does not build",
     **dict.fromkeys(
-        ("gemma", "gemma2", "gemma3", "gemma3_text", "phi3"),
+        ("gemma", "gemma2", "gemma3", "gemma3_text"),
         "a family memfit does not build yet (GeGLU, (1 + w) norms, soft-capping or fused projections)",
     ),
 }

@@ -57,6 +57,9 @@ LORA_METHODS = ("lora", "qlora")
 """Methods whose settings are ``lora.*`` (QLoRA is LoRA over a 4-bit NormalFloat base)."""
 LORA_TARGETS = families.LORA_TARGETS
 """Every linear layer LoRA may adapt, in module order; a family's own are its entry's ``lora_targets``."""
+ALL_LORA_TARGETS = tuple(dict.fromkeys(t for f in families.FAMILIES.values() for t in f.lora_targets))
+"""Every name ``lora.target_modules`` may hold in some family (Phi-3's ``qkv_proj`` and ``gate_up_proj`` too);
+which of them a model takes is its family's (:func:`lora_targets`)."""
 """Linear layers LoRA can adapt (:func:`apply_lora`)."""
 NF4_BLOCK_SIZE = 64
 """Weights per block of QLoRA's 4-bit NormalFloat base."""
@@ -282,15 +285,18 @@ def _lora_linear_forward(self: nn.Linear, x: Tensor) -> Tensor:
 def lora_targets(model: Llama, target_modules: Sequence[str]) -> list[tuple[str, nn.Linear]]:
     """The linear layers that ``target_modules`` names, in module order.
 
+    A name of the family's :attr:`~memfit.models.families.Family.lora_aliases` (Phi-3's ``qkv_proj``) stands
+    for its parts (``q_proj``, ``k_proj``, ``v_proj``), each adapted on its own.
+
     Args:
         model: a :class:`~memfit.models.llama.Llama`.
-        target_modules: names from :data:`LORA_TARGETS`.
+        target_modules: names from the family's ``lora_targets``.
 
     Returns:
         ``[(module name, module), ...]``.
 
     Raises:
-        ValueError: an unknown or repeated name, or an empty list.
+        ValueError: an unknown or repeated name (a part named beside its alias too), or an empty list.
     """
     if isinstance(target_modules, str):
         target_modules = [target_modules]
@@ -305,10 +311,17 @@ def lora_targets(model: Llama, target_modules: Sequence[str]) -> list[tuple[str,
             )
     if len(set(target_modules)) != len(target_modules):
         raise ValueError(f"LoRA target_modules repeats a name: {list(target_modules)}")
+    aliases = families.family(model.config.family).lora_aliases
+    expanded = [part for name in target_modules for part in aliases.get(name, (name,))]
+    if len(set(expanded)) != len(expanded):
+        raise ValueError(
+            f"LoRA target_modules names a layer twice: {list(target_modules)} (for the {model.config.family} "
+            f"family {', '.join(f'{a} is {list(p)}' for a, p in aliases.items())})"
+        )
     return [
         (name, module)
         for name, module in model.named_modules()
-        if isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] in target_modules
+        if isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] in expanded
     ]
 
 
@@ -365,11 +378,12 @@ def apply_lora(
     """
     _check_no_peft(model, "LoRA")
     targets = _checked_lora_targets(model, rank, alpha, dropout, target_modules)
+    adapted = {name.rsplit(".", 1)[-1] for name, _ in targets}  # aliases (qkv_proj) as their parts
     settings = LoraSettings(
         rank=rank,
         alpha=float(alpha),
         dropout=float(dropout),
-        target_modules=tuple(t for t in LORA_TARGETS if t in set(target_modules)),
+        target_modules=tuple(t for t in LORA_TARGETS if t in adapted),
     )
     names = []
     for module_name, linear in targets:

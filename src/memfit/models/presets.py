@@ -46,6 +46,12 @@ _QWEN3_8B: dict[str, Any] = dict(
     family="qwen3", qk_norm=True, head_dim=128, vocab_size=151936, dim=4096, num_layers=36, num_heads=32,
     num_kv_heads=8, intermediate_size=12288, norm_eps=1e-6, rope_theta=1000000.0, max_seq_len=40960,
 )  # fmt: skip
+# microsoft/Phi-3-mini-4k-instruct config.json (model_type phi3; q/k/v and gate/up fused in the checkpoint, split
+# here): a 2047-token sliding window, rms_norm_eps 1e-5, rope_scaling null
+_PHI3_MINI: dict[str, Any] = dict(
+    family="phi3", vocab_size=32064, dim=3072, num_layers=32, num_heads=32, num_kv_heads=32,
+    intermediate_size=8192, norm_eps=1e-5, rope_theta=10000.0, max_seq_len=4096, sliding_window=2047,
+)  # fmt: skip
 # tiny sizes for tests: 2 layers, width 64; vocab_size may be overridden
 _TINY: dict[str, Any] = dict(
     vocab_size=256, dim=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128, max_seq_len=128,
@@ -169,6 +175,15 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
     "tiny-mistral": {**_TINY, "family": "mistral", "sliding_window": 12},
     "tiny-qwen2": {**_TINY, "family": "qwen2", "attention_bias": True, "tie_word_embeddings": True},
     "tiny-qwen3": {**_TINY, "family": "qwen3", "qk_norm": True, "head_dim": 32},
+    # microsoft/Phi-3-mini-4k-instruct config.json: 3,821,079,552 parameters (published: 3.8B)
+    "phi-3-mini": _PHI3_MINI,
+    # microsoft/Phi-3.5-mini-instruct config.json: Phi-3-mini's shapes (3,821,079,552 parameters), whose
+    # checkpoint memfit refuses for its LongRoPE scaling (rope_scaling "longrope", to 131,072 tokens, with a
+    # 262,144-token window that never binds); the preset is its original 4,096-token context with plain RoPE
+    # (original_max_position_embeddings), for estimates, plans and pretraining
+    "phi-3.5-mini": {**_PHI3_MINI, "sliding_window": None},
+    # tests: Phi-3 at the tiny size, a window shorter than the tests' 32 tokens
+    "tiny-phi3": {**_TINY, "family": "phi3", "sliding_window": 12},
     # meta-llama/Meta-Llama-3-70B config.json: 70,553,706,496 parameters
     "llama3-70b": {
         **_LLAMA3_8B,
