@@ -32,7 +32,7 @@ from memfit.models.llama import LlamaConfig, build_llama
 from memfit.models.presets import model_config
 from memfit.step import micro_batch_loss
 from tests.conftest import ASSETS, finetune_overrides
-from tests.models.test_families import COMMON, VOCAB, _ids, _losses
+from tests.models.test_families import COMMON, _ids, _losses
 
 transformers = pytest.importorskip("transformers")
 
@@ -317,7 +317,11 @@ def test_preset_parameters_equal_the_official_config(name):
 
 
 def test_layer_patterns_of_the_presets():
-    assert model_config("gemma-2-9b").layer_types[:3] == ("sliding_attention", "full_attention", "sliding_attention")
+    assert model_config("gemma-2-9b").layer_types[:3] == (
+        "sliding_attention",
+        "full_attention",
+        "sliding_attention",
+    )
     g3 = model_config("gemma-3-4b")
     assert [i for i, k in enumerate(g3.layer_types) if k == "full_attention"] == [5, 11, 17, 23, 29]
     keys = g3.layer_attended_keys(8192)
@@ -383,7 +387,10 @@ def test_llama_is_unchanged_by_the_new_fields():
     """Every family before Gemma keeps its defaults: no option of Gemma's is on."""
     for name in ("tiny", "tiny-mistral", "tiny-qwen2", "tiny-qwen3", "llama3-8b"):
         config = model_config(name)
-        assert (config.mlp_activation, config.norm_plus_one, config.sandwich_norms, config.scale_embeddings) == (
-            "silu", False, False, False
-        )
+        assert (
+            config.mlp_activation,
+            config.norm_plus_one,
+            config.sandwich_norms,
+            config.scale_embeddings,
+        ) == ("silu", False, False, False)
         assert config.layer_types is None and config.query_pre_attn_scalar is None

@@ -209,7 +209,9 @@ def hf_config_to_llama(
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             family=fam.name,
         )
-        config = LlamaConfig(**{**shared, **family_fields})  # a family's own RoPE (reads_rope) replaces the shared
+        config = LlamaConfig(
+            **{**shared, **family_fields}
+        )  # a family's own RoPE (reads_rope) replaces the shared
     except ValueError as exc:
         raise CheckpointError(f"'{source}': {exc}") from None
     dtype_name = cfg.get("dtype", cfg.get("torch_dtype"))

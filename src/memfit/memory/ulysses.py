@@ -30,7 +30,6 @@ from torch import Tensor, nn
 
 from memfit.memory.switches import kv_heads_sent
 from memfit.memory.techniques import IGNORE_INDEX
-from memfit.models import llama
 from memfit.models.llama import Attention, packed_positions
 
 

@@ -26,6 +26,10 @@ the queries ``[s, e)`` read only the keys ``[max(0, s - W + 1), e)`` (:func:`win
 hides the keys more than ``W - 1`` before each query. A block then reads at most ``Bq + W - 1`` keys whatever ``T``
 is, and the work is ``T * W`` rather than the causal half of the square.
 
+Gemma 2's soft-capped scores (``cap * tanh(scores / cap)`` before the mask) have no SDPA kernel:
+:func:`softcapped_attention` computes each block's scores explicitly, capped, masked and soft-maxed in fp32, and
+recomputes them in the backward, so memory stays linear in ``T`` there too.
+
 The step runs under ``FakeTensorMode`` (no data-dependent Python branching: blocks are a function of shapes only).
 """
 

@@ -208,7 +208,9 @@ def _gemma_layers(cfg: Mapping[str, Any], refuse: Refuse, pattern: int) -> tuple
             raise refuse("sliding_window_pattern", f"is {pattern!r}; it must be a positive int")
         kinds = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers or 0)]
     if not isinstance(kinds, (list, tuple)) or set(kinds) - {"sliding_attention", "full_attention"}:
-        raise refuse("layer_types", f"is {kinds!r}; memfit builds 'sliding_attention' and 'full_attention' layers")
+        raise refuse(
+            "layer_types", f"is {kinds!r}; memfit builds 'sliding_attention' and 'full_attention' layers"
+        )
     if isinstance(layers, int) and len(kinds) != layers:
         raise refuse("layer_types", f"has {len(kinds)} entries for {layers} layers (num_hidden_layers)")
     return tuple(kinds)
@@ -283,9 +285,14 @@ def _gemma3_rope(cfg: Mapping[str, Any], refuse: Refuse) -> dict[str, Any]:
     kind = full.get("rope_type", full.get("type", "default"))
     if kind not in ("default", "linear"):
         raise refuse(
-            f"{prefix}.rope_type", f"is {kind!r}; memfit implements Gemma 3's 'default' and 'linear' RoPE only"
+            f"{prefix}.rope_type",
+            f"is {kind!r}; memfit implements Gemma 3's 'default' and 'linear' RoPE only",
         )
-    factor = _positive(full, lambda k, why: refuse(f"{prefix}.{k}", why), "factor", None) if kind == "linear" else None
+    factor = (
+        _positive(full, lambda k, why: refuse(f"{prefix}.{k}", why), "factor", None)
+        if kind == "linear"
+        else None
+    )
     if kind == "linear" and factor is None:
         raise refuse(f"{prefix}.factor", "is missing; the 'linear' rope type needs it")
     return {
@@ -310,7 +317,11 @@ def _read_gemma3(cfg: Mapping[str, Any], refuse: Refuse) -> dict[str, Any]:
 def _write_gemma3(config: LlamaConfig) -> dict[str, Any]:
     full: dict[str, Any] = {"rope_type": "default", "rope_theta": float(config.rope_theta)}
     if config.rope_linear_factor is not None:
-        full = {"rope_type": "linear", "factor": float(config.rope_linear_factor), "rope_theta": full["rope_theta"]}
+        full = {
+            "rope_type": "linear",
+            "factor": float(config.rope_linear_factor),
+            "rope_theta": full["rope_theta"],
+        }
     local_theta = float(config.rope_local_base_freq or config.rope_theta)
     return {
         **_write_gemma_common(config),
@@ -321,7 +332,9 @@ def _write_gemma3(config: LlamaConfig) -> dict[str, Any]:
         # 4.x spelling, the same values
         "rope_theta": full["rope_theta"],
         "rope_local_base_freq": local_theta,
-        "rope_scaling": None if config.rope_linear_factor is None else {k: full[k] for k in ("rope_type", "factor")},
+        "rope_scaling": None
+        if config.rope_linear_factor is None
+        else {k: full[k] for k in ("rope_type", "factor")},
     }
 
 
@@ -411,7 +424,11 @@ FAMILIES: dict[str, Family] = {
             "layers (RoPE base 10,000) to a global one (1,000,000, linearly scaled from 4B up)",
             read=_read_gemma3,
             write=_write_gemma3,
-            hf_defaults={"max_position_embeddings": 131072, "tie_word_embeddings": True, "rms_norm_eps": 1e-6},
+            hf_defaults={
+                "max_position_embeddings": 131072,
+                "tie_word_embeddings": True,
+                "rms_norm_eps": 1e-6,
+            },
             layer_tensors=(
                 "self_attn.q_norm.weight",
                 "self_attn.k_norm.weight",

@@ -2,8 +2,10 @@
 
 With the options the other families memfit builds need (:mod:`memfit.models.families`), each a field of
 :class:`LlamaConfig` whose default is Llama's: an explicit ``head_dim`` (Mistral, Qwen3), biases on the q, k and v
-projections (Qwen2), an RMSNorm of each query and key head before RoPE (Qwen3) and a sliding attention window
-(Mistral v0.1).
+projections (Qwen2), an RMSNorm of each query and key head before RoPE (Qwen3), a sliding attention window
+(Mistral v0.1), and Gemma 2/3's: GeGLU, ``(1 + w)`` norms before and after attention and MLP, embeddings times
+``sqrt(dim)``, ``query_pre_attn_scalar``, local and global layers (``layer_types``) with their own RoPE bases,
+soft-capped attention scores and logits.
 
 Architecture only. Checkpointing, sharding, LoRA, optimizer hooks and dtype policy are applied to a built model
 from outside. Submodules are named like Hugging Face's ``LlamaForCausalLM`` so that state dicts load into each
@@ -218,7 +220,9 @@ class LlamaConfig:
         for name in ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping",
                      "rope_local_base_freq", "rope_linear_factor"):  # fmt: skip
             value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0
+            ):
                 raise ValueError(f"LlamaConfig.{name} must be None or a positive number, got {value!r}")
         if self.layer_types is not None:
             kinds = tuple(self.layer_types)
@@ -229,7 +233,9 @@ class LlamaConfig:
                     f"{list(kinds)}"
                 )
             if "sliding_attention" in kinds and self.sliding_window is None:
-                raise ValueError("LlamaConfig.layer_types has sliding_attention layers but sliding_window is None")
+                raise ValueError(
+                    "LlamaConfig.layer_types has sliding_attention layers but sliding_window is None"
+                )
 
     def layer_window(self, layer: int) -> int | None:
         """The sliding window of decoder layer ``layer``: ``sliding_window`` on a local layer (every layer without
@@ -382,7 +388,9 @@ class _RMSNormFunction(torch.autograd.Function):
             g = grads[s:e]
             if need_weight and plus_one:  # d/dw of normed * (1 + w), in fp32
                 grad_weight += (g.float() * normed).sum(0)
-            elif need_weight:  # the product in the output's dtype, summed over rows in fp32 (as autograd's sum does)
+            elif (
+                need_weight
+            ):  # the product in the output's dtype, summed over rows in fp32 (as autograd's sum does)
                 grad_weight += (g * normed.to(x.dtype)).sum(0, dtype=torch.float32)
             if need_x:
                 # (n, C): d loss / d normed (the cast's gradient is a cast back)
@@ -578,7 +586,9 @@ def causal_attention(
     if softcap is not None:
         return softcapped_attention(q, k, v, doc_ids, window=window, scale=scale, softcap=softcap)
     if doc_ids is not None or window is not None:
-        return document_attention(q, k, v, doc_ids, recompute=device_type != "cpu", window=window, scale=scale)
+        return document_attention(
+            q, k, v, doc_ids, recompute=device_type != "cpu", window=window, scale=scale
+        )
     B, nh, T, hd = q.shape
     nkv = k.shape[1]
     if nkv == nh:
@@ -775,7 +785,8 @@ class LlamaModel(nn.Module):
         self.rotary_emb = RotaryEmbedding(config)
         # the layers that take the local RoPE tables (Gemma 3's base of 10,000 on its sliding layers)
         self.local_rope = tuple(
-            config.rope_local_base_freq is not None and config.layer_is_local(i) for i in range(config.num_layers)
+            config.rope_local_base_freq is not None and config.layer_is_local(i)
+            for i in range(config.num_layers)
         )
         if any(self.local_rope):
             self.rotary_emb_local = RotaryEmbedding(config, local=True)

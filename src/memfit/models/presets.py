@@ -217,24 +217,48 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
         "max_seq_len": 131072,
         "sliding_window": 1024,
         "rope_linear_factor": 8.0,
-        "layer_types": tuple("full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(34)),
+        "layer_types": tuple(
+            "full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(34)
+        ),
     },
     # tests: Gemma 2 and 3 at the tiny size (head_dim 32 where dim // num_heads is 16; a local layer with a
     # 12-key window then a global one; soft-caps small enough to bite)
     "tiny-gemma2": {
         **_TINY,
-        **{k: _GEMMA2_2B[k] for k in ("family", "mlp_activation", "norm_plus_one", "sandwich_norms",
-                                      "scale_embeddings")},
-        "head_dim": 32, "norm_eps": 1e-6, "tie_word_embeddings": True, "sliding_window": 12,
-        "layer_types": ("sliding_attention", "full_attention"), "query_pre_attn_scalar": 24,
-        "attn_logit_softcapping": 5.0, "final_logit_softcapping": 3.0,
+        **{
+            k: _GEMMA2_2B[k]
+            for k in ("family", "mlp_activation", "norm_plus_one", "sandwich_norms", "scale_embeddings")
+        },
+        "head_dim": 32,
+        "norm_eps": 1e-6,
+        "tie_word_embeddings": True,
+        "sliding_window": 12,
+        "layer_types": ("sliding_attention", "full_attention"),
+        "query_pre_attn_scalar": 24,
+        "attn_logit_softcapping": 5.0,
+        "final_logit_softcapping": 3.0,
     },
     "tiny-gemma3": {
         **_TINY,
-        **{k: _GEMMA3_1B[k] for k in ("family", "mlp_activation", "norm_plus_one", "sandwich_norms",
-                                      "scale_embeddings", "qk_norm", "rope_theta", "rope_local_base_freq")},
-        "head_dim": 32, "norm_eps": 1e-6, "tie_word_embeddings": True, "sliding_window": 12,
-        "layer_types": ("sliding_attention", "full_attention"), "query_pre_attn_scalar": 24,
+        **{
+            k: _GEMMA3_1B[k]
+            for k in (
+                "family",
+                "mlp_activation",
+                "norm_plus_one",
+                "sandwich_norms",
+                "scale_embeddings",
+                "qk_norm",
+                "rope_theta",
+                "rope_local_base_freq",
+            )
+        },
+        "head_dim": 32,
+        "norm_eps": 1e-6,
+        "tie_word_embeddings": True,
+        "sliding_window": 12,
+        "layer_types": ("sliding_attention", "full_attention"),
+        "query_pre_attn_scalar": 24,
         "rope_linear_factor": 8.0,
     },  # fmt: skip
     # meta-llama/Meta-Llama-3-70B config.json: 70,553,706,496 parameters
