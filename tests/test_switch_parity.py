@@ -163,6 +163,16 @@ FAMILY_FAST = {
 }
 
 
+# Gemma 2 (GeGLU, soft-capped scores in blocks, soft-capped logits in the chunked loss, a 12-key local layer
+# then a global one) and Gemma 3 (q/k norms, a local RoPE base, linearly scaled global RoPE)
+FAMILY_PRESETS += ("tiny-gemma2", "tiny-gemma3")
+FAMILY_FAST |= {
+    ("tiny-gemma2", "chunked_cross_entropy=4"),
+    ("tiny-gemma2", "tiled_mlp=4"),
+    ("tiny-gemma3", "optimizer_in_backward=true"),
+}
+
+
 def _family_case(preset: str, name: str):
     fast = (preset, name) in FAMILY_FAST
     return pytest.param(preset, name, marks=() if fast else pytest.mark.slow, id=f"{preset}-{name}")

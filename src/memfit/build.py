@@ -226,7 +226,11 @@ def initial_parameters(
             (
                 n,
                 init_parameter_(
-                    n, torch.empty(shape, device=device, dtype=dtype), mcfg.num_layers, generator
+                    n,
+                    torch.empty(shape, device=device, dtype=dtype),
+                    mcfg.num_layers,
+                    generator,
+                    mcfg.norm_plus_one,
                 ),
             )
             for n, shape in shapes.items()
@@ -320,7 +324,7 @@ def build_training(
         if fake_mode is not None:
             model.to_empty(device=torch.device("cpu"))
             peft.empty_nf4_(model, torch.device("cpu"))  # to_empty leaves an NF4 weight's scales on meta
-            dist_.unwrap(model).model.rotary_emb.reset_parameters()
+            dist_.unwrap(model).model.reset_rope()
         elif world_size > 1:
             dist_.materialize_sharded(model, initial, device, peft.to_nf4 if cfg.method == "qlora" else None)
         optimizer = build_optimizer(model, cfg.optimizer, in_backward=cfg.optimizer_in_backward)

@@ -71,11 +71,12 @@ def training_flops_per_token(mcfg: LlamaConfig, seq_len: int, full: bool = True)
     per_layer = 2 * d * mcfg.num_heads * hd + 2 * d * mcfg.num_kv_heads * hd + 3 * d * mcfg.intermediate_size
     matmul_weights = mcfg.num_layers * per_layer + d * mcfg.vocab_size
     width = mcfg.num_heads * hd  # dim, unless the family sets head_dim
-    window = mcfg.attended_keys(seq_len)
-    if window == seq_len:  # the causal half: T / 2 keys a query on average
-        attention = 2.0 * mcfg.num_layers * seq_len * width
-    else:  # a sliding window of W < T keys: W * (1 - W / 2T) keys a query on average, 4 FLOPs a key and channel
-        attention = 4.0 * mcfg.num_layers * window * (1.0 - window / (2.0 * seq_len)) * width
+    attention = 0.0
+    for window in mcfg.layer_attended_keys(seq_len):  # local and global layers (Gemma) each by its own window
+        if window == seq_len:  # the causal half: T / 2 keys a query on average
+            attention += 2.0 * seq_len * width
+        else:  # a sliding window of W < T keys: W * (1 - W / 2T) keys a query on average, 4 FLOPs a key and channel
+            attention += 4.0 * window * (1.0 - window / (2.0 * seq_len)) * width
     forward = 2.0 * matmul_weights + attention
     return forward * (3.0 if full else 2.0)
 

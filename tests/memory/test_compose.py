@@ -118,3 +118,16 @@ def test_the_default_composes_deep_models_only():
     deep = _estimate(8, None)
     assert deep.trace["composed"] is True
     assert _answer(deep) == _answer(_estimate(8, False))
+
+
+def test_local_and_global_layers_are_traced_whole():
+    """Gemma's pattern of local (sliding-window) and global layers: the layers differ, so none is composed."""
+    from memfit.models.presets import model_config
+
+    mcfg = model_config("tiny-gemma2", num_layers=6, layer_types=("sliding_attention", "full_attention") * 3)
+    items = {**BASE, "model": "tiny-gemma2"}
+    cfg = load_config(None, [f"{k}={v}" for k, v in items.items()])
+    asked = estimate_run(cfg, model_config=mcfg, compose=True)
+    assert asked.trace["composed"] is False and asked.trace["layers_traced"] == [6]
+    assert asked.trace["why_not_composed"].startswith("the layers differ: local (sliding-window) and global")
+    assert _answer(asked) == _answer(estimate_run(cfg, model_config=mcfg, compose=False))

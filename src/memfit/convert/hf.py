@@ -147,14 +147,16 @@ def hf_config_to_llama(
 
     fam = hf_family(cfg.get("model_type"), cfg.get("architectures"), refuse)
     cfg = {**fam.hf_defaults, **cfg}
-    if cfg.get("hidden_act", "silu") != "silu":
-        raise refuse("hidden_act", f"is {cfg['hidden_act']!r}; memfit's decoder uses SwiGLU with 'silu'")
+    if cfg.get("hidden_act", fam.hidden_acts[0]) not in fam.hidden_acts:
+        raise refuse(
+            "hidden_act", f"is {cfg['hidden_act']!r}; memfit builds {fam.name} with {fam.hidden_acts[0]!r}"
+        )
     if cfg.get("quantization_config"):
         raise refuse(
             "quantization_config", "is set; quantized checkpoints are not supported: use the bf16 weights"
         )
     for key in _UNIMPLEMENTED:
-        if cfg.get(key) not in (None, False, 0, 0.0):
+        if key not in fam.implements and cfg.get(key) not in (None, False, 0, 0.0):
             raise refuse(
                 key, f"is {cfg[key]!r}; memfit's decoder does not implement it ({_UNIMPLEMENTED[key]})"
             )
@@ -166,7 +168,7 @@ def hf_config_to_llama(
         sizes[key] = cfg[key]
     heads = sizes["num_attention_heads"]
     rope_key = "rope_scaling" if cfg.get("rope_scaling") else "rope_parameters"
-    rope = cfg.get(rope_key) or {}
+    rope = {} if fam.reads_rope else cfg.get(rope_key) or {}  # the family's read maps its own RoPE keys
     if not isinstance(rope, dict):
         raise refuse(rope_key, f"must be an object, got {rope!r}")
     rope_type = rope.get("rope_type", rope.get("type", "default"))
@@ -198,7 +200,7 @@ def hf_config_to_llama(
         )
     num_kv_heads = cfg.get("num_key_value_heads")
     try:
-        config = LlamaConfig(
+        shared = dict(
             vocab_size=sizes["vocab_size"],
             dim=sizes["hidden_size"],
             num_layers=sizes["num_hidden_layers"],
@@ -211,8 +213,10 @@ def hf_config_to_llama(
             max_seq_len=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             family=fam.name,
-            **family_fields,
         )
+        config = LlamaConfig(
+            **{**shared, **family_fields}
+        )  # a family's own RoPE (reads_rope) replaces the shared
     except ValueError as exc:
         raise CheckpointError(f"'{source}': {exc}") from None
     dtype_name = cfg.get("dtype", cfg.get("torch_dtype"))
@@ -260,7 +264,6 @@ def llama_to_hf_config(
         "max_position_embeddings": config.max_seq_len,
         "rms_norm_eps": config.norm_eps,
         "tie_word_embeddings": config.tie_word_embeddings,
-        **fam.write(config),
         "attention_dropout": 0.0,
         "initializer_range": 0.02,
         "use_cache": True,
@@ -270,6 +273,7 @@ def llama_to_hf_config(
         "bos_token_id": bos_token_id,
         "eos_token_id": eos_token_id,
     }
+    out.update(fam.write(config))  # after the shared keys: Gemma 3 writes its own RoPE keys
     if dtype is not None:
         out["dtype"] = out["torch_dtype"] = str(dtype).removeprefix("torch.")
     return out

@@ -30,7 +30,6 @@ from torch import Tensor, nn
 
 from memfit.memory.switches import kv_heads_sent
 from memfit.memory.techniques import IGNORE_INDEX
-from memfit.models import llama
 from memfit.models.llama import Attention, packed_positions
 
 
@@ -82,7 +81,7 @@ class UlyssesAttention(Attention):
             k = k.repeat_interleave(size // self.num_kv_heads, dim=1)  # (B, N, T/N, hd)
             v = v.repeat_interleave(size // self.num_kv_heads, dim=1)
         q, k, v = (_heads_to_sequence(h, size, group) for h in (q, k, v))  # (B, heads/N, T, hd)
-        y = llama.causal_attention(q, k, v, doc_ids=doc_ids, window=self.sliding_window)  # (B, nh/N, T, hd)
+        y = self.attend(q, k, v, doc_ids)  # (B, nh/N, T, hd): llama.causal_attention with the layer's options
         y = _sequence_to_heads(y, size, group)  # (B, nh, T/N, hd)
         y = y.transpose(1, 2).reshape(B, t, self.num_heads * self.head_dim)  # (B, T/N, nh * hd)
         return self.o_proj(y)  # (B, T/N, C)

@@ -26,6 +26,10 @@ the queries ``[s, e)`` read only the keys ``[max(0, s - W + 1), e)`` (:func:`win
 hides the keys more than ``W - 1`` before each query. A block then reads at most ``Bq + W - 1`` keys whatever ``T``
 is, and the work is ``T * W`` rather than the causal half of the square.
 
+Gemma 2's soft-capped scores (``cap * tanh(scores / cap)`` before the mask) have no SDPA kernel:
+:func:`softcapped_attention` computes each block's scores explicitly, capped, masked and soft-maxed in fp32, and
+recomputes them in the backward, so memory stays linear in ``T`` there too.
+
 The step runs under ``FakeTensorMode`` (no data-dependent Python branching: blocks are a function of shapes only).
 """
 
@@ -123,7 +127,7 @@ class _WithLogSumExp(torch.autograd.Function):
     """Blocks through the CPU flash kernels, keeping each block's output and log-sum-exp for the backward."""
 
     @staticmethod
-    def forward(ctx, q, k, v, doc_ids, window):  # noqa: D102 (autograd's signature)
+    def forward(ctx, q, k, v, doc_ids, window, scale=None):  # noqa: D102 (autograd's signature)
         B, nh, T, hd = q.shape
         aten = torch.ops.aten
         # (B, T, nh, hd) memory viewed as (B, nh, T, hd): the caller's transpose back to (B, T, C) is then a view
@@ -138,17 +142,18 @@ class _WithLogSumExp(torch.autograd.Function):
                 0.0,
                 False,
                 attn_mask=block_mask(doc_ids, s, e, q.dtype, window, q.device),
+                scale=scale,
             )  # (B, nh, Bq, hd), (B, nh, Bq)
             out[:, :, s:e] = o
             lse[:, :, s:e] = m
         ctx.save_for_backward(q, k, v, doc_ids, out, lse)
-        ctx.window = window
+        ctx.window, ctx.scale = window, scale
         return out
 
     @staticmethod
     def backward(ctx, grad_out):  # noqa: D102
         q, k, v, doc_ids, out, lse = ctx.saved_tensors
-        window = ctx.window
+        window, scale = ctx.window, ctx.scale
         B, nh, T, hd = q.shape
         aten = torch.ops.aten
         grad_out = grad_out.contiguous()
@@ -168,15 +173,24 @@ class _WithLogSumExp(torch.autograd.Function):
                 0.0,
                 False,
                 attn_mask=block_mask(doc_ids, s, e, q.dtype, window, q.device),
+                scale=scale,
             )  # (B, nh, Bq, hd), (B, nkv, e - k0, hd) x 2
             dq[:, :, s:e] = gq
             dk[:, :, k0:e] += gk
             dv[:, :, k0:e] += gv
-        return dq, dk.to(k.dtype), dv.to(v.dtype), None, None
+        return dq, dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
 
 def _sdpa_block(
-    qb: Tensor, kb: Tensor, vb: Tensor, doc_ids: Tensor | None, s: int, e: int, window: int | None
+    qb: Tensor,
+    kb: Tensor,
+    vb: Tensor,
+    doc_ids: Tensor | None,
+    s: int,
+    e: int,
+    window: int | None,
+    scale: float | None = None,
+    softcap: float | None = None,
 ) -> Tensor:
     """The queries ``[s, e)`` over the keys ``[k0, e)`` (k0: :func:`window_start`) through
     ``F.scaled_dot_product_attention`` (looked up at call time), keys and values expanded to every head for this
@@ -190,6 +204,10 @@ def _sdpa_block(
         s: the block's first query.
         e: one past its last.
         window: None, or the sliding window W.
+        scale: the scores' factor, None for ``hd ** -0.5``.
+        softcap: None, or the cap of the scores (Gemma 2): ``softmax(cap * tanh(q k^T scale / cap) + mask) v``
+            computed explicitly (transformers' eager attention: the softmax in fp32, cast to the queries' dtype),
+            on the block's ``(B, nh, e - s, e - k0)`` scores.
 
     Returns:
         (B, nh, e - s, hd).
@@ -200,27 +218,34 @@ def _sdpa_block(
         kb = kb[:, :, None].expand(B, nkv, nh // nkv, tk, hd).reshape(B, nh, tk, hd)  # (B, nh, Tk, hd)
         vb = vb[:, :, None].expand(B, nkv, nh // nkv, tk, hd).reshape(B, nh, tk, hd)  # (B, nh, Tk, hd)
     mask = block_mask(doc_ids, s, e, qb.dtype, window, qb.device)
-    return F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask)
+    if softcap is None:
+        return F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, scale=scale)
+    scores = (qb @ kb.transpose(2, 3)) * (hd**-0.5 if scale is None else scale)  # (B, nh, Bq, Tk)
+    scores = torch.tanh(scores / softcap) * softcap + mask  # capped, then masked (transformers' order)
+    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(qb.dtype)  # (B, nh, Bq, Tk)
+    return weights @ vb  # (B, nh, Bq, hd)
 
 
 class _Recomputed(torch.autograd.Function):
     """Blocks through the public SDPA; the backward runs each block again with a graph."""
 
     @staticmethod
-    def forward(ctx, q, k, v, doc_ids, window):  # noqa: D102
+    def forward(ctx, q, k, v, doc_ids, window, scale=None, softcap=None):  # noqa: D102
         B, nh, T, hd = q.shape
         out = q.new_empty(B, T, nh, hd).transpose(1, 2)  # (B, nh, T, hd)
         for s, e in _blocks(q):
             k0 = window_start(s, window)
-            out[:, :, s:e] = _sdpa_block(q[:, :, s:e], k[:, :, k0:e], v[:, :, k0:e], doc_ids, s, e, window)
+            out[:, :, s:e] = _sdpa_block(
+                q[:, :, s:e], k[:, :, k0:e], v[:, :, k0:e], doc_ids, s, e, window, scale, softcap
+            )
         ctx.save_for_backward(q, k, v, doc_ids)
-        ctx.window = window
+        ctx.window, ctx.scale, ctx.softcap = window, scale, softcap
         return out
 
     @staticmethod
     def backward(ctx, grad_out):  # noqa: D102
         q, k, v, doc_ids = ctx.saved_tensors
-        window = ctx.window
+        window, scale, softcap = ctx.window, ctx.scale, ctx.softcap
         B, nh, T, hd = q.shape
         dq = torch.empty_like(q)
         dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
@@ -231,12 +256,12 @@ class _Recomputed(torch.autograd.Function):
             kb = k[:, :, k0:e].detach().requires_grad_()
             vb = v[:, :, k0:e].detach().requires_grad_()
             with torch.enable_grad():
-                o = _sdpa_block(qb, kb, vb, doc_ids, s, e, window)  # (B, nh, Bq, hd)
+                o = _sdpa_block(qb, kb, vb, doc_ids, s, e, window, scale, softcap)  # (B, nh, Bq, hd)
             gq, gk, gv = torch.autograd.grad(o, (qb, kb, vb), grad_out[:, :, s:e])
             dq[:, :, s:e] = gq
             dk[:, :, k0:e] += gk
             dv[:, :, k0:e] += gv
-        return dq, dk.to(k.dtype), dv.to(v.dtype), None, None
+        return dq, dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
 
 
 def document_attention(
@@ -247,6 +272,7 @@ def document_attention(
     *,
     recompute: bool | None = None,
     window: int | None = None,
+    scale: float | None = None,
 ) -> Tensor:
     """Causal attention restricted to each document of a packed row and/or to a sliding window, in blocks of
     queries (see the module doc).
@@ -261,6 +287,7 @@ def document_attention(
             backward; False through the CPU flash kernels with their log-sum-exp (CPU tensors only). None: False
             on CPU, True elsewhere.
         window: None, or W: query t attends to the keys ``(t - W, t]`` only (of its document).
+        scale: the scores' factor; None is ``hd ** -0.5``.
 
     Returns:
         (B, nh, T, hd), laid out as (B, T, nh, hd) in memory (``transpose(1, 2)`` of it is contiguous). Equal to
@@ -282,4 +309,44 @@ def document_attention(
     ):  # as autocast casts SDPA's inputs (bf16_mixed: RoPE'd q, k fp32)
         dtype = torch.get_autocast_dtype(q.device.type)
         q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
-    return (_Recomputed if recompute else _WithLogSumExp).apply(q, k, v, doc_ids, window)
+    return (_Recomputed if recompute else _WithLogSumExp).apply(q, k, v, doc_ids, window, scale)
+
+
+def softcapped_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    doc_ids: Tensor | None,
+    *,
+    window: int | None = None,
+    scale: float | None = None,
+    softcap: float,
+) -> Tensor:
+    """Causal attention with soft-capped scores (Gemma 2's ``attn_logit_softcapping``), in blocks of queries.
+
+    No SDPA kernel caps the scores, so each block's ``(B, nh, Bq, Tk)`` scores are computed explicitly, capped to
+    ``cap * tanh(scores / cap)``, masked (causal, the block's documents, the window) and soft-maxed in fp32
+    (:func:`_sdpa_block`). The forward keeps no block's scores; the backward runs each block again with a graph
+    (:class:`_Recomputed`), so memory stays linear in T: one block's scores at a time, never a (T, T) tensor.
+
+    Args:
+        q: (B, nh, T, hd) queries.
+        k: (B, nkv, T, hd) keys; nkv divides nh.
+        v: (B, nkv, T, hd) values.
+        doc_ids: None (one document a row), or (B, T) ids of packed documents.
+        window: None, or W: query t attends to the keys ``(t - W, t]`` only.
+        scale: the scores' factor before the cap; None is ``hd ** -0.5``.
+        softcap: the cap, a positive number.
+
+    Returns:
+        (B, nh, T, hd), laid out as (B, T, nh, hd) in memory.
+
+    Raises:
+        ValueError: ``softcap`` is not a positive number.
+    """
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or softcap <= 0:
+        raise ValueError(f"softcapped_attention's softcap must be a positive number, got {softcap!r}")
+    if torch.is_autocast_enabled(q.device.type):  # the matmuls in autocast's dtype, as SDPA's would be
+        dtype = torch.get_autocast_dtype(q.device.type)
+        q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    return _Recomputed.apply(q, k, v, doc_ids, window, scale, float(softcap))

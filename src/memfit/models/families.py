@@ -77,6 +77,14 @@ class Family:
     lora_aliases: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     """A name ``lora.target_modules`` may hold for several of memfit's linear layers (Phi-3's ``qkv_proj``:
     ``q_proj``, ``k_proj``, ``v_proj``): each part gets a LoRA of its own."""
+    hidden_acts: tuple[str, ...] = ("silu",)
+    """``hidden_act`` values :mod:`memfit.convert.hf` accepts for the family (its MLP's activation)."""
+    implements: tuple[str, ...] = ()
+    """Keys memfit refuses on other families as computations it does not implement (soft-capping) that this
+    family's ``read`` maps."""
+    reads_rope: bool = False
+    """``read`` maps the RoPE keys itself (Gemma 3's per-layer-type ``rope_parameters``), in place of the shared
+    reading of ``rope_theta`` / ``rope_scaling`` / ``rope_parameters``."""
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -228,6 +236,159 @@ def _write_phi3(config: LlamaConfig) -> dict[str, Any]:
     }
 
 
+GEMMA_ACT = "gelu_pytorch_tanh"
+"""transformers' name of Gemma's activation (GELU, tanh approximation)."""
+_GEMMA_COMMON = {"mlp_activation": "gelu_tanh", "norm_plus_one": True, "sandwich_norms": True,
+                 "scale_embeddings": True}  # fmt: skip
+
+
+def _positive(cfg: Mapping[str, Any], refuse: Refuse, key: str, default: Any) -> Any:
+    """``cfg[key]`` (``default`` when absent): None or a positive number."""
+    value = cfg.get(key, default)
+    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
+        raise refuse(key, f"is {value!r}; it must be null or a positive number")
+    return value
+
+
+def _gemma_layers(cfg: Mapping[str, Any], refuse: Refuse, pattern: int) -> tuple[str, ...]:
+    """``layer_types``, or transformers' default: every ``pattern``-th layer global, the others local."""
+    layers = cfg.get("num_hidden_layers")
+    kinds = cfg.get("layer_types")
+    if kinds is None:
+        if not isinstance(pattern, int) or isinstance(pattern, bool) or pattern <= 0:
+            raise refuse("sliding_window_pattern", f"is {pattern!r}; it must be a positive int")
+        kinds = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers or 0)]
+    if not isinstance(kinds, (list, tuple)) or set(kinds) - {"sliding_attention", "full_attention"}:
+        raise refuse(
+            "layer_types", f"is {kinds!r}; memfit builds 'sliding_attention' and 'full_attention' layers"
+        )
+    if isinstance(layers, int) and len(kinds) != layers:
+        raise refuse("layer_types", f"has {len(kinds)} entries for {layers} layers (num_hidden_layers)")
+    return tuple(kinds)
+
+
+def _read_gemma_common(cfg: Mapping[str, Any], refuse: Refuse, family: str) -> dict[str, Any]:
+    _refuse_true(
+        cfg, refuse, ("attention_bias", "mlp_bias"), family, f"memfit builds {family} without bias terms"
+    )
+    if cfg.get("use_bidirectional_attention"):
+        raise refuse("use_bidirectional_attention", "is true; memfit builds causal attention only")
+    act = cfg.get("hidden_activation") or cfg.get("hidden_act") or GEMMA_ACT
+    if act != GEMMA_ACT:
+        key = "hidden_activation" if cfg.get("hidden_activation") else "hidden_act"
+        raise refuse(key, f"is {act!r}; memfit builds {family}'s GeGLU with {GEMMA_ACT!r}")
+    window = cfg.get("sliding_window", 4096)
+    if not isinstance(window, int) or isinstance(window, bool) or window <= 0:
+        raise refuse("sliding_window", f"is {window!r}; {family} needs a positive int")
+    return {
+        **_GEMMA_COMMON,
+        "head_dim": _head_dim(cfg, refuse, default=256),
+        "query_pre_attn_scalar": _positive(cfg, refuse, "query_pre_attn_scalar", 256),
+        "sliding_window": window,
+    }
+
+
+def _read_gemma2(cfg: Mapping[str, Any], refuse: Refuse) -> dict[str, Any]:
+    return {
+        **_read_gemma_common(cfg, refuse, "Gemma 2"),
+        "layer_types": _gemma_layers(cfg, refuse, 2),  # Gemma2Config's default: local, global, local, ...
+        "attn_logit_softcapping": _positive(cfg, refuse, "attn_logit_softcapping", 50.0),
+        "final_logit_softcapping": _positive(cfg, refuse, "final_logit_softcapping", 30.0),
+    }
+
+
+def _write_gemma_common(config: LlamaConfig) -> dict[str, Any]:
+    return {
+        "hidden_act": GEMMA_ACT,
+        "hidden_activation": GEMMA_ACT,
+        "head_dim": config.head_dim,
+        "query_pre_attn_scalar": config.query_pre_attn_scalar,
+        "sliding_window": config.sliding_window,
+        "layer_types": list(config.layer_types or ()),
+        "attention_bias": False,
+        "attn_logit_softcapping": config.attn_logit_softcapping,
+        "final_logit_softcapping": config.final_logit_softcapping,
+    }
+
+
+def _write_gemma2(config: LlamaConfig) -> dict[str, Any]:
+    return _write_gemma_common(config)
+
+
+def _gemma3_rope(cfg: Mapping[str, Any], refuse: Refuse) -> dict[str, Any]:
+    """Gemma 3's RoPE: 5.x ``rope_parameters`` per layer type, or 4.x ``rope_theta``, ``rope_local_base_freq``
+    and ``rope_scaling`` (the global layers' linear scaling)."""
+    params = cfg.get("rope_parameters")
+    if isinstance(params, dict) and ("full_attention" in params or "sliding_attention" in params):
+        full = params.get("full_attention") or {}
+        local = params.get("sliding_attention") or {}
+        prefix = "rope_parameters.full_attention"
+    else:
+        full = dict(cfg.get("rope_scaling") or {})
+        full.setdefault("rope_theta", cfg.get("rope_theta", 1_000_000.0))
+        local = {"rope_type": "default", "rope_theta": cfg.get("rope_local_base_freq", 10_000.0)}
+        prefix = "rope_scaling"
+    if local.get("rope_type", local.get("type", "default")) != "default":
+        raise refuse(
+            "rope_parameters.sliding_attention.rope_type",
+            f"is {local.get('rope_type', local.get('type'))!r}; memfit scales no local layer's RoPE",
+        )
+    kind = full.get("rope_type", full.get("type", "default"))
+    if kind not in ("default", "linear"):
+        raise refuse(
+            f"{prefix}.rope_type",
+            f"is {kind!r}; memfit implements Gemma 3's 'default' and 'linear' RoPE only",
+        )
+    factor = (
+        _positive(full, lambda k, why: refuse(f"{prefix}.{k}", why), "factor", None)
+        if kind == "linear"
+        else None
+    )
+    if kind == "linear" and factor is None:
+        raise refuse(f"{prefix}.factor", "is missing; the 'linear' rope type needs it")
+    return {
+        "rope_theta": full.get("rope_theta", 1_000_000.0),
+        "rope_local_base_freq": local.get("rope_theta", 10_000.0),
+        "rope_linear_factor": factor,
+        "rope_scaling": None,
+    }
+
+
+def _read_gemma3(cfg: Mapping[str, Any], refuse: Refuse) -> dict[str, Any]:
+    return {
+        **_read_gemma_common(cfg, refuse, "Gemma 3"),
+        "qk_norm": True,
+        # Gemma3TextConfig's default: every sixth layer global
+        "layer_types": _gemma_layers(cfg, refuse, cfg.get("sliding_window_pattern", 6)),
+        "final_logit_softcapping": _positive(cfg, refuse, "final_logit_softcapping", None),
+        **_gemma3_rope(cfg, refuse),
+    }
+
+
+def _write_gemma3(config: LlamaConfig) -> dict[str, Any]:
+    full: dict[str, Any] = {"rope_type": "default", "rope_theta": float(config.rope_theta)}
+    if config.rope_linear_factor is not None:
+        full = {
+            "rope_type": "linear",
+            "factor": float(config.rope_linear_factor),
+            "rope_theta": full["rope_theta"],
+        }
+    local_theta = float(config.rope_local_base_freq or config.rope_theta)
+    return {
+        **_write_gemma_common(config),
+        "rope_parameters": {
+            "full_attention": full,
+            "sliding_attention": {"rope_type": "default", "rope_theta": local_theta},
+        },
+        # 4.x spelling, the same values
+        "rope_theta": full["rope_theta"],
+        "rope_local_base_freq": local_theta,
+        "rope_scaling": None
+        if config.rope_linear_factor is None
+        else {k: full[k] for k in ("rope_type", "factor")},
+    }
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # THE registry
 
@@ -293,6 +454,44 @@ FAMILIES: dict[str, Family] = {
             presets=("qwen3-0.6b", "qwen3-8b", "tiny-qwen3"),
         ),
         Family(
+            name="gemma2",
+            model_types=("gemma2",),
+            architectures=("Gemma2ForCausalLM",),
+            summary="Gemma 2: GeGLU, (1 + w) RMSNorms before and after attention and MLP, embeddings times "
+            "sqrt(dim), local and global layers, soft-capped attention scores and logits, tied embeddings",
+            read=_read_gemma2,
+            write=_write_gemma2,
+            hf_defaults={"max_position_embeddings": 8192, "tie_word_embeddings": True, "rms_norm_eps": 1e-6},
+            layer_tensors=("pre_feedforward_layernorm.weight", "post_feedforward_layernorm.weight"),
+            presets=("gemma-2-2b", "gemma-2-9b", "tiny-gemma2"),
+            hidden_acts=(GEMMA_ACT,),
+            implements=("attn_logit_softcapping", "final_logit_softcapping"),
+        ),
+        Family(
+            name="gemma3",
+            model_types=("gemma3_text",),
+            architectures=("Gemma3ForCausalLM",),
+            summary="Gemma 3 (text): Gemma 2's layers with q/k norms in place of soft-capped scores, five local "
+            "layers (RoPE base 10,000) to a global one (1,000,000, linearly scaled from 4B up)",
+            read=_read_gemma3,
+            write=_write_gemma3,
+            hf_defaults={
+                "max_position_embeddings": 131072,
+                "tie_word_embeddings": True,
+                "rms_norm_eps": 1e-6,
+            },
+            layer_tensors=(
+                "self_attn.q_norm.weight",
+                "self_attn.k_norm.weight",
+                "pre_feedforward_layernorm.weight",
+                "post_feedforward_layernorm.weight",
+            ),
+            presets=("gemma-3-1b", "gemma-3-4b", "tiny-gemma3"),
+            hidden_acts=(GEMMA_ACT,),
+            implements=("final_logit_softcapping",),
+            reads_rope=True,
+        ),
+        Family(
             name="phi3",
             model_types=("phi3",),
             architectures=("Phi3ForCausalLM",),
@@ -330,9 +529,11 @@ _NOT_BUILT = {
     ),
     "jamba": "a hybrid of Mamba layers and a mixture of experts, which memfit does not build",
     **dict.fromkeys(
-        ("gemma", "gemma2", "gemma3", "gemma3_text"),
-        "a family memfit does not build yet (GeGLU, (1 + w) norms, soft-capping or fused projections)",
+        ("gemma",),
+        "a family memfit does not build yet (Gemma 1: GeGLU and (1 + w) norms without Gemma 2's layers)",
     ),
+    "gemma3": "Gemma 3's multimodal checkpoint (a vision tower beside the text model); memfit builds the text "
+    "model, model_type 'gemma3_text' (Gemma3ForCausalLM)",
 }
 """Why a known ``model_type`` is refused."""
 

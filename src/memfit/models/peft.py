@@ -50,7 +50,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from memfit.models import families
-from memfit.models.llama import Attention, Llama, causal_attention
+from memfit.models.llama import Attention, Llama
 from memfit.quiet import quiet_torchao_import
 
 LORA_METHODS = ("lora", "qlora")
@@ -847,7 +847,7 @@ def _adapter_attention_forward(
     """
     B, T, _ = x.shape
     q, k, v = self.project_qkv(x, cos, sin)  # (B, nh, T, hd), (B, nkv, T, hd) x 2
-    y = causal_attention(q, k, v, doc_ids=doc_ids, window=self.sliding_window)  # (B, nh, T, hd)
+    y = self.attend(q, k, v, doc_ids)  # (B, nh, T, hd)
     y = y + self.adapter_gate * _prompt_attention(self, q)  # gate (1, nh, 1, 1)
     y = y.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim)  # (B, T, nh * hd)
     return self.o_proj(y)  # (B, T, C)

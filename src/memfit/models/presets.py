@@ -52,6 +52,25 @@ _PHI3_MINI: dict[str, Any] = dict(
     family="phi3", vocab_size=32064, dim=3072, num_layers=32, num_heads=32, num_kv_heads=32,
     intermediate_size=8192, norm_eps=1e-5, rope_theta=10000.0, max_seq_len=4096, sliding_window=2047,
 )  # fmt: skip
+# google/gemma-2-2b config.json (as transformers' Gemma2Config defaults and a copy quoted in NVIDIA Megatron
+# Bridge's Gemma 2 conversion test): GeGLU, (1 + w) norms before and after attention and MLP, embeddings times
+# sqrt(2304), local (4096-key window) and global layers alternating, soft-capped scores (50) and logits (30)
+_GEMMA2_2B: dict[str, Any] = dict(
+    family="gemma2", vocab_size=256000, dim=2304, num_layers=26, num_heads=8, num_kv_heads=4,
+    intermediate_size=9216, head_dim=256, norm_eps=1e-6, rope_theta=10000.0, max_seq_len=8192,
+    tie_word_embeddings=True, sliding_window=4096, layer_types=("sliding_attention", "full_attention") * 13,
+    query_pre_attn_scalar=256, attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
+    mlp_activation="gelu_tanh", norm_plus_one=True, sandwich_norms=True, scale_embeddings=True,
+)  # fmt: skip
+# google/gemma-3-1b-pt config.json (model_type gemma3_text; as quoted from gemma-3-1b-it's, the same
+# architecture): Gemma 2's layers with q/k norms, no soft-capping, five local layers (a 512-key window, RoPE base
+# 10,000) to one global (1,000,000)
+_GEMMA3_1B: dict[str, Any] = dict(
+    _GEMMA2_2B, family="gemma3", qk_norm=True, vocab_size=262144, dim=1152, num_layers=26, num_heads=4,
+    num_kv_heads=1, intermediate_size=6912, max_seq_len=32768, sliding_window=512, rope_theta=1000000.0,
+    rope_local_base_freq=10000.0, attn_logit_softcapping=None, final_logit_softcapping=None,
+    layer_types=tuple("full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(26)),
+)  # fmt: skip
 # tiny sizes for tests: 2 layers, width 64; vocab_size may be overridden
 _TINY: dict[str, Any] = dict(
     vocab_size=256, dim=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128, max_seq_len=128,
@@ -184,6 +203,79 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
     "phi-3.5-mini": {**_PHI3_MINI, "sliding_window": None},
     # tests: Phi-3 at the tiny size, a window shorter than the tests' 32 tokens
     "tiny-phi3": {**_TINY, "family": "phi3", "sliding_window": 12},
+    # google/gemma-2-2b config.json: 2,614,341,888 parameters (tied; published "2.6B")
+    "gemma-2-2b": _GEMMA2_2B,
+    # google/gemma-2-9b config.json: 9,241,705,984 parameters (tied; published "9.24B")
+    "gemma-2-9b": {
+        **_GEMMA2_2B,
+        "dim": 3584,
+        "num_layers": 42,
+        "num_heads": 16,
+        "num_kv_heads": 8,
+        "intermediate_size": 14336,
+        "layer_types": ("sliding_attention", "full_attention") * 21,
+    },
+    # google/gemma-3-1b-pt config.json: 999,885,952 parameters (tied; published "1B")
+    "gemma-3-1b": _GEMMA3_1B,
+    # google/gemma-3-4b-pt config.json's text_config (the text model of the multimodal checkpoint, as quoted in
+    # transformers' Gemma 3 docs and tests; the rest Gemma3TextConfig's defaults): 3,880,263,168 parameters
+    # (tied; published "4B" with the 417M-parameter SigLIP vision tower beside it); linear RoPE scaling (8) of the
+    # global layers, a 1024-key window
+    "gemma-3-4b": {
+        **_GEMMA3_1B,
+        "vocab_size": 262208,
+        "dim": 2560,
+        "num_layers": 34,
+        "num_heads": 8,
+        "num_kv_heads": 4,
+        "intermediate_size": 10240,
+        "max_seq_len": 131072,
+        "sliding_window": 1024,
+        "rope_linear_factor": 8.0,
+        "layer_types": tuple(
+            "full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(34)
+        ),
+    },
+    # tests: Gemma 2 and 3 at the tiny size (head_dim 32 where dim // num_heads is 16; a local layer with a
+    # 12-key window then a global one; soft-caps small enough to bite)
+    "tiny-gemma2": {
+        **_TINY,
+        **{
+            k: _GEMMA2_2B[k]
+            for k in ("family", "mlp_activation", "norm_plus_one", "sandwich_norms", "scale_embeddings")
+        },
+        "head_dim": 32,
+        "norm_eps": 1e-6,
+        "tie_word_embeddings": True,
+        "sliding_window": 12,
+        "layer_types": ("sliding_attention", "full_attention"),
+        "query_pre_attn_scalar": 24,
+        "attn_logit_softcapping": 5.0,
+        "final_logit_softcapping": 3.0,
+    },
+    "tiny-gemma3": {
+        **_TINY,
+        **{
+            k: _GEMMA3_1B[k]
+            for k in (
+                "family",
+                "mlp_activation",
+                "norm_plus_one",
+                "sandwich_norms",
+                "scale_embeddings",
+                "qk_norm",
+                "rope_theta",
+                "rope_local_base_freq",
+            )
+        },
+        "head_dim": 32,
+        "norm_eps": 1e-6,
+        "tie_word_embeddings": True,
+        "sliding_window": 12,
+        "layer_types": ("sliding_attention", "full_attention"),
+        "query_pre_attn_scalar": 24,
+        "rope_linear_factor": 8.0,
+    },  # fmt: skip
     # meta-llama/Meta-Llama-3-70B config.json: 70,553,706,496 parameters
     "llama3-70b": {
         **_LLAMA3_8B,

@@ -131,8 +131,10 @@ def model_flops_per_token(mcfg: LlamaConfig, seq_len: int) -> dict[str, float]:
     """
     weights = layer_weights(mcfg)
     return {
-        "layers": mcfg.num_layers
-        * (2.0 * weights + 4.0 * mcfg.attended_keys(seq_len) * mcfg.num_heads * mcfg.head_dim),
+        "layers": sum(  # each layer by its own window (Gemma's local and global layers)
+            2.0 * weights + 4.0 * keys * mcfg.num_heads * mcfg.head_dim
+            for keys in mcfg.layer_attended_keys(seq_len)
+        ),
         "head": 2.0 * mcfg.dim * mcfg.vocab_size,
         "mlp": mcfg.num_layers * 6.0 * mcfg.dim * mcfg.intermediate_size,
     }

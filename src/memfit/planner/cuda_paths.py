@@ -344,9 +344,17 @@ def kv_heads_as_on_cuda(
         doc_ids: torch.Tensor | None = None,
         device_type: str | None = None,
         window: int | None = None,
+        **options: float | None,  # scale, softcap (Gemma)
     ) -> torch.Tensor:
         return original(
-            q, k, v, native_gqa=native_gqa, doc_ids=doc_ids, device_type=device_type or "cuda", window=window
+            q,
+            k,
+            v,
+            native_gqa=native_gqa,
+            doc_ids=doc_ids,
+            device_type=device_type or "cuda",
+            window=window,
+            **options,
         )
 
     return causal_attention

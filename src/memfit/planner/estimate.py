@@ -305,6 +305,10 @@ def _why_not_composed(cfg: TrainConfig, mcfg: LlamaConfig, target: str, compose:
     least = 5 if compose else COMPOSE_FROM_LAYERS
     if mcfg.num_layers < least:
         return f"{mcfg.num_layers} decoder layers: tracing them all costs no more than composing"
+    if mcfg.layer_types is not None and len(set(mcfg.layer_types)) > 1:
+        return "the layers differ: local (sliding-window) and global attention layers (layer_types)"
+    if mcfg.layer_types is not None:
+        return "the layers follow a declared pattern (layer_types), traced as it is"
     if cfg.activation_checkpointing == "every_n":
         return "activation_checkpointing=every_n: the layers differ (checkpointed or not)"
     if cfg.method == "adapter" and cfg.adapter.num_layers and cfg.adapter.num_layers < mcfg.num_layers:
