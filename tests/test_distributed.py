@@ -99,6 +99,17 @@ def test_two_ranks_train_what_one_process_does(strategy, single_runs, small_corp
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("model", ["tiny-qwen3", "tiny-gemma2", "tiny-phi3"])
+def test_two_ranks_train_what_one_process_does_on_other_families(model, small_corpus, tmp_path):
+    """FSDP2 on the families beside Llama (q/k norms; Gemma 2's local/global layers, soft-caps, sandwich norms and
+    tied embeddings; Phi-3's window): the losses, norms and weights of one process with the same global batch."""
+    single, out = tmp_path / "single", tmp_path / "fsdp2"
+    assert main(["pretrain", *_overrides(small_corpus, single, batch_size=8, model=model)]) == 0
+    run_torchrun(["pretrain", *_overrides(small_corpus, out, batch_size=4, model=model)])
+    _assert_same_run(out, single)
+
+
+@pytest.mark.slow
 def test_two_ranks_with_optimizer_in_backward(single_runs, small_corpus, tmp_path):
     out = tmp_path / "oib"
     extra = {"optimizer_in_backward": "true", "max_grad_norm": 0, "distributed.strategy": "fsdp2"}

@@ -90,6 +90,18 @@ def test_two_ranks_sharing_each_sequence_train_what_one_process_does(sp_run, sin
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("model", ["tiny-gemma2", "tiny-mistral"])
+def test_on_other_families(model, small_corpus, tmp_path):
+    """Sequence parallelism on windowed attention (Mistral's, Gemma 2's local layers beside its global ones and
+    soft-capped scores): each rank holds all positions of its heads after the all-to-all, so one process's
+    numbers."""
+    single, out = tmp_path / "single", tmp_path / "sp"
+    assert main(["pretrain", *_overrides(small_corpus, single, batch_size=4, model=model)]) == 0
+    run_torchrun(["pretrain", *_overrides(small_corpus, out, batch_size=4, model=model, **SP2)])
+    _assert_same_run(out, single)
+
+
+@pytest.mark.slow
 def test_with_every_long_context_switch_and_the_optimizer_in_backward(single_runs, small_corpus, tmp_path):
     """Full checkpointing recomputes each layer's forward in the backward, all-to-alls included (every rank in
     the same order); the tiled MLP and the chunked loss run on the rank's tokens; offloading hooks around each
