@@ -72,6 +72,9 @@ SIZES: dict[str, dict] = {
         "model_args.intermediate_size": 2048,
     },
 }
+# the families beside Llama at the tests' tiny size (models/presets.py; windows shorter than the rows' 128 tokens)
+FAMILY_SIZES = ("tiny-mistral", "tiny-qwen2", "tiny-qwen3", "tiny-gemma2", "tiny-gemma3", "tiny-phi3")
+SIZES.update({name: {"model": name} for name in FAMILY_SIZES})
 # the base of the LoRA / adapter rows: a Hugging Face checkpoint of this architecture (random weights)
 HF_BASE = {
     "vocab_size": 8000,
@@ -141,6 +144,12 @@ CONFIGS: list[tuple[str, str, int, dict]] = [
     ("FSDP2 + LoRA", "hf", 2, {"method": "lora"}),
     ("FSDP2 full fine-tune", "hf127", 2, {"batch_size": 1, "seq_len": 64}),
     ("FSDP2 + LoRA fine-tune", "hf127", 2, {"method": "lora", "batch_size": 1, "seq_len": 64}),
+    ("Mistral (a 12-key window)", "tiny-mistral", 1, {}),
+    ("Qwen2 (q/k/v biases, tied)", "tiny-qwen2", 1, {}),
+    ("Qwen3 (q/k norms, head_dim 32)", "tiny-qwen3", 1, {}),
+    ("Gemma 2 (local/global, soft-capped)", "tiny-gemma2", 1, {}),
+    ("Gemma 3 (local/global, q/k norms)", "tiny-gemma3", 1, {}),
+    ("Phi-3 (a 12-key window)", "tiny-phi3", 1, {}),
 ]
 
 # the part of every run that is not the configuration: a short, quiet run on Tiny Shakespeare
