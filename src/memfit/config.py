@@ -31,7 +31,7 @@ import yaml
 
 from memfit.data import formats
 from memfit.errors import ConfigError, DataError
-from memfit.memory import switches
+from memfit.memory import hybrids, switches
 from memfit.models import peft
 from memfit.models.llama import LlamaConfig
 from memfit.models.presets import MODEL_PRESETS, model_config
@@ -156,6 +156,11 @@ class OptimizerConfig:
     """``muon``: Nesterov momentum (torch.optim.Muon's default)."""
     ns_steps: int = 5
     """``muon``: Newton-Schulz iterations that orthogonalise each update (torch.optim.Muon's default)."""
+    muon_ns_dtype: str = "auto"
+    """``muon``: the dtype of the Newton-Schulz iteration: ``auto`` (bf16 on CUDA and on a CPU with bf16 matrix
+    instructions, AMX-BF16 or AVX512-BF16; fp32 on other CPUs, where bf16 matmuls are emulated ~30x slower than
+    fp32 ones), ``bf16`` (torch.optim.Muon's, always) or ``fp32`` (the same iteration, closer to the exact
+    orthogonalisation; twice the bytes of its temporaries)."""
     adjust_lr_fn: str = "match_rms_adamw"
     """``muon``: the learning-rate rule of an m x n matrix. ``match_rms_adamw`` (Moonlight, Liu et al. 2025:
     ``0.2 * sqrt(max(m, n)) * lr``, so Muon's update has AdamW's RMS and reuses AdamW's ``lr`` and
@@ -909,6 +914,11 @@ def _check_low_state_optimizer(opt: OptimizerConfig) -> None:
     key)."""
     _require(0 <= opt.momentum < 1, "optimizer.momentum", f"must be in [0, 1), got {opt.momentum}")
     _require(1 <= opt.ns_steps < 100, "optimizer.ns_steps", f"must be in [1, 99], got {opt.ns_steps}")
+    _require(
+        opt.muon_ns_dtype in hybrids.NEWTON_SCHULZ_DTYPES,
+        "optimizer.muon_ns_dtype",
+        f"must be {' | '.join(hybrids.NEWTON_SCHULZ_DTYPES)}, got {opt.muon_ns_dtype!r}",
+    )
     _require(
         opt.adjust_lr_fn in ("match_rms_adamw", "original"),
         "optimizer.adjust_lr_fn",
