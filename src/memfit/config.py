@@ -447,8 +447,12 @@ class TrainConfig:
     """Continue from the newest complete checkpoint in ``output_dir`` (safe after SIGKILL at any moment)."""
     loss_plot: bool = True
     """Draw the training and validation losses into ``output_dir/loss.png`` at the end of the run (matplotlib)."""
-    tensorboard: bool = True
-    """Write TensorBoard events to ``output_dir/tensorboard`` when the package is installed."""
+    tensorboard: bool | None = field(
+        default=None, metadata={"help": "auto: written when the tensorboard package is installed"}
+    )
+    """TensorBoard events under ``output_dir/tensorboard``: ``null`` (auto) writes them when the ``tensorboard``
+    package is installed and says nothing when it is not (it is an extra); ``true`` asks for them, and a run
+    without the package says so once; ``false`` never."""
     wandb: bool = False
     """Also log the step records to Weights & Biases (needs the ``wandb`` package and ``wandb_project``); the run
     lives under ``output_dir/wandb``, and under ``WANDB_MODE=offline`` it stays there until ``wandb sync``."""
