@@ -16,7 +16,9 @@ def no_tensorboard(monkeypatch):
 
 
 @pytest.mark.parametrize(("setting", "said"), [(None, ""), (False, ""), (True, TENSORBOARD_MISSING + "\n")])
-def test_a_missing_tensorboard_is_mentioned_only_when_asked_for(tmp_path, capsys, no_tensorboard, setting, said):
+def test_a_missing_tensorboard_is_mentioned_only_when_asked_for(
+    tmp_path, capsys, no_tensorboard, setting, said
+):
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no Python warning (with its source line) in any case
         with MetricsLogger(tmp_path, tensorboard=setting) as log:

@@ -136,7 +136,9 @@ def test_the_budgets_around_what_the_process_holds(monkeypatch, small_corpus, tm
     need = estimate_run(load_config(None, overrides)).host_peak_rss_bytes
     assert main(["pretrain", *overrides, f"memory_budget={held + 1}B"]) == 1
     err = capsys.readouterr().err
-    assert err.startswith(f"memfit: error: the run is predicted not to fit memory_budget={held + 1}B: it needs ")
+    assert err.startswith(
+        f"memfit: error: the run is predicted not to fit memory_budget={held + 1}B: it needs "
+    )
     assert "\nNo combination of memory switches fits; " in err and "config key" not in err
     assert main(["pretrain", *overrides, f"memory_budget={-(-need // MIB)}MiB"]) == 0
     assert [r["step"] for r in read_records(tmp_path / "run" / "metrics.jsonl") if "loss" in r] == [1, 2]

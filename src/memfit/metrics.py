@@ -174,7 +174,9 @@ class MetricsLogger:
             try:
                 from torch.utils.tensorboard import SummaryWriter  # deferred: optional, and slow to import
             except ImportError:
-                if tensorboard:  # asked for: said once, as the run's other notes; auto: the extra is not there
+                if (
+                    tensorboard
+                ):  # asked for: said once, as the run's other notes; auto: the extra is not there
                     tqdm.write(TENSORBOARD_MISSING)
             else:
                 self._tb = SummaryWriter(

@@ -191,7 +191,9 @@ def test_optimizer_muon_ns_dtype_reaches_the_built_optimizer(setting):
     assert opt.ns_dtype == expected and opt._muon.ns_dtype == expected
     _train(model, opt, 1)
     other = build_llama(TINY, seed=0)
-    _train(other, build_optimizer(other, _cfg("muon", muon_ns_dtype="bf16" if setting == "fp32" else "fp32")), 1)
+    _train(
+        other, build_optimizer(other, _cfg("muon", muon_ns_dtype="bf16" if setting == "fp32" else "fp32")), 1
+    )
     assert not _same_weights(model, other)
 
 

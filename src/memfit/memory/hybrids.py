@@ -53,7 +53,15 @@ def _groups(params: Iterable[Any], algorithm: str) -> list[dict]:
 NEWTON_SCHULZ_DTYPES = ("auto", "fp32", "bf16")
 """``optimizer.muon_ns_dtype`` values: ``auto`` (:func:`newton_schulz_dtype`), ``fp32``, ``bf16``."""
 
-_AMX_ISAS = ("AVX512_CORE_BF16", "AVX512_CORE_AMX", "AVX10_1_512", "AVX512_CORE_FP16", "AVX10", "DEFAULT", "ALL")
+_AMX_ISAS = (
+    "AVX512_CORE_BF16",
+    "AVX512_CORE_AMX",
+    "AVX10_1_512",
+    "AVX512_CORE_FP16",
+    "AVX10",
+    "DEFAULT",
+    "ALL",
+)
 """``ONEDNN_MAX_CPU_ISA`` values under which oneDNN still uses the CPU's bf16 instructions (the AMX and AVX10
 levels included: every name beginning ``AVX10`` or containing ``AMX``)."""
 
@@ -127,7 +135,9 @@ def newton_schulz(
         raise ValueError("Coefficients must be a tuple of exactly 3 values")
     a, b, c = ns_coefficients
     x = update.to(dtype)
-    fresh = x is not update  # a cast: worked on in place, as torch does; else the caller's (a momentum buffer)
+    fresh = (
+        x is not update
+    )  # a cast: worked on in place, as torch does; else the caller's (a momentum buffer)
     tall = update.size(0) > update.size(1)
     if tall:
         x = x.T  # (n, m): the Gram matrix below is the smaller side's

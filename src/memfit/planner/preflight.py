@@ -172,7 +172,13 @@ def _on(cfg: TrainConfig, device_type: str) -> TrainConfig:
 
 
 def _budget_below_what_is_held(
-    cfg: TrainConfig, mcfg: LlamaConfig, seq_len: int, device_type: str, budget: int, held: int, world_size: int
+    cfg: TrainConfig,
+    mcfg: LlamaConfig,
+    seq_len: int,
+    device_type: str,
+    budget: int,
+    held: int,
+    world_size: int,
 ) -> str:
     """The refusal of a ``memory_budget`` at or below what the process (CPU) or the CUDA context holds before
     training, with the smallest budget the run fits as configured (one process: the traced prediction the
@@ -188,7 +194,9 @@ def _budget_below_what_is_held(
             f"(a budget is per rank)."
         )
     else:
-        need = budgeted_bytes(estimate_run(_on(cfg, device_type), seq_len=seq_len, model_config=mcfg), device_type)
+        need = budgeted_bytes(
+            estimate_run(_on(cfg, device_type), seq_len=seq_len, model_config=mcfg), device_type
+        )
         smallest = (
             f"The smallest budget this run fits as configured: memory_budget={-(-need // MIB)}MiB "
             f"({format_bytes(need)} predicted at its peak; `memfit plan` finds switches that need less)."
