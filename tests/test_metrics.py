@@ -6,7 +6,10 @@ import warnings
 
 import pytest
 
+from memfit.cli import main
 from memfit.metrics import TENSORBOARD_MISSING, MetricsLogger
+
+from .conftest import tiny_run_overrides
 
 
 @pytest.fixture
@@ -39,3 +42,18 @@ def test_auto_writes_events_when_the_package_is_installed(tmp_path):
     with MetricsLogger(tmp_path) as log:
         log.log({"step": 1, "loss": 2.5})
     assert any((tmp_path / "tensorboard").iterdir())
+
+
+@pytest.mark.parametrize("setting", ["null", "true"])
+def test_a_first_run_without_tensorboard_is_quiet_unless_it_asked(
+    small_corpus, tmp_path, capsys, no_tensorboard, setting
+):
+    """The main job's path through the CLI (``tensorboard`` left at its default, null, or asked for)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        assert main(["pretrain", *tiny_run_overrides(small_corpus, tmp_path / "run", tensorboard=setting)]) == 0
+    out, err = capsys.readouterr()
+    assert "tensorboard" not in err.lower()
+    assert [line for line in out.splitlines() if "tensorboard" in line.lower()] == (
+        [TENSORBOARD_MISSING] if setting == "true" else []
+    )

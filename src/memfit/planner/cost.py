@@ -93,8 +93,10 @@ COST_CONSTANTS: dict[str, dict[str, Any]] = {
         # Muon's Newton-Schulz in bf16 (torch's; memfit's on a CPU with AMX-BF16 or AVX512-BF16): on the 78.6M
         # model of bench/optimizers.py, 1,387 GFLOP a step took 3.75 s more than AdamW's step eagerly (370 GFLOP/s:
         # these cores' AMX bf16 matmuls of whole matrices), 5.56 s more in backward (250). In fp32 (memfit's on a
-        # CPU without bf16 matrix instructions, or muon_ns_dtype=fp32) at the fp32 matmul rate above; APOLLO's
-        # projections are too few FLOPs to time apart (docs/benchmarks.md)
+        # CPU without bf16 matrix instructions, or muon_ns_dtype=fp32) at the fp32 matmul rate above: measured
+        # 151 GFLOP/s there (bench/optimizers.py --part muon-speed, the 78.6M row under ONEDNN_MAX_CPU_ISA=
+        # AVX512_CORE, one thread: 9.2 s a step more than AdamW's). APOLLO's projections are too few FLOPs to time
+        # apart (docs/benchmarks.md)
         "optimizer_matmul_flops_per_second": {"bf16": 370e9, "fp32": 140e9},
         "kernel_launch_seconds": 0.0,
         # measured on the 25.6M model of bench/peers.py (fp32, 4 x 256, 2 cores; the same process, steps of each
