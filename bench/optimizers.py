@@ -319,7 +319,11 @@ def muon_speed_part(args: argparse.Namespace, env: dict[str, str], work: Path) -
             else:
                 row.update(json.loads(done.stdout.strip().splitlines()[-1]))
             rows.append(row)
-            print(f"muon speed {model} {row['isa']}: {row.get('tokens_per_second')}", file=sys.stderr, flush=True)
+            print(
+                f"muon speed {model} {row['isa']}: {row.get('tokens_per_second')}",
+                file=sys.stderr,
+                flush=True,
+            )
     return rows
 
 
@@ -351,8 +355,9 @@ def muon_speed_section(args: argparse.Namespace, rows: list[dict], command: str,
         f"Reproduce: `{command}` (`--part muon-speed`). One process per row; one model per side from the same "
         f"initial weights (fp32, eager, random token batches, clipping at 1.0), their training steps interleaved "
         f"round after round in rotated order, tok/s from each side's median step after the first round "
-        f"(rounds: {rounds}), {rows[0].get('threads')} thread(s); the machine was shared with other engineers' test runs, which slow every side of "
-        f"a row alike but not every row alike: compare ratios within a row. The bf16 column says whether "
+        f"(rounds: {rounds}), torch threads: {rows[0].get('threads')}; the machine was shared with other "
+        f"engineers' test runs, which slow every side of a row alike but not every row alike: compare ratios "
+        f"within a row. The bf16 column says whether "
         f"oneDNN could use the CPU's bf16 instructions (`ONEDNN_MAX_CPU_ISA=AVX512_CORE` hides AMX and "
         f"AVX512-BF16 from it, as on a CPU without them), and `auto` is `optimizer.muon_ns_dtype=auto`'s pick "
         f"there.\n\n{muon_speed_table(rows)}"

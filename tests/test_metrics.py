@@ -51,7 +51,9 @@ def test_a_first_run_without_tensorboard_is_quiet_unless_it_asked(
     """The main job's path through the CLI (``tensorboard`` left at its default, null, or asked for)."""
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)
-        assert main(["pretrain", *tiny_run_overrides(small_corpus, tmp_path / "run", tensorboard=setting)]) == 0
+        assert (
+            main(["pretrain", *tiny_run_overrides(small_corpus, tmp_path / "run", tensorboard=setting)]) == 0
+        )
     out, err = capsys.readouterr()
     assert "tensorboard" not in err.lower()
     assert [line for line in out.splitlines() if "tensorboard" in line.lower()] == (
