@@ -19,6 +19,7 @@ from memfit.memory.optim import build_optimizer, describe_partition, optimizer_s
 from memfit.models.llama import build_llama
 from memfit.models.presets import model_config
 from memfit.planner import plan as P
+from memfit.planner.estimate import estimate_run
 from memfit.step import train_step
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -437,3 +438,20 @@ def test_the_plan_keeps_the_update_rule_unless_allowed():
         None, ["model=tiny", "tokenizer.kind=char", "optimizer.name=muon"], needs_weights=False
     )
     assert {c.optimizer.name for c in P.candidates(muon)} == {"muon"}
+
+
+def test_the_estimator_counts_the_fp32_iteration_s_temporaries():
+    """The estimator traces the real step, so the iteration's dtype is in its peak: the default model at 1 x 8
+    tokens peaks in Muon's step, at the widest matrix's iteration (gate/up, 688 x 256, worked on as 256 x 688): its
+    cast and the next iterate (256 x 688 each) and the Gram matrix and its polynomial (256 x 256 each), 2 bytes
+    more per element in fp32 than in bf16, and the 0-dim norm's 2 bytes."""
+    peaks = {}
+    for dtype in ("bf16", "fp32"):
+        overrides = ["model=shakespeare", "tokenizer.kind=char", "batch_size=1", "seq_len=8", "device=cpu"]
+        overrides += ["optimizer.name=muon", f"optimizer.muon_ns_dtype={dtype}"]
+        estimate = estimate_run(load_config(None, overrides, needs_weights=False))
+        assert estimate.phase == "optimizer_step"
+        peaks[dtype] = estimate.peak_bytes, estimate.breakdown["temporaries"]
+    more = 2 * (2 * 256 * 688 + 2 * 256 * 256) + 2
+    assert peaks["fp32"][0] - peaks["bf16"][0] == more == 966_658
+    assert peaks["fp32"][1] - peaks["bf16"][1] == more
