@@ -34,8 +34,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-TIMINGS = {"seconds", "estimate_seconds", "wall_seconds", "elapsed_seconds", "plan_seconds"}
-"""Keys dropped from every answer, at any depth: they measure this machine, not the prediction."""
+TIMINGS = {"seconds", "estimate_seconds", "wall_seconds", "elapsed_seconds", "plan_seconds", "trace"}
+"""Keys dropped from every answer, at any depth: they measure this machine, not the prediction (``trace`` says how
+an estimate was obtained: the layers traced or composed)."""
 
 SEED = [
     (

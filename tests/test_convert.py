@@ -642,11 +642,11 @@ def test_unexpected_missing_and_misshaped_tensors_are_named(tmp_path):
 @pytest.mark.parametrize(
     "edit, message",
     [
-        ({"model_type": "mistral"}, "model_type is 'mistral'"),
+        ({"model_type": "mixtral"}, "model_type is 'mixtral'"),
         ({"attention_bias": True}, "attention_bias is true"),
         ({"mlp_bias": True}, "mlp_bias is true"),
         ({"hidden_act": "gelu"}, "hidden_act is 'gelu'"),
-        ({"head_dim": 32}, "head_dim is 32"),
+        ({"head_dim": 0}, "head_dim is 0"),
         (
             {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}},
             r"rope_parameters.rope_type is 'yarn'",

@@ -213,3 +213,65 @@ def test_resume_is_exact_with_memory_switches(small_corpus, tmp_path, switches):
     assert main(["pretrain", *tiny_run_overrides(small_corpus, part, resume="true", **common)]) == 0
     losses = [[r.get("loss") for r in read_records(d / "metrics.jsonl")] for d in (full, part)]
     assert losses[0] == losses[1]
+
+
+# ---- the same cases on the other families (memfit's tiny preset of each: tiny-mistral's window of 12 keys is
+# shorter than the 32-token rows, so its attention runs the windowed blocks; tiny-qwen3 has q/k norms and
+# head_dim 32 where dim // num_heads is 16; tiny-qwen2 has q/k/v biases and tied embeddings; tiny-phi3 is
+# Phi-3's split modules with a window of 12 keys)
+FAMILY_PRESETS = ("tiny-mistral", "tiny-qwen3", "tiny-qwen2", "tiny-phi3")
+# the fast tier runs these (every other case and family is in the slow tier)
+FAMILY_FAST = {
+    ("tiny-mistral", "optimizer_in_backward=true"),
+    ("tiny-mistral", "chunked_cross_entropy=4"),
+    ("tiny-mistral", "tiled_mlp=4"),
+    ("tiny-mistral", "activation_offloading=True,activation_checkpointing=full"),
+    ("tiny-qwen3", "tiled_mlp=4"),
+    ("tiny-phi3", "chunked_cross_entropy=4"),
+}
+
+
+# Gemma 2 (GeGLU, soft-capped scores in blocks, soft-capped logits in the chunked loss, a 12-key local layer
+# then a global one) and Gemma 3 (q/k norms, a local RoPE base, linearly scaled global RoPE)
+FAMILY_PRESETS += ("tiny-gemma2", "tiny-gemma3")
+FAMILY_FAST |= {
+    ("tiny-gemma2", "chunked_cross_entropy=4"),
+    ("tiny-gemma2", "tiled_mlp=4"),
+    ("tiny-gemma3", "optimizer_in_backward=true"),
+}
+
+
+def _family_case(preset: str, name: str):
+    fast = (preset, name) in FAMILY_FAST
+    return pytest.param(preset, name, marks=() if fast else pytest.mark.slow, id=f"{preset}-{name}")
+
+
+FAMILY_CASES = [_family_case(p, n) for p in FAMILY_PRESETS for n in CASES if n not in COMBINATIONS]
+
+
+@pytest.fixture(scope="module")
+def family_baselines(small_corpus, tmp_path_factory):
+    cache = {}
+
+    def baseline_of(preset):
+        if preset not in cache:
+            cache[preset] = _run(small_corpus, tmp_path_factory.mktemp(preset) / "out", model=preset)
+        return cache[preset]
+
+    return baseline_of
+
+
+@pytest.mark.parametrize("preset, name", FAMILY_CASES)
+def test_other_families_keep_the_declared_parity(family_baselines, small_corpus, tmp_path, preset, name):
+    """Each switch's own case on a non-Llama family, against that family's baseline, with the entry's
+    tolerance."""
+    parity = CASES[name]
+    base_losses, base_val = family_baselines(preset)
+    losses, val = _run(small_corpus, tmp_path / "out", model=preset, **parity.settings)
+    assert len(losses) == STEPS
+    if parity.relative:
+        assert max(abs(a - b) / b for a, b in zip(losses, base_losses, strict=True)) <= parity.tolerance
+        assert losses[-1] < losses[0] - 0.5
+    else:
+        assert max(abs(a - b) for a, b in zip(losses, base_losses, strict=True)) <= parity.tolerance
+        assert abs(val[-1] - base_val[-1]) <= parity.tolerance

@@ -30,6 +30,8 @@ from memfit.convert import (
     read_config,
     weights_fingerprint,
 )
+from memfit.data.chat_template import ChatTemplate
+from memfit.data.instruct import Template, resolve_template
 from memfit.errors import CheckpointError, ConfigError
 from memfit.memory.host import release_free_heap
 from memfit.memory.offload import apply_activation_offloading
@@ -224,7 +226,11 @@ def initial_parameters(
             (
                 n,
                 init_parameter_(
-                    n, torch.empty(shape, device=device, dtype=dtype), mcfg.num_layers, generator
+                    n,
+                    torch.empty(shape, device=device, dtype=dtype),
+                    mcfg.num_layers,
+                    generator,
+                    mcfg.norm_plus_one,
                 ),
             )
             for n, shape in shapes.items()
@@ -318,7 +324,7 @@ def build_training(
         if fake_mode is not None:
             model.to_empty(device=torch.device("cpu"))
             peft.empty_nf4_(model, torch.device("cpu"))  # to_empty leaves an NF4 weight's scales on meta
-            dist_.unwrap(model).model.rotary_emb.reset_parameters()
+            dist_.unwrap(model).model.reset_rope()
         elif world_size > 1:
             dist_.materialize_sharded(model, initial, device, peft.to_nf4 if cfg.method == "qlora" else None)
         optimizer = build_optimizer(model, cfg.optimizer, in_backward=cfg.optimizer_in_backward)
@@ -330,9 +336,11 @@ def build_training(
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def run_template(cfg: TrainConfig) -> str | None:
-    """The prompt template a run's samples were rendered with (``None`` for a text corpus)."""
-    return None if cfg.data.format == "text" else cfg.data.template
+def run_template(cfg: TrainConfig, tokenizer: Any) -> Template | None:
+    """The prompt template a run's samples are rendered with (``None`` for a text corpus): ``data.template``, or for
+    ``auto`` the run's tokenizer's chat template (which a run fine-tuned from a checkpoint with one keeps in its
+    saved tokenizer), else ``alpaca`` (:func:`memfit.data.instruct.resolve_template`)."""
+    return None if cfg.data.format == "text" else resolve_template(cfg.data.template, tokenizer)
 
 
 def check_base(cfg: TrainConfig, state: dict[str, Any], ckpt: Path) -> None:
@@ -357,7 +365,7 @@ def check_base(cfg: TrainConfig, state: dict[str, Any], ckpt: Path) -> None:
 
 def load_for_generation(
     path: str | Path, device: str | torch.device = "cpu"
-) -> tuple[Llama, object, str | None]:
+) -> tuple[Llama, object, Template | None]:
     """Load a model, its tokenizer and its prompt template for sampling.
 
     Args:
@@ -367,17 +375,20 @@ def load_for_generation(
         device: where to put the model.
 
     Returns:
-        ``(model, tokenizer, template)``; ``template`` is the one the run fine-tuned with, ``None`` for a text
-        corpus or a foreign checkpoint.
+        ``(model, tokenizer, template)``; ``template`` is the one the run fine-tuned with (``None`` for a text
+        corpus), or for a Hugging Face or Meta checkpoint its own chat template
+        (:class:`~memfit.data.chat_template.ChatTemplate`) where its tokenizer directory has one, else ``None``.
 
     Raises:
         CheckpointError: nothing loadable is there, or a file is truncated.
+        DataError: the chat template is not valid Jinja (naming its file).
     """
     if detect_format(path) != "memfit":
         model, tokenizer, _ = load_pretrained(path, device=device)
         if tokenizer is None:
             raise CheckpointError(f"checkpoint '{path}' has no tokenizer (tokenizer.json or tokenizer.model)")
-        return model.eval(), tokenizer, None
+        own = ChatTemplate(tokenizer.chat_template) if tokenizer.chat_template is not None else None
+        return model.eval(), tokenizer, own
     ckpt = ckpt_io.resolve_checkpoint(path)
     mcfg = ckpt_io.read_model_config(ckpt)
     state = ckpt_io.read_trainer_state(ckpt)
@@ -393,4 +404,4 @@ def load_for_generation(
         apply_method(model, cfg)
     ckpt_io.load_weights(ckpt, model)
     model.eval()
-    return model, tokenizer, run_template(cfg)
+    return model, tokenizer, run_template(cfg, tokenizer)

@@ -160,7 +160,7 @@ def _estimate(args: argparse.Namespace) -> int:
     )
     world_size = world_size or 1
     cfg = load_config(args.config, overrides, world_size=world_size, needs_weights=False)
-    estimate = estimate_run(cfg, world_size=world_size)
+    estimate = estimate_run(cfg, world_size=world_size, compose=False if args.full_trace else None)
     print(json.dumps(estimate.to_json()) if args.json else report.format_estimate(estimate))
     return 0
 
@@ -341,6 +341,8 @@ def _generate(args: argparse.Namespace) -> int:
     device = resolve_device(args.device)
     model, tokenizer, run_template = load_for_generation(args.checkpoint, device=device)
     template = {"auto": run_template, "none": None}.get(args.template, args.template)
+    if template is not None and not isinstance(template, str):
+        template.check(tokenizer)  # a checkpoint's own template: refused before sampling, naming its file
     text = generate_text(
         model,
         tokenizer,
@@ -352,7 +354,8 @@ def _generate(args: argparse.Namespace) -> int:
         template=template,
     )
     if args.json:
-        print(json.dumps({"prompt": args.prompt, "template": template, "text": text}))
+        shown = template if template is None or isinstance(template, str) else template.path
+        print(json.dumps({"prompt": args.prompt, "template": shown, "text": text}))
     else:
         print(text)
     return 0
@@ -443,7 +446,8 @@ def _add_finetune(sub: Any) -> None:
         help="fine-tune pretrained weights (full, LoRA, QLoRA or adapter) on instructions, chats or text",
         description="Fine-tune a Hugging Face, Meta or memfit checkpoint (checkpoint_dir) with method full, lora, "
         "qlora or adapter, on instruction / chat records (data.format alpaca, dolly, sharegpt, openai; data.template "
-        "alpaca, llama2-chat, llama3-chat, chatml) or a text corpus. The same keys as pretrain; output_dir "
+        "auto = the checkpoint's own chat template, else alpaca; or alpaca, llama2-chat, llama3-chat, chatml) or a "
+        "text corpus. The same keys as pretrain; output_dir "
         "defaults to out/finetune. nproc=N starts N sharded ranks on this machine (through torchrun).",
         epilog=_keys_epilog(),
     )
@@ -469,6 +473,12 @@ def _add_estimate(sub: Any) -> None:
         "--json",
         action="store_true",
         help="print one JSON object (peak_memory_gib, breakdown, ...) (default: the text report)",
+    )
+    est.add_argument(
+        "--full-trace",
+        action="store_true",
+        help="trace every decoder layer instead of composing them from traces of 3 and 4 (the same bytes where "
+        "composing holds; slower) (default: compose models of 8 layers or more where it holds)",
     )
 
 
@@ -627,8 +637,9 @@ def _add_generate(sub: Any) -> None:
         "--template",
         default="auto",
         choices=["auto", "none", "alpaca", "llama2-chat", "llama3-chat", "chatml"],
-        help="prompt template: auto = the one the run fine-tuned with (none for pretraining runs and "
-        "foreign checkpoints); the prompt is then the user's message and only the reply is printed (default: auto)",
+        help="prompt template: auto = the one the run fine-tuned with (none for pretraining runs), or a Hugging "
+        "Face checkpoint's own chat template (chat_template.jinja or tokenizer_config.json; none where it has "
+        "none); the prompt is then the user's message and only the reply is printed (default: auto)",
     )
     g.add_argument(
         "--json", action="store_true", help="print {prompt, template, text} as JSON (default: the text only)"

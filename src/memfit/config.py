@@ -75,9 +75,12 @@ class DataConfig:
     """``text`` (a corpus, cut into random windows), ``alpaca`` (``instruction``, ``input``, ``output``),
     ``dolly`` (``instruction``, ``context``, ``response``), ``sharegpt`` (``conversations`` of ``from``/``value``)
     or ``openai`` (``messages`` of ``role``/``content``)."""
-    template: str = "alpaca"
-    """Prompt template of instruction / chat formats: ``alpaca``, ``llama2-chat``, ``llama3-chat`` (needs the
-    Llama 3 special tokens in the tokenizer) or ``chatml``. ``memfit generate`` applies the same one."""
+    template: str = "auto"
+    """Prompt template of instruction / chat formats: ``auto`` (the checkpoint's own chat template, its
+    ``chat_template.jinja`` or the ``chat_template`` of its ``tokenizer_config.json``, rendered with Jinja as
+    transformers does; ``alpaca`` where the tokenizer has none), or a built-in one: ``alpaca``, ``llama2-chat``,
+    ``llama3-chat`` (needs the Llama 3 special tokens in the tokenizer) or ``chatml``. ``memfit generate`` applies
+    the same one."""
     column_map: dict[str, str] = field(default_factory=dict)
     """Rename record fields, e.g. ``{instruction: question, output: answer}``."""
     train_on_prompt: bool = False
@@ -1031,7 +1034,7 @@ def _validate_finetuning(cfg: TrainConfig, needs_weights: bool = True) -> None:
     """The fine-tuning keys: method, checkpoint_dir, instruction data, LoRA and adapter settings."""
     data = cfg.data
     _one_of(data.format, formats.DATA_FORMATS, "data.format")
-    _one_of(data.template, formats.TEMPLATES, "data.template")
+    _one_of(data.template, formats.TEMPLATE_CHOICES, "data.template")
     _require(
         cfg.method == "full" or cfg.checkpoint_dir is not None or not needs_weights,
         "method",
@@ -1082,7 +1085,7 @@ def _validate_finetuning(cfg: TrainConfig, needs_weights: bool = True) -> None:
     _require(0 <= lora.dropout < 1, "lora.dropout", f"must be in [0, 1), got {lora.dropout}")
     _require(bool(lora.target_modules), "lora.target_modules", "must name at least one module")
     for name in lora.target_modules:
-        _one_of(name, peft.LORA_TARGETS, "lora.target_modules")
+        _one_of(name, peft.ALL_LORA_TARGETS, "lora.target_modules")
     _require(
         cfg.adapter.prompt_length >= 1,
         "adapter.prompt_length",

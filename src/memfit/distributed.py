@@ -449,7 +449,7 @@ def materialize_sharded(
     if missing:
         raise ValueError(f"parameters {missing[:5]} were not filled ({len(missing)} in all)")
     with torch.no_grad():
-        inner.model.rotary_emb.reset_parameters()  # a buffer: to_empty left it uninitialised
+        inner.model.reset_rope()  # a buffer: to_empty left it uninitialised
     return len(filled)
 
 

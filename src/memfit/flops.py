@@ -5,7 +5,8 @@
 
 - forward: ``2 * N_matmul`` (every weight of the projections, the SwiGLU MLP and ``lm_head`` once per token:
   multiply and add) ``+ 2 * num_layers * T * dim`` (scores and weighted values over the ``T / 2`` earlier
-  positions on average);
+  positions on average; ``nh * hd`` in place of ``dim`` where a family sets ``head_dim``, and a sliding window
+  of ``W < T`` keys reads ``W * (1 - W / 2T)`` of them in place of ``T / 2``);
 - backward: twice the forward for full training (gradients of the inputs and of the weights); once for a frozen
   base (LoRA / adapter: only the inputs' gradients; the few added weights are not counted).
 
@@ -66,10 +67,17 @@ def training_flops_per_token(mcfg: LlamaConfig, seq_len: int, full: bool = True)
     Returns:
         FLOPs per token.
     """
-    d, hd = mcfg.dim, mcfg.dim // mcfg.num_heads
+    d, hd = mcfg.dim, mcfg.head_dim
     per_layer = 2 * d * mcfg.num_heads * hd + 2 * d * mcfg.num_kv_heads * hd + 3 * d * mcfg.intermediate_size
     matmul_weights = mcfg.num_layers * per_layer + d * mcfg.vocab_size
-    forward = 2.0 * matmul_weights + 2.0 * mcfg.num_layers * seq_len * d
+    width = mcfg.num_heads * hd  # dim, unless the family sets head_dim
+    attention = 0.0
+    for window in mcfg.layer_attended_keys(seq_len):  # local and global layers (Gemma) each by its own window
+        if window == seq_len:  # the causal half: T / 2 keys a query on average
+            attention += 2.0 * seq_len * width
+        else:  # a sliding window of W < T keys: W * (1 - W / 2T) keys a query on average, 4 FLOPs a key and channel
+            attention += 4.0 * window * (1.0 - window / (2.0 * seq_len)) * width
+    forward = 2.0 * matmul_weights + attention
     return forward * (3.0 if full else 2.0)
 
 

@@ -45,6 +45,24 @@ def find_resume(cfg: TrainConfig) -> tuple[Path | None, dict[str, Any] | None]:
     return latest, state
 
 
+def resumed_config(cfg: TrainConfig, state: dict[str, Any]) -> TrainConfig:
+    """``cfg`` as it continues the run whose trainer state is ``state``: ``data.template=auto`` (the default) takes
+    the template the run was trained with, when the run named one (runs saved before ``auto`` existed record the
+    template they rendered with, ``alpaca`` by default), so that the rendering does not change under a resume.
+
+    Args:
+        cfg: the run config.
+        state: the resumed checkpoint's trainer state.
+
+    Returns:
+        ``cfg``, or a copy with the run's ``data.template``.
+    """
+    saved = ((state or {}).get("config") or {}).get("data", {}).get("template")
+    if cfg.data.format == "text" or cfg.data.template != "auto" or saved in (None, "auto"):
+        return cfg
+    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, template=saved))
+
+
 def check_resume(cfg: TrainConfig, resume_dir: Path, state: dict[str, Any]) -> None:
     """Check that ``cfg`` may continue the run saved in ``resume_dir``: the same tokenizer, method, data format and
     method settings, and (LoRA / adapter) the same frozen base.

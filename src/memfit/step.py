@@ -113,7 +113,11 @@ def micro_batch_loss(
             )  # (B, T, dim); one call of the whole model (FSDP)
             weight = lora_effective_weight(model.lm_head)  # (V, dim); with LoRA on lm_head: W + scale * B @ A
             chunks = techniques.loss_chunks(chunked_cross_entropy, targets.numel(), weight.shape[0])
-            return techniques.chunked_cross_entropy(hidden, weight, targets, chunks, compile=compile)
+            # Gemma 2's final_logit_softcapping, which the model's own forward applies to its logits
+            softcap = getattr(getattr(model, "config", None), "final_logit_softcapping", None)
+            return techniques.chunked_cross_entropy(
+                hidden, weight, targets, chunks, compile=compile, softcap=softcap
+            )
         logits = model(inputs, doc_ids, positions=positions)  # (B, T, V)
         return (compiled(loss_sum) if compile else loss_sum)(logits, targets)
 

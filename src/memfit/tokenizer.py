@@ -16,6 +16,11 @@ reads a text with BOS first: what ``memfit prepare`` and ``memfit generate`` do)
 that occurs in plain text (``"<|end_of_text|>"``, ``"<s>"``) into special ids; ``decode`` renders every id,
 special tokens included, as its text; ``save(directory)`` writes what :func:`load_tokenizer` needs to rebuild an
 identical tokenizer, plus a ``tokenizer_config.json`` naming the kind. Nothing is ever downloaded.
+
+A tokenizer directory may also hold the model's chat template (``chat_template.jinja``, or ``chat_template`` in a
+Hugging Face ``tokenizer_config.json``): :func:`load_tokenizer` keeps it as :attr:`Tokenizer.chat_template` (text
+only; :mod:`memfit.data.chat_template` renders it) and :meth:`Tokenizer.save` writes it back, so a run fine-tuned
+from such a checkpoint carries the template it was trained with.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import logging
 import re
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import EllipsisType
 from typing import Any
@@ -92,6 +98,38 @@ _BOS_NAMES = ("<|begin_of_text|>", "<s>", "<bos>", "<|startoftext|>", "[BOS]")
 _EOS_NAMES = ("<|end_of_text|>", "</s>", "<eos>", "<|endoftext|>", "[EOS]")
 
 
+CHAT_TEMPLATE_NAME = "chat_template.jinja"
+"""The file a chat template is kept in (transformers 5 writes it; 4.x kept the template in tokenizer_config.json)."""
+TEMPLATE_TOKEN_NAMES = (
+    "bos_token",
+    "eos_token",
+    "unk_token",
+    "sep_token",
+    "pad_token",
+    "cls_token",
+    "mask_token",
+)
+"""The named special tokens a chat template sees as variables, as transformers passes them
+(``PreTrainedTokenizerBase.SPECIAL_TOKENS_ATTRIBUTES``)."""
+
+
+@dataclass(frozen=True)
+class ChatTemplateSource:
+    """A model's own chat template as its tokenizer directory holds it (not yet compiled).
+
+    Attributes:
+        text: The Jinja source.
+        path: The file it was read from (``chat_template.jinja`` or ``tokenizer_config.json``), for messages.
+        tokens: The named special tokens the template sees (``bos_token``, ``eos_token``, ... as in
+            :data:`TEMPLATE_TOKEN_NAMES`, and a ``tokenizer_config.json``'s named ``extra_special_tokens``) -> their
+            text; names the tokenizer does not set are absent (the template sees them undefined).
+    """
+
+    text: str
+    path: str
+    tokens: dict[str, str] = field(default_factory=dict)
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # The interface
 
@@ -104,6 +142,9 @@ class Tokenizer(ABC):
     """
 
     kind: str = ""
+    chat_template: ChatTemplateSource | None = None
+    """The model's own chat template, where the directory the tokenizer was loaded from has one (see
+    :func:`load_tokenizer`); written back by :meth:`save`."""
 
     @property
     @abstractmethod
@@ -170,6 +211,28 @@ class Tokenizer(ABC):
                 raise TokenizerError(f"this {self.kind} tokenizer has no EOS token; encode with eos=False")
             ids.append(self.eos_id)
         return ids
+
+    def encode_markup(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """Encode a rendered chat template, in which special tokens' texts stand for their ids.
+
+        Unlike :meth:`encode`, the text of every added token (``"<|im_start|>"``) becomes its id, and no BOS/EOS
+        is added: what transformers' ``apply_chat_template(..., tokenize=True)`` does with the rendered string
+        (``tokenizer(text, add_special_tokens=False)``).
+
+        Args:
+            text: The rendered text.
+
+        Returns:
+            ``(ids, offsets)``: the ids and each token's ``(start, end)`` character span in ``text``.
+
+        Raises:
+            TokenizerError: This kind of tokenizer cannot (only a Hugging Face ``tokenizer.json`` can, the form a
+                checkpoint with a chat template comes in).
+        """
+        raise TokenizerError(
+            f"a chat template's rendering is read with a Hugging Face tokenizer.json, and this tokenizer is "
+            f"{self.kind}; name a built-in template instead (data.template / --template)"
+        )
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         """Encode many texts at once (the library's batch encoder where it has one), without BOS/EOS: what
@@ -272,7 +335,8 @@ class Tokenizer(ABC):
 
         Writes the kind's model files (copies of the original bytes for sentencepiece, tiktoken and gpt2) and
         ``tokenizer_config.json`` with ``kind``, ``bos_token``, ``eos_token``, ``add_bos`` and ``vocab_size``
-        (and for tiktoken the names of its special tokens, ``special_tokens``).
+        (and for tiktoken the names of its special tokens, ``special_tokens``); with a :attr:`chat_template`, also
+        ``chat_template.jinja`` and the template's named tokens (``chat_template_tokens``).
 
         Args:
             directory: Created if missing; files of the same names in it are replaced.
@@ -290,6 +354,9 @@ class Tokenizer(ABC):
             "vocab_size": self.vocab_size,
         }
         config.update(self._save_files(directory))
+        if self.chat_template is not None:  # the model's own template travels with its tokenizer
+            (directory / CHAT_TEMPLATE_NAME).write_text(self.chat_template.text, encoding="utf-8")
+            config["chat_template_tokens"] = self.chat_template.tokens
         (directory / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
 
     def __repr__(self) -> str:
@@ -495,6 +562,23 @@ class HFTokenizer(Tokenizer):
 
     def _decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=False)
+
+    def encode_markup(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """As :meth:`Tokenizer.encode_markup`: the ids transformers' fast tokenizer gives ``text`` with
+        ``add_special_tokens=False`` (added tokens matched in the text), and the characters each token covers."""
+        enc = self._markup_tok.encode(text, add_special_tokens=False)
+        return enc.ids, enc.offsets
+
+    @functools.cached_property
+    def _markup_tok(self) -> Any:
+        """A copy that matches added tokens in text and leaves offsets untrimmed (no post-processor: with
+        ``add_special_tokens=False`` it adds no id, only trims whitespace off the offsets)."""
+        from tokenizers import Tokenizer as HFCore
+
+        tok = HFCore.from_str(self._tok.to_str())
+        tok.encode_special_tokens = False
+        tok.post_processor = None
+        return tok
 
     def cut(self, text: str, offset: int = 0) -> int:
         """Before a space between non-whitespace characters, for the pipelines :meth:`Tokenizer.cut` names."""
@@ -1085,6 +1169,12 @@ def _read_json(path: Path) -> Any:
 
 
 def _load_dir(directory: Path) -> Tokenizer:
+    tokenizer = _load_dir_files(directory)
+    tokenizer.chat_template = read_chat_template_source(directory)
+    return tokenizer
+
+
+def _load_dir_files(directory: Path) -> Tokenizer:
     config_path = directory / CONFIG_NAME
     if config_path.is_file():
         config = _read_json(config_path)
@@ -1101,6 +1191,59 @@ def _load_dir(directory: Path) -> Tokenizer:
     if len(models) == 1:
         return _load_model_file(models[0])
     raise TokenizerError(f"no tokenizer files in directory '{directory}'; expected {_EXPECTED}")
+
+
+def read_chat_template_source(directory: Path) -> ChatTemplateSource | None:
+    """The chat template a tokenizer directory holds, with the named tokens it sees; ``None`` when it has none.
+
+    The template is ``chat_template.jinja`` (transformers 5, and memfit's saved tokenizers), else the
+    ``chat_template`` string of a Hugging Face ``tokenizer_config.json`` (transformers 4). Its named tokens are
+    those of :data:`TEMPLATE_TOKEN_NAMES` (and a dict of named ``extra_special_tokens``) that
+    ``tokenizer_config.json`` sets, else ``special_tokens_map.json``; a directory memfit saved keeps them in its
+    config's ``chat_template_tokens``.
+
+    Args:
+        directory: The tokenizer directory.
+
+    Returns:
+        The template, or ``None``.
+
+    Raises:
+        TokenizerError: ``chat_template.jinja`` is unreadable or not UTF-8, or a config file is not JSON.
+    """
+    directory = Path(directory)
+    jinja = directory / CHAT_TEMPLATE_NAME
+    config_path = directory / CONFIG_NAME
+    config = _read_json(config_path) if config_path.is_file() else None
+    config = config if isinstance(config, dict) else {}
+    if jinja.is_file():
+        try:
+            text, path = jinja.read_text(encoding="utf-8"), str(jinja)
+        except (OSError, UnicodeDecodeError) as e:
+            raise TokenizerError(f"cannot read the chat template '{jinja}': {e}") from e
+    elif isinstance(config.get("chat_template"), str):
+        text, path = config["chat_template"], str(config_path)
+    else:
+        return None
+    if "kind" in config:  # a directory memfit saved
+        saved = config.get("chat_template_tokens") or {}
+        kept = {k: v for k, v in saved.items() if isinstance(k, str) and isinstance(v, str)}
+        return ChatTemplateSource(text, path, kept)
+    tokens: dict[str, str] = {}
+    sources = [config]
+    if (directory / "special_tokens_map.json").is_file():
+        mapped = _read_json(directory / "special_tokens_map.json")
+        sources.append(mapped if isinstance(mapped, dict) else {})
+    for source in sources:
+        names = list(TEMPLATE_TOKEN_NAMES)
+        extra = source.get("extra_special_tokens")
+        if isinstance(extra, dict):  # transformers 5: model-specific named tokens, e.g. {"image_token": ...}
+            names += [k for k in extra if isinstance(k, str)]
+        for name in names:
+            value = _token_text(source.get(name, extra.get(name) if isinstance(extra, dict) else None))
+            if value is not None:
+                tokens.setdefault(name, value)
+    return ChatTemplateSource(text, path, tokens)
 
 
 def _load_file(path: Path) -> Tokenizer:

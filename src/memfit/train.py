@@ -45,8 +45,9 @@ from memfit.memory.timeline import plot_timeline
 from memfit.memory.tracker import MemoryTracker
 from memfit.metrics import MetricsLogger, Throughput, plot_losses
 from memfit.models.llama import LlamaConfig
+from memfit.planner.disk import check_checkpoint_disk
 from memfit.planner.preflight import preflight
-from memfit.resume import check_resume, check_resume_model, find_resume, resume_notes
+from memfit.resume import check_resume, check_resume_model, find_resume, resume_notes, resumed_config
 from memfit.step import StepResult, evaluate, evaluation_options, train_step, train_step_options
 from memfit.units import to_gib
 
@@ -193,6 +194,7 @@ def _set_up(cfg: TrainConfig, device: torch.device) -> _Run:
     out = Path(cfg.output_dir)
     resume_dir, resume_state = find_resume(cfg)
     if resume_dir is not None:
+        cfg = resumed_config(cfg, resume_state)  # data.template=auto: the run's own template
         check_resume(cfg, resume_dir, resume_state)
         if main_rank:
             for note in resume_notes(cfg, resume_state, world):
@@ -203,6 +205,10 @@ def _set_up(cfg: TrainConfig, device: torch.device) -> _Run:
     if resume_dir is not None:  # the architecture of the run resumed, before the data, pre-flight and build
         check_resume_model(cfg, resume_dir, resume_state, mcfg)
     seq_len = check_lengths(cfg, mcfg, tokenizer.vocab_size)
+    # the checkpoints' disk space, before data is prepared or anything allocated (planner/disk.py)
+    if cfg.preflight:
+        start = int(resume_state["step"]) if resume_state is not None else 0
+        check_checkpoint_disk(cfg, mcfg, world, start, len(ckpt_io.list_checkpoints(out)))
     data = run_data(cfg, tokenizer, manifest, seq_len, out)
     host.release_free_heap()  # host memory: what preparing the data freed leaves the resident set (memory/host.py)
     if cfg.preflight:
@@ -485,7 +491,7 @@ def _sample(cfg: TrainConfig, model, tokenizer, last_ckpt: Path | None, device: 
         top_k=cfg.sample.top_k,
         seed=cfg.seed,
         dtype=cfg.dtype,
-        template=run_template(cfg),
+        template=run_template(cfg, tokenizer),
     )
 
 

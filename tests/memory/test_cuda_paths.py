@@ -198,6 +198,13 @@ def test_cuda_paths_swaps_only_while_entered():
         swapped = (F.scaled_dot_product_attention, llama.causal_attention, adam.single_param_adam)
         assert all(a is not b for a, b in zip(swapped, originals, strict=True))
     assert (F.scaled_dot_product_attention, llama.causal_attention, adam.single_param_adam) == originals
+    from memfit.memory import hybrids
+
+    # off CUDA torchao's eager update runs chunk by chunk; a CUDA run updates each tensor whole (compiled)
+    chunk = hybrids.LOW_BIT_CHUNK_ELEMENTS
+    with cuda_paths(True):
+        assert hybrids.LOW_BIT_CHUNK_ELEMENTS > 2**62
+    assert hybrids.LOW_BIT_CHUNK_ELEMENTS == chunk == 2**22
 
 
 # ----------------------------------------------------------------------------------------------------------------

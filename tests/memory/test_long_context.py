@@ -249,6 +249,16 @@ def test_no_tensor_of_t_by_t_elements_in_a_step_at_4096(packed):
     assert numel < T * T // 2, numel
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["window", "window+packed_documents"])
+def test_a_sliding_window_caps_the_keys_a_block_reads(packed):
+    """Mistral's window (here 256 keys, tiny-mistral at T = 4,096): the whole step's largest tensor is one block's
+    mask over the keys its window reaches, 1,024 x (1,024 + 255) elements, where the packed path's without a
+    window is 1,024 x 4,096 (and the causal path's largest, the logits, 4,096 x 256)."""
+    T, W = 4096, 256
+    _, _, numel = _tracked_step(T, packed, model="tiny-mistral", **{"model_args.sliding_window": W})
+    assert numel == 1024 * (1024 + W - 1), numel  # the windowed blocks ran, and nothing is larger
+
+
 def test_tracked_peak_of_packed_documents_grows_linearly():
     """With document ids (``data.cross_document_attention: false``) the tracked peak at most ~doubles when T
     doubles: x2.6 then x3.1 per doubling with the dense mask before (issue 24), linear now."""

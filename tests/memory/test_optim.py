@@ -533,3 +533,108 @@ def test_low_bit_on_cuda_matches_cpu_accounting(name):
     losses = [train_step(model, opt, [(x, y)], max_grad_norm=0.0, dtype="fp32").loss.item() for _ in range(5)]
     assert losses[-1] < losses[0] - 1.0
     assert optimizer_state_bytes(opt) == optimizer_state_bytes(_trained(name, in_backward=True)[1])
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# torchao's low-bit AdamW off CUDA: large tensors updated chunk by chunk (memory.hybrids.low_bit_class)
+# ----------------------------------------------------------------------------------------------------------------
+
+TORCHAO = ("torchao_adamw8bit", "torchao_adamw4bit", "torchao_adamw_fp8")
+CHUNK = 4096  # elements of a chunk in these tests (LOW_BIT_CHUNK_ELEMENTS is 2**22)
+
+
+def _torchao_base(name):
+    import torchao.optim as ao
+
+    return {
+        "torchao_adamw8bit": ao.AdamW8bit,
+        "torchao_adamw4bit": ao.AdamW4bit,
+        "torchao_adamw_fp8": ao.AdamWFp8,
+    }[name]
+
+
+def _low_bit_steps(cls, weights, grads, eager_whole=False):
+    """``len(grads)`` steps of ``cls`` on copies of ``weights``; with ``eager_whole`` torchao's own step, eager."""
+    params = [torch.nn.Parameter(w.clone()) for w in weights]
+    opt = cls(params, lr=torch.tensor(1e-2), weight_decay=0.1)
+    for step_grads in grads:
+        for p, g in zip(params, step_grads, strict=True):
+            p.grad = g.clone()
+        if eager_whole:
+            with torch.compiler.set_stance("force_eager"):
+                opt.step()
+        else:
+            opt.step()
+    return params, opt
+
+
+@pytest.mark.parametrize("name", TORCHAO)
+def test_low_bit_update_in_chunks_is_bit_identical_to_torchaos_whole_tensor_update(name, monkeypatch):
+    """Chunks on quantization-block boundaries run the same arithmetic element by element and block by block."""
+    pytest.importorskip("torchao")
+    from memfit.memory import hybrids
+
+    monkeypatch.setattr(hybrids, "LOW_BIT_CHUNK_ELEMENTS", CHUNK)
+    g = torch.Generator().manual_seed(0)
+    # (rows, cols): 20 chunks of 2 rows; a row of 320 (blocks of 128 and 256 span rows: 4 / 2 rows a unit); one
+    # tensor below torchao's 4,096-element threshold (plain fp32 state, one piece)
+    shapes = [(40, 2048), (64, 320), (30, 100)]
+    weights = [torch.randn(s, generator=g) for s in shapes]
+    grads = [[torch.randn(s, generator=g) for s in shapes] for _ in range(3)]
+    chunked, opt = _low_bit_steps(hybrids.low_bit_class(_torchao_base(name)), weights, grads)
+    whole, ref = _low_bit_steps(_torchao_base(name), weights, grads, eager_whole=True)
+    assert len(hybrids._row_chunks(chunked[0], opt.block_size, CHUNK)) == 20
+    for a, b in zip(chunked, whole, strict=True):
+        assert torch.equal(a, b)
+    for pa, pb in zip(chunked, whole, strict=True):
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(opt.state[pa][key].dequantize() if hasattr(opt.state[pa][key], "dequantize")
+                               else opt.state[pa][key],
+                               ref.state[pb][key].dequantize() if hasattr(ref.state[pb][key], "dequantize")
+                               else ref.state[pb][key])  # fmt: skip
+
+
+def test_row_chunks_cover_the_rows_on_block_boundaries_within_the_chunk_size():
+    from memfit.memory.hybrids import _row_chunks
+
+    for rows, cols, block in [(40, 2048, 256), (64, 320, 128), (7, 5000, 128), (3000, 3, 256)]:
+        chunks = _row_chunks(torch.empty(rows, cols), block, CHUNK)
+        assert chunks[0][0] == 0 and chunks[-1][1] == rows
+        assert all(a[1] == b[0] for a, b in zip(chunks, chunks[1:], strict=False))
+        # every boundary but the end falls on a block; a chunk holds at most CHUNK elements unless one
+        # block-aligned unit of rows is larger (7 x 5000: one row a chunk)
+        unit = block // math.gcd(cols, block)
+        assert all(s * cols % block == 0 for s, _ in chunks)
+        assert all((e - s) * cols <= max(CHUNK, unit * cols) for s, e in chunks)
+    assert _row_chunks(torch.empty(64, 64), 128, CHUNK) == [None]  # one chunk: the tensor whole
+    assert _row_chunks(torch.empty(()), 128, CHUNK) == [None]
+
+
+@pytest.mark.parametrize("name", ["torchao_adamw8bit", "torchao_adamw4bit"])
+def test_chunked_low_bit_update_holds_the_temporaries_of_one_chunk(name, monkeypatch):
+    """The update of a tensor of 2 to 16 chunks holds, at its peak, the temporaries that updating one chunk-sized
+    tensor whole holds (torchao's eager update makes several fp32 copies of the parameter: of a chunk now, not of
+    the whole tensor), plus the code tables of the chunk's two moment slices (torchao's slice of a quantized state
+    clones its table: 256 fp32 values for 8 bits, 16 for 4 bits)."""
+    pytest.importorskip("torchao")
+    from memfit.memory import hybrids
+    from memfit.memory.tracker import MemoryTracker
+
+    monkeypatch.setattr(hybrids, "LOW_BIT_CHUNK_ELEMENTS", CHUNK)
+    cls = hybrids.low_bit_class(_torchao_base(name))
+
+    def step_temporaries(rows):
+        p = torch.nn.Parameter(torch.randn(rows, 256))
+        opt = cls([p], lr=1e-2)
+        p.grad = torch.randn_like(p)
+        opt.step()  # creates the state
+        p.grad = torch.randn_like(p)
+        with MemoryTracker(torch.nn.ParameterList([p]), opt) as tracker:
+            opt.step()
+        return tracker.peak_breakdown["temporaries"]
+
+    one_chunk = step_temporaries(CHUNK // 256)
+    assert one_chunk >= 5 * CHUNK * 4  # five or more fp32 chunk-sized temporaries: what chunking bounds
+    tables = 2 * 4 * (256 if name == "torchao_adamw8bit" else 16)
+    for chunks in (2, 3, 16):
+        assert step_temporaries(chunks * CHUNK // 256) == one_chunk + tables

@@ -53,7 +53,7 @@ from memfit.convert.memfit import scan_memfit
 from memfit.convert.meta import META_PARAMS, META_SHARD, scan_meta
 from memfit.convert.tensors import Entry, PretrainedInfo, Scan, read_json
 from memfit.errors import CheckpointError
-from memfit.models.llama import Llama, LlamaConfig, build_llama, rope_inv_freq
+from memfit.models.llama import Llama, LlamaConfig, build_llama
 from memfit.tokenizer import Tokenizer, load_tokenizer
 
 __all__ = [
@@ -319,7 +319,7 @@ def _load(
             trainable = type(value) is Tensor  # a quantized tensor subclass is frozen
             model.get_submodule(module_name)._parameters[attr] = nn.Parameter(value, requires_grad=trainable)
     model.tie_weights()
-    model.model.rotary_emb.inv_freq = rope_inv_freq(config, device=device)
+    model.model.reset_rope(device)
     still_meta = [n for n, p in model.named_parameters() if p.is_meta]
     if still_meta:  # unreachable after _check_entries; the guard of "never a meta parameter"
         raise CheckpointError(f"'{info.path}': tensors {still_meta[:5]} were not loaded")

@@ -1,11 +1,17 @@
-"""Hugging Face ``LlamaForCausalLM`` directories: config mapping, reading, and writing (:func:`export_hf`).
+"""Hugging Face directories of the families memfit builds (``LlamaForCausalLM``, ``MistralForCausalLM``,
+``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``, ``Phi3ForCausalLM``; :mod:`memfit.models.families`): config mapping,
+reading, and writing (:func:`export_hf`).
+
+A family whose checkpoints fuse several of memfit's matrices (:attr:`~memfit.models.families.Family.fused`:
+Phi-3's ``qkv_proj`` and ``gate_up_proj``) is read split, each fused tensor listed as its parts from the headers
+and split as it is read, and written fused again, each fused tensor concatenated as its shard is written.
 
 A directory holds ``config.json`` and ``model.safetensors``, or the shards listed in
 ``model.safetensors.index.json`` (what ``save_pretrained`` writes). ``config.json`` is read in both the
 transformers 4.x spelling (``rope_theta`` and ``rope_scaling`` at the top level, ``torch_dtype``) and the 5.x one
 (``rope_parameters``, ``dtype``), and written in both. :func:`export_hf` writes a directory that
-``LlamaForCausalLM.from_pretrained`` and ``AutoTokenizer.from_pretrained`` load, atomically and with one shard in
-memory at a time.
+``AutoModelForCausalLM.from_pretrained`` (the family's own class) and ``AutoTokenizer.from_pretrained`` load,
+atomically and with one shard in memory at a time.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +40,7 @@ from memfit.convert.tensors import (
 )
 from memfit.errors import CheckpointError
 from memfit.filemode import give_default_mode
+from memfit.models.families import family, hf_family
 from memfit.models.llama import Llama, LlamaConfig, RopeScaling, build_llama
 from memfit.tokenizer import CONFIG_NAME as TOKENIZER_CONFIG
 from memfit.tokenizer import Tokenizer
@@ -62,13 +70,23 @@ DEFAULT_MAX_SHARD_SIZE = 5 * GIB
 
 _FLOAT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
+_UNIMPLEMENTED = {
+    "attention_dropout": "dropout inside attention",
+    "attn_logit_softcapping": "soft-capping of the attention scores",
+    "final_logit_softcapping": "soft-capping of the logits",
+    "num_experts": "a mixture of experts",
+    "num_local_experts": "a mixture of experts",
+}
+"""``config.json`` keys that change the computation, which memfit refuses when set (naming the key)."""
+
 
 # ================================================================================================================
 # Configs
 
 
 def read_hf_config(path: str | Path) -> LlamaConfig:
-    """The :class:`LlamaConfig` of a Hugging Face Llama ``config.json``.
+    """The :class:`LlamaConfig` of a Hugging Face ``config.json`` of a family memfit builds
+    (:mod:`memfit.models.families`: Llama, Mistral, Qwen2 / Qwen2.5, Qwen3).
 
     Reads both spellings: transformers 4.x (``rope_theta`` at the top level, ``rope_scaling`` with ``rope_type``
     or ``type``) and 5.x (``rope_parameters`` holding ``rope_theta`` and the scaling). As transformers does, a
@@ -87,9 +105,13 @@ def read_hf_config(path: str | Path) -> LlamaConfig:
 
     Raises:
         CheckpointError: naming the file and the key, when the file is missing or not JSON, a size key is
-            missing, ``model_type`` is not ``"llama"``, ``attention_bias`` or ``mlp_bias`` is true, ``hidden_act``
-            is not ``"silu"``, ``head_dim`` differs from ``hidden_size / num_attention_heads``, the rope type is
-            neither ``"default"`` nor ``"llama3"``, the weights are quantized, or the values fail validation.
+            missing, ``model_type`` / ``architectures`` is not a family memfit builds
+            (:func:`memfit.models.families.hf_family`: a mixture of experts, Mamba, an unknown type), a field the
+            family's entry refuses is set (a bias flag on a family that has none, Qwen's ``use_sliding_window``, a
+            per-layer ``layer_types`` pattern), ``hidden_act`` is not ``"silu"``, a computation memfit does not
+            implement is asked for (``attention_dropout``, soft-capping, experts), the rope type is neither
+            ``"default"`` nor ``"llama3"`` (``"yarn"``, ``"longrope"``, ...), the weights are quantized, or the
+            values fail validation.
     """
     config, _ = _hf_config_from_file(config_file(Path(path), HF_CONFIG))
     return config
@@ -105,7 +127,8 @@ def _hf_config_from_file(path: Path) -> tuple[LlamaConfig, torch.dtype | None]:
 def hf_config_to_llama(
     cfg: dict[str, Any], source: str = "config.json"
 ) -> tuple[LlamaConfig, torch.dtype | None]:
-    """Translate a Hugging Face Llama config dict (4.x or 5.x spelling) to a :class:`LlamaConfig`.
+    """Translate a Hugging Face config dict (4.x or 5.x spelling) of a family memfit builds to a
+    :class:`LlamaConfig`: the shared keys here, the family's own by its entry (:attr:`Family.read`).
 
     Args:
         cfg: the parsed ``config.json``.
@@ -122,37 +145,30 @@ def hf_config_to_llama(
     def refuse(key: str, why: str) -> CheckpointError:
         return CheckpointError(f"'{source}': {key} {why}")
 
-    model_type = cfg.get("model_type")
-    if model_type != "llama":
+    fam = hf_family(cfg.get("model_type"), cfg.get("architectures"), refuse)
+    cfg = {**fam.hf_defaults, **cfg}
+    if cfg.get("hidden_act", fam.hidden_acts[0]) not in fam.hidden_acts:
         raise refuse(
-            "model_type", f"is {model_type!r}; memfit reads Llama checkpoints only (model_type 'llama')"
+            "hidden_act", f"is {cfg['hidden_act']!r}; memfit builds {fam.name} with {fam.hidden_acts[0]!r}"
         )
-    for key in ("attention_bias", "mlp_bias"):
-        if cfg.get(key):
-            raise refuse(key, "is true; memfit's Llama has no bias terms (Llama 2/3 checkpoints have none)")
-    if cfg.get("hidden_act", "silu") != "silu":
-        raise refuse("hidden_act", f"is {cfg['hidden_act']!r}; memfit's Llama uses SwiGLU with 'silu'")
     if cfg.get("quantization_config"):
         raise refuse(
             "quantization_config", "is set; quantized checkpoints are not supported: use the bf16 weights"
         )
+    for key in _UNIMPLEMENTED:
+        if key not in fam.implements and cfg.get(key) not in (None, False, 0, 0.0):
+            raise refuse(
+                key, f"is {cfg[key]!r}; memfit's decoder does not implement it ({_UNIMPLEMENTED[key]})"
+            )
+    family_fields = fam.read(cfg, refuse)
     sizes = {}
     for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size"):
         if cfg.get(key) is None:
             raise refuse(key, "is missing; a Llama config.json needs it")
         sizes[key] = cfg[key]
     heads = sizes["num_attention_heads"]
-    head_dim = cfg.get("head_dim")
-    if head_dim is not None and (
-        not isinstance(heads, int) or heads <= 0 or head_dim * heads != sizes["hidden_size"]
-    ):
-        raise refuse(
-            "head_dim",
-            f"is {head_dim} but hidden_size / num_attention_heads is {sizes['hidden_size']} / {heads}; memfit's "
-            f"Llama needs head_dim == hidden_size / num_attention_heads",
-        )
     rope_key = "rope_scaling" if cfg.get("rope_scaling") else "rope_parameters"
-    rope = cfg.get(rope_key) or {}
+    rope = {} if fam.reads_rope else cfg.get(rope_key) or {}  # the family's read maps its own RoPE keys
     if not isinstance(rope, dict):
         raise refuse(rope_key, f"must be an object, got {rope!r}")
     rope_type = rope.get("rope_type", rope.get("type", "default"))
@@ -179,11 +195,12 @@ def hf_config_to_llama(
     elif rope_type != "default":
         raise refuse(
             f"{rope_key}.rope_type",
-            f"is {rope_type!r}; memfit implements the 'default' and 'llama3' RoPE only",
+            f"is {rope_type!r}; memfit implements the 'default' and 'llama3' RoPE only (no YaRN, LongRoPE, linear "
+            f"or dynamic scaling)",
         )
     num_kv_heads = cfg.get("num_key_value_heads")
     try:
-        config = LlamaConfig(
+        shared = dict(
             vocab_size=sizes["vocab_size"],
             dim=sizes["hidden_size"],
             num_layers=sizes["num_hidden_layers"],
@@ -195,7 +212,11 @@ def hf_config_to_llama(
             rope_scaling=scaling,
             max_seq_len=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            family=fam.name,
         )
+        config = LlamaConfig(
+            **{**shared, **family_fields}
+        )  # a family's own RoPE (reads_rope) replaces the shared
     except ValueError as exc:
         raise CheckpointError(f"'{source}': {exc}") from None
     dtype_name = cfg.get("dtype", cfg.get("torch_dtype"))
@@ -208,7 +229,8 @@ def llama_to_hf_config(
     bos_token_id: int | None = None,
     eos_token_id: int | list[int] | None = None,
 ) -> dict[str, Any]:
-    """The ``config.json`` of a :class:`LlamaConfig` for ``LlamaForCausalLM``.
+    """The ``config.json`` of a :class:`LlamaConfig`, for its family's class (``LlamaForCausalLM``,
+    ``MistralForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``: :attr:`Family.write` adds its keys).
 
     Readable by transformers 5.x (``rope_parameters``, ``dtype``) and 4.x (top-level ``rope_theta``,
     ``rope_scaling``, ``torch_dtype``): both spellings are written and agree. transformers 5.24 accepts the 4.x
@@ -223,30 +245,27 @@ def llama_to_hf_config(
     Returns:
         A JSON-serialisable dict.
     """
+    fam = family(config.family)
     rope_parameters: dict[str, Any] = {"rope_type": "default", "rope_theta": float(config.rope_theta)}
     rope_scaling = None
     if config.rope_scaling is not None:
         rope_scaling = {"rope_type": "llama3", **dataclasses.asdict(config.rope_scaling)}
         rope_parameters = {**rope_scaling, "rope_theta": float(config.rope_theta)}
     out: dict[str, Any] = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        "architectures": [fam.architectures[0]],
+        "model_type": fam.model_types[0],
         "vocab_size": config.vocab_size,
         "hidden_size": config.dim,
         "intermediate_size": config.intermediate_size,
         "num_hidden_layers": config.num_layers,
         "num_attention_heads": config.num_heads,
         "num_key_value_heads": config.num_kv_heads,
-        "head_dim": config.head_dim,
         "hidden_act": "silu",
         "max_position_embeddings": config.max_seq_len,
         "rms_norm_eps": config.norm_eps,
         "tie_word_embeddings": config.tie_word_embeddings,
-        "attention_bias": False,
-        "mlp_bias": False,
         "attention_dropout": 0.0,
         "initializer_range": 0.02,
-        "pretraining_tp": 1,
         "use_cache": True,
         "rope_parameters": rope_parameters,
         "rope_theta": float(config.rope_theta),
@@ -254,6 +273,7 @@ def llama_to_hf_config(
         "bos_token_id": bos_token_id,
         "eos_token_id": eos_token_id,
     }
+    out.update(fam.write(config))  # after the shared keys: Gemma 3 writes its own RoPE keys
     if dtype is not None:
         out["dtype"] = out["torch_dtype"] = str(dtype).removeprefix("torch.")
     return out
@@ -283,7 +303,60 @@ def scan_hf(directory: Path) -> Scan:
         tokenizer_path=tokenizer_path,
         notes=notes,
     )
+    if family(config.family).fused:
+        return _split_scan(config, info, entries)
     return Scan(config, info, entries, lambda: read_safetensors(entries))
+
+
+def _part_rows(config: LlamaConfig) -> dict[str, int]:
+    """Rows of each decoder-layer weight under its name in ``model.layers.<i>.`` (a one-layer meta model's)."""
+    layer = build_llama(dataclasses.replace(config, num_layers=1), device="meta").model.layers[0]
+    return {n: p.shape[0] for n, p in layer.named_parameters()}
+
+
+def _split_scan(config: LlamaConfig, info: PretrainedInfo, stored: list[Entry]) -> Scan:
+    """The scan of a family whose checkpoints fuse memfit's matrices (:attr:`Family.fused`): each fused tensor
+    is listed as its parts, and read once then split, the parts yielded in turn (each owning its memory).
+
+    Raises:
+        CheckpointError: a fused tensor's shape is not its parts' (naming the tensor, the file and the parts).
+    """
+    fusions = dict(family(config.family).fused)
+    rows = _part_rows(config)
+    entries: list[Entry] = []
+    parts_of: dict[str, list[Entry]] = {}  # fused name -> its part entries
+    for e in stored:
+        prefix, _, suffix = e.name.rpartition(".layers.")
+        index, _, local = suffix.partition(".")
+        if not prefix or local not in fusions:
+            entries.append(e)
+            continue
+        names = fusions[local]
+        sizes = [rows[n] for n in names]
+        if len(e.shape) != 2 or e.shape[0] != sum(sizes):
+            raise CheckpointError(
+                f"'{e.file}': tensor '{e.name}' has shape {e.shape} but the config implies "
+                f"({sum(sizes)}, {config.dim}): the rows of {', '.join(n.split('.')[-2] for n in names)} "
+                f"({', '.join(map(str, sizes))}); the weights and the config do not belong together"
+            )
+        parts = [
+            Entry(f"{prefix}.layers.{index}.{n}", (r, e.shape[1]), e.dtype, e.file)
+            for n, r in zip(names, sizes, strict=True)
+        ]
+        parts_of[e.name] = parts
+        entries += parts
+
+    def read() -> Iterator[tuple[Entry, Tensor]]:
+        for e, tensor in read_safetensors(stored):
+            if e.name not in parts_of:
+                yield e, tensor
+                continue
+            sizes = [p.shape[0] for p in parts_of[e.name]]
+            for part, rows_of_part in zip(parts_of[e.name], tensor.split(sizes, dim=0), strict=True):
+                yield part, rows_of_part.clone()  # (rows, C): its own memory, not a view of the fused tensor
+            del tensor
+
+    return Scan(config, info, entries, read)
 
 
 def _has_tokenizer_files(directory: Path) -> bool:
@@ -376,7 +449,8 @@ def export_hf(
     generation_config: dict[str, Any] | None = None,
     chat_template: str | None = None,
 ) -> Path:
-    """Write ``model`` as a Hugging Face ``LlamaForCausalLM`` directory.
+    """Write ``model`` as a Hugging Face directory of its family (``config.family``: ``LlamaForCausalLM``,
+    ``Qwen2ForCausalLM``, ...).
 
     Files: ``config.json`` (see :func:`llama_to_hf_config`), ``model.safetensors`` or
     ``model-0000i-of-0000n.safetensors`` shards with ``model.safetensors.index.json`` (a tied ``lm_head`` stored
@@ -415,14 +489,14 @@ def export_hf(
     if not isinstance(max_shard_size, int) or max_shard_size <= 0:
         raise ValueError(f"max_shard_size must be a positive number of bytes, got {max_shard_size!r}")
     config = model.config
-    tensors = _export_tensors(model)
+    tensors = _fuse_for_export(_export_tensors(model), config)
     dtype = dtype or tensors["model.embed_tokens.weight"].dtype
 
     # ---- shard plan: tensors in state-dict order, a new shard when the next one would overflow
     shards: list[list[str]] = [[]]
     size = 0
     for name, t in tensors.items():
-        nbytes = t.numel() * dtype.itemsize
+        nbytes = _numel(t) * dtype.itemsize
         if shards[-1] and size + nbytes > max_shard_size:
             shards.append([])
             size = 0
@@ -448,7 +522,7 @@ def export_hf(
         weight_map: dict[str, str] = {}
         total = 0
         for names, file in zip(shards, files, strict=True):
-            shard = {n: tensors[n].detach().to(device="cpu", dtype=dtype).contiguous() for n in names}
+            shard = {n: _stored(tensors[n], dtype) for n in names}
             save_file(shard, str(tmp / file), metadata={"format": "pt"})
             give_default_mode(tmp / file)  # save_file leaves 0o600
             total += sum(t.numel() * t.element_size() for t in shard.values())
@@ -458,7 +532,7 @@ def export_hf(
             index = {
                 "metadata": {
                     "total_size": total,
-                    "total_parameters": sum(t.numel() for t in tensors.values()),
+                    "total_parameters": sum(_numel(t) for t in tensors.values()),
                 },
                 "weight_map": weight_map,
             }
@@ -522,6 +596,44 @@ def _export_tensors(model: Llama) -> dict[str, Tensor]:
             "the model is sharded (DTensor parameters); gather a full copy on one rank before exporting"
         )
     return {n: state[n] for n in expected}
+
+
+def _fuse_for_export(
+    tensors: dict[str, Tensor], config: LlamaConfig
+) -> dict[str, Tensor | tuple[Tensor, ...]]:
+    """The tensors under the family's checkpoint names: the parts of each fused tensor (:attr:`Family.fused`)
+    listed once, in the fused tensor's place and row order, to be concatenated as its shard is written."""
+    fusions = family(config.family).fused
+    if not fusions:
+        return dict(tensors)
+    first_part = {
+        f"model.layers.{i}.{parts[0]}": (
+            f"model.layers.{i}.{fused}",
+            [f"model.layers.{i}.{p}" for p in parts],
+        )
+        for i in range(config.num_layers)
+        for fused, parts in fusions
+    }
+    in_fusion = {p for _, parts in first_part.values() for p in parts}
+    out: dict[str, Tensor | tuple[Tensor, ...]] = {}
+    for name, t in tensors.items():
+        if name in first_part:
+            fused, parts = first_part[name]
+            out[fused] = tuple(tensors[p] for p in parts)
+        elif name not in in_fusion:
+            out[name] = t
+    return out
+
+
+def _numel(t: Tensor | tuple[Tensor, ...]) -> int:
+    return sum(p.numel() for p in t) if isinstance(t, tuple) else t.numel()
+
+
+def _stored(t: Tensor | tuple[Tensor, ...], dtype: torch.dtype) -> Tensor:
+    """A tensor as written: on the CPU in ``dtype``; the parts of a fused one concatenated along dim 0."""
+    if isinstance(t, tuple):
+        return torch.cat([p.detach().to(device="cpu", dtype=dtype) for p in t], dim=0)  # (sum of rows, C)
+    return t.detach().to(device="cpu", dtype=dtype).contiguous()
 
 
 def _write_json(path: Path, data: Any) -> None:

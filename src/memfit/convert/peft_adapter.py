@@ -16,6 +16,7 @@ from safetensors.torch import load_file, save_file
 from memfit.checkpoint import atomic_directory
 from memfit.errors import CheckpointError
 from memfit.filemode import give_default_mode
+from memfit.models.families import family
 from memfit.models.llama import Llama
 from memfit.models.peft import LoraSettings, apply_lora, load_lora_state_dict, lora_settings, lora_state_dict
 
@@ -75,9 +76,12 @@ def save_peft_adapter(model: Llama, out_dir: str | Path, *, base_model_name_or_p
 
     Raises:
         ValueError: the model has no LoRA.
-        CheckpointError: writing failed (an existing ``out_dir`` is untouched).
+        CheckpointError: a LoRA on a part of a matrix the family's checkpoints fuse (Phi-3's q/k/v_proj of
+            ``qkv_proj``, gate/up_proj of ``gate_up_proj``), which PEFT's format cannot hold; or writing failed (an
+            existing ``out_dir`` is untouched).
     """
     settings = lora_settings(model)
+    _check_unfused_targets(model.config.family, settings)
     tensors = {}
     for name, tensor in lora_state_dict(model).items():
         module_name, which = name.rsplit(".", 1)  # which: lora_A or lora_B
@@ -89,6 +93,23 @@ def save_peft_adapter(model: Llama, out_dir: str | Path, *, base_model_name_or_p
         config = _peft_config(settings, base_model_name_or_path)
         (tmp / PEFT_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     return out
+
+
+def _check_unfused_targets(family_name: str, settings: LoraSettings) -> None:
+    """Refuse a LoRA on a part of a fused matrix: PEFT's adapter of Phi-3's ``qkv_proj`` is one ``A`` (r, C)
+    shared by q, k and v and one ``B`` (q + k + v rows, r), which memfit's three LoRAs, each with an ``A`` of
+    its own, are not (their update ``B_q A_q; B_k A_k; B_v A_v`` has rank up to 3r)."""
+    fam = family(family_name)
+    fused = {part.split(".")[-2]: name.split(".")[-2] for name, parts in fam.fused for part in parts}
+    hit = [t for t in settings.target_modules if t in fused]
+    if hit:
+        raise CheckpointError(
+            f"the LoRA adapts {', '.join(hit)}, parts of the {fam.name} checkpoint's fused "
+            f"{', '.join(dict.fromkeys(fused[t] for t in hit))}: memfit gives each part a LoRA of its own, which "
+            f"PEFT's adapter format (one lora_A shared by the fused matrix) cannot hold. Export the merged model "
+            f"(memfit export without --adapter-only), or adapt only "
+            f"{', '.join(t for t in fam.lora_targets if t not in fused and t not in fam.lora_aliases)}"
+        )
 
 
 def load_peft_adapter(model: Llama, adapter_dir: str | Path, *, seed: int | None = None) -> list[str]:

@@ -12,7 +12,12 @@ INSTRUCT_FORMATS = ("alpaca", "dolly", "sharegpt", "openai")
 """Record formats of instruction / chat data (:mod:`memfit.data.instruct`)."""
 DATA_FORMATS = ("text", *INSTRUCT_FORMATS)
 TEMPLATES = ("alpaca", "llama2-chat", "llama3-chat", "chatml")
-"""Prompt templates of instruction / chat data and of ``memfit generate``."""
+"""memfit's built-in prompt templates of instruction / chat data and of ``memfit generate``."""
+TEMPLATE_CHOICES = ("auto", *TEMPLATES)
+"""The values of ``data.template``: ``auto`` (the checkpoint's own chat template where its tokenizer has one, else
+:data:`DEFAULT_TEMPLATE`) or a built-in template."""
+DEFAULT_TEMPLATE = "alpaca"
+"""What ``data.template=auto`` renders with when the tokenizer has no chat template."""
 
 INSTRUCT_COLUMNS: dict[str, dict[str, str]] = {
     "alpaca": {"instruction": "instruction", "input": "input", "output": "output"},

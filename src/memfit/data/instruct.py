@@ -39,15 +39,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from memfit.data.formats import TEMPLATES, format_columns
+from memfit.data.chat_template import ROLES, ChatTemplate
+from memfit.data.formats import DEFAULT_TEMPLATE, TEMPLATES, format_columns
 from memfit.data.jsonl import Lines, MalformedJSON, NotUTF8, is_blank
 from memfit.data.jsonl import loads as jsonl_loads
 from memfit.errors import DataError
 from memfit.memory.techniques import IGNORE_INDEX
 
 log = logging.getLogger(__name__)
-
-ROLES = ("system", "user", "assistant")
 
 _SHAREGPT_ROLES = {
     "human": "user",
@@ -331,6 +330,48 @@ def _to_messages(item: Any, fmt: str, columns: dict[str, str]) -> list[dict[str,
 # ----------------------------------------------------------------------------------------------------------------
 # Templates
 
+Template = str | ChatTemplate
+"""A prompt template: the name of a built-in one (:data:`TEMPLATES`) or a checkpoint's own :class:`ChatTemplate`."""
+
+
+def resolve_template(name: str, tokenizer: Any) -> Template:
+    """The template ``data.template`` (or ``generate --template``) names, for this tokenizer.
+
+    Args:
+        name: ``auto`` or one of :data:`TEMPLATES`.
+        tokenizer: The run's tokenizer; its :attr:`~memfit.tokenizer.Tokenizer.chat_template` is the checkpoint's
+            own template, where it has one.
+
+    Returns:
+        A named template as is; for ``auto``, the tokenizer's chat template when it has one, else
+        :data:`~memfit.data.formats.DEFAULT_TEMPLATE` (``alpaca``).
+
+    Raises:
+        DataError: ``name`` is unknown, or the chat template is not valid Jinja (naming its file).
+    """
+    if name != "auto":
+        if name not in TEMPLATES:
+            raise DataError(f"unknown chat template {name!r}; expected auto or one of {', '.join(TEMPLATES)}")
+        return name
+    source = getattr(tokenizer, "chat_template", None)
+    return ChatTemplate(source) if source is not None else DEFAULT_TEMPLATE
+
+
+def template_label(name: str, template: Template) -> str:
+    """How the banner names the template a run renders with and where it came from, e.g. ``chatml``,
+    ``auto: the checkpoint's chat template '<dir>/chat_template.jinja'`` or ``alpaca (auto: the tokenizer has no
+    chat template)``."""
+    if isinstance(template, ChatTemplate):
+        return f"{name}: {template.label}" if name == "auto" else template.label
+    if name == "auto":
+        return f"{template} (auto: the tokenizer has no chat template)"
+    return template
+
+
+def template_name(template: Template) -> str:
+    """A template's name in messages, quoted: the built-in's name, or the chat template's file."""
+    return repr(template) if isinstance(template, str) else f"'{template.path}'"
+
 
 class _Rendering:
     """Token ids and a trainable flag per token, built piece by piece.
@@ -368,8 +409,12 @@ class _Rendering:
         return self.tokenizer.encode(text)
 
 
-def _specials_for(template: str, tokenizer: Any) -> dict[str, int]:
-    """The special ids a template needs from ``tokenizer``; raises when it lacks one."""
+def _specials_for(template: Template, tokenizer: Any) -> dict[str, int]:
+    """The special ids a template needs from ``tokenizer``; raises when it lacks one (a chat template: when it
+    cannot be rendered or read with this tokenizer)."""
+    if isinstance(template, ChatTemplate):
+        template.check(tokenizer)
+        return {}
     if template not in TEMPLATES:
         raise DataError(f"unknown chat template {template!r}; expected one of {', '.join(TEMPLATES)}")
     kind = getattr(tokenizer, "kind", type(tokenizer).__name__)
@@ -521,7 +566,7 @@ def _chatml(r: _Rendering, messages: list[dict], ids: dict[str, int], gen: bool)
 
 
 def encode_conversation(
-    messages: Sequence[dict[str, str]], template: str, tokenizer: Any, *, train_on_prompt: bool = False
+    messages: Sequence[dict[str, str]], template: Template, tokenizer: Any, *, train_on_prompt: bool = False
 ) -> tuple[list[int], list[int]]:
     """Render a conversation with a chat template into token ids and loss labels.
 
@@ -545,10 +590,14 @@ def encode_conversation(
     llama2-chat, whose reply piece is ``" {assistant} "``; ``<|eot_id|>``; ``<|im_end|>\\n``, plus the final
     ``<EOS>``, for chatml).
 
+    A checkpoint's own :class:`~memfit.data.chat_template.ChatTemplate` renders the whole conversation with Jinja
+    as transformers does, the ids equal to ``apply_chat_template(messages, tokenize=True)``, each reply and the
+    end-of-turn the template closes it with trained (:meth:`ChatTemplate.encode`).
+
     Args:
         messages: ``[{"role": "system" | "user" | "assistant", "content": str}, ...]`` (a user message may carry
             an ``"input"``, see :func:`load_conversations`).
-        template: One of :data:`TEMPLATES`.
+        template: One of :data:`TEMPLATES`, or a :class:`~memfit.data.chat_template.ChatTemplate`.
         tokenizer: A ``memfit.tokenizer.Tokenizer``.
         train_on_prompt: Train on every token (labels equal ids).
 
@@ -559,8 +608,11 @@ def encode_conversation(
     Raises:
         DataError: Unknown template; the tokenizer lacks a token the template needs (the message names it and
             the template to use instead); a message is not a role/content dict; no assistant reply; the roles do
-            not fit the template (multi-turn for alpaca, non-alternating for llama2-chat).
+            not fit the template (multi-turn for alpaca, non-alternating for llama2-chat); a chat template cannot
+            render the conversation (naming its file).
     """
+    if isinstance(template, ChatTemplate):
+        return template.encode(messages, tokenizer, train_on_prompt=train_on_prompt)
     r = _render(messages, template, tokenizer, generation_prompt=False)
     labels = (
         list(r.ids)
@@ -570,16 +622,17 @@ def encode_conversation(
     return r.ids, labels
 
 
-def encode_prompt(messages: Sequence[dict[str, str]], template: str, tokenizer: Any) -> list[int]:
+def encode_prompt(messages: Sequence[dict[str, str]], template: Template, tokenizer: Any) -> list[int]:
     """Render a conversation that ends with a user message, up to where the assistant's reply begins.
 
     The ids equal the prefix of :func:`encode_conversation`'s for the same messages plus a reply: they end with
     ``### Response:\\n`` (alpaca), ``[/INST]`` (llama2-chat), ``<|start_header_id|>assistant<|end_header_id|>\\n\\n``
-    (llama3-chat) or ``<|im_start|>assistant\\n`` (chatml).
+    (llama3-chat) or ``<|im_start|>assistant\\n`` (chatml); a chat template's rendering with
+    ``add_generation_prompt=True``.
 
     Args:
         messages: The conversation so far, ending with a user message.
-        template: One of :data:`TEMPLATES`.
+        template: One of :data:`TEMPLATES`, or a :class:`~memfit.data.chat_template.ChatTemplate`.
         tokenizer: A ``memfit.tokenizer.Tokenizer``.
 
     Returns:
@@ -588,23 +641,27 @@ def encode_prompt(messages: Sequence[dict[str, str]], template: str, tokenizer: 
     Raises:
         DataError: As :func:`encode_conversation`, or the last message is not the user's.
     """
+    if isinstance(template, ChatTemplate):
+        return template.encode_prompt(messages, tokenizer)
     return _render(messages, template, tokenizer, generation_prompt=True).ids
 
 
-def stop_token_ids(template: str, tokenizer: Any) -> list[int]:
+def stop_token_ids(template: Template, tokenizer: Any) -> list[int]:
     """Ids that end an assistant reply in generation.
 
     Args:
-        template: One of :data:`TEMPLATES`.
+        template: One of :data:`TEMPLATES`, or a :class:`~memfit.data.chat_template.ChatTemplate`.
         tokenizer: A ``memfit.tokenizer.Tokenizer``.
 
     Returns:
         EOS (when the tokenizer has one), plus ``<|eot_id|>`` for llama3-chat and ``<|im_end|>`` for chatml when it
-        is a special token; without duplicates.
+        is a special token, or the first special token a chat template closes a reply with; without duplicates.
 
     Raises:
         DataError: As :func:`encode_conversation` for a template the tokenizer cannot serve.
     """
+    if isinstance(template, ChatTemplate):
+        return template.stop_token_ids(tokenizer)
     ids = _specials_for(template, tokenizer)
     out = [ids["eos"]] if "eos" in ids else []
     for token in (_L3_EOT, _IM_END):
@@ -918,7 +975,7 @@ def _pack(
 def prepare_instruct(
     path: str | Path,
     fmt: str,
-    template: str,
+    template: Template,
     tokenizer: Any,
     *,
     max_seq_len: int,
@@ -935,7 +992,8 @@ def prepare_instruct(
     Args:
         path: The data file (see :func:`load_conversations`).
         fmt: One of :data:`memfit.data.formats.INSTRUCT_FORMATS`.
-        template: One of :data:`TEMPLATES`.
+        template: One of :data:`TEMPLATES`, or a checkpoint's :class:`~memfit.data.chat_template.ChatTemplate`
+            (see :func:`resolve_template`).
         tokenizer: A ``memfit.tokenizer.Tokenizer``.
         max_seq_len: Model inputs per sample ``T``; samples hold at most ``T + 1`` tokens (longer ones are cut
             to that and counted in ``num_truncated``); packed rows hold exactly ``T`` inputs.
@@ -957,8 +1015,8 @@ def prepare_instruct(
 
     Raises:
         DataError: Bad arguments (each named); the file or a record is bad (see :func:`load_conversations`); the
-            tokenizer cannot serve the template; a record's roles do not fit the template (unless
-            ``skip_malformed``); or no training sample is left.
+            tokenizer cannot serve the template, or a chat template cannot be rendered (naming its file); a
+            record's roles do not fit the template (unless ``skip_malformed``); or no training sample is left.
     """
     path = Path(path)
     if not isinstance(max_seq_len, int) or max_seq_len < 1:
@@ -999,10 +1057,10 @@ def prepare_instruct(
         samples.append((np.asarray(ids[:-1], np.int32), np.asarray(labels[1:], np.int32)))
     if template_errors:
         log.warning(
-            "skipped %d record(s) of '%s' that template %r cannot render; first: %s",
+            "skipped %d record(s) of '%s' that template %s cannot render; first: %s",
             len(template_errors),
             path,
-            template,
+            template_name(template),
             "; ".join(template_errors[:3]),
         )
     num_skipped += len(template_errors)
@@ -1014,8 +1072,8 @@ def prepare_instruct(
     if not train_samples:
         raise DataError(
             f"'{path}' leaves no training sample: {len(records)} valid record(s), {len(val_idx)} held out for "
-            f"validation, {len(template_errors)} skipped for template {template!r}, {num_dropped} with nothing "
-            f"to train on after truncation to {max_seq_len + 1} tokens ({length_fix})"
+            f"validation, {len(template_errors)} skipped for template {template_name(template)}, {num_dropped} "
+            f"with nothing to train on after truncation to {max_seq_len + 1} tokens ({length_fix})"
         )
 
     # ---- build the splits, packing if asked
@@ -1048,5 +1106,7 @@ def prepare_instruct(
     if packing:
         stats.num_train_rows, stats.num_val_rows = len(splits[0]), len(splits[1])
         stats.packing_efficiency = real_total / (rows_total * max_seq_len)
-    log.info("instruction data '%s' (%s, template %s): %s", path, fmt, template, stats.as_dict())
+    log.info(
+        "instruction data '%s' (%s, template %s): %s", path, fmt, template_name(template), stats.as_dict()
+    )
     return InstructData(train=splits[0], val=splits[1], stats=stats)

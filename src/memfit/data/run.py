@@ -23,7 +23,14 @@ from tqdm.auto import tqdm
 from memfit import distributed as dist_
 from memfit.config import PrepareConfig, TrainConfig, load_prepare_config, show_progress
 from memfit.convert import checkpoint_tokenizer
-from memfit.data.instruct import InstructStats, batch_position, prepare_instruct
+from memfit.data.instruct import (
+    InstructStats,
+    batch_position,
+    prepare_instruct,
+    resolve_template,
+    template_label,
+    template_name,
+)
 from memfit.data.prepare import empty_file_notes, prepare
 from memfit.data.sources import default_corpus_path, source_tree
 from memfit.data.tokens import TRAIN, VAL, TokenDataset, document_ids, is_dataset, read_manifest
@@ -284,16 +291,18 @@ def text_data(cfg: TrainConfig, directory: Path, manifest: dict, seq_len: int) -
 
 
 def instruct_data(cfg: TrainConfig, tokenizer, seq_len: int) -> RunData:
-    """Instruction / chat samples rendered with ``data.template`` (see :mod:`memfit.data.instruct`).
+    """Instruction / chat samples rendered with ``data.template`` (see :mod:`memfit.data.instruct`; ``auto``: the
+    tokenizer's chat template, which a checkpoint's tokenizer directory holds, else ``alpaca``).
 
     Training batches walk seeded epoch permutations (see :func:`~memfit.data.instruct.batch_position`);
     validation batches walk the held-out samples once, in order, up to ``eval_batches`` batches.
     """
     d = cfg.data
+    template = resolve_template(d.template, tokenizer)
     data = prepare_instruct(
         d.path,
         d.format,
-        d.template,
+        template,
         tokenizer,
         max_seq_len=seq_len,
         val_fraction=d.val_fraction,
@@ -319,7 +328,8 @@ def instruct_data(cfg: TrainConfig, tokenizer, seq_len: int) -> RunData:
 
     stats = data.stats
     summary = (
-        f"{stats.num_records:,} record{'s' * (stats.num_records != 1)} ({d.format}, template {d.template}): "
+        f"{stats.num_records:,} record{'s' * (stats.num_records != 1)} ({d.format}, template "
+        f"{template_label(d.template, template)}): "
         f"{len(data.train):,} train / "
         f"{len(data.val):,} val {'rows' if d.packing else 'samples'}"
         + (f" ({stats.packing_efficiency:.0%} tokens, the rest padding)" if d.packing else "")
@@ -329,7 +339,11 @@ def instruct_data(cfg: TrainConfig, tokenizer, seq_len: int) -> RunData:
     )
     longest = seq_len if d.packing else data.train.max_length  # padded to the batch's longest item
     return RunData(
-        train_batch, val_batches, summary, longest, val_empty_reason=_val_empty_reason(cfg, stats, seq_len)
+        train_batch,
+        val_batches,
+        summary,
+        longest,
+        val_empty_reason=_val_empty_reason(cfg, stats, seq_len, template_name(template)),
     )
 
 
@@ -344,7 +358,7 @@ def _length_fix(cfg: TrainConfig) -> str:
     return "seq_len is 0, already the checkpoint's max_seq_len: shorten the records"
 
 
-def _val_empty_reason(cfg: TrainConfig, stats: InstructStats, seq_len: int) -> str | None:
+def _val_empty_reason(cfg: TrainConfig, stats: InstructStats, seq_len: int, template: str) -> str | None:
     """Why instruction data has no validation sample, naming the key that decides it; ``None`` when it has."""
     if stats.num_val_samples:
         return None
@@ -362,7 +376,7 @@ def _val_empty_reason(cfg: TrainConfig, stats: InstructStats, seq_len: int) -> s
             f"{dropped} had no reply token left after truncation to {seq_len + 1} tokens ({_length_fix(cfg)})"
         )
     if held - dropped:
-        causes.append(f"{held - dropped} skipped: template {cfg.data.template!r} cannot render their roles")
+        causes.append(f"{held - dropped} skipped: template {template} cannot render their roles")
     return (
         f"no validation samples: the {held} record{'s' * (held != 1)} data.val_fraction={vf:g} held out "
         f"{'were all' if held != 1 else 'was'} dropped: " + "; ".join(causes)

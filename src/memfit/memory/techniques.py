@@ -149,7 +149,7 @@ def loss_chunks(setting: int | str, tokens: int, vocab_size: int) -> int:
 
 
 def _chunk_loss_and_grad(
-    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, softcap: float | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One chunk's summed cross-entropy and its gradient with respect to the chunk's logits.
 
@@ -157,13 +157,20 @@ def _chunk_loss_and_grad(
         hidden: ``(n, dim)``.
         weight: ``(V, dim)``.
         targets: ``(n,)`` int64, ``-100`` not counted.
+        softcap: None, or Gemma 2's ``final_logit_softcapping``: the loss is over ``cap * tanh(logits / cap)``
+            (in the logits' dtype, as the model's ``forward`` caps them) and the gradient is taken through it.
 
     Returns:
         ``(loss, grad_logits)``: a 0-dim fp32 sum in nats, and ``(n, V)`` ``softmax(logits) - one_hot(targets)``
         (zero in rows that do not count) in the dtype of the logits. The softmax is taken in fp32.
     """
     logits = F.linear(hidden, weight)  # (n, V), in the matmul dtype (bf16 under autocast)
-    probs = logits.float()  # (n, V): the same tensor in fp32, a copy otherwise
+    tanh = None
+    if softcap is not None:  # capped as softcap_logits does: tanh(logits / cap) * cap
+        tanh = torch.tanh(logits / softcap)  # (n, V)
+        probs = (tanh * softcap).float()  # (n, V)
+    else:
+        probs = logits.float()  # (n, V): the same tensor in fp32, a copy otherwise
     lse = torch.logsumexp(probs, dim=-1)  # (n,)
     counted = targets != IGNORE_INDEX
     safe = targets.masked_fill(~counted, 0)
@@ -172,6 +179,8 @@ def _chunk_loss_and_grad(
     probs.sub_(lse[:, None]).exp_()  # softmax, in place: the logits are not needed any more
     probs[torch.arange(len(safe), device=safe.device), safe] -= 1.0
     probs.mul_(counted[:, None])
+    if tanh is not None:  # d(cap * tanh(z / cap)) / dz = 1 - tanh^2
+        probs.mul_(1.0 - tanh.float().square())
     return loss, probs.to(logits.dtype)
 
 
@@ -183,7 +192,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, num_chunks, chunk_fn):  # noqa: D102 (autograd's signature)
+    def forward(ctx, hidden, weight, targets, num_chunks, chunk_fn, softcap=None):  # noqa: D102 (autograd's)
         need_hidden, need_weight = ctx.needs_input_grad[:2]
         grad_hidden = torch.empty_like(hidden) if need_hidden else None
         # the weight gradient accumulates in the weight's dtype over the chunks, as autograd accumulates a
@@ -192,7 +201,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         for s, e in tile_ranges(len(hidden), num_chunks, hidden):
             h = hidden[s:e]  # (n, dim)
-            loss, grad_logits = chunk_fn(h, weight, targets[s:e])  # 0-dim, (n, V)
+            loss, grad_logits = chunk_fn(h, weight, targets[s:e], softcap)  # 0-dim, (n, V)
             total += loss
             if need_hidden:
                 grad_hidden[s:e] = grad_logits @ weight  # (n, dim)
@@ -211,7 +220,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         for grad in (grad_hidden, grad_weight):
             if grad is not None:
                 grad.mul_(grad_output.to(grad.dtype))
-        return grad_hidden, grad_weight, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None
 
 
 def chunked_cross_entropy(
@@ -221,6 +230,7 @@ def chunked_cross_entropy(
     num_chunks: int,
     *,
     compile: bool = False,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Summed token cross-entropy of ``hidden @ lm_head_weight.T``, fused with its gradients, chunk by chunk.
 
@@ -236,6 +246,8 @@ def chunked_cross_entropy(
         targets: ``(B, T)`` int64; ``-100`` marks tokens that do not count.
         num_chunks: split the ``B*T`` tokens into this many chunks (the last may be shorter).
         compile: run each chunk's loss and softmax gradient as one ``torch.compile``'d function.
+        softcap: None, or the model's ``final_logit_softcapping`` (Gemma 2): each chunk's logits are capped as
+            the model's ``forward`` caps them.
 
     Returns:
         A 0-dim fp32 tensor: the summed cross-entropy (nats) over counted tokens. At most one chunk's logits
@@ -248,9 +260,11 @@ def chunked_cross_entropy(
     flat_t = targets.flatten()  # (B*T,)
     if torch.is_grad_enabled() and (hidden.requires_grad or lm_head_weight.requires_grad):
         chunk_fn = compiled(_chunk_loss_and_grad) if compile else _chunk_loss_and_grad
-        return _FusedLinearCrossEntropy.apply(flat_h, lm_head_weight, flat_t, num_chunks, chunk_fn)
+        return _FusedLinearCrossEntropy.apply(flat_h, lm_head_weight, flat_t, num_chunks, chunk_fn, softcap)
     total = torch.zeros((), dtype=torch.float32, device=hidden.device)
     for s, e in tile_ranges(len(flat_h), num_chunks, flat_h):
         logits = F.linear(flat_h[s:e], lm_head_weight)  # (n, V)
+        if softcap is not None:
+            logits = torch.tanh(logits / softcap) * softcap
         total += F.cross_entropy(logits.float(), flat_t[s:e], ignore_index=IGNORE_INDEX, reduction="sum")
     return total

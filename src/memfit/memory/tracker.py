@@ -400,6 +400,11 @@ class _Ledger:
         self.allocations: list[tuple[str, _Entry, int]] | None = None
         """With a list: ``("alloc", entry, nbytes)`` when a storage is counted, ``("free", entry, 0)`` when it is
         freed, both when it is resized, in order (the timeline a caching allocator would see)."""
+        self.ops: list[tuple[Any, Any]] | None = None
+        """With a list (and ``record_timeline``): ``(op, sample())`` beside each timeline entry, the op that made it
+        and what :attr:`sample` returned then (the estimator aligns the timelines of two traces op by op)."""
+        self.sample: Callable[[], Any] = lambda: None
+        self.current_op: Any = None
 
     # --- storages -------------------------------------------------------------------------------------------
 
@@ -566,6 +571,8 @@ class _Ledger:
             self.peak_phase = phase
         if self.record_timeline:
             self.timeline.append((self._event, phase, dict(zip(CATEGORIES, totals, strict=True))))
+            if self.ops is not None:
+                self.ops.append((self.current_op, self.sample()))
 
     def breakdown(self) -> dict[str, int]:
         """Bytes live now, ``{category: bytes}`` for every category of :data:`CATEGORIES`."""
@@ -647,6 +654,7 @@ class _Observer(TorchDispatchMode):
         if buffer_op is not None:
             role, kwarg, stream = buffer_op
             self.ledger.give_op_role(out if kwarg is None else kwargs[kwarg], role, stream)
+        self.ledger.current_op = func
         self.after_op()
         return out
 
@@ -838,6 +846,8 @@ class MemoryTracker:
         record_allocations: keep :attr:`allocations`, the order in which storages are counted and freed (what a
             caching allocator would be asked for; the estimator replays it through
             :mod:`memfit.memory.allocator`).
+        record_ops: with a callable, keep :attr:`ops` beside the timeline: the op of each entry and what the
+            callable returned after it (the estimator samples the offloading hooks' host bytes so).
 
     Attributes:
         peak_bytes: the maximum over time of the total live bytes (all categories).
@@ -859,6 +869,7 @@ class MemoryTracker:
         record_timeline: bool = True,
         refresh_roles_at_peak: bool = True,
         record_allocations: bool = False,
+        record_ops: Callable[[], Any] | None = None,
     ) -> None:
         self.model = model
         self.optimizer = optimizer
@@ -868,6 +879,9 @@ class MemoryTracker:
         self._ledger = _Ledger(self._device_arg or self._model_device(), record_timeline)
         if record_allocations:
             self._ledger.allocations = []
+        if record_ops is not None:
+            self._ledger.ops = []
+            self._ledger.sample = record_ops
         self._base_phase = "other"  # as marked by the loop, or by the model's forward / the end of backward
         self._last_phase = "other"
         self._in_backward = False
@@ -961,6 +975,11 @@ class MemoryTracker:
         FSDP2's :data:`ALL_GATHER_STREAM` / :data:`REDUCE_SCATTER_STREAM`). Empty without
         ``record_allocations``."""
         return self._ledger.allocations or []
+
+    @property
+    def ops(self) -> list[tuple[Any, Any]]:
+        """With ``record_ops``: ``(op, sample)`` of each :attr:`timeline` entry; empty without."""
+        return self._ledger.ops or []
 
     @property
     def timeline(self) -> list[tuple[int, str, dict[str, int]]]:

@@ -6,9 +6,9 @@ consecutive tokens of it. Everything but attention works per token (embedding, R
 chunked loss) and runs on the rank's shard. Attention needs the whole sequence, so around it an all-to-all turns
 the shard's ``(B, nh, T / N, hd)`` queries, keys and values into whole sequences of ``nh / N`` heads,
 ``(B, nh / N, T, hd)``; each rank attends over all ``T`` tokens for its heads (causal and packed-document masks
-unchanged) and the inverse all-to-all gives back ``(B, nh, T / N, hd)``. Key/value heads are split over the group
-when ``num_kv_heads`` is a multiple of N, else each is repeated ``N / num_kv_heads`` times first (the heads of one
-group of queries then sit on one rank), as DeepSpeed does.
+and a sliding window unchanged) and the inverse all-to-all gives back ``(B, nh, T / N, hd)``. Key/value heads are
+split over the group when ``num_kv_heads`` is a multiple of N, else each is repeated ``N / num_kv_heads`` times
+first (the heads of one group of queries then sit on one rank), as DeepSpeed does.
 
 Each rank sends and receives, per layer and forward, ``(N - 1) / N`` of its ``q, k, v`` and attention output
 shards (:func:`memfit.memory.switches.all_to_all_elements`). The collective is torch's functional
@@ -30,7 +30,6 @@ from torch import Tensor, nn
 
 from memfit.memory.switches import kv_heads_sent
 from memfit.memory.techniques import IGNORE_INDEX
-from memfit.models import llama
 from memfit.models.llama import Attention, packed_positions
 
 
@@ -82,7 +81,7 @@ class UlyssesAttention(Attention):
             k = k.repeat_interleave(size // self.num_kv_heads, dim=1)  # (B, N, T/N, hd)
             v = v.repeat_interleave(size // self.num_kv_heads, dim=1)
         q, k, v = (_heads_to_sequence(h, size, group) for h in (q, k, v))  # (B, heads/N, T, hd)
-        y = llama.causal_attention(q, k, v, doc_ids=doc_ids)  # (B, nh/N, T, hd)
+        y = self.attend(q, k, v, doc_ids)  # (B, nh/N, T, hd): llama.causal_attention with the layer's options
         y = _sequence_to_heads(y, size, group)  # (B, nh, T/N, hd)
         y = y.transpose(1, 2).reshape(B, t, self.num_heads * self.head_dim)  # (B, T/N, nh * hd)
         return self.o_proj(y)  # (B, T/N, C)

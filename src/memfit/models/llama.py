@@ -1,11 +1,19 @@
 """The Llama architecture (Llama 2, Llama 3, 3.1, 3.2): RMSNorm, RoPE, grouped-query attention, SwiGLU.
 
+With the options the other families memfit builds need (:mod:`memfit.models.families`), each a field of
+:class:`LlamaConfig` whose default is Llama's: an explicit ``head_dim`` (Mistral, Qwen3), biases on the q, k and v
+projections (Qwen2), an RMSNorm of each query and key head before RoPE (Qwen3), a sliding attention window
+(Mistral v0.1), and Gemma 2/3's: GeGLU, ``(1 + w)`` norms before and after attention and MLP, embeddings times
+``sqrt(dim)``, ``query_pre_attn_scalar``, local and global layers (``layer_types``) with their own RoPE bases,
+soft-capped attention scores and logits.
+
 Architecture only. Checkpointing, sharding, LoRA, optimizer hooks and dtype policy are applied to a built model
 from outside. Submodules are named like Hugging Face's ``LlamaForCausalLM`` so that state dicts load into each
 other with ``strict=True``.
 
 Shape letters used in comments: B batch, T sequence length, C model width (``dim``), nh query heads, nkv key/value
-heads, hd head size (``dim // num_heads``), I SwiGLU hidden size, V vocabulary size.
+heads, hd head size (``head_dim``, by default ``dim // num_heads``), W sliding window, I SwiGLU hidden size, V
+vocabulary size.
 
 The forward pass has no host syncs and no data-dependent Python branching, so it runs under
 ``torch._subclasses.fake_tensor.FakeTensorMode`` on a model of any size built on the meta device.
@@ -21,11 +29,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from memfit.models.attention import document_attention
+from memfit.models.attention import document_attention, softcapped_attention
 from memfit.models.tiles import representative
 
 INIT_STD = 0.02
 """Standard deviation of the normal initialisation of embeddings and linear weights (GPT-2, Llama)."""
+MLP_ACTIVATIONS = ("silu", "gelu_tanh")
+"""Values of :attr:`LlamaConfig.mlp_activation`."""
+LAYER_TYPES = ("sliding_attention", "full_attention")
+"""Values in :attr:`LlamaConfig.layer_types` (transformers' names)."""
 
 
 @dataclass(frozen=True)
@@ -70,8 +82,10 @@ class LlamaConfig:
     Raises:
         ValueError: naming the field, from ``__post_init__``, when a size is not a positive int, ``norm_eps`` or
             ``rope_theta`` is not positive, ``dim`` is not divisible by ``num_heads``, ``num_heads`` is not
-            divisible by ``num_kv_heads``, the head size is odd (RoPE rotates pairs), or ``rope_scaling`` is
-            neither None, a ``RopeScaling`` nor a dict of its fields.
+            divisible by ``num_kv_heads``, the head size is odd (RoPE rotates pairs), ``head_dim`` or
+            ``sliding_window`` is neither None nor a positive int, or ``rope_scaling`` is neither None, a
+            ``RopeScaling`` nor a dict of its fields. (Without an explicit ``head_dim``, ``dim`` must be divisible
+            by ``num_heads``.)
     """
 
     vocab_size: int
@@ -96,6 +110,50 @@ class LlamaConfig:
     """Context length the model is meant for (HF ``max_position_embeddings``); not enforced in ``forward``."""
     tie_word_embeddings: bool = False
     """Share one matrix between the token embedding and the output projection."""
+    head_dim: int | None = None
+    """Size of one attention head, hd; None (the default) is ``dim // num_heads``, which ``__post_init__`` writes
+    here (so ``dataclasses.replace(config, dim=...)`` keeps the old head size: pass ``head_dim=None`` too).
+    Mistral and Qwen3 checkpoints set it explicitly (Qwen3-8B: 128 with ``dim // num_heads`` = 128, Qwen3-0.6B:
+    128 where it would be 64)."""
+    attention_bias: bool = False
+    """Biases on the q, k and v projections (Qwen2 / Qwen2.5); ``o_proj`` and the MLP never have one."""
+    qk_norm: bool = False
+    """RMSNorm of each query and key head (a weight of hd each, ``q_norm`` and ``k_norm``) before RoPE (Qwen3)."""
+    sliding_window: int | None = None
+    """Each query attends to at most this many keys, itself and the ``sliding_window - 1`` before it, in every
+    layer (Mistral v0.1: 4096); None attends to all earlier keys."""
+    family: str = "llama"
+    """The checkpoint family (:mod:`memfit.models.families`): which Hugging Face ``model_type`` and
+    ``architectures`` an export writes. The computation is set by the fields above and below alone."""
+    mlp_activation: str = "silu"
+    """The gate's activation in the gated MLP: ``"silu"`` (SwiGLU, Llama's) or ``"gelu_tanh"`` (GeGLU with the
+    tanh approximation of GELU, Gemma's ``gelu_pytorch_tanh``)."""
+    norm_plus_one: bool = False
+    """Every RMSNorm scales by ``1 + weight`` in fp32 and casts after (Gemma), rather than ``weight`` times the
+    normed rows cast to the input dtype (Llama); its weights start at zeros."""
+    sandwich_norms: bool = False
+    """Norms before and after attention and MLP (Gemma 2/3): ``x + post_attention_layernorm(attn(
+    input_layernorm(x)))``, then ``x + post_feedforward_layernorm(mlp(pre_feedforward_layernorm(x)))``."""
+    scale_embeddings: bool = False
+    """The token embeddings are multiplied by ``sqrt(dim)`` (rounded to fp32, then to the embedding's dtype, as
+    transformers' Gemma does); a tied ``lm_head`` uses the unscaled matrix."""
+    query_pre_attn_scalar: float | None = None
+    """Attention scores are scaled by ``query_pre_attn_scalar ** -0.5`` (Gemma: 256); None is ``head_dim ** -0.5``."""
+    attn_logit_softcapping: float | None = None
+    """Attention scores are capped to ``cap * tanh(scores / cap)`` before the mask and softmax (Gemma 2: 50.0)."""
+    final_logit_softcapping: float | None = None
+    """Logits are capped to ``cap * tanh(logits / cap)`` (Gemma 2: 30.0): in ``forward``, in the chunked
+    cross-entropy and so in generation."""
+    layer_types: tuple[str, ...] | None = None
+    """Per layer ``"sliding_attention"`` (a local layer: the ``sliding_window``, RoPE base
+    ``rope_local_base_freq``) or ``"full_attention"`` (a global layer: every earlier key, ``rope_theta`` and
+    ``rope_linear_factor``); None makes every layer alike (``sliding_window`` in each when set)."""
+    rope_local_base_freq: float | None = None
+    """RoPE base of the local layers (Gemma 3: 10,000 where the global layers' is 1,000,000); None is
+    ``rope_theta``."""
+    rope_linear_factor: float | None = None
+    """Linear RoPE scaling of the global layers (every layer's without ``layer_types``): positions divided by it
+    (Gemma 3 4B: 8.0); None scales nothing."""
 
     def __post_init__(self) -> None:
         """Validate the fields and convert a dict ``rope_scaling`` to ``RopeScaling``.
@@ -112,17 +170,26 @@ class LlamaConfig:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not value > 0:
                 raise ValueError(f"LlamaConfig.{name} must be a positive number, got {value!r}")
-        if self.dim % self.num_heads != 0:
-            raise ValueError(
-                f"LlamaConfig.dim ({self.dim}) must be divisible by num_heads ({self.num_heads})"
-            )
+        for name in ("head_dim", "sliding_window"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
+                raise ValueError(f"LlamaConfig.{name} must be None or a positive int, got {value!r}")
+        derived = self.head_dim is None
+        if derived:
+            if self.dim % self.num_heads != 0:
+                raise ValueError(
+                    f"LlamaConfig.dim ({self.dim}) must be divisible by num_heads ({self.num_heads}), or head_dim "
+                    f"given"
+                )
+            object.__setattr__(self, "head_dim", self.dim // self.num_heads)
         if self.num_heads % self.num_kv_heads != 0:
             raise ValueError(
                 f"LlamaConfig.num_heads ({self.num_heads}) must be divisible by num_kv_heads ({self.num_kv_heads})"
             )
         if self.head_dim % 2 != 0:
             raise ValueError(
-                f"LlamaConfig.dim // num_heads ({self.head_dim}) must be even: RoPE rotates pairs of channels"
+                f"LlamaConfig.{'dim // num_heads' if derived else 'head_dim'} ({self.head_dim}) must be even: RoPE "
+                f"rotates pairs of channels"
             )
         if isinstance(self.rope_scaling, dict):
             known = {f.name for f in fields(RopeScaling)}
@@ -136,11 +203,74 @@ class LlamaConfig:
             raise ValueError(
                 f"LlamaConfig.rope_scaling must be None, a RopeScaling or a dict, got {self.rope_scaling!r}"
             )
+        self._check_gemma_fields()
 
-    @property
-    def head_dim(self) -> int:
-        """Size of one attention head, hd = ``dim // num_heads``."""
-        return self.dim // self.num_heads
+    def _check_gemma_fields(self) -> None:
+        """Validate the fields of Gemma's options (``mlp_activation`` ... ``rope_linear_factor``).
+
+        Raises:
+            ValueError: naming the field: an unknown ``mlp_activation``, a scalar or cap that is not a positive
+                number, ``layer_types`` not of ``num_layers`` known kinds, or local layers without a
+                ``sliding_window``.
+        """
+        if self.mlp_activation not in MLP_ACTIVATIONS:
+            raise ValueError(
+                f"LlamaConfig.mlp_activation must be one of {list(MLP_ACTIVATIONS)}, got {self.mlp_activation!r}"
+            )
+        for name in ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping",
+                     "rope_local_base_freq", "rope_linear_factor"):  # fmt: skip
+            value = getattr(self, name)
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0
+            ):
+                raise ValueError(f"LlamaConfig.{name} must be None or a positive number, got {value!r}")
+        if self.layer_types is not None:
+            kinds = tuple(self.layer_types)
+            object.__setattr__(self, "layer_types", kinds)
+            if len(kinds) != self.num_layers or set(kinds) - set(LAYER_TYPES):
+                raise ValueError(
+                    f"LlamaConfig.layer_types must hold {self.num_layers} (num_layers) of {list(LAYER_TYPES)}, got "
+                    f"{list(kinds)}"
+                )
+            if "sliding_attention" in kinds and self.sliding_window is None:
+                raise ValueError(
+                    "LlamaConfig.layer_types has sliding_attention layers but sliding_window is None"
+                )
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of decoder layer ``layer``: ``sliding_window`` on a local layer (every layer without
+        ``layer_types``), None on a global one."""
+        if self.layer_types is None or self.layer_types[layer] == "sliding_attention":
+            return self.sliding_window
+        return None
+
+    def layer_is_local(self, layer: int) -> bool:
+        """Whether layer ``layer`` takes the local RoPE tables (``rope_local_base_freq``, a ``layer_types``
+        pattern)."""
+        return self.layer_types is not None and self.layer_types[layer] == "sliding_attention"
+
+    def layer_attended_keys(self, seq_len: int) -> tuple[int, ...]:
+        """Keys the last query of a sequence of ``seq_len`` tokens attends to, in each layer.
+
+        Args:
+            seq_len: tokens per sequence T.
+
+        Returns:
+            Per layer T, or W on a layer whose sliding window W is shorter than T.
+        """
+        windows = (self.layer_window(i) for i in range(self.num_layers))
+        return tuple(seq_len if w is None else min(seq_len, w) for w in windows)
+
+    def attended_keys(self, seq_len: int) -> int:
+        """Keys the last query of a sequence of ``seq_len`` tokens attends to: ``min(seq_len, sliding_window)``.
+
+        Args:
+            seq_len: tokens per sequence T.
+
+        Returns:
+            T, or W when a sliding window shorter than T caps it.
+        """
+        return seq_len if self.sliding_window is None else min(seq_len, self.sliding_window)
 
     def num_params(self) -> int:
         """Number of parameters in closed form, the tied embedding counted once.
@@ -150,25 +280,38 @@ class LlamaConfig:
         """
         C, hd, I = self.dim, self.head_dim, self.intermediate_size  # noqa: E741
         attention = C * self.num_heads * hd * 2 + C * self.num_kv_heads * hd * 2  # q, o + k, v
+        if self.attention_bias:
+            attention += (self.num_heads + 2 * self.num_kv_heads) * hd  # q, k, v biases
+        if self.qk_norm:
+            attention += 2 * hd  # q_norm, k_norm
         mlp = 3 * C * I  # gate, up, down
-        layer = attention + mlp + 2 * C  # + input and post-attention RMSNorm
+        layer = attention + mlp + (4 if self.sandwich_norms else 2) * C  # + the RMSNorms
         embeddings = self.vocab_size * C * (1 if self.tie_word_embeddings else 2)
         return embeddings + self.num_layers * layer + C  # + final RMSNorm
 
 
-def rope_inv_freq(config: LlamaConfig, device: torch.device | str | None = None) -> Tensor:
+def rope_inv_freq(
+    config: LlamaConfig, device: torch.device | str | None = None, local: bool = False
+) -> Tensor:
     """RoPE inverse frequencies, computed in float32 exactly as Hugging Face does (including "llama3" scaling).
 
     Args:
-        config: the model config; uses ``head_dim``, ``rope_theta`` and ``rope_scaling``.
+        config: the model config; uses ``head_dim``, ``rope_theta``, ``rope_scaling`` and
+            ``rope_linear_factor``, or ``rope_local_base_freq`` alone for the local layers.
         device: where to put the result (meta works).
+        local: the tables of the local (``sliding_attention``) layers: base ``rope_local_base_freq``, unscaled.
 
     Returns:
-        Float32 tensor of shape (hd // 2,): ``theta ** (-2i / hd)``, scaled when ``config.rope_scaling`` is set.
+        Float32 tensor of shape (hd // 2,): ``theta ** (-2i / hd)``, scaled when ``config.rope_scaling`` is set,
+        divided by ``rope_linear_factor`` when it is.
     """
     hd = config.head_dim
     exponent = torch.arange(0, hd, 2, dtype=torch.int64, device=device).float() / hd  # (hd/2,)
+    if local:
+        return 1.0 / (config.rope_local_base_freq**exponent)  # (hd/2,)
     inv_freq = 1.0 / (config.rope_theta**exponent)  # (hd/2,)
+    if config.rope_linear_factor is not None:  # transformers' "linear" rope type
+        inv_freq = inv_freq / config.rope_linear_factor
     scaling = config.rope_scaling
     if scaling is None:
         return inv_freq
@@ -210,18 +353,21 @@ class _RMSNormFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, weight, eps):  # noqa: D102 (autograd's signature)
+    def forward(ctx, x, weight, eps, plus_one=False):  # noqa: D102 (autograd's signature)
         rows = x.reshape(-1, x.shape[-1])  # (N, C)
-        out = torch.empty(
-            rows.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device
-        )  # (N, C)
+        dtype = x.dtype if plus_one else torch.promote_types(weight.dtype, x.dtype)
+        out = torch.empty(rows.shape, dtype=dtype, device=x.device)  # (N, C)
         rstd = torch.empty(rows.shape[0], 1, dtype=torch.float32, device=x.device)  # (N, 1)
+        scale = weight.float() + 1.0 if plus_one else None  # (C,) Gemma's (1 + w) in fp32
         for s, e in _norm_chunks(rows):
             x32 = rows[s:e].float()  # (n, C): a copy in low precision, ``rows[s:e]`` itself in fp32
             torch.rsqrt(x32.pow(2).mean(-1, keepdim=True).add_(eps), out=rstd[s:e])
-            # ``weight * normed.to(x.dtype)`` written straight into the output: no temporary of the product
-            torch.mul(weight, (x32 * rstd[s:e]).to(x.dtype), out=out[s:e])
+            if plus_one:  # ``(normed * (1 + w)).to(x.dtype)``: the product in fp32, cast after (Gemma)
+                out[s:e] = (x32 * rstd[s:e]) * scale
+            else:  # ``weight * normed.to(x.dtype)`` written straight into the output: no temporary of the product
+                torch.mul(weight, (x32 * rstd[s:e]).to(x.dtype), out=out[s:e])
         ctx.save_for_backward(x, weight, rstd)
+        ctx.plus_one = plus_one
         return out.view(*x.shape[:-1], out.shape[-1])
 
     @staticmethod
@@ -230,26 +376,32 @@ class _RMSNormFunction(torch.autograd.Function):
         rows = x.reshape(-1, x.shape[-1])  # (N, C)
         grads = grad_out.reshape(-1, grad_out.shape[-1])  # (N, C)
         need_x, need_weight = ctx.needs_input_grad[:2]
+        plus_one = ctx.plus_one
         grad_x = torch.empty_like(rows) if need_x else None
         grad_weight = (
             torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_weight else None
         )
+        scale = weight.float() + 1.0 if plus_one else None  # (C,)
         for s, e in _norm_chunks(rows):
             # (n, C) fp32: x / rms(x), a new tensor (scaled in place below)
             normed = rows[s:e].float() * rstd[s:e]
             g = grads[s:e]
-            if (
+            if need_weight and plus_one:  # d/dw of normed * (1 + w), in fp32
+                grad_weight += (g.float() * normed).sum(0)
+            elif (
                 need_weight
             ):  # the product in the output's dtype, summed over rows in fp32 (as autograd's sum does)
                 grad_weight += (g * normed.to(x.dtype)).sum(0, dtype=torch.float32)
             if need_x:
-                dn = (g * weight).float()  # (n, C): d loss / d normed (the cast's gradient is a cast back)
+                # (n, C): d loss / d normed (the cast's gradient is a cast back)
+                dn = g.float() * scale if plus_one else (g * weight).float()
                 # d/dx of x * rstd(x): rstd * (dn - normed * mean(dn * normed)), written into grad_x (cast there)
                 mean = (dn * normed).mean(-1, keepdim=True)  # (n, 1)
                 torch.mul(dn.sub_(normed.mul_(mean)), rstd[s:e], out=grad_x[s:e])
         return (
             grad_x.view_as(x) if need_x else None,
             grad_weight.to(weight.dtype) if need_weight else None,
+            None,
             None,
         )
 
@@ -264,12 +416,14 @@ class RMSNorm(nn.Module):
     Args:
         dim: size of the last dimension.
         eps: added to the mean square.
+        plus_one: scale by ``1 + weight`` in fp32 and cast after (Gemma's norm; its weight starts at zeros).
     """
 
-    def __init__(self, dim: int, eps: float) -> None:
+    def __init__(self, dim: int, eps: float, plus_one: bool = False) -> None:
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.plus_one = plus_one
+        self.weight = nn.Parameter(torch.zeros(dim) if plus_one else torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
         """Normalise the last dimension.
@@ -278,12 +432,13 @@ class RMSNorm(nn.Module):
             x: (..., C) activations of any floating dtype.
 
         Returns:
-            (..., C), ``weight * (x / rms(x))`` with the normalisation done in float32.
+            (..., C), ``weight * (x / rms(x))`` with the normalisation done in float32 (``plus_one``:
+            ``(1 + weight) * (x / rms(x))`` all in float32, in ``x``'s dtype).
         """
-        return _RMSNormFunction.apply(x, self.weight, self.eps)
+        return _RMSNormFunction.apply(x, self.weight, self.eps, self.plus_one)
 
     def extra_repr(self) -> str:
-        return f"{tuple(self.weight.shape)}, eps={self.eps}"
+        return f"{tuple(self.weight.shape)}, eps={self.eps}" + (", plus_one" if self.plus_one else "")
 
 
 class RotaryEmbedding(nn.Module):
@@ -296,16 +451,19 @@ class RotaryEmbedding(nn.Module):
 
     Args:
         config: the model config.
+        local: the tables of the local layers (:func:`rope_inv_freq`'s ``local``).
     """
 
-    def __init__(self, config: LlamaConfig) -> None:
+    def __init__(self, config: LlamaConfig, local: bool = False) -> None:
         super().__init__()
         self.config = config
-        self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
+        self.local = local
+        self.register_buffer("inv_freq", rope_inv_freq(config, local=local), persistent=False)
 
-    def reset_parameters(self) -> None:
-        """Recompute ``inv_freq`` in float32 on the device it lives on."""
-        self.inv_freq = rope_inv_freq(self.config, device=self.inv_freq.device)
+    def reset_parameters(self, device: torch.device | str | None = None) -> None:
+        """Recompute ``inv_freq`` in float32 on ``device`` (default: the device it lives on)."""
+        device = self.inv_freq.device if device is None else device
+        self.inv_freq = rope_inv_freq(self.config, device=device, local=self.local)
 
     def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> RotaryEmbedding:
         # nn.Module.to(dtype) casts floating buffers too; keep the frequencies in float32 (moves still apply).
@@ -387,6 +545,9 @@ def causal_attention(
     native_gqa: bool | None = None,
     doc_ids: Tensor | None = None,
     device_type: str | None = None,
+    window: int | None = None,
+    scale: float | None = None,
+    softcap: float | None = None,
 ) -> Tensor:
     """Causal ``F.scaled_dot_product_attention`` where each group of nh // nkv query heads shares a kv head.
 
@@ -396,7 +557,9 @@ def causal_attention(
     nh heads instead, (B, nh, T, hd) copies that keep the memory-efficient kernels eligible.
 
     Rows that pack several documents (``doc_ids``) attend within each document, in blocks of queries without a
-    (T, T) mask (:func:`memfit.models.attention.document_attention`).
+    (T, T) mask (:func:`memfit.models.attention.document_attention`). So does a sliding ``window`` shorter than
+    the sequence: each block of queries reads only the keys its window reaches. A window of T or more keys is
+    plain causal attention, and takes the plain path.
 
     Args:
         q: (B, nh, T, hd) queries.
@@ -408,23 +571,34 @@ def causal_attention(
             attends to the keys before it in its own document.
         device_type: the device whose kernels decide (``native_gqa`` and the document blocks' kernel); default
             ``q``'s. The estimator passes ``cuda`` to trace a GPU run on CPU tensors.
+        window: None, or W: query t attends to the keys ``(t - W, t]`` only (Mistral's ``sliding_window``).
+        scale: the scores' factor; None is ``hd ** -0.5`` (Gemma: ``query_pre_attn_scalar ** -0.5``).
+        softcap: None, or the cap of Gemma 2's scores, ``cap * tanh(scores / cap)`` before the mask: SDPA has no
+            such option, so the scores are computed a block of queries at a time
+            (:func:`memfit.models.attention.softcapped_attention`), never a (T, T) tensor.
 
     Returns:
         (B, nh, T, hd).
     """
     device_type = device_type or q.device.type
-    if doc_ids is not None:
-        return document_attention(q, k, v, doc_ids, recompute=device_type != "cpu")
+    if window is not None and window >= q.shape[2]:
+        window = None  # the window reaches every earlier key: plain causal attention
+    if softcap is not None:
+        return softcapped_attention(q, k, v, doc_ids, window=window, scale=scale, softcap=softcap)
+    if doc_ids is not None or window is not None:
+        return document_attention(
+            q, k, v, doc_ids, recompute=device_type != "cpu", window=window, scale=scale
+        )
     B, nh, T, hd = q.shape
     nkv = k.shape[1]
     if nkv == nh:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
     if native_gqa is None:
         native_gqa = device_type == "cpu" or q.dtype in (torch.float16, torch.bfloat16)
     if not native_gqa:
         k = k[:, :, None].expand(B, nkv, nh // nkv, T, hd).reshape(B, nh, T, hd)  # (B, nh, T, hd)
         v = v[:, :, None].expand(B, nkv, nh // nkv, T, hd).reshape(B, nh, T, hd)  # (B, nh, T, hd)
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=native_gqa)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=native_gqa, scale=scale)
 
 
 def packed_positions(doc_ids: Tensor) -> Tensor:
@@ -445,21 +619,31 @@ def packed_positions(doc_ids: Tensor) -> Tensor:
 
 
 class Attention(nn.Module):
-    """Causal grouped-query self-attention with RoPE (see ``causal_attention``).
+    """Causal grouped-query self-attention with RoPE (see ``causal_attention``), optionally with q/k/v biases,
+    per-head q/k RMSNorm and a sliding window (``config.attention_bias``, ``qk_norm``, ``sliding_window``).
 
     Args:
         config: the model config.
+        layer: the layer's index (its window and RoPE tables follow ``config.layer_types``).
     """
 
-    def __init__(self, config: LlamaConfig) -> None:
+    def __init__(self, config: LlamaConfig, layer: int = 0) -> None:
         super().__init__()
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
-        self.q_proj = nn.Linear(config.dim, config.num_heads * config.head_dim, bias=False)
-        self.k_proj = nn.Linear(config.dim, config.num_kv_heads * config.head_dim, bias=False)
-        self.v_proj = nn.Linear(config.dim, config.num_kv_heads * config.head_dim, bias=False)
+        self.sliding_window = config.layer_window(layer)
+        # None: SDPA's own hd ** -0.5 (Llama); Gemma's query_pre_attn_scalar ** -0.5 as transformers computes it
+        self.scaling = None if config.query_pre_attn_scalar is None else config.query_pre_attn_scalar**-0.5
+        self.softcap = config.attn_logit_softcapping
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(config.dim, config.num_heads * config.head_dim, bias=bias)
+        self.k_proj = nn.Linear(config.dim, config.num_kv_heads * config.head_dim, bias=bias)
+        self.v_proj = nn.Linear(config.dim, config.num_kv_heads * config.head_dim, bias=bias)
         self.o_proj = nn.Linear(config.num_heads * config.head_dim, config.dim, bias=False)
+        if config.qk_norm:  # Qwen3, Gemma 3: one RMSNorm over hd, shared by the heads
+            self.q_norm = RMSNorm(config.head_dim, config.norm_eps, config.norm_plus_one)
+            self.k_norm = RMSNorm(config.head_dim, config.norm_eps, config.norm_plus_one)
 
     def project_qkv(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Queries, keys and values of ``x``, with RoPE applied to queries and keys.
@@ -473,9 +657,12 @@ class Attention(nn.Module):
             ``(q, k, v)``: (B, nh, T, hd), (B, nkv, T, hd), (B, nkv, T, hd).
         """
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)  # (B, nh, T, hd)
-        k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)  # (B, nkv, T, hd)
+        q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim)  # (B, T, nh, hd)
+        k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim)  # (B, T, nkv, hd)
         v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)  # (B, nkv, T, hd)
+        if "q_norm" in self._modules:  # qk_norm: each head normed over hd, before RoPE
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)  # (B, nh, T, hd), (B, nkv, T, hd)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, doc_ids: Tensor | None = None) -> Tensor:
@@ -492,13 +679,31 @@ class Attention(nn.Module):
         """
         B, T, _ = x.shape
         q, k, v = self.project_qkv(x, cos, sin)
-        y = causal_attention(q, k, v, doc_ids=doc_ids)  # (B, nh, T, hd)
+        y = self.attend(q, k, v, doc_ids)  # (B, nh, T, hd)
         y = y.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim)  # (B, T, nh * hd)
         return self.o_proj(y)  # (B, T, C)
 
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, doc_ids: Tensor | None = None) -> Tensor:
+        """:func:`causal_attention` (looked up at call time) with this layer's window, scale and soft-cap.
+
+        Args:
+            q: (B, nh, T, hd) queries.
+            k: (B, nkv, T, hd) keys.
+            v: (B, nkv, T, hd) values.
+            doc_ids: None, or (B, T) ids of packed documents.
+
+        Returns:
+            (B, nh, T, hd).
+        """
+        options = {}
+        if self.scaling is not None or self.softcap is not None:  # Llama's call is left as it was
+            options = {"scale": self.scaling, "softcap": self.softcap}
+        return causal_attention(q, k, v, doc_ids=doc_ids, window=self.sliding_window, **options)
+
 
 class MLP(nn.Module):
-    """SwiGLU feed-forward: ``down(silu(gate(x)) * up(x))``.
+    """SwiGLU feed-forward: ``down(silu(gate(x)) * up(x))``; GeGLU, ``down(gelu_tanh(gate(x)) * up(x))``, with
+    ``config.mlp_activation == "gelu_tanh"`` (Gemma).
 
     Args:
         config: the model config.
@@ -506,6 +711,7 @@ class MLP(nn.Module):
 
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
+        self.gelu = config.mlp_activation == "gelu_tanh"
         self.gate_proj = nn.Linear(config.dim, config.intermediate_size, bias=False)
         self.up_proj = nn.Linear(config.dim, config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.dim, bias=False)
@@ -519,22 +725,30 @@ class MLP(nn.Module):
         Returns:
             (B, T, C); the hidden activations are (B, T, I).
         """
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate = self.gate_proj(x)  # (B, T, I)
+        act = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
+        return self.down_proj(act * self.up_proj(x))
 
 
 class DecoderLayer(nn.Module):
-    """One pre-norm block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``.
+    """One pre-norm block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``; with ``config.sandwich_norms``
+    (Gemma) ``x + norm(attn(norm(x)))``, then ``x + norm(mlp(norm(x)))``.
 
     Args:
         config: the model config.
+        layer: the layer's index (:class:`Attention`).
     """
 
-    def __init__(self, config: LlamaConfig) -> None:
+    def __init__(self, config: LlamaConfig, layer: int = 0) -> None:
         super().__init__()
-        self.self_attn = Attention(config)
+        self.self_attn = Attention(config, layer)
         self.mlp = MLP(config)
-        self.input_layernorm = RMSNorm(config.dim, config.norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.dim, config.norm_eps)
+        plus_one = config.norm_plus_one
+        self.input_layernorm = RMSNorm(config.dim, config.norm_eps, plus_one)
+        self.post_attention_layernorm = RMSNorm(config.dim, config.norm_eps, plus_one)
+        if config.sandwich_norms:  # named as transformers' Gemma2DecoderLayer names them
+            self.pre_feedforward_layernorm = RMSNorm(config.dim, config.norm_eps, plus_one)
+            self.post_feedforward_layernorm = RMSNorm(config.dim, config.norm_eps, plus_one)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, doc_ids: Tensor | None = None) -> Tensor:
         """Apply the block.
@@ -548,6 +762,9 @@ class DecoderLayer(nn.Module):
         Returns:
             (B, T, C) residual stream.
         """
+        if "pre_feedforward_layernorm" in self._modules:  # sandwich_norms: the norm after is on the branch
+            x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, doc_ids))
+            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, doc_ids)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -563,9 +780,23 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.dim)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
-        self.norm = RMSNorm(config.dim, config.norm_eps)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.dim, config.norm_eps, config.norm_plus_one)
         self.rotary_emb = RotaryEmbedding(config)
+        # the layers that take the local RoPE tables (Gemma 3's base of 10,000 on its sliding layers)
+        self.local_rope = tuple(
+            config.rope_local_base_freq is not None and config.layer_is_local(i)
+            for i in range(config.num_layers)
+        )
+        if any(self.local_rope):
+            self.rotary_emb_local = RotaryEmbedding(config, local=True)
+
+    def reset_rope(self, device: torch.device | str | None = None) -> None:
+        """Recompute every RoPE buffer (the global tables', and the local ones' where there are) on ``device``
+        (default: where each lives)."""
+        self.rotary_emb.reset_parameters(device)
+        if "rotary_emb_local" in self._modules:
+            self.rotary_emb_local.reset_parameters(device)
 
     def forward(
         self, input_ids: Tensor, doc_ids: Tensor | None = None, positions: Tensor | None = None
@@ -584,13 +815,16 @@ class LlamaModel(nn.Module):
             (B, T, C) final-normed hidden states, in the dtype of the embedding.
         """
         x = self.embed_tokens(input_ids)  # (B, T, C)
-        if positions is not None:
-            cos, sin = self.rotary_emb(positions, x.dtype)  # (T, hd) or (B, 1, T, hd) each
-        elif doc_ids is None:
-            cos, sin = self.rotary_emb(input_ids.shape[1], x.dtype)  # (T, hd) each
-        else:
-            cos, sin = self.rotary_emb(packed_positions(doc_ids), x.dtype)  # (B, 1, T, hd) each
-        for layer in self.layers:
+        if self.config.scale_embeddings:  # Gemma: sqrt(C) in fp32, cast to the embedding's dtype
+            x = x * torch.full((), self.config.dim**0.5, dtype=torch.float32, device=x.device).to(x.dtype)
+        if positions is None:  # an int T, or each packed sample's own positions
+            positions = input_ids.shape[1] if doc_ids is None else packed_positions(doc_ids)
+        cos, sin = self.rotary_emb(positions, x.dtype)  # (T, hd) or (B, 1, T, hd) each
+        tables = [(cos, sin)] * len(self.layers)
+        if "rotary_emb_local" in self._modules:
+            local = self.rotary_emb_local(positions, x.dtype)
+            tables = [local if is_local else (cos, sin) for is_local in self.local_rope]
+        for layer, (cos, sin) in zip(self.layers, tables, strict=True):
             x = layer(x, cos, sin, doc_ids)  # (B, T, C)
         return self.norm(x)
 
@@ -653,7 +887,9 @@ class Llama(nn.Module):
             (B, T, V) logits, or (B, T, C) hidden states with ``return_hidden``; in the dtype of the parameters.
         """
         hidden = self.model(input_ids, doc_ids, positions)  # (B, T, C)
-        return hidden if return_hidden else self.lm_head(hidden)  # (B, T, V)
+        if return_hidden:
+            return hidden
+        return softcap_logits(self.lm_head(hidden), self.config.final_logit_softcapping)  # (B, T, V)
 
     @torch.no_grad()
     def init_weights(self, generator: torch.Generator | None = None) -> None:
@@ -661,8 +897,8 @@ class Llama(nn.Module):
 
         Embeddings and linear weights are drawn from normal(0, 0.02), except the projections that write into the
         residual stream (``o_proj`` and ``down_proj``), whose std is ``0.02 / sqrt(2 * num_layers)`` (GPT-2's
-        scaling, which keeps the residual stream's variance from growing with depth). RMSNorm weights are ones and
-        the RoPE buffer is recomputed. Tensors are visited in ``named_parameters`` order, so the result is a
+        scaling, which keeps the residual stream's variance from growing with depth). RMSNorm weights are ones, biases
+        zeros, and the RoPE buffer is recomputed. Tensors are visited in ``named_parameters`` order, so the result is a
         function of the generator's (or the global RNG's) state alone.
 
         Args:
@@ -670,13 +906,33 @@ class Llama(nn.Module):
                 on the parameters' device.
         """
         for name, param in self.named_parameters():  # a tied weight is visited once
-            init_parameter_(name, param, self.config.num_layers, generator)
-        self.model.rotary_emb.reset_parameters()
+            init_parameter_(name, param, self.config.num_layers, generator, self.config.norm_plus_one)
+        self.model.reset_rope()
+
+
+def softcap_logits(logits: Tensor, cap: float | None) -> Tensor:
+    """``cap * tanh(logits / cap)`` in the logits' dtype, in transformers' order (Gemma 2's
+    ``final_logit_softcapping``); the logits themselves when ``cap`` is None.
+
+    Args:
+        logits: (..., V).
+        cap: the cap, or None.
+
+    Returns:
+        (..., V).
+    """
+    if cap is None:
+        return logits
+    return torch.tanh(logits / cap) * cap
 
 
 @torch.no_grad()
 def init_parameter_(
-    name: str, tensor: Tensor, num_layers: int, generator: torch.Generator | None = None
+    name: str,
+    tensor: Tensor,
+    num_layers: int,
+    generator: torch.Generator | None = None,
+    norm_plus_one: bool = False,
 ) -> Tensor:
     """Initialise one parameter of a :class:`Llama` in place, by its name (the rule of :meth:`Llama.init_weights`).
 
@@ -689,6 +945,7 @@ def init_parameter_(
         tensor: the tensor to fill, of the parameter's shape.
         num_layers: the model's decoder layers (the residual projections' std depends on them).
         generator: random source; None uses the global RNG.
+        norm_plus_one: the norms scale by ``1 + weight`` (:attr:`LlamaConfig.norm_plus_one`): zeros, not ones.
 
     Returns:
         ``tensor``.
@@ -697,8 +954,10 @@ def init_parameter_(
         return nn.init.normal_(
             tensor, mean=0.0, std=INIT_STD / math.sqrt(2 * num_layers), generator=generator
         )
-    if name.endswith("layernorm.weight") or name == "model.norm.weight":
-        return nn.init.ones_(tensor)
+    if name.endswith(("layernorm.weight", "q_norm.weight", "k_norm.weight")) or name == "model.norm.weight":
+        return nn.init.zeros_(tensor) if norm_plus_one else nn.init.ones_(tensor)
+    if name.endswith(".bias"):  # q/k/v biases (attention_bias)
+        return nn.init.zeros_(tensor)
     # embed_tokens, q/k/v_proj, gate/up_proj, lm_head
     return nn.init.normal_(tensor, mean=0.0, std=INIT_STD, generator=generator)
 
@@ -738,7 +997,7 @@ def build_llama(
                 data = torch.empty_like(param, device=device, dtype=dtype)
                 allocated[id(param)] = nn.Parameter(data, requires_grad=param.requires_grad)
             module._parameters[name] = allocated[id(param)]
-    model.model.rotary_emb.inv_freq = rope_inv_freq(config, device=device)  # float32
+    model.model.reset_rope(device)  # float32
     if init and torch.device(device).type != "meta":
         generator = None if seed is None else torch.Generator(device=device).manual_seed(seed)
         model.init_weights(generator)

@@ -49,12 +49,17 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from memfit.models.llama import Attention, Llama, causal_attention
+from memfit.models import families
+from memfit.models.llama import Attention, Llama
 from memfit.quiet import quiet_torchao_import
 
 LORA_METHODS = ("lora", "qlora")
 """Methods whose settings are ``lora.*`` (QLoRA is LoRA over a 4-bit NormalFloat base)."""
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head")
+LORA_TARGETS = families.LORA_TARGETS
+"""Every linear layer LoRA may adapt, in module order; a family's own are its entry's ``lora_targets``."""
+ALL_LORA_TARGETS = tuple(dict.fromkeys(t for f in families.FAMILIES.values() for t in f.lora_targets))
+"""Every name ``lora.target_modules`` may hold in some family (Phi-3's ``qkv_proj`` and ``gate_up_proj`` too);
+which of them a model takes is its family's (:func:`lora_targets`)."""
 """Linear layers LoRA can adapt (:func:`apply_lora`)."""
 NF4_BLOCK_SIZE = 64
 """Weights per block of QLoRA's 4-bit NormalFloat base."""
@@ -280,29 +285,43 @@ def _lora_linear_forward(self: nn.Linear, x: Tensor) -> Tensor:
 def lora_targets(model: Llama, target_modules: Sequence[str]) -> list[tuple[str, nn.Linear]]:
     """The linear layers that ``target_modules`` names, in module order.
 
+    A name of the family's :attr:`~memfit.models.families.Family.lora_aliases` (Phi-3's ``qkv_proj``) stands
+    for its parts (``q_proj``, ``k_proj``, ``v_proj``), each adapted on its own.
+
     Args:
         model: a :class:`~memfit.models.llama.Llama`.
-        target_modules: names from :data:`LORA_TARGETS`.
+        target_modules: names from the family's ``lora_targets``.
 
     Returns:
         ``[(module name, module), ...]``.
 
     Raises:
-        ValueError: an unknown or repeated name, or an empty list.
+        ValueError: an unknown or repeated name (a part named beside its alias too), or an empty list.
     """
     if isinstance(target_modules, str):
         target_modules = [target_modules]
     if not target_modules:
         raise ValueError(f"LoRA target_modules is empty; choose from {', '.join(LORA_TARGETS)}")
+    valid = families.family(model.config.family).lora_targets
     for name in target_modules:
-        if name not in LORA_TARGETS:
-            raise ValueError(f"unknown LoRA target module {name!r}; valid: {', '.join(LORA_TARGETS)}")
+        if name not in valid:
+            raise ValueError(
+                f"unknown LoRA target module {name!r} for the {model.config.family} family; valid: "
+                f"{', '.join(valid)}"
+            )
     if len(set(target_modules)) != len(target_modules):
         raise ValueError(f"LoRA target_modules repeats a name: {list(target_modules)}")
+    aliases = families.family(model.config.family).lora_aliases
+    expanded = [part for name in target_modules for part in aliases.get(name, (name,))]
+    if len(set(expanded)) != len(expanded):
+        raise ValueError(
+            f"LoRA target_modules names a layer twice: {list(target_modules)} (for the {model.config.family} "
+            f"family {', '.join(f'{a} is {list(p)}' for a, p in aliases.items())})"
+        )
     return [
         (name, module)
         for name, module in model.named_modules()
-        if isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] in target_modules
+        if isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] in expanded
     ]
 
 
@@ -359,11 +378,12 @@ def apply_lora(
     """
     _check_no_peft(model, "LoRA")
     targets = _checked_lora_targets(model, rank, alpha, dropout, target_modules)
+    adapted = {name.rsplit(".", 1)[-1] for name, _ in targets}  # aliases (qkv_proj) as their parts
     settings = LoraSettings(
         rank=rank,
         alpha=float(alpha),
         dropout=float(dropout),
-        target_modules=tuple(t for t in LORA_TARGETS if t in set(target_modules)),
+        target_modules=tuple(t for t in LORA_TARGETS if t in adapted),
     )
     names = []
     for module_name, linear in targets:
@@ -795,7 +815,10 @@ def _prompt_attention(attn: Attention, q: Tensor) -> Tensor:
     nkv = attn.num_kv_heads
     prompt = attn.adapter_prompt  # (L, C)
     L = prompt.shape[0]
-    pk = attn.k_proj(prompt).view(L, nkv, hd).transpose(0, 1)  # (nkv, L, hd)
+    pk = attn.k_proj(prompt).view(L, nkv, hd)  # (L, nkv, hd)
+    if "k_norm" in attn._modules:  # qk_norm (Qwen3): the prompt's keys are normed as the sequence's are
+        pk = attn.k_norm(pk)
+    pk = pk.transpose(0, 1)  # (nkv, L, hd)
     pv = attn.v_proj(prompt).view(L, nkv, hd).transpose(0, 1)  # (nkv, L, hd)
     # each kv head serves nh // nkv query heads; the prompt is the same for every sample (a broadcast view)
     pk = (
@@ -824,7 +847,7 @@ def _adapter_attention_forward(
     """
     B, T, _ = x.shape
     q, k, v = self.project_qkv(x, cos, sin)  # (B, nh, T, hd), (B, nkv, T, hd) x 2
-    y = causal_attention(q, k, v, doc_ids=doc_ids)  # (B, nh, T, hd)
+    y = self.attend(q, k, v, doc_ids)  # (B, nh, T, hd)
     y = y + self.adapter_gate * _prompt_attention(self, q)  # gate (1, nh, 1, 1)
     y = y.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim)  # (B, T, nh * hd)
     return self.o_proj(y)  # (B, T, C)

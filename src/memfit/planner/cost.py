@@ -125,8 +125,9 @@ def param_bytes(dtype: str) -> int:
 def model_flops_per_token(mcfg: LlamaConfig, seq_len: int) -> dict[str, float]:
     """Forward FLOPs per token of the decoder layers (weights + attention) and of ``lm_head``.
 
-    Per layer: ``2 * weights`` (q, k, v, o projections and the SwiGLU MLP) ``+ 4 * T * dim`` (scores and
-    weighted values, causal masking not discounted). The head: ``2 * dim * V``. A training step costs 3 forwards
+    Per layer: ``2 * weights`` (q, k, v, o projections and the SwiGLU MLP) ``+ 4 * K * nh * hd`` (scores and
+    weighted values over ``K = min(T, sliding_window)`` keys, causal masking not discounted; ``nh * hd`` is
+    ``dim`` unless the family sets ``head_dim``). The head: ``2 * dim * V``. A training step costs 3 forwards
     (backward = 2 forwards).
 
     Returns:
@@ -135,7 +136,10 @@ def model_flops_per_token(mcfg: LlamaConfig, seq_len: int) -> dict[str, float]:
     """
     weights = layer_weights(mcfg)
     return {
-        "layers": mcfg.num_layers * (2.0 * weights + 4.0 * seq_len * mcfg.dim),
+        "layers": sum(  # each layer by its own window (Gemma's local and global layers)
+            2.0 * weights + 4.0 * keys * mcfg.num_heads * mcfg.head_dim
+            for keys in mcfg.layer_attended_keys(seq_len)
+        ),
         "head": 2.0 * mcfg.dim * mcfg.vocab_size,
         "mlp": mcfg.num_layers * 6.0 * mcfg.dim * mcfg.intermediate_size,
     }

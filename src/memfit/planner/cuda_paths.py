@@ -71,7 +71,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from memfit.memory import offload
+from memfit.memory import hybrids, offload
 from memfit.models import llama
 
 _HALF = (torch.float16, torch.bfloat16)
@@ -325,7 +325,8 @@ def kv_heads_as_on_cuda(
     (B, nh, T, hd) copies that memory-efficient attention saves for backward (and that the expansion's backward sums
     back). The trace's queries are on the CPU; on CUDA only the dtype decides: in fp32, ``2 B nh T hd * 4`` bytes
     per layer more, saved for backward, in place of the (B, nkv, T, hd) keys and values. Rows of packed documents
-    (``doc_ids``) run their blocks as on CUDA too (:func:`memfit.models.attention.document_attention`, recomputed:
+    (``doc_ids``) and sliding windows shorter than the sequence run their blocks as on CUDA too
+    (:func:`memfit.models.attention.document_attention`, recomputed:
     the forward saves only its inputs, each block's backward runs the memory-efficient kernel again).
 
     Args:
@@ -342,8 +343,19 @@ def kv_heads_as_on_cuda(
         native_gqa: bool | None = None,
         doc_ids: torch.Tensor | None = None,
         device_type: str | None = None,
+        window: int | None = None,
+        **options: float | None,  # scale, softcap (Gemma)
     ) -> torch.Tensor:
-        return original(q, k, v, native_gqa=native_gqa, doc_ids=doc_ids, device_type=device_type or "cuda")
+        return original(
+            q,
+            k,
+            v,
+            native_gqa=native_gqa,
+            doc_ids=doc_ids,
+            device_type=device_type or "cuda",
+            window=window,
+            **options,
+        )
 
     return causal_attention
 
@@ -369,8 +381,9 @@ def cuda_paths(enabled: bool) -> Iterator[None]:
     ``memfit.models.llama.causal_attention`` (:func:`kv_heads_as_on_cuda`),
     ``memfit.memory.offload.offload_host`` (:func:`offloaded_as_from_cuda`), and, when torchao's optimizers are
     imported (the estimator imports the optimizer's library before the trace), ``torchao.optim.adam
-    .single_param_adam`` (:func:`torchao_compiled_update`). Each is looked up by name at call time by its caller,
-    so the swap reaches it.
+    .single_param_adam`` (:func:`torchao_compiled_update`) and ``memfit.memory.hybrids.LOW_BIT_CHUNK_ELEMENTS``
+    (no chunks: CUDA updates each tensor whole). Each is looked up by name at call time by its caller, so the swap
+    reaches it.
 
     Args:
         enabled: False does nothing (a CPU target: the trace already runs the CPU paths).
@@ -385,6 +398,8 @@ def cuda_paths(enabled: bool) -> Iterator[None]:
         adam = sys.modules.get("torchao.optim.adam")
         if adam is not None:
             _swap(stack, adam, "single_param_adam", torchao_compiled_update)
+            # on CUDA the whole tensor goes through the compiled update at once: no eager chunks
+            _swap(stack, hybrids, "LOW_BIT_CHUNK_ELEMENTS", sys.maxsize)
         yield
 
 

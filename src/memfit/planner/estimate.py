@@ -62,6 +62,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from memfit.build import build_training, run_model_config
 from memfit.checkpoint import init_optimizer_state
 from memfit.config import TrainConfig, check_lengths
+from memfit.distributed import unwrap as dist_unwrap
 from memfit.errors import ConfigError
 from memfit.memory import optimizers, switches
 from memfit.memory.allocator import CUDA_CONTEXT_BYTES_ESTIMATE, replay, workspace_events
@@ -73,6 +74,8 @@ from memfit.memory.tracker import CATEGORIES, MemoryTracker, model_state_bytes
 from memfit.memory.ulysses import shard_batch
 from memfit.models.llama import LlamaConfig
 from memfit.planner.closed_form import model_state_bytes_closed_form
+from memfit.planner.compose import COMPOSE_FROM_LAYERS, TRACED_LAYERS, LayerTrace, NotComposable, marking
+from memfit.planner.compose import compose as compose_layers
 from memfit.planner.cuda_paths import cuda_paths
 from memfit.quiet import quiet_bitsandbytes_import, quiet_torchao_import
 from memfit.step import train_step, train_step_options
@@ -125,6 +128,9 @@ class Estimate:
     (:func:`memfit.memory.allocator.replay`). ``None`` on CPU, and where part of the step's memory moves to the
     host (``optimizer.cpu_offload``, ``distributed.cpu_offload``), which the replay
     does not model."""
+    trace: dict[str, Any] = field(default_factory=dict)
+    """How the figure was obtained: ``layers``, ``layers_traced`` (the depths traced: the run's, or 3 and 4 to
+    compose it), ``composed``, and ``why_not_composed`` where the whole model was traced."""
 
     def to_json(self) -> dict[str, Any]:
         """The contract of ``memfit estimate --json``: ``peak_memory_gib``, ``breakdown`` (category -> GiB),
@@ -152,6 +158,7 @@ class Estimate:
             "peak_memory_reserved_gib": (
                 None if self.peak_reserved_bytes is None else self.peak_reserved_bytes / GIB
             ),
+            "trace": self.trace,
         }
 
 
@@ -166,6 +173,7 @@ def estimate_run(
     world_size: int = 1,
     seq_len: int | None = None,
     model_config: LlamaConfig | None = None,
+    compose: bool | None = None,
 ) -> Estimate:
     """Predict the peak memory of one rank of the run ``cfg`` describes, without allocating it.
 
@@ -177,6 +185,10 @@ def estimate_run(
             model's ``max_seq_len``.
         model_config: the architecture; default from ``cfg.checkpoint_dir``'s config (headers only) or the preset
             with ``model_args`` (``vocab_size`` from ``tokenizer.vocab_size`` when the preset has none).
+        compose: ``None`` (default): a model of at least :data:`memfit.planner.compose.COMPOSE_FROM_LAYERS`
+            decoder layers is composed from traces of 3 and 4 layers (:mod:`memfit.planner.compose`) where
+            composing holds, else traced whole; ``True``: compose any model of at least 5 layers where it holds;
+            ``False``: trace the whole model. :attr:`Estimate.trace` says which was done and why.
 
     Returns:
         The :class:`Estimate`.
@@ -192,13 +204,142 @@ def estimate_run(
     seq_len = seq_len or cfg.seq_len or mcfg.max_seq_len
     check_lengths(dataclasses.replace(cfg, seq_len=seq_len), mcfg, 0)
     target = "cuda" if cfg.device == "cuda" else "cpu"
-    trace_cfg = _traceable(cfg)
     if world_size > 1 and cfg.distributed.strategy != "fsdp2":
         raise ConfigError(
             "config key 'distributed.strategy': estimates of sharded runs trace FSDP2; FSDP1 shards a whole unit "
             "into one flat buffer, so its model states are those of FSDP2 to within padding. Estimate with "
             "distributed.strategy=fsdp2"
         )
+    why_full = _why_not_composed(cfg, mcfg, target, compose)
+    composed = None
+    if why_full is None:
+        traces = [
+            _trace(cfg, dataclasses.replace(mcfg, num_layers=n), world_size, seq_len, target, marks=True)
+            for n in TRACED_LAYERS
+        ]
+        try:
+            composed = compose_layers(*(t.layer_trace for t in traces), mcfg.num_layers)
+        except NotComposable as exc:
+            why_full = str(exc)
+    if composed is None:
+        trace = _trace(cfg, mcfg, world_size, seq_len, target, marks=False)
+        timeline, offloaded, traced = trace.timeline, trace.offloaded, trace.traced
+        num_params, num_trainable = trace.num_params, trace.num_trainable
+        baseline = trace.baseline
+        how = {"layers": mcfg.num_layers, "layers_traced": [mcfg.num_layers], "composed": False}
+        how["why_not_composed"] = why_full
+    else:
+        three, four = traces
+        extra = mcfg.num_layers - four.layers
+        timeline, offloaded = composed.timeline, composed.offloaded_peak
+        traced = {k: four.traced[k] + extra * (four.traced[k] - three.traced[k]) for k in four.traced}
+        num_params = four.num_params + extra * (four.num_params - three.num_params)
+        num_trainable = four.num_trainable + extra * (four.num_trainable - three.num_trainable)
+        baseline = three.baseline
+        how = {"layers": mcfg.num_layers, "layers_traced": list(TRACED_LAYERS), "composed": True}
+        how["events_composed"] = len(timeline)
+        how["events_traced"] = len(three.timeline) + len(four.timeline)
+        trace = None
+    traced["gradients"] = _step_gradients(timeline)
+    closed = model_state_bytes_closed_form(cfg, mcfg, world_size)
+    peak, breakdown, phase, unseen, host = _split_unseen(cfg, target, _Timeline(timeline), closed)
+    if switches.offloads_activations(cfg, target):  # the trace moved them off the device itself (cuda_paths)
+        unseen["offloaded_activations"] = offloaded
+        host += offloaded
+    reserved = None
+    if target == "cuda" and trace is not None:
+        reserved = _replay_reserved(cfg, trace.tracker, trace.paged_keys)
+    device = peak if reserved is None else reserved
+    if target == "cuda":
+        device += CUDA_CONTEXT_BYTES_ESTIMATE
+    rss = None
+    if target != "cuda" and baseline is not None:
+        gathered = reduced = 0
+        if world_size > 1:  # the whole model and gradients pass through FSDP2's and gloo's buffers each step
+            whole = model_state_bytes_closed_form(cfg, mcfg, 1)
+            gathered, reduced = whole["parameters"], whole["trainable_parameters"]
+        retained = retained_heap_bytes(gathered, reduced)
+        rss = predict_peak_rss(peak + host, baseline, heap_retained_bytes=retained)
+    return Estimate(
+        peak_bytes=peak,
+        breakdown=breakdown,
+        phase=phase,
+        device_total_bytes=device + unseen.get("paged_optimizer_state", 0),
+        host_bytes=host,
+        unseen=unseen,
+        model_states=closed,
+        traced_model_states=traced,
+        num_params=num_params,
+        num_trainable_params=num_trainable,
+        world_size=world_size,
+        batch_size=cfg.batch_size,
+        seq_len=seq_len,
+        seconds=time.perf_counter() - start,
+        config=_switches(cfg),
+        host_peak_rss_bytes=rss,
+        process_baseline_bytes=baseline,
+        peak_reserved_bytes=reserved,
+        trace=how,
+    )
+
+
+@dataclass
+class _Timeline:
+    """A timeline where :func:`_split_unseen` reads a tracker's."""
+
+    timeline: list
+
+
+def _step_gradients(timeline: list) -> int:
+    """The gradients a step holds for its update: those live at the last op of the optimizer phase, when the
+    update has read them all (sharded: the reduced shards, the unsharded ones in flight are gone by then; in
+    backward: none, each was freed after its update -- the first ops labelled optimizer_step are updates inside
+    the backward, with a gradient live)."""
+    return next((b["gradients"] for _, ph, b in reversed(timeline) if ph == "optimizer_step"), 0)
+
+
+def _why_not_composed(cfg: TrainConfig, mcfg: LlamaConfig, target: str, compose: bool | None) -> str | None:
+    """Why the estimate traces the whole model instead of composing it (None: it composes)."""
+    if compose is False:
+        return "asked for the full trace"
+    least = 5 if compose else COMPOSE_FROM_LAYERS
+    if mcfg.num_layers < least:
+        return f"{mcfg.num_layers} decoder layers: tracing them all costs no more than composing"
+    if mcfg.layer_types is not None and len(set(mcfg.layer_types)) > 1:
+        return "the layers differ: local (sliding-window) and global attention layers (layer_types)"
+    if mcfg.layer_types is not None:
+        return "the layers follow a declared pattern (layer_types), traced as it is"
+    if cfg.activation_checkpointing == "every_n":
+        return "activation_checkpointing=every_n: the layers differ (checkpointed or not)"
+    if cfg.method == "adapter" and cfg.adapter.num_layers and cfg.adapter.num_layers < mcfg.num_layers:
+        return "method=adapter on the top layers only: the layers differ"
+    if target == "cuda" and not switches.moved_categories(cfg, "cuda"):
+        return "the reserved peak replays the whole step's allocations"
+    return None
+
+
+@dataclass
+class _Traced:
+    """One traced step, and what the estimate reads of it."""
+
+    tracker: Any
+    timeline: list
+    layer_trace: LayerTrace | None
+    offloaded: int
+    traced: dict[str, int]
+    paged_keys: set[int]
+    baseline: int | None
+    num_params: int
+    num_trainable: int
+    layers: int
+
+
+def _trace(
+    cfg: TrainConfig, mcfg: LlamaConfig, world_size: int, seq_len: int, target: str, *, marks: bool
+) -> _Traced:
+    """Build the run on fake tensors and trace one ``train_step`` of it (the module doc); with ``marks``, the
+    decoder layers' boundaries are marked in the timeline (:class:`memfit.planner.compose.LayerMarks`)."""
+    trace_cfg = _traceable(cfg)
     with (
         _fake_process_group(world_size),
         _quiet(),
@@ -222,7 +363,11 @@ def estimate_run(
             # distributed checkpointing does to lay the state out); step 2, the run's train_step, is traced
             init_optimizer_state(optimizer)
             tracker = MemoryTracker(
-                model, optimizer, refresh_roles_at_peak=False, record_allocations=target == "cuda"
+                model,
+                optimizer,
+                refresh_roles_at_peak=False,
+                record_allocations=target == "cuda",
+                record_ops=_offloaded_now if marks else None,
             )
             tracker.record_timeline = True
             # gloo's reduce-scatter buffers, made inside the tracker's mode so that the tracker sees them
@@ -230,56 +375,30 @@ def estimate_run(
                 _GlooBuffers(world_size) if target == "cpu" and world_size > 1 else contextlib.nullcontext()
             )
             OffloadStats.reset()
-            with tracker, gloo:
+            layers = list(dist_unwrap(model).model.layers) if marks else None
+            with tracker, gloo, marking(layers, tracker.timeline) as marked:
                 train_step(model, optimizer, batches, tracker=tracker, **train_step_options(trace_cfg))
             offloaded = OffloadStats.peak
             traced = model_state_bytes(model, optimizer)
             paged_keys = _paged_state_entries(cfg, tracker, optimizer) if target == "cuda" else set()
-            # the gradients a step holds for its update: those live at the last op of the optimizer phase, when
-            # the update has read them all (sharded: the reduced shards, the unsharded ones in flight are gone by
-            # then; in backward: none, each was freed after its update -- the first ops labelled optimizer_step
-            # are updates inside the backward, with a gradient live)
-            traced["gradients"] = next(
-                (b["gradients"] for _, ph, b in reversed(tracker.timeline) if ph == "optimizer_step"), 0
-            )
             del fake
-    closed = model_state_bytes_closed_form(cfg, mcfg, world_size)
-    peak, breakdown, phase, unseen, host = _split_unseen(cfg, target, tracker, closed)
-    if switches.offloads_activations(cfg, target):  # the trace moved them off the device itself (cuda_paths)
-        unseen["offloaded_activations"] = offloaded
-        host += offloaded
-    reserved = _replay_reserved(cfg, tracker, paged_keys) if target == "cuda" else None
-    device = peak if reserved is None else reserved
-    if target == "cuda":
-        device += CUDA_CONTEXT_BYTES_ESTIMATE
-    rss = None
-    if target != "cuda" and baseline is not None:
-        gathered = reduced = 0
-        if world_size > 1:  # the whole model and gradients pass through FSDP2's and gloo's buffers each step
-            whole = model_state_bytes_closed_form(cfg, mcfg, 1)
-            gathered, reduced = whole["parameters"], whole["trainable_parameters"]
-        retained = retained_heap_bytes(gathered, reduced)
-        rss = predict_peak_rss(peak + host, baseline, heap_retained_bytes=retained)
-    return Estimate(
-        peak_bytes=peak,
-        breakdown=breakdown,
-        phase=phase,
-        device_total_bytes=device + unseen.get("paged_optimizer_state", 0),
-        host_bytes=host,
-        unseen=unseen,
-        model_states=closed,
-        traced_model_states=traced,
+    layer_trace = None if marked is None else LayerTrace(tracker.timeline, tracker.ops, marked.marks)
+    return _Traced(
+        tracker=tracker,
+        timeline=tracker.timeline,
+        layer_trace=layer_trace,
+        offloaded=offloaded,
+        traced=traced,
+        paged_keys=paged_keys,
+        baseline=baseline,
         num_params=built.num_params,
-        num_trainable_params=built.num_trainable,
-        world_size=world_size,
-        batch_size=cfg.batch_size,
-        seq_len=seq_len,
-        seconds=time.perf_counter() - start,
-        config=_switches(cfg),
-        host_peak_rss_bytes=rss,
-        process_baseline_bytes=baseline,
-        peak_reserved_bytes=reserved,
+        num_trainable=built.num_trainable,
+        layers=mcfg.num_layers,
     )
+
+
+def _offloaded_now() -> int:
+    return OffloadStats.live
 
 
 CUBLAS_SM = 90

@@ -64,8 +64,21 @@ def format_estimate(e: Estimate) -> str:
         closed, traced = e.model_states[k], e.traced_model_states[k]
         mark = "" if closed == traced else "  (differ)"
         lines.append(f"  {k:<15}  {closed / size:8.3f} {unit}  {traced / size:8.3f} {unit}{mark}")
-    lines.append(f"estimated in {e.seconds:.1f} s")
+    lines.append(f"estimated in {e.seconds:.1f} s; {_how_traced(e.trace)}")
     return "\n".join(lines)
+
+
+def _how_traced(trace: dict) -> str:
+    """How an estimate was obtained (:attr:`memfit.planner.estimate.Estimate.trace`), in words."""
+    if not trace:
+        return "traced"
+    if trace.get("composed"):
+        traced = " and ".join(str(n) for n in trace["layers_traced"])
+        return (
+            f"{trace['layers']} decoder layers composed from traces of {traced} "
+            f"({trace['layers'] - max(trace['layers_traced'])} layers not traced)"
+        )
+    return f"all {trace['layers']} decoder layers traced ({trace.get('why_not_composed')})"
 
 
 def no_fit_message(p: Plan) -> str:

@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 def layer_weights(mcfg: LlamaConfig) -> int:
     """Weights of one decoder layer's linears: q, k, v, o projections and the SwiGLU MLP's gate, up and down (the
     weights QLoRA stores in NF4, :data:`memfit.models.peft.QLORA_QUANTIZED`)."""
-    d, hd = mcfg.dim, mcfg.dim // mcfg.num_heads
+    d, hd = mcfg.dim, mcfg.head_dim
     return 2 * d * mcfg.num_heads * hd + 2 * d * mcfg.num_kv_heads * hd + 3 * d * mcfg.intermediate_size
 
 

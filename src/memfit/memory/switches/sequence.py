@@ -107,7 +107,7 @@ CHUNKED_CROSS_ENTROPY = Switch(
 
 PLAN_TILES = (0, "auto")
 """``tiled_mlp`` values the planner tries."""
-MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj", "gate_up_proj")
 
 
 def _check_tiled(cfg: RunConfig, target: Target) -> None:

@@ -1,0 +1,101 @@
+"""How long the estimator takes, the old code and the new side by side in the same run (issue 39).
+
+Each measurement runs in a fresh process. ``work`` is ``estimate_run``'s own time (its ``seconds``) with the
+optimizer's library (bitsandbytes, torchao) imported before the clock starts, so imports are excluded on both
+sides alike; ``wall`` is the whole ``memfit estimate`` command. The two checkouts alternate, so that the load of the
+machine (2 shared cores here) falls on both; the ratios are what to compare.
+
+Reproduce::
+
+    .venv/bin/python bench/planner_speed.py --old /path/to/old/checkout --new . [--repeats 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+CASES = [
+    ("8B seed config, 1 device", ["--config", "configs/llama3_8b_full_single_device.yaml"]),
+    (
+        "8B, cuda, bf16 paged AdamW8bit in_bwd ac=full",
+        "model=llama3-8b device=cuda dtype=bf16 optimizer.name=paged_adamw8bit optimizer_in_backward=true "
+        "max_grad_norm=0 activation_checkpointing=full batch_size=1 seq_len=2048".split(),
+    ),
+    (
+        "70B x 8 ranks, cuda",
+        "world_size=8 model=llama3-70b dtype=bf16 batch_size=1 seq_len=2048 device=cuda optimizer.name=adamw".split(),
+    ),
+]
+
+WORK = """
+import json, sys, contextlib
+with contextlib.suppress(ImportError):
+    import bitsandbytes  # imports excluded from the work
+from memfit.cli import main
+import io
+out = io.StringIO()
+with contextlib.redirect_stdout(out):
+    main(["estimate", *sys.argv[1:], "--json"])
+print(json.dumps(json.loads(out.getvalue().strip().splitlines()[-1])))
+"""
+
+
+def _work(src: Path, root: Path, argv: list[str]) -> dict:
+    env = {"PYTHONPATH": str(src), "PATH": "/usr/bin:/bin"}
+    out = subprocess.run(
+        [sys.executable, "-c", WORK, *argv], cwd=root, env=env, capture_output=True, text=True, check=True
+    )
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _wall(src: Path, root: Path, argv: list[str]) -> float:
+    env = {"PYTHONPATH": str(src), "PATH": "/usr/bin:/bin"}
+    t0 = time.perf_counter()
+    subprocess.run(
+        [sys.executable, "-m", "memfit", "estimate", *argv, "--json"],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        check=True,
+    )
+    return time.perf_counter() - t0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--old", required=True, help="checkout of the old code")
+    parser.add_argument("--new", default=".", help="checkout of the new code")
+    parser.add_argument("--repeats", type=int, default=1)
+    args = parser.parse_args()
+    old, new = Path(args.old).resolve(), Path(args.new).resolve()
+    print("| estimate | work old s | work new s | ratio | wall old s | wall new s | ratio | how (new) |")
+    print("|---|---:|---:|---:|---:|---:|---:|---|")
+    for name, argv in CASES:
+        runs: dict[str, list] = {"old": [], "new": []}
+        for _ in range(args.repeats):
+            for side, root in (("old", old), ("new", new)):
+                answer = _work(root / "src", new, argv)
+                runs[side].append(
+                    (answer["seconds"], _wall(root / "src", new, argv), answer.get("trace", {}))
+                )
+        w_old = min(r[0] for r in runs["old"])
+        w_new = min(r[0] for r in runs["new"])
+        c_old = min(r[1] for r in runs["old"])
+        c_new = min(r[1] for r in runs["new"])
+        how = runs["new"][0][2]
+        what = "composed" if how.get("composed") else f"full ({how.get('why_not_composed')})"
+        print(
+            f"| {name} | {w_old:.2f} | {w_new:.2f} | {w_new / w_old:.2f}x | {c_old:.2f} | {c_new:.2f} | "
+            f"{c_new / c_old:.2f}x | {what} |",
+            flush=True,
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,312 @@
+"""The timeline of an L-layer step composed from traces of the same step with 3 and 4 decoder layers.
+
+Decoder layers are identical; the boundaries (embedding, head, loss, optimizer step) are not. So the estimator
+(:func:`memfit.planner.estimate.estimate_run`) traces the run's real ``train_step`` twice on a model of 3 and of 4
+decoder layers, the rest of the run unchanged, and derives the L-layer answer from the two timelines. Nothing is
+modelled: every byte is one the traces allocated; what composing assumes is checked op by op, and where it does
+not hold the estimator traces the whole model (and says why).
+
+**Marks.** :class:`LayerMarks` cuts each trace's timeline into segments at the decoder layers' boundaries: a
+forward pre-hook on each layer opens its forward segment (``("F", pass, layer)``), a forward hook on the last
+opens the head's (``("H", pass, None)``), and a hook on each layer's output opens the layer's backward segment
+(``("B", pass, layer)``) when its gradient arrives, i.e. when autograd is about to run that layer's backward.
+What comes before the first mark (the first pass's embedding) is ``("I", 0, None)``; the embedding's backward, the
+optimizer step and the next pass's embedding are the tail of the ``B`` segment of layer 0.
+
+**Composing.** Between two traces the bytes at an event are affine in the layers around it. With 4 layers
+(``0 1 2 3``) and 3 (``0 1 2``) the segments pair up as ``F0-F0, F1-F1, F2-F1, F3-F2, H-H, B3-B2, B2-B1, B1-B1,
+B0-B0`` (and ``I-I``), event by event, which must be the same op at the same position (else nothing is composed).
+An event ``e`` of the 4-layer trace paired with ``e'`` of the 3-layer one counts
+``b4(e) + (L - 4) * (b4(e) - b3(e'))`` bytes in each category at L layers: the pair differs by exactly one layer
+in the group the L-layer model has L - 4 more of (the layers not run yet, for ``F0`` and ``F1``; the layers run,
+for ``F2`` and ``F3``; in the backward, the layers back-propagated for ``B0`` and ``B1``, the ones still to come
+for ``B3`` and ``B2``). ``F1`` stands for layer 1, ``F2`` for layer L - 2, ``B2`` for layer L - 2, ``B1`` for
+layer 1. The layers between (2 to L - 3) run the ops of the middle layers (``F2`` and ``B1``: a layer between two
+others), and each of their events is affine in the layer's index, so its maximum over them is at layer 2 or
+L - 3: ``F2``'s events with ``F1``'s slope (layer 2: more layers still to run) and ``B1``'s with ``B2``'s slope
+(layer L - 3: more layers still to back-propagate). The composed timeline holds those events in the order the
+L-layer step runs them (a tie keeps the earlier, as the traced peak does), so its maximum, the category bytes
+there and its phase are the L-layer trace's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import difflib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from memfit.memory.tracker import CATEGORIES
+
+TRACED_LAYERS = (3, 4)
+"""The depths traced to compose a deeper model: the pair of :mod:`this module <memfit.planner.compose>`."""
+COMPOSE_FROM_LAYERS = 8
+"""``estimate_run``'s default composes models of at least this many decoder layers (two traces of 3 and 4
+layers cost about as much as one of 7; a shallower model is traced whole)."""
+OFFLOADED = "offloaded_host"
+"""The pseudo-category of a composed event holding the activation-offloading hooks' host bytes then."""
+
+Tag = tuple[str, int, int | None]
+
+
+@dataclass
+class LayerTrace:
+    """What one traced step leaves for composing: its timeline, the op and the offloaded host bytes of each of its
+    events, and the marks (timeline index, tag) of :class:`LayerMarks`."""
+
+    timeline: list[tuple[int, str, dict[str, int]]]
+    ops: list[tuple[Any, Any]]
+    marks: list[tuple[int, Tag]]
+
+
+@dataclass
+class Composed:
+    """The composed L-layer timeline (``(index, phase, {category: bytes})``, as a tracker's) and its offloaded
+    host bytes' peak; ``events``: how many events it holds."""
+
+    timeline: list[tuple[int, str, dict[str, int]]]
+    offloaded_peak: int
+    layers: int
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+class NotComposable(Exception):
+    """The two traces do not compose (the message says where); the estimator traces the whole model."""
+
+
+class LayerMarks:
+    """Hooks on a model's decoder layers that mark where each layer's forward and backward begin in a tracker's
+    timeline (see the module doc). Enter around the traced step, after the tracker.
+
+    Args:
+        layers: the decoder layers, in order (``model.model.layers``).
+        timeline: the tracker's timeline list (read for its length when a hook fires).
+    """
+
+    def __init__(self, layers: list[nn.Module], timeline: list) -> None:
+        self.layers = list(layers)
+        self.timeline = timeline
+        self.marks: list[tuple[int, Tag]] = []
+        self._pass = -1
+        self._stack = contextlib.ExitStack()
+
+    def _mark(self, kind: str, layer: int | None) -> None:
+        self.marks.append((len(self.timeline), (kind, self._pass, layer)))
+
+    def _pre(self, index: int) -> Any:
+        def hook(_module: nn.Module, _args: Any) -> None:
+            if torch._C._current_graph_task_id() != -1:  # a recomputation inside the backward
+                return
+            if index == 0:
+                self._pass += 1
+            self._mark("F", index)
+
+        return hook
+
+    def _post(self, index: int) -> Any:
+        last = index == len(self.layers) - 1
+
+        def hook(_module: nn.Module, _args: Any, output: Any) -> None:
+            if torch._C._current_graph_task_id() != -1:
+                return
+            if isinstance(output, torch.Tensor) and output.requires_grad:
+                pass_ = self._pass
+                output.register_hook(
+                    lambda _grad: self.marks.append((len(self.timeline), ("B", pass_, index)))
+                )
+            if last:
+                self._mark("H", None)
+
+        return hook
+
+    def __enter__(self) -> LayerMarks:
+        for i, layer in enumerate(self.layers):
+            self._stack.callback(layer.register_forward_pre_hook(self._pre(i)).remove)
+            self._stack.callback(layer.register_forward_hook(self._post(i)).remove)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stack.close()
+
+
+def _segments(trace: LayerTrace) -> list[tuple[Tag, int, int]]:
+    """``(tag, start, end)`` of each segment of the timeline, in order (``I`` first, possibly empty)."""
+    out: list[tuple[Tag, int, int]] = []
+    starts = [(0, ("I", 0, None)), *trace.marks]
+    for k, (start, tag) in enumerate(starts):
+        end = starts[k + 1][0] if k + 1 < len(starts) else len(trace.timeline)
+        out.append((tag, start, end))
+    return out
+
+
+def _expected(depth: int, passes: int) -> list[Tag]:
+    tags: list[Tag] = [("I", 0, None)]
+    for p in range(passes):
+        tags += [("F", p, j) for j in range(depth)] + [("H", p, None)]
+        tags += [("B", p, j) for j in reversed(range(depth))]
+    return tags
+
+
+def _vector(event: tuple[int, str, dict[str, int]], op: tuple[Any, Any]) -> list[int]:
+    return [*(event[2][c] for c in CATEGORIES), op[1] or 0]
+
+
+def compose(three: LayerTrace, four: LayerTrace, layers: int) -> Composed:
+    """The L-layer timeline from the traces of 3 and 4 decoder layers (the module doc says how).
+
+    Args:
+        three: the trace of the model with 3 decoder layers.
+        four: the trace with 4, the rest of the run identical.
+        layers: L, the run's decoder layers (at least 5).
+
+    Returns:
+        The :class:`Composed` timeline.
+
+    Raises:
+        NotComposable: the traces' segments or ops do not pair up (layers that differ, a step whose ops depend
+            on the depth); the message says which.
+        ValueError: ``layers`` < 5.
+    """
+    if layers < 5:
+        raise ValueError(f"composing needs at least 5 layers, got {layers}")
+    seg3, seg4 = _segments(three), _segments(four)
+    passes = sum(1 for tag, _, _ in seg4 if tag[0] == "H")
+    for depth, segs in ((3, seg3), (4, seg4)):
+        tags = [t for t, _, _ in segs]
+        if tags != _expected(depth, passes):
+            raise NotComposable(f"the {depth}-layer trace's layers do not run in order, once a pass")
+    by3 = {tag: (a, b) for tag, a, b in seg3}
+    by4 = {tag: (a, b) for tag, a, b in seg4}
+    pair = {"F": {0: 0, 1: 1, 2: 1, 3: 2}, "B": {0: 0, 1: 1, 2: 1, 3: 2}}
+
+    def rows(trace: LayerTrace, span: tuple[int, int]) -> list[list[int]]:
+        a, b = span
+        return [_vector(trace.timeline[k], trace.ops[k]) for k in range(a, b)]
+
+    def ops_of(trace: LayerTrace, span: tuple[int, int]) -> list[Any]:
+        return [trace.ops[k][0] for k in range(*span)]
+
+    def check_same(name: str, x: tuple[LayerTrace, tuple[int, int]], y: tuple[LayerTrace, tuple[int, int]]):
+        if ops_of(*x) != ops_of(*y):
+            raise NotComposable(f"{name}: the two segments do not run the same ops")
+
+    def slopes(tag4: Tag) -> list[list[int]]:
+        kind, p, j = tag4
+        tag3 = tag4 if kind in "IH" else (kind, p, pair[kind][j])
+        check_same(f"segment {tag4}", (four, by4[tag4]), (three, by3[tag3]))
+        r4, r3 = rows(four, by4[tag4]), rows(three, by3[tag3])
+        return [[x - y for x, y in zip(a, b, strict=True)] for a, b in zip(r4, r3, strict=True)]
+
+    extra = layers - 4
+    out: list[tuple[int, str, dict[str, int]]] = []
+    offloaded = 0
+
+    def put(phase: str, v: list[int]) -> None:
+        nonlocal offloaded
+        out.append((len(out) + 1, phase, dict(zip(CATEGORIES, v, strict=False))))
+        offloaded = max(offloaded, v[-1])
+
+    def emit(tag4: Tag, slope: list[list[int]]) -> None:
+        a, _ = by4[tag4]
+        for k, s in enumerate(slope):
+            v = [
+                x + extra * d for x, d in zip(_vector(four.timeline[a + k], four.ops[a + k]), s, strict=True)
+            ]
+            put(four.timeline[a + k][1], v)
+
+    def emit_runs(tag4: Tag) -> None:
+        """A segment whose ops run once per parameter (the optimizer step, clipping): the 4-layer trace runs one
+        layer's worth more of them; the L-layer step runs L - 4 more copies of that block, whose events are
+        affine in the copy's index (the first and the last copy are emitted)."""
+        kind, p, j = tag4
+        tag3 = tag4 if kind in "IH" else (kind, p, pair[kind][j])
+        (a4, b4), (a3, b3) = by4[tag4], by3[tag3]
+        ops4, ops3 = ops_of(four, (a4, b4)), ops_of(three, (a3, b3))
+        if ops4 == ops3:
+            emit(tag4, slopes(tag4))
+            return
+        v4 = rows(four, (a4, b4))
+        v3 = rows(three, (a3, b3))
+        d4 = [[x - y for x, y in zip(v4[k], v4[k - 1], strict=True)] if k else v4[0] for k in range(len(v4))]
+        d3 = [[x - y for x, y in zip(v3[k], v3[k - 1], strict=True)] if k else v3[0] for k in range(len(v3))]
+        codes = difflib.SequenceMatcher(None, ops3, ops4, autojunk=False).get_opcodes()
+        if any(code not in ("equal", "insert") for code, *_ in codes):
+            raise NotComposable(f"segment {tag4}: the two traces' ops differ beyond a layer's more")
+        blocks = []  # (start, end) in the 4-layer segment of each block one layer adds
+        for code, _i1, _i2, j1, j2 in codes:
+            if code != "insert":
+                continue
+            m = j2 - j1
+            # the same ops could have been inserted earlier in a run of repeated blocks: the layer's own block is
+            # the one whose removal leaves the events around it allocating what the 3-layer trace's do
+            candidates = [j1]
+            while candidates[-1] > 0 and ops4[candidates[-1] - 1] == ops4[candidates[-1] - 1 + m]:
+                candidates.append(candidates[-1] - 1)
+            lo = candidates[-1]
+            base3 = _i1 - (j1 - lo)  # the 3-layer event paired with the 4-layer one at lo
+
+            def score(start: int, lo: int = lo, j2: int = j2, m: int = m, base3: int = base3) -> int:
+                kept = [k for k in range(lo, min(j2 + 1, len(d4))) if not start <= k < start + m]
+                return sum(1 for n, k in enumerate(kept) if base3 + n < len(d3) and d4[k] == d3[base3 + n])
+
+            blocks.append(max(candidates, key=score))
+            blocks[-1] = (blocks[-1], blocks[-1] + m)
+        inserted = {k for a, b in blocks for k in range(a, b)}
+        mapped = iter(range(len(v3)))
+        index3 = {k: next(mapped) for k in range(len(v4)) if k not in inserted}
+        starts = {a: b for a, b in blocks}
+        k = 0
+        while k < len(v4):
+            if k in starts:
+                j1, j2 = k, starts[k]
+                if j1 == 0 or j2 >= len(v4):
+                    raise NotComposable(f"segment {tag4}: a layer's more ops at the segment's edge")
+                s_before = [x - y for x, y in zip(v4[j1 - 1], v3[index3[j1 - 1]], strict=True)]
+                growth = [x - y for x, y in zip(v4[j2 - 1], v4[j1 - 1], strict=True)]  # one copy of the block
+                for copy in (0, extra):  # the first and the last of the L - 3 copies
+                    for i in range(j1, j2):
+                        put(
+                            four.timeline[a4 + i][1],
+                            [
+                                x + extra * s + copy * g
+                                for x, s, g in zip(v4[i], s_before, growth, strict=True)
+                            ],
+                        )
+                k = j2
+                continue
+            i = index3[k]
+            put(four.timeline[a4 + k][1], [x + extra * (x - y) for x, y in zip(v4[k], v3[i], strict=True)])
+            k += 1
+
+    emit_runs(("I", 0, None))
+    for p in range(passes):
+        emit(("F", p, 0), slopes(("F", p, 0)))
+        after = slopes(("F", p, 1))  # one more layer still to run
+        emit(("F", p, 1), after)
+        check_same("the middle layers' forwards", (four, by4[("F", p, 1)]), (four, by4[("F", p, 2)]))
+        emit(("F", p, 2), after)  # layer 2
+        emit(("F", p, 2), slopes(("F", p, 2)))  # layer L - 2
+        emit(("F", p, 3), slopes(("F", p, 3)))
+        emit(("H", p, None), slopes(("H", p, None)))
+        emit(("B", p, 3), slopes(("B", p, 3)))
+        below = slopes(("B", p, 2))  # one more layer still to back-propagate
+        emit(("B", p, 2), below)
+        check_same("the middle layers' backwards", (four, by4[("B", p, 2)]), (four, by4[("B", p, 1)]))
+        emit(("B", p, 1), below)  # layer L - 3
+        emit(("B", p, 1), slopes(("B", p, 1)))  # layer 1
+        emit_runs(("B", p, 0))
+    return Composed(out, offloaded, layers)
+
+
+@contextlib.contextmanager
+def marking(layers: list[nn.Module] | None, timeline: list) -> Iterator[LayerMarks | None]:
+    """:class:`LayerMarks` on ``layers`` while inside, or nothing when ``layers`` is None."""
+    if layers is None:
+        yield None
+        return
+    with LayerMarks(layers, timeline) as marks:
+        yield marks

@@ -1,0 +1,133 @@
+"""Composing an L-layer estimate from traces of 3 and 4 decoder layers (``memfit.planner.compose``): for each
+switch and combination that composes, the composed answer equals the full trace's to the byte (the peak, every
+category at it, its phase, the allocator-invisible parts, the host bytes, the traced model states and the parameter
+counts), on tiny models of 5 and 6 layers; where composing does not hold the estimate traces the whole model and
+says why."""
+
+from __future__ import annotations
+
+import pytest
+
+from memfit.config import load_config
+from memfit.planner.estimate import estimate_run
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+BASE = {
+    "model": "tiny",
+    "tokenizer.kind": "char",
+    "tokenizer.vocab_size": 65,
+    "device": "cpu",
+    "optimizer.name": "adamw",
+    "batch_size": 2,
+    "seq_len": 16,
+}
+ANSWER = (
+    "peak_bytes",
+    "breakdown",
+    "phase",
+    "unseen",
+    "host_bytes",
+    "device_total_bytes",
+    "peak_reserved_bytes",
+    "traced_model_states",
+    "num_params",
+    "num_trainable_params",
+)
+
+
+def _estimate(layers: int, compose: bool | None, world_size: int = 1, **overrides):
+    items = {**BASE, "model_args.num_layers": layers, **overrides}
+    cfg = load_config(None, [f"{k}={v}" for k, v in items.items()], world_size=world_size)
+    return estimate_run(cfg, world_size=world_size, compose=compose)
+
+
+def _answer(estimate) -> dict:
+    return {k: getattr(estimate, k) for k in ANSWER}
+
+
+COMPOSED = {
+    "plain": {},
+    "activation_checkpointing=full": {"activation_checkpointing": "full"},
+    "activation_checkpointing=selective": {"activation_checkpointing": "selective"},
+    "optimizer_in_backward": {"optimizer_in_backward": "true", "max_grad_norm": 0},
+    "chunked_cross_entropy=4": {"chunked_cross_entropy": 4},
+    "tiled_mlp=2": {"tiled_mlp": 2},
+    "gradient_accumulation_steps=2": {"gradient_accumulation_steps": 2},
+    "dtype=bf16": {"dtype": "bf16"},
+    "dtype=bf16_mixed": {"dtype": "bf16_mixed"},
+    "seed-like: bf16 in_bwd ac=full ce=4": {
+        "dtype": "bf16",
+        "optimizer_in_backward": "true",
+        "max_grad_norm": 0,
+        "activation_checkpointing": "full",
+        "chunked_cross_entropy": 4,
+    },
+    "ac=full ce=4 tiled_mlp=2 accumulation=2": {
+        "activation_checkpointing": "full",
+        "chunked_cross_entropy": 4,
+        "tiled_mlp": 2,
+        "gradient_accumulation_steps": 2,
+    },
+}
+
+
+@pytest.mark.parametrize("layers", [5, pytest.param(6, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("overrides", list(COMPOSED.values()), ids=list(COMPOSED))
+def test_composed_equals_the_full_trace_to_the_byte(overrides, layers):
+    full = _estimate(layers, False, **overrides)
+    composed = _estimate(layers, True, **overrides)
+    assert composed.trace["composed"] is True, composed.trace
+    assert composed.trace["layers_traced"] == [3, 4]
+    assert full.trace == {
+        "layers": layers,
+        "layers_traced": [layers],
+        "composed": False,
+        "why_not_composed": "asked for the full trace",
+    }
+    assert _answer(composed) == _answer(full)
+    assert composed.peak_bytes > 0
+
+
+FULL = {  # where composing does not hold: traced whole, the reason said
+    "every_n": ({"activation_checkpointing": "every_n"}, 1, "activation_checkpointing=every_n"),
+    "for_loop AdamW": ({"optimizer.implementation": "for_loop"}, 1, "segment ('B', 0, 0)"),
+    "fsdp2 on 2 ranks": ({"distributed.strategy": "fsdp2"}, 2, "segment ('F', 0, 1)"),
+    "cuda reserved peak": ({"device": "cuda"}, 1, "the reserved peak replays"),
+}
+
+
+@pytest.mark.parametrize(("overrides", "world_size", "why"), list(FULL.values()), ids=list(FULL))
+def test_where_layers_do_not_compose_the_whole_model_is_traced_and_the_estimate_says_why(
+    overrides, world_size, why
+):
+    full = _estimate(6, False, world_size, **overrides)
+    asked = _estimate(6, True, world_size, **overrides)
+    assert asked.trace["composed"] is False
+    assert asked.trace["layers_traced"] == [6]
+    assert asked.trace["why_not_composed"].startswith(why), asked.trace
+    assert _answer(asked) == _answer(full)
+
+
+def test_the_default_composes_deep_models_only():
+    shallow = _estimate(6, None)
+    assert shallow.trace["composed"] is False
+    assert (
+        shallow.trace["why_not_composed"] == "6 decoder layers: tracing them all costs no more than composing"
+    )
+    deep = _estimate(8, None)
+    assert deep.trace["composed"] is True
+    assert _answer(deep) == _answer(_estimate(8, False))
+
+
+def test_local_and_global_layers_are_traced_whole():
+    """Gemma's pattern of local (sliding-window) and global layers: the layers differ, so none is composed."""
+    from memfit.models.presets import model_config
+
+    mcfg = model_config("tiny-gemma2", num_layers=6, layer_types=("sliding_attention", "full_attention") * 3)
+    items = {**BASE, "model": "tiny-gemma2"}
+    cfg = load_config(None, [f"{k}={v}" for k, v in items.items()])
+    asked = estimate_run(cfg, model_config=mcfg, compose=True)
+    assert asked.trace["composed"] is False and asked.trace["layers_traced"] == [6]
+    assert asked.trace["why_not_composed"].startswith("the layers differ: local (sliding-window) and global")
+    assert _answer(asked) == _answer(estimate_run(cfg, model_config=mcfg, compose=False))
