@@ -1,6 +1,6 @@
 """The optimizers that keep less state against AdamW and the low-bit AdamWs, on CPU, one fresh process per run.
 
-Four parts (``--part state quality seeds predict``, all by default):
+Five parts (``--part state quality seeds predict muon-speed``, all by default):
 
 - **state** — the 78.6M model of ``bench/peers.py`` (dim 768, 12 layers, 12/4 heads, SwiGLU 2048, vocabulary
   2,048; a random-init Hugging Face checkpoint fine-tuned with ``memfit finetune method=full``, fp32, batch 4 x 256,
@@ -15,6 +15,12 @@ Four parts (``--part state quality seeds predict``, all by default):
   validation loss first reaches AdamW's final one at the main job's default learning rate.
 - **seeds** — AdamW and Muon at the main job's lr with other seeds (``--seeds``, default 1): does Muon's lead
   over AdamW hold beyond the seed spread?
+- **muon-speed** — Muon's Newton-Schulz iteration in bf16 (torch's) and in fp32 against AdamW, in one process
+  per model whose steps interleave the sides (round after round, in rotated order), so that a shared machine
+  slows them alike: the 0.8M model (4 layers of 128, 4/2 heads, SwiGLU 344, 68 ids: character-level Shakespeare,
+  12 x 64 tokens) and the 78.6M one (4 x 256 tokens), each natively and under ``ONEDNN_MAX_CPU_ISA=AVX512_CORE``
+  (a CPU without bf16 instructions, as oneDNN sees it); median step time per side, tokens/s and its ratio to
+  AdamW's, and which dtype ``muon_ns_dtype=auto`` picked there.
 - **predict** — ``memfit estimate`` of the Llama-3-8B full fine-tune on one GPU (``configs/
   llama3_8b_full_single_device.yaml``: bf16, the optimizer in backward, full checkpointing, chunked
   cross-entropy) with each optimizer: its state and the predicted peak.
@@ -241,6 +247,123 @@ def predict_part(args: argparse.Namespace, env: dict[str, str]) -> list[dict]:
     return rows
 
 
+MUON_SPEED_MODELS = {
+    # name: (shape, vocabulary, batch, seq_len, rounds natively, rounds without bf16 instructions)
+    "0.8M": ({"dim": 128, "num_layers": 4, "num_heads": 4, "num_kv_heads": 2, "intermediate_size": 344}, 68, 12, 64,
+             21, 11),
+    "78.6M": (MODELS["78.6M"], 2048, 4, 256, 4, 2),
+}  # fmt: skip
+MUON_SIDES = {"adamw": {"name": "adamw"}, "muon bf16": {"name": "muon", "muon_ns_dtype": "bf16"},
+              "muon fp32": {"name": "muon", "muon_ns_dtype": "fp32"}}  # fmt: skip
+
+
+def muon_speed_worker(spec: dict[str, Any]) -> dict[str, Any]:
+    """In this process: one model per side from the same initial weights, ``rounds`` rounds of one training step
+    of each side (the order rotated each round), random token batches; the median step seconds of each side after
+    the first round (the state is made in it)."""
+    import statistics
+
+    import torch
+
+    from memfit.config import OptimizerConfig
+    from memfit.memory import hybrids
+    from memfit.memory.optim import build_optimizer
+    from memfit.models.llama import LlamaConfig, build_llama
+    from memfit.step import train_step
+
+    shape, vocab, batch, seq_len, rounds = (spec[k] for k in ("shape", "vocab", "batch", "seq_len", "rounds"))
+    if spec.get("threads"):
+        torch.set_num_threads(spec["threads"])
+    mcfg = LlamaConfig(vocab_size=vocab, max_seq_len=seq_len, **shape)
+    runs = {}
+    for side, opt in MUON_SIDES.items():
+        model = build_llama(mcfg, seed=0)
+        runs[side] = (model, build_optimizer(model, OptimizerConfig(lr=1e-3, weight_decay=0.1, **opt)))
+    gen = torch.Generator().manual_seed(0)
+    seconds: dict[str, list[float]] = {side: [] for side in runs}
+    sides = list(runs)
+    for r in range(rounds):
+        x = torch.randint(0, vocab, (batch, seq_len + 1), generator=gen)
+        for side in sides[r % len(sides) :] + sides[: r % len(sides)]:
+            model, opt = runs[side]
+            t0 = time.perf_counter()
+            train_step(model, opt, [(x[:, :-1], x[:, 1:])], max_grad_norm=1.0, dtype="fp32").loss.item()
+            if r:
+                seconds[side].append(time.perf_counter() - t0)
+    median = {side: statistics.median(v) for side, v in seconds.items()}
+    return {
+        "num_params": sum(p.numel() for p in runs["adamw"][0].parameters()),
+        "auto": str(hybrids.newton_schulz_dtype("auto", "cpu")).removeprefix("torch."),
+        "bf16_fast": hybrids.cpu_bf16_matmuls_fast(),
+        "step_seconds": median,
+        "tokens_per_second": {side: batch * seq_len / t for side, t in median.items()},
+        "rounds": rounds,
+        "threads": torch.get_num_threads(),
+    }
+
+
+def muon_speed_part(args: argparse.Namespace, env: dict[str, str], work: Path) -> list[dict]:
+    rows = []
+    for model, (shape, vocab, batch, seq_len, native, emulated) in MUON_SPEED_MODELS.items():
+        if args.quick and model != "0.8M":
+            continue
+        for isa, rounds in (("", native), ("AVX512_CORE", emulated)):
+            spec = {"shape": shape, "vocab": vocab, "batch": batch, "seq_len": seq_len,
+                    "rounds": 3 if args.quick else rounds, "threads": args.threads}  # fmt: skip
+            run_env = {**env, **({"ONEDNN_MAX_CPU_ISA": isa} if isa else {})}
+            cmd = [sys.executable, str(Path(__file__).resolve()), "--muon-speed-worker", json.dumps(spec)]
+            done = subprocess.run(cmd, env=run_env, capture_output=True, text=True)
+            row: dict[str, Any] = {"model": model, "isa": isa or "native", "batch": batch, "seq_len": seq_len}
+            if done.returncode != 0:
+                row["error"] = done.stderr.strip().splitlines()[-1][:160]
+            else:
+                row.update(json.loads(done.stdout.strip().splitlines()[-1]))
+            rows.append(row)
+            print(
+                f"muon speed {model} {row['isa']}: {row.get('tokens_per_second')}",
+                file=sys.stderr,
+                flush=True,
+            )
+    return rows
+
+
+def muon_speed_table(rows: list[dict]) -> str:
+    lines = [
+        "| model | tokens a step | bf16 matmuls | `auto` picks | AdamW tok/s | Muon bf16 tok/s | vs AdamW | "
+        "Muon fp32 tok/s | vs AdamW | Muon `auto` vs AdamW |",
+        "|---|---:|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        head = f"| {r['model']} | {r['batch']} x {r['seq_len']} | "
+        isa = "AMX (native)" if r["isa"] == "native" else f"`ONEDNN_MAX_CPU_ISA={r['isa']}`"
+        if r.get("error"):
+            lines.append(f"{head}{isa} | failed: {r['error']} |")
+            continue
+        tps = r["tokens_per_second"]
+        auto = "muon bf16" if r["auto"] == "bfloat16" else "muon fp32"
+        lines.append(
+            f"{head}{isa} | {'bf16' if r['auto'] == 'bfloat16' else 'fp32'} | {tps['adamw']:,.0f} | "
+            f"{tps['muon bf16']:,.0f} | {tps['muon bf16'] / tps['adamw']:.2f} | {tps['muon fp32']:,.0f} | "
+            f"{tps['muon fp32'] / tps['adamw']:.2f} | **{tps[auto] / tps['adamw']:.2f}** |"
+        )
+    return "\n".join(lines)
+
+
+def muon_speed_section(args: argparse.Namespace, rows: list[dict], command: str, results: dict) -> str:
+    rounds = ", ".join(f"{r['model']} {r['isa']}: {r.get('rounds')}" for r in rows)
+    return (
+        f"Reproduce: `{command}` (`--part muon-speed`). One process per row; one model per side from the same "
+        f"initial weights (fp32, eager, random token batches, clipping at 1.0), their training steps interleaved "
+        f"round after round in rotated order, tok/s from each side's median step after the first round "
+        f"(rounds: {rounds}), torch threads: {rows[0].get('threads')}; the machine was shared with other "
+        f"engineers' test runs, which slow every side of a row alike but not every row alike: compare ratios "
+        f"within a row. The bf16 column says whether "
+        f"oneDNN could use the CPU's bf16 instructions (`ONEDNN_MAX_CPU_ISA=AVX512_CORE` hides AMX and "
+        f"AVX512-BF16 from it, as on a CPU without them), and `auto` is `optimizer.muon_ns_dtype=auto`'s pick "
+        f"there.\n\n{muon_speed_table(rows)}"
+    )
+
+
 def predict_table(rows: list[dict]) -> str:
     lines = [
         "| optimizer | state (GiB) | of it paged (GiB) | predicted allocator peak (GiB) | reserved (GiB) | at |",
@@ -338,8 +461,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--part",
         nargs="+",
-        choices=("state", "quality", "seeds", "predict"),
-        default=["state", "quality", "seeds", "predict"],
+        choices=("state", "quality", "seeds", "predict", "muon-speed"),
+        default=["state", "quality", "seeds", "predict", "muon-speed"],
     )
     parser.add_argument("--seeds", nargs="+", type=int, default=[1], help="of the seeds part")
     parser.add_argument(
@@ -355,6 +478,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="smoke test")
+    parser.add_argument(
+        "--threads", type=int, default=0, help="muon-speed: torch's threads (0: its default, one per core)"
+    )
     parser.add_argument("--workdir", default=None, help="reuse its prepared data and checkpoint")
     parser.add_argument("--out", default=str(ROOT / "docs" / "benchmarks.md"), help="'-' prints only")
     args = parser.parse_args()
@@ -413,10 +539,14 @@ PARTS = {
     "quality": (quality_part, "optimizers-quality", quality_section),
     "seeds": (seeds_part, "optimizers-seeds", seeds_section),
     "predict": (lambda args, env, work: predict_part(args, env), "optimizers-8b", predict_section),
+    "muon-speed": (muon_speed_part, "optimizers-muon-speed", muon_speed_section),
 }
 
 
 def main() -> int:
+    if sys.argv[1:2] == ["--muon-speed-worker"]:
+        print(json.dumps(muon_speed_worker(json.loads(sys.argv[2]))))
+        return 0
     args = parse_args()
     started = time.perf_counter()
     work = Path(args.workdir or tempfile.mkdtemp(prefix="memfit_optimizers_bench_"))

@@ -39,7 +39,8 @@ def tiny_run_overrides(corpus: Path, output_dir: Path, **extra) -> list[str]:
         "model": "tiny",
         "tokenizer.kind": "char",
         # the update rule the switch-parity and accounting tests were written for (left out, a run from scratch
-        # gets Muon, whose bf16 Newton-Schulz moves the last bits): Muon's own tests name it
+        # gets Muon, whose bf16 Newton-Schulz moves the last bits): Muon's own tests name it, and
+        # tests/test_switch_parity.py holds the switches' parity under Muon too
         "optimizer.name": "adamw",
         "data.path": str(corpus),
         "output_dir": str(output_dir),

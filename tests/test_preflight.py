@@ -102,6 +102,48 @@ def test_a_run_predicted_over_memory_budget_is_refused_and_one_under_it_starts(
         assert [r["step"] for r in read_records(tmp_path / "run" / "metrics.jsonl") if "loss" in r] == [1, 2]
 
 
+@pytest.mark.parametrize("below", [0, 1, 64 * MIB, None])
+def test_a_memory_budget_not_above_what_the_process_holds_is_refused_naming_memory_budget(
+    monkeypatch, small_corpus, tmp_path, capsys, below
+):
+    """Issue 40, item 3: a budget at or under what the process holds before training (``below`` bytes under it;
+    ``None``: 1 MiB) exits 1 before anything is allocated, naming memory_budget, what the process holds and the
+    smallest budget the run fits; one byte over it is the ordinary refusal of a run over its budget."""
+    _resident_set(monkeypatch)
+    held = host.process_overhead_bytes()
+    overrides = tiny_run_overrides(small_corpus, tmp_path / "run", **RUN)
+    need = estimate_run(load_config(None, overrides)).host_peak_rss_bytes
+    budget = MIB if below is None else held - below
+    setting = "1MiB" if below is None else f"{budget}B"
+    assert main(["pretrain", *overrides, f"memory_budget={setting}"]) == 1
+    assert capsys.readouterr().err == (
+        f"memfit: error: memory_budget={setting} ({format_bytes(budget)}) is not more than what this process "
+        f"holds before training: {format_bytes(held)} (its resident set and what stepping adds to it), so no "
+        f"tensor of the run would fit in it.\nThe smallest budget this run fits as configured: "
+        f"memory_budget={-(-need // MIB)}MiB ({format_bytes(need)} predicted at its peak; `memfit plan` finds "
+        f"switches that need less).\nRaise memory_budget, or set preflight=false to start anyway.\n"
+    )
+    assert not (tmp_path / "run" / "checkpoints").exists()
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_the_budgets_around_what_the_process_holds(monkeypatch, small_corpus, tmp_path, capsys):
+    """One byte over what the process holds: the run over its budget (the planner's fix for 1 byte: none);
+    the smallest budget the refusal above names: the run starts."""
+    _resident_set(monkeypatch)
+    held = host.process_overhead_bytes()
+    overrides = tiny_run_overrides(small_corpus, tmp_path / "run", **RUN)
+    need = estimate_run(load_config(None, overrides)).host_peak_rss_bytes
+    assert main(["pretrain", *overrides, f"memory_budget={held + 1}B"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(
+        f"memfit: error: the run is predicted not to fit memory_budget={held + 1}B: it needs "
+    )
+    assert "\nNo combination of memory switches fits; " in err and "config key" not in err
+    assert main(["pretrain", *overrides, f"memory_budget={-(-need // MIB)}MiB"]) == 0
+    assert [r["step"] for r in read_records(tmp_path / "run" / "metrics.jsonl") if "loss" in r] == [1, 2]
+
+
 def test_memory_budget_is_a_size_and_preflight_false_turns_its_check_off(small_corpus, tmp_path, capsys):
     overrides = tiny_run_overrides(small_corpus, tmp_path / "run", **RUN)
     for value in ("40", "40G", "0GiB"):

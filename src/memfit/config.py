@@ -31,7 +31,7 @@ import yaml
 
 from memfit.data import formats
 from memfit.errors import ConfigError, DataError
-from memfit.memory import switches
+from memfit.memory import hybrids, switches
 from memfit.models import peft
 from memfit.models.llama import LlamaConfig
 from memfit.models.presets import MODEL_PRESETS, model_config
@@ -159,6 +159,11 @@ class OptimizerConfig:
     """``muon``: Nesterov momentum (torch.optim.Muon's default)."""
     ns_steps: int = 5
     """``muon``: Newton-Schulz iterations that orthogonalise each update (torch.optim.Muon's default)."""
+    muon_ns_dtype: str = "auto"
+    """``muon``: the dtype of the Newton-Schulz iteration: ``auto`` (bf16 on CUDA and on a CPU with bf16 matrix
+    instructions, AMX-BF16 or AVX512-BF16; fp32 on other CPUs, where bf16 matmuls are emulated ~30x slower than
+    fp32 ones), ``bf16`` (torch.optim.Muon's, always) or ``fp32`` (the same iteration, closer to the exact
+    orthogonalisation; twice the bytes of its temporaries)."""
     adjust_lr_fn: str = "match_rms_adamw"
     """``muon``: the learning-rate rule of an m x n matrix. ``match_rms_adamw`` (Moonlight, Liu et al. 2025:
     ``0.2 * sqrt(max(m, n)) * lr``, so Muon's update has AdamW's RMS and reuses AdamW's ``lr`` and
@@ -445,8 +450,12 @@ class TrainConfig:
     """Continue from the newest complete checkpoint in ``output_dir`` (safe after SIGKILL at any moment)."""
     loss_plot: bool = True
     """Draw the training and validation losses into ``output_dir/loss.png`` at the end of the run (matplotlib)."""
-    tensorboard: bool = True
-    """Write TensorBoard events to ``output_dir/tensorboard`` when the package is installed."""
+    tensorboard: bool | None = field(
+        default=None, metadata={"help": "auto: written when the tensorboard package is installed"}
+    )
+    """TensorBoard events under ``output_dir/tensorboard``: ``null`` (auto) writes them when the ``tensorboard``
+    package is installed and says nothing when it is not (it is an extra); ``true`` asks for them, and a run
+    without the package says so once; ``false`` never."""
     wandb: bool = False
     """Also log the step records to Weights & Biases (needs the ``wandb`` package and ``wandb_project``); the run
     lives under ``output_dir/wandb``, and under ``WANDB_MODE=offline`` it stays there until ``wandb sync``."""
@@ -912,6 +921,11 @@ def _check_low_state_optimizer(opt: OptimizerConfig) -> None:
     key)."""
     _require(0 <= opt.momentum < 1, "optimizer.momentum", f"must be in [0, 1), got {opt.momentum}")
     _require(1 <= opt.ns_steps < 100, "optimizer.ns_steps", f"must be in [1, 99], got {opt.ns_steps}")
+    _require(
+        opt.muon_ns_dtype in hybrids.NEWTON_SCHULZ_DTYPES,
+        "optimizer.muon_ns_dtype",
+        f"must be {' | '.join(hybrids.NEWTON_SCHULZ_DTYPES)}, got {opt.muon_ns_dtype!r}",
+    )
     _require(
         opt.adjust_lr_fn in ("match_rms_adamw", "original"),
         "optimizer.adjust_lr_fn",

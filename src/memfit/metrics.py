@@ -12,7 +12,6 @@ import json
 import math
 import os
 import sys
-import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -125,13 +124,21 @@ def start_wandb_run(output_dir: Path, project: str, name: str | None, config: di
         ) from exc
 
 
+TENSORBOARD_MISSING = (
+    "note: tensorboard=true, but the tensorboard package is not installed, so this run writes no TensorBoard "
+    "events (pip install tensorboard)"
+)
+"""What a run that asked for TensorBoard events says, once, when the package is not installed."""
+
+
 class MetricsLogger:
     """Writes step records to stdout (through tqdm, so the progress bar stays intact), JSONL, TensorBoard and
     Weights & Biases. A context manager: leaving it closes the sinks (a W&B run ends as failed on an exception).
 
     Args:
         output_dir: the run directory; records are appended to ``output_dir/metrics.jsonl``.
-        tensorboard: also write TensorBoard scalars to ``output_dir/tensorboard`` if the package is installed.
+        tensorboard: also write TensorBoard scalars to ``output_dir/tensorboard``: ``None`` when the package is
+            installed (silent when not), ``True`` the same but a note on stdout when it is not, ``False`` never.
         resume_step: on resume, records after this step (written by the interrupted run after its last
             checkpoint) are dropped from ``metrics.jsonl`` first, so the file reads like one uninterrupted run.
         enabled: ``False`` on non-zero ranks.
@@ -144,7 +151,7 @@ class MetricsLogger:
     def __init__(
         self,
         output_dir: Path,
-        tensorboard: bool = True,
+        tensorboard: bool | None = None,
         resume_step: int | None = None,
         enabled: bool = True,
         wandb_project: str | None = None,
@@ -163,14 +170,14 @@ class MetricsLogger:
                 self.path.unlink()
         else:
             truncate_records(self.path, resume_step)
-        if tensorboard:
+        if tensorboard or tensorboard is None:
             try:
                 from torch.utils.tensorboard import SummaryWriter  # deferred: optional, and slow to import
             except ImportError:
-                warnings.warn(
-                    "tensorboard is not installed; skipping TensorBoard events (pip install tensorboard)",
-                    stacklevel=2,
-                )
+                if (
+                    tensorboard
+                ):  # asked for: said once, as the run's other notes; auto: the extra is not there
+                    tqdm.write(TENSORBOARD_MISSING)
             else:
                 self._tb = SummaryWriter(
                     log_dir=str(Path(output_dir) / "tensorboard"), purge_step=resume_step

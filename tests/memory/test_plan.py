@@ -14,7 +14,7 @@ from memfit.build import run_model_config
 from memfit.cli import main, split_budget
 from memfit.config import config_to_dict, load_config
 from memfit.errors import ConfigError, PreflightError
-from memfit.memory import switches
+from memfit.memory import hybrids, switches
 from memfit.memory.switches import layer_weights
 from memfit.planner import plan as P
 from memfit.planner import report
@@ -472,20 +472,43 @@ def test_preflight_of_a_qlora_run(monkeypatch):
     assert f"{fix.changes[0]}=" in message
 
 
+_LLAMA3_8B_NS_FLOPS_PER_LAYER = (
+    2 * 6 * 4096**3 + 2 * (4 * 1024**2 * 4096 + 2 * 1024**3) + 3 * (4 * 4096**2 * 14336 + 2 * 4096**3)
+)
+
+
 def test_cost_model_charges_muon_s_newton_schulz_and_apollo_s_projections():
     """Llama-3-8B, by hand: per layer q, o (4096 x 4096: 6 * 4096**3 FLOPs a Newton-Schulz iteration each), k, v
     (1024 x 4096: 4 * 1024**2 * 4096 + 2 * 1024**3 each) and gate, up, down (4096 x 14336: 4 * 4096**2 * 14336
     + 2 * 4096**3 each); 5 iterations, 32 layers, at the bf16 rate of the update's matmuls."""
     base = _seconds()
-    per_layer = (
-        2 * 6 * 4096**3 + 2 * (4 * 1024**2 * 4096 + 2 * 1024**3) + 3 * (4 * 4096**2 * 14336 + 2 * 4096**3)
-    )
+    per_layer = _LLAMA3_8B_NS_FLOPS_PER_LAYER
     muon = _seconds(**{"optimizer.name": "muon"}) - base
     assert muon == pytest.approx(5 * 32 * per_layer / 400e12)
+    # muon_ns_dtype=auto is bf16 on CUDA; fp32 runs the same FLOPs at the fp32 matmul rate
+    assert _seconds(**{"optimizer.name": "muon", "optimizer.muon_ns_dtype": "bf16"}) - base == muon
+    fp32 = _seconds(**{"optimizer.name": "muon", "optimizer.muon_ns_dtype": "fp32"}) - base
+    assert fp32 == pytest.approx(5 * 32 * per_layer / 25e12)
     # APOLLO: 2 m n r a matrix, r = 1024 (a quarter of the width): 2 * r * (weights of the hidden matrices)
     hidden = 32 * (2 * 4096 * 4096 + 2 * 1024 * 4096 + 3 * 4096 * 14336)
     apollo = _seconds(**{"optimizer.name": "apollo"}) - base
     assert apollo == pytest.approx(2 * 1024 * hidden / 400e12, rel=1e-6)
+
+
+@pytest.mark.parametrize("fast_bf16", [True, False])
+def test_cost_model_prices_muon_on_cpu_in_the_dtype_it_runs_in(monkeypatch, fast_bf16):
+    """On a CPU run, ``auto`` is bf16 (370 GFLOP/s) where the CPU has bf16 matrix instructions and fp32 (140)
+    where it has not; the planner asks the same rule the optimizer is built with."""
+    monkeypatch.setattr(hybrids, "cpu_bf16_matmuls_fast", lambda: fast_bf16)
+    base = _seconds(device="cpu", dtype="fp32")
+    flops = 5 * 32 * _LLAMA3_8B_NS_FLOPS_PER_LAYER
+    muon = _seconds(**{"optimizer.name": "muon", "device": "cpu", "dtype": "fp32"}) - base
+    assert muon == pytest.approx(flops / (370e9 if fast_bf16 else 140e9), rel=1e-9)
+    for setting, rate in (("bf16", 370e9), ("fp32", 140e9)):
+        pinned = _seconds(
+            **{"optimizer.name": "muon", "optimizer.muon_ns_dtype": setting, "device": "cpu", "dtype": "fp32"}
+        )
+        assert pinned - base == pytest.approx(flops / rate, rel=1e-9)
 
 
 def test_cli_plan_names_a_bad_optimizers_list(capsys):

@@ -3,7 +3,8 @@ checkpoint and account like any other: the library does the update, this module 
 the state in tensors and numbers.
 
 - :class:`MuonWithAdamW`: ``torch.optim.Muon`` on the groups marked ``algorithm: muon`` (the hidden matrices),
-  ``torch.optim.AdamW`` on the rest, as one optimizer whose groups and state are the two's own;
+  ``torch.optim.AdamW`` on the rest, as one optimizer whose groups and state are the two's own; its Newton-Schulz
+  iteration in the dtype :func:`newton_schulz_dtype` picks (:class:`Muon`: torch's, with that dtype);
 - :func:`apollo_class`: ``apollo_torch.APOLLOAdamW`` (Zhu et al., "APOLLO: SGD-like Memory, AdamW-level
   Performance", MLSys 2025) with its per-matrix projector kept in the state as a tensor and a seed, so that its
   state dict loads with ``torch.load(weights_only=True)`` and the state walker sees the projection;
@@ -21,10 +22,12 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
+from torch.optim import _muon
 
 from memfit.quiet import quiet_bitsandbytes_import
 
@@ -47,13 +50,162 @@ def _groups(params: Iterable[Any], algorithm: str) -> list[dict]:
     return groups
 
 
+NEWTON_SCHULZ_DTYPES = ("auto", "fp32", "bf16")
+"""``optimizer.muon_ns_dtype`` values: ``auto`` (:func:`newton_schulz_dtype`), ``fp32``, ``bf16``."""
+
+_AMX_ISAS = (
+    "AVX512_CORE_BF16",
+    "AVX512_CORE_AMX",
+    "AVX10_1_512",
+    "AVX512_CORE_FP16",
+    "AVX10",
+    "DEFAULT",
+    "ALL",
+)
+"""``ONEDNN_MAX_CPU_ISA`` values under which oneDNN still uses the CPU's bf16 instructions (the AMX and AVX10
+levels included: every name beginning ``AVX10`` or containing ``AMX``)."""
+
+
+def cpu_bf16_matmuls_fast() -> bool:
+    """Whether this CPU multiplies bf16 matrices in hardware: AMX-BF16 tiles (Intel Sapphire Rapids and later) or
+    AVX512-BF16 dot products (Cooper Lake, AMD Zen 4), as torch's CPU feature detection (``cpuinfo``) reports
+    them, and not capped below those by ``ONEDNN_MAX_CPU_ISA`` (oneDNN, which runs torch's bf16 matmuls on CPU).
+    Without them oneDNN converts bf16 to fp32 and back around every product: measured on the 2 cores of this
+    project's machine with ``ONEDNN_MAX_CPU_ISA=AVX512_CORE``, a 768 x 768 bf16 matmul ran at 38 GFLOP/s against
+    1,577 with AMX and 114 in fp32."""
+    isa = os.environ.get("ONEDNN_MAX_CPU_ISA", "").strip().upper()
+    if isa and not (isa in _AMX_ISAS or isa.startswith("AVX10") or "AMX" in isa):
+        return False
+    cpu = torch.cpu
+    checks = ("_is_amx_tile_supported", "_is_avx512_bf16_supported")
+    return any(getattr(cpu, name, lambda: False)() for name in checks)
+
+
+def newton_schulz_dtype(setting: str, device_type: str) -> torch.dtype:
+    """The dtype of Muon's Newton-Schulz iteration: ``optimizer.muon_ns_dtype`` resolved for the device.
+
+    ``auto`` is bf16 where bf16 matmuls are fast (CUDA; a CPU with :func:`cpu_bf16_matmuls_fast`), as torch's
+    Muon always runs it, and fp32 elsewhere: on a CPU without bf16 matrix instructions the iteration's bf16
+    matmuls are emulated, ~30-40x slower than fp32 ones.
+
+    Args:
+        setting: ``auto``, ``fp32`` or ``bf16``.
+        device_type: where the parameters live (``cpu``, ``cuda``, ``meta``: as ``cpu``).
+
+    Raises:
+        ValueError: an unknown ``setting`` (config validation refuses it first, naming the key).
+    """
+    if setting not in NEWTON_SCHULZ_DTYPES:
+        raise ValueError(f"muon_ns_dtype must be one of {', '.join(NEWTON_SCHULZ_DTYPES)}, got {setting!r}")
+    if setting == "auto":
+        setting = "bf16" if device_type == "cuda" or cpu_bf16_matmuls_fast() else "fp32"
+    return torch.bfloat16 if setting == "bf16" else torch.float32
+
+
+def newton_schulz(
+    update: torch.Tensor,
+    ns_coefficients: tuple[float, float, float],
+    ns_steps: int,
+    eps: float,
+    dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """torch's Muon orthogonalisation (``torch.optim._muon._zeropower_via_newtonschulz``: the quintic
+    Newton-Schulz iteration of Jordan et al. 2024, its coefficients, ``eps`` and transposition rule) in ``dtype``
+    instead of always bf16. In bf16 it is torch's, bit for bit (``tests/memory/test_low_state_optimizers.py``).
+
+    Args:
+        update: the m x n momentum update (not changed: the cast is worked on, or a copy when ``update`` is
+            already in ``dtype``).
+        ns_coefficients: the quintic's ``(a, b, c)``.
+        ns_steps: iterations (< 100).
+        eps: the floor of the Frobenius norm it is divided by first.
+        dtype: the iteration's dtype.
+
+    Returns:
+        The orthogonalised m x n update in ``dtype``.
+
+    Raises:
+        ValueError: as torch's: ``ns_steps >= 100``, ``update`` not 2-D, not three coefficients.
+    """
+    if ns_steps >= 100:
+        raise ValueError("Number of steps must be less than 100 for computational efficiency")
+    if update.ndim != 2:
+        raise ValueError("Input tensor gradient must be a 2D matrix")
+    if len(ns_coefficients) != 3:
+        raise ValueError("Coefficients must be a tuple of exactly 3 values")
+    a, b, c = ns_coefficients
+    x = update.to(dtype)
+    fresh = (
+        x is not update
+    )  # a cast: worked on in place, as torch does; else the caller's (a momentum buffer)
+    tall = update.size(0) > update.size(1)
+    if tall:
+        x = x.T  # (n, m): the Gram matrix below is the smaller side's
+    norm = x.norm().clamp(min=eps)  # spectral norm <= Frobenius norm <= 1 after the division
+    x = x.div_(norm) if fresh else x / norm
+    for _ in range(ns_steps):
+        gram = x @ x.T  # (m, m)
+        gram_update = torch.addmm(gram, gram, gram, beta=b, alpha=c)  # b A + c A A
+        x = torch.addmm(x, gram_update, x, beta=a)  # a X + (b A + c A A) X
+    return x.T if tall else x
+
+
+class Muon(torch.optim.Muon):
+    """``torch.optim.Muon`` (its arguments, checks, groups and state) with its Newton-Schulz iteration in
+    ``ns_dtype`` (:func:`newton_schulz`); the update is torch's ``_single_tensor_muon``, step for step.
+
+    Args:
+        params: 2-D parameters or their groups.
+        ns_dtype: the iteration's dtype; ``torch.bfloat16`` is ``torch.optim.Muon`` exactly.
+        **kwargs: ``torch.optim.Muon``'s (``lr``, ``momentum``, ``nesterov``, ``ns_steps``, ``adjust_lr_fn``, ...).
+
+    Raises:
+        ValueError: as ``torch.optim.Muon`` (a tensor that is not 2-D, a negative ``lr``, ...).
+    """
+
+    def __init__(self, params: Iterable[Any], ns_dtype: torch.dtype = torch.bfloat16, **kwargs: Any):
+        super().__init__(params, **kwargs)
+        self.ns_dtype = ns_dtype
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """One Muon update of every matrix with a gradient.
+
+        Args:
+            closure: called with grad enabled before the update; its result is returned.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            params: list[torch.Tensor] = []
+            grads: list[torch.Tensor] = []
+            bufs: list[torch.Tensor] = []
+            self._init_group(group, params, grads, bufs)
+            lr = _muon._to_scalar(group["lr"])
+            momentum = group["momentum"]
+            for param, grad, buf in zip(params, grads, bufs, strict=True):
+                buf.lerp_(grad, 1 - momentum)
+                update = grad.lerp(buf, momentum) if group["nesterov"] else buf
+                update = newton_schulz(
+                    update, group["ns_coefficients"], group["ns_steps"], group["eps"], self.ns_dtype
+                )
+                adjusted_lr = _muon._adjust_lr(lr, group["adjust_lr_fn"], param.shape)
+                param.mul_(1 - lr * group["weight_decay"])
+                param.add_(update, alpha=-adjusted_lr)
+        return loss
+
+
 class MuonWithAdamW(torch.optim.Optimizer):
     """``torch.optim.Muon`` on the groups whose ``algorithm`` is ``muon``, ``torch.optim.AdamW`` on the others.
 
     One optimizer to the training loop, checkpoints and DCP: ``param_groups`` are both optimizers' groups (the same
     dicts, in the order given), ``state`` is one mapping both write to, and ``state_dict()`` has a plain
     optimizer's layout. Muon keeps one momentum buffer per matrix (Jordan et al. 2024, "Muon: An optimizer for
-    hidden layers in neural networks"); its update is orthogonalised by torch's Newton-Schulz iteration (in bf16).
+    hidden layers in neural networks"); its update is orthogonalised by torch's Newton-Schulz iteration, in the
+    dtype of ``ns_dtype`` (:func:`newton_schulz_dtype`: bf16 on CUDA and on CPUs with bf16 matrix instructions,
+    fp32 on others).
 
     Args:
         params: parameter groups with ``algorithm`` ``muon`` (2-D tensors only) or ``adamw``.
@@ -64,9 +216,12 @@ class MuonWithAdamW(torch.optim.Optimizer):
         nesterov: Muon's.
         ns_steps: Muon's Newton-Schulz iterations.
         adjust_lr_fn: Muon's per-shape learning-rate rule, ``match_rms_adamw`` or ``original``.
+        ns_dtype: ``optimizer.muon_ns_dtype``: ``auto``, ``fp32`` or ``bf16``, resolved for the device of the
+            first matrix (recorded as ``ns_dtype``, a ``torch.dtype``).
 
     Raises:
-        ValueError: a ``muon`` group holds a tensor that is not 2-D (torch's Muon says so).
+        ValueError: a ``muon`` group holds a tensor that is not 2-D (torch's Muon says so), or an unknown
+            ``ns_dtype``.
     """
 
     def __init__(
@@ -79,15 +234,19 @@ class MuonWithAdamW(torch.optim.Optimizer):
         nesterov: bool = True,
         ns_steps: int = 5,
         adjust_lr_fn: str = "match_rms_adamw",
+        ns_dtype: str = "auto",
     ):
         groups = _groups(params, "muon")
         muon = [g for g in groups if g.get("algorithm") == "muon"]
         adamw = [g for g in groups if g.get("algorithm") != "muon"]
         for g in adamw:
             g["algorithm"] = "adamw"
+        first = next((p for g in muon for p in g["params"]), None)
+        self.ns_dtype = newton_schulz_dtype(ns_dtype, first.device.type if first is not None else "cpu")
         self._muon = (
-            torch.optim.Muon(
+            Muon(
                 muon,
+                ns_dtype=self.ns_dtype,
                 lr=lr,
                 momentum=momentum,
                 nesterov=nesterov,
@@ -394,10 +553,15 @@ def _local(t: torch.Tensor | None) -> torch.Tensor | None:
 
 
 __all__ = [
+    "NEWTON_SCHULZ_DTYPES",
+    "Muon",
     "MuonWithAdamW",
     "adam_mini_class",
     "apollo_class",
     "apollo_variant",
+    "cpu_bf16_matmuls_fast",
     "low_bit_class",
+    "newton_schulz",
+    "newton_schulz_dtype",
     "projection_rank",
 ]

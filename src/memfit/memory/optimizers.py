@@ -358,6 +358,19 @@ def _newton_schulz_flops(tensors: Tensors, settings: Any) -> float:
     return total
 
 
+def _newton_schulz_dtype(settings: Any, device_type: str, dtype: str) -> str:
+    """Muon's iteration runs in ``optimizer.muon_ns_dtype`` (``auto``: as :func:`memfit.memory.hybrids.
+    newton_schulz_dtype` resolves it for ``device_type`` on this machine), whatever the parameters' dtype."""
+    resolved = hybrids.newton_schulz_dtype(getattr(settings, "muon_ns_dtype", "auto"), device_type)
+    return "bf16" if resolved == torch.bfloat16 else "fp32"
+
+
+def _parameter_dtype(settings: Any, device_type: str, dtype: str) -> str:
+    """APOLLO projects in the parameters' dtype: bf16 under ``dtype: bf16``, fp32 under ``fp32`` and
+    ``bf16_mixed`` (fp32 parameters)."""
+    return "bf16" if dtype == "bf16" else "fp32"
+
+
 def _projection_flops(tensors: Tensors, settings: Any) -> float:
     """APOLLO's projection of each m x n gradient to rank r: one (m x n) by (n x r) product, 2 m n r FLOPs."""
     return sum(2.0 * t.numel * t.blocks for t in tensors if t.part == "apollo")
@@ -402,6 +415,9 @@ class Optimizer:
     update_flops: Callable[[Tensors, Any], float] | None = None
     """``(tensors, optimizer settings) -> matmul FLOPs`` of one update beyond AdamW's elementwise work (Muon's
     Newton-Schulz iteration, APOLLO's projection), charged at the matmul rate by :mod:`memfit.planner.cost`."""
+    update_dtype: Callable[[Any, str, str], str] = _parameter_dtype
+    """``(optimizer settings, device type, dtype policy) -> "bf16" | "fp32"``: the dtype of the matmuls of
+    :attr:`update_flops`, which picks their rate (``optimizer_matmul_flops_per_second``) in the cost model."""
     implementations: tuple[str, ...] = ()
     """The ``optimizer.implementation`` values it takes; ``()``: the setting does not apply."""
     paged_bytes_per_element: int = 0
@@ -565,10 +581,13 @@ OPTIMIZERS: tuple[Optimizer, ...] = (
             "ns_steps",
             "adjust_lr_fn",
             "adamw_lr",
+            "muon_ns_dtype",
         ),
+        arguments=(("muon_ns_dtype", "ns_dtype"),),
         update_rule="muon",
         partition=_hidden_matrices("muon"),
         update_flops=_newton_schulz_flops,
+        update_dtype=_newton_schulz_dtype,
         sharded=_reshaping_sharded,
     ),
     Optimizer(

@@ -31,10 +31,11 @@ _CUDA_CONSTANTS: dict[str, Any] = {
     # "optimizer.name"; no GPU measurement yet, the same 1.4 is assumed for torchao's, torch.compile'd on CUDA; on
     # CPU each entry's cpu_update_factor: bitsandbytes 7, torchao 8, measured)
     "optimizer_update_factor": optimizers.update_factors("cuda"),
-    # the matmuls some updates add (Muon's Newton-Schulz iteration in bf16, APOLLO's projections), at this rate:
-    # the bf16 rate above (one matrix at a time, smaller than a layer's batched matmuls: an assumption, not
-    # measured)
-    "optimizer_matmul_flops_per_second": 400e12,
+    # the matmuls some updates add (Muon's Newton-Schulz iteration, APOLLO's projections), at this rate by the
+    # dtype they run in (the entry's update_dtype: Muon's optimizer.muon_ns_dtype, bf16 on CUDA unless set; APOLLO
+    # the parameters'): the matmul rates above (one matrix at a time, smaller than a layer's batched matmuls: an
+    # assumption, not measured)
+    "optimizer_matmul_flops_per_second": {"bf16": 400e12, "fp32": 25e12},
     # one optimizer per tensor (optimizer_in_backward, implementation for_loop): kernel launches per tensor update
     # (AdamW's for-loop runs ~10 elementwise kernels per tensor) at this CPU-side cost each
     "kernels_per_tensor_update": 10,
@@ -89,10 +90,14 @@ COST_CONSTANTS: dict[str, dict[str, Any]] = {
         "matmul_flops_per_second": {"fp32": 140e9, "bf16": 5.6e9, "bf16_mixed": 5.6e9},
         "device_memory_bytes_per_second": 10e9,
         "optimizer_update_factor": optimizers.update_factors("cpu"),
-        # Muon's bf16 Newton-Schulz (torch's): on the 78.6M model of bench/optimizers.py, 1,387 GFLOP a step took
-        # 3.75 s more than AdamW's step eagerly (370 GFLOP/s: these cores' bf16 matmuls of whole matrices), 5.56 s
-        # more in backward (250); APOLLO's projections are too few FLOPs to time apart (docs/benchmarks.md)
-        "optimizer_matmul_flops_per_second": 370e9,
+        # Muon's Newton-Schulz in bf16 (torch's; memfit's on a CPU with AMX-BF16 or AVX512-BF16): on the 78.6M
+        # model of bench/optimizers.py, 1,387 GFLOP a step took 3.75 s more than AdamW's step eagerly (370 GFLOP/s:
+        # these cores' AMX bf16 matmuls of whole matrices), 5.56 s more in backward (250). In fp32 (memfit's on a
+        # CPU without bf16 matrix instructions, or muon_ns_dtype=fp32) at the fp32 matmul rate above: measured
+        # 151 GFLOP/s there (bench/optimizers.py --part muon-speed, the 78.6M row under ONEDNN_MAX_CPU_ISA=
+        # AVX512_CORE, one thread: 9.2 s a step more than AdamW's). APOLLO's projections are too few FLOPs to time
+        # apart (docs/benchmarks.md)
+        "optimizer_matmul_flops_per_second": {"bf16": 370e9, "fp32": 140e9},
         "kernel_launch_seconds": 0.0,
         # measured on the 25.6M model of bench/peers.py (fp32, 4 x 256, 2 cores; the same process, steps of each
         # interleaved): compiled layers and loss 1.035x the eager step's speed with the update eager, and the
@@ -194,7 +199,8 @@ def step_cost(request: CostRequest) -> dict[str, float]:
       ``kernels_per_tensor_update * kernel_launch_seconds`` per trainable tensor when each tensor is updated on
       its own (``optimizer_in_backward``, ``implementation: for_loop``), plus the matmul FLOPs of the update
       (Muon's Newton-Schulz iteration, APOLLO's projections:
-      :func:`memfit.planner.closed_form.optimizer_update_flops`) at ``optimizer_matmul_flops_per_second``;
+      :func:`memfit.planner.closed_form.optimizer_update_flops`) at ``optimizer_matmul_flops_per_second`` of the
+      dtype they run in (:attr:`memfit.memory.optimizers.Optimizer.update_dtype`);
     - ``transfers``: bytes over the host link at ``host_link_bytes_per_second``: paged-out optimizer state out and
       back (2x), offloaded parameters in and gradients out (``optimizer.cpu_offload``; ``distributed.cpu_offload``:
       shards, in twice when resharding); offloaded activations out and back (2x) go on a side stream that
@@ -246,7 +252,11 @@ def step_cost(request: CostRequest) -> dict[str, float]:
     trainable = states["trainable_parameters"]
     rate = c["host_memory_bytes_per_second"] if terms.host_update else c["device_memory_bytes_per_second"]
     optimizer = trainable * 7 * terms.update_factor / rate
-    optimizer += optimizer_update_flops(cfg, mcfg) / c["optimizer_matmul_flops_per_second"]
+    update_flops = optimizer_update_flops(cfg, mcfg)
+    if update_flops:
+        entry = optimizers.spec(cfg.optimizer.name)
+        matmul_dtype = entry.update_dtype(cfg.optimizer, target, cfg.dtype)
+        optimizer += update_flops / c["optimizer_matmul_flops_per_second"][matmul_dtype]
     if terms.per_tensor:
         tensors = _trainable_tensor_count(cfg, mcfg)
         optimizer += tensors * c["kernels_per_tensor_update"] * c["kernel_launch_seconds"]

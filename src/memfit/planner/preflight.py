@@ -21,7 +21,7 @@ from memfit.planner.closed_form import model_state_bytes_closed_form
 from memfit.planner.estimate import Estimate, estimate_run
 from memfit.planner.plan import PlanRequest, cheapest_fix
 from memfit.planner.report import format_estimate
-from memfit.units import GIB, format_bytes
+from memfit.units import GIB, MIB, format_bytes
 
 
 def preflight(cfg: TrainConfig, mcfg: LlamaConfig, seq_len: int, device: torch.device) -> str:
@@ -59,10 +59,11 @@ def preflight(cfg: TrainConfig, mcfg: LlamaConfig, seq_len: int, device: torch.d
         available = psutil.virtual_memory().available
         where = "available host memory"
     budget = memory_budget_bytes(cfg)
+    held = 0 if budget is None else _held_besides_tensors(device.type)
+    if budget is not None and budget <= held:  # nothing left for the tensors: no plan can fit it
+        raise PreflightError(_budget_below_what_is_held(cfg, mcfg, seq_len, device.type, budget, held, world))
     # what the tensors may have: the free memory, and the budget less what the device or process holds besides them
-    limit = (
-        available if budget is None else min(available, max(0, budget - _held_besides_tensors(device.type)))
-    )
+    limit = available if budget is None else min(available, budget - held)
     states = model_state_bytes_closed_form(cfg, mcfg, world)
     tokens = cfg.batch_size * seq_len
     act_bytes = 2 if cfg.dtype != "fp32" else 4
@@ -168,6 +169,39 @@ def _held_besides_tensors(device_type: str) -> int:
 def _on(cfg: TrainConfig, device_type: str) -> TrainConfig:
     """``cfg`` with ``device`` the type it resolves to (``auto``: what this process found)."""
     return cfg if cfg.device == device_type else dataclasses.replace(cfg, device=device_type)
+
+
+def _budget_below_what_is_held(
+    cfg: TrainConfig,
+    mcfg: LlamaConfig,
+    seq_len: int,
+    device_type: str,
+    budget: int,
+    held: int,
+    world_size: int,
+) -> str:
+    """The refusal of a ``memory_budget`` at or below what the process (CPU) or the CUDA context holds before
+    training, with the smallest budget the run fits as configured (one process: the traced prediction the
+    budget check compares; sharded: what to run to get it)."""
+    what = "the CUDA context" if device_type == "cuda" else "its resident set and what stepping adds to it"
+    head = (
+        f"memory_budget={cfg.memory_budget} ({format_bytes(budget)}) is not more than what this process holds "
+        f"before training: {format_bytes(held)} ({what}), so no tensor of the run would fit in it."
+    )
+    if world_size > 1:
+        smallest = (
+            f"`memfit estimate world_size={world_size} ...` predicts what one rank needs besides that "
+            f"(a budget is per rank)."
+        )
+    else:
+        need = budgeted_bytes(
+            estimate_run(_on(cfg, device_type), seq_len=seq_len, model_config=mcfg), device_type
+        )
+        smallest = (
+            f"The smallest budget this run fits as configured: memory_budget={-(-need // MIB)}MiB "
+            f"({format_bytes(need)} predicted at its peak; `memfit plan` finds switches that need less)."
+        )
+    return f"{head}\n{smallest}\nRaise memory_budget, or set preflight=false to start anyway."
 
 
 def _over_budget(
