@@ -141,3 +141,19 @@ def test_step_and_evaluation_options_are_the_config_keys_of_the_same_name():
     options = evaluation_options(cfg, device)
     assert options == {"dtype": "bf16", "chunked_cross_entropy": 4, "compile": False, "device": device}
     assert set(options) == set(inspect.signature(evaluate).parameters) - {"model", "batches"}
+
+
+def test_resume_notes_name_changed_keys_but_not_keys_newer_than_the_run(small_corpus, tmp_path):
+    """A key the checkpoint's run did not have (added to memfit since) ran with what is now its default: no note."""
+    from memfit.config import config_to_dict
+    from memfit.resume import resume_notes
+
+    from .conftest import tiny_run_overrides
+
+    cfg = load_config(None, tiny_run_overrides(small_corpus, tmp_path, **{"optimizer.lr": 0.001}))
+    saved = config_to_dict(cfg)
+    saved["optimizer"] = {**saved["optimizer"], "lr": 0.002}
+    del saved["optimizer"]["muon_ns_dtype"]  # a run saved before the key existed
+    assert resume_notes(cfg, {"config": saved}) == [
+        "note: resuming with optimizer.lr=0.001; the checkpoint's run had optimizer.lr=0.002"
+    ]

@@ -193,6 +193,8 @@ def resume_notes(cfg: TrainConfig, state: dict[str, Any], world_size: int = 1) -
     for key in sorted(set(now) | set(then)):
         if key.split(".")[0] not in _NOTED_KEYS or now.get(key) == then.get(key):
             continue
+        if key not in then:  # a key newer than the checkpoint's run: it ran with what is now the default
+            continue
         if batch is not None and key in _BATCH_KEYS:
             continue
         notes.append(

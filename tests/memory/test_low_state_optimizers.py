@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from memfit.config import OptimizerConfig, load_config
+from memfit.errors import ConfigError
 from memfit.memory import hybrids, optimizers
 from memfit.memory.optim import build_optimizer, describe_partition, optimizer_state_bytes, param_groups
 from memfit.models.llama import build_llama
@@ -271,6 +272,39 @@ def test_adam_mini_is_the_authors_adam_mini_on_llama_names():
     for step in range(3):
         train_step(ref, package, [_batch(step)], max_grad_norm=0.0, dtype="fp32")
     assert _same_weights(model, ref)
+
+
+def test_adam_mini_blocks_are_heads_where_head_dim_is_not_dim_over_heads():
+    """Qwen3-style heads (tiny-qwen3: head_dim 32 at width 64 and 4 heads, not 16): one second moment per query
+    head (4) and key head (2), each a block of 32 x 64, in the state and in the closed form; a head size that does
+    not divide the width is refused naming optimizer.name."""
+    _require("adam_mini")
+    mcfg = model_config("tiny-qwen3")
+    model = build_llama(mcfg, seed=0)
+    opt = build_optimizer(model, _cfg("adam_mini"))
+    _train(model, opt, 1)
+    q, k = (model.model.layers[0].self_attn.q_proj.weight, model.model.layers[0].self_attn.k_proj.weight)
+    assert opt.state[q]["vmean"].numel() == 4 and opt.state[k]["vmean"].numel() == 2
+    assert opt.state[q]["m"].shape == (4, 32 * 64)
+    named = dict(model.named_parameters())
+    infos = optimizers.tensor_infos(
+        "adam_mini",
+        [(n, tuple(p.shape), 4, p.ndim) for n, p in named.items()],
+        dim=64,
+        num_heads=4,
+        head_dim=32,
+    )
+    blocks = {n: t.blocks for n, t in zip(named, infos, strict=True)}
+    assert (
+        blocks["model.layers.0.self_attn.q_proj.weight"] == 4
+        and blocks["model.layers.0.self_attn.k_proj.weight"] == 2
+    )
+    assert optimizer_state_bytes(opt) == optimizers.spec("adam_mini").state(infos)
+    odd = build_llama(model_config("tiny", head_dim=24), seed=0)
+    with pytest.raises(
+        ConfigError, match="config key 'optimizer.name': adam_mini .* head_dim 24 does not divide"
+    ):
+        build_optimizer(odd, _cfg("adam_mini"))
 
 
 # ----------------------------------------------------------------------------------------------------------------

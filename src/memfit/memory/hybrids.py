@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from torch.optim import _muon
 
+from memfit.errors import ConfigError
 from memfit.quiet import quiet_bitsandbytes_import
 
 _GROUP_ONLY = ("params", "param_names")
@@ -416,6 +417,13 @@ def adam_mini_class() -> type[torch.optim.Optimizer]:
                 num_heads``.
             num_heads: query heads.
             num_kv_heads: key/value heads.
+            head_dim: the size of one head where it is not ``dim // num_heads`` (Qwen3-0.6B's 128 at width
+                1,024 and 16 heads): the package's block of ``dim * dim / n_heads`` elements is then given
+                ``n_heads = dim // head_dim``, so that a block is still one head's rows (``head_dim x dim``).
+
+        Raises:
+            ConfigError: naming ``optimizer.name``, when ``head_dim`` does not divide ``dim`` (the package's head
+                blocks cannot be one head's rows).
         """
 
         def __init__(
@@ -427,7 +435,17 @@ def adam_mini_class() -> type[torch.optim.Optimizer]:
             dim: int = 2048,
             num_heads: int = 32,
             num_kv_heads: int | None = None,
+            head_dim: int | None = None,
         ):
+            if head_dim is not None and head_dim * num_heads != dim:
+                if dim % head_dim:
+                    raise ConfigError(
+                        f"config key 'optimizer.name': adam_mini keeps one second moment per query/key head, a "
+                        f"block of dim x dim / num_heads elements, which is one head's rows only where head_dim "
+                        f"divides dim; this model's head_dim {head_dim} does not divide its dim {dim}. Use "
+                        f"another optimizer (adamw, adafactor, muon)"
+                    )
+                num_heads, num_kv_heads = dim // head_dim, None  # blocks of head_dim x dim elements
             named, decays = [], []
             for g in _groups(params, "rows"):
                 names = g.get("param_names") or [str(i) for i in range(len(g["params"]))]

@@ -317,6 +317,7 @@ def tensor_infos(
     rank: int = 0,
     dim: int = 0,
     num_heads: int = 1,
+    head_dim: int | None = None,
 ) -> Tensors:
     """The trainable tensors of one rank as the closed forms see them.
 
@@ -326,6 +327,8 @@ def tensor_infos(
         rank: ``optimizer.apollo_rank`` (0: the variant's default).
         dim: the model width (APOLLO's default rank, Adam-mini's head size ``dim * dim / num_heads``).
         num_heads: the model's query heads.
+        head_dim: the size of one head (Adam-mini's q/k blocks are ``head_dim x dim``); default
+            ``dim // num_heads``.
 
     Returns:
         One :class:`TensorInfo` each, in ``params`` order.
@@ -338,7 +341,7 @@ def tensor_infos(
         if part == "apollo":
             blocks = apollo_rank(optimizer, rank, dim, shape)
         elif part == "heads":
-            blocks = numel // (dim * (dim // num_heads))
+            blocks = numel // (dim * (head_dim or dim // num_heads))
         elif part == "rows":
             blocks = shape[0]
         elif part == "tensor":
@@ -633,7 +636,7 @@ OPTIMIZERS: tuple[Optimizer, ...] = (
         hybrids.adam_mini_class,
         _adam_mini_state,
         "Adam-mini: AdamW's first moment, one second moment per head / row / tensor",
-        model_arguments=("dim", "num_heads", "num_kv_heads"),
+        model_arguments=("dim", "num_heads", "num_kv_heads", "head_dim"),
         update_rule="adam_mini",
         partition=_adam_mini_blocks,
         sharded=_reshaping_sharded,

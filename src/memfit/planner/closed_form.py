@@ -27,6 +27,7 @@ def _update_flops(cfg: TrainConfig, mcfg: LlamaConfig) -> float:
         rank=cfg.optimizer.apollo_rank,
         dim=mcfg.dim,
         num_heads=mcfg.num_heads,
+        head_dim=mcfg.head_dim,
     )
     return entry.update_flops(tensors, cfg.optimizer) if entry.update_flops is not None else 0.0
 
@@ -81,6 +82,7 @@ def model_state_bytes_closed_form(cfg: TrainConfig, mcfg: LlamaConfig, world_siz
         rank=cfg.optimizer.apollo_rank,
         dim=mcfg.dim,
         num_heads=mcfg.num_heads,
+        head_dim=mcfg.head_dim,
     )
     parameters = buffers + sum(
         peft.nf4_bytes(tuple(p.shape), dtype, world_size) if peft.is_nf4(p) else local[n] * size
