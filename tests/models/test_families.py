@@ -55,25 +55,42 @@ HF_CONFIGS = {
 FAMILY_OF = {"qwen2": "qwen2", "qwen3": "qwen3", "mistral": "mistral", "smollm2": "llama"}
 
 
+def perturbed(model):
+    """``model`` in eval mode with every weight moved off its init (biases and norms off zero and one), so that a
+    parity test cannot pass on the initial values alone."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    return model.eval()
+
+
+def save_tiny(model, directory: Path) -> Path:
+    """``save_pretrained`` into ``directory``, with tests/assets' SentencePiece tokenizer beside the weights."""
+    model.save_pretrained(directory)
+    shutil.copyfile(ASSETS / "sentencepiece_2k.model", directory / "tokenizer.model")
+    return directory
+
+
+def packed_rows_diff(hf, ours) -> float:
+    """Largest |logit| difference between three samples (11, 17 and 9 tokens) packed into one row by ``ours`` and
+    each sample alone in ``hf``."""
+    lengths = [11, 17, 9]
+    ids = _ids(sum(lengths), B=1)
+    doc_ids = torch.repeat_interleave(torch.arange(3), torch.tensor(lengths))[None]  # (1, T)
+    with torch.no_grad():
+        expected = torch.cat([hf(part).logits for part in ids.split(lengths, dim=1)], dim=1)
+        return (expected - ours.eval()(ids, doc_ids=doc_ids)).abs().max().item()
+
+
 def _hf_model(kind: str):
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(HF_CONFIGS[kind]()).eval()
-    with torch.no_grad():
-        for p in model.parameters():  # biases and norms off zero and one, every weight off its init
-            p.add_(torch.randn_like(p) * 0.05)
-    return model
+    return perturbed(transformers.AutoModelForCausalLM.from_config(HF_CONFIGS[kind]()))
 
 
 @pytest.fixture(scope="module")
 def hf_dirs(tmp_path_factory) -> dict[str, Path]:
     """One saved tiny checkpoint per family, with a SentencePiece tokenizer beside it."""
-    dirs = {}
-    for kind in HF_CONFIGS:
-        d = tmp_path_factory.mktemp(kind)
-        _hf_model(kind).save_pretrained(d)
-        shutil.copyfile(ASSETS / "sentencepiece_2k.model", d / "tokenizer.model")
-        dirs[kind] = d
-    return dirs
+    return {kind: save_tiny(_hf_model(kind), tmp_path_factory.mktemp(kind)) for kind in HF_CONFIGS}
 
 
 def _ids(T: int, B: int = 2) -> torch.Tensor:
@@ -104,13 +121,7 @@ def test_packed_rows_equal_each_sample_alone_in_transformers(hf_dirs, kind):
     each sample alone."""
     hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dirs[kind]).eval()
     ours, _, _ = load_pretrained(hf_dirs[kind])
-    lengths = [11, 17, 9]
-    ids = _ids(sum(lengths), B=1)
-    doc_ids = torch.repeat_interleave(torch.arange(3), torch.tensor(lengths))[None]  # (1, T)
-    with torch.no_grad():
-        expected = torch.cat([hf(part).logits for part in ids.split(lengths, dim=1)], dim=1)
-        diff = (expected - ours.eval()(ids, doc_ids=doc_ids)).abs().max().item()
-    assert diff <= 1e-5
+    assert packed_rows_diff(hf, ours) <= 1e-5
 
 
 def test_the_window_changes_mistral_logits(hf_dirs):

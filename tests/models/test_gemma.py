@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -31,8 +30,8 @@ from memfit.models.families import FAMILIES
 from memfit.models.llama import LlamaConfig, build_llama
 from memfit.models.presets import model_config
 from memfit.step import micro_batch_loss
-from tests.conftest import ASSETS, finetune_overrides
-from tests.models.test_families import COMMON, _ids, _losses
+from tests.conftest import finetune_overrides
+from tests.models.test_families import COMMON, _ids, _losses, packed_rows_diff, perturbed, save_tiny
 
 transformers = pytest.importorskip("transformers")
 
@@ -55,22 +54,12 @@ CLASS = {"gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
 
 def _hf_model(kind: str):
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(HF_CONFIGS[kind]()).eval()
-    with torch.no_grad():
-        for p in model.parameters():  # norms off zero, every weight off its init
-            p.add_(torch.randn_like(p) * 0.05)
-    return model
+    return perturbed(transformers.AutoModelForCausalLM.from_config(HF_CONFIGS[kind]()))  # norms off zero
 
 
 @pytest.fixture(scope="module")
 def hf_dirs(tmp_path_factory) -> dict[str, Path]:
-    dirs = {}
-    for kind in HF_CONFIGS:
-        d = tmp_path_factory.mktemp(kind)
-        _hf_model(kind).save_pretrained(d)
-        shutil.copyfile(ASSETS / "sentencepiece_2k.model", d / "tokenizer.model")
-        dirs[kind] = d
-    return dirs
+    return {kind: save_tiny(_hf_model(kind), tmp_path_factory.mktemp(kind)) for kind in HF_CONFIGS}
 
 
 def _hf(directory: Path):
@@ -100,13 +89,7 @@ def test_packed_rows_equal_each_sample_alone_in_transformers(hf_dirs, kind):
     alone."""
     hf = _hf(hf_dirs[kind])
     ours, _, _ = load_pretrained(hf_dirs[kind])
-    lengths = [11, 17, 9]
-    ids = _ids(sum(lengths), B=1)
-    doc_ids = torch.repeat_interleave(torch.arange(3), torch.tensor(lengths))[None]  # (1, T)
-    with torch.no_grad():
-        expected = torch.cat([hf(part).logits for part in ids.split(lengths, dim=1)], dim=1)
-        diff = (expected - ours.eval()(ids, doc_ids=doc_ids)).abs().max().item()
-    assert diff <= 1e-5
+    assert packed_rows_diff(hf, ours) <= 1e-5
 
 
 OPTIONS = {

@@ -26,8 +26,8 @@ from memfit.errors import CheckpointError
 from memfit.models.llama import build_llama
 from memfit.models.peft import apply_lora, lora_settings
 from memfit.models.presets import model_config
-from tests.conftest import ASSETS, finetune_overrides
-from tests.models.test_families import COMMON, VOCAB, _ids, _losses
+from tests.conftest import finetune_overrides
+from tests.models.test_families import COMMON, VOCAB, _ids, _losses, packed_rows_diff, perturbed, save_tiny
 
 transformers = pytest.importorskip("transformers")
 
@@ -42,14 +42,7 @@ def _hf_config(**edit):
 def phi3_dir(tmp_path_factory) -> Path:
     """A saved tiny Phi-3 with a SentencePiece tokenizer beside it."""
     torch.manual_seed(0)
-    model = transformers.Phi3ForCausalLM(_hf_config()).eval()
-    with torch.no_grad():
-        for p in model.parameters():  # norms off one, every weight off its init
-            p.add_(torch.randn_like(p) * 0.05)
-    d = tmp_path_factory.mktemp("phi3")
-    model.save_pretrained(d)
-    shutil.copyfile(ASSETS / "sentencepiece_2k.model", d / "tokenizer.model")
-    return d
+    return save_tiny(perturbed(transformers.Phi3ForCausalLM(_hf_config())), tmp_path_factory.mktemp("phi3"))
 
 
 def _hf(directory: Path):
@@ -81,13 +74,7 @@ def test_packed_rows_equal_each_sample_alone_in_transformers(phi3_dir):
     """Three samples, each longer than the window, packed into one row give transformers' logits of each alone."""
     hf = _hf(phi3_dir)
     ours, _, _ = load_pretrained(phi3_dir)
-    lengths = [11, 17, 9]
-    ids = _ids(sum(lengths), B=1)
-    doc_ids = torch.repeat_interleave(torch.arange(3), torch.tensor(lengths))[None]  # (1, T)
-    with torch.no_grad():
-        expected = torch.cat([hf(part).logits for part in ids.split(lengths, dim=1)], dim=1)
-        diff = (expected - ours.eval()(ids, doc_ids=doc_ids)).abs().max().item()
-    assert diff <= 1e-5
+    assert packed_rows_diff(hf, ours) <= 1e-5
 
 
 def test_the_fused_rows_split_q_k_v_and_gate_up_in_order(phi3_dir):
