@@ -35,6 +35,15 @@ from memfit.quiet import quiet_bitsandbytes_import
 _GROUP_ONLY = ("params", "param_names")
 
 
+def _closure_loss(closure: Callable[[], Any] | None) -> Any:
+    """``torch.optim``'s contract for a step's closure: called with grad enabled, its result returned (None
+    without one)."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
+
+
 def projection_rank(optimizer: str, rank: int, dim: int, shape: tuple[int, ...]) -> int:
     """APOLLO's projection rank of an m x n matrix: ``optimizer.apollo_rank``, or when 0 the variant's default
     (``apollo``: a quarter of the model width, as GaLore's and APOLLO's pretraining runs, 128 at width 512 to 512 at
@@ -175,10 +184,7 @@ class Muon(torch.optim.Muon):
         Args:
             closure: called with grad enabled before the update; its result is returned.
         """
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = _closure_loss(closure)
         for group in self.param_groups:
             params: list[torch.Tensor] = []
             grads: list[torch.Tensor] = []
@@ -279,10 +285,7 @@ class MuonWithAdamW(torch.optim.Optimizer):
         Args:
             closure: called with grad enabled before the update; its result is returned.
         """
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = _closure_loss(closure)
         for opt in self._parts():
             opt.step()
         return loss
@@ -524,10 +527,7 @@ def low_bit_class(base: type[torch.optim.Optimizer]) -> type[torch.optim.Optimiz
                     group["lr"] = torch.tensor(group["lr"], dtype=torch.float32)
             if self.param_groups[0]["params"][0].device.type == "cuda":
                 return super().step(closure)
-            loss = None
-            if closure is not None:
-                with torch.enable_grad():
-                    loss = closure()
+            loss = _closure_loss(closure)
             for group in self.param_groups:
                 for p in group["params"]:
                     if p.grad is not None:
