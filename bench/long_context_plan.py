@@ -13,7 +13,10 @@ Reproduce (about 30 minutes on 2 CPU cores)::
     .venv/bin/python bench/long_context_plan.py
 
 It rewrites the section between the ``long-context-plan`` markers of ``docs/benchmarks.md`` and writes
-``docs/long_context_plan.json``; ``--out -`` prints the section instead.
+``docs/long_context_plan.json``; ``--out -`` prints the section instead. ``--families`` plans the 8-9B presets of the
+other families (:data:`FAMILY_MODELS`: Qwen3's q/k norms and explicit head size, Gemma 2's local and global layers,
+soft-capped scores and 256-wide heads) the same way and writes the ``long-context-plan-families`` section and
+``docs/long_context_plan_families.json`` (about 15 minutes with the defaults ``--budgets 80 --methods full``).
 """
 
 from __future__ import annotations
@@ -30,9 +33,10 @@ from docs_section import write_section
 ROOT = Path(__file__).resolve().parents[1]
 BUDGETS_GIB = (24, 48, 80)
 METHODS = ("full", "qlora")
+FAMILY_MODELS = ("qwen3-8b", "gemma-2-9b")
+"""The other families' presets of ``--families``."""
 # a full fine-tune with AdamW (left out, a preset without checkpoint_dir would get Muon: pretraining)
 BASE = [
-    "model=llama3.1-8b",
     "batch_size=1",
     "dtype=bf16",
     "device=cuda",
@@ -41,13 +45,14 @@ BASE = [
 ]
 
 
-def plan(budget_gib: int, method: str) -> dict:
-    """``memfit plan ... --json`` of one budget and method, with its wall time."""
+def plan(budget_gib: int, method: str, model: str = "llama3.1-8b") -> dict:
+    """``memfit plan ... --json`` of one budget, method and preset, with its wall time."""
     cmd = [
         str(ROOT / ".venv" / "bin" / "memfit"),
         "plan",
         f"budget={budget_gib}GiB",
         f"method={method}",
+        f"model={model}",
         *BASE,
     ]
     start = time.perf_counter()
@@ -65,7 +70,7 @@ def table(results: dict[str, dict]) -> list[str]:
         "|---|---|---:|---|---:|---:|---:|---|---:|---:|",
     ]
     for key, r in results.items():
-        method, budget = key.split("@")
+        method, budget = key.split("@")[:2]
         best = r.get("best")
         if not best:
             lines.append(f"| {method} | {budget} GiB | none | {r.get('error', 'nothing fits')} | | | | | | |")
@@ -98,7 +103,10 @@ def main() -> int:
     parser.add_argument("--out", default=str(ROOT / "docs" / "benchmarks.md"), help="'-' prints only")
     parser.add_argument("--budgets", nargs="+", type=int, default=list(BUDGETS_GIB))
     parser.add_argument("--methods", nargs="+", default=list(METHODS))
+    parser.add_argument("--families", action="store_true", help="plan FAMILY_MODELS instead (own section)")
     args = parser.parse_args()
+    if args.families:
+        return families(args)
     results = {}
     for method in args.methods:
         for budget in args.budgets:
@@ -131,6 +139,42 @@ def main() -> int:
     else:
         write_section(Path(args.out), "long-context-plan", text)
         (ROOT / "docs" / "long_context_plan.json").write_text(json.dumps(results, indent=1) + "\n")
+    return 0
+
+
+def families(args) -> int:
+    """``--families``: :data:`FAMILY_MODELS` at ``--budgets`` (default 80 GiB) and ``--methods`` (default full)."""
+    budgets = args.budgets if args.budgets != list(BUDGETS_GIB) else [80]
+    methods = args.methods if args.methods != list(METHODS) else ["full"]
+    rows: dict[str, dict] = {}
+    for model in FAMILY_MODELS:
+        for method in methods:
+            for budget in budgets:
+                rows[f"{method}@{budget}@{model}"] = r = plan(budget, method, model)
+                print(
+                    f"{model} {method} {budget} GiB: seq_len {r.get('seq_len')} ({r['seconds']:.0f} s)",
+                    flush=True,
+                )
+    lines = []
+    for model in FAMILY_MODELS:
+        mine = {k: v for k, v in rows.items() if k.endswith(f"@{model}")}
+        lines += [f"**{model}**", "", *table(mine), ""]
+    body = [
+        "## Predicted: the longest context of the other families' 8-9B presets on one GPU",
+        "",
+        "As the Llama-3.1-8B table above, for `model=qwen3-8b` and `model=gemma-2-9b` (predictions, not "
+        "measurements; AdamW, bf16, batch 1, `device=cuda`). Gemma 2's local layers read at most their "
+        "4,096-key window; its global layers and Qwen3's every layer read all earlier keys.",
+        "",
+        *lines,
+        "Reproduce: `.venv/bin/python bench/long_context_plan.py --families`.",
+    ]
+    text = "\n".join(body)
+    if args.out == "-":
+        print(text)
+    else:
+        write_section(Path(args.out), "long-context-plan-families", text)
+        (ROOT / "docs" / "long_context_plan_families.json").write_text(json.dumps(rows, indent=1) + "\n")
     return 0
 
 

@@ -363,7 +363,9 @@ def test_a_resume_with_another_model_is_refused_before_the_pre_flight_and_the_bu
     assert main(["pretrain", *tiny_run_overrides(small_corpus, out, resume="true", **over)]) == 2
     assert (
         "config key 'model_args': the run in '" in (err := capsys.readouterr().err)
-        and "a model of dim=64, intermediate_size=128, the config asks for dim=128, intermediate_size=256;"
+        # head_dim follows dim where the config does not set it
+        and "a model of dim=64, intermediate_size=128, head_dim=16, the config asks for dim=128, "
+        "intermediate_size=256, head_dim=32;"
         in err
     )
     assert _numbers(out) == _numbers(kill_reference)  # the run is as it was
