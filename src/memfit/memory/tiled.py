@@ -7,7 +7,9 @@ trainable parameters are inputs of the autograd function: the tiles' weight grad
 parameter once (optimizer-in-backward hooks and FSDP2's reduce-scatter see one gradient). The same arithmetic as
 the untiled MLP, the weight gradients summed in another order (1e-5 on the losses). Under activation checkpointing
 the layer's recomputation in the backward does not run the tiles again (it needs the MLP's input, not its output):
-the MLP costs one forward more than untiled, as without checkpointing.
+the MLP costs one forward more than untiled, as without checkpointing. Where a norm after the MLP saves its output
+(Gemma's ``post_feedforward_layernorm``), the recomputation runs the tiles again (without a graph): one forward
+more.
 """
 
 from __future__ import annotations
@@ -66,10 +68,15 @@ class _TiledMLP(torch.autograd.Function):
         # graph cannot read it (config validation refuses compile with dropout inside a tiled MLP)
         ctx.rng = None if torch.compiler.is_compiling() else _rng_state(x.device)
         ctx.save_for_backward(x)
-        if not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1:
+        if (
+            not torch.compiler.is_compiling()
+            and torch._C._current_graph_task_id() != -1
+            and not getattr(module, "memfit_output_saved", False)
+        ):
             # a checkpointed layer recomputed in the backward: the recomputation needs what the layer saves (this
             # input is its last), not its output, which torch's non-reentrant checkpoint discards (and stops right
-            # after the last saved tensor): the tiles' forward is not run again, and the output stays unwritten
+            # after the last saved tensor): the tiles' forward is not run again, and the output stays unwritten.
+            # Not where a norm after the MLP saves its output (Gemma's sandwich norms): then the tiles run again
             return x.new_empty(x.shape)
         return _tiles_without_graph(module, x, ctx.tiles)
 
@@ -172,11 +179,14 @@ def apply_tiled_mlp(model: nn.Module, setting: int | str) -> int:
     if setting == 0:
         return 0
     layers = model.model.layers
+    # a norm after the MLP (post_feedforward_layernorm) saves the MLP's output for its backward
+    output_saved = bool(getattr(model.config, "sandwich_norms", False))
     for layer in layers:
         mlp = layer.mlp
         if type(mlp) not in _UNTILED:
             mlp.__class__ = _tiled_class(type(mlp))
         mlp.memfit_tiles = setting
+        mlp.memfit_output_saved = output_saved
     return len(layers)
 
 

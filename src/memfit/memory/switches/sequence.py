@@ -9,7 +9,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from memfit.memory.switches.base import (
-    EXACT,
     Parity,
     PlanSpace,
     Refusal,
@@ -70,6 +69,11 @@ def _cost_chunks(chunks: int, t: StepTerms) -> None:
         t.per_token += t.constants["chunked_ce_extra_head_forwards"] * t.flops["head"]
 
 
+_CHUNKED_LOSS = 2e-6
+_CHUNKED_WHY = (
+    "the loss and its gradients summed chunk by chunk, in another order: a few float32 ulps of a loss near 5.5 "
+    "(4.8e-7 each; 1.4e-6 seen on tiny-gemma3 over 12 steps)"
+)
 CHUNKED_CROSS_ENTROPY = Switch(
     key="chunked_cross_entropy",
     baseline=0,
@@ -93,8 +97,8 @@ CHUNKED_CROSS_ENTROPY = Switch(
         Refusal({"chunked_cross_entropy": 100_000}, "100000 chunks exceed the 4096 tokens of a micro-batch"),
     ),
     parity=(
-        Parity({"chunked_cross_entropy": 4}, EXACT),
-        Parity({"chunked_cross_entropy": "auto"}, EXACT),
+        Parity({"chunked_cross_entropy": 4}, _CHUNKED_LOSS, why=_CHUNKED_WHY),
+        Parity({"chunked_cross_entropy": "auto"}, _CHUNKED_LOSS, why=_CHUNKED_WHY),
     ),
     doc="the loss in chunks of tokens: the (B, T, vocab_size) logits never exist; auto bounds a chunk's logits",
 )
