@@ -566,7 +566,7 @@ input, all-reduces the clone and copies this rank's chunk out (`ProcessGroupGloo
 so a rank holds each reduce-scatter input twice; the fake process group of the estimate allocated nothing. At the
 end of the backward of row 26 that is the root's unsharded embedding and `lm_head` gradients (294.5 MiB): its
 estimate was 1.405 GiB against a tracked 1.669 GiB (-16%). The trace now makes gloo's clone
-(`estimate._GlooBuffers`); rows 20-25 peak where no reduce-scatter is in flight, and their bytes are unchanged.
+(`fake_trace.GlooBuffers`); rows 20-25 peak where no reduce-scatter is in flight, and their bytes are unchanged.
 The peak RSS of rows 26-27 led to the sharded rank's free heap of `memory/host.py` (the table of peak RSS above).
 
 **What RSS sees that no tracker does.** The RSS growth of a step follows the predicted growth to within 2% wherever

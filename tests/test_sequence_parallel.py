@@ -311,7 +311,7 @@ def test_all_to_all_volume_by_hand(sp, kv_sent):
     the recomputed forward (full checkpointing); the cost model's closed form is that times (N - 1) / N (what
     leaves the rank)."""
     from memfit.build import build_training, run_model_config
-    from memfit.planner.estimate import _fake_process_group, fake_ids
+    from memfit.planner.fake_trace import fake_ids, fake_process_group
     from memfit.step import train_step, train_step_options
 
     B, T = 2, 64
@@ -327,7 +327,7 @@ def test_all_to_all_volume_by_hand(sp, kv_sent):
     )
     mcfg = run_model_config(cfg)
     counter = _CountAllToAll()
-    with _fake_process_group(sp):
+    with fake_process_group(sp):
         built = build_training(cfg, mcfg, torch.device("cpu"), world_size=sp)
         batch = shard_batch((fake_ids(B, T, mcfg.vocab_size), fake_ids(B, T, mcfg.vocab_size)), 0, sp)
         with counter:

@@ -18,7 +18,8 @@ from memfit.memory.optim import build_optimizer
 from memfit.memory.tracker import MemoryTracker
 from memfit.models import llama
 from memfit.planner.cuda_paths import cuda_paths, cuda_sdpa_backend
-from memfit.planner.estimate import _fake_mode, estimate_run
+from memfit.planner.estimate import estimate_run
+from memfit.planner.fake_trace import fake_mode
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -26,7 +27,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 def stepped(name: str, *shapes: tuple[int, int], enabled: bool, dtype=torch.bfloat16) -> MemoryTracker:
     """The tracker of the second optimizer step (the first creates the state) of ``name`` over bf16 weights of
     ``shapes``, on fake tensors, with the CUDA paths ``enabled`` or not."""
-    with warnings.catch_warnings(), _fake_mode(name) as fake, fake:
+    with warnings.catch_warnings(), fake_mode(name) as fake, fake:
         warnings.simplefilter("ignore")
         model = nn.Sequential(*(nn.Linear(cols, rows, bias=False, dtype=dtype) for rows, cols in shapes))
         optimizer = build_optimizer(model, OptimizerConfig(name=name, lr=1e-3, weight_decay=0.1))
@@ -60,7 +61,7 @@ def test_bitsandbytes_cpu_fallback_would_allocate_fp32_copies():
     from bitsandbytes.backends.cpu.ops import _optimizer_update_8bit_blockwise_cpu
 
     n = 1024 * 256
-    with warnings.catch_warnings(), _fake_mode("adamw8bit") as fake, fake:
+    with warnings.catch_warnings(), fake_mode("adamw8bit") as fake, fake:
         warnings.simplefilter("ignore")
         model = nn.Linear(256, 1024, bias=False, dtype=torch.bfloat16)
         optimizer = build_optimizer(model, OptimizerConfig(name="adamw8bit", lr=1e-3))
