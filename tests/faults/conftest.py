@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import shutil
 import subprocess
 import sys
@@ -10,8 +11,11 @@ from pathlib import Path
 import pytest
 
 
+@functools.cache
 def _can_mount_tmpfs() -> bool:
-    """Whether this machine lets an unprivileged user namespace mount a tmpfs (``unshare -rm``)."""
+    """Whether this machine lets an unprivileged user namespace mount a tmpfs (``unshare -rm``); probed once, by the
+    first test that needs it (so the fast tier, which collects the slow modules without running them, starts no
+    process)."""
     if shutil.which("unshare") is None:
         return False
     probe = subprocess.run(
@@ -22,11 +26,11 @@ def _can_mount_tmpfs() -> bool:
     return probe.returncode == 0 and "ok" in probe.stdout
 
 
-CAN_MOUNT = _can_mount_tmpfs()
-needs_tmpfs = pytest.mark.skipif(
-    not CAN_MOUNT,
-    reason="no unprivileged tmpfs mount here (unshare -rm); the injected ENOSPC tests still run",
-)
+@pytest.fixture
+def needs_tmpfs() -> None:
+    """Skip the test where no unprivileged tmpfs mount is allowed."""
+    if not _can_mount_tmpfs():
+        pytest.skip("no unprivileged tmpfs mount here (unshare -rm); the injected ENOSPC tests still run")
 
 
 def run_on_small_disk(

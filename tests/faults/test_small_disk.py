@@ -14,9 +14,12 @@ from memfit.cli import main
 from memfit.metrics import read_records
 from tests.conftest import tiny_run_overrides
 
-from .conftest import needs_tmpfs, shell_on_small_disk
+from .conftest import shell_on_small_disk
 
-pytestmark = [needs_tmpfs, pytest.mark.slow]  # runs in mount namespaces of their own (subprocesses)
+pytestmark = [
+    pytest.mark.usefixtures("needs_tmpfs"),
+    pytest.mark.slow,
+]  # runs in mount namespaces of their own (subprocesses)
 MIXED = Path(__file__).parents[1] / "assets" / "mixed_corpus"
 
 
