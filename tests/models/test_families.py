@@ -200,6 +200,13 @@ def _losses(out: Path) -> list[float]:
 @pytest.mark.parametrize("kind", list(HF_CONFIGS))
 @pytest.mark.parametrize("method", ["full", "lora"])
 def test_finetune_from_the_directory_and_export_to_transformers(hf_dirs, tmp_path, kind, method):
+    finetune_and_export(hf_dirs[kind], tmp_path, method, FAMILY_OF[kind])
+
+
+def finetune_and_export(directory: Path, tmp_path: Path, method: str, model_type: str) -> None:
+    """A full or LoRA fine-tune from a Hugging Face ``directory`` through the CLI (6 steps; the loss falls), then
+    ``memfit export``: the directory is of ``model_type`` and loads into transformers with memfit's logits (1e-5),
+    which differ from the base's (it trained)."""
     from memfit.build import load_for_generation
 
     lr = 3e-3 if method == "full" else 1e-2
@@ -208,15 +215,15 @@ def test_finetune_from_the_directory_and_export_to_transformers(hf_dirs, tmp_pat
     if method == "lora":
         extra["lora.target_modules"] = "[q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj]"
     run = tmp_path / "run"
-    assert main(["finetune", *finetune_overrides(hf_dirs[kind], run, **extra)]) == 0
+    assert main(["finetune", *finetune_overrides(directory, run, **extra)]) == 0
     losses = _losses(run)
     assert len(losses) == 6 and losses[-1] < losses[0] - 0.05
     hf_dir = tmp_path / "hf"
     assert main(["export", "--checkpoint", str(run), "--out", str(hf_dir)]) == 0
-    assert json.loads((hf_dir / "config.json").read_text())["model_type"] == FAMILY_OF[kind]
+    assert json.loads((hf_dir / "config.json").read_text())["model_type"] == model_type
     model, _, _ = load_for_generation(run)
     back = transformers.AutoModelForCausalLM.from_pretrained(hf_dir).eval()
-    base = transformers.AutoModelForCausalLM.from_pretrained(hf_dirs[kind]).eval()
+    base = transformers.AutoModelForCausalLM.from_pretrained(directory).eval()
     ids = _ids(40)
     with torch.no_grad():
         assert (back(ids).logits - model.eval()(ids)).abs().max().item() <= 1e-5

@@ -31,7 +31,15 @@ from memfit.models.llama import LlamaConfig, build_llama
 from memfit.models.presets import model_config
 from memfit.step import micro_batch_loss
 from tests.conftest import finetune_overrides
-from tests.models.test_families import COMMON, _ids, _losses, packed_rows_diff, perturbed, save_tiny
+from tests.models.test_families import (
+    COMMON,
+    _ids,
+    _losses,
+    finetune_and_export,
+    packed_rows_diff,
+    perturbed,
+    save_tiny,
+)
 
 transformers = pytest.importorskip("transformers")
 
@@ -225,26 +233,7 @@ def _finetune_case(kind: str, method: str):
 
 @pytest.mark.parametrize("kind, method", [_finetune_case(k, m) for k in HF_CONFIGS for m in ("full", "lora")])
 def test_finetune_from_the_directory_and_export_to_transformers(hf_dirs, tmp_path, kind, method):
-    from memfit.build import load_for_generation
-
-    lr = 3e-3 if method == "full" else 1e-2
-    extra = {"method": method, "seq_len": 256, "batch_size": 4, "max_steps": 6, "optimizer.lr": lr,
-             "optimizer.min_lr": lr / 10, "optimizer.warmup_steps": 1}  # fmt: skip
-    if method == "lora":
-        extra["lora.target_modules"] = "[q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj]"
-    run = tmp_path / "run"
-    assert main(["finetune", *finetune_overrides(hf_dirs[kind], run, **extra)]) == 0
-    losses = _losses(run)
-    assert len(losses) == 6 and losses[-1] < losses[0] - 0.05
-    hf_dir = tmp_path / "hf"
-    assert main(["export", "--checkpoint", str(run), "--out", str(hf_dir)]) == 0
-    assert json.loads((hf_dir / "config.json").read_text())["model_type"] == FAMILIES[kind].model_types[0]
-    model, _, _ = load_for_generation(run)
-    back, base = _hf(hf_dir), _hf(hf_dirs[kind])
-    ids = _ids(40)
-    with torch.no_grad():
-        assert (back(ids).logits - model.eval()(ids)).abs().max().item() <= 1e-5
-        assert (back(ids).logits - base(ids).logits).abs().max().item() > 1e-3  # it trained
+    finetune_and_export(hf_dirs[kind], tmp_path, method, FAMILIES[kind].model_types[0])
 
 
 def test_qlora_on_gemma2_trains(hf_dirs, tmp_path):
