@@ -133,12 +133,18 @@ def main() -> int:
         "",
         "Reproduce: `.venv/bin/python bench/long_context_plan.py` (about 30 minutes on 2 CPU cores).",
     ]
+    return _write(args.out, "long-context-plan", body, results)
+
+
+def _write(out: str, name: str, body: list[str], results: dict) -> int:
+    """Print the section (``--out -``), or write it into ``out`` between the ``name`` markers and the results beside
+    it as ``docs/<name>.json`` (dashes as underscores)."""
     text = "\n".join(body)
-    if args.out == "-":
+    if out == "-":
         print(text)
     else:
-        write_section(Path(args.out), "long-context-plan", text)
-        (ROOT / "docs" / "long_context_plan.json").write_text(json.dumps(results, indent=1) + "\n")
+        write_section(Path(out), name, text)
+        (ROOT / "docs" / f"{name.replace('-', '_')}.json").write_text(json.dumps(results, indent=1) + "\n")
     return 0
 
 
@@ -169,13 +175,7 @@ def families(args) -> int:
         *lines,
         "Reproduce: `.venv/bin/python bench/long_context_plan.py --families`.",
     ]
-    text = "\n".join(body)
-    if args.out == "-":
-        print(text)
-    else:
-        write_section(Path(args.out), "long-context-plan-families", text)
-        (ROOT / "docs" / "long_context_plan_families.json").write_text(json.dumps(rows, indent=1) + "\n")
-    return 0
+    return _write(args.out, "long-context-plan-families", body, rows)
 
 
 if __name__ == "__main__":
