@@ -251,3 +251,20 @@ def test_nproc_beyond_the_cuda_devices_is_refused(monkeypatch):
     ):
         launch.check_nproc(2, "cuda")
     launch.check_nproc(2, "cpu")  # CPU ranks share the cores
+
+
+def test_a_worker_whose_launcher_died_says_so_once(monkeypatch, capsys):
+    """The stop path and the watch thread both report a dead launcher; the worker prints one line (before, a worker
+    that the kernel's SIGTERM ended before the thread's next poll printed none: the CI flake of stop 42)."""
+    import threading
+
+    monkeypatch.setattr(lifeline, "_told", threading.Lock())
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setattr(lifeline, "_parent", None)  # not armed: nothing to report
+    assert lifeline.report_launcher_gone() is False
+    monkeypatch.setattr(lifeline, "_parent", os.getppid())  # the parent is still there
+    assert lifeline.report_launcher_gone() is False
+    monkeypatch.setattr(lifeline, "_parent", os.getppid() + 100_000)  # re-parented: the launcher died
+    assert lifeline.report_launcher_gone() is True and lifeline.report_launcher_gone() is True
+    err = capsys.readouterr().err
+    assert err.count("memfit: rank 1: its launcher (pid ") == 1, err

@@ -32,7 +32,7 @@ from typing import Any
 
 import yaml
 
-from memfit import __version__, distributed, launch, storage
+from memfit import __version__, distributed, launch, lifeline, storage
 from memfit.build import check_sharding, load_for_generation, resolve_device
 from memfit.config import (
     PrepareConfig,
@@ -704,6 +704,9 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     finally:
         signal.signal(signal.SIGTERM, previous)
+        # a worker whose launcher died says so however it ends: the kernel's SIGTERM may end the run before the
+        # watch thread's next poll
+        lifeline.report_launcher_gone()
 
 
 class Terminated(KeyboardInterrupt):

@@ -36,6 +36,9 @@ POLL_S = 0.2
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 _armed = False
+_parent: int | None = None  # the parent stop_with_launcher saw
+_grace_s = GRACE_S
+_told = threading.Lock()  # held once the launcher's death was reported: one line per worker
 
 
 def under_torchrun() -> bool:
@@ -53,11 +56,11 @@ def stop_with_launcher(grace_s: float = GRACE_S) -> bool:
     Returns:
         Whether this call armed the watch.
     """
-    global _armed
+    global _armed, _parent, _grace_s
     if _armed or not under_torchrun():
         return False
-    _armed = True
-    parent = os.getppid()
+    _armed, _grace_s = True, grace_s
+    parent = _parent = os.getppid()
     by_kernel = _parent_death_signal(signal.SIGTERM)
     # the parent may have died before the prctl, which then never fires: the worker was re-parented already, or
     # the launcher that memfit's nproc=N names is gone
@@ -93,20 +96,38 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def report_launcher_gone() -> bool:
+    """Say on stderr, once per worker, that its launcher is gone, if it is (the watch thread does, and so does the
+    worker's own stop: the kernel's SIGTERM may end it before the thread's next poll).
+
+    Returns:
+        Whether the launcher is gone.
+    """
+    if _parent is None or os.getppid() == _parent:
+        return False
+    _report(_parent, _grace_s)
+    return True
+
+
+def _report(parent: int, grace_s: float) -> None:
+    if _told.acquire(blocking=False):
+        rank = os.environ.get("RANK", "?")
+        with contextlib.suppress(OSError):  # stderr may be a pipe nobody reads any more
+            print(
+                f"memfit: rank {rank}: its launcher (pid {parent}) is gone; stopping (SIGTERM, then SIGKILL after "
+                f"{grace_s:g} s)",
+                file=sys.stderr,
+                flush=True,
+            )
+
+
 def _watch(parent: int, gone: bool, by_kernel: bool, grace_s: float) -> None:
     """The watch thread: wait until the parent is gone (a worker whose parent dies is re-parented), then SIGTERM
     (unless the kernel sent it), then SIGKILL."""
     while not gone:
         time.sleep(POLL_S)
         gone = os.getppid() != parent
-    rank = os.environ.get("RANK", "?")
-    with contextlib.suppress(OSError):  # stderr may be a pipe nobody reads any more
-        print(
-            f"memfit: rank {rank}: its launcher (pid {parent}) is gone; stopping (SIGTERM, then SIGKILL after "
-            f"{grace_s:g} s)",
-            file=sys.stderr,
-            flush=True,
-        )
+    _report(parent, grace_s)
     if not by_kernel:
         os.kill(os.getpid(), signal.SIGTERM)
     time.sleep(grace_s)
