@@ -37,6 +37,7 @@ ANSWER = (
 
 
 def _estimate(layers: int, compose: bool | None, world_size: int = 1, **overrides):
+    overrides = {k.replace("__", "."): v for k, v in overrides.items()}
     items = {**BASE, "model_args.num_layers": layers, **overrides}
     cfg = load_config(None, [f"{k}={v}" for k, v in items.items()], world_size=world_size)
     return estimate_run(cfg, world_size=world_size, compose=compose)
@@ -92,8 +93,8 @@ def test_composed_equals_the_full_trace_to_the_byte(overrides, layers):
 FULL = {  # where composing does not hold: traced whole, the reason said
     "every_n": ({"activation_checkpointing": "every_n"}, 1, "activation_checkpointing=every_n"),
     "for_loop AdamW": ({"optimizer.implementation": "for_loop"}, 1, "segment ('B', 0, 0)"),
+    "muon": ({"optimizer.name": "muon"}, 1, "segment ('B', 0, 0): a layer's more ops at the segment's edge"),
     "fsdp2 on 2 ranks": ({"distributed.strategy": "fsdp2"}, 2, "segment ('F', 0, 1)"),
-    "cuda reserved peak": ({"device": "cuda"}, 1, "the reserved peak replays"),
 }
 
 
@@ -107,6 +108,82 @@ def test_where_layers_do_not_compose_the_whole_model_is_traced_and_the_estimate_
     assert asked.trace["layers_traced"] == [6]
     assert asked.trace["why_not_composed"].startswith(why), asked.trace
     assert _answer(asked) == _answer(full)
+
+
+CUDA = {  # the reserved peak replays the composed allocation sequence: event for event the full trace's
+    "plain": ({}, True),
+    "bf16 muon ac=full": (
+        {"dtype": "bf16", "optimizer.name": "muon", "activation_checkpointing": "full"},
+        True,
+    ),
+    "paged_adamw8bit in_bwd": (
+        {"optimizer.name": "paged_adamw8bit", "optimizer_in_backward": "true", "max_grad_norm": 0},
+        True,
+    ),
+    "accumulation=2 ce=4 tiled_mlp=2": (
+        {"gradient_accumulation_steps": 2, "chunked_cross_entropy": 4, "tiled_mlp": 2},
+        True,
+    ),
+    "ac=selective": ({"activation_checkpointing": "selective"}, False),
+    "bf16_mixed": ({"dtype": "bf16_mixed"}, False),
+    "adam_mini": ({"optimizer.name": "adam_mini"}, False),
+    "adafactor": ({"optimizer.name": "adafactor"}, False),
+    "apollo": ({"optimizer.name": "apollo"}, False),
+    "torchao_adamw4bit": ({"optimizer.name": "torchao_adamw4bit"}, False),
+    "adamw8bit, 9 layers": ({"optimizer.name": "adamw8bit", "model_args.num_layers": 9}, False),
+}
+
+
+def _canonical(events: list[tuple]) -> list[tuple]:
+    """Allocator events with each key replaced by its allocation's ordinal (what the replay depends on)."""
+    ordinal: dict = {}
+    out = []
+    for event in events:
+        if event[0] == "alloc":
+            ordinal[event[1]] = len(ordinal)
+            out.append(("alloc", event[2], event[3]))
+        else:
+            out.append(("free", ordinal[event[1]]))
+    return out
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [v if fast else pytest.param(v, marks=pytest.mark.slow) for v, fast in CUDA.values()],
+    ids=list(CUDA),
+)
+def test_cuda_composed_allocations_are_the_full_traces_event_for_event(overrides):
+    """The L-layer allocation sequence composed from the 3- and 4-layer traces (what the reserved peak's replay
+    reads) is the full trace's: the same bytes on the same streams, each free of the same allocation."""
+    import dataclasses
+
+    from memfit.build import run_model_config
+    from memfit.planner import estimate
+    from memfit.planner.compose_allocations import compose_allocations
+
+    overrides = {"model_args.num_layers": 6, **overrides}
+    cfg = load_config(None, [f"{k}={v}" for k, v in {**BASE, "device": "cuda", **overrides}.items()])
+    mcfg = run_model_config(cfg)
+
+    def traced(layers: int):  # the estimator's own trace (marked, as it traces the layers it composes from)
+        depth = dataclasses.replace(mcfg, num_layers=layers)
+        return estimate._trace(cfg, depth, 1, cfg.seq_len, "cuda", marks=True).layer_trace
+
+    full = _canonical(traced(mcfg.num_layers).allocations)
+    composed = _canonical(compose_allocations(traced(3), traced(4), mcfg.num_layers))
+    assert len(composed) == len(full) > 1000
+    assert composed == full
+    assert sum(1 for e in full if e[0] == "free") > 500
+
+
+def test_cuda_estimates_compose_with_the_reserved_peak():
+    """The whole CUDA estimate composes, its reserved peak (the caching allocator's replay) included."""
+    overrides = {"dtype": "bf16", "activation_checkpointing": "full"}
+    full = _estimate(6, False, device="cuda", **overrides)
+    composed = _estimate(6, True, device="cuda", **overrides)
+    assert composed.trace["composed"] is True, composed.trace
+    assert _answer(composed) == _answer(full)
+    assert composed.peak_reserved_bytes >= composed.peak_bytes > 0
 
 
 def test_the_default_composes_deep_models_only():

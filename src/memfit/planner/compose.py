@@ -61,6 +61,11 @@ class LayerTrace:
     timeline: list[tuple[int, str, dict[str, int]]]
     ops: list[tuple[Any, Any]]
     marks: list[tuple[int, Tag]]
+    allocations: list[tuple] | None = None
+    """With a CUDA target: the caching allocator's events (``("alloc", key, nbytes, stream)``, ``("free", key)``)
+    in order, each allocation's key its own."""
+    allocation_marks: list[int] | None = None
+    """The index in :attr:`allocations` at each of :attr:`marks`."""
 
 
 @dataclass
@@ -72,6 +77,9 @@ class Composed:
     offloaded_peak: int
     layers: int
     info: dict[str, Any] = field(default_factory=dict)
+    allocations: list[tuple] | None = None
+    """With a CUDA target: the L-layer step's allocator events
+    (:func:`memfit.planner.compose_allocations.compose_allocations`)."""
 
 
 class NotComposable(Exception):
@@ -85,17 +93,23 @@ class LayerMarks:
     Args:
         layers: the decoder layers, in order (``model.model.layers``).
         timeline: the tracker's timeline list (read for its length when a hook fires).
+        allocations: ``None``, or a callable returning the tracker's allocation events so far (their count is
+            marked too).
     """
 
-    def __init__(self, layers: list[nn.Module], timeline: list) -> None:
+    def __init__(self, layers: list[nn.Module], timeline: list, allocations: Any = None) -> None:
         self.layers = list(layers)
         self.timeline = timeline
+        self.allocations = allocations
         self.marks: list[tuple[int, Tag]] = []
+        self.allocation_marks: list[int] = []
         self._pass = -1
         self._stack = contextlib.ExitStack()
 
-    def _mark(self, kind: str, layer: int | None) -> None:
-        self.marks.append((len(self.timeline), (kind, self._pass, layer)))
+    def _mark(self, kind: str, layer: int | None, pass_: int | None = None) -> None:
+        self.marks.append((len(self.timeline), (kind, self._pass if pass_ is None else pass_, layer)))
+        if self.allocations is not None:
+            self.allocation_marks.append(len(self.allocations()))
 
     def _pre(self, index: int) -> Any:
         def hook(_module: nn.Module, _args: Any) -> None:
@@ -115,9 +129,7 @@ class LayerMarks:
                 return
             if isinstance(output, torch.Tensor) and output.requires_grad:
                 pass_ = self._pass
-                output.register_hook(
-                    lambda _grad: self.marks.append((len(self.timeline), ("B", pass_, index)))
-                )
+                output.register_hook(lambda _grad: self._mark("B", index, pass_))
             if last:
                 self._mark("H", None)
 
@@ -303,10 +315,12 @@ def compose(three: LayerTrace, four: LayerTrace, layers: int) -> Composed:
 
 
 @contextlib.contextmanager
-def marking(layers: list[nn.Module] | None, timeline: list) -> Iterator[LayerMarks | None]:
+def marking(
+    layers: list[nn.Module] | None, timeline: list, allocations: Any = None
+) -> Iterator[LayerMarks | None]:
     """:class:`LayerMarks` on ``layers`` while inside, or nothing when ``layers`` is None."""
     if layers is None:
         yield None
         return
-    with LayerMarks(layers, timeline) as marks:
+    with LayerMarks(layers, timeline, allocations) as marks:
         yield marks

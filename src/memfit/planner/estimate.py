@@ -73,6 +73,7 @@ from memfit.models.llama import LlamaConfig
 from memfit.planner.closed_form import model_state_bytes_closed_form
 from memfit.planner.compose import COMPOSE_FROM_LAYERS, TRACED_LAYERS, LayerTrace, NotComposable, marking
 from memfit.planner.compose import compose as compose_layers
+from memfit.planner.compose_allocations import compose_allocations
 from memfit.planner.cuda_paths import cuda_paths
 from memfit.planner.fake_trace import GlooBuffers, ScalarReads, fake_ids, fake_mode, fake_process_group, quiet
 from memfit.step import train_step, train_step_options
@@ -214,8 +215,12 @@ def estimate_run(
             _trace(cfg, dataclasses.replace(mcfg, num_layers=n), world_size, seq_len, target, marks=True)
             for n in TRACED_LAYERS
         ]
+        layer_traces = [t.layer_trace for t in traces]
         try:
-            composed = compose_layers(*(t.layer_trace for t in traces), mcfg.num_layers)
+            composing = compose_layers(*layer_traces, mcfg.num_layers)
+            if target == "cuda" and not switches.moved_categories(cfg, "cuda"):  # the reserved peak's replay
+                composing.allocations = compose_allocations(*layer_traces, mcfg.num_layers)
+            composed = composing
         except NotComposable as exc:
             why_full = str(exc)
     if composed is None:
@@ -246,6 +251,8 @@ def estimate_run(
     reserved = None
     if target == "cuda" and trace is not None:
         reserved = _replay_reserved(cfg, trace.tracker, trace.paged_keys)
+    elif composed is not None and composed.allocations is not None:
+        reserved = replay(workspace_events(CUBLAS_SM) + composed.allocations).peak_reserved
     device = peak if reserved is None else reserved
     if target == "cuda":
         device += CUDA_CONTEXT_BYTES_ESTIMATE
@@ -310,8 +317,6 @@ def _why_not_composed(cfg: TrainConfig, mcfg: LlamaConfig, target: str, compose:
         return "activation_checkpointing=every_n: the layers differ (checkpointed or not)"
     if cfg.method == "adapter" and cfg.adapter.num_layers and cfg.adapter.num_layers < mcfg.num_layers:
         return "method=adapter on the top layers only: the layers differ"
-    if target == "cuda" and not switches.moved_categories(cfg, "cuda"):
-        return "the reserved peak replays the whole step's allocations"
     return None
 
 
@@ -371,13 +376,19 @@ def _trace(
             gloo = GlooBuffers(world_size) if target == "cpu" and world_size > 1 else contextlib.nullcontext()
             OffloadStats.reset()
             layers = list(dist_unwrap(model).model.layers) if marks else None
-            with tracker, gloo, marking(layers, tracker.timeline) as marked:
+            counted = (lambda: tracker.allocations) if target == "cuda" else None
+            with tracker, gloo, marking(layers, tracker.timeline, counted) as marked:
                 train_step(model, optimizer, batches, tracker=tracker, **train_step_options(trace_cfg))
             offloaded = OffloadStats.peak
             traced = model_state_bytes(model, optimizer)
             paged_keys = _paged_state_entries(cfg, tracker, optimizer) if target == "cuda" else set()
             del fake
-    layer_trace = None if marked is None else LayerTrace(tracker.timeline, tracker.ops, marked.marks)
+    layer_trace = None
+    if marked is not None:
+        layer_trace = LayerTrace(tracker.timeline, tracker.ops, marked.marks)
+        if target == "cuda":
+            layer_trace.allocations = allocation_events(tracker, paged_keys)
+            layer_trace.allocation_marks = marked.allocation_marks
     return _Traced(
         tracker=tracker,
         timeline=tracker.timeline,
@@ -424,12 +435,26 @@ def _replay_reserved(cfg: TrainConfig, tracker: Any, paged: set[int]) -> int | N
     ``None`` when the run moves memory to the host (:attr:`Estimate.peak_reserved_bytes`)."""
     if switches.moved_categories(cfg, "cuda"):
         return None
-    events: list[tuple] = workspace_events(CUBLAS_SM)
+    return replay(workspace_events(CUBLAS_SM) + allocation_events(tracker, paged)).peak_reserved
+
+
+def allocation_events(tracker: Any, paged: set[int]) -> list[tuple]:
+    """The tracker's allocations as the caching allocator model's events (``("alloc", key, nbytes, stream)``,
+    ``("free", key)``), each allocation a key of its own (a storage resized is freed and allocated again), less the
+    paged state's (:func:`_paged_state_entries`)."""
+    events: list[tuple] = []
+    current: dict[int, int] = {}
     for op, entry, nbytes in tracker.allocations:
         if id(entry) in paged:
             continue
-        events.append(("alloc", id(entry), nbytes, entry.stream) if op == "alloc" else ("free", id(entry)))
-    return replay(events).peak_reserved
+        if op == "alloc":
+            current[id(entry)] = key = len(events)
+            events.append(("alloc", key, nbytes, entry.stream))
+        else:
+            key = current.pop(id(entry), None)
+            if key is not None:
+                events.append(("free", key))
+    return events
 
 
 def packs_documents(cfg: TrainConfig) -> bool:
