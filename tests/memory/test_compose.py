@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 
 from memfit.config import load_config
+from memfit.memory import optimizers
 from memfit.planner.estimate import estimate_run
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -55,6 +56,7 @@ COMPOSED = {
     "chunked_cross_entropy=4": {"chunked_cross_entropy": 4},
     "tiled_mlp=2": {"tiled_mlp": 2},
     "gradient_accumulation_steps=2": {"gradient_accumulation_steps": 2},
+    "for_loop AdamW": {"optimizer.implementation": "for_loop"},
     "dtype=bf16": {"dtype": "bf16"},
     "dtype=bf16_mixed": {"dtype": "bf16_mixed"},
     "seed-like: bf16 in_bwd ac=full ce=4": {
@@ -90,10 +92,38 @@ def test_composed_equals_the_full_trace_to_the_byte(overrides, layers):
     assert composed.peak_bytes > 0
 
 
+TRACED_WHOLE = {"adamw8bit", "paged_adamw8bit", "lion8bit"}
+"""The optimizers whose step does not compose at the tiny sizes (bitsandbytes' 8-bit and 32-bit updates of one
+layer's tensors interleave; at real sizes every matrix is 8-bit and they compose, bench/planner_speed.py)."""
+
+
+@pytest.mark.parametrize(
+    "name",
+    [n if n == "muon" else pytest.param(n, marks=pytest.mark.slow) for n in optimizers.OPTIMIZER_NAMES],
+)
+def test_every_optimizer_composes_to_the_byte_or_says_why(name):
+    """Each optimizer's step on 9 layers (runs of per-parameter updates whose first unit differs, two loops over
+    the parameters, Adam-mini's and APOLLO's groups): composed from 3 and 4 layers, it is the full trace."""
+    full = _estimate(9, False, optimizer__name=name)
+    asked = _estimate(9, True, optimizer__name=name)
+    if name in TRACED_WHOLE:
+        assert asked.trace["composed"] is False
+        assert (
+            asked.trace["why_not_composed"] == "segment ('B', 0, 0): a layer's more ops at the segment's edge"
+        )
+    else:
+        assert asked.trace["composed"] is True, asked.trace
+    assert _answer(asked) == _answer(full)
+    assert full.breakdown["optimizer_state"] > 0 or name in {"apollo_mini"}
+
+
 FULL = {  # where composing does not hold: traced whole, the reason said
     "every_n": ({"activation_checkpointing": "every_n"}, 1, "activation_checkpointing=every_n"),
-    "for_loop AdamW": ({"optimizer.implementation": "for_loop"}, 1, "segment ('B', 0, 0)"),
-    "muon": ({"optimizer.name": "muon"}, 1, "segment ('B', 0, 0): a layer's more ops at the segment's edge"),
+    "8-bit AdamW": (  # at these sizes a layer's 8-bit and 32-bit updates interleave, cut anywhere by the matcher
+        {"optimizer.name": "adamw8bit"},
+        1,
+        "segment ('B', 0, 0): a layer's more ops at the segment's edge",
+    ),
     "fsdp2 on 2 ranks": ({"distributed.strategy": "fsdp2"}, 2, "segment ('F', 0, 1)"),
 }
 
@@ -122,6 +152,12 @@ CUDA = {  # the reserved peak replays the composed allocation sequence: event fo
     ),
     "accumulation=2 ce=4 tiled_mlp=2": (
         {"gradient_accumulation_steps": 2, "chunked_cross_entropy": 4, "tiled_mlp": 2},
+        True,
+    ),
+    # every matrix's state paged (>= 100,000 elements: out of the replay), the norms' not: the layer marks count
+    # the events the replay keeps
+    "paged_adamw8bit, paged state": (
+        {"optimizer.name": "paged_adamw8bit", "model_args.dim": 320, "model_args.intermediate_size": 1024},
         True,
     ),
     "ac=selective": ({"activation_checkpointing": "selective"}, False),
@@ -184,6 +220,22 @@ def test_cuda_estimates_compose_with_the_reserved_peak():
     assert composed.trace["composed"] is True, composed.trace
     assert _answer(composed) == _answer(full)
     assert composed.peak_reserved_bytes >= composed.peak_bytes > 0
+
+
+def test_cuda_estimates_compose_with_paged_state():
+    """A paged optimizer's large states are left out of the replay (unified memory); the rest composes, the
+    reserved peak included, as the full trace gives it."""
+    overrides = {
+        "optimizer.name": "paged_adamw8bit",
+        "model_args.dim": 320,
+        "model_args.intermediate_size": 1024,
+        "activation_checkpointing": "full",
+    }
+    full = _estimate(6, False, device="cuda", **overrides)
+    composed = _estimate(6, True, device="cuda", **overrides)
+    assert composed.trace["composed"] is True, composed.trace
+    assert _answer(composed) == _answer(full)
+    assert full.unseen["paged_optimizer_state"] > 0
 
 
 def test_the_default_composes_deep_models_only():

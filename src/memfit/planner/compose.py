@@ -167,6 +167,124 @@ def _vector(event: tuple[int, str, dict[str, int]], op: tuple[Any, Any]) -> list
     return [*(event[2][c] for c in CATEGORIES), op[1] or 0]
 
 
+UNITS = 4
+"""The units of a per-layer run in the 4-layer trace (3 in the 3-layer one)."""
+MERGED = 8
+"""The most blocks the matcher may have cut one layer's more ops into (:func:`_unit_runs`)."""
+
+
+def _unit_runs(
+    ops4: list[Any], ops3: list[Any], v4: list[list[int]], v3: list[list[int]], tag: Tag
+) -> list[tuple[int, int, int, str | None]]:
+    """The per-layer runs of a segment that is not a layer's: ``(start4, start3, m, edge)``, four units of ``m``
+    events from ``start4`` in the 4-layer segment standing for three from ``start3`` in the 3-layer one; ``edge``:
+    ``None`` where the four are alike, ``"first"`` or ``"last"`` where that unit differs (it is paired with the
+    3-layer trace's own, as a layer's events are).
+
+    Each block of events the 4-layer segment has beyond the 3-layer one's is one unit of a periodic stretch of ops;
+    the run is the first four units of that stretch (each holding the block, or the block at their edge) whose
+    events change by the same bytes from one unit to the next in both traces, and by as much between the traces
+    for the same unit: the bytes at each of its events are then ``a + b * unit + d * layers``, what the L-layer
+    run's units hold.
+
+    Raises:
+        NotComposable: the segments differ by more than inserted blocks, or no four like units hold a block.
+    """
+    codes = difflib.SequenceMatcher(None, ops3, ops4, autojunk=False).get_opcodes()
+    if any(code not in ("equal", "insert") for code, *_ in codes):
+        raise NotComposable(f"segment {tag}: the two traces' ops differ beyond a layer's more")
+
+    def diff(a: list[int], b: list[int]) -> list[int]:
+        return [x - y for x, y in zip(a, b, strict=True)]
+
+    def like(units4: list[list[list[int]]], units3: list[list[list[int]]]) -> bool:
+        """Units whose events change by the same bytes from one unit to the next in both traces, and by as much
+        between the traces for the same unit (``units4[u]`` and ``units3[u]``)."""
+        step = [diff(x, y) for x, y in zip(units4[1], units4[0], strict=True)]
+        depth = [diff(x, y) for x, y in zip(units4[0], units3[0], strict=True)]
+        return all(
+            [diff(x, y) for x, y in zip(units[u + 1], units[u], strict=True)] == step
+            for units in (units4, units3)
+            for u in range(len(units) - 1)
+        ) and all(
+            [diff(x, y) for x, y in zip(units4[u], units3[u], strict=True)] == depth
+            for u in range(len(units3))
+        )
+
+    runs: list[tuple[int, int, int, str | None]] = []
+
+    def find(i1: int, j1: int, j2: int, m: int | None = None) -> tuple[int, int, int, str | None] | None:
+        """The run holding the events ``[j1, j2)`` of the 4-layer segment, where ``m`` events (default all) are
+        inserted beyond the 3-layer one's, from its event ``i1`` on (the events before ``j1`` pair with those
+        ``j1 - i1`` before them); ``None``: none."""
+        m = m or j2 - j1
+        if any(ops4[k] != ops4[k - m] for k in range(j1 + m, j2)):
+            return None
+        lo, hi = j1, max(j2, j1 + m)
+        while lo > 0 and ops4[lo - 1] == ops4[lo - 1 + m]:
+            lo -= 1
+        while hi < len(ops4) and ops4[hi] == ops4[hi - m]:
+            hi += 1
+        floor = runs[-1][0] + UNITS * runs[-1][2] if runs else 0
+        for start4 in range(max(lo, floor, j2 - UNITS * m), min(j1, hi - UNITS * m) + 1):
+            start3 = start4 - (j1 - i1)
+            if (
+                start3 < 0
+                or ops3[start3 : start3 + (UNITS - 1) * m] != ops4[start4 : start4 + (UNITS - 1) * m]
+            ):
+                continue
+            units4 = [v4[start4 + u * m : start4 + (u + 1) * m] for u in range(UNITS)]
+            units3 = [v3[start3 + u * m : start3 + (u + 1) * m] for u in range(UNITS - 1)]
+            # all four units alike; else the first (or the last) differs at its edge (the first parameter's update
+            # frees what the one before the run left) and is paired with the 3-layer trace's as it is
+            for edge, like4, like3 in (
+                (None, (0, 4), (0, 3)),
+                ("first", (1, 4), (1, 3)),
+                ("last", (0, 3), (0, 2)),
+            ):
+                if like(units4[like4[0] : like4[1]], units3[like3[0] : like3[1]]):
+                    return start4, start3, m, edge
+        return None
+
+    inserts = [(i1, j1, j2) for code, i1, _i2, j1, j2 in codes if code == "insert"]
+    n = 0
+    while n < len(inserts):
+        i1, j1, j2 = inserts[n]
+        n += 1
+        found = find(i1, j1, j2)
+        if found is not None:
+            runs.append(found)
+            continue
+        # one layer's parameters of two kinds (quantized state or not): the matcher split its block in parts
+        # between like events; the run's unit holds them all
+        for more in range(1, MERGED + 1):
+            if n - 1 + more >= len(inserts):
+                break
+            span = inserts[n - 1 : n + more]
+            found = find(i1, j1, span[-1][2], sum(b - a for _, a, b in span))
+            if found is not None:
+                runs.append(found)
+                n += more
+                break
+        if found is not None:
+            continue
+        # the end of one run and the start of the next (a loop over the parameters, then another): split where
+        # both halves are a run's unit
+        for k in range(j1 + 1, j2):
+            first = find(i1, j1, k)
+            if first is None:
+                continue
+            runs.append(first)
+            second = find(i1, k, j2)
+            if second is not None:
+                runs.append(second)
+                break
+            runs.pop()
+        else:
+            raise NotComposable(f"segment {tag}: a layer's more ops are not one of {UNITS} like units")
+    return runs
+
+
 def compose(three: LayerTrace, four: LayerTrace, layers: int) -> Composed:
     """The L-layer timeline from the traces of 3 and 4 decoder layers (the module doc says how).
 
@@ -232,8 +350,12 @@ def compose(three: LayerTrace, four: LayerTrace, layers: int) -> Composed:
 
     def emit_runs(tag4: Tag) -> None:
         """A segment whose ops run once per parameter (the optimizer step, clipping): the 4-layer trace runs one
-        layer's worth more of them; the L-layer step runs L - 4 more copies of that block, whose events are
-        affine in the copy's index (the first and the last copy are emitted)."""
+        layer's worth more of them, inside a run of 4 like units (:func:`_unit_runs`); the L-layer step's run has
+        L units whose events are affine in the unit's index (the first and the last unit are emitted), the
+        events around it paired with the 3-layer trace's as a layer's are. Where the inserted ops are not such
+        a run's unit (one layer's parameters of two kinds, which the matcher cuts anywhere), each inserted block is
+        composed alone (``emit_blocks``): the L-layer step holds L - 4 more copies of it, its events affine in the
+        copy's index, the block placed where the events around it match the 3-layer trace's."""
         kind, p, j = tag4
         tag3 = tag4 if kind in "IH" else (kind, p, pair[kind][j])
         (a4, b4), (a3, b3) = by4[tag4], by3[tag3]
@@ -241,8 +363,54 @@ def compose(three: LayerTrace, four: LayerTrace, layers: int) -> Composed:
         if ops4 == ops3:
             emit(tag4, slopes(tag4))
             return
-        v4 = rows(four, (a4, b4))
-        v3 = rows(three, (a3, b3))
+        v4, v3 = rows(four, (a4, b4)), rows(three, (a3, b3))
+        nonlocal offloaded
+        mark, offloaded_before = len(out), offloaded
+        try:
+            emit_unit_runs(tag4, a4, ops4, ops3, v4, v3)
+        except NotComposable:
+            del out[mark:]
+            offloaded = offloaded_before
+            emit_blocks(tag4, a4, ops4, ops3, v4, v3)
+
+    def emit_unit_runs(tag4: Tag, a4: int, ops4: list, ops3: list, v4: list, v3: list) -> None:
+        """The segment's per-layer runs (:func:`_unit_runs`) as the L-layer step runs them."""
+        k4 = k3 = 0
+
+        def paired(until4: int, until3: int) -> None:
+            nonlocal k4, k3
+            if until4 - k4 != until3 - k3 or ops4[k4:until4] != ops3[k3:until3]:
+                raise NotComposable(f"segment {tag4}: the events around its per-layer runs do not pair up")
+            for i4, i3 in zip(range(k4, until4), range(k3, until3), strict=True):
+                put(
+                    four.timeline[a4 + i4][1],
+                    [x + extra * (x - y) for x, y in zip(v4[i4], v3[i3], strict=True)],
+                )
+            k4, k3 = until4, until3
+
+        for start4, start3, m, edge in _unit_runs(ops4, ops3, v4, v3, tag4):
+            first = 1 if edge == "first" else 0  # the first of the like units
+            last = layers - 2 if edge == "last" else layers - 1  # the L-layer run's last like unit
+            paired(start4 + first * m, start3 + first * m)
+            for unit in (first, last):
+                for i in range(m):
+                    e4, e3 = start4 + first * m + i, start3 + first * m + i
+                    step = [x - y for x, y in zip(v4[e4 + m], v4[e4], strict=True)]
+                    put(
+                        four.timeline[a4 + e4][1],
+                        [
+                            x + (unit - first) * b + extra * (x - y)
+                            for x, b, y in zip(v4[e4], step, v3[e3], strict=True)
+                        ],
+                    )
+            k4, k3 = start4 + (UNITS - 1) * m, start3 + (UNITS - 2) * m
+            if edge == "last":
+                paired(start4 + UNITS * m, start3 + (UNITS - 1) * m)
+            k4, k3 = start4 + UNITS * m, start3 + (UNITS - 1) * m
+        paired(len(v4), len(v3))
+
+    def emit_blocks(tag4: Tag, a4: int, ops4: list, ops3: list, v4: list, v3: list) -> None:
+        """Each block the 4-layer segment adds, as L - 3 copies of it (not at the segment's edges)."""
         d4 = [[x - y for x, y in zip(v4[k], v4[k - 1], strict=True)] if k else v4[0] for k in range(len(v4))]
         d3 = [[x - y for x, y in zip(v3[k], v3[k - 1], strict=True)] if k else v3[0] for k in range(len(v3))]
         codes = difflib.SequenceMatcher(None, ops3, ops4, autojunk=False).get_opcodes()

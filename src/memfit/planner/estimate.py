@@ -387,8 +387,8 @@ def _trace(
     if marked is not None:
         layer_trace = LayerTrace(tracker.timeline, tracker.ops, marked.marks)
         if target == "cuda":
-            layer_trace.allocations = allocation_events(tracker, paged_keys)
-            layer_trace.allocation_marks = marked.allocation_marks
+            layer_trace.allocation_marks = list(marked.allocation_marks)
+            layer_trace.allocations = allocation_events(tracker, paged_keys, layer_trace.allocation_marks)
     return _Traced(
         tracker=tracker,
         timeline=tracker.timeline,
@@ -438,13 +438,22 @@ def _replay_reserved(cfg: TrainConfig, tracker: Any, paged: set[int]) -> int | N
     return replay(workspace_events(CUBLAS_SM) + allocation_events(tracker, paged)).peak_reserved
 
 
-def allocation_events(tracker: Any, paged: set[int]) -> list[tuple]:
+def allocation_events(tracker: Any, paged: set[int], marks: list[int] | None = None) -> list[tuple]:
     """The tracker's allocations as the caching allocator model's events (``("alloc", key, nbytes, stream)``,
     ``("free", key)``), each allocation a key of its own (a storage resized is freed and allocated again), less the
-    paged state's (:func:`_paged_state_entries`)."""
+    paged state's (:func:`_paged_state_entries`).
+
+    Args:
+        tracker: the traced step's :class:`memfit.memory.tracker.MemoryTracker` (``record_allocations``).
+        paged: the ledger entries (by ``id``) to leave out.
+        marks: indices into ``tracker.allocations`` (:class:`memfit.planner.compose.LayerMarks`' counts),
+            rewritten in place as indices into the returned events.
+    """
     events: list[tuple] = []
     current: dict[int, int] = {}
+    kept_before: list[int] = []  # at each of the tracker's events, how many events were returned before it
     for op, entry, nbytes in tracker.allocations:
+        kept_before.append(len(events))
         if id(entry) in paged:
             continue
         if op == "alloc":
@@ -454,6 +463,8 @@ def allocation_events(tracker: Any, paged: set[int]) -> list[tuple]:
             key = current.pop(id(entry), None)
             if key is not None:
                 events.append(("free", key))
+    if marks is not None:
+        marks[:] = [kept_before[m] if m < len(kept_before) else len(events) for m in marks]
     return events
 
 
