@@ -137,8 +137,8 @@ class LayerMarks:
 
     def __enter__(self) -> LayerMarks:
         for i, layer in enumerate(self.layers):
-            self._stack.callback(layer.register_forward_pre_hook(self._pre(i)).remove)
-            self._stack.callback(layer.register_forward_hook(self._post(i)).remove)
+            self._stack.callback(layer.register_forward_pre_hook(self._pre(i), prepend=True).remove)
+            self._stack.callback(layer.register_forward_hook(self._post(i), prepend=True).remove)
         return self
 
     def __exit__(self, *exc: object) -> None:

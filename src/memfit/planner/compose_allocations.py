@@ -347,7 +347,8 @@ def compose_allocations(three: LayerTrace, four: LayerTrace, layers: int) -> lis
                 at = _edge(ref_unit, layers)
             else:
                 raise NotComposable(
-                    "a middle layer's free lands on no allocation the other middle layers have"
+                    f"a middle layer's free ({h[0][0]} unit {h[1]}, event {h[2]}) lands on no allocation the "
+                    f"other middle layers have (it frees {ref})"
                 )
             if not 0 <= at < layers:
                 raise NotComposable(f"a free lands on layer {at} of {layers}")
