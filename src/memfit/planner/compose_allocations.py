@@ -221,30 +221,73 @@ def _differences(s3: list, s4: list) -> list[tuple[str, int, int, int, int]]:
 Relation = tuple[int, int]  # (slope +1 or -1, intercept): the unit a unit's free lands on, in the 4-layer run
 
 
+def _homologs(sig4: list, runs: dict[tuple, _Run]) -> dict[tuple, list[list[int | None]]]:
+    """For each run, for each unit, each event's offset in unit 1 (the middle layers' template) where the two
+    units pair up event by event, ``None`` for an event unit 1 has not (an edge unit's own: layer 0's all-gather
+    under FSDP2, which the later layers' prefetch puts in the layer before)."""
+    out = {}
+    for key, run in runs.items():
+        ref = sig4[run.starts[1] : run.starts[1] + run.lengths[1]]
+        maps = []
+        for u in range(UNITS):
+            unit = sig4[run.starts[u] : run.starts[u] + run.lengths[u]]
+            if unit == ref:
+                maps.append(list(range(len(unit))))
+                continue
+            pairs: list[int | None] = [None] * len(unit)
+            for code, i1, i2, j1, _j2 in difflib.SequenceMatcher(
+                None, unit, ref, autojunk=False
+            ).get_opcodes():
+                if code == "equal":
+                    for k in range(i2 - i1):
+                        pairs[i1 + k] = j1 + k
+            maps.append(pairs)
+        out[key] = maps
+    return out
+
+
 def _relations(
-    events: list[tuple], home: list[Home], runs: dict[tuple, _Run], allocated_at: dict[int, int]
+    events: list[tuple],
+    home: list[Home],
+    runs: dict[tuple, _Run],
+    allocated_at: dict[int, int],
+    homologs: dict[tuple, list[list[int | None]]],
 ) -> dict[tuple[tuple, int], Relation]:
-    """For each free at an offset of a run's units: the unit of the run it frees in, as a function of its own unit,
-    where units 1 and 2 (those with a unit on both sides, as the middle layers the composed run copies) agree: the
-    same run and offset, the unit ``u + d`` (a run in the same order: a layer's activations, freed in its backward)
-    or ``c - u`` (in the reverse order: a ``foreach`` op's results, freed last first)."""
-    seen: dict[tuple[tuple, int], list[tuple[int, Home]]] = {}
+    """For each free at an offset of a run's units (by its :func:`_homologs` offset): the unit of the run it frees
+    in, as a function of its own unit, where units 1 and 2 (those with a unit on both sides, as the middle layers
+    the composed run copies) agree: the same run and homologous event, the unit ``u + d`` (a run in the same
+    order: a layer's activations, freed in its backward) or ``c - u`` (in the reverse order: a ``foreach`` op's
+    results, freed last first). Where unit 1 frees what an edge unit alone has (FSDP2's all-gather of layer 0,
+    freed two layers on), units 2 and 3 say it."""
+    seen: dict[tuple[tuple, int], dict[int, tuple]] = {}
     for run in runs.values():
-        for u in (1, 2):
+        for u in (1, 2, 3):
             for offset in range(run.lengths[u]):
                 i = run.starts[u] + offset
-                if events[i][0] == "free" and home[i] == (run.key, u, offset):
-                    seen.setdefault((run.key, offset), []).append((u, home[allocated_at[events[i][1]]]))
+                hom = homologs[run.key][u][offset]
+                if events[i][0] != "free" or home[i] != (run.key, u, offset) or hom is None:
+                    continue
+                ref = home[allocated_at[events[i][1]]]
+                if ref[0] != "fixed":
+                    ref = (ref[0], ref[1], homologs[ref[0]][ref[1]][ref[2]])
+                seen.setdefault((run.key, hom), {})[u] = ref
     out = {}
     for key, refs in seen.items():
-        if len(refs) != 2 or any(r[0] == "fixed" for _, r in refs) or len({r[::2] for _, r in refs}) > 1:
-            continue
-        units = [(u, r[1]) for u, r in refs]
-        for slope in (1, -1):
-            intercepts = {v - slope * u for u, v in units}
-            if len(intercepts) == 1:
-                out[key] = (slope, intercepts.pop())
-                break
+        for pair in ((1, 2), (2, 3)):
+            found = [(u, refs[u]) for u in pair if u in refs]
+            if len(found) != 2 or any(r[0] == "fixed" or r[2] is None for _, r in found):
+                continue
+            if len({r[::2] for _, r in found}) > 1:
+                continue
+            if pair == (2, 3) and 1 in refs and refs[1][0] != "fixed" and refs[1][2] is not None:
+                continue  # unit 1 frees a homologous event: units 1 and 2 disagree
+            units = [(u, r[1]) for u, r in found]
+            for slope in (1, -1):
+                intercepts = {v - slope * u for u, v in units}
+                if len(intercepts) == 1:
+                    out[key] = (slope, intercepts.pop())
+                    break
+            break
     return out
 
 
@@ -321,9 +364,34 @@ def compose_allocations(three: LayerTrace, four: LayerTrace, layers: int) -> lis
             home[i] = ("fixed", i)
 
     allocated_at = {e[1]: i for i, e in enumerate(events) if e[0] == "alloc"}
-    relations = _relations(events, home, runs, allocated_at)
+    homologs = _homologs(sig4, runs)
+    raw = {
+        key: [{h: k for k, h in enumerate(m) if h is not None} for m in maps]
+        for key, maps in homologs.items()
+    }
+    relations = _relations(events, home, runs, allocated_at, homologs)
     out: list[tuple] = []
     live: dict[tuple, int] = {}  # the L-layer allocation's home -> its key in ``out``
+    events3 = three.allocations
+    allocated_at3 = {e[1]: i for i, e in enumerate(events3) if e[0] == "alloc"}
+    tag_at4 = {i: (tag, a) for tag, a, b, _ in segments for i in range(a, b)}
+    tag_at3 = {i: tag for tag, a, b in seg3 for i in range(a, b)}
+
+    def middle_freed(i: int, layers: int) -> int:
+        """The L-layer layer whose allocation the once-run event ``i`` frees, where the 4-layer trace's frees
+        layer 2's: its twin in the 3-layer trace (the same offset in the same segment, the events before it
+        alike) frees layer 1's (the layer before the last: layer L - 2) or layer 2's (layer 2)."""
+        tag, a = tag_at4[i]
+        a3, b3 = by3[tag]
+        k3 = a3 + i - a
+        if k3 >= b3 or sig3[a3 : k3 + 1] != sig4[a : i + 1]:
+            raise NotComposable("an event outside the layers frees what a middle layer allocated")
+        freed3 = tag_at3[allocated_at3[events3[k3][1]]]
+        if freed3[0] in "FB" and freed3[2] == 1:
+            return layers - 2
+        if freed3[0] in "FB" and freed3[2] == 2:
+            return 2
+        raise NotComposable("an event outside the layers frees what a middle layer allocated")
 
     def emit(i: int, unit: int | None) -> None:
         """Event ``i`` of the 4-layer trace, as it runs in L-layer unit ``unit`` of its run."""
@@ -340,9 +408,11 @@ def compose_allocations(three: LayerTrace, four: LayerTrace, layers: int) -> lis
             target = ref
         else:
             run, ref_unit, offset = ref
-            relation = None if h[0] == "fixed" else relations.get((h[0], h[2]))
+            relation = None if h[0] == "fixed" else relations.get((h[0], homologs[h[0]][h[1]][h[2]]))
             if relation is not None and _related(relation, h[1], UNITS) == ref_unit:
                 at = _related(relation, unit, layers)
+            elif h[0] == "fixed" and ref_unit == 2:  # a middle layer's: which, the 3-layer trace says
+                at = middle_freed(i, layers)
             elif h[0] == "fixed" or _template(unit, layers) != 2:  # an event that runs once
                 at = _edge(ref_unit, layers)
             else:
@@ -354,7 +424,9 @@ def compose_allocations(three: LayerTrace, four: LayerTrace, layers: int) -> lis
                 raise NotComposable(f"a free lands on layer {at} of {layers}")
             copied = runs[run]
             t = _template(at, layers)
-            if offset >= copied.lengths[t] or sig4[copied.starts[t] + offset] != sig4[j]:
+            if t != ref_unit:  # the homologous event of the unit that layer ``at`` copies
+                offset = raw[run][t].get(homologs[run][ref_unit][offset], -1)
+            if not 0 <= offset < copied.lengths[t] or sig4[copied.starts[t] + offset] != sig4[j]:
                 raise NotComposable("a free lands on another allocation in the composed step")
             target = (run, at, offset)
         key = live.pop(target, None)
