@@ -428,3 +428,34 @@ def test_checkpoint_files_get_the_umask_mode(written):
     modes = _modes(written / "run" / "checkpoints")
     assert any(name.endswith("model.safetensors") for name in modes)
     assert {name: mode for name, mode in modes.items() if mode != 0o640} == {}
+
+
+def test_the_front_page_is_the_full_parsers(capsys):
+    """``memfit --help`` is answered before torch is imported (memfit/verbs.py), with the page the full parser
+    prints; ``--version`` too."""
+    from memfit import verbs
+    from memfit.cli import build_parser
+
+    assert verbs.front_parser().format_help() == build_parser().format_help()
+    with pytest.raises(SystemExit) as stop:
+        verbs.front_page(["--version"])
+    assert stop.value.code == 0 and capsys.readouterr().out.startswith("memfit ")
+    assert (
+        verbs.front_page(["estimate", "--help"]) is False
+    )  # a verb's own page needs its keys: the full parser
+
+
+@pytest.mark.slow
+def test_memfit_help_in_a_fresh_interpreter_imports_no_torch():
+    import subprocess
+    import sys as _sys
+
+    probe = (
+        "import sys, runpy; sys.argv = ['memfit', '--help']\n"
+        "try:\n    runpy.run_module('memfit', run_name='__main__')\n"
+        "except SystemExit as e:\n    assert e.code == 0\n"
+        "print('torch imported' if 'torch' in sys.modules else 'no torch')\n"
+    )
+    out = subprocess.run([_sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
+    assert out.splitlines()[-1] == "no torch"
+    assert "predict a run's peak memory" in out

@@ -32,7 +32,7 @@ from typing import Any
 
 import yaml
 
-from memfit import __version__, distributed, launch, lifeline, storage
+from memfit import distributed, launch, lifeline, storage, verbs
 from memfit.build import check_sharding, load_for_generation, resolve_device
 from memfit.config import (
     PrepareConfig,
@@ -398,14 +398,7 @@ def _keys_epilog(title: str = "keys and defaults", keys: list[str] | None = None
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``memfit`` parser: one sub-parser per verb, in the order ``memfit --help`` lists them."""
-    parser = argparse.ArgumentParser(
-        prog="memfit",
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    sub = parser.add_subparsers(dest="verb", required=True)
-
-    parser.add_argument("--version", action="version", version=f"memfit {__version__}")
+    parser, sub = verbs.top_parser()
     for add in (
         _add_pretrain,
         _add_finetune,
@@ -427,7 +420,7 @@ def _add_pretrain(sub: Any) -> None:
         _pretrain,
         "YAML preset, e.g. configs/shakespeare.yaml (default: none, the built-in defaults below)",
         "dotted overrides, e.g. max_steps=100; nproc=N ranks (default: 1, no torchrun)",
-        help="pretrain a Llama on a text corpus (default: Tiny Shakespeare)",
+        help=verbs.VERBS["pretrain"],
         description="Pretrain a Llama on a text corpus. Keys are memfit.config.TrainConfig fields; "
         "override any with dotted key=value (optimizer.lr=3e-4). nproc=N starts N sharded ranks on this machine "
         "(torchrun --standalone --nproc_per_node N -m memfit pretrain ...).",
@@ -443,7 +436,7 @@ def _add_finetune(sub: Any) -> None:
         _pretrain,
         "YAML preset, e.g. configs/finetune_lora.yaml (default: none, the built-in defaults below)",
         "e.g. checkpoint_dir=DIR method=lora (checkpoint_dir is required); nproc=N ranks (default: 1)",
-        help="fine-tune pretrained weights (full, LoRA, QLoRA or adapter) on instructions, chats or text",
+        help=verbs.VERBS["finetune"],
         description="Fine-tune a Hugging Face, Meta or memfit checkpoint (checkpoint_dir) with method full, lora, "
         "qlora or adapter, on instruction / chat records (data.format alpaca, dolly, sharegpt, openai; data.template "
         "auto = the checkpoint's own chat template, else alpaca; or alpaca, llama2-chat, llama3-chat, chatml) or a "
@@ -461,7 +454,7 @@ def _add_estimate(sub: Any) -> None:
         _estimate,
         "YAML preset, e.g. configs/llama3_8b_full_single_device.yaml (default: none, the built-in defaults)",
         "e.g. model=llama3-8b world_size=8 (world_size default: 1)",
-        help="predict a run's peak memory on fake tensors, before allocating anything",
+        help=verbs.VERBS["estimate"],
         description="Predict the peak memory of one rank of a run (the same config and overrides as pretrain / "
         "finetune) by running its training step on fake tensors: peak in GiB, its breakdown by category and "
         "phase, what the allocator cannot see (paged, offloaded), and the closed-form model states beside the "
@@ -491,7 +484,7 @@ def _add_plan(sub: Any) -> None:
         "YAML preset to plan from (its keys are kept) (default: none, the built-in defaults)",
         "budget=24GiB (required), model=llama3-8b, world_size=N (default: 1), batch_size=B, seq_len=T or "
         "seq_len=max (the longest context that fits), ...",
-        help="pick the fastest memory switches that fit a memory budget, and write them as a config",
+        help=verbs.VERBS["plan"],
         description="Enumerate combinations of the memory switches (dtype, optimizer, optimizer in backward, "
         "activation checkpointing, chunked cross-entropy, offloading; sharded: FSDP resharding and CPU offload), "
         "estimate their peak memory on fake tensors (as memfit estimate), rank those that fit budget=SIZE on each "
@@ -551,7 +544,7 @@ def _add_prepare(sub: Any) -> None:
     """``memfit prepare``."""
     pr = sub.add_parser(
         "prepare",
-        help="turn raw text (jsonl, jsonl.gz, jsonl.zst, parquet, txt) into a sharded token dataset, once",
+        help=verbs.VERBS["prepare"],
         description="Tokenize text sources into a token dataset that runs train on (data.path=DIR): shards of "
         "uint16/uint32 ids per source with BOS/EOS between documents, validation documents held out by a hash of "
         "their text, and DIR/manifest.json. Streams its inputs (memory bounded by a few batches), uses every core, "
@@ -604,9 +597,7 @@ def _add_prepare(sub: Any) -> None:
 
 def _add_generate(sub: Any) -> None:
     """``memfit generate``."""
-    g = sub.add_parser(
-        "generate", help="sample text from a checkpoint", description="Sample text from a checkpoint."
-    )
+    g = sub.add_parser("generate", help=verbs.VERBS["generate"], description="Sample text from a checkpoint.")
     g.add_argument(
         "--checkpoint",
         required=True,
@@ -651,7 +642,7 @@ def _add_export(sub: Any) -> None:
     """``memfit export``."""
     e = sub.add_parser(
         "export",
-        help="write a checkpoint as a Hugging Face directory (config.json + safetensors + tokenizer)",
+        help=verbs.VERBS["export"],
         description="Export a memfit run or checkpoint (or convert a Meta checkpoint) to a Hugging Face "
         "LlamaForCausalLM directory. LoRA runs are merged into the base weights, or with --adapter-only written "
         "in PEFT's adapter format.",
