@@ -63,8 +63,13 @@ def test_the_search_stops_at_its_cap():
 
 
 def test_nothing_fits_at_any_length():
+    """A peak that does not fall with the length (the model states over the budget): two estimates say so, the
+    line through them being over the budget at length 0; a falling one is followed down to 64 tokens."""
     cfg = load_config(None, TINY, needs_weights=False)
-    estimator, asked = _stand_in(lambda t: 10**9)
+    estimator, asked = _stand_in(lambda t: 10**9 + 8 * t)
+    assert context.longest_length(cfg, 100, estimator=estimator)[:2] == (0, None)
+    assert sorted(asked) == [context.FIRST_LENGTH // 2, context.FIRST_LENGTH]
+    estimator, asked = _stand_in(lambda t: 10**9 * t)
     assert context.longest_length(cfg, 100, estimator=estimator)[:2] == (0, None)
     assert min(asked) == 64
 
@@ -131,3 +136,16 @@ def _label_overrides(rung):
     if "act_offload" in words:
         out.append("activation_offloading=true")
     return out
+
+
+def test_a_config_asked_again_at_the_same_length_is_answered_from_memory():
+    """The ladder's rungs and the plan at the longest length share one memory of estimates (the plan's
+    least-memory probe is often the last rung's config at that length)."""
+    cfg = load_config(None, TINY, needs_weights=False)
+    estimator, asked = _stand_in(lambda t: 1000 * t)
+    remembered = context._remembered(estimator)
+    first = remembered(context.at_length(cfg, 2048), world_size=1, seq_len=2048)
+    again = remembered(context.at_length(cfg, 2048), world_size=1, seq_len=2048)
+    other = remembered(context.at_length(cfg, 4096), world_size=1, seq_len=4096)
+    assert again is first and other.peak_bytes == 4_096_000
+    assert asked == [2048, 4096]

@@ -28,6 +28,7 @@ length); a checkpoint's ``max_seq_len`` caps its search.
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -185,7 +186,8 @@ def longest_length(
     last two estimates to where it meets ``usable``, doubling at most at a time, and then false position between
     the longest length that fits and the shortest that does not, until they are one step apart. The peak is convex
     and increasing in the length (a maximum of linear terms), so the line from below overshoots and the bracket
-    closes in few steps.
+    closes in few steps. While halving, the line through the last two peaks ends the search where it is over
+    ``usable`` even at length 0: by convexity no shorter length fits.
 
     Args:
         cfg: the run (its switches, batch and everything but ``seq_len``).
@@ -223,6 +225,11 @@ def longest_length(
         if peak(length) <= usable:
             lo = length
             break
+        if hi and peak(length) - (peak(hi) - peak(length)) / (hi - length) * length > usable:
+            # a convex peak lies above the line through two of its points, left of them: that line is over the
+            # budget at length 0, so no shorter length fits (the model states, not the sequence, are over)
+            hi = length
+            break
         hi = length
         length //= 2
     if not lo:
@@ -257,6 +264,19 @@ def longest_length(
     return lo, cache[lo], hi, len(cache)
 
 
+def _remembered(estimator: Callable[..., Estimate]) -> Callable[..., Estimate]:
+    """``estimator``, answering a config it was asked before (the same keys, ranks and length) from memory."""
+    seen: dict[str, Estimate] = {}
+
+    def estimate(cfg: TrainConfig, *, world_size: int = 1, seq_len: int | None = None) -> Estimate:
+        key = json.dumps([config_to_dict(cfg), world_size, seq_len], sort_keys=True, default=str)
+        if key not in seen:
+            seen[key] = estimator(cfg, world_size=world_size, seq_len=seq_len)
+        return seen[key]
+
+    return estimate
+
+
 def _down(length: float, step: int) -> int:
     return int(length // step) * step
 
@@ -285,7 +305,9 @@ def longest_context(request: plan_.PlanRequest) -> ContextPlan:
     )
     progress, constants = request.progress, request.constants
     start = time.perf_counter()
-    estimator = request.estimator or estimate_run
+    estimator = _remembered(
+        request.estimator or estimate_run
+    )  # a rung's config at a length the plan asks again
     say = progress or (lambda _line: None)
     mcfg = run_model_config(cfg)
     cap = mcfg.max_seq_len if cfg.checkpoint_dir is not None else MAX_LENGTH
