@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import subprocess
 import sys
 import time
@@ -21,6 +22,10 @@ from pathlib import Path
 
 CASES = [
     ("8B seed config, 1 device", ["--config", "configs/llama3_8b_full_single_device.yaml"]),
+    (
+        "8B, cuda, bf16 AdamW",
+        "model=llama3-8b device=cuda dtype=bf16 batch_size=1 seq_len=2048 optimizer.name=adamw".split(),
+    ),
     (
         "8B, cuda, bf16 paged AdamW8bit in_bwd ac=full",
         "model=llama3-8b device=cuda dtype=bf16 optimizer.name=paged_adamw8bit optimizer_in_backward=true "
@@ -31,6 +36,20 @@ CASES = [
         "world_size=8 model=llama3-70b dtype=bf16 batch_size=1 seq_len=2048 device=cuda optimizer.name=adamw".split(),
     ),
 ]
+"""``memfit estimate`` cases: (name, arguments)."""
+PLANS = [
+    ("plan budget=24GiB model=llama3.1-8b", ["budget=24GiB", "model=llama3.1-8b"]),
+    (
+        "plan budget=80GiB 8B full, cuda, seq_len=2048",
+        "budget=80GiB model=llama3.1-8b method=full batch_size=1 dtype=bf16 device=cuda seq_len=2048".split(),
+    ),
+    (
+        "plan budget=80GiB 8B full AdamW, cuda, seq_len=max",
+        "budget=80GiB model=llama3.1-8b method=full batch_size=1 dtype=bf16 device=cuda seq_len=max "
+        "optimizer.name=adamw".split(),
+    ),
+]
+"""``memfit plan`` cases: (name, arguments); timed whole, their tables compared."""
 
 WORK = """
 import json, sys, contextlib
@@ -53,17 +72,30 @@ def _work(src: Path, root: Path, argv: list[str]) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def _wall(src: Path, root: Path, argv: list[str]) -> float:
+def _wall(src: Path, root: Path, argv: list[str], verb: str = "estimate") -> tuple[float, str]:
+    """The whole command's seconds in a fresh process, and what it printed on stdout (a plan's table: the answer;
+    its progress goes to stderr)."""
     env = {"PYTHONPATH": str(src), "PATH": "/usr/bin:/bin"}
     t0 = time.perf_counter()
-    subprocess.run(
-        [sys.executable, "-m", "memfit", "estimate", *argv, "--json"],
+    out = subprocess.run(
+        [sys.executable, "-m", "memfit", verb, *argv, *(["--json"] if verb == "estimate" else [])],
         cwd=root,
         env=env,
         capture_output=True,
-        check=True,
+        text=True,
     )
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, out.stdout
+
+
+def _without_times(text: str) -> str:
+    """A plan's table and choice less its timings and its count of estimates, what both sides must agree on."""
+    text = re.sub(r" \(\d+ s\)$", "", text, flags=re.M)
+    return re.sub(r"\d+ (estimates|estimated) in \d+ s\b", r"_ \1 in _ s", text)
+
+
+def _gib(answer: dict, key: str) -> str:
+    value = answer.get(key)
+    return "-" if value is None else f"{value:.3f}"
 
 
 def main() -> int:
@@ -73,27 +105,42 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=1)
     args = parser.parse_args()
     old, new = Path(args.old).resolve(), Path(args.new).resolve()
-    print("| estimate | work old s | work new s | ratio | wall old s | wall new s | ratio | how (new) |")
-    print("|---|---:|---:|---:|---:|---:|---:|---|")
+    print(
+        "| estimate | work old s | work new s | ratio | wall old s | wall new s | ratio | peak GiB old / new "
+        "| reserved GiB old / new | how (new) |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|---|---|---|")
     for name, argv in CASES:
         runs: dict[str, list] = {"old": [], "new": []}
         for _ in range(args.repeats):
             for side, root in (("old", old), ("new", new)):
                 answer = _work(root / "src", new, argv)
-                runs[side].append(
-                    (answer["seconds"], _wall(root / "src", new, argv), answer.get("trace", {}))
-                )
+                runs[side].append((answer["seconds"], _wall(root / "src", new, argv)[0], answer))
         w_old = min(r[0] for r in runs["old"])
         w_new = min(r[0] for r in runs["new"])
         c_old = min(r[1] for r in runs["old"])
         c_new = min(r[1] for r in runs["new"])
-        how = runs["new"][0][2]
+        a_old, a_new = runs["old"][0][2], runs["new"][0][2]
+        how = a_new.get("trace", {})
         what = "composed" if how.get("composed") else f"full ({how.get('why_not_composed')})"
         print(
             f"| {name} | {w_old:.2f} | {w_new:.2f} | {w_new / w_old:.2f}x | {c_old:.2f} | {c_new:.2f} | "
-            f"{c_new / c_old:.2f}x | {what} |",
+            f"{c_new / c_old:.2f}x | {_gib(a_old, 'peak_memory_gib')} / {_gib(a_new, 'peak_memory_gib')} | "
+            f"{_gib(a_old, 'peak_memory_reserved_gib')} / {_gib(a_new, 'peak_memory_reserved_gib')} | {what} |",
             flush=True,
         )
+    print()
+    print("| plan | wall old s | wall new s | ratio | the same table |")
+    print("|---|---:|---:|---:|---|")
+    for name, argv in PLANS:
+        walls: dict[str, list] = {"old": [], "new": []}
+        for _ in range(args.repeats):
+            for side, root in (("old", old), ("new", new)):
+                walls[side].append(_wall(root / "src", new, argv, "plan"))
+        p_old = min(w for w, _ in walls["old"])
+        p_new = min(w for w, _ in walls["new"])
+        same = _without_times(walls["old"][0][1]) == _without_times(walls["new"][0][1])
+        print(f"| {name} | {p_old:.2f} | {p_new:.2f} | {p_new / p_old:.2f}x | {same} |", flush=True)
     return 0
 
 
