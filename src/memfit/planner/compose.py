@@ -168,9 +168,15 @@ def _vector(event: tuple[int, str, dict[str, int]], op: tuple[Any, Any]) -> list
 
 
 UNITS = 4
-"""The units of a per-layer run in the 4-layer trace (3 in the 3-layer one)."""
+"""The units of a per-layer run in the 4-layer trace (3 in the 3-layer one): here and in
+:mod:`memfit.planner.compose_allocations`."""
 MERGED = 8
 """The most blocks the matcher may have cut one layer's more ops into (:func:`_unit_runs`)."""
+
+
+def _minus(a: list[int], b: list[int]) -> list[int]:
+    """``a - b``, event vector by event vector (bytes per category)."""
+    return [x - y for x, y in zip(a, b, strict=True)]
 
 
 def _unit_runs(
@@ -194,20 +200,17 @@ def _unit_runs(
     if any(code not in ("equal", "insert") for code, *_ in codes):
         raise NotComposable(f"segment {tag}: the two traces' ops differ beyond a layer's more")
 
-    def diff(a: list[int], b: list[int]) -> list[int]:
-        return [x - y for x, y in zip(a, b, strict=True)]
-
     def like(units4: list[list[list[int]]], units3: list[list[list[int]]]) -> bool:
         """Units whose events change by the same bytes from one unit to the next in both traces, and by as much
         between the traces for the same unit (``units4[u]`` and ``units3[u]``)."""
-        step = [diff(x, y) for x, y in zip(units4[1], units4[0], strict=True)]
-        depth = [diff(x, y) for x, y in zip(units4[0], units3[0], strict=True)]
+        step = [_minus(x, y) for x, y in zip(units4[1], units4[0], strict=True)]
+        depth = [_minus(x, y) for x, y in zip(units4[0], units3[0], strict=True)]
         return all(
-            [diff(x, y) for x, y in zip(units[u + 1], units[u], strict=True)] == step
+            [_minus(x, y) for x, y in zip(units[u + 1], units[u], strict=True)] == step
             for units in (units4, units3)
             for u in range(len(units) - 1)
         ) and all(
-            [diff(x, y) for x, y in zip(units4[u], units3[u], strict=True)] == depth
+            [_minus(x, y) for x, y in zip(units4[u], units3[u], strict=True)] == depth
             for u in range(len(units3))
         )
 
@@ -395,7 +398,7 @@ def compose(three: LayerTrace, four: LayerTrace, layers: int) -> Composed:
             for unit in (first, last):
                 for i in range(m):
                     e4, e3 = start4 + first * m + i, start3 + first * m + i
-                    step = [x - y for x, y in zip(v4[e4 + m], v4[e4], strict=True)]
+                    step = _minus(v4[e4 + m], v4[e4])
                     put(
                         four.timeline[a4 + e4][1],
                         [
@@ -403,8 +406,8 @@ def compose(three: LayerTrace, four: LayerTrace, layers: int) -> Composed:
                             for x, b, y in zip(v4[e4], step, v3[e3], strict=True)
                         ],
                     )
-            k4, k3 = start4 + (UNITS - 1) * m, start3 + (UNITS - 2) * m
-            if edge == "last":
+            if edge == "last":  # unit 3 pairs with the 3-layer trace's unit 2, as the last layer's events do
+                k4, k3 = start4 + (UNITS - 1) * m, start3 + (UNITS - 2) * m
                 paired(start4 + UNITS * m, start3 + (UNITS - 1) * m)
             k4, k3 = start4 + UNITS * m, start3 + (UNITS - 1) * m
         paired(len(v4), len(v3))

@@ -33,10 +33,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from operator import sub
 
-from memfit.planner.compose import LayerTrace, NotComposable, Tag
+from memfit.planner.compose import UNITS, LayerTrace, NotComposable, Tag
 
-UNITS = 4
-"""The units of each run in the 4-layer trace (and one fewer in the 3-layer one)."""
 PAIRED = {0: 0, 1: 1, 2: 1, 3: 2}
 """The 3-layer trace's layer that each of the 4-layer trace's pairs with (:mod:`memfit.planner.compose`)."""
 

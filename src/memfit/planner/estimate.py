@@ -252,7 +252,7 @@ def estimate_run(
     if target == "cuda" and trace is not None:
         reserved = _replay_reserved(cfg, trace.tracker, trace.paged_keys)
     elif composed is not None and composed.allocations is not None:
-        reserved = replay(workspace_events(CUBLAS_SM) + composed.allocations).peak_reserved
+        reserved = _reserved_peak(composed.allocations)
     device = peak if reserved is None else reserved
     if target == "cuda":
         device += CUDA_CONTEXT_BYTES_ESTIMATE
@@ -439,7 +439,13 @@ def _replay_reserved(cfg: TrainConfig, tracker: Any, paged: set[int]) -> int | N
     ``None`` when the run moves memory to the host (:attr:`Estimate.peak_reserved_bytes`)."""
     if switches.moved_categories(cfg, "cuda"):
         return None
-    return replay(workspace_events(CUBLAS_SM) + allocation_events(tracker, paged)).peak_reserved
+    return _reserved_peak(allocation_events(tracker, paged))
+
+
+def _reserved_peak(events: list[tuple]) -> int:
+    """``torch.cuda.max_memory_reserved()`` of a step's allocator events, bytes: replayed after the cuBLAS
+    workspace (:data:`CUBLAS_SM`) through :func:`memfit.memory.allocator.replay`."""
+    return replay(workspace_events(CUBLAS_SM) + events).peak_reserved
 
 
 def allocation_events(tracker: Any, paged: set[int], marks: list[int] | None = None) -> list[tuple]:
@@ -452,6 +458,9 @@ def allocation_events(tracker: Any, paged: set[int], marks: list[int] | None = N
         paged: the ledger entries (by ``id``) to leave out.
         marks: indices into ``tracker.allocations`` (:class:`memfit.planner.compose.LayerMarks`' counts),
             rewritten in place as indices into the returned events.
+
+    Returns:
+        The events, in the tracker's order (frees of allocations it never counted left out).
     """
     events: list[tuple] = []
     current: dict[int, int] = {}
