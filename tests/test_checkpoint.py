@@ -175,3 +175,49 @@ def test_signals_that_arrive_while_a_checkpoint_is_written_take_effect_after_it(
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
+
+
+def _same(a, b) -> bool:
+    """Two optimizer-state values equal to the bit (tensors, numbers, and the dicts bitsandbytes nests them in)."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return type(a) is type(b) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict) or isinstance(b, dict):
+        return (
+            isinstance(a, dict)
+            and isinstance(b, dict)
+            and a.keys() == b.keys()
+            and all(_same(a[k], b[k]) for k in a)
+        )
+    return a == b
+
+
+def _state(opt):
+    return {
+        k: {f: v.clone() if isinstance(v, torch.Tensor) else v for f, v in s.items()}
+        for k, s in opt.state_dict()["state"].items()
+    }
+
+
+@pytest.mark.parametrize("name", ["adamw", "adamw8bit", "muon", "adafactor", "adam_mini", "lion8bit"])
+def test_the_optimizer_state_is_laid_out_as_torchs_initialiser_lays_it_out(name):
+    """memfit's own initialiser (no import of torch.distributed.checkpoint) against torch's
+    ``_init_optim_state``: the same state, entry by entry, to the bit; the weights and the lrs untouched, no
+    gradient left; a state that holds tensors is left as it is."""
+    from torch.distributed.checkpoint.state_dict import _init_optim_state
+
+    states = []
+    for init in (ckpt_io.init_optimizer_state, _init_optim_state):
+        model = build_llama(model_config("tiny", vocab_size=TOK.vocab_size), seed=0)
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        opt = build_optimizer(model, OptimizerConfig(name=name))
+        lrs = [g["lr"] for g in opt.param_groups]
+        init(opt)
+        assert [g["lr"] for g in opt.param_groups] == lrs
+        assert all(p.grad is None for p in model.parameters())
+        assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+        states.append(_state(opt))
+        if init is ckpt_io.init_optimizer_state:
+            init(opt)  # again: nothing changes
+            assert _same(_state(opt), states[0])
+    ours, torchs = states
+    assert len(ours) > 0 and _same(ours, torchs)

@@ -459,3 +459,16 @@ def test_memfit_help_in_a_fresh_interpreter_imports_no_torch():
     out = subprocess.run([_sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
     assert out.splitlines()[-1] == "no torch"
     assert "predict a run's peak memory" in out
+
+
+@pytest.mark.slow
+def test_the_cli_imports_no_fsdp_and_no_distributed_checkpointing_until_a_run_needs_them():
+    """``import memfit.cli`` (every verb's start) leaves out torch.distributed.fsdp, DTensor and
+    torch.distributed.checkpoint (~0.9 s of imports): only sharded runs and their checkpoints import them."""
+    import subprocess
+    import sys as _sys
+
+    heavy = ["torch.distributed.fsdp", "torch.distributed.tensor", "torch.distributed.checkpoint"]
+    probe = f"import sys, memfit.cli\nprint([m for m in {heavy!r} if m in sys.modules])\n"
+    out = subprocess.run([_sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
+    assert out.splitlines()[-1] == "[]"

@@ -40,19 +40,8 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-from torch.distributed.checkpoint.state_dict import (  # _init_optim_state: torch's own lazy-state initialiser
-    StateDictOptions,
-    _init_optim_state,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    get_state_dict,
-    set_model_state_dict,
-    set_state_dict,
-)
 
 from memfit import storage
 from memfit.errors import CheckpointError
@@ -680,6 +669,8 @@ def save_sharded_checkpoint(
     Raises:
         CheckpointError: writing failed, on every rank (the previous checkpoints are untouched).
     """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
 
     final = checkpoints_dir(output_dir) / f"step_{step:08d}"
     tmp = final.parent / f".tmp-{final.name}-sharded"  # one name all ranks know
@@ -767,6 +758,11 @@ def save_gathered_trainable_checkpoint(
     Raises:
         CheckpointError: writing failed, on every rank (the previous checkpoints are untouched).
     """
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
 
     # gathered on every rank, or on rank 0 alone with cpu_offload: only worth it on CUDA (and on CPU, FSDP1's
     # rank-0-only offload copies freed storage: SIGSEGV in torch 2.13)
@@ -824,6 +820,8 @@ def read_sharded_weights(ckpt: Path) -> dict[str, torch.Tensor]:
 
     Reads the shards of every rank that wrote it, with no collective (a process group may be up or not).
     """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     where = Path(ckpt) / DCP_DIR
     try:
@@ -856,6 +854,13 @@ def load_sharded(ckpt: Path, model: torch.nn.Module, optimizer: torch.optim.Opti
     Collective when a process group with more than one rank is up (every rank calls it): each rank reads the parts
     of the shards it holds. A single process (no process group) reads everything into its plain model.
     """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_state_dict,
+        set_model_state_dict,
+        set_state_dict,
+    )
 
     distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
     try:
@@ -894,6 +899,12 @@ def _load_full_into_sharded(
     ``optimizer.pt`` numbers the parameters group by group, in the order of the optimizer's groups, which sharding
     keeps: the i-th is the i-th name of the sharded optimizer's (name-keyed) state dict.
     """
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_state_dict,
+    )
 
     trainable_only = (ckpt / ADAPTER_WEIGHTS).is_file() and not (ckpt / WEIGHTS).is_file()
     weights = _read_safetensors(ckpt / (ADAPTER_WEIGHTS if trainable_only else WEIGHTS))
@@ -936,6 +947,7 @@ def _load_full_into_sharded(
 
 
 def _has_optimizer_state(ckpt: Path) -> bool:
+    import torch.distributed.checkpoint as dcp
 
     meta = dcp.FileSystemReader(str(Path(ckpt) / DCP_DIR)).read_metadata()
     return any(key.startswith("optim.state.") for key in meta.state_dict_metadata)
@@ -944,32 +956,34 @@ def _has_optimizer_state(ckpt: Path) -> bool:
 def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     """Create the (lazily made) optimizer state, so that there are tensors for ``dcp.load`` to fill.
 
-    torch's own initialiser steps once with zero gradients and lr 0; an
-    :class:`~memfit.memory.optim.OptimizerInBackward` steps inside backward only, so each of its per-parameter
+    What torch's distributed checkpointing does (``torch.distributed.checkpoint.state_dict._init_optim_state``):
+    one step on zero gradients at lr 0, skipped when the state already holds tensors or a gradient exists. Unlike
+    torch's, it also steps an optimizer whose state holds numbers but no tensor before its first step (APOLLO
+    numbers each parameter's seed at construction); and it is memfit's own, so that a run or an estimate that
+    never touches a distributed checkpoint does not import torch.distributed.checkpoint (~0.5 s, FSDP with it).
+    An :class:`~memfit.memory.optim.OptimizerInBackward` steps inside backward only, so each of its per-parameter
     optimizers is initialised instead.
     """
     inner = getattr(optimizer, "_inner", None)
     for opt in inner.values() if isinstance(inner, dict) else [optimizer]:
-        _init_optim_state(opt)
-        if opt.state and not any(
-            isinstance(v, torch.Tensor) for st in opt.state.values() for v in st.values()
-        ):
-            _init_numbered_state(opt)
+        if not any(isinstance(v, torch.Tensor) for st in opt.state.values() for v in st.values()):
+            _zero_step(opt)
 
 
-def _init_numbered_state(optimizer: torch.optim.Optimizer) -> None:
-    """torch's initialiser (one step on zero gradients at lr 0) for an optimizer whose state holds numbers but no
-    tensor before its first step (APOLLO numbers each parameter's seed at construction), which torch's takes for
-    made."""
+def _zero_step(optimizer: torch.optim.Optimizer) -> None:
+    """One step on zero gradients at lr 0 (nothing moves: the update is lr times a function of zero gradients),
+    unless a parameter has a gradient already; the lrs are restored and the gradients set to None after it."""
     params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
     if any(p.grad is not None for p in params):
         return
     for p in params:
         p.grad = torch.zeros_like(p)
-    lrs = [g["lr"] for g in optimizer.param_groups]
+    lrs = [g.get("lr") for g in optimizer.param_groups]
     for g in optimizer.param_groups:
-        g["lr"] = torch.tensor(0.0) if isinstance(g["lr"], torch.Tensor) else 0.0
+        if "lr" in g:
+            g["lr"] = torch.tensor(0.0) if isinstance(g["lr"], torch.Tensor) else 0.0
     optimizer.step()
     for g, lr in zip(optimizer.param_groups, lrs, strict=True):
-        g["lr"] = lr
+        if "lr" in g:
+            g["lr"] = lr
     optimizer.zero_grad(set_to_none=True)

@@ -31,6 +31,7 @@ import sys
 from typing import Any
 
 import yaml
+from tqdm.auto import tqdm
 
 from memfit import distributed, launch, lifeline, storage, verbs
 from memfit.build import check_sharding, load_for_generation, resolve_device
@@ -162,6 +163,8 @@ def _estimate(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, overrides, world_size=world_size, needs_weights=False)
     estimate = estimate_run(cfg, world_size=world_size, compose=False if args.full_trace else None)
     print(json.dumps(estimate.to_json()) if args.json else report.format_estimate(estimate))
+    if args.explain and not args.json:  # --json has it all in "trace"
+        print(report.explain_estimate(estimate))
     return 0
 
 
@@ -206,7 +209,12 @@ def _plan(args: argparse.Namespace) -> int:
             "bytes) or budget=24GB (GB = 10**9 bytes), or a config with memory_budget"
         )
     dtypes = None if _sets_key(args.config, overrides, "dtype") else plan_.default_dtypes(cfg)
-    progress = None if args.json else (lambda line: print(line, file=sys.stderr, flush=True))
+    # a bar of the estimates run (after a second, on a terminal); the search's lines print above it
+    bar = tqdm(
+        desc="memfit plan", bar_format="{desc}: {n} estimates, {elapsed}", file=sys.stderr, delay=1.0, leave=False,
+        disable=args.json or not show_progress(None),
+    )  # fmt: skip
+    progress = None if args.json else (lambda line: tqdm.write(line, file=sys.stderr))
     if progress:
         progress(
             f"memfit plan: {cfg.model}, budget {format_bytes(budget)}, world_size {world_size}"
@@ -239,18 +247,12 @@ def _plan(args: argparse.Namespace) -> int:
         progress=progress,
         constants=constants,
         optimizers=allowed,
+        estimator=_counted(estimate_run, bar),
     )
-    if longest:
-        found = context.longest_context(request)
-        if found.plan is None:
-            raise NoPlanError(
-                "memfit plan: nothing fits the budget at any sequence length, not even "
-                f"{context.FINE_GRANULARITY} tokens with every memory switch on; raise the budget, use more ranks "
-                "(world_size) or a smaller batch_size"
-            )
-        result = found.plan
-    else:
-        result = plan_.plan(request)
+    try:
+        found, result = _search(request, longest)
+    finally:
+        bar.close()
     best = result.best
     if args.json:
         out = found.to_json() if longest else result.to_json()
@@ -264,6 +266,10 @@ def _plan(args: argparse.Namespace) -> int:
             if longest
             else report.format_plan(result, top=args.top)
         )
+        if args.explain:
+            made = found.made if longest else [r.estimate for r in result.rows if r.estimate is not None]
+            print()
+            print(report.format_how_estimated(report.how_estimated(made, found.asked if longest else None)))
     if best is None:
         raise NoPlanError(report.no_fit_message(result))
     if args.out:
@@ -274,6 +280,36 @@ def _plan(args: argparse.Namespace) -> int:
                 + (f" nproc={world_size}" if world_size > 1 else "")
             )
     return 0
+
+
+def _search(request: plan_.PlanRequest, longest: bool) -> tuple[context.ContextPlan | None, plan_.Plan]:
+    """The plan (``seq_len=max``: the longest context's search, and its plan).
+
+    Raises:
+        NoPlanError: ``seq_len=max`` and nothing fits at any length.
+    """
+    if not longest:
+        return None, plan_.plan(request)
+    found = context.longest_context(request)
+    if found.plan is None:
+        raise NoPlanError(
+            "memfit plan: nothing fits the budget at any sequence length, not even "
+            f"{context.FINE_GRANULARITY} tokens with every memory switch on; raise the budget, use more ranks "
+            "(world_size) or a smaller batch_size"
+        )
+    return found, found.plan
+
+
+def _counted(estimator: Any, bar: Any) -> Any:
+    """``estimator``, advancing the progress ``bar`` by one after each estimate it makes."""
+
+    def estimate(cfg: Any, **kwargs: Any) -> Any:
+        try:
+            return estimator(cfg, **kwargs)
+        finally:
+            bar.update()
+
+    return estimate
 
 
 def _sets_key(config: str | None, overrides: list[str], key: str) -> bool:
@@ -473,6 +509,12 @@ def _add_estimate(sub: Any) -> None:
         help="trace every decoder layer instead of composing them from traces of 3 and 4 (the same bytes where "
         "composing holds; slower) (default: compose models of 8 layers or more where it holds)",
     )
+    est.add_argument(
+        "--explain",
+        action="store_true",
+        help="also say how the figure was obtained: the depths traced, what was composed, each trace's seconds "
+        "(default: one line of it)",
+    )
 
 
 def _add_plan(sub: Any) -> None:
@@ -521,7 +563,10 @@ def _add_plan(sub: Any) -> None:
         f"(default: {plan_.DEFAULT_MARGIN:g})",
     )
     pl.add_argument(
-        "--explain", action="store_true", help="also print the cost model's constants (default: not printed)"
+        "--explain",
+        action="store_true",
+        help="also print the cost model's constants and how the estimates were obtained (composed, traced whole, "
+        "answered from memory) (default: not printed)",
     )
     pl.add_argument(
         "--optimizers",

@@ -30,23 +30,12 @@ import datetime
 import gc
 import math
 import os
+import sys
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import (
-    BackwardPrefetch,
-    CPUOffload,
-    CPUOffloadPolicy,
-    MixedPrecision,
-    MixedPrecisionPolicy,
-    ShardingStrategy,
-    fully_shard,
-)
-from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
-from torch.distributed.fsdp.wrap import ModuleWrapPolicy
-from torch.distributed.tensor import Shard
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from memfit import lifeline
@@ -255,7 +244,7 @@ def grad_norm_and_clip(model: torch.nn.Module, max_grad_norm: float) -> torch.Te
         0-dim fp32 tensor: the norm before clipping.
     """
 
-    if isinstance(model, FSDP1):
+    if is_fsdp1(model):
         return model.clip_grad_norm_(max_grad_norm if max_grad_norm > 0 else float("inf"))
     params = [p for p in model.parameters() if p.grad is not None]
     total = torch.nn.utils.get_total_norm([p.grad for p in params])
@@ -286,6 +275,19 @@ def shard_model(model: torch.nn.Module, cfg: TrainConfig, device: torch.device) 
         The sharded model: the same module for FSDP2 (its class swapped in place), an
         ``FullyShardedDataParallel`` wrapper for FSDP1.
     """
+    # torch.distributed.fsdp (and DTensor with it) takes ~0.5 s to import: only a sharded run pays for it
+    from torch.distributed.fsdp import (
+        BackwardPrefetch,
+        CPUOffload,
+        CPUOffloadPolicy,
+        MixedPrecision,
+        MixedPrecisionPolicy,
+        ShardingStrategy,
+        fully_shard,
+    )
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
     d = cfg.distributed
     layers = list(model.model.layers)
     if d.strategy == "fsdp2":
@@ -410,7 +412,7 @@ def materialize_sharded(
         ValueError: a name the model does not have, a shape that differs, or parameters left unfilled.
     """
 
-    fsdp1 = isinstance(model, FSDP1)
+    fsdp1 = is_fsdp1(model)
     if not fsdp1 and any(p.is_meta for p in model.parameters()):
         model.to_empty(device=device)
     inner = unwrap(model)
@@ -430,7 +432,7 @@ def materialize_sharded(
                         if summoned is not None:
                             summoned.__exit__(None, None, None)
                         summoned, current = (
-                            FSDP1.summon_full_params(unit, recurse=False, writeback=True),
+                            type(unit).summon_full_params(unit, recurse=False, writeback=True),
                             unit,
                         )
                         summoned.__enter__()
@@ -467,6 +469,8 @@ def _copy_own_rows(
         param.copy_(full)
         return
 
+    from torch.distributed.tensor import Shard  # a DTensor exists, so this is imported already
+
     local = param.to_local()
     placements = param.placements
     if len(placements) != 1 or placements[0] != Shard(0):
@@ -496,7 +500,7 @@ def _copy_own_rows(
 def _fsdp1_units(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
     """FSDP1 units by the unwrapped model's name of the module they wrap (``""`` for the root)."""
 
-    return {_clean_name(n): m for n, m in model.named_modules() if isinstance(m, FSDP1)}
+    return {_clean_name(n): m for n, m in model.named_modules() if is_fsdp1(m)}
 
 
 def _clean_name(name: str) -> str:
@@ -516,4 +520,11 @@ def _owner(units: dict[str, torch.nn.Module], name: str) -> torch.nn.Module:
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     """The :class:`~memfit.models.llama.Llama` inside an FSDP1 wrapper (FSDP2 models are their own)."""
 
-    return model.module if isinstance(model, FSDP1) else model
+    return model.module if is_fsdp1(model) else model
+
+
+def is_fsdp1(module: torch.nn.Module) -> bool:
+    """Whether ``module`` is an FSDP1 ``FullyShardedDataParallel`` wrapper. Imports nothing: while no code has
+    imported ``torch.distributed.fsdp`` (a run on one process, an estimate), no wrapper can exist."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    return fsdp is not None and isinstance(module, fsdp.FullyShardedDataParallel)

@@ -82,12 +82,17 @@ def test_composed_equals_the_full_trace_to_the_byte(overrides, layers):
     composed = _estimate(layers, True, **overrides)
     assert composed.trace["composed"] is True, composed.trace
     assert composed.trace["layers_traced"] == [3, 4]
+    seconds = full.trace.pop("trace_seconds")
+    assert len(seconds) == 1 and 0 < seconds[0] <= full.seconds
     assert full.trace == {
         "layers": layers,
         "layers_traced": [layers],
         "composed": False,
         "why_not_composed": "asked for the full trace",
     }
+    assert (
+        len(composed.trace["trace_seconds"]) == 2 and sum(composed.trace["trace_seconds"]) <= composed.seconds
+    )
     assert _answer(composed) == _answer(full)
     assert composed.peak_bytes > 0
 
@@ -290,3 +295,42 @@ def test_local_and_global_layers_are_traced_whole():
     assert asked.trace["composed"] is False and asked.trace["layers_traced"] == [6]
     assert asked.trace["why_not_composed"].startswith("the layers differ: local (sliding-window) and global")
     assert _answer(asked) == _answer(estimate_run(cfg, model_config=mcfg, compose=False))
+
+
+def test_the_report_says_how_the_figure_was_obtained():
+    """``memfit estimate --explain`` and ``memfit plan --explain``: the depths traced, what was composed, the
+    events, and for a plan the counts (composed, traced whole and why, answered from memory, layers traced)."""
+    from memfit.planner import report
+
+    composed, full = _estimate(5, True), _estimate(5, False)
+    t = composed.trace
+    lines = report.explain_estimate(composed).splitlines()
+    assert lines[0] == "how this estimate was obtained:"
+    assert lines[2] == (
+        f"  traced: the run with 3 and with 4 decoder layers ({t['trace_seconds'][0]:.2f} + "
+        f"{t['trace_seconds'][1]:.2f} s)"
+    )
+    assert lines[3] == (
+        f"  composed: the 5-layer step from the two, the middle layer's events repeated for the 1 layers not "
+        f"traced ({t['events_traced']:,} events traced, {t['events_composed']:,} in the composed step)"
+    )
+    assert lines[4] == "  layer-traces: 7 instead of 5 (the whole model: memfit estimate --full-trace)"
+    assert report.explain_estimate(full).splitlines()[2] == (
+        f"  traced: all 5 decoder layers ({full.trace['trace_seconds'][0]:.2f} s): asked for the full trace"
+    )
+    how = report.how_estimated([composed, full, full], asked=5)
+    assert how == {
+        "estimates": 3,
+        "reused": 2,
+        "composed": 1,
+        "traced_whole": {"asked for the full trace": 2},
+        "layer_traces": 7 + 5 + 5,
+        "layer_traces_whole": 15,
+        "seconds": composed.seconds + 2 * full.seconds,
+    }
+    assert report.format_how_estimated(how).splitlines() == [
+        f"how the estimates were obtained: 3 estimates in {how['seconds']:.1f} s, 2 more answered from memory "
+        "(the same config asked again); 1 composed from traces of 3 and 4 decoder layers, 2 traced whole",
+        "  traced whole (2): asked for the full trace",
+        "  decoder layers traced: 17 (tracing every model whole: 15)",
+    ]

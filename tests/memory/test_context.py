@@ -143,9 +143,10 @@ def test_a_config_asked_again_at_the_same_length_is_answered_from_memory():
     least-memory probe is often the last rung's config at that length)."""
     cfg = load_config(None, TINY, needs_weights=False)
     estimator, asked = _stand_in(lambda t: 1000 * t)
-    remembered = context._remembered(estimator)
+    remembered = context._Remembered(estimator)
     first = remembered(context.at_length(cfg, 2048), world_size=1, seq_len=2048)
     again = remembered(context.at_length(cfg, 2048), world_size=1, seq_len=2048)
     other = remembered(context.at_length(cfg, 4096), world_size=1, seq_len=4096)
     assert again is first and other.peak_bytes == 4_096_000
     assert asked == [2048, 4096]
+    assert remembered.asked == 3 and remembered.made == [first, other]

@@ -515,3 +515,51 @@ def test_cli_plan_names_a_bad_optimizers_list(capsys):
     assert main(["plan", *TINY, "budget=1GiB", "--optimizers", "muon,sgd"]) == 2
     err = capsys.readouterr().err
     assert "--optimizers must be a comma-separated list" in err and "'muon,sgd'" in err
+
+
+def test_explain_says_how_the_estimates_were_obtained(capsys):
+    """``--explain``: the plan's estimates counted (each row's ``trace`` in the JSON says the same), and one
+    estimate's depths traced."""
+    assert main(["plan", *TINY, "budget=64MiB", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    traces = [r["trace"] for r in out["rows"] if r["estimated"]]
+    why = "2 decoder layers: tracing them all costs no more than composing"
+    assert len(traces) == out["estimates"] >= 1
+    assert all(t["layers_traced"] == [2] and t["why_not_composed"] == why for t in traces)
+    assert main(["plan", *TINY, "budget=64MiB", "--explain"]) == 0
+    text = capsys.readouterr().out
+    n = out["estimates"]
+    assert f"how the estimates were obtained: {n} estimate{'' if n == 1 else 's'} in " in text
+    assert f"; 0 composed from traces of 3 and 4 decoder layers, {n} traced whole\n" in text
+    assert (
+        f"  traced whole ({n}): {why}\n  decoder layers traced: {2 * n} (tracing every model whole: {2 * n})"
+        in text
+    )
+    assert main(["estimate", *TINY, "--explain"]) == 0
+    text = capsys.readouterr().out
+    assert (
+        "\nhow this estimate was obtained:\n  one train_step of the run itself, traced on fake tensors"
+        in text
+    )
+    assert f" s): {why}\n" in text.split("  traced: all 2 decoder layers (")[1]
+
+
+def test_the_progress_bar_counts_each_estimate_made_even_one_that_fails():
+    import io
+
+    from tqdm import tqdm
+
+    from memfit import cli
+
+    bar = tqdm(file=io.StringIO(), bar_format="{n}", mininterval=0)
+
+    def estimator(cfg, **kwargs):
+        if cfg is None:
+            raise ConfigError("no")
+        return cfg * 2
+
+    counted = cli._counted(estimator, bar)
+    assert counted(3, world_size=1) == 6 and bar.n == 1
+    with pytest.raises(ConfigError):
+        counted(None)
+    assert bar.n == 2

@@ -67,6 +67,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
+import sys
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
@@ -196,13 +197,13 @@ def model_state_bytes(
 
 def fsdp2_params(model: nn.Module) -> list[Any]:
     """The ``FSDPParam`` of every parameter FSDP2 manages in ``model`` (empty for a model without FSDP2)."""
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # a torch built without distributed
+    # not imported: no FSDP module can exist (and none is imported here)
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    if fsdp is None:
         return []
     out = []
     for module in model.modules():
-        if isinstance(module, FSDPModule):
+        if isinstance(module, fsdp.FSDPModule):
             group = module._get_fsdp_state()._fsdp_param_group
             if group is not None:
                 out.extend(group.fsdp_params)
@@ -211,14 +212,13 @@ def fsdp2_params(model: nn.Module) -> list[Any]:
 
 def fsdp1_flat_params(model: nn.Module) -> list[nn.Parameter]:
     """The ``FlatParameter`` of every FSDP1 unit in ``model`` (empty for a model without FSDP1)."""
-    try:
-        from torch.distributed.fsdp import FullyShardedDataParallel
-    except ImportError:
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    if fsdp is None:
         return []
     return [
         m._handle.flat_param
         for m in model.modules()
-        if isinstance(m, FullyShardedDataParallel) and m._handle is not None
+        if isinstance(m, fsdp.FullyShardedDataParallel) and m._handle is not None
     ]
 
 

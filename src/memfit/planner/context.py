@@ -124,6 +124,11 @@ class ContextPlan:
     capped: int = 0
     """The length the search may not pass (a checkpoint's ``max_seq_len``, or :data:`MAX_LENGTH`)."""
     notes: list[str] = field(default_factory=list)
+    made: list[Estimate] = field(default_factory=list)
+    """Every estimate the search and the plan ran, each once (``memfit plan --explain`` says how they were
+    obtained)."""
+    asked: int = 0
+    """How many estimates the search and the plan asked for: ``asked - len(made)`` were answered from memory."""
 
     @property
     def seq_len(self) -> int:
@@ -264,17 +269,25 @@ def longest_length(
     return lo, cache[lo], hi, len(cache)
 
 
-def _remembered(estimator: Callable[..., Estimate]) -> Callable[..., Estimate]:
-    """``estimator``, answering a config it was asked before (the same keys, ranks and length) from memory."""
-    seen: dict[str, Estimate] = {}
+class _Remembered:
+    """An estimator that answers a config it was asked before (the same keys, ranks and length) from memory, and
+    counts: ``asked`` calls, ``made`` the estimates it ran (each once)."""
 
-    def estimate(cfg: TrainConfig, *, world_size: int = 1, seq_len: int | None = None) -> Estimate:
+    def __init__(self, estimator: Callable[..., Estimate]) -> None:
+        self.estimator = estimator
+        self.seen: dict[str, Estimate] = {}
+        self.asked = 0
+
+    def __call__(self, cfg: TrainConfig, *, world_size: int = 1, seq_len: int | None = None) -> Estimate:
+        self.asked += 1
         key = json.dumps([config_to_dict(cfg), world_size, seq_len], sort_keys=True, default=str)
-        if key not in seen:
-            seen[key] = estimator(cfg, world_size=world_size, seq_len=seq_len)
-        return seen[key]
+        if key not in self.seen:
+            self.seen[key] = self.estimator(cfg, world_size=world_size, seq_len=seq_len)
+        return self.seen[key]
 
-    return estimate
+    @property
+    def made(self) -> list[Estimate]:
+        return [e for e in self.seen.values() if e is not None]
 
 
 def _down(length: float, step: int) -> int:
@@ -305,9 +318,7 @@ def longest_context(request: plan_.PlanRequest) -> ContextPlan:
     )
     progress, constants = request.progress, request.constants
     start = time.perf_counter()
-    estimator = _remembered(
-        request.estimator or estimate_run
-    )  # a rung's config at a length the plan asks again
+    estimator = _Remembered(request.estimator or estimate_run)  # a rung's config at a length asked again
     say = progress or (lambda _line: None)
     mcfg = run_model_config(cfg)
     cap = mcfg.max_seq_len if cfg.checkpoint_dir is not None else MAX_LENGTH
@@ -383,7 +394,16 @@ def longest_context(request: plan_.PlanRequest) -> ContextPlan:
             dataclasses.replace(request, cfg=at_length(cfg, longest, world_size), estimator=estimator)
         )
         total += result.estimates
-    return ContextPlan(rungs, result, time.perf_counter() - start, total, capped=cap, notes=notes)
+    return ContextPlan(
+        rungs,
+        result,
+        time.perf_counter() - start,
+        total,
+        capped=cap,
+        notes=notes,
+        made=estimator.made,
+        asked=estimator.asked,
+    )
 
 
 def _least_memory(request: plan_.PlanRequest, cap: int) -> TrainConfig | None:

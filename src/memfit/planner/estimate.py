@@ -128,7 +128,9 @@ class Estimate:
     does not model."""
     trace: dict[str, Any] = field(default_factory=dict)
     """How the figure was obtained: ``layers``, ``layers_traced`` (the depths traced: the run's, or 3 and 4 to
-    compose it), ``composed``, and ``why_not_composed`` where the whole model was traced."""
+    compose it), ``composed``, ``trace_seconds`` (each trace's seconds, in that order), ``events_traced`` and
+    ``events_composed`` (the tracker's timeline events of the traces and of the composed L-layer step) where it
+    composed, and ``why_not_composed`` where the whole model was traced."""
 
     def to_json(self) -> dict[str, Any]:
         """The contract of ``memfit estimate --json``: ``peak_memory_gib``, ``breakdown`` (category -> GiB),
@@ -211,10 +213,13 @@ def estimate_run(
     why_full = _why_not_composed(cfg, mcfg, target, compose)
     composed = None
     if why_full is None:
-        traces = [
-            _trace(cfg, dataclasses.replace(mcfg, num_layers=n), world_size, seq_len, target, marks=True)
-            for n in TRACED_LAYERS
-        ]
+        traces, trace_seconds = [], []
+        for n in TRACED_LAYERS:
+            began = time.perf_counter()
+            traces.append(
+                _trace(cfg, dataclasses.replace(mcfg, num_layers=n), world_size, seq_len, target, marks=True)
+            )
+            trace_seconds.append(time.perf_counter() - began)
         layer_traces = [t.layer_trace for t in traces]
         try:
             composing = compose_layers(*layer_traces, mcfg.num_layers)
@@ -224,7 +229,9 @@ def estimate_run(
         except NotComposable as exc:
             why_full = str(exc)
     if composed is None:
+        began = time.perf_counter()
         trace = _trace(cfg, mcfg, world_size, seq_len, target, marks=False)
+        trace_seconds = [time.perf_counter() - began]
         timeline, offloaded, traced = trace.timeline, trace.offloaded, trace.traced
         num_params, num_trainable = trace.num_params, trace.num_trainable
         baseline = trace.baseline
@@ -242,6 +249,7 @@ def estimate_run(
         how["events_composed"] = len(timeline)
         how["events_traced"] = len(three.timeline) + len(four.timeline)
         trace = None
+    how["trace_seconds"] = [round(t, 3) for t in trace_seconds]
     traced["gradients"] = _step_gradients(timeline)
     closed = model_state_bytes_closed_form(cfg, mcfg, world_size)
     peak, breakdown, phase, unseen, host = _split_unseen(cfg, target, _Timeline(timeline), closed)

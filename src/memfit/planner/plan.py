@@ -171,6 +171,7 @@ class PlanRow:
             "cost_seconds": dict(self.cost),
             "phase": self.estimate.phase if self.estimate else None,
             "estimate_seconds": self.estimate.seconds if self.estimate else None,
+            "trace": self.estimate.trace if self.estimate else None,
             "note": self.note,
         }
 

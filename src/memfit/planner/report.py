@@ -14,7 +14,7 @@ import yaml
 from memfit.config import TrainConfig, config_to_dict
 from memfit.memory import switches
 from memfit.planner.cost import COST_CONSTANTS
-from memfit.planner.estimate import Estimate
+from memfit.planner.estimate import TRACED_LAYERS, Estimate
 from memfit.planner.plan import Plan, PlanRow
 from memfit.units import GIB, MIB, format_bytes
 
@@ -79,6 +79,79 @@ def _how_traced(trace: dict) -> str:
             f"({trace['layers'] - max(trace['layers_traced'])} layers not traced)"
         )
     return f"all {trace['layers']} decoder layers traced ({trace.get('why_not_composed')})"
+
+
+def explain_estimate(e: Estimate) -> str:
+    """How an estimate was obtained, for ``memfit estimate --explain``: what was traced, what was composed, and
+    the seconds of each trace (:attr:`memfit.planner.estimate.Estimate.trace`)."""
+    t = e.trace
+    layers = t.get("layers", 0)
+    seconds = " + ".join(f"{s:.2f}" for s in t.get("trace_seconds", []))
+    lines = [
+        "how this estimate was obtained:",
+        f"  one train_step of the run itself, traced on fake tensors (nothing allocated), in {e.seconds:.2f} s",
+    ]
+    if t.get("composed"):
+        small = t["layers_traced"]
+        lines += [
+            f"  traced: the run with {' and with '.join(str(n) for n in small)} decoder layers ({seconds} s)",
+            f"  composed: the {layers}-layer step from the two, the middle layer's events repeated for the "
+            f"{layers - max(small)} layers not traced ({t['events_traced']:,} events traced, "
+            f"{t['events_composed']:,} in the composed step)",
+            f"  layer-traces: {sum(small)} instead of {layers} (the whole model: memfit estimate --full-trace)",
+        ]
+    else:
+        lines.append(f"  traced: all {layers} decoder layers ({seconds} s): {t.get('why_not_composed')}")
+    return "\n".join(lines)
+
+
+def how_estimated(made: list[Estimate], asked: int | None = None) -> dict[str, Any]:
+    """How a plan's estimates were obtained, counted.
+
+    Args:
+        made: every estimate the plan ran (each once).
+        asked: how many it asked for, when some were answered from memory (``seq_len=max``).
+
+    Returns:
+        ``estimates`` (run), ``reused`` (answered from memory), ``composed``, ``traced_whole`` (reason -> count),
+        ``layer_traces`` (decoder layers traced, all estimates) and ``layer_traces_whole`` (had each traced its
+        whole model), ``seconds`` (the estimates' own).
+    """
+    whole: dict[str, int] = {}
+    for e in made:
+        if not e.trace.get("composed"):
+            why = str(e.trace.get("why_not_composed"))
+            whole[why] = whole.get(why, 0) + 1
+    return {
+        "estimates": len(made),
+        "reused": max(0, (asked or len(made)) - len(made)),
+        "composed": sum(1 for e in made if e.trace.get("composed")),
+        "traced_whole": whole,
+        "layer_traces": sum(sum(e.trace.get("layers_traced", [])) for e in made),
+        "layer_traces_whole": sum(e.trace.get("layers", 0) for e in made),
+        "seconds": sum(e.seconds for e in made),
+    }
+
+
+def format_how_estimated(how: dict[str, Any]) -> str:
+    """:func:`how_estimated` in words (``memfit plan --explain``)."""
+    lines = [
+        f"how the estimates were obtained: {how['estimates']} estimate{'' if how['estimates'] == 1 else 's'} "
+        f"in {how['seconds']:.1f} s"
+        + (
+            f", {how['reused']} more answered from memory (the same config asked again)"
+            if how["reused"]
+            else ""
+        )
+        + f"; {how['composed']} composed from traces of "
+        f"{' and '.join(str(n) for n in TRACED_LAYERS)} decoder layers, "
+        f"{sum(how['traced_whole'].values())} traced whole",
+    ]
+    lines += [f"  traced whole ({n}): {why}" for why, n in how["traced_whole"].items()]
+    lines.append(
+        f"  decoder layers traced: {how['layer_traces']:,} (tracing every model whole: {how['layer_traces_whole']:,})"
+    )
+    return "\n".join(lines)
 
 
 def no_fit_message(p: Plan) -> str:
