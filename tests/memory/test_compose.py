@@ -72,6 +72,22 @@ COMPOSED = {
         "tiled_mlp": 2,
         "gradient_accumulation_steps": 2,
     },
+    # offloaded checkpoints (a CUDA run's): 64 tokens, so that the RoPE tables every layer saves are offloaded
+    # too (4 KiB each, over MIN_OFFLOAD_BYTES), once; the reserved peak's replay composes with them
+    "cuda: activation_offloading ac=full": {
+        "device": "cuda",
+        "activation_offloading": "true",
+        "activation_checkpointing": "full",
+        "seq_len": 64,
+    },
+    "cuda: activation_offloading ac=none bf16 in_bwd": {
+        "device": "cuda",
+        "activation_offloading": "true",
+        "dtype": "bf16",
+        "optimizer_in_backward": "true",
+        "max_grad_norm": 0,
+        "seq_len": 64,
+    },
 }
 
 

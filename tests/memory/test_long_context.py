@@ -288,6 +288,24 @@ def test_offloading_on_cpu_hands_tensors_back_as_they_are():
     assert torch.equal(loss, want_loss) and all(torch.equal(got[n], want[n]) for n in want)
 
 
+@pytest.mark.parametrize("rope_first", [False, True])
+def test_offloading_brings_back_each_layer_s_input_one_layer_ahead(monkeypatch, rope_first):
+    """The backward of layer k brings back layer k - 1's input, and no other: the RoPE tables every layer saves
+    (packed once, with layer 0's input) are fetched when the last layer needs them and start no copy ahead, so
+    layer 0's input is not brought back at the start of the backward (to be held through all of it)."""
+    monkeypatch.setattr(offload, "offload_host", lambda device: torch.device("cpu"))  # a host apart, on CPU
+    hooks = offload.OffloadSavedTensors()
+    rope = torch.randn(64, 16), torch.randn(64, 16)  # 4 KiB each: over MIN_OFFLOAD_BYTES
+    inputs = [torch.randn(2, 64, 8) for _ in range(4)]
+    packed = [[hooks._pack(x), hooks._pack(rope[0]), hooks._pack(rope[1])] for x in inputs]
+    assert all(p[1] is packed[0][1] and p[2] is packed[0][2] for p in packed)  # saved again: packed once
+    for layer in reversed(range(4)):
+        x, cos, sin = packed[layer]
+        for item in (cos, sin, x) if rope_first else (x, cos, sin):
+            assert hooks._unpack(item) is not None
+        assert [p[0].back is not None for p in packed] == [k >= layer - 1 for k in range(4)], layer
+
+
 def _estimate(**over):
     base = {
         "model": "tiny",

@@ -50,7 +50,7 @@ class OffloadStats:
 class _Offloaded:
     """One tensor saved on the host: its host copy, the device it came from, and its copy back once fetched."""
 
-    __slots__ = ("host", "device", "nbytes", "back", "event", "__weakref__")
+    __slots__ = ("host", "device", "nbytes", "back", "event", "shared", "__weakref__")
 
     def __init__(self, host: torch.Tensor, device: torch.device, nbytes: int) -> None:
         self.host = host
@@ -58,6 +58,9 @@ class _Offloaded:
         self.nbytes = nbytes
         self.back: torch.Tensor | None = None  # on the device again (prefetched or fetched)
         self.event: Any = None  # CUDA: the copy's completion, on the side stream
+        self.shared = (
+            False  # saved again by a later layer (the RoPE tables): packed once, with the first layer's
+        )
         OffloadStats.add(nbytes)
 
     def __del__(self) -> None:
@@ -74,7 +77,9 @@ class OffloadSavedTensors(torch.autograd.graph.saved_tensors_hooks):
       every layer keeps) is copied once.
     - **Unpack** (backward): the compute stream waits for the tensor's copy back, started earlier on the side
       stream; then the copy back of the tensor packed before it starts, so the next one (in backward order)
-      arrives while this one is used: one ahead.
+      arrives while this one is used: one ahead. A tensor saved again is fetched when first unpacked (by the
+      last layer's backward) and starts no copy ahead: the one packed before it is the first layer's input,
+      needed last.
 
     Under activation checkpointing only a checkpointed layer's inputs are saved outside it (torch's non-reentrant
     checkpoint saves them through the hooks in force; its recomputation in the backward runs without these), so
@@ -97,6 +102,7 @@ class OffloadSavedTensors(torch.autograd.graph.saved_tensors_hooks):
             return t
         seen = self._seen.get(id(t))
         if seen is not None and seen[0]() is t and (again := seen[1]()) is not None:
+            again.shared = True
             return again
         if t.device.type == "cuda":
             copy = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
@@ -125,8 +131,14 @@ class OffloadSavedTensors(torch.autograd.graph.saved_tensors_hooks):
             current.wait_event(packed.event)
             packed.back.record_stream(current)
             packed.event = None
-        # one ahead: the one packed before this one comes back while this one is used
-        index = next((i for i in range(len(self._order) - 1, -1, -1) if self._order[i]() is packed), None)
+        # one ahead: the one packed before this one comes back while this one is used. Not from a shared tensor:
+        # packed with the first layer's, its neighbour is the first layer's input, which the backward of the last
+        # layer (the first to unpack it) would then fetch, to hold through the whole backward
+        index = (
+            None
+            if packed.shared
+            else next((i for i in range(len(self._order) - 1, -1, -1) if self._order[i]() is packed), None)
+        )
         if index is not None:
             for ref in reversed(self._order[:index]):
                 earlier = ref()

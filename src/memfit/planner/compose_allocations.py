@@ -232,13 +232,17 @@ def _homologs(sig4: list, runs: dict[tuple, _Run]) -> dict[tuple, list[list[int 
             if unit == ref:
                 maps.append(list(range(len(unit))))
                 continue
+            # matched from the end: where an edge unit has more events of one signature than unit 1 (the last
+            # layer's backward fetches its own input and prefetches the next layer's, unit 1 only prefetches),
+            # the one nearest the events that follow is unit 1's homolog
             pairs: list[int | None] = [None] * len(unit)
+            n, r = len(unit), len(ref)
             for code, i1, i2, j1, _j2 in difflib.SequenceMatcher(
-                None, unit, ref, autojunk=False
+                None, unit[::-1], ref[::-1], autojunk=False
             ).get_opcodes():
                 if code == "equal":
                     for k in range(i2 - i1):
-                        pairs[i1 + k] = j1 + k
+                        pairs[n - 1 - (i1 + k)] = r - 1 - (j1 + k)
             maps.append(pairs)
         out[key] = maps
     return out

@@ -50,6 +50,10 @@ FINE_GRANULARITY = 64
 """...or of this, where not even :data:`GRANULARITY` tokens fit (small models and budgets)."""
 FIRST_LENGTH = 8192
 """The first length tried (halved until it fits)."""
+GROWTH = 8
+"""The most one step of the search may multiply the longest length known to fit by (the line through two lengths
+that fit, extended): a peak that is nearly flat at short lengths would put the line's crossing far out, and the
+traces of very long sequences run more ops (tiled and blocked loops)."""
 MAX_LENGTH = 2**24
 """The longest length searched (16,777,216 tokens), for a preset; a checkpoint's ``max_seq_len`` caps it lower."""
 
@@ -188,7 +192,8 @@ def longest_length(
 
     Lengths are multiples of :data:`GRANULARITY` (of :data:`FINE_GRANULARITY` when less than that fits), at most
     ``cap``. The search estimates :data:`FIRST_LENGTH` (halving until it fits), then follows the line through its
-    last two estimates to where it meets ``usable``, doubling at most at a time, and then false position between
+    last two estimates to where it meets ``usable``, at most :data:`GROWTH` times as long at a time, and then false
+    position between
     the longest length that fits and the shortest that does not, until they are one step apart. The peak is convex
     and increasing in the length (a maximum of linear terms), so the line from below overshoots and the bracket
     closes in few steps. While halving, the line through the last two peaks ends the search where it is over
@@ -250,14 +255,14 @@ def longest_length(
             p_lo, p_hi = peak(lo), peak(hi)
             guess = lo + (usable - p_lo) * (hi - lo) / max(1, p_hi - p_lo)
             nxt = min(max(_down(guess, step), lo + step), hi - step)
-        else:  # the line through the two longest lengths known to fit, at most doubling
+        else:  # the line through the two longest lengths known to fit, at most GROWTH times lo
             below = max((t for t in cache if t < lo and cache[t].peak_bytes <= usable), default=0)
             if below:
                 slope = (peak(lo) - peak(below)) / (lo - below)
                 guess = lo + (usable - peak(lo)) / slope if slope > 0 else 2 * lo
             else:
                 guess = 2 * lo
-            nxt = min(max(_down(guess, step), lo + step), 2 * lo, cap)
+            nxt = min(max(_down(guess, step), lo + step), GROWTH * lo, cap)
         if nxt <= lo:
             break
         if peak(nxt) <= usable:

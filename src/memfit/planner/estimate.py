@@ -325,10 +325,6 @@ def _why_not_composed(cfg: TrainConfig, mcfg: LlamaConfig, target: str, compose:
         return "activation_checkpointing=every_n: the layers differ (checkpointed or not)"
     if cfg.method == "adapter" and cfg.adapter.num_layers and cfg.adapter.num_layers < mcfg.num_layers:
         return "method=adapter on the top layers only: the layers differ"
-    if switches.offloads_activations(cfg, target):
-        # the layer before the first one brings back its activations; the first's stay: the traces of 3 and 4
-        # layers pair that layer with one whose backward does not
-        return "activation offloading: the layer before the first runs other ops (its prefetch), traced whole"
     return None
 
 

@@ -392,13 +392,18 @@ class _Context:
         moment of the step at least one of: every tensor the forward saved for backward (its end); those of the
         decoder layers and ``lm_head``'s weight gradient (the first gradient of the backward, computed while
         every layer's saved tensors are still alive); every gradient (the optimizer step); the largest single
-        gradient (optimizer in backward, before its update frees it).
+        gradient (optimizer in backward, before its update frees it). With activation offloading the decoder
+        layers' saved tensors are on the host, the loss's still on the device.
         """
         closed = self.closed(cfg)
         off_device = switches.off_device_states(cfg, self.target)
         params = 0 if "parameters" in off_device else closed["parameters"]
         grads = 0 if "gradients" in off_device else closed["gradients"]
-        layers, loss = (0, 0) if self.offloads_activations(cfg) else self.saved_activations(cfg)
+        layers, loss = self.saved_activations(cfg)
+        if self.offloads_activations(
+            cfg
+        ):  # the decoder layers' saved tensors go to the host; the loss's stay
+            layers = 0
         head, largest = (0, 0) if "gradients" in off_device else self.gradient_sizes(cfg)
         peak = params + self.device_state(cfg) + max(layers + loss, layers + head, grads, largest)
         moved = self.moved_state(cfg)
