@@ -49,7 +49,37 @@ PLANS = [
         "optimizer.name=adamw".split(),
     ),
 ]
-"""``memfit plan`` cases: (name, arguments); timed whole, their tables compared."""
+"""``memfit plan`` cases: (name, arguments); timed whole, their tables and choices compared."""
+NEW_ONLY_PLANS = [
+    (
+        "plan budget=80GiB 8B full AdamW x 8 ranks, cuda, seq_len=max (sequence parallelism)",
+        "budget=80GiB world_size=8 model=llama3.1-8b method=full batch_size=1 dtype=bf16 device=cuda seq_len=max "
+        "optimizer.name=adamw".split(),
+    ),
+]
+"""Plans timed on the new side only (the old code took 29 minutes for this one when issue 39 was filed)."""
+
+PREFLIGHT = """
+import sys, time, tempfile
+from memfit import train as t
+spent = {}
+def timed(name, fn):
+    def run(*a, **k):
+        start = time.perf_counter()
+        try:
+            return fn(*a, **k)
+        finally:
+            spent[name] = spent.get(name, 0.0) + time.perf_counter() - start
+    return run
+t.preflight = timed("preflight", t.preflight)
+t.check_checkpoint_disk = timed("disk", t.check_checkpoint_disk)
+from memfit.cli import main
+with tempfile.TemporaryDirectory() as out:
+    main(["pretrain", "max_steps=1", f"output_dir={out}", *sys.argv[1:]])
+print(spent.get("preflight", 0.0) + spent.get("disk", 0.0))
+"""
+"""The main job (Tiny Shakespeare pretraining, its embedded default) for one step: the seconds its pre-flight (the
+memory check and the checkpoints' disk check) takes."""
 
 WORK = """
 import json, sys, contextlib
@@ -130,8 +160,8 @@ def main() -> int:
             flush=True,
         )
     print()
-    print("| plan | wall old s | wall new s | ratio | the same table |")
-    print("|---|---:|---:|---:|---|")
+    print("| plan | wall old s | wall new s | ratio | the same table | the same choice | choice (new) |")
+    print("|---|---:|---:|---:|---|---|---|")
     for name, argv in PLANS:
         walls: dict[str, list] = {"old": [], "new": []}
         for _ in range(args.repeats):
@@ -140,8 +170,34 @@ def main() -> int:
         p_old = min(w for w, _ in walls["old"])
         p_new = min(w for w, _ in walls["new"])
         same = _without_times(walls["old"][0][1]) == _without_times(walls["new"][0][1])
-        print(f"| {name} | {p_old:.2f} | {p_new:.2f} | {p_new / p_old:.2f}x | {same} |", flush=True)
+        choice = _choice(walls["old"][0][1]) == _choice(walls["new"][0][1])
+        print(
+            f"| {name} | {p_old:.2f} | {p_new:.2f} | {p_new / p_old:.2f}x | {same} | {choice} "
+            f"| {_choice(walls['new'][0][1])} |",
+            flush=True,
+        )
+    for name, argv in NEW_ONLY_PLANS:
+        wall, text = min(_wall(new / "src", new, argv, "plan") for _ in range(args.repeats))
+        print(f"| {name} | - | {wall:.2f} | - | - | - | {_choice(text)} |", flush=True)
+    print()
+    env = {"PYTHONPATH": str(new / "src"), "PATH": "/usr/bin:/bin"}
+    spent = []
+    for _ in range(max(2, args.repeats)):
+        out = subprocess.run(
+            [sys.executable, "-c", PREFLIGHT], cwd=new, env=env, capture_output=True, text=True, check=True
+        )
+        spent.append(float(out.stdout.strip().splitlines()[-1]))
+    print(
+        f"the main job's pre-flight (memory and disk checks): {min(spent):.3f} s (new; fastest of {len(spent)})"
+    )
     return 0
+
+
+def _choice(text: str) -> str:
+    """A plan's choice: its best row's switches, and the longest context of a ``seq_len=max`` plan."""
+    best = re.search(r"^best: (.*)$", text, flags=re.M)
+    longest = re.search(r"^longest context: seq_len ([\d,]+)", text, flags=re.M)
+    return (best.group(1) if best else "none") + (f" at seq_len {longest.group(1)}" if longest else "")
 
 
 if __name__ == "__main__":

@@ -124,6 +124,15 @@ def test_composed_equals_the_full_trace_to_the_byte(overrides, layers):
         pytest.param(
             6, {"activation_checkpointing": "full", "dtype": "bf16", "device": "cuda"}, marks=pytest.mark.slow
         ),
+        pytest.param(  # offloaded checkpoints: the last layer fetches its input, then the next's, alike in bytes
+            6,
+            {
+                "device": "cuda",
+                "activation_offloading": "true",
+                "activation_checkpointing": "full",
+                "seq_len": 64,
+            },
+        ),
         pytest.param(6, {"distributed.reshard_after_forward": "false"}, marks=pytest.mark.slow),
         pytest.param(
             6, {"distributed.reshard_after_forward": "false", "device": "cuda"}, marks=pytest.mark.slow

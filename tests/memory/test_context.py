@@ -150,3 +150,25 @@ def test_a_config_asked_again_at_the_same_length_is_answered_from_memory():
     assert again is first and other.peak_bytes == 4_096_000
     assert asked == [2048, 4096]
     assert remembered.asked == 3 and remembered.made == [first, other]
+
+
+def test_a_plan_fills_in_first_the_estimates_its_estimator_holds():
+    """The plan at the longest length asks first for the rows the ladder estimated there already (the last rung's
+    config, the least-memory one): they cost nothing, and their sibling bounds prune the search; the plan
+    chosen is the one made without them."""
+    from memfit.planner import plan as plan_
+
+    cfg = context.at_length(load_config(None, TINY, needs_weights=False), 256)
+    budget = 8 * MIB
+    fresh = plan_.plan(PlanRequest(cfg, budget, 1))
+    remembered = context._Remembered(estimate_run)
+    search, _ = plan_._build(PlanRequest(cfg, budget, 1))
+    least = search.least_memory()
+    held = remembered(least.config, world_size=1, seq_len=256)
+    lines: list[str] = []
+    again = plan_.plan(PlanRequest(cfg, budget, 1, estimator=remembered, progress=lines.append))
+    assert lines[0].startswith(f"  estimate 1 (from memory): {least.label()}: peak ")
+    row = next(r for r in again.rows if r.label() == least.label())
+    assert row.estimate is held
+    assert again.best.label() == fresh.best.label() and again.best.peak_bytes == fresh.best.peak_bytes
+    assert remembered.asked == again.estimates + 1 and len(remembered.made) == again.estimates

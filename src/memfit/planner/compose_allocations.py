@@ -219,22 +219,37 @@ def _differences(s3: list, s4: list) -> list[tuple[str, int, int, int, int]]:
 Relation = tuple[int, int]  # (slope +1 or -1, intercept): the unit a unit's free lands on, in the 4-layer run
 
 
-def _homologs(sig4: list, runs: dict[tuple, _Run]) -> dict[tuple, list[list[int | None]]]:
+def _homologs(
+    sig4: list, runs: dict[tuple, _Run], events: list[tuple], allocated_at: dict[int, int]
+) -> dict[tuple, list[list[int | None]]]:
     """For each run, for each unit, each event's offset in unit 1 (the middle layers' template) where the two
     units pair up event by event, ``None`` for an event unit 1 has not (an edge unit's own: layer 0's all-gather
-    under FSDP2, which the later layers' prefetch puts in the layer before)."""
+    under FSDP2, which the later layers' prefetch puts in the layer before). Events pair by their signature and
+    by whether what they allocate or free stays inside the unit: the last layer's backward fetches its own input
+    (freed inside it) before it prefetches the next layer's (freed in the next), two allocations alike in bytes."""
+    freed_at = {e[1]: i for i, e in enumerate(events) if e[0] == "free"}
+
+    def within(i: int, a: int, b: int) -> bool:
+        other = freed_at.get(events[i][1]) if events[i][0] == "alloc" else allocated_at.get(events[i][1])
+        return other is not None and a <= other < b
+
     out = {}
     for key, run in runs.items():
-        ref = sig4[run.starts[1] : run.starts[1] + run.lengths[1]]
+
+        def signed(u: int, run: _Run = run) -> list[tuple]:
+            a, b = run.starts[u], run.starts[u] + run.lengths[u]
+            return [(sig4[i], within(i, a, b)) for i in range(a, b)]
+
+        ref = signed(1)
         maps = []
         for u in range(UNITS):
-            unit = sig4[run.starts[u] : run.starts[u] + run.lengths[u]]
+            unit = signed(u)
             if unit == ref:
                 maps.append(list(range(len(unit))))
                 continue
-            # matched from the end: where an edge unit has more events of one signature than unit 1 (the last
-            # layer's backward fetches its own input and prefetches the next layer's, unit 1 only prefetches),
-            # the one nearest the events that follow is unit 1's homolog
+            # matched from the end: where an edge unit has more events alike than unit 1 (the last layer's backward
+            # fetches its own input and the RoPE tables before the events unit 1 runs too), the one nearest the
+            # events that follow is unit 1's homolog
             pairs: list[int | None] = [None] * len(unit)
             n, r = len(unit), len(ref)
             for code, i1, i2, j1, _j2 in difflib.SequenceMatcher(
@@ -366,7 +381,7 @@ def compose_allocations(three: LayerTrace, four: LayerTrace, layers: int) -> lis
             home[i] = ("fixed", i)
 
     allocated_at = {e[1]: i for i, e in enumerate(events) if e[0] == "alloc"}
-    homologs = _homologs(sig4, runs)
+    homologs = _homologs(sig4, runs, events, allocated_at)
     raw = {
         key: [{h: k for k, h in enumerate(m) if h is not None} for m in maps]
         for key, maps in homologs.items()

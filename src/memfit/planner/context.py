@@ -283,9 +283,17 @@ class _Remembered:
         self.seen: dict[str, Estimate] = {}
         self.asked = 0
 
+    @staticmethod
+    def _key(cfg: TrainConfig, world_size: int, seq_len: int | None) -> str:
+        return json.dumps([config_to_dict(cfg), world_size, seq_len], sort_keys=True, default=str)
+
+    def knows(self, cfg: TrainConfig, *, world_size: int = 1, seq_len: int | None = None) -> bool:
+        """Whether this config's estimate is held (asking for it costs nothing)."""
+        return self._key(cfg, world_size, seq_len) in self.seen
+
     def __call__(self, cfg: TrainConfig, *, world_size: int = 1, seq_len: int | None = None) -> Estimate:
         self.asked += 1
-        key = json.dumps([config_to_dict(cfg), world_size, seq_len], sort_keys=True, default=str)
+        key = self._key(cfg, world_size, seq_len)
         if key not in self.seen:
             self.seen[key] = self.estimator(cfg, world_size=world_size, seq_len=seq_len)
         return self.seen[key]

@@ -568,6 +568,18 @@ class _Search:
             f"{row.status} ({time.perf_counter() - start:.0f} s)"
         )
 
+    def from_memory(self) -> None:
+        """Fill in first the rows whose estimate the estimator holds already (``knows``: a ``seq_len=max`` rung's
+        config at the plan's length), for nothing, so that their sibling bounds prune the search."""
+        knows = getattr(self.estimator, "knows", None)
+        if knows is None:
+            return
+        for row in self.rows:
+            if not row.estimated and knows(
+                row.config, world_size=self.ctx.world_size, seq_len=self.ctx.seq_len
+            ):
+                self.run_estimate(row, " (from memory)")
+
     def least_memory(self) -> PlanRow:
         """The row with the smallest lower bound (ties: the most switches changed, then the slowest: full
         checkpointing before every_n)."""
@@ -711,6 +723,7 @@ def plan(request: PlanRequest) -> Plan:
     """
     start = time.perf_counter()
     search, baseline = _build(request)
+    search.from_memory()
     search.search(search.rows, max(1, request.fits))
     if not any(r.fits for r in search.rows) and search.probe is None:
         search.failed_since_fit = PROBE_AFTER

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -113,14 +114,17 @@ def how_estimated(made: list[Estimate], asked: int | None = None) -> dict[str, A
         asked: how many it asked for, when some were answered from memory (``seq_len=max``).
 
     Returns:
-        ``estimates`` (run), ``reused`` (answered from memory), ``composed``, ``traced_whole`` (reason -> count),
+        ``estimates`` (run), ``reused`` (answered from memory), ``composed``, ``traced_whole`` (reason -> count;
+        an event index in a reason read as N),
         ``layer_traces`` (decoder layers traced, all estimates) and ``layer_traces_whole`` (had each traced its
         whole model), ``seconds`` (the estimates' own).
     """
     whole: dict[str, int] = {}
     for e in made:
         if not e.trace.get("composed"):
-            why = str(e.trace.get("why_not_composed"))
+            why = re.sub(
+                r"event \d+", "event N", str(e.trace.get("why_not_composed"))
+            )  # one reason, any event
             whole[why] = whole.get(why, 0) + 1
     return {
         "estimates": len(made),
