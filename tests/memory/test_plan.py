@@ -563,3 +563,33 @@ def test_the_progress_bar_counts_each_estimate_made_even_one_that_fails():
     with pytest.raises(ConfigError):
         counted(None)
     assert bar.n == 2
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_the_mlp_working_set_bounds_the_peak_from_below(dtype):
+    """An untiled MLP holds its activation and up_proj's output, 2 x (B * T, I) at the matmul dtype, in each
+    layer's forward: with the checkpoints offloaded and the loss chunked, that is the bound's largest term
+    (parameters and optimizer state besides), and it stays below the traced peak; a tiled MLP's is a tile's."""
+    args = [
+        "model=tiny",
+        "tokenizer.kind=char",
+        "model_args.intermediate_size=2048",
+        "model_args.max_seq_len=512",
+        "seq_len=512",
+        "batch_size=2",
+        "device=cuda",
+        f"dtype={dtype}",
+        "optimizer.name=adamw",
+        "activation_checkpointing=full",
+        "activation_offloading=true",
+        "chunked_cross_entropy=auto",
+    ]
+    cfg = load_config(None, args, needs_weights=False)
+    ctx = P._build(P.PlanRequest(cfg, 2**40, 1))[0].ctx
+    working = ctx.mlp_working_set(cfg)
+    assert working == 2 * (2 * 512) * 2048 * (4 if dtype == "fp32" else 2)
+    closed = ctx.closed(cfg)
+    peak = ctx.lower_bounds(cfg)[0]
+    assert peak == closed["parameters"] + closed["optimizer_state"] + working
+    assert peak <= estimate_run(cfg).peak_bytes
+    assert ctx.mlp_working_set(load_config(None, [*args, "tiled_mlp=4"], needs_weights=False)) == 0

@@ -392,8 +392,9 @@ class _Context:
         moment of the step at least one of: every tensor the forward saved for backward (its end); those of the
         decoder layers and ``lm_head``'s weight gradient (the first gradient of the backward, computed while
         every layer's saved tensors are still alive); every gradient (the optimizer step); the largest single
-        gradient (optimizer in backward, before its update frees it). With activation offloading the decoder
-        layers' saved tensors are on the host, the loss's still on the device.
+        gradient (optimizer in backward, before its update frees it); the MLP's working set in any layer's
+        forward (:meth:`mlp_working_set`). With activation offloading the decoder layers' saved tensors are on
+        the host, the loss's still on the device.
         """
         closed = self.closed(cfg)
         off_device = switches.off_device_states(cfg, self.target)
@@ -405,7 +406,11 @@ class _Context:
         ):  # the decoder layers' saved tensors go to the host; the loss's stay
             layers = 0
         head, largest = (0, 0) if "gradients" in off_device else self.gradient_sizes(cfg)
-        peak = params + self.device_state(cfg) + max(layers + loss, layers + head, grads, largest)
+        peak = (
+            params
+            + self.device_state(cfg)
+            + max(layers + loss, layers + head, grads, largest, self.mlp_working_set(cfg))
+        )
         moved = self.moved_state(cfg)
         total = peak + (closed["optimizer_state"] if moved == "paged" else 0)
         host = closed["optimizer_state"] if moved == "host" else 0
@@ -441,6 +446,16 @@ class _Context:
         layers = tokens * (m.num_layers * m.dim * resid + (m.num_layers - checkpointed) * inner)
         loss = tokens * (m.dim * resid if cfg.chunked_cross_entropy else m.vocab_size * 4)
         return layers, loss
+
+    def mlp_working_set(self, cfg: TrainConfig) -> int:
+        """A lower bound of the bytes an untiled MLP holds in a decoder layer's forward (and its recomputation):
+        the activation and ``up_proj``'s output, two ``(B * T, intermediate_size)`` tensors at the matmul dtype,
+        both alive at their product (``down_proj(act(gate) * up)``, every family's). 0 with ``tiled_mlp``: a
+        tile's share."""
+        if cfg.tiled_mlp:
+            return 0
+        tokens = cfg.batch_size * self.seq_len // self.sequence_parallel(cfg)
+        return 2 * tokens * self.mcfg.intermediate_size * (4 if cfg.dtype == "fp32" else 2)
 
     def gradient_sizes(self, cfg: TrainConfig) -> tuple[int, int]:
         """Bytes of one rank's ``lm_head`` weight gradient (0 when it is frozen) and of its largest gradient, from the
