@@ -8,7 +8,7 @@ and the cost model's tokens/s; and, for the 80 GiB full fine-tune, the ladder of
 figure is a prediction until a GPU run confirms it (``bench/gpu_estimate_check.py`` measures a 1B model at the
 longest length the planner predicts for 8 GiB).
 
-Reproduce (about 30 minutes on 2 CPU cores)::
+Reproduce (about 5 minutes on 2 CPU cores)::
 
     .venv/bin/python bench/long_context_plan.py
 
@@ -131,7 +131,7 @@ def main() -> int:
         "backward's, in the layer being recomputed). The pinned host memory is the offloaded checkpoints' "
         "(`L * T * dim * 2` bytes in bf16): the machine needs that much RAM besides the run's own.",
         "",
-        "Reproduce: `.venv/bin/python bench/long_context_plan.py` (about 30 minutes on 2 CPU cores).",
+        "Reproduce: `.venv/bin/python bench/long_context_plan.py` (about 5 minutes on 2 CPU cores).",
     ]
     return _write(args.out, "long-context-plan", body, results)
 

@@ -8,7 +8,7 @@ model's tokens/s per GPU (``interconnect_bytes_per_second`` 200 GB/s: an NVLink 
 so they are given at InfiniBand's 50 GB/s too). Then ``memfit plan seq_len=max`` for the 8B on 8 GPUs: the
 ladder of what each technique buys, ending with sequence parallelism over 8, and the planner's pick there.
 
-Every figure is a prediction until a GPU run confirms it. Reproduce (about 20-40 minutes on 2 CPU cores)::
+Every figure is a prediction until a GPU run confirms it. Reproduce (about 4 minutes on 2 CPU cores)::
 
     .venv/bin/python bench/sequence_parallel_plan.py
 
