@@ -193,11 +193,10 @@ def longest_length(
     Lengths are multiples of :data:`GRANULARITY` (of :data:`FINE_GRANULARITY` when less than that fits), at most
     ``cap``. The search estimates :data:`FIRST_LENGTH` (halving until it fits), then follows the line through its
     last two estimates to where it meets ``usable``, at most :data:`GROWTH` times as long at a time, and then false
-    position between
-    the longest length that fits and the shortest that does not, until they are one step apart. The peak is convex
-    and increasing in the length (a maximum of linear terms), so the line from below overshoots and the bracket
-    closes in few steps. While halving, the line through the last two peaks ends the search where it is over
-    ``usable`` even at length 0: by convexity no shorter length fits.
+    position between the longest length that fits and the shortest that does not, until they are one step apart.
+    The peak is convex and increasing in the length (a maximum of linear terms), so the line from below overshoots
+    and the bracket closes in few steps. While halving, the line through the last two peaks ends the search where
+    it is over ``usable`` even at length 0: by convexity no shorter length fits.
 
     Args:
         cfg: the run (its switches, batch and everything but ``seq_len``).
@@ -300,7 +299,7 @@ class _Remembered:
 
     @property
     def made(self) -> list[Estimate]:
-        return [e for e in self.seen.values() if e is not None]
+        return list(self.seen.values())
 
 
 def _down(length: float, step: int) -> int:

@@ -401,9 +401,8 @@ class _Context:
         params = 0 if "parameters" in off_device else closed["parameters"]
         grads = 0 if "gradients" in off_device else closed["gradients"]
         layers, loss = self.saved_activations(cfg)
-        if self.offloads_activations(
-            cfg
-        ):  # the decoder layers' saved tensors go to the host; the loss's stay
+        # offloading moves the decoder layers' saved tensors to the host; the loss's stay on the device
+        if self.offloads_activations(cfg):
             layers = 0
         head, largest = (0, 0) if "gradients" in off_device else self.gradient_sizes(cfg)
         peak = (

@@ -115,16 +115,13 @@ def how_estimated(made: list[Estimate], asked: int | None = None) -> dict[str, A
 
     Returns:
         ``estimates`` (run), ``reused`` (answered from memory), ``composed``, ``traced_whole`` (reason -> count;
-        an event index in a reason read as N),
-        ``layer_traces`` (decoder layers traced, all estimates) and ``layer_traces_whole`` (had each traced its
-        whole model), ``seconds`` (the estimates' own).
+        an event index in a reason read as N), ``layer_traces`` (decoder layers traced, all estimates) and
+        ``layer_traces_whole`` (had each traced its whole model), ``seconds`` (the estimates' own).
     """
     whole: dict[str, int] = {}
     for e in made:
-        if not e.trace.get("composed"):
-            why = re.sub(
-                r"event \d+", "event N", str(e.trace.get("why_not_composed"))
-            )  # one reason, any event
+        if not e.trace.get("composed"):  # one reason, whichever event it names
+            why = re.sub(r"event \d+", "event N", str(e.trace.get("why_not_composed")))
             whole[why] = whole.get(why, 0) + 1
     return {
         "estimates": len(made),
