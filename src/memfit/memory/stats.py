@@ -65,8 +65,10 @@ class _RssSampler(threading.Thread):
 
     def run(self) -> None:
         while not self._stopping.wait(self._interval):
-            rss = self._read()
+            # read under the lock: a sample read before a take() and stored after it would land in the new
+            # interval (a freed block's bytes reported as the next interval's peak)
             with self._lock:
+                rss = self._read()
                 if rss > self._max:
                     self._max = rss
 
