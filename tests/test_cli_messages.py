@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from memfit import cli
 from memfit import train as train_mod
@@ -32,7 +33,7 @@ from memfit.models.peft import apply_lora
 from memfit.models.presets import model_config
 from memfit.planner.estimate import estimate_run
 from memfit.planner.report import format_estimate
-from memfit.quiet import quiet_bitsandbytes_import, quiet_torchao_import
+from memfit.quiet import compile_on_first_call, quiet_bitsandbytes_import, quiet_torchao_import
 from memfit.tokenizer import train_bpe
 from memfit.units import GIB, MIB
 
@@ -246,6 +247,46 @@ def test_only_torchao_import_notes_are_dropped_and_only_while_importing(caplog):
         "something else",
         "Failed to load CPU gemm_4bit_forward from kernels-community: later",
     ]
+
+
+def test_compile_on_first_call_compiles_a_function_at_its_first_call_and_only_inside(monkeypatch):
+    compiled_now = []
+
+    def fake_compile(model=None, **options):
+        compiled_now.append((getattr(model, "__name__", type(model).__name__), options))
+        return lambda *a, **k: ("compiled", model(*a, **k))
+
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    module = torch.nn.Linear(2, 2)
+    with compile_on_first_call():
+
+        @torch.compile(dynamic=False)
+        def double(x):
+            return 2 * x
+
+        triple = torch.compile(lambda x: 3 * x)
+        assert compiled_now == []  # nothing compiled at decoration
+        torch.compile(module)  # a module is not deferred: torch.compile has it at once
+        assert compiled_now == [("Linear", {})]
+    assert torch.compile is fake_compile
+    assert double.__name__ == "double"
+    # each function compiled once, at its first call
+    assert (double(4), double(5), triple(1)) == (("compiled", 8), ("compiled", 10), ("compiled", 3))
+    assert compiled_now == [("Linear", {}), ("double", {"dynamic": False}), ("<lambda>", {})]
+
+
+@pytest.mark.slow
+def test_bitsandbytes_imports_without_torch_inductor():
+    """bitsandbytes wraps its CPU kernels in ``torch.compile`` at import; memfit defers that to their first call,
+    so an estimate never imports ``torch._inductor`` (~1 s) for them."""
+    pytest.importorskip("bitsandbytes")
+    probe = (
+        "import sys\nfrom memfit.memory.optimizers import _bitsandbytes\n_bitsandbytes()\n"
+        "import torch\nprint('bitsandbytes' in sys.modules, 'torch._inductor.compile_fx' in sys.modules, "
+        "torch.compile.__module__)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert done.stdout.splitlines()[-1] == "True False torch"
 
 
 # ----------------------------------------------------------------------------------------------------------------
