@@ -36,7 +36,11 @@ from memfit.errors import CheckpointError, ConfigError
 from memfit.memory.host import release_free_heap
 from memfit.memory.offload import apply_activation_offloading
 from memfit.memory.optim import build_optimizer
-from memfit.memory.techniques import apply_activation_checkpointing, apply_compile
+from memfit.memory.techniques import (
+    apply_activation_checkpointing,
+    apply_compile,
+    apply_tied_embedding_gradient,
+)
 from memfit.memory.tiled import apply_tiled_mlp
 from memfit.memory.ulysses import apply_sequence_parallel
 from memfit.models import peft
@@ -280,7 +284,8 @@ def build_training(
     2. Sharded: the starting tensors (:func:`initial_parameters`), checked against the model before anything is
        allocated.
     3. Sequence parallelism (``distributed.sequence_parallel``: Ulysses attention over this rank's group), the
-       tiled MLP (``tiled_mlp``), activation checkpointing (``activation_checkpointing``), activation
+       tiled MLP (``tiled_mlp``), a tied embedding's gradient into the chunked loss's (``chunked_cross_entropy``),
+       activation checkpointing (``activation_checkpointing``), activation
        offloading around the layers (``activation_offloading``), then ``compile`` (each decoder layer, with its
        checkpointing; the estimator's config has it off: it traces the eager step).
     4. Sharded: FSDP over the process group (:func:`memfit.distributed.shard_model`).
@@ -310,6 +315,8 @@ def build_training(
     if world_size > 1 and sp > 1:
         apply_sequence_parallel(model, dist_.sequence_group(sp), sp)
     apply_tiled_mlp(model, cfg.tiled_mlp)
+    if cfg.chunked_cross_entropy:
+        apply_tied_embedding_gradient(model)
     apply_activation_checkpointing(model, cfg.activation_checkpointing, cfg.activation_checkpointing_interval)
     if cfg.activation_offloading:
         apply_activation_offloading(model)

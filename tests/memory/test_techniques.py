@@ -9,7 +9,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from memfit.memory.switches import checkpointed_layers
 from memfit.memory.techniques import (
+    TiedEmbedding,
     apply_activation_checkpointing,
+    apply_tied_embedding_gradient,
     chunked_cross_entropy,
 )
 from memfit.models.llama import build_llama
@@ -118,6 +120,91 @@ def test_chunked_cross_entropy_without_gradients_is_the_plain_loss():
         loss = chunked_cross_entropy(hidden, model.lm_head.weight, y, 4)
     assert not loss.requires_grad
     assert abs(loss.item() - ref.item()) <= 1e-6 * abs(ref.item())
+
+
+def _tied(vocab=512, seed=0):
+    return build_llama(model_config("tiny", vocab_size=vocab, tie_word_embeddings=True), seed=seed)
+
+
+class _VocabByDim(TorchDispatchMode):
+    """The ops of a backward whose output is a ``(vocab, dim)`` tensor: ``new`` those that allocate it, ``ops``
+    every one."""
+
+    def __init__(self, shape):
+        super().__init__()
+        self.shape, self.ops, self.new = torch.Size(shape), [], []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        inputs = {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)}
+        out = func(*args, **(kwargs or {}))
+        if isinstance(out, torch.Tensor) and out.shape == self.shape:
+            self.ops.append(str(func))
+            if out.untyped_storage().data_ptr() not in inputs:
+                self.new.append(str(func))
+        return out
+
+
+def test_a_tied_embedding_s_gradient_goes_into_the_chunked_loss_s_in_place():
+    """The embedding's backward adds its rows into the (vocab, dim) gradient the chunked loss made: no dense
+    embedding gradient and no sum of the two (autograd's sum is out of place under any dispatch mode, as here);
+    every gradient the same but for the order of the rows' additions, the loss the same to the bit."""
+    vocab = 512
+    x, y = _data(B=2, T=24, vocab=vocab)
+    x[0, :6] = 7  # a token seen several times: its rows are added one by one
+    runs = {}
+    for applied in (False, True):
+        model = _tied(vocab)
+        assert apply_tied_embedding_gradient(model) if applied else True
+        assert isinstance(model.model.embed_tokens, TiedEmbedding) is applied
+        loss = chunked_cross_entropy(model.model(x), model.lm_head.weight, y, 3) / 11.0
+        with _VocabByDim(model.lm_head.weight.shape) as ops:
+            loss.backward()
+        runs[applied] = (loss.item(), ops, _grads(model))
+    assert runs[False][1].new == ["aten.embedding_dense_backward.default", "aten.add.Tensor"]
+    assert runs[True][1].new == []
+    assert "aten.index_add_.default" in runs[True][1].ops
+    assert runs[True][0] == runs[False][0]
+    assert runs[True][2].keys() == runs[False][2].keys()
+    for name, g in runs[False][2].items():
+        torch.testing.assert_close(runs[True][2][name], g, rtol=1e-6, atol=1e-7)
+
+
+def test_a_tied_embedding_outside_a_chunked_loss_keeps_autograd_s_gradient_and_untied_models_are_left_alone():
+    vocab = 256
+    x, y = _data(vocab=vocab)
+    ref, model = _tied(vocab), _tied(vocab)
+    assert apply_tied_embedding_gradient(model)
+    loss_sum(ref(x), y).backward()  # the plain loss: the embedding's backward returns the dense gradient
+    loss_sum(model(x), y).backward()
+    assert torch.equal(model.lm_head.weight.grad, ref.lm_head.weight.grad)
+    with torch.no_grad():  # evaluation: a forward only
+        assert torch.equal(model(x), ref(x))
+    untied = build_llama(model_config("tiny", vocab_size=vocab), seed=0)
+    assert not apply_tied_embedding_gradient(untied)
+    assert type(untied.model.embed_tokens) is torch.nn.Embedding
+    assert list(model.state_dict()) == list(ref.state_dict())
+
+
+def test_the_estimate_of_a_tied_chunked_run_counts_one_vocab_by_dim_gradient(monkeypatch):
+    """Traced on fake tensors with the 8,192 x 64 tied matrix (2 MiB in fp32) updated in the backward: without the
+    in-place rows, autograd sums the loss's and the embedding's gradients into a third matrix and the loss's stays
+    alive through the tied weight's update, one matrix more at the peak, to the byte."""
+    from memfit import build
+    from memfit.config import load_config
+    from memfit.planner.estimate import estimate_run
+
+    cfg = load_config(
+        None,
+        "model=tiny tokenizer.kind=char batch_size=1 seq_len=16 chunked_cross_entropy=2 device=cpu "
+        "optimizer.name=adamw optimizer_in_backward=true max_grad_norm=0".split(),
+    )
+    mcfg = model_config("tiny", vocab_size=8192, tie_word_embeddings=True)
+    applied = estimate_run(cfg, model_config=mcfg)
+    monkeypatch.setattr(build, "apply_tied_embedding_gradient", lambda model: False)
+    summed = estimate_run(cfg, model_config=mcfg)
+    matrix = 8192 * mcfg.dim * 4
+    assert summed.peak_bytes - applied.peak_bytes == matrix
+    assert summed.breakdown["temporaries"] - applied.breakdown["temporaries"] == matrix
 
 
 def test_fused_chunked_cross_entropy_under_bf16_autocast_matches_the_plain_loss():
