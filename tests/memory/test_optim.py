@@ -594,6 +594,51 @@ def test_low_bit_update_in_chunks_is_bit_identical_to_torchaos_whole_tensor_upda
                                else ref.state[pb][key])  # fmt: skip
 
 
+@pytest.mark.parametrize(
+    "name, in_bwd",
+    [
+        ("torchao_adamw4bit", "true"),
+        pytest.param("torchao_adamw4bit", "false", marks=pytest.mark.slow),
+        pytest.param("torchao_adamw8bit", "true", marks=pytest.mark.slow),
+    ],
+)
+def test_an_estimate_traces_two_chunks_of_a_low_bit_update_and_gets_every_chunk_s_bytes(
+    name, in_bwd, monkeypatch
+):
+    """On fake tensors only a tensor's first and last chunks are updated (hybrids.traced_chunks): the estimate's
+    peak, breakdown and category peaks are those of updating every chunk, to the byte, composed and whole, in the
+    backward (in_bwd) and after it."""
+    pytest.importorskip("torchao")
+    from memfit.config import load_config
+    from memfit.memory import hybrids
+    from memfit.planner.estimate import estimate_run
+
+    monkeypatch.setattr(hybrids, "LOW_BIT_CHUNK_ELEMENTS", CHUNK)  # the tiny model's matrices: 4 to 64 chunks
+    seen = []
+    traced = hybrids.traced_chunks
+    monkeypatch.setattr(
+        hybrids, "traced_chunks", lambda chunks, p: seen.append(len(chunks)) or traced(chunks, p)
+    )
+    cfg = load_config(
+        None,
+        f"model=tiny tokenizer.kind=char batch_size=2 seq_len=16 device=cpu optimizer.name={name} "
+        f"optimizer_in_backward={in_bwd} max_grad_norm=0 model_args.num_layers=5".split(),
+    )
+    answers = {}
+    # the fast case: two chunks composed against every chunk traced whole; the slow ones all four
+    cases = [(False, True), (True, False)] if (name, in_bwd) == ("torchao_adamw4bit", "true") else None
+    for every in (False, True):
+        if every:
+            monkeypatch.setattr(hybrids, "traced_chunks", lambda chunks, p: chunks)
+        for compose in (True, False):
+            if cases is None or (every, compose) in cases:
+                e = estimate_run(cfg, compose=compose)
+                answers[every, compose] = (e.peak_bytes, e.phase, e.breakdown, e.trace.get("composed"))
+    assert answers[False, True][3] is True and answers[True, False][3] is False
+    assert len({(a[0], a[1], tuple(a[2].items())) for a in answers.values()}) == 1, answers
+    assert max(seen) > 2  # some tensor had more chunks than the two traced
+
+
 def test_row_chunks_cover_the_rows_on_block_boundaries_within_the_chunk_size():
     from memfit.memory.hybrids import _row_chunks
 
