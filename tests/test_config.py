@@ -241,3 +241,9 @@ def test_compile_without_a_cxx_compiler_is_refused_before_anything_runs(monkeypa
     with pytest.raises(ConfigError, match="'compile'") as info:
         load_config(None, ["compile=true", "device=cpu"])
     assert "C++ compiler" in str(info.value)
+
+
+def test_model_source_names_the_checkpoint_when_there_is_one(tmp_path):
+    """The plan's first line, the estimate's report and the run's banner name where the model comes from."""
+    assert TrainConfig().model_source == "shakespeare"
+    assert TrainConfig(model="tiny", checkpoint_dir=str(tmp_path)).model_source == str(tmp_path)

@@ -217,7 +217,7 @@ def _plan(args: argparse.Namespace) -> int:
     progress = None if args.json else (lambda line: tqdm.write(line, file=sys.stderr))
     if progress:
         progress(
-            f"memfit plan: {cfg.model}, budget {format_bytes(budget)}, world_size {world_size}"
+            f"memfit plan: {cfg.model_source}, budget {format_bytes(budget)}, world_size {world_size}"
             + (", seq_len=max: the longest context that fits" if longest else "")
         )
     constants = None

@@ -469,6 +469,12 @@ class TrainConfig:
     """A tqdm progress bar on stderr: ``null`` (auto) shows it when stderr is a terminal, ``true`` always,
     ``false`` never (see :func:`show_progress`)."""
 
+    @property
+    def model_source(self) -> str:
+        """Where the run's model comes from, as its lines name it: ``checkpoint_dir`` when set, else the ``model``
+        preset."""
+        return self.model if self.checkpoint_dir is None else str(self.checkpoint_dir)
+
 
 # ----------------------------------------------------------------------------------------------------------------
 # Parsing: YAML/dicts -> dataclasses, with the key named in every error

@@ -498,7 +498,6 @@ def _sample(cfg: TrainConfig, model, tokenizer, last_ckpt: Path | None, device: 
 def _banner(cfg, verb, built, tokenizer, data, seq_len, world, device, start_step) -> str:
     """The start-of-run line: what trains, on what (``data``: the run's :class:`~memfit.data.run.RunData`), in
     which batches, where; and when nothing can be validated on, why, at the start rather than only at the end."""
-    source = cfg.model if cfg.checkpoint_dir is None else cfg.checkpoint_dir
     trainable = "" if built.num_trainable == built.num_params else f", {built.num_trainable:,} trainable"
     sharded = f" x {world} ranks ({cfg.distributed.strategy})" if world > 1 else ""
     sp = cfg.distributed.sequence_parallel
@@ -508,8 +507,8 @@ def _banner(cfg, verb, built, tokenizer, data, seq_len, world, device, start_ste
             f"{world}; {seq_len // sp} tokens of each sequence a rank)"
         )
     return (
-        f"memfit {verb}: model {source} ({built.num_params:,} parameters{trainable}), tokenizer {tokenizer.kind} "
-        f"({tokenizer.vocab_size:,} ids), {data.summary}, batch {cfg.batch_size} x "
+        f"memfit {verb}: model {cfg.model_source} ({built.num_params:,} parameters{trainable}), "
+        f"tokenizer {tokenizer.kind} ({tokenizer.vocab_size:,} ids), {data.summary}, batch {cfg.batch_size} x "
         f"{cfg.gradient_accumulation_steps} x {seq_len} tokens{sharded}, dtype {cfg.dtype}, device {device}"
         + (
             f", optimizer {cfg.optimizer.name} ({split})"

@@ -29,8 +29,9 @@ def format_estimate(e: Estimate) -> str:
     sp = (e.config.get("distributed") or {}).get("sequence_parallel", 1)
     if e.world_size > 1 and sp > 1:
         ranks += f" (sequence parallel {sp}: {e.seq_len // sp} tokens of each sequence a rank)"
+    source = e.config.get("checkpoint_dir") or e.config.get("model")  # as TrainConfig.model_source
     lines = [
-        f"model {e.config.get('model')} ({e.num_params:,} parameters, {e.num_trainable_params:,} trainable), "
+        f"model {source} ({e.num_params:,} parameters, {e.num_trainable_params:,} trainable), "
         f"method {e.config.get('method')}, dtype {e.config.get('dtype')}, batch {e.batch_size} x "
         f"{e.config.get('gradient_accumulation_steps')} x {e.seq_len} tokens, optimizer {e.config.get('optimizer')}",
         f"peak memory{ranks}: {e.peak_bytes / size:.2f} {unit} (allocator), in {e.phase}",
