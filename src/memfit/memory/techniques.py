@@ -187,11 +187,22 @@ def _chunk_loss_and_grad(
     return loss, probs.to(logits.dtype)
 
 
+_TIED_LOOKUPS: dict[int, weakref.ref] = {}
+"""``id(weight)`` -> a weak reference to the weight, for each weight a :class:`_TiedEmbeddingLookup` looked up with
+gradients: the chunked loss's backward hands its gradient of these weights on (:data:`_LOSS_WEIGHT_GRADIENTS`), of
+no other (an untied ``lm_head``'s would be kept alive)."""
+
 _LOSS_WEIGHT_GRADIENTS: dict[int, tuple[weakref.ref, torch.Tensor]] = {}
 """``id(weight)`` -> (a weak reference to the weight, the ``(V, dim)`` gradient the chunked loss's backward has just
-returned for it). Set by that backward and taken by a tied embedding's backward, which comes after it in the same
-backward pass (the embedding is the first use of the weight in the forward, the loss the last): the gradient is
-still in autograd's buffer for the weight then, not yet handed to it."""
+returned for it). Set by that backward and taken by the tied embedding's backward, which comes after it in the
+same backward pass (the embedding is the first use of the weight in the forward, the loss the last): the gradient
+is still in autograd's buffer for the weight then, not yet handed to it."""
+
+
+def _is(refs: dict[int, weakref.ref], weight: torch.Tensor | None) -> bool:
+    """Whether ``refs`` holds ``weight`` itself (an ``id`` can be reused once its tensor is gone)."""
+    ref = refs.get(id(weight))
+    return ref is not None and ref() is weight
 
 
 class _TiedEmbeddingLookup(torch.autograd.Function):
@@ -203,9 +214,8 @@ class _TiedEmbeddingLookup(torch.autograd.Function):
     @staticmethod
     def forward(ctx, ids, weight):  # noqa: D102 (autograd's)
         ctx.save_for_backward(ids)
-        ctx.weight = weakref.ref(
-            weight
-        )  # who it is, to find the loss's gradient (a parameter: it outlives this)
+        # who it is, to find the loss's gradient (a parameter: it outlives this)
+        ctx.weight = weakref.ref(weight)
         ctx.num_weights = weight.shape[0]
         return F.embedding(ids, weight)  # (*ids.shape, dim)
 
@@ -215,6 +225,7 @@ class _TiedEmbeddingLookup(torch.autograd.Function):
             return None, None
         (ids,) = ctx.saved_tensors
         weight = ctx.weight()
+        _TIED_LOOKUPS.pop(id(weight), None)
         of, grad_weight = _LOSS_WEIGHT_GRADIENTS.pop(id(weight), (None, None))
         if of is None or of() is not weight:  # none made for this weight (a reused id is another weight's)
             grad_weight = None
@@ -235,6 +246,10 @@ class TiedEmbedding(nn.Embedding):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002 (nn.Embedding's name)
         """Args: input: int64 ids, any shape. Returns: ``(*input.shape, embedding_dim)``."""
+        if (
+            torch.is_grad_enabled() and self.weight.requires_grad
+        ):  # its backward will take the loss's gradient
+            _TIED_LOOKUPS[id(self.weight)] = weakref.ref(self.weight)
         return _TiedEmbeddingLookup.apply(input, self.weight)
 
 
@@ -308,9 +323,8 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         for grad in (grad_hidden, grad_weight):
             if grad is not None:
                 grad.mul_(grad_output.to(grad.dtype))
-        if (
-            grad_weight is not None
-        ):  # a tied embedding's backward adds its rows into it (apply_tied_embedding_gradient)
+        # a tied embedding's backward, next, adds its rows into it (apply_tied_embedding_gradient)
+        if grad_weight is not None and _is(_TIED_LOOKUPS, ctx.weight()):
             _LOSS_WEIGHT_GRADIENTS[id(ctx.weight())] = (ctx.weight, grad_weight)
         return grad_hidden, grad_weight, None, None, None, None
 
