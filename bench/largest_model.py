@@ -628,8 +628,19 @@ def estimate(config: list[str], log: Path) -> dict[str, Any]:
         return {**out, "error": proc.stderr.strip()[-2000:]}
     found = json.loads(proc.stdout.strip().splitlines()[-1])
     keys = ("host_peak_rss_gib", "peak_memory_gib", "host_gib", "phase", "breakdown", "process_baseline_gib",
-            "num_params", "num_trainable_params", "seconds")  # fmt: skip
-    return {**out, **{k: found.get(k) for k in keys}}
+            "num_params", "num_trainable_params", "seconds", "phase_peaks_gib", "fixes_mmap_threshold")  # fmt: skip
+    return {**out, **{k: found.get(k) for k in keys}, "phase_rss_gib": predicted_phase_rss(found)}
+
+
+def predicted_phase_rss(found: dict[str, Any]) -> dict[str, float] | None:
+    """The predicted peak RSS (GiB) of each phase memfit estimate predicts (load, step, save): the phase's tensors
+    plus what the process holds besides them (baseline, runtime, free heap: the whole-run prediction less its
+    largest phase's tensors)."""
+    phases, rss = found.get("phase_peaks_gib"), found.get("host_peak_rss_gib")
+    if not phases or rss is None:
+        return None
+    besides = rss - max(phases.values())
+    return {k: round(v + besides, 3) for k, v in phases.items()}
 
 
 def memfit_run(name: str, config: list[str], steps: int, run_dir: Path, guard_bytes: int) -> dict[str, Any]:
@@ -677,6 +688,7 @@ def memfit_run(name: str, config: list[str], steps: int, run_dir: Path, guard_by
         "command": _shown(cmd),
         "estimate_command": predicted.pop("command"),
         "predicted_peak_rss_gib": predicted.get("host_peak_rss_gib"),
+        "predicted_phase_rss_gib": predicted.get("phase_rss_gib"),
         "measured_peak_rss_gib": _gib(run.max_rss_bytes),
         "sampled_peak_rss_gib": _gib(max((s for _, s in run.samples), default=None)),
         "memfit_peak_rss_gib": float(own_rss.split()[1]) if own_rss else None,
@@ -825,6 +837,7 @@ def row_3b_plain(args: argparse.Namespace, model_dir: Path, run_dir: Path) -> di
         "forced": False,
         "estimate_command": predicted.pop("command"),
         "predicted_peak_rss_gib": predicted.get("host_peak_rss_gib"),
+        "predicted_phase_rss_gib": predicted.get("phase_rss_gib"),
         "measured_peak_rss_gib": _gib(run.max_rss_bytes),
         "sampled_peak_rss_gib": _gib(max((s for _, s in run.samples), default=None)),
         "phase_peaks_gib": {**peaks, "save": None},
@@ -902,8 +915,8 @@ def section(rows: list[dict[str, Any]], scale: str, prose: str | None = None) ->
         "others' results)" + (f"; as run here: {', '.join(special)}" if special else ""),
         "",
         "| row | config | predicted (GiB) | measured (GiB) | load / first step / steady / save peak (GiB) "
-        "| load (s) | step (s) | tok/s | checkpoint (GiB) | outcome |",
-        "|---|---|---:|---:|---|---:|---|---:|---:|---|",
+        "| predicted load / step / save (GiB) | load (s) | step (s) | tok/s | checkpoint (GiB) | outcome |",
+        "|---|---|---:|---:|---|---|---:|---|---:|---:|---|",
     ]
     for r in rows:
         p = r.get("phase_peaks_gib") or {}
@@ -911,6 +924,8 @@ def section(rows: list[dict[str, Any]], scale: str, prose: str | None = None) ->
         phases = " / ".join(
             _cell(v) for v in (load, p.get("first_step"), p.get("steady_step"), p.get("save"))
         )
+        q = r.get("predicted_phase_rss_gib") or {}
+        predicted_phases = " / ".join(_cell(q.get(k)) for k in ("load", "step", "save")) if q else "—"
         switches = ", ".join(f"`{k}={v}`" for k, v in (r.get("switches") or {}).items()) or "—"
         if r.get("forced"):
             switches += " (forced)"
@@ -918,7 +933,8 @@ def section(rows: list[dict[str, Any]], scale: str, prose: str | None = None) ->
         outcome = str(r.get("outcome", "")).replace("|", "/")[:200]
         lines.append(
             f"| {r['name']} | {switches} | {_cell(r.get('predicted_peak_rss_gib'))} "
-            f"| {_cell(r.get('measured_peak_rss_gib'))} | {phases} | {_cell(r.get('load_seconds'), '{:.1f}')} "
+            f"| {_cell(r.get('measured_peak_rss_gib'))} | {phases} | {predicted_phases} "
+            f"| {_cell(r.get('load_seconds'), '{:.1f}')} "
             f"| {steps} | {_cell(r.get('tokens_per_second'), '{:,.1f}')} | {_cell(r.get('checkpoint_gib'))} "
             f"| {outcome} |"
         )

@@ -44,6 +44,7 @@ from memfit.units import parse_bytes
 
 DEVICES = ("auto", "cpu", "cuda")
 NONFINITE_POLICIES = ("stop", "skip")  # on_nonfinite
+MMAP_THRESHOLD_SETTINGS = ("auto", "dynamic", "fixed")  # mmap_threshold (memory/host.py)
 TOKENIZER_KINDS = ("bpe", "char", "file")
 
 
@@ -415,6 +416,15 @@ class TrainConfig:
     resident set; sharded, per rank. The pre-flight refuses a run predicted over it (as over the free memory) with
     the planner's cheapest fix; ``preflight: false`` turns that check off too. ``memfit plan`` takes it as its
     ``budget`` when none is given. ``None``: the free device memory (or available host memory) alone."""
+    mmap_threshold: str = "auto"
+    """CPU runs on glibc: ``fixed`` holds the C allocator's mmap threshold at 128 KiB from the start of the run, so
+    every tensor of at least that size is given back to the kernel when freed (no free heap is kept: the peak RSS is
+    what the estimator predicts, at the cost of faulting temporaries in again each step); ``dynamic`` leaves glibc's
+    rising threshold (the heaps keep freed memory: faster steps on small models, and holes that grow to gigabytes on
+    large ones); ``auto``: ``fixed`` for LoRA, QLoRA and adapter runs of models of ``dim`` >= 2048 (no slower there),
+    else ``dynamic`` (a full fine-tune's optimizer faults its few-MiB temporaries in again: 2.2x the step time at
+    dim 3,072). A ``MALLOC_*`` setting in the environment wins over all three (docs/memory.md, "Host memory (RSS)
+    on CPU")."""
     track_memory: bool = False
     """Track live bytes by category (parameters, gradients, optimizer_state, activations, temporaries; sharded,
     also unsharded_parameters, what FSDP has all-gathered); adds ``memory_breakdown`` (GiB at the interval's
@@ -856,6 +866,7 @@ def _validate_run(cfg: TrainConfig) -> None:
     )
     _one_of(cfg.device, DEVICES, "device")
     _one_of(cfg.on_nonfinite, NONFINITE_POLICIES, "on_nonfinite")
+    _one_of(cfg.mmap_threshold, MMAP_THRESHOLD_SETTINGS, "mmap_threshold")
     _require(
         not (cfg.on_nonfinite == "skip" and cfg.optimizer_in_backward),
         "on_nonfinite",

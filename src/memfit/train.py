@@ -217,6 +217,15 @@ def _set_up(cfg: TrainConfig, device: torch.device) -> _Run:
             tqdm.write(check)
     elif cfg.memory_budget is not None and main_rank:  # preflight=false wins: nothing is checked
         tqdm.write(f"note: preflight=false: memory_budget={cfg.memory_budget} is not checked")
+    if (
+        host.fixes_mmap_threshold(cfg.mmap_threshold, mcfg.dim, device.type, cfg.method)
+        and host.fix_mmap_threshold()
+    ):
+        if main_rank:  # before the model is built: its weights and every step's temporaries are given back
+            tqdm.write(
+                f"note: glibc's mmap threshold fixed at {host.FIXED_MMAP_THRESHOLD // 1024} KiB "
+                f"(mmap_threshold={cfg.mmap_threshold}, dim {mcfg.dim}): freed tensors go back to the kernel"
+            )
     out.mkdir(parents=True, exist_ok=True)  # only now: bad input above leaves no output_dir behind
     if main_rank and cfg.optimizer.warmup_steps >= cfg.max_steps:
         tqdm.write(
@@ -248,6 +257,7 @@ def _saver(cfg: TrainConfig, run: _Run, model, optimizer, divergence: _Divergenc
 
     def save(step: int) -> Path:
         divergence.check()
+        host.release_free_heap()  # the steps' free heap back to the kernel: the save starts from the live tensors
         if not dist_.all_finite(p for p in model.parameters() if p.requires_grad):
             raise DivergenceError(  # a finite loss and gradient norm, but not finite weights (an overflow)
                 f"the weights are not finite at step {step} (the run diverged), so no checkpoint was written; "

@@ -72,6 +72,78 @@ def test_the_mmap_threshold_is_dynamic_unless_the_environment_fixes_it():
         assert not host.dynamic_mmap_threshold(env), env
 
 
+@pytest.mark.skipif(not GLIBC, reason="glibc's mmap threshold")
+def test_a_wide_model_fixes_the_mmap_threshold_and_keeps_no_free_heap(monkeypatch):
+    for name in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_MMAP_MAX_"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
+    assert host.FIXED_MMAP_THRESHOLD == 131_072 and host.FIXED_MMAP_THRESHOLD_FROM_DIM == 2048
+    # auto: adapter fine-tunes of wide models; a full fine-tune's optimizer would fault its temporaries in again
+    for method in ("lora", "qlora", "adapter"):
+        assert host.fixes_mmap_threshold("auto", 2048, "cpu", method)
+        assert not host.fixes_mmap_threshold("auto", 2047, "cpu", method)
+    assert not host.fixes_mmap_threshold("auto", 4096, "cpu", "full")
+    assert host.fixes_mmap_threshold("fixed", 64, "cpu", "full")
+    assert not host.fixes_mmap_threshold("dynamic", 4096, "cpu", "qlora")
+    assert not host.fixes_mmap_threshold(
+        "fixed", 4096, "cuda", "full"
+    )  # a CUDA run's tensors are not on the C heap
+    # the environment's own malloc setting wins: the run leaves it
+    assert not host.fixes_mmap_threshold("fixed", 4096, "cpu", "full", {"MALLOC_MMAP_THRESHOLD_": "4194304"})
+    with pytest.raises(ValueError, match="mmap_threshold must be one of auto, dynamic, fixed, got 'on'"):
+        host.fixes_mmap_threshold("on", 4096, "cpu", "full")
+    assert host.retained_heap_bytes(10**9, 10**9, fixed=True) == 0
+    # the tiny preset (dim 64): auto leaves the threshold dynamic (300 MiB of free heap predicted), fixed does not
+    auto = estimate_run(load_config(None, [*TINY, "device=cpu"]))
+    fixed = estimate_run(load_config(None, [*TINY, "device=cpu", "mmap_threshold=fixed"]))
+    assert (
+        not auto.fixes_mmap_threshold
+        and fixed.fixes_mmap_threshold
+        and fixed.to_json()["fixes_mmap_threshold"]
+    )
+    assert auto.host_peak_rss_bytes - auto.process_baseline_bytes == (
+        host.RUNTIME_BYTES + host.HEAP_RETAINED_BYTES + auto.peak_bytes
+    )
+    assert fixed.host_peak_rss_bytes - fixed.process_baseline_bytes == host.RUNTIME_BYTES + fixed.peak_bytes
+
+
+# a block once the threshold has risen past it: from the heap (dynamic), or mapped on its own (fixed; a request the
+# heap's free top can hold is still served from there, as glibc maps only what the heap would have to grow for)
+_FIXED = """
+import ctypes
+from memfit.memory import host
+class Info(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                 "fsmblks", "uordblks", "fordblks", "keepcost")]
+libc = ctypes.CDLL(None)
+libc.mallinfo2.restype = Info
+libc.malloc.restype = ctypes.c_void_p
+libc.free.argtypes = (ctypes.c_void_p,)
+libc.free(libc.malloc(8 << 20))  # an 8 MiB block freed: the dynamic threshold rises to 8 MiB
+def mapped_for(nbytes):
+    before = libc.mallinfo2().hblkhd
+    block = libc.malloc(nbytes)
+    mapped = libc.mallinfo2().hblkhd - before
+    libc.free(block)
+    return mapped
+dynamic = mapped_for(1 << 20)  # the heap grows by it, and keeps it free at its top
+assert host.fix_mmap_threshold()
+print(dynamic, mapped_for(4 << 20))  # more than the heap's free top: mapped, as every block over 128 KiB would be
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not GLIBC, reason="glibc's mallopt")
+def test_fixing_the_mmap_threshold_maps_each_block_over_it_on_its_own():
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != "GLIBC_TUNABLES"}
+    out = subprocess.run([sys.executable, "-c", _FIXED], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    dynamic, fixed = map(int, out.stdout.split())
+    assert dynamic == 0  # served from the heap, kept there when freed
+    # its own mapping (with malloc's header, rounded up to a page), unmapped at free
+    assert fixed == (4 << 20) + 4096
+
+
 def test_estimate_of_a_cpu_run_adds_the_process_baseline_to_the_traced_peak():
     e = estimate_run(load_config(None, [*TINY, "device=cpu"]))
     assert e.process_baseline_bytes is not None and e.process_baseline_bytes > 0

@@ -62,6 +62,7 @@ __all__ = [
     "detect_format",
     "export_checkpoint",
     "iter_state_dict",
+    "load_order",
     "load_pretrained",
     "pretrained_parameters",
     "read_config",
@@ -283,6 +284,32 @@ def pretrained_parameters(path: str | Path, fmt: str | None = None) -> Iterator[
     """
     scan = _scan(Path(path), fmt)
     return _checked_tensors(scan, build_llama(scan.config, device="meta"))
+
+
+def load_order(path: str | Path, fmt: str | None = None) -> list[tuple[Entry, bool]] | None:
+    """The tensors :func:`load_pretrained` reads from ``path``, in the order it reads them, from the headers alone:
+    each is read whole into memory of its own and dropped when the next is read. The flag says whether the model
+    keeps it (``False``: read and dropped, as a tied ``lm_head.weight`` or a stored ``rotary_emb.inv_freq``).
+
+    Args:
+        path: a checkpoint directory (see :func:`detect_format`).
+        fmt: the format, or None to detect it.
+
+    Returns:
+        ``[(entry, kept), ...]``, or ``None`` where the format is read otherwise (Meta shards concatenated, fused
+        tensors split, a sharded memfit checkpoint consolidated first).
+
+    Raises:
+        CheckpointError: as :func:`load_pretrained`.
+    """
+    scan = _scan(Path(path), fmt)
+    if not scan.streamed:
+        return None
+    skip = _check_entries(build_llama(scan.config, device="meta"), scan)
+    by_file: dict[Path, list[Entry]] = {}  # read_safetensors' order: file by file, as first named
+    for e in scan.entries:
+        by_file.setdefault(e.file, []).append(e)
+    return [(e, e.name not in skip) for group in by_file.values() for e in group]
 
 
 def _checked_tensors(scan: Scan, model: Llama) -> Iterator[tuple[str, Tensor]]:

@@ -305,7 +305,7 @@ def scan_hf(directory: Path) -> Scan:
     )
     if family(config.family).fused:
         return _split_scan(config, info, entries)
-    return Scan(config, info, entries, lambda: read_safetensors(entries))
+    return Scan(config, info, entries, lambda: read_safetensors(entries), streamed=True)
 
 
 def _part_rows(config: LlamaConfig) -> dict[str, int]:

@@ -55,7 +55,7 @@ def scan_memfit(path: Path) -> Scan:
     config = read_model_config(ckpt)
     entries = [Entry(n, s, d, weights) for n, (s, d) in safetensors_header(weights).items()]
     info = _memfit_info(ckpt, entries)
-    return Scan(config, info, entries, lambda: read_safetensors(entries))
+    return Scan(config, info, entries, lambda: read_safetensors(entries), streamed=True)
 
 
 def _memfit_info(ckpt: Path, entries: list[Entry]) -> PretrainedInfo:

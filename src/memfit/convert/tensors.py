@@ -86,6 +86,9 @@ class Scan:
     info: PretrainedInfo
     entries: list[Entry]
     read: Callable[[], Iterator[tuple[Entry, Tensor]]]
+    streamed: bool = False
+    """``read()`` is :func:`read_safetensors` of ``entries``: each tensor read whole into memory of its own, in file
+    order, and no other tensor held meanwhile (what :func:`memfit.convert.load_order` can predict)."""
 
 
 def first_float_dtype(entries: list[Entry]) -> torch.dtype | None:
@@ -177,5 +180,6 @@ def read_safetensors(entries: list[Entry]) -> Iterator[tuple[Entry, Tensor]]:
                     if not _PREAD:  # mmap backend: copy out of the mapping before it closes
                         tensor = tensor.clone()
                     yield entry, tensor
+                    del tensor  # not held while the next one is read: the caller's is the only reference
         except (SafetensorError, OSError) as exc:
             raise _safetensors_error(path, exc) from None

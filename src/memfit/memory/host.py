@@ -8,8 +8,20 @@ freed, the threshold rises to that block's size (up to 32 MiB on 64-bit). A trai
 activations within its first milliseconds, so from then on almost every activation, gradient and temporary comes
 from the heap, and the heap keeps what the step frees: measured, ~300 MiB of free heap resident at the peak of the
 runs of docs/memory.md (:data:`HEAP_RETAINED_BYTES`). In exchange no step pays to fault its memory in again: with
-the threshold held at 128 KiB (``MALLOC_MMAP_THRESHOLD_=131072`` in the environment, which memfit leaves to the
-user) the peak RSS falls by those ~300 MiB but the step takes 1.4-1.65x as long on CPU, so memfit does not set it.
+the threshold held at 128 KiB (``MALLOC_MMAP_THRESHOLD_=131072`` in the environment, or ``mallopt``) the peak RSS falls
+by those ~300 MiB but the step of a small model takes 1.4-1.65x as long on CPU: every step faults its temporaries
+in again.
+
+At scale the trade depends on the step. A large model's long-lived tensors (QLoRA's NF4 codes, LoRA's gradients)
+are as small as a step's temporaries, so once the threshold has risen they are served from the heap between the
+temporaries, and the holes between them are never given back: an 8B-shaped QLoRA run of 8 layers held 1.84 GiB free
+in its heap at its peak (``mallinfo2``), growing step by step, and peaked at 8.25 GiB RSS, 1.3 GiB over the
+prediction. With the threshold fixed it peaked at 6.65 GiB (0.6% from the tensors' prediction) at the same step
+time: its big temporaries, the dequantized weights and the matmuls' outputs, are over 32 MiB and mapped anyway. A
+full fine-tune is the opposite case: its optimizer updates every weight through temporaries of a few MiB each, and a
+Llama-3.2-3B-shaped one of 4 layers (torchao 4-bit AdamW in backward) stepped in 165 s instead of 75 s with the
+threshold fixed. So a CPU run fixes the threshold itself where its model is wide and only adapters are trained
+(``mmap_threshold: auto``, the default: :func:`fixes_mmap_threshold`), and the estimator predicts no free heap for it.
 """
 
 from __future__ import annotations
@@ -19,6 +31,8 @@ import os
 import platform
 import sys
 from collections.abc import Mapping
+
+from memfit.config import MMAP_THRESHOLD_SETTINGS
 
 HEAP_RETAINED_BYTES = 300 * 1024**2
 """Bytes of free memory glibc's heaps hold at a run's peak under the dynamic mmap threshold, measured as peak RSS -
@@ -31,6 +45,18 @@ RUNTIME_BYTES = 48 * 1024**2
 the pages of the compute kernels (oneDNN, MKL, OpenMP) touched by the first step, the stacks of torch's worker
 threads and of the RSS sampler, the tokenizer and the memory-mapped batches, heap blocks of small tensors. Measured
 with the mmap threshold held (no free heap) on the three runs of docs/memory.md: 52, 36 and 80 MiB."""
+
+FIXED_MMAP_THRESHOLD = 128 * 1024
+"""The mmap threshold a run fixes (``mallopt(M_MMAP_THRESHOLD)``): glibc's own initial value, under which the runs of
+docs/memory.md keep no free heap."""
+
+FIXED_MMAP_THRESHOLD_FROM_DIM = 2048
+"""``mmap_threshold: auto`` fixes the threshold for adapter fine-tunes (LoRA, QLoRA, adapter) of models of at least
+this hidden size (``dim``): their step's temporaries are the matmuls' and the dequantized weights', whose cost of
+faulting in again falls as ~1/dim against the arithmetic (1.4-1.65x the step time at dim 256 and 768,
+docs/memory.md; none measurable for QLoRA at dim 4,096), while the heap's holes grow to gigabytes."""
+
+_M_MMAP_THRESHOLD = -3  # glibc's malloc.h
 
 _MALLOC_SETTINGS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_MMAP_MAX_")
 _TUNABLES = ("mmap_threshold", "trim_threshold", "top_pad", "mmap_max")
@@ -56,6 +82,55 @@ def dynamic_mmap_threshold(environ: Mapping[str, str] | None = None) -> bool:
     return not any(env.get(k) for k in _MALLOC_SETTINGS) and not any(
         f"glibc.malloc.{t}=" in tunables for t in _TUNABLES
     )
+
+
+def fixes_mmap_threshold(
+    setting: str, dim: int, device_type: str, method: str, environ: Mapping[str, str] | None = None
+) -> bool:
+    """Whether a run fixes glibc's mmap threshold at :data:`FIXED_MMAP_THRESHOLD` when it starts
+    (:func:`fix_mmap_threshold`): a CPU run on glibc whose environment leaves malloc's settings alone
+    (:func:`dynamic_mmap_threshold`), with ``mmap_threshold: fixed``, or ``auto``, an adapter method and a model at
+    least :data:`FIXED_MMAP_THRESHOLD_FROM_DIM` wide. The estimator asks the same question, and predicts no free
+    heap where the answer is yes.
+
+    Args:
+        setting: the config key ``mmap_threshold``: ``auto``, ``dynamic`` or ``fixed``.
+        dim: the model's hidden size.
+        device_type: ``cpu`` or ``cuda`` (a CUDA run's tensors are not on the C heap: never).
+        method: the config key ``method`` (``full`` trains every weight: ``auto`` leaves the threshold dynamic).
+        environ: the environment; default this process's.
+
+    Raises:
+        ValueError: ``setting`` is not one of :data:`MMAP_THRESHOLD_SETTINGS`.
+    """
+    if setting not in MMAP_THRESHOLD_SETTINGS:
+        raise ValueError(
+            f"mmap_threshold must be one of {', '.join(MMAP_THRESHOLD_SETTINGS)}, got {setting!r}"
+        )
+    if device_type != "cpu" or setting == "dynamic" or not dynamic_mmap_threshold(environ):
+        return False
+    return setting == "fixed" or (method != "full" and dim >= FIXED_MMAP_THRESHOLD_FROM_DIM)
+
+
+def fix_mmap_threshold(threshold: int = FIXED_MMAP_THRESHOLD) -> bool:
+    """Fix glibc's mmap threshold at ``threshold`` bytes for the rest of the process (``mallopt``): from now on every
+    request of at least that size gets its own ``mmap``, given back to the kernel when freed, and the threshold no
+    longer rises. Blocks the heaps hold already stay there.
+
+    Args:
+        threshold: bytes; glibc takes at most 32 MiB on 64-bit.
+
+    Returns:
+        Whether it was set (``False`` off glibc).
+    """
+    if not glibc():
+        return False
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
+    return mallopt(_M_MMAP_THRESHOLD, threshold) == 1
 
 
 def release_free_heap() -> bool:
@@ -127,8 +202,11 @@ parameters it all-gathers each step (one per byte of the gradients it reduce-sca
 Fitted on the runs listed there."""
 
 
-def retained_heap_bytes(gathered_parameter_bytes: int = 0, reduced_gradient_bytes: int = 0) -> int:
-    """Bytes of free memory glibc's heaps will hold at this process's peak, under a dynamic mmap threshold (else 0):
+def retained_heap_bytes(
+    gathered_parameter_bytes: int = 0, reduced_gradient_bytes: int = 0, *, fixed: bool = False
+) -> int:
+    """Bytes of free memory glibc's heaps will hold at this process's peak, under a dynamic mmap threshold (else 0,
+    as where the run fixes it: ``fixed``, :func:`fixes_mmap_threshold`):
     :data:`HEAP_RETAINED_BYTES`, plus, for a rank of a sharded CPU run, the gradients it reduce-scatters each step and
     :data:`SHARDED_HEAP_GATHERED_FRACTION` of the parameters it all-gathers.
 
@@ -151,11 +229,12 @@ def retained_heap_bytes(gathered_parameter_bytes: int = 0, reduced_gradient_byte
             which it all-gathers each step; 0 for one process.
         reduced_gradient_bytes: a rank of a sharded run: bytes of the whole model's gradients (unsharded), which it
             reduce-scatters each step (those of the trainable parameters); 0 for one process.
+        fixed: the run fixes the threshold when it starts (:func:`fixes_mmap_threshold`).
 
     Returns:
         Bytes.
     """
-    if not dynamic_mmap_threshold():
+    if fixed or not dynamic_mmap_threshold():
         return 0
     return (
         HEAP_RETAINED_BYTES
@@ -164,11 +243,13 @@ def retained_heap_bytes(gathered_parameter_bytes: int = 0, reduced_gradient_byte
     )
 
 
-def process_overhead_bytes(gathered_parameter_bytes: int = 0, reduced_gradient_bytes: int = 0) -> int:
+def process_overhead_bytes(
+    gathered_parameter_bytes: int = 0, reduced_gradient_bytes: int = 0, *, fixed: bool = False
+) -> int:
     """What a CPU training process holds at its peak besides its tensors, predicted from this process: its resident
     set now (imports; call it from a process that has imported memfit's training path and no model) plus
     :data:`RUNTIME_BYTES` plus :func:`retained_heap_bytes` (of the arguments: a rank of a sharded run's whole-model
-    parameter and gradient bytes, 0 for one process). What :func:`predict_peak_rss` adds to a traced peak, for a
-    planner that compares traced peaks with an RSS budget."""
-    retained = retained_heap_bytes(gathered_parameter_bytes, reduced_gradient_bytes)
+    parameter and gradient bytes, 0 for one process; ``fixed``: the run fixes the mmap threshold). What
+    :func:`predict_peak_rss` adds to a traced peak, for a planner that compares traced peaks with an RSS budget."""
+    retained = retained_heap_bytes(gathered_parameter_bytes, reduced_gradient_bytes, fixed=fixed)
     return predict_peak_rss(0, process_rss_bytes() or 0, heap_retained_bytes=retained)

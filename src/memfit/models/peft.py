@@ -607,7 +607,8 @@ def is_nf4(tensor: Tensor) -> bool:
     return type(local).__name__ == "NF4Tensor"
 
 
-def _nf4_module() -> Any:
+def nf4_module() -> Any:
+    """torchao's ``nf4_tensor`` module (``NF4Tensor``, ``to_nf4``), imported quietly on first use."""
     with quiet_torchao_import():  # torchao takes seconds to import: only a QLoRA run pays for it
         from torchao.quantization.quantize_.workflows.nf4 import nf4_tensor
 
@@ -630,7 +631,7 @@ def to_nf4(weight: Tensor) -> Tensor:
         ValueError: as :func:`nf4_layout`.
     """
     block, scaler_block = nf4_layout(weight.shape)
-    nf4 = _nf4_module()
+    nf4 = nf4_module()
     if weight.is_meta or isinstance(weight, torch._subclasses.fake_tensor.FakeTensor):
         return empty_nf4(weight.shape, weight.dtype, weight.device)
     return nf4.to_nf4(weight.detach().contiguous(), block, scaler_block)
@@ -653,7 +654,7 @@ def empty_nf4(shape: Sequence[int], dtype: torch.dtype, device: torch.device | s
         ValueError: as :func:`nf4_layout`.
     """
     block, scaler_block = nf4_layout(shape)
-    nf4 = _nf4_module()
+    nf4 = nf4_module()
     numel = math.prod(shape)
     n_blocks = numel // block
     groups = n_blocks // scaler_block

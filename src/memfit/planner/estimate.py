@@ -63,7 +63,7 @@ from memfit.distributed import unwrap as dist_unwrap
 from memfit.errors import ConfigError
 from memfit.memory import optimizers, switches
 from memfit.memory.allocator import CUDA_CONTEXT_BYTES_ESTIMATE, replay, workspace_events
-from memfit.memory.host import predict_peak_rss, process_rss_bytes, retained_heap_bytes
+from memfit.memory.host import fixes_mmap_threshold, predict_peak_rss, process_rss_bytes, retained_heap_bytes
 from memfit.memory.offload import OffloadStats
 from memfit.memory.optim import optimizers_in
 from memfit.memory.optimizers import BNB_PAGED_MIN_NUMEL
@@ -76,6 +76,7 @@ from memfit.planner.compose import compose as compose_layers
 from memfit.planner.compose_allocations import compose_allocations
 from memfit.planner.cuda_paths import cuda_paths
 from memfit.planner.fake_trace import GlooBuffers, ScalarReads, fake_ids, fake_mode, fake_process_group, quiet
+from memfit.planner.phases import load_peak_bytes
 from memfit.step import train_step, train_step_options
 from memfit.units import GIB
 
@@ -126,11 +127,34 @@ class Estimate:
     (:func:`memfit.memory.allocator.replay`). ``None`` on CPU, and where part of the step's memory moves to the
     host (``optimizer.cpu_offload``, ``distributed.cpu_offload``), which the replay
     does not model."""
+    load_peak_bytes: int | None = None
+    """CPU runs of one process from ``checkpoint_dir``: the peak live tensor bytes while the pretrained weights load
+    (:func:`memfit.planner.phases.load_peak_bytes`); ``None`` where not predicted (no checkpoint to load, a format
+    read otherwise, CUDA, sharded)."""
+    save_peak_bytes: int | None = None
+    """CPU runs of one process: the peak live tensor bytes while a checkpoint is written, the live bytes at the end
+    of the traced step (:mod:`memfit.planner.phases`); ``None`` where not predicted."""
+    fixes_mmap_threshold: bool = False
+    """CPU runs: the run fixes glibc's mmap threshold when it starts (:func:`memfit.memory.host.fixes_mmap_threshold`),
+    so the predicted resident set holds no free heap."""
     trace: dict[str, Any] = field(default_factory=dict)
     """How the figure was obtained: ``layers``, ``layers_traced`` (the depths traced: the run's, or 3 and 4 to
     compose it), ``composed``, ``trace_seconds`` (each trace's seconds, in that order), ``events_traced`` and
     ``events_composed`` (the tracker's timeline events of the traces and of the composed L-layer step) where it
     composed, and ``why_not_composed`` where the whole model was traced."""
+
+    @property
+    def phase_peaks(self) -> dict[str, int]:
+        """Live tensor bytes at the peak of each predicted phase of the run: ``load`` and ``save`` where predicted,
+        ``step`` (the traced peak plus host bytes) always."""
+        step = {"step": self.peak_bytes + self.host_bytes}
+        return {k: v for k, v in {"load": self.load_peak_bytes, **step, "save": self.save_peak_bytes}.items()
+                if v is not None}  # fmt: skip
+
+    @property
+    def run_peak_bytes(self) -> int:
+        """The highest of :attr:`phase_peaks`: what a CPU process's tensors need at once over the whole run."""
+        return max(self.phase_peaks.values())
 
     def to_json(self) -> dict[str, Any]:
         """The contract of ``memfit estimate --json``: ``peak_memory_gib``, ``breakdown`` (category -> GiB),
@@ -158,6 +182,8 @@ class Estimate:
             "peak_memory_reserved_gib": (
                 None if self.peak_reserved_bytes is None else self.peak_reserved_bytes / GIB
             ),
+            "phase_peaks_gib": {k: v / GIB for k, v in self.phase_peaks.items()},
+            "fixes_mmap_threshold": self.fixes_mmap_threshold,
             "trace": self.trace,
         }
 
@@ -264,14 +290,22 @@ def estimate_run(
     device = peak if reserved is None else reserved
     if target == "cuda":
         device += CUDA_CONTEXT_BYTES_ESTIMATE
+    load = save = None
+    if target != "cuda" and world_size == 1:  # the phases around the step (planner/phases.py)
+        load = load_peak_bytes(cfg, mcfg)
+        # what the run holds between steps, written in place: the step's last temporaries and (zero_grad with
+        # set_to_none) its gradients are freed by then, with no op to show it in the timeline
+        save = sum(v for k, v in timeline[-1][2].items() if k not in ("gradients", "temporaries")) + host
     rss = None
+    fixed = fixes_mmap_threshold(cfg.mmap_threshold, mcfg.dim, target, cfg.method)
     if target != "cuda" and baseline is not None:
         gathered = reduced = 0
         if world_size > 1:  # the whole model and gradients pass through FSDP2's and gloo's buffers each step
             whole = model_state_bytes_closed_form(cfg, mcfg, 1)
             gathered, reduced = whole["parameters"], whole["trainable_parameters"]
-        retained = retained_heap_bytes(gathered, reduced)
-        rss = predict_peak_rss(peak + host, baseline, heap_retained_bytes=retained)
+        retained = retained_heap_bytes(gathered, reduced, fixed=fixed)
+        tensors = max(peak + host, load or 0, save or 0)
+        rss = predict_peak_rss(tensors, baseline, heap_retained_bytes=retained)
     return Estimate(
         peak_bytes=peak,
         breakdown=breakdown,
@@ -291,6 +325,9 @@ def estimate_run(
         host_peak_rss_bytes=rss,
         process_baseline_bytes=baseline,
         peak_reserved_bytes=reserved,
+        load_peak_bytes=load,
+        save_peak_bytes=save,
+        fixes_mmap_threshold=fixed,
         trace=how,
     )
 

@@ -54,7 +54,7 @@ from memfit.config import (
 from memfit.distributed import shard_numel
 from memfit.errors import ConfigError
 from memfit.memory import optimizers, switches
-from memfit.memory.host import process_overhead_bytes
+from memfit.memory.host import fixes_mmap_threshold, process_overhead_bytes
 from memfit.memory.switches import checkpointed_layers
 from memfit.models import peft
 from memfit.planner.closed_form import model_state_bytes_closed_form
@@ -358,6 +358,7 @@ class _Context:
             host_overhead = process_overhead_bytes(
                 gathered_parameter_bytes=whole["parameters"] if whole else 0,
                 reduced_gradient_bytes=whole["trainable_parameters"] if whole else 0,
+                fixed=fixes_mmap_threshold(cfg.mmap_threshold, self.mcfg.dim, self.target, cfg.method),
             )
         elif host_overhead is None:
             host_overhead = 0

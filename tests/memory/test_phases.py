@@ -1,0 +1,145 @@
+"""The phases around a run's steps (``memfit.planner.phases``): the load of pretrained weights predicted from the
+file headers, to the byte of what a memory tracker sees the real load hold; the save as what the run holds between
+steps; both in ``estimate_run``'s resident-set prediction and the pre-flight's (docs/memory.md, "Load and save")."""
+
+from __future__ import annotations
+
+import gc
+import json
+import weakref
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from torch import nn
+
+from memfit.build import load_base, run_model_config
+from memfit.config import load_config
+from memfit.convert import load_order
+from memfit.convert.hf import scan_hf
+from memfit.memory import host
+from memfit.memory.tracker import MemoryTracker
+from memfit.planner.estimate import estimate_run
+from memfit.planner.phases import load_peak_bytes, nf4_quantization_peak
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+HF_CONFIG = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256,
+    "max_position_embeddings": 128, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": True,
+    "torch_dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": 2,
+}  # fmt: skip
+
+
+def _checkpoint(root: Path, dtype: torch.dtype) -> Path:
+    """A tiny tied Llama as transformers writes it, stored in ``dtype``, with a stored ``lm_head.weight`` besides
+    (as some exporters write a tied head): read, then dropped."""
+    transformers = pytest.importorskip("transformers")
+    directory = root / f"hf-{str(dtype).split('.')[-1]}"
+    directory.mkdir()
+    (directory / "config.json").write_text(
+        json.dumps({**HF_CONFIG, "torch_dtype": str(dtype).split(".")[-1]})
+    )
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**HF_CONFIG)).to(dtype)
+    tensors = {k: v.contiguous() for k, v in model.state_dict().items()}
+    tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
+    save_file(tensors, str(directory / "model.safetensors"))
+    return directory
+
+
+def _tracked_load(cfg) -> tuple[int, nn.Module]:
+    tracker = MemoryTracker(nn.Module(), device="cpu", record_timeline=False)
+    with tracker:
+        model = load_base(cfg, "cpu")
+    return tracker.peak_bytes, model
+
+
+@pytest.mark.parametrize(
+    ("stored", "method"),
+    [(torch.bfloat16, "full"), (torch.float32, "full"), (torch.bfloat16, "qlora"), (torch.float32, "lora")],
+)
+def test_the_load_peak_is_what_a_tracker_sees_the_real_load_hold(tmp_path, stored, method):
+    ckpt = _checkpoint(tmp_path, stored)
+    cfg = load_config(None, [f"checkpoint_dir={ckpt}", f"method={method}", "dtype=fp32", "device=cpu"])
+    predicted = load_peak_bytes(cfg, run_model_config(cfg))
+    tracked, model = _tracked_load(cfg)
+    assert predicted == tracked
+    # by hand: stored fp32 is kept as read (no copy), and the tied head read first is dropped before the rest, so
+    # the peak is the loaded model (90,432 fp32 parameters) as its RoPE buffer is recomputed: the 8 inverse
+    # frequencies (head_dim 16 / 2, fp32: 32 bytes) from an int64 arange (64) and its fp32 copy (32)
+    params = sum(p.numel() for p in model.parameters())
+    if method == "full" and stored == torch.float32:
+        assert params == 90_432 and sum(b.nbytes for b in model.buffers()) == 32
+        assert predicted == 4 * 90_432 + 32 + 64 + 32
+    if method == "full" and stored == torch.bfloat16:  # each bf16 source beside its fp32 copy, at its turn
+        assert predicted > 4 * params
+
+
+def test_the_load_reads_each_tensor_once_and_keeps_none_behind(tmp_path):
+    ckpt = _checkpoint(tmp_path, torch.bfloat16)
+    order = load_order(ckpt)
+    assert order is not None
+    names = [e.name for e, _ in order]
+    assert [k for e, k in order if e.name == "lm_head.weight"] == [False]  # tied: read, not kept
+    assert sorted(names) == sorted({e.name for e in scan_hf(ckpt).entries})
+    # the reader drops its own reference once a tensor is handed on: the next read is not made beside it
+    scan = scan_hf(ckpt)
+    reader = scan.read()
+    _, first = next(reader)
+    ref = weakref.ref(first)
+    del first
+    next(reader)
+    gc.collect()
+    assert ref() is None
+
+
+def test_nf4_quantization_peak_is_traced_once_per_shape():
+    nf4_quantization_peak.cache_clear()
+    peak = nf4_quantization_peak((128, 64), torch.float32)
+    assert peak > 128 * 64 * 4  # the fp32 input, its scaled copy, the codes and the chunk's comparisons
+    assert nf4_quantization_peak((128, 64), torch.float32) == peak
+    assert nf4_quantization_peak.cache_info().hits == 1
+
+
+def test_estimate_of_a_qlora_run_takes_its_load_when_the_load_is_the_peak(tmp_path):
+    # a tiny QLoRA run: quantizing a weight (torchao compares values with the 16 codes in chunks) holds more than
+    # a step of this model does, so the load decides the resident set, and the pre-flight uses it
+    ckpt = _checkpoint(tmp_path, torch.bfloat16)
+    args = [
+        f"checkpoint_dir={ckpt}",
+        "method=qlora",
+        "dtype=fp32",
+        "device=cpu",
+        "batch_size=1",
+        "seq_len=16",
+    ]
+    cfg = load_config(None, [*args, "mmap_threshold=fixed", "optimizer.name=adamw"])
+    e = estimate_run(cfg)
+    assert e.load_peak_bytes == load_peak_bytes(cfg, run_model_config(cfg))
+    assert e.load_peak_bytes > e.peak_bytes + e.host_bytes
+    assert e.run_peak_bytes == e.load_peak_bytes
+    assert e.phase_peaks == {"load": e.load_peak_bytes, "step": e.peak_bytes, "save": e.save_peak_bytes}
+    if host.glibc():  # the threshold fixed: no free heap
+        assert e.fixes_mmap_threshold
+        assert e.host_peak_rss_bytes == e.process_baseline_bytes + host.RUNTIME_BYTES + e.load_peak_bytes
+    assert e.to_json()["phase_peaks_gib"]["load"] * 1024**3 == pytest.approx(e.load_peak_bytes, abs=1)
+
+
+def test_the_save_holds_what_the_run_holds_between_steps():
+    # the tiny preset from scratch, AdamW: 427,296 bytes of parameters (with the RoPE buffer) and 854,612 of state
+    # (two moments and 27 fp32 step counters) = 1,281,908 bytes; the gradients (427,264 bytes) are gone by then,
+    # set to None at the end of the step, as they are with the optimizer step in backward
+    tiny = ["model=tiny", "tokenizer.kind=char", "tokenizer.vocab_size=65", "batch_size=2", "seq_len=16"]
+    tiny += ["optimizer.name=adamw", "device=cpu"]
+    e = estimate_run(load_config(None, tiny))
+    assert e.load_peak_bytes is None  # from scratch: nothing to load
+    assert (e.model_states["parameters"], e.model_states["optimizer_state"]) == (427_296, 854_612)
+    assert e.save_peak_bytes == 427_296 + 854_612 == 1_281_908
+    assert e.run_peak_bytes == e.peak_bytes > e.save_peak_bytes
+    in_backward = estimate_run(load_config(None, [*tiny, "optimizer_in_backward=true", "max_grad_norm=0"]))
+    assert in_backward.save_peak_bytes == 1_281_908
+    # CUDA runs: the phases around the step are not predicted
+    assert estimate_run(load_config(None, [*tiny[:-1], "device=cuda"])).save_peak_bytes is None
