@@ -93,7 +93,8 @@ def preflight(cfg: TrainConfig, mcfg: LlamaConfig, seq_len: int, device: torch.d
         )
     cfg = _on(cfg, device.type)  # device=auto: trace (and fix) the run for the device it resolved to
     estimate = estimate_run(cfg, seq_len=seq_len, model_config=mcfg)
-    need = estimate.device_total_bytes if device.type == "cuda" else estimate.peak_bytes + estimate.host_bytes
+    # CPU: the largest phase's tensors (the load, a step or a save: planner/phases.py)
+    need = estimate.device_total_bytes if device.type == "cuda" else estimate.run_peak_bytes
     over_budget = budget is not None and budgeted_bytes(estimate, device.type) > budget
     if over_budget and (need <= available or limit < available):  # the budget is the tighter: its fix
         raise PreflightError(_over_budget(cfg, estimate, budget, device.type))
@@ -158,11 +159,7 @@ def budgeted_bytes(estimate: Estimate, device_type: str) -> int:
         return estimate.device_total_bytes
     if estimate.host_peak_rss_bytes is not None:
         return estimate.host_peak_rss_bytes
-    return (
-        estimate.peak_bytes
-        + estimate.host_bytes
-        + process_overhead_bytes(fixed=estimate.fixes_mmap_threshold)
-    )
+    return estimate.run_peak_bytes + process_overhead_bytes(fixed=estimate.fixes_mmap_threshold)
 
 
 def _held_besides_tensors(device_type: str, fixed: bool) -> int:
