@@ -18,10 +18,12 @@ from memfit.build import load_base, run_model_config
 from memfit.config import load_config
 from memfit.convert import load_order
 from memfit.convert.hf import scan_hf
+from memfit.errors import PreflightError
 from memfit.memory import host
 from memfit.memory.tracker import MemoryTracker
 from memfit.planner.estimate import estimate_run
 from memfit.planner.phases import load_peak_bytes, nf4_quantization_peak
+from memfit.planner.preflight import preflight
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -143,3 +145,28 @@ def test_the_save_holds_what_the_run_holds_between_steps():
     assert in_backward.save_peak_bytes == 1_281_908
     # CUDA runs: the phases around the step are not predicted
     assert estimate_run(load_config(None, [*tiny[:-1], "device=cuda"])).save_peak_bytes is None
+
+
+def test_a_budget_the_steps_fit_but_the_load_does_not_is_refused(tmp_path):
+    # the tiny QLoRA run's load needs more than its step: a memory_budget between the two is refused before
+    # anything is allocated, naming the predicted peak resident set (the load's)
+    ckpt = _checkpoint(tmp_path, torch.bfloat16)
+    args = [
+        f"checkpoint_dir={ckpt}",
+        "method=qlora",
+        "dtype=fp32",
+        "device=cpu",
+        "batch_size=1",
+        "seq_len=16",
+    ]
+    args += ["optimizer.name=adamw", "mmap_threshold=fixed"]
+    cfg = load_config(None, args)
+    e = estimate_run(cfg)
+    besides = e.host_peak_rss_bytes - e.load_peak_bytes
+    step_rss = besides + e.peak_bytes
+    budget_mib = (step_rss + e.host_peak_rss_bytes) // 2 // 2**20
+    over = load_config(None, [*args, f"memory_budget={budget_mib}MiB"])
+    with pytest.raises(PreflightError, match=f"it needs {e.host_peak_rss_bytes / 2**30:.2f} GiB at its peak"):
+        preflight(over, run_model_config(over), 16, torch.device("cpu"))
+    fits = load_config(None, [*args, f"memory_budget={e.host_peak_rss_bytes // 2**20 + 64}MiB"])
+    assert "pre-flight:" in preflight(fits, run_model_config(fits), 16, torch.device("cpu"))

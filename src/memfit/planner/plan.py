@@ -575,7 +575,9 @@ class _Search:
         )
         acts = e.unseen.get("offloaded_activations", 0)
         row.cost = ctx.cost(row.config, acts, e.device_total_bytes)
-        row.status = "fits" if e.peak_bytes <= ctx.usable else "over budget"
+        # on CPU the load or a save can be the run's peak (planner/phases.py): the row fits when all of them do
+        need = max(e.peak_bytes, e.run_peak_bytes) if ctx.target == "cpu" else e.peak_bytes
+        row.status = "fits" if need <= ctx.usable else "over budget"
         self.by_activation.setdefault(switches.activation_key(row.config), []).append(row)
         self.failed_since_fit = 0 if row.fits else self.failed_since_fit + 1
         self.progress(

@@ -19,6 +19,7 @@ from memfit.memory.host import fixes_mmap_threshold, process_overhead_bytes
 from memfit.models.llama import LlamaConfig
 from memfit.planner.closed_form import model_state_bytes_closed_form
 from memfit.planner.estimate import Estimate, estimate_run
+from memfit.planner.phases import load_peak_bytes
 from memfit.planner.plan import PlanRequest, cheapest_fix
 from memfit.planner.report import format_estimate
 from memfit.units import GIB, MIB, format_bytes
@@ -29,7 +30,8 @@ def preflight(cfg: TrainConfig, mcfg: LlamaConfig, seq_len: int, device: torch.d
 
     A cheap bound comes first: the closed-form model states plus a generous activation bound (34 bytes per token
     and hidden unit per layer in 16 bits, doubled for fp32, after Korthikanti et al. 2022, "Reducing Activation
-    Recomputation in Large Transformer Models", plus three copies of the fp32 logits). When the bound is under
+    Recomputation in Large Transformer Models", plus three copies of the fp32 logits), or on CPU the load of
+    ``checkpoint_dir`` where that is more (:func:`memfit.planner.phases.load_peak_bytes`). When the bound is under
     half of what the tensors may have, the run fits and no trace is made. Otherwise the run's own step is traced
     on fake tensors (:func:`memfit.planner.estimate.estimate_run`) at the widest batch the data can produce, and
     compared with free device memory (CUDA: ``torch.cuda.mem_get_info``; the driver's total, paged memory
@@ -75,6 +77,8 @@ def preflight(cfg: TrainConfig, mcfg: LlamaConfig, seq_len: int, device: torch.d
         + 17 * act_bytes * tokens * mcfg.dim * mcfg.num_layers
         + 3 * 4 * tokens * mcfg.vocab_size
     )
+    if device.type == "cpu" and world == 1:  # loading can hold more than a step: QLoRA's quantization
+        bound = max(bound, load_peak_bytes(cfg, mcfg) or 0)
     within = "" if budget is None else f", within memory_budget={cfg.memory_budget}"
     if bound < limit / 2:
         return f"pre-flight: fits (bound {format_bytes(bound)}, {available / GIB:.1f} GiB {where}{within})"
