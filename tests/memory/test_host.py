@@ -135,10 +135,7 @@ print(dynamic, mapped_for(4 << 20))  # more than the heap's free top: mapped, as
 @pytest.mark.slow
 @pytest.mark.skipif(not GLIBC, reason="glibc's mallopt")
 def test_fixing_the_mmap_threshold_maps_each_block_over_it_on_its_own():
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != "GLIBC_TUNABLES"}
-    out = subprocess.run([sys.executable, "-c", _FIXED], env=env, capture_output=True, text=True)
-    assert out.returncode == 0, out.stderr
-    dynamic, fixed = map(int, out.stdout.split())
+    dynamic, fixed = map(int, _run_with_glibc_defaults(_FIXED).split())
     assert dynamic == 0  # served from the heap, kept there when freed
     # its own mapping (with malloc's header, rounded up to a page), unmapped at free
     assert fixed == (4 << 20) + 4096
@@ -225,7 +222,15 @@ print((before - host.process_rss_bytes()) >> 20)
 @pytest.mark.slow
 @pytest.mark.skipif(not GLIBC, reason="glibc's malloc_trim")
 def test_releasing_the_free_heap_returns_freed_small_blocks_to_the_kernel():
+    assert (
+        int(_run_with_glibc_defaults(_TRIMMED)) >= 90
+    )  # ~100 MiB freed (1 KiB blocks, with their 16-byte headers), unmapped
+
+
+def _run_with_glibc_defaults(code: str) -> str:
+    """``python -c code`` in an environment without malloc settings (glibc's defaults: a dynamic threshold); its
+    standard output."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != "GLIBC_TUNABLES"}
-    out = subprocess.run([sys.executable, "-c", _TRIMMED], env=env, capture_output=True, text=True)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
-    assert int(out.stdout) >= 90  # ~100 MiB freed (1 KiB blocks, with their 16-byte headers), unmapped
+    return out.stdout

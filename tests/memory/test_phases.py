@@ -21,6 +21,7 @@ from memfit.convert.hf import scan_hf
 from memfit.errors import PreflightError
 from memfit.memory import host
 from memfit.memory.tracker import MemoryTracker
+from memfit.planner import estimate as estimate_module
 from memfit.planner.estimate import estimate_run
 from memfit.planner.phases import load_peak_bytes, nf4_quantization_peak
 from memfit.planner.preflight import preflight
@@ -35,21 +36,27 @@ HF_CONFIG = {
 }  # fmt: skip
 
 
-def _checkpoint(root: Path, dtype: torch.dtype) -> Path:
-    """A tiny tied Llama as transformers writes it, stored in ``dtype``, with a stored ``lm_head.weight`` besides
-    (as some exporters write a tied head): read, then dropped."""
+def _checkpoint(root: Path, dtype: torch.dtype, **sizes: int) -> Path:
+    """A tiny tied Llama as transformers writes it (``sizes`` over :data:`HF_CONFIG`), stored in ``dtype``, with a
+    stored ``lm_head.weight`` besides (as some exporters write a tied head): read, then dropped."""
+    config = {**HF_CONFIG, **sizes}
     transformers = pytest.importorskip("transformers")
     directory = root / f"hf-{str(dtype).split('.')[-1]}"
     directory.mkdir()
-    (directory / "config.json").write_text(
-        json.dumps({**HF_CONFIG, "torch_dtype": str(dtype).split(".")[-1]})
-    )
+    (directory / "config.json").write_text(json.dumps({**config, "torch_dtype": str(dtype).split(".")[-1]}))
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**HF_CONFIG)).to(dtype)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config)).to(dtype)
     tensors = {k: v.contiguous() for k, v in model.state_dict().items()}
     tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
     save_file(tensors, str(directory / "model.safetensors"))
     return directory
+
+
+def _tiny_qlora(root: Path, **sizes: int) -> list[str]:
+    """The overrides of a tiny QLoRA run of a bf16 checkpoint (the threshold fixed: no free heap predicted)."""
+    ckpt = _checkpoint(root, torch.bfloat16, **sizes)
+    return [f"checkpoint_dir={ckpt}", "method=qlora", "dtype=fp32", "device=cpu", "batch_size=1", "seq_len=16",
+            "optimizer.name=adamw", "mmap_threshold=fixed"]  # fmt: skip
 
 
 def _tracked_load(cfg) -> tuple[int, nn.Module]:
@@ -109,16 +116,8 @@ def test_nf4_quantization_peak_is_traced_once_per_shape():
 def test_estimate_of_a_qlora_run_takes_its_load_when_the_load_is_the_peak(tmp_path):
     # a tiny QLoRA run: quantizing a weight (torchao compares values with the 16 codes in chunks) holds more than
     # a step of this model does, so the load decides the resident set, and the pre-flight uses it
-    ckpt = _checkpoint(tmp_path, torch.bfloat16)
-    args = [
-        f"checkpoint_dir={ckpt}",
-        "method=qlora",
-        "dtype=fp32",
-        "device=cpu",
-        "batch_size=1",
-        "seq_len=16",
-    ]
-    cfg = load_config(None, [*args, "mmap_threshold=fixed", "optimizer.name=adamw"])
+    args = _tiny_qlora(tmp_path)
+    cfg = load_config(None, args)
     e = estimate_run(cfg)
     assert e.load_peak_bytes == load_peak_bytes(cfg, run_model_config(cfg))
     assert e.load_peak_bytes > e.peak_bytes + e.host_bytes
@@ -147,21 +146,17 @@ def test_the_save_holds_what_the_run_holds_between_steps():
     assert estimate_run(load_config(None, [*tiny[:-1], "device=cuda"])).save_peak_bytes is None
 
 
-def test_a_budget_the_steps_fit_but_the_load_does_not_is_refused(tmp_path):
+def test_a_budget_the_steps_fit_but_the_load_does_not_is_refused(tmp_path, monkeypatch):
     # the tiny QLoRA run's load needs more than its step: a memory_budget between the two is refused before
-    # anything is allocated, naming the predicted peak resident set (the load's)
-    ckpt = _checkpoint(tmp_path, torch.bfloat16)
-    args = [
-        f"checkpoint_dir={ckpt}",
-        "method=qlora",
-        "dtype=fp32",
-        "device=cpu",
-        "batch_size=1",
-        "seq_len=16",
-    ]
-    args += ["optimizer.name=adamw", "mmap_threshold=fixed"]
+    # anything is allocated, naming the predicted peak resident set (the load's). The process's own resident set
+    # is held at 300 MiB, as imports made meanwhile would move it between the estimate and the check.
+    for module in (host, estimate_module):
+        monkeypatch.setattr(module, "process_rss_bytes", lambda: 300 * 2**20)
+    # MLP weights of 2048 x 256: torchao compares their 524,288 values with the 16 codes at once (32 MiB)
+    args = _tiny_qlora(tmp_path, hidden_size=256, intermediate_size=2048)
     cfg = load_config(None, args)
     e = estimate_run(cfg)
+    assert e.load_peak_bytes - e.peak_bytes > 32 * 2**20
     besides = e.host_peak_rss_bytes - e.load_peak_bytes
     step_rss = besides + e.peak_bytes
     budget_mib = (step_rss + e.host_peak_rss_bytes) // 2 // 2**20
