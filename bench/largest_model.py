@@ -905,7 +905,9 @@ def section(rows: list[dict[str, Any]], scale: str, prose: str | None = None) ->
         "Each row is one fresh process on this machine (2 CPU cores, 24 GiB of RAM, no swap), on a Hugging Face "
         "directory of random bf16 weights with Meta's `config.json` (GPT-2's tokenizer), fp32 compute, batch 1 x "
         "512 tokens of the Dolly sample packed into full rows. *Predicted* is `memfit estimate --json`'s "
-        "`host_peak_rss_gib` of the row's config; *measured* is the whole process's peak RSS (`/usr/bin/time -v`); "
+        "`host_peak_rss_gib` of the row's config, and *predicted load / step / save* the same per phase (its "
+        "`phase_peaks_gib` plus what the process holds besides its tensors); *measured* is the whole process's "
+        "peak RSS (`/usr/bin/time -v`); "
         "the phase peaks come from the process's RSS sampled every 0.1 s, split at the lines memfit prints (load: "
         "to its banner, the set-up included; first step; the steady steps; save: the final checkpoint). Step "
         "seconds are between step lines; tok/s is memfit's own over the steps after the first. GiB = 1024**3 "
@@ -955,7 +957,11 @@ def section(rows: list[dict[str, Any]], scale: str, prose: str | None = None) ->
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
-        "--rows", nargs="+", choices=ROWS, default=list(ROWS), help="rows to run (default: all)"
+        "--rows",
+        nargs="*",
+        choices=ROWS,
+        default=list(ROWS),
+        help="rows to run (default: all; none: rewrite the section from the JSON's results)",
     )
     parser.add_argument(
         "--scale", choices=("full", "small"), default="full", help="small: tiny stand-in models"
