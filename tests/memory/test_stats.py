@@ -29,7 +29,10 @@ def test_the_run_s_peak_is_the_kernel_s_and_no_interval_exceeds_it(small_corpus,
     kernel = int(report.read_text().split()[-1]) * 1024 / GIB  # KiB
     assert abs(printed - kernel) <= 0.002  # printed to 1 MiB; the kernel's per-CPU counters drift by less
     intervals = [r["peak_memory_rss"] for r in read_records(out / "metrics.jsonl") if "loss" in r]
-    assert len(intervals) == 12 and max(intervals) <= kernel and min(intervals) > 0
+    # the intervals' peaks are the kernel's marks or statm samples, read from the same drifting counters as above:
+    # since the run hands its free heap back before its checkpoint (memory/host.py), the highest interval read
+    # 0.03-0.16 MiB over ru_maxrss in 2 runs of 3 (never before), within the drift allowed above
+    assert len(intervals) == 12 and max(intervals) <= kernel + 0.002 and min(intervals) > 0
 
 
 def test_an_interval_that_sets_a_new_high_reports_the_kernel_s_mark():
