@@ -31,6 +31,7 @@ import os
 import platform
 import sys
 from collections.abc import Mapping
+from typing import Any
 
 from memfit.config import MMAP_THRESHOLD_SETTINGS
 
@@ -123,33 +124,34 @@ def fix_mmap_threshold(threshold: int = FIXED_MMAP_THRESHOLD) -> bool:
     Returns:
         Whether it was set (``False`` off glibc).
     """
-    if not glibc():
-        return False
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):
-        return False
-    mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
-    return mallopt(_M_MMAP_THRESHOLD, threshold) == 1
+    mallopt = _glibc_function("mallopt", (ctypes.c_int, ctypes.c_int))
+    return mallopt is not None and mallopt(_M_MMAP_THRESHOLD, threshold) == 1
 
 
 def release_free_heap() -> bool:
-    """Give the free memory inside glibc's heaps back to the kernel (``malloc_trim(0)``). Called once after the
-    data is ready: preparing it in the run (training the BPE tokenizer, tokenizing the corpus) builds and frees
-    millions of small Python objects, which leaves ~140 MiB of free heap resident below live blocks, where the
-    heap's top cannot be trimmed (the main job's peak RSS: 1,371 -> 1,252 MiB).
+    """Give the free memory inside glibc's heaps back to the kernel (``malloc_trim(0)``). Called before each
+    checkpoint (the steps' free heap would come on top of the save) and once after the data is ready: preparing it
+    in the run (training the BPE tokenizer, tokenizing the corpus) builds and frees millions of small Python
+    objects, which leaves ~140 MiB of free heap resident below live blocks, where the heap's top cannot be trimmed
+    (the main job's peak RSS: 1,371 -> 1,252 MiB).
 
     Returns:
         Whether any memory was released (``False`` off glibc).
     """
+    malloc_trim = _glibc_function("malloc_trim", (ctypes.c_size_t,))
+    return malloc_trim is not None and malloc_trim(0) == 1
+
+
+def _glibc_function(name: str, argtypes: tuple[Any, ...]) -> Any:
+    """glibc's ``int name(argtypes)`` from this process's C library, or ``None`` off glibc or where it is missing."""
     if not glibc():
-        return False
+        return None
     try:
-        malloc_trim = ctypes.CDLL(None).malloc_trim
+        function = getattr(ctypes.CDLL(None), name)
     except (OSError, AttributeError):
-        return False
-    malloc_trim.argtypes, malloc_trim.restype = (ctypes.c_size_t,), ctypes.c_int
-    return malloc_trim(0) == 1
+        return None
+    function.argtypes, function.restype = argtypes, ctypes.c_int
+    return function
 
 
 def process_rss_bytes() -> int | None:
