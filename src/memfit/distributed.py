@@ -215,11 +215,19 @@ def from_main(obj: Any) -> Any:
 
 def all_finite(tensors: Iterable[torch.Tensor]) -> bool:
     """Whether every element of ``tensors`` (this rank's shards of DTensors) is finite, on every rank. A host
-    sync (and a collective when sharded: every rank must call it)."""
+    sync (and a collective when sharded: every rank must call it).
+
+    Each tensor is reduced to its least and greatest element (``torch.aminmax``, which propagates NaN), so the check
+    allocates nothing of the tensor's size: ``torch.isfinite(t).all()`` holds an absolute copy of ``t`` and three
+    boolean masks of its shape, 2.57 GiB for Llama-3.2-3B's fp32 embedding, on top of the model at its checkpoint.
+    """
     ok = None
     for t in tensors:
         local = t.to_local() if hasattr(t, "to_local") else t
-        finite = torch.isfinite(local).all()
+        if local.numel() == 0:
+            continue
+        lowest, highest = torch.aminmax(local.detach())
+        finite = torch.isfinite(lowest) & torch.isfinite(highest)
         ok = finite if ok is None else ok & finite
     if ok is None:
         ok = torch.ones((), dtype=torch.bool)
