@@ -157,3 +157,36 @@ def test_resume_notes_name_changed_keys_but_not_keys_newer_than_the_run(small_co
     assert resume_notes(cfg, {"config": saved}) == [
         "note: resuming with optimizer.lr=0.001; the checkpoint's run had optimizer.lr=0.002"
     ]
+
+
+def test_a_cpu_run_creates_the_low_bit_state_before_its_first_step(small_corpus, tmp_path, monkeypatch):
+    """A CPU run creates torchao's state before its first step (so it packs in glibc's heap instead of landing
+    between the first backward's temporaries: docs/memory.md, "At scale"), every byte of it, and then steps."""
+    pytest.importorskip("torchao")
+    from memfit import train as train_module
+    from memfit.memory.optim import optimizer_state_bytes
+
+    from .conftest import tiny_run_overrides
+
+    seen = []
+    real_create, real_step = train_module.create_state, train_module.train_step
+
+    def create(optimizer):
+        made = real_create(optimizer)
+        seen.append(("create", made, optimizer_state_bytes(optimizer)))
+        return made
+
+    def step(model, optimizer, *args, **kwargs):
+        seen.append(("step", optimizer_state_bytes(optimizer)))
+        return real_step(model, optimizer, *args, **kwargs)
+
+    monkeypatch.setattr(train_module, "create_state", create)
+    monkeypatch.setattr(train_module, "train_step", step)
+    overrides = tiny_run_overrides(
+        small_corpus, tmp_path, max_steps=2, **{"optimizer.name": "torchao_adamw4bit"}
+    )
+    cfg = load_config(None, [*overrides, "optimizer_in_backward=true", "max_grad_norm=0"])
+    train_module.train(cfg)
+    (_, made, created), *steps = seen
+    assert made == sum(1 for _ in build_llama(model_config("tiny"), seed=0).parameters())  # one per parameter
+    assert created > 0 and steps == [("step", created), ("step", created)]

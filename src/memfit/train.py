@@ -39,7 +39,7 @@ from memfit.errors import DivergenceError, RunLockedError
 from memfit.flops import mfu_above_one, peak_flops_per_second, training_flops_per_token
 from memfit.generate import generate_text
 from memfit.memory import host
-from memfit.memory.optim import describe_partition, lr_at
+from memfit.memory.optim import create_state, describe_partition, lr_at
 from memfit.memory.stats import PeakMemory, process_peak_rss, tracked_memory_fields
 from memfit.memory.timeline import plot_timeline
 from memfit.memory.tracker import MemoryTracker
@@ -88,6 +88,8 @@ def _train(cfg: TrainConfig, device: torch.device, cleanup: contextlib.ExitStack
         tqdm.write(
             _banner(cfg, verb, built, run.tokenizer, run.data, run.seq_len, run.world, device, start_step)
         )
+    if device.type == "cpu":
+        create_state(optimizer)  # in one piece of glibc's heap, not between the first step's temporaries
     logger = cleanup.enter_context(_metrics_logger(cfg, run, start_step))  # a failed W&B run ends as failed
     memory = cleanup.enter_context(contextlib.closing(PeakMemory(device)))
     records = _StepRecords(cfg, run, device, logger)

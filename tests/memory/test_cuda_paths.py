@@ -82,7 +82,7 @@ def test_bitsandbytes_cpu_fallback_would_allocate_fp32_copies():
 # torchao: the compiled update
 # ----------------------------------------------------------------------------------------------------------------
 
-N = 4096 * 1024
+N = 1024 * 1024  # memfit.memory.hybrids.LOW_BIT_CHUNK_ELEMENTS: the eager update runs it in one chunk
 
 
 @pytest.mark.parametrize(
@@ -98,8 +98,8 @@ def test_torchao_update_holds_the_compiled_kernels_buffers(name, compiled):
     ``compiled_update_buffers``). Eagerly (a CPU target) it holds 28 bytes per element of a bf16 weight at its
     peak: p, grad, the two dequantized moments and three more fp32 intermediates, and three 0-dim fp32 scalars
     (the two bias corrections and ``lr * weight_decay``)."""
-    assert stepped(name, (4096, 1024), enabled=True).category_peaks["temporaries"] == compiled
-    assert stepped(name, (4096, 1024), enabled=False).category_peaks["temporaries"] == 28 * N + 3 * 4
+    assert stepped(name, (1024, 1024), enabled=True).category_peaks["temporaries"] == compiled
+    assert stepped(name, (1024, 1024), enabled=False).category_peaks["temporaries"] == 28 * N + 3 * 4
 
 
 @pytest.mark.parametrize("name", ["torchao_adamw8bit", "torchao_adamw4bit"])
@@ -205,7 +205,7 @@ def test_cuda_paths_swaps_only_while_entered():
     chunk = hybrids.LOW_BIT_CHUNK_ELEMENTS
     with cuda_paths(True):
         assert hybrids.LOW_BIT_CHUNK_ELEMENTS > 2**62
-    assert hybrids.LOW_BIT_CHUNK_ELEMENTS == chunk == 2**22
+    assert hybrids.LOW_BIT_CHUNK_ELEMENTS == chunk == 2**20
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -19,7 +19,9 @@ from memfit.config import OptimizerConfig
 from memfit.memory.optim import (
     OptimizerInBackward,
     build_optimizer,
+    create_state,
     optimizer_state_bytes,
+    optimizer_state_tensors,
     unquantized_state_params,
 )
 from memfit.memory.optimizers import OPTIMIZER_NAMES, check_optimizer_supported
@@ -542,7 +544,7 @@ def test_low_bit_on_cuda_matches_cpu_accounting(name):
 # ----------------------------------------------------------------------------------------------------------------
 
 TORCHAO = ("torchao_adamw8bit", "torchao_adamw4bit", "torchao_adamw_fp8")
-CHUNK = 4096  # elements of a chunk in these tests (LOW_BIT_CHUNK_ELEMENTS is 2**22)
+CHUNK = 4096  # elements of a chunk in these tests (LOW_BIT_CHUNK_ELEMENTS is 2**20)
 
 
 def _torchao_base(name):
@@ -685,3 +687,39 @@ def test_chunked_low_bit_update_holds_the_temporaries_of_one_chunk(name, monkeyp
     tables = 2 * 4 * (256 if name == "torchao_adamw8bit" else 16)
     for chunks in (2, 3, 16):
         assert step_temporaries(chunks * CHUNK // 256) == one_chunk + tables
+
+
+@pytest.mark.parametrize(
+    "in_backward", [True, pytest.param(False, marks=pytest.mark.slow)], ids=["in_bwd", "step"]
+)
+def test_low_bit_state_created_before_the_first_step_is_the_state_the_step_creates(in_backward):
+    """create_state (a CPU run calls it before its first step, so the state packs densely in glibc's heap) makes
+    the state the first step would make: the same bytes before any step, the same steps to the bit after; a
+    resumed run's loaded state is kept, and an optimizer without the method is left alone."""
+    _require("torchao_adamw4bit")
+    runs = {}
+    for early in (False, True):
+        model = build_llama(model_config("tiny"), seed=0)
+        opt = build_optimizer(model, _cfg("torchao_adamw4bit"), in_backward=in_backward)
+        if early:
+            assert optimizer_state_bytes(opt) == 0
+            made = create_state(opt)
+            assert made == (sum(1 for _ in model.parameters()) if in_backward else 1)
+            before = optimizer_state_bytes(opt)
+        for step in range(3):
+            train_step(model, opt, [_batch(step)], max_grad_norm=0.0, dtype="fp32")
+        runs[early] = (model, opt)
+    lazy_model, lazy_opt = runs[False]
+    early_model, early_opt = runs[True]
+    assert before == optimizer_state_bytes(lazy_opt) > 0
+    for a, b in zip(lazy_model.parameters(), early_model.parameters(), strict=True):
+        assert torch.equal(a, b)
+    state = _save_load(early_opt.state_dict())
+    resumed_model = _clone_model(early_model)
+    resumed = build_optimizer(resumed_model, _cfg("torchao_adamw4bit"), in_backward=in_backward)
+    resumed.load_state_dict(state)
+    kept = [id(t) for t in optimizer_state_tensors(resumed)]
+    create_state(resumed)
+    assert [id(t) for t in optimizer_state_tensors(resumed)] == kept
+    plain = build_optimizer(build_llama(model_config("tiny"), seed=0), _cfg("adamw"))
+    assert create_state(plain) == 0 and optimizer_state_bytes(plain) == 0

@@ -22,6 +22,9 @@ full fine-tune is the opposite case: its optimizer updates every weight through 
 Llama-3.2-3B-shaped one of 4 layers (torchao 4-bit AdamW in backward) stepped in 165 s instead of 75 s with the
 threshold fixed. So a CPU run fixes the threshold itself where its model is wide and only adapters are trained
 (``mmap_threshold: auto``, the default: :func:`fixes_mmap_threshold`), and the estimator predicts no free heap for it.
+A full fine-tune keeps the threshold dynamic and leaves fewer holes instead: it creates its optimizer state before
+its first step (:func:`memfit.memory.optim.create_state`), not between the first backward's temporaries, and
+torchao's eager update makes temporaries of 4 MiB (:data:`memfit.memory.hybrids.LOW_BIT_CHUNK_ELEMENTS`).
 """
 
 from __future__ import annotations

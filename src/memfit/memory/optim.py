@@ -596,6 +596,32 @@ def optimizers_in(optimizer: Any) -> list[Any]:
     return out
 
 
+def create_state(optimizer: Any) -> int:
+    """Create now the state that the first step would create, in every optimizer of ``optimizer``
+    (:func:`optimizers_in`) that can (a ``create_state`` method: torchao's low-bit AdamW as memfit builds it,
+    :func:`memfit.memory.hybrids.low_bit_class`); state already there (a resumed run's) is kept.
+
+    On CPU, glibc serves tensors under its mmap threshold from its heaps, which keep the holes between live blocks.
+    State made one parameter at a time inside the first backward lands between that backward's temporaries, and
+    the holes grow with the layers: the Llama-3.2-3B full fine-tune (4-bit AdamW in backward) held 1.4 GiB of free
+    heap at its steps' peaks (``mallinfo2``). Made together before the first step, the state packs densely, and
+    the steps' temporaries reuse the same holes step after step.
+
+    Args:
+        optimizer: a ``torch.optim.Optimizer``, a wrapper of optimizers, or None.
+
+    Returns:
+        How many optimizers created their state.
+    """
+    made = 0
+    for opt in optimizers_in(optimizer):
+        create = getattr(opt, "create_state", None)
+        if callable(create):
+            create()
+            made += 1
+    return made
+
+
 def _held_optimizers(value: Any) -> list[Any]:
     """Optimizers in an attribute's value: the value itself, or those directly in it when it is a dict, list or
     tuple (as wrappers hold them)."""
