@@ -17,12 +17,22 @@ Rows (``--rows``, default all, run in this order):
 - ``3b-plain``: **the 3B fine-tune without memfit**: a plain ``transformers`` loop
   (``LlamaForCausalLM.from_pretrained(DIR, dtype=torch.float32)``, ``torch.optim.AdamW`` at its defaults, which on
   CPU is the for-loop update; forward with ``labels``, ``loss.backward()``, ``step()``; 3 steps of 1 x 512 ids of
-  the tokenized Dolly sample) under a hard memory cap (``--cap-gib``, 22 by default: ``systemd-run --scope -p
-  MemoryMax`` where systemd runs, else ``prlimit --as``, which caps the address space, mapped files included), so
-  that it fails alone instead of taking the machine. Its need is predicted by ``memfit estimate`` of the equivalent
+  the tokenized Dolly sample) under a hard memory cap (``--cap-gib``, 22 by default: a cgroup's limit on resident
+  memory, through ``systemd-run --scope -p MemoryMax`` where systemd runs, else a cgroup v1 memory group of its own;
+  ``prlimit --as``, which caps the address space, mapped files included, where neither is allowed), so that it
+  fails alone instead of taking the machine. Its need is predicted by ``memfit estimate`` of the equivalent
   run (``method=full optimizer.name=adamw optimizer.implementation=for_loop``, no memory switch, fp32, 1 x 512). The
-  row records where it failed (the phase and the error, or the signal), or its peak if it finished. torchtune is
-  not run: it is not installed here.
+  row records where it failed (the phase and the error, or the signal), or its peak if it finished.
+- ``3b-torchtune``: **the same fine-tune with torchtune's lowest-memory single-device recipe**
+  (``full_finetune_single_device`` as its ``llama3_2/3B_full_single_device`` config sets it: bitsandbytes'
+  ``PagedAdamW8bit`` stepped in backward, activation checkpointing, ``CEWithChunkedOutputLoss``), with ``device:
+  cpu``, ``dtype: fp32``, batch 1, the Dolly sample packed into rows of 512 tokens (``alpaca_dataset`` from the
+  JSON file; the tokenizer ``tests/assets/tiktoken_2k.model`` through ``llama3_tokenizer``, since the directories
+  carry GPT-2's), 2 steps and its final checkpoint, under the same cap. torchtune 0.6.1 imports only with a torchao
+  older than memfit's (``torchao.dtypes.nf4tensor``), so it runs from a virtual environment of its own
+  (``--torchtune-venv``, default ``WORKDIR/torchtune-venv``), made with pip when missing (torch as memfit's,
+  ``torchtune==0.6.1``, ``torchao==0.10.0``, bitsandbytes as memfit's). Not run at ``--scale small`` (the
+  tokenizer's special ids need Llama 3's vocabulary).
 
 **Weights.** Each model is written once into ``--workdir`` as a Hugging Face directory of *random* weights
 (``config.json`` as Meta's, with BOS/EOS the ids of the tokenizer it carries; ``normal(0, 0.02)``, norms ones, one
@@ -83,6 +93,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -94,7 +105,7 @@ from memfit.units import GIB, MIB
 
 ROOT = Path(__file__).resolve().parents[1]
 ASSETS = ROOT / "tests" / "assets"
-ROWS = ("3b-full", "8b-qlora", "3b-plain")
+ROWS = ("3b-full", "8b-qlora", "3b-plain", "3b-torchtune")
 SECTION = "largest-model"
 PROSE_START, PROSE_END = "<!-- largest-model-prose:start -->", "<!-- largest-model-prose:end -->"
 """The hand-written prose inside the section: kept as it is when the script rewrites the section."""
@@ -353,10 +364,13 @@ def plain_loop(spec: dict[str, Any]) -> int:
         for step in range(1, spec["steps"] + 1):
             t0 = time.perf_counter()
             phase = f"step {step} forward"
+            mark(phase)  # each phase announced: a process the cap kills says nothing after
             loss = model(input_ids=batch, labels=batch).loss
             phase = f"step {step} backward"
+            mark(phase)
             loss.backward()
             phase = f"step {step} optimizer step"
+            mark(phase)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             mark(f"step {step} | loss {loss.item():.4f} | seconds {time.perf_counter() - t0:.2f}")
@@ -768,22 +782,51 @@ def row_8b_qlora(args: argparse.Namespace, model_dir: Path, run_dir: Path) -> di
     return {**row, **memfit_run("8b-qlora", ["--config", str(path)], 2, run_dir, args.guard_bytes)}
 
 
-def memory_cap(cap_bytes: int) -> tuple[list[str], str]:
-    """The prefix that runs a command under a hard memory cap, and its description: ``systemd-run --scope`` with
-    ``MemoryMax`` (a cgroup v2 limit on the resident set, no swap) where systemd runs, else ``prlimit --as`` (the
-    address space: mapped files and reserved but untouched memory count too, so it bites no later than an RSS cap).
+CGROUP_V1_MEMORY = Path("/sys/fs/cgroup/memory")
+
+
+@contextlib.contextmanager
+def memory_cap(cap_bytes: int, name: str) -> Iterator[tuple[list[str], str]]:
+    """The prefix that runs a command under a hard memory cap, and its description, in the first way this machine
+    offers:
+
+    1. ``systemd-run --scope`` with ``MemoryMax`` (cgroup v2: resident memory, no swap) where systemd runs;
+    2. a cgroup v1 memory cgroup of its own (``memory.limit_in_bytes``: resident memory and page cache, the cache
+       reclaimed before the kernel's OOM killer ends a process of the group) where this process may make one,
+       removed afterwards;
+    3. ``prlimit --as``: the address space, so mapped files and reserved but untouched memory count too, and it
+       bites well before the resident memory reaches the cap.
+
+    Raises:
+        SystemExit: none of the three is here.
     """
     systemd = ["systemd-run", "--quiet", "--scope", "-p", f"MemoryMax={cap_bytes}", "-p", "MemorySwapMax=0"]
     unified = Path("/sys/fs/cgroup/cgroup.controllers").exists()  # cgroup v2, where MemoryMax applies
     if unified and shutil.which("systemd-run") and Path("/run/systemd/system").is_dir():
         if subprocess.run([*systemd, "true"], capture_output=True, timeout=60).returncode == 0:
-            text = f"systemd-run --scope -p MemoryMax={cap_bytes} (cgroup v2: resident memory)"
-            return [*systemd, "--"], text
+            yield (
+                [*systemd, "--"],
+                f"systemd-run --scope -p MemoryMax={cap_bytes} (cgroup v2: resident memory)",
+            )
+            return
+    group = CGROUP_V1_MEMORY / f"memfit-bench-{name}-{os.getpid()}"
+    try:
+        group.mkdir()
+        (group / "memory.limit_in_bytes").write_text(str(cap_bytes))
+    except OSError:
+        group = None
+    if group is not None:
+        try:  # the shell joins the group, then becomes the command
+            enter = f'echo $$ > {shlex.quote(str(group / "cgroup.procs"))} && exec "$@"'
+            yield ["sh", "-c", enter, "sh"], f"cgroup v1 memory.limit_in_bytes={cap_bytes} (resident memory)"
+        finally:
+            with contextlib.suppress(OSError):
+                group.rmdir()
+        return
     if shutil.which("prlimit"):
-        return ["prlimit", f"--as={cap_bytes}", "--"], f"prlimit --as={cap_bytes} (address space)"
-    raise SystemExit(
-        "3b-plain: neither systemd-run (cgroup v2, systemd running) nor prlimit is here for the cap"
-    )
+        yield ["prlimit", f"--as={cap_bytes}", "--"], f"prlimit --as={cap_bytes} (address space)"
+        return
+    raise SystemExit(f"{name}: no cgroup (v2 through systemd-run, or v1) and no prlimit here for the cap")
 
 
 def row_3b_plain(args: argparse.Namespace, model_dir: Path, run_dir: Path) -> dict[str, Any]:
@@ -795,11 +838,11 @@ def row_3b_plain(args: argparse.Namespace, model_dir: Path, run_dir: Path) -> di
     ]  # fmt: skip
     predicted = estimate(config, run_dir / "estimate.txt")
     cap_bytes = int(args.cap_gib * GIB)
-    prefix, cap_text = memory_cap(cap_bytes)
     spec = {"dir": str(model_dir), "steps": 3, "seq_len": SEQ_LEN, "lr": 2e-5}
-    cmd = [*prefix, sys.executable, __file__, "--_plain", json.dumps(spec)]
-    run = run_measured(cmd, run_dir / "plain.log", cap_bytes + GIB, "3b-plain")
-    steps = [run.first(rf"plain: step {n} ") for n in range(1, 4)]
+    with memory_cap(cap_bytes, "3b-plain") as (prefix, cap_text):
+        cmd = [*prefix, sys.executable, __file__, "--_plain", json.dumps(spec)]
+        run = run_measured(cmd, run_dir / "plain.log", cap_bytes + GIB, "3b-plain")
+    steps = [run.first(rf"plain: step {n} \|") for n in range(1, 4)]
     peaks, phase_seconds, ended_in = split_phases(
         run,
         [
@@ -819,7 +862,9 @@ def row_3b_plain(args: argparse.Namespace, model_dir: Path, run_dir: Path) -> di
     elif failed:
         outcome = failed.removeprefix("plain: ")
     elif run.signal is not None:
-        outcome = f"killed by signal {run.signal} ({signal.Signals(run.signal).name}) during {ended_in}"
+        last = next((ln for _, ln in reversed(run.lines) if re.match(r"plain: step \d+ [a-z]", ln)), None)
+        where = last.removeprefix("plain: ") if last else ended_in
+        outcome = f"killed by signal {run.signal} ({signal.Signals(run.signal).name}) in {where}"
     else:
         outcome = f"failed (exit {run.returncode}) during {ended_in}"
     return {
@@ -853,9 +898,134 @@ def row_3b_plain(args: argparse.Namespace, model_dir: Path, run_dir: Path) -> di
         "exit_status": run.returncode,
         "wall_seconds": round(run.wall_seconds, 1),
         "estimate": predicted,
-        "torchtune": "not run: not installed here",
         "log": str(run_dir / "plain.log"),
     }
+
+
+TORCHTUNE = ("torchtune==0.6.1", "torchao==0.10.0")
+"""What the torchtune row installs beside torch and bitsandbytes at memfit's versions: torchtune 0.6.1 imports
+``torchao.dtypes.nf4tensor``, which later torchao releases moved."""
+
+
+def torchtune_venv(path: Path) -> Path:
+    """The ``tune`` command of a virtual environment at ``path`` holding torchtune, made with pip when missing."""
+    tune = path / "bin" / "tune"
+    if tune.exists():
+        return tune
+    from importlib.metadata import version
+
+    subprocess.run([sys.executable, "-m", "venv", str(path)], check=True)
+    pins = [f"torch=={version('torch')}", f"bitsandbytes=={version('bitsandbytes')}", *TORCHTUNE]
+    subprocess.run([str(path / "bin" / "pip"), "install", "-q", *pins], check=True)
+    return tune
+
+
+def torchtune_config(model_dir: Path, out: Path, steps: int) -> dict[str, Any]:
+    """torchtune's ``llama3_2/3B_full_single_device`` config, on this machine: CPU, fp32, the local directory and
+    data, batch 1 x 512 packed, ``steps`` steps; its memory switches as it ships them."""
+    index = json.loads((model_dir / "model.safetensors.index.json").read_text())
+    return {
+        "output_dir": str(out),
+        "tokenizer": {"_component_": "torchtune.models.llama3.llama3_tokenizer",
+                      "path": str(ASSETS / "tiktoken_2k.model"), "max_seq_len": SEQ_LEN},
+        "dataset": {"_component_": "torchtune.datasets.alpaca_dataset", "source": "json",
+                    "data_files": str(ASSETS / "dolly_sample.json"), "split": "train", "packed": True,
+                    "column_map": {"instruction": "instruction", "input": "context", "output": "response"}},
+        "seed": 0, "shuffle": False,
+        "model": {"_component_": "torchtune.models.llama3_2.llama3_2_3b"},
+        "checkpointer": {"_component_": "torchtune.training.FullModelHFCheckpointer",
+                         "checkpoint_dir": str(model_dir),
+                         "checkpoint_files": sorted(set(index["weight_map"].values())),
+                         "recipe_checkpoint": None, "output_dir": str(out), "model_type": "LLAMA3_2"},
+        "resume_from_checkpoint": False, "batch_size": 1, "epochs": 1,
+        "optimizer": {"_component_": "bitsandbytes.optim.PagedAdamW8bit", "lr": 2e-5},
+        "loss": {"_component_": "torchtune.modules.loss.CEWithChunkedOutputLoss"},
+        "max_steps_per_epoch": steps, "gradient_accumulation_steps": 1, "optimizer_in_bwd": True,
+        "clip_grad_norm": None, "compile": False, "device": "cpu", "enable_activation_checkpointing": True,
+        "enable_activation_offloading": False, "dtype": "fp32",
+        "metric_logger": {"_component_": "torchtune.training.metric_logging.DiskLogger", "log_dir": str(out / "logs")},
+        "log_every_n_steps": 1, "log_peak_memory_stats": False,
+        "profiler": {"_component_": "torchtune.training.setup_torch_profiler", "enabled": False},
+    }  # fmt: skip
+
+
+def row_3b_torchtune(args: argparse.Namespace, model_dir: Path, run_dir: Path) -> dict[str, Any]:
+    """``3b-torchtune``: torchtune's lowest-memory single-device recipe under the cap."""
+    if args.scale == "small":
+        return {
+            "outcome": "not run at --scale small",
+            "predicted_peak_rss_gib": None,
+            "measured_peak_rss_gib": None,
+        }
+    # memfit's estimate of the same switches: 8-bit AdamW (paged on CUDA) in backward, full checkpointing, the
+    # cross-entropy in 8 chunks as CEWithChunkedOutputLoss cuts it
+    predicted = estimate(
+        [
+            f"checkpoint_dir={model_dir}", "method=full", "optimizer.name=paged_adamw8bit",
+            "optimizer_in_backward=true", "max_grad_norm=0", "activation_checkpointing=full",
+            "chunked_cross_entropy=8", "tiled_mlp=0",
+            "dtype=fp32", "device=cpu", "batch_size=1", f"seq_len={SEQ_LEN}", *DATA,
+        ],
+        run_dir / "estimate.txt",
+    )  # fmt: skip
+    tune = torchtune_venv(Path(args.torchtune_venv or Path(args.workdir).resolve() / "torchtune-venv"))
+    steps = 2
+    out = run_dir / "output"
+    shutil.rmtree(out, ignore_errors=True)
+    config = run_dir / "torchtune.yaml"
+    config.write_text(yaml.safe_dump(torchtune_config(model_dir, out, steps), sort_keys=False))
+    cap_bytes = int(args.cap_gib * GIB)
+    with memory_cap(cap_bytes, "3b-torchtune") as (prefix, cap_text):
+        cmd = [*prefix, str(tune), "run", "full_finetune_single_device", "--config", str(config)]
+        run = run_measured(cmd, run_dir / "torchtune.log", cap_bytes + GIB, "3b-torchtune")
+    # the recipe's lines: the model built from the checkpoint, its tqdm bar ("epoch|step|Loss: ..."), the save
+    loaded = run.first(r".*Model is initialized with precision")
+    step_ends = [run.first(rf".*\d+\|{n}\|Loss: ") for n in range(1, steps + 1)]
+    saved = run.first(r".*Saving final epoch checkpoint")
+    peaks, phase_seconds, ended_in = split_phases(
+        run, [("load", loaded), ("first_step", step_ends[0]), ("steady_step", step_ends[-1]),
+              ("save", run.wall_seconds if saved is not None else None)]
+    )  # fmt: skip
+    done = [t for t in step_ends if t is not None]
+    seconds = [round(b - a, 1) for a, b in zip([loaded or 0.0, *done], done, strict=False)]
+    metrics = sorted((out / "logs").glob("*.txt")) if out.exists() else []
+    losses = (
+        [float(m.group(1)) for m in re.finditer(r"loss:(\S+)", metrics[-1].read_text())] if metrics else []
+    )
+    errors = [ln for _, ln in run.lines if re.match(r"\w*(Error|Exception)\b", ln)]
+    if run.returncode == 0:
+        outcome = "ok"
+    elif run.signal is not None:
+        outcome = f"killed by signal {run.signal} ({signal.Signals(run.signal).name}) during {ended_in}"
+    else:
+        outcome = f"failed (exit {run.returncode}) during {ended_in}" + (f": {errors[-1]}" if errors else "")
+    return {
+        "command": _shown(cmd),
+        "config": {"recipe": "full_finetune_single_device", "file": str(config), "steps": steps, "cap": cap_text},
+        "switches": {"optimizer": "bitsandbytes PagedAdamW8bit (unpaged on CPU)", "optimizer_in_bwd": True,
+                     "enable_activation_checkpointing": True, "loss": "CEWithChunkedOutputLoss"},
+        "forced": False,
+        "estimate_command": predicted.pop("command"),
+        "predicted_peak_rss_gib": predicted.get("host_peak_rss_gib"),
+        "predicted_phase_rss_gib": predicted.get("phase_rss_gib"),
+        "measured_peak_rss_gib": _gib(run.max_rss_bytes),
+        "sampled_peak_rss_gib": _gib(max((s for _, s in run.samples), default=None)),
+        "phase_peaks_gib": {k: peaks.get(k) for k in ("load", "first_step", "steady_step", "save")},
+        "phase_seconds": phase_seconds,
+        "load_seconds": phase_seconds.get("load") if loaded is not None else None,
+        "step_seconds": seconds,
+        "tokens_per_second": round(SEQ_LEN * len(seconds[1:]) / sum(seconds[1:]), 1) if seconds[1:] else None,
+        "losses": losses,
+        "checkpoint_gib": _gib(_tree_bytes(out)) if saved is not None and out.exists() else None,
+        "outcome": outcome,
+        "cap_gib": args.cap_gib,
+        "cap_method": cap_text,
+        "exit_status": run.returncode,
+        "wall_seconds": round(run.wall_seconds, 1),
+        "estimate": predicted,
+        "versions": list(TORCHTUNE),
+        "log": str(run_dir / "torchtune.log"),
+    }  # fmt: skip
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -876,7 +1046,7 @@ def reproduce_command(args: argparse.Namespace, name: str) -> str:
         cmd += ["--budget", args.budget]
     if name == "3b-full" and args.force_config:
         cmd += ["--force-config", *args.force_config]
-    if name == "3b-plain" and args.cap_gib != 22.0:
+    if name in ("3b-plain", "3b-torchtune") and args.cap_gib != 22.0:
         cmd += ["--cap-gib", f"{args.cap_gib:g}"]
     return shlex.join(cmd)
 
@@ -948,8 +1118,6 @@ def section(rows: list[dict[str, Any]], scale: str, prose: str | None = None) ->
         PROSE_START,
         prose or PLACEHOLDER,
         PROSE_END,
-        "",
-        "torchtune is not run: it is not installed here.",
     ]
     return "\n".join(lines) + "\n"
 
@@ -973,6 +1141,10 @@ def main() -> int:
     )
     parser.add_argument(
         "--guard-gib", type=float, default=23.0, help="kill a memfit row whose RSS passes this (default: 23)"
+    )
+    parser.add_argument(
+        "--torchtune-venv",
+        help="3b-torchtune: a virtual environment with torchtune (default: WORKDIR/torchtune-venv)",
     )
     parser.add_argument("--force-config", nargs="+", metavar="KEY=VAL", help="3b-full: run these keys anyway")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random weights (default: 0)")
@@ -1007,7 +1179,10 @@ def main() -> int:
         run_dir.mkdir(parents=True, exist_ok=True)
         print(f"--- {name} ({made['num_params']:,} parameters)", file=sys.stderr, flush=True)
         t0 = time.monotonic()
-        run_row = {"3b-full": row_3b_full, "8b-qlora": row_8b_qlora, "3b-plain": row_3b_plain}[name]
+        run_row = {
+            "3b-full": row_3b_full, "8b-qlora": row_8b_qlora, "3b-plain": row_3b_plain,
+            "3b-torchtune": row_3b_torchtune,
+        }[name]  # fmt: skip
         row = run_row(args, model_dir, run_dir)
         row = {
             "name": name,
