@@ -311,7 +311,10 @@ def _assert_fullest_rank_s_peak(stdout: str, out: Path) -> None:
     ).groups()
     assert {rank, other} == {"0", "1"} and float(fullest) >= float(lowest) > 0
     records = [r["peak_memory_rss"] for r in read_records(out / "metrics.jsonl") if "loss" in r]
-    assert max(records) <= float(fullest) + 0.0005  # printed to 1 MiB
+    # printed to 1 MiB (0.0005), and the intervals' peaks are statm samples or the kernel's marks, read from the
+    # per-CPU counters that drift from VmHWM by up to 2 MiB (as in tests/memory/test_stats.py): since each rank
+    # hands its free heap back before a checkpoint, a record read 0.6 MiB over the printed peak in CI
+    assert max(records) <= float(fullest) + 0.0005 + 0.002
 
 
 def finetune_diffs(sharded: Path, single: Path) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
