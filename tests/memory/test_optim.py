@@ -689,18 +689,131 @@ def test_chunked_low_bit_update_holds_the_temporaries_of_one_chunk(name, monkeyp
         assert step_temporaries(chunks * CHUNK // 256) == one_chunk + tables
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# bitsandbytes' updates on CPU: its CPU kernels, chunk by chunk, seen by the tracker (hybrids.compose_bnb_cpu_updates)
+# ----------------------------------------------------------------------------------------------------------------
+
+BNB = {"adamw8bit": "AdamW8bit", "lion8bit": "Lion8bit", "paged_adamw": "PagedAdamW"}
+BNB_FP32_TEMPORARIES = {"adamw8bit": 5, "lion8bit": 5, "paged_adamw": 3}
+"""fp32 temporaries of one chunk's size at the CPU update's peak, read from bitsandbytes' backends/cpu/ops.py:
+8-bit AdamW, both moments dequantized, the gradient's scaled copy, the square root and the denominator; Lion, the
+moment dequantized, the gradient's copy, the moment times beta1, their sum and its sign; 32-bit AdamW (its moments
+updated in place), the gradient's copy, the square root and its sum with eps, and the update (the sum freed)."""
+
+
+def _bnb_class(name):
+    from memfit.memory.optimizers import _bitsandbytes
+
+    return getattr(_bitsandbytes(), BNB[name])  # memfit's import: the wrappers installed
+
+
+def _bnb_steps(cls, weights, grads):
+    params = [torch.nn.Parameter(w.clone()) for w in weights]
+    opt = cls(params, lr=1e-2, weight_decay=0.1)
+    for step_grads in grads:
+        for p, g in zip(params, step_grads, strict=True):
+            p.grad = g.clone()
+        opt.step()
+    return params, opt
+
+
+@pytest.mark.parametrize("name", list(BNB))
+def test_bnb_cpu_update_in_chunks_is_bit_identical_to_its_op_on_the_whole_tensor(name, monkeypatch):
+    """Flat chunks that hold whole blocks of 256 values run bitsandbytes' CPU kernel's arithmetic element by element
+    and block by block: the parameters and the state after 3 steps equal those of its op on whole tensors."""
+    _require("paged_adamw")
+    from memfit.memory import hybrids
+
+    cls = _bnb_class(name)
+    monkeypatch.setattr(hybrids, "LOW_BIT_CHUNK_ELEMENTS", CHUNK)
+    g = torch.Generator().manual_seed(0)
+    # 20 chunks; 9,900 values: 2 chunks and a last one of 1,708 values, its last block of 172 values; one tensor
+    # under bitsandbytes' 4,096-element threshold (32-bit state)
+    shapes = [(40, 2048), (33, 300), (30, 100)]
+    weights = [torch.randn(s, generator=g) for s in shapes]
+    grads = [[torch.randn(s, generator=g) for s in shapes] for _ in range(3)]
+    chunked, opt = _bnb_steps(cls, weights, grads)
+    monkeypatch.setattr(hybrids, "BNB_CPU_UPDATES_COMPOSED", False)
+    whole, ref = _bnb_steps(cls, weights, grads)
+    assert len(hybrids._flat_chunks(40 * 2048)) == 20 and hybrids._flat_chunks(9900)[-1] == (8192, 9900)
+    for a, b in zip(chunked, whole, strict=True):
+        assert torch.equal(a, b)
+        state = [k for k, v in opt.state[a].items() if isinstance(v, torch.Tensor)]
+        assert "state1" in state and all(torch.equal(opt.state[a][k], ref.state[b][k]) for k in state)
+
+
+@pytest.mark.parametrize("name", list(BNB))
+def test_bnb_cpu_update_holds_the_temporaries_of_one_chunk_and_the_tracker_sees_them(name, monkeypatch):
+    """The CPU update of a tensor of 1 to 16 chunks holds, at its peak, the fp32 temporaries of one chunk, exactly
+    (BNB_FP32_TEMPORARIES), where bitsandbytes' op on the whole tensor held them for every value, unseen by the
+    tracker; under cuda_paths (an estimate of a CUDA run) the op runs whole again and allocates nothing seen."""
+    _require("paged_adamw")
+    from memfit.memory import hybrids
+    from memfit.memory.tracker import MemoryTracker
+    from memfit.planner.cuda_paths import cuda_paths
+
+    cls = _bnb_class(name)
+    monkeypatch.setattr(hybrids, "LOW_BIT_CHUNK_ELEMENTS", CHUNK)
+
+    def step_temporaries(rows):
+        p = torch.nn.Parameter(torch.randn(rows, 256))
+        opt = cls([p], lr=1e-2)
+        p.grad = torch.randn_like(p)
+        opt.step()  # creates the state
+        p.grad = torch.randn_like(p)
+        with MemoryTracker(torch.nn.ParameterList([p]), opt) as tracker:
+            opt.step()
+        return tracker.peak_breakdown["temporaries"]
+
+    one_chunk = BNB_FP32_TEMPORARIES[name] * 4 * CHUNK
+    for chunks in (1, 2, 3, 16):
+        assert step_temporaries(chunks * CHUNK // 256) == one_chunk
+    with cuda_paths(True):
+        assert step_temporaries(2 * CHUNK // 256) == 0
+    assert hybrids.BNB_CPU_UPDATES_COMPOSED  # restored
+
+
+def test_an_estimate_traces_two_chunks_of_a_bnb_cpu_update_and_gets_every_chunk_s_bytes(monkeypatch):
+    """On fake tensors only a tensor's first and last chunks run bitsandbytes' CPU kernel (hybrids.traced_chunks):
+    the estimate's peak, phase and breakdown are those of running every chunk, to the byte, composed and whole."""
+    _require("adamw8bit")
+    from memfit.config import load_config
+    from memfit.memory import hybrids
+    from memfit.planner.estimate import estimate_run
+
+    monkeypatch.setattr(hybrids, "LOW_BIT_CHUNK_ELEMENTS", CHUNK)
+    seen = []
+    traced = hybrids.traced_chunks
+    monkeypatch.setattr(
+        hybrids, "traced_chunks", lambda chunks, p: seen.append(len(chunks)) or traced(chunks, p)
+    )
+    cfg = load_config(
+        None,
+        "model=tiny tokenizer.kind=char batch_size=2 seq_len=16 device=cpu optimizer.name=adamw8bit "
+        "optimizer_in_backward=true max_grad_norm=0 model_args.num_layers=5".split(),
+    )
+    two = estimate_run(cfg, compose=True)
+    monkeypatch.setattr(hybrids, "traced_chunks", lambda chunks, p: chunks)
+    every = estimate_run(cfg, compose=False)
+    assert two.trace.get("composed") is True and every.trace.get("composed") is False
+    assert (two.peak_bytes, two.phase, two.breakdown) == (every.peak_bytes, every.phase, every.breakdown)
+    assert max(seen) > 2  # some tensor had more chunks than the two traced
+
+
+@pytest.mark.parametrize("name", ["torchao_adamw4bit", "adamw8bit"])
 @pytest.mark.parametrize(
     "in_backward", [True, pytest.param(False, marks=pytest.mark.slow)], ids=["in_bwd", "step"]
 )
-def test_low_bit_state_created_before_the_first_step_is_the_state_the_step_creates(in_backward):
+def test_low_bit_state_created_before_the_first_step_is_the_state_the_step_creates(name, in_backward):
     """create_state (a CPU run calls it before its first step, so the state packs densely in glibc's heap) makes
     the state the first step would make: the same bytes before any step, the same steps to the bit after; a
-    resumed run's loaded state is kept, and an optimizer without the method is left alone."""
-    _require("torchao_adamw4bit")
+    resumed run's loaded state is kept, and an optimizer without the method is left alone. torchao's low-bit AdamW
+    as memfit builds it, and bitsandbytes' optimizers (their own init_state)."""
+    _require(name)
     runs = {}
     for early in (False, True):
         model = build_llama(model_config("tiny"), seed=0)
-        opt = build_optimizer(model, _cfg("torchao_adamw4bit"), in_backward=in_backward)
+        opt = build_optimizer(model, _cfg(name), in_backward=in_backward)
         if early:
             assert optimizer_state_bytes(opt) == 0
             made = create_state(opt)
@@ -716,7 +829,7 @@ def test_low_bit_state_created_before_the_first_step_is_the_state_the_step_creat
         assert torch.equal(a, b)
     state = _save_load(early_opt.state_dict())
     resumed_model = _clone_model(early_model)
-    resumed = build_optimizer(resumed_model, _cfg("torchao_adamw4bit"), in_backward=in_backward)
+    resumed = build_optimizer(resumed_model, _cfg(name), in_backward=in_backward)
     resumed.load_state_dict(state)
     kept = [id(t) for t in optimizer_state_tensors(resumed)]
     create_state(resumed)

@@ -454,7 +454,9 @@ def _bitsandbytes() -> Any:
     """``bitsandbytes.optim``, imported when an entry's factory is first called (it takes seconds)."""
     with quiet_bitsandbytes_import():
         import bitsandbytes as bnb
+        import bitsandbytes.backends.cpu.ops as cpu_ops
 
+    hybrids.compose_bnb_cpu_updates(bnb.functional, cpu_ops)  # CPU updates in chunks, seen by the tracker
     return bnb.optim
 
 

@@ -33,11 +33,11 @@ Paths read and found to allocate the same on CUDA as traced (no rule):
   ``bitsandbytes.functional.optimizer_update_8bit_blockwise`` / ``optimizer_update_32bit``, i.e. the ops
   ``torch.ops.bitsandbytes.optimizer_update_8bit_blockwise`` / ``optimizer_update_32bit``. On CUDA they run
   ``backends/cuda/ops.py``'s ``_optimizer_update_*_impl``: one kernel (``c*_8bit_blockwise_grad_{fp32,fp16,bf16}``,
-  ``c*32bit_grad_*``) that updates ``p``, ``state1/2`` and ``absmax1/2`` in place and allocates nothing. Under
-  ``FakeTensorMode`` the trace runs the ops' registered fakes (``bitsandbytes/_ops.py``, ``register_fake``), which
-  allocate nothing either: the CPU fallback (``backends/cpu/ops.py``, ``_optimizer_update_8bit_blockwise_cpu``:
-  fp32 copies of both moments, of the gradient and of the parameter, ~24 bytes per element) never runs in the
-  trace. Paging (``get_paged``, unified memory) is split off the device peak by the estimator itself.
+  ``c*32bit_grad_*``) that updates ``p``, ``state1/2`` and ``absmax1/2`` in place and allocates nothing. A CUDA
+  target's trace calls the ops (``memfit.memory.hybrids.BNB_CPU_UPDATES_COMPOSED`` off), whose registered fakes
+  (``bitsandbytes/_ops.py``, ``register_fake``) allocate nothing either; a CPU target's trace runs the CPU kernels
+  in chunks as a CPU run does (:func:`memfit.memory.hybrids.compose_bnb_cpu_updates`). Paging (``get_paged``,
+  unified memory) is split off the device peak by the estimator itself.
 - torch ``AdamW`` ``fused``: ``_fused_adamw_`` updates in place on CPU and on CUDA (multi-tensor apply); the step
   counters live on the parameter's device in both.
 - torch ``AdamW`` ``foreach`` / ``for_loop``: the same ``_foreach_*`` / per-tensor ops run on both devices (on CPU
@@ -382,8 +382,9 @@ def cuda_paths(enabled: bool) -> Iterator[None]:
     ``memfit.memory.offload.offload_host`` (:func:`offloaded_as_from_cuda`), and, when torchao's optimizers are
     imported (the estimator imports the optimizer's library before the trace), ``torchao.optim.adam
     .single_param_adam`` (:func:`torchao_compiled_update`) and ``memfit.memory.hybrids.LOW_BIT_CHUNK_ELEMENTS``
-    (no chunks: CUDA updates each tensor whole). Each is looked up by name at call time by its caller, so the swap
-    reaches it.
+    (no chunks: CUDA updates each tensor whole), and ``memfit.memory.hybrids.BNB_CPU_UPDATES_COMPOSED`` (False:
+    bitsandbytes' updates call its ops, which allocate nothing, as its CUDA kernels). Each is looked up by name at
+    call time by its caller, so the swap reaches it.
 
     Args:
         enabled: False does nothing (a CPU target: the trace already runs the CPU paths).
@@ -395,6 +396,8 @@ def cuda_paths(enabled: bool) -> Iterator[None]:
         _swap(stack, F, "scaled_dot_product_attention", sdpa_as_on_cuda(F.scaled_dot_product_attention))
         _swap(stack, llama, "causal_attention", kv_heads_as_on_cuda(llama.causal_attention))
         _swap(stack, offload, "offload_host", offloaded_as_from_cuda)
+        # bitsandbytes' updates through its ops, whose fakes (like CUDA's fused kernels) allocate nothing
+        _swap(stack, hybrids, "BNB_CPU_UPDATES_COMPOSED", False)
         adam = sys.modules.get("torchao.optim.adam")
         if adam is not None:
             _swap(stack, adam, "single_param_adam", torchao_compiled_update)
