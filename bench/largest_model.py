@@ -33,6 +33,8 @@ Rows (``--rows``, default all, run in this order):
   (``--torchtune-venv``, default ``WORKDIR/torchtune-venv``), made with pip when missing (torch as memfit's,
   ``torchtune==0.6.1``, ``torchao==0.10.0``, bitsandbytes as memfit's). Not run at ``--scale small`` (the
   tokenizer's special ids need Llama 3's vocabulary).
+- ``3b-8bit``: **memfit with torchtune's switches** (:func:`torchtune_switches`: ``paged_adamw8bit`` in backward,
+  full checkpointing, the loss in 8 chunks), 3 steps and the final checkpoint, estimated and run as ``3b-full``.
 
 **Weights.** Each model is written once into ``--workdir`` as a Hugging Face directory of *random* weights
 (``config.json`` as Meta's, with BOS/EOS the ids of the tokenizer it carries; ``normal(0, 0.02)``, norms ones, one
@@ -105,7 +107,7 @@ from memfit.units import GIB, MIB
 
 ROOT = Path(__file__).resolve().parents[1]
 ASSETS = ROOT / "tests" / "assets"
-ROWS = ("3b-full", "8b-qlora", "3b-plain", "3b-torchtune")
+ROWS = ("3b-full", "8b-qlora", "3b-plain", "3b-torchtune", "3b-8bit")
 SECTION = "largest-model"
 PROSE_START, PROSE_END = "<!-- largest-model-prose:start -->", "<!-- largest-model-prose:end -->"
 """The hand-written prose inside the section: kept as it is when the script rewrites the section."""
@@ -949,6 +951,24 @@ def torchtune_config(model_dir: Path, out: Path, steps: int) -> dict[str, Any]:
     }  # fmt: skip
 
 
+def torchtune_switches(model_dir: Path) -> list[str]:
+    """memfit's config of torchtune's lowest-memory recipe: 8-bit AdamW (paged on CUDA) in backward, full
+    checkpointing, the cross-entropy in 8 chunks as ``CEWithChunkedOutputLoss`` cuts it; fp32, 1 x 512."""
+    return [
+        f"checkpoint_dir={model_dir}", "method=full", "optimizer.name=paged_adamw8bit", "optimizer_in_backward=true",
+        "max_grad_norm=0", "activation_checkpointing=full", "chunked_cross_entropy=8", "tiled_mlp=0", "dtype=fp32",
+        "device=cpu", "batch_size=1", f"seq_len={SEQ_LEN}", *DATA,
+    ]  # fmt: skip
+
+
+def row_3b_8bit(args: argparse.Namespace, model_dir: Path, run_dir: Path) -> dict[str, Any]:
+    """``3b-8bit``: memfit running torchtune's switches (:func:`torchtune_switches`)."""
+    config = torchtune_switches(model_dir)
+    as_dict = {k: yaml.safe_load(v) for k, v in (o.split("=", 1) for o in config)}
+    row = {"config": as_dict, "switches": _switches(as_dict), "forced": False}
+    return {**row, **memfit_run("3b-8bit", config, 3, run_dir, args.guard_bytes)}
+
+
 def row_3b_torchtune(args: argparse.Namespace, model_dir: Path, run_dir: Path) -> dict[str, Any]:
     """``3b-torchtune``: torchtune's lowest-memory single-device recipe under the cap."""
     if args.scale == "small":
@@ -957,17 +977,7 @@ def row_3b_torchtune(args: argparse.Namespace, model_dir: Path, run_dir: Path) -
             "predicted_peak_rss_gib": None,
             "measured_peak_rss_gib": None,
         }
-    # memfit's estimate of the same switches: 8-bit AdamW (paged on CUDA) in backward, full checkpointing, the
-    # cross-entropy in 8 chunks as CEWithChunkedOutputLoss cuts it
-    predicted = estimate(
-        [
-            f"checkpoint_dir={model_dir}", "method=full", "optimizer.name=paged_adamw8bit",
-            "optimizer_in_backward=true", "max_grad_norm=0", "activation_checkpointing=full",
-            "chunked_cross_entropy=8", "tiled_mlp=0",
-            "dtype=fp32", "device=cpu", "batch_size=1", f"seq_len={SEQ_LEN}", *DATA,
-        ],
-        run_dir / "estimate.txt",
-    )  # fmt: skip
+    predicted = estimate(torchtune_switches(model_dir), run_dir / "estimate.txt")
     tune = torchtune_venv(Path(args.torchtune_venv or Path(args.workdir).resolve() / "torchtune-venv"))
     steps = 2
     out = run_dir / "output"
@@ -1181,7 +1191,7 @@ def main() -> int:
         t0 = time.monotonic()
         run_row = {
             "3b-full": row_3b_full, "8b-qlora": row_8b_qlora, "3b-plain": row_3b_plain,
-            "3b-torchtune": row_3b_torchtune,
+            "3b-torchtune": row_3b_torchtune, "3b-8bit": row_3b_8bit,
         }[name]  # fmt: skip
         row = run_row(args, model_dir, run_dir)
         row = {
