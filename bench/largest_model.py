@@ -659,6 +659,18 @@ def predicted_phase_rss(found: dict[str, Any]) -> dict[str, float] | None:
     return {k: round(v + besides, 3) for k, v in phases.items()}
 
 
+def predicted_and_measured(predicted: dict[str, Any], run: Measured) -> dict[str, Any]:
+    """A row's predicted peaks (``predicted``: :func:`estimate`'s object, its command taken out) beside the measured
+    whole-process peak (``/usr/bin/time -v``) and the highest RSS sample, in GiB."""
+    return {
+        "estimate_command": predicted.pop("command"),
+        "predicted_peak_rss_gib": predicted.get("host_peak_rss_gib"),
+        "predicted_phase_rss_gib": predicted.get("phase_rss_gib"),
+        "measured_peak_rss_gib": _gib(run.max_rss_bytes),
+        "sampled_peak_rss_gib": _gib(max((s for _, s in run.samples), default=None)),
+    }
+
+
 def memfit_run(name: str, config: list[str], steps: int, run_dir: Path, guard_bytes: int) -> dict[str, Any]:
     """Estimate, then run ``memfit finetune CONFIG`` with the run overrides, measured; the row's fields."""
     out = run_dir / "output"
@@ -702,11 +714,7 @@ def memfit_run(name: str, config: list[str], steps: int, run_dir: Path, guard_by
         outcome = f"failed (exit {run.returncode}) during {ended_in}: {last[:400]}"
     return {
         "command": _shown(cmd),
-        "estimate_command": predicted.pop("command"),
-        "predicted_peak_rss_gib": predicted.get("host_peak_rss_gib"),
-        "predicted_phase_rss_gib": predicted.get("phase_rss_gib"),
-        "measured_peak_rss_gib": _gib(run.max_rss_bytes),
-        "sampled_peak_rss_gib": _gib(max((s for _, s in run.samples), default=None)),
+        **predicted_and_measured(predicted, run),
         "memfit_peak_rss_gib": float(own_rss.split()[1]) if own_rss else None,
         "phase_peaks_gib": peaks,
         "phase_seconds": phase_seconds,
@@ -882,11 +890,7 @@ def row_3b_plain(args: argparse.Namespace, model_dir: Path, run_dir: Path) -> di
             "optimizer.implementation": "for_loop (torch's default on CPU)",
         },
         "forced": False,
-        "estimate_command": predicted.pop("command"),
-        "predicted_peak_rss_gib": predicted.get("host_peak_rss_gib"),
-        "predicted_phase_rss_gib": predicted.get("phase_rss_gib"),
-        "measured_peak_rss_gib": _gib(run.max_rss_bytes),
-        "sampled_peak_rss_gib": _gib(max((s for _, s in run.samples), default=None)),
+        **predicted_and_measured(predicted, run),
         "phase_peaks_gib": {**peaks, "save": None},
         "phase_seconds": phase_seconds,
         "load_seconds": phase_seconds.get("load") if run.first(r"plain: loaded") is not None else None,
@@ -1015,11 +1019,7 @@ def row_3b_torchtune(args: argparse.Namespace, model_dir: Path, run_dir: Path) -
         "switches": {"optimizer": "bitsandbytes PagedAdamW8bit (unpaged on CPU)", "optimizer_in_bwd": True,
                      "enable_activation_checkpointing": True, "loss": "CEWithChunkedOutputLoss"},
         "forced": False,
-        "estimate_command": predicted.pop("command"),
-        "predicted_peak_rss_gib": predicted.get("host_peak_rss_gib"),
-        "predicted_phase_rss_gib": predicted.get("phase_rss_gib"),
-        "measured_peak_rss_gib": _gib(run.max_rss_bytes),
-        "sampled_peak_rss_gib": _gib(max((s for _, s in run.samples), default=None)),
+        **predicted_and_measured(predicted, run),
         "phase_peaks_gib": {k: peaks.get(k) for k in ("load", "first_step", "steady_step", "save")},
         "phase_seconds": phase_seconds,
         "load_seconds": phase_seconds.get("load") if loaded is not None else None,

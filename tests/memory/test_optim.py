@@ -659,6 +659,21 @@ def test_row_chunks_cover_the_rows_on_block_boundaries_within_the_chunk_size():
     assert _row_chunks(torch.empty(()), 128, CHUNK) == [None]
 
 
+def _update_temporaries(cls, rows):
+    """The temporaries at the peak of the second step (the first creates the state) of ``cls`` over one fp32
+    (rows, 256) parameter, as memfit's tracker sees them (bytes)."""
+    from memfit.memory.tracker import MemoryTracker
+
+    p = torch.nn.Parameter(torch.randn(rows, 256))
+    opt = cls([p], lr=1e-2)
+    p.grad = torch.randn_like(p)
+    opt.step()
+    p.grad = torch.randn_like(p)
+    with MemoryTracker(torch.nn.ParameterList([p]), opt) as tracker:
+        opt.step()
+    return tracker.peak_breakdown["temporaries"]
+
+
 @pytest.mark.parametrize("name", ["torchao_adamw8bit", "torchao_adamw4bit"])
 def test_chunked_low_bit_update_holds_the_temporaries_of_one_chunk(name, monkeypatch):
     """The update of a tensor of 2 to 16 chunks holds, at its peak, the temporaries that updating one chunk-sized
@@ -667,26 +682,15 @@ def test_chunked_low_bit_update_holds_the_temporaries_of_one_chunk(name, monkeyp
     clones its table: 256 fp32 values for 8 bits, 16 for 4 bits)."""
     pytest.importorskip("torchao")
     from memfit.memory import hybrids
-    from memfit.memory.tracker import MemoryTracker
 
     monkeypatch.setattr(hybrids, "LOW_BIT_CHUNK_ELEMENTS", CHUNK)
     cls = hybrids.low_bit_class(_torchao_base(name))
 
-    def step_temporaries(rows):
-        p = torch.nn.Parameter(torch.randn(rows, 256))
-        opt = cls([p], lr=1e-2)
-        p.grad = torch.randn_like(p)
-        opt.step()  # creates the state
-        p.grad = torch.randn_like(p)
-        with MemoryTracker(torch.nn.ParameterList([p]), opt) as tracker:
-            opt.step()
-        return tracker.peak_breakdown["temporaries"]
-
-    one_chunk = step_temporaries(CHUNK // 256)
+    one_chunk = _update_temporaries(cls, CHUNK // 256)
     assert one_chunk >= 5 * CHUNK * 4  # five or more fp32 chunk-sized temporaries: what chunking bounds
     tables = 2 * 4 * (256 if name == "torchao_adamw8bit" else 16)
     for chunks in (2, 3, 16):
-        assert step_temporaries(chunks * CHUNK // 256) == one_chunk + tables
+        assert _update_temporaries(cls, chunks * CHUNK // 256) == one_chunk + tables
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -749,27 +753,16 @@ def test_bnb_cpu_update_holds_the_temporaries_of_one_chunk_and_the_tracker_sees_
     tracker; under cuda_paths (an estimate of a CUDA run) the op runs whole again and allocates nothing seen."""
     _require("paged_adamw")
     from memfit.memory import hybrids
-    from memfit.memory.tracker import MemoryTracker
     from memfit.planner.cuda_paths import cuda_paths
 
     cls = _bnb_class(name)
     monkeypatch.setattr(hybrids, "LOW_BIT_CHUNK_ELEMENTS", CHUNK)
 
-    def step_temporaries(rows):
-        p = torch.nn.Parameter(torch.randn(rows, 256))
-        opt = cls([p], lr=1e-2)
-        p.grad = torch.randn_like(p)
-        opt.step()  # creates the state
-        p.grad = torch.randn_like(p)
-        with MemoryTracker(torch.nn.ParameterList([p]), opt) as tracker:
-            opt.step()
-        return tracker.peak_breakdown["temporaries"]
-
     one_chunk = BNB_FP32_TEMPORARIES[name] * 4 * CHUNK
     for chunks in (1, 2, 3, 16):
-        assert step_temporaries(chunks * CHUNK // 256) == one_chunk
+        assert _update_temporaries(cls, chunks * CHUNK // 256) == one_chunk
     with cuda_paths(True):
-        assert step_temporaries(2 * CHUNK // 256) == 0
+        assert _update_temporaries(cls, 2 * CHUNK // 256) == 0
     assert hybrids.BNB_CPU_UPDATES_COMPOSED  # restored
 
 
