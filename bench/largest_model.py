@@ -839,6 +839,24 @@ def memory_cap(cap_bytes: int, name: str) -> Iterator[tuple[list[str], str]]:
     raise SystemExit(f"{name}: no cgroup (v2 through systemd-run, or v1) and no prlimit here for the cap")
 
 
+def _steady_tokens_per_second(seconds: list[float]) -> float | None:
+    """Tokens per second over the steps after the first (each of one 1 x SEQ_LEN batch)."""
+    return round(SEQ_LEN * len(seconds[1:]) / sum(seconds[1:]), 1) if seconds[1:] else None
+
+
+def _capped(
+    args: argparse.Namespace, cap_text: str, run: Measured, predicted: dict[str, Any]
+) -> dict[str, Any]:
+    """The fields of a row run under the cap: the cap, how the process ended and memfit's estimate."""
+    return {
+        "cap_gib": args.cap_gib,
+        "cap_method": cap_text,
+        "exit_status": run.returncode,
+        "wall_seconds": round(run.wall_seconds, 1),
+        "estimate": predicted,
+    }
+
+
 def row_3b_plain(args: argparse.Namespace, model_dir: Path, run_dir: Path) -> dict[str, Any]:
     """``3b-plain``: memfit's estimate of the equivalent run, then the plain loop under the cap."""
     config = [
@@ -895,15 +913,11 @@ def row_3b_plain(args: argparse.Namespace, model_dir: Path, run_dir: Path) -> di
         "phase_seconds": phase_seconds,
         "load_seconds": phase_seconds.get("load") if run.first(r"plain: loaded") is not None else None,
         "step_seconds": seconds,
-        "tokens_per_second": round(SEQ_LEN * len(seconds[1:]) / sum(seconds[1:]), 1) if seconds[1:] else None,
+        "tokens_per_second": _steady_tokens_per_second(seconds),
         "losses": losses,
         "checkpoint_gib": None,
         "outcome": outcome,
-        "cap_gib": args.cap_gib,
-        "cap_method": cap_text,
-        "exit_status": run.returncode,
-        "wall_seconds": round(run.wall_seconds, 1),
-        "estimate": predicted,
+        **_capped(args, cap_text, run, predicted),
         "log": str(run_dir / "plain.log"),
     }
 
@@ -1024,15 +1038,11 @@ def row_3b_torchtune(args: argparse.Namespace, model_dir: Path, run_dir: Path) -
         "phase_seconds": phase_seconds,
         "load_seconds": phase_seconds.get("load") if loaded is not None else None,
         "step_seconds": seconds,
-        "tokens_per_second": round(SEQ_LEN * len(seconds[1:]) / sum(seconds[1:]), 1) if seconds[1:] else None,
+        "tokens_per_second": _steady_tokens_per_second(seconds),
         "losses": losses,
         "checkpoint_gib": _gib(_tree_bytes(out)) if saved is not None and out.exists() else None,
         "outcome": outcome,
-        "cap_gib": args.cap_gib,
-        "cap_method": cap_text,
-        "exit_status": run.returncode,
-        "wall_seconds": round(run.wall_seconds, 1),
-        "estimate": predicted,
+        **_capped(args, cap_text, run, predicted),
         "versions": list(TORCHTUNE),
         "log": str(run_dir / "torchtune.log"),
     }  # fmt: skip

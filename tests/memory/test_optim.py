@@ -598,12 +598,16 @@ def test_low_bit_update_in_chunks_is_bit_identical_to_torchaos_whole_tensor_upda
                                else ref.state[pb][key])  # fmt: skip
 
 
+FAST_CHUNK_CASES = {("torchao_adamw4bit", "true"), ("adamw8bit", "true")}
+
+
 @pytest.mark.parametrize(
     "name, in_bwd",
     [
         ("torchao_adamw4bit", "true"),
         pytest.param("torchao_adamw4bit", "false", marks=pytest.mark.slow),
         pytest.param("torchao_adamw8bit", "true", marks=pytest.mark.slow),
+        ("adamw8bit", "true"),  # bitsandbytes' CPU kernel (hybrids.compose_bnb_cpu_updates)
     ],
 )
 def test_an_estimate_traces_two_chunks_of_a_low_bit_update_and_gets_every_chunk_s_bytes(
@@ -612,7 +616,7 @@ def test_an_estimate_traces_two_chunks_of_a_low_bit_update_and_gets_every_chunk_
     """On fake tensors only a tensor's first and last chunks are updated (hybrids.traced_chunks): the estimate's
     peak, breakdown and category peaks are those of updating every chunk, to the byte, composed and whole, in the
     backward (in_bwd) and after it."""
-    pytest.importorskip("torchao")
+    _require(name)
     from memfit.config import load_config
     from memfit.memory import hybrids
     from memfit.planner.estimate import estimate_run
@@ -630,7 +634,7 @@ def test_an_estimate_traces_two_chunks_of_a_low_bit_update_and_gets_every_chunk_
     )
     answers = {}
     # the fast case: two chunks composed against every chunk traced whole; the slow ones all four
-    cases = [(False, True), (True, False)] if (name, in_bwd) == ("torchao_adamw4bit", "true") else None
+    cases = [(False, True), (True, False)] if (name, in_bwd) in FAST_CHUNK_CASES else None
     for every in (False, True):
         if every:
             monkeypatch.setattr(hybrids, "traced_chunks", lambda chunks, p: chunks)
@@ -764,33 +768,6 @@ def test_bnb_cpu_update_holds_the_temporaries_of_one_chunk_and_the_tracker_sees_
     with cuda_paths(True):
         assert _update_temporaries(cls, 2 * CHUNK // 256) == 0
     assert hybrids.BNB_CPU_UPDATES_COMPOSED  # restored
-
-
-def test_an_estimate_traces_two_chunks_of_a_bnb_cpu_update_and_gets_every_chunk_s_bytes(monkeypatch):
-    """On fake tensors only a tensor's first and last chunks run bitsandbytes' CPU kernel (hybrids.traced_chunks):
-    the estimate's peak, phase and breakdown are those of running every chunk, to the byte, composed and whole."""
-    _require("adamw8bit")
-    from memfit.config import load_config
-    from memfit.memory import hybrids
-    from memfit.planner.estimate import estimate_run
-
-    monkeypatch.setattr(hybrids, "LOW_BIT_CHUNK_ELEMENTS", CHUNK)
-    seen = []
-    traced = hybrids.traced_chunks
-    monkeypatch.setattr(
-        hybrids, "traced_chunks", lambda chunks, p: seen.append(len(chunks)) or traced(chunks, p)
-    )
-    cfg = load_config(
-        None,
-        "model=tiny tokenizer.kind=char batch_size=2 seq_len=16 device=cpu optimizer.name=adamw8bit "
-        "optimizer_in_backward=true max_grad_norm=0 model_args.num_layers=5".split(),
-    )
-    two = estimate_run(cfg, compose=True)
-    monkeypatch.setattr(hybrids, "traced_chunks", lambda chunks, p: chunks)
-    every = estimate_run(cfg, compose=False)
-    assert two.trace.get("composed") is True and every.trace.get("composed") is False
-    assert (two.peak_bytes, two.phase, two.breakdown) == (every.peak_bytes, every.phase, every.breakdown)
-    assert max(seen) > 2  # some tensor had more chunks than the two traced
 
 
 @pytest.mark.parametrize("name", ["torchao_adamw4bit", "adamw8bit"])
