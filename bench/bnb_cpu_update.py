@@ -58,12 +58,12 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
     """Child: ``spec['steps']`` timed updates of one tensor; its seconds and the resident memory they added."""
     import torch
 
-    from memfit.memory import hybrids
+    from memfit.memory import bnb_cpu
     from memfit.memory.optimizers import _bitsandbytes
 
     torch.manual_seed(0)
     cls = getattr(_bitsandbytes(), OPTIMIZERS[spec["optimizer"]])
-    hybrids.BNB_CPU_UPDATES_COMPOSED = spec["side"] == "chunks"
+    bnb_cpu.BNB_CPU_UPDATES_COMPOSED = spec["side"] == "chunks"
     p = torch.nn.Parameter(torch.empty(spec["shape"]).normal_(0, 0.02))  # made in place: no temporary
     p.grad = torch.empty_like(p).normal_(0, 1e-3)
     opt = cls([p], lr=1e-4)
@@ -136,7 +136,7 @@ def main() -> int:
             f"state, then {args.steps} timed updates. *Added* is the resident memory the timed updates added over "
             "the process's after the first step (`VmHWM`, reset then, minus the RSS then): the update's temporaries "
             f"and what glibc's heap keeps of them. *Chunks*: memfit's, {LOW_BIT_CHUNK_ELEMENTS:,} values each "
-            "(`memfit.memory.hybrids.compose_bnb_cpu_updates`); *whole*: bitsandbytes' op on the tensor. Median "
+            "(`memfit.memory.bnb_cpu.compose_bnb_cpu_updates`); *whole*: bitsandbytes' op on the tensor. Median "
             f"seconds of an update. GiB = 1024**3 bytes. Measured {time.strftime('%Y-%m-%d')}, alone on this "
             "machine (2 CPU cores).",
             "",

@@ -160,7 +160,7 @@ def test_fsdp2_ranks_compose_to_the_byte(layers, overrides):
 def test_every_optimizer_composes_to_the_byte_or_says_why(name):
     """Each optimizer's step on 9 layers (runs of per-parameter updates whose first unit differs, two loops over
     the parameters, Adam-mini's and APOLLO's groups): composed from 3 and 4 layers, it is the full trace.
-    bitsandbytes' updates compose too since a CPU trace runs its CPU kernels' ops (hybrids.compose_bnb_cpu_updates;
+    bitsandbytes' updates compose too since a CPU trace runs its CPU kernels' ops (bnb_cpu.compose_bnb_cpu_updates;
     through its op, which allocates nothing, a tiny layer's 8-bit and 32-bit updates were cut anywhere by the
     matcher and the model was traced whole, as a CUDA target's still is: test_where_layers_do_not_compose...)."""
     full = _estimate(9, False, optimizer__name=name)

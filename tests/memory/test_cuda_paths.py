@@ -59,7 +59,7 @@ def test_bitsandbytes_update_allocates_nothing_as_its_cuda_kernel(name):
      ("paged_adamw", torch.float32, 12)],
 )  # fmt: skip
 def test_a_cpu_trace_runs_bitsandbytes_cpu_kernel(name, dtype, per_element):
-    """A CPU target's trace runs bitsandbytes' CPU kernel's ops (memory.hybrids.compose_bnb_cpu_updates), here on
+    """A CPU target's trace runs bitsandbytes' CPU kernel's ops (memory.bnb_cpu.compose_bnb_cpu_updates), here on
     one chunk. 8-bit AdamW holds fp32 copies of both dequantized moments, of the gradient and (bf16 weights) of
     the parameter, and computes the denominator ``state2.sqrt() / correction2`` with the square root still live:
     24 bytes per element of bf16 weights, 20 of fp32 ones (``p.float()`` is the parameter itself). 32-bit AdamW
@@ -220,12 +220,12 @@ def test_bitsandbytes_estimates_differ_on_cuda_by_the_cpu_kernel_alone(monkeypat
     """A CUDA estimate calls bitsandbytes' op (no temporaries), a CPU one runs its CPU kernel: the CPU peak moves
     to the update of the 256 x 64 embedding (or lm_head, as large), with the kernel's 20 bytes per fp32 element;
     with the CPU kernel off the two estimates are the same to the byte."""
-    from memfit.memory import hybrids
+    from memfit.memory import bnb_cpu
 
     cpu, cuda = estimates(**{"optimizer.name": "adamw8bit"})
     assert cpu.phase == "optimizer_step" and cuda.phase == "backward"
     assert cpu.breakdown["temporaries"] >= 20 * EMBEDDING > cuda.breakdown["temporaries"]
-    monkeypatch.setattr(hybrids, "BNB_CPU_UPDATES_COMPOSED", False)
+    monkeypatch.setattr(bnb_cpu, "BNB_CPU_UPDATES_COMPOSED", False)
     as_on_cuda, _ = estimates(**{"optimizer.name": "adamw8bit"})
     assert (cuda.peak_bytes, cuda.breakdown, cuda.phase) == (
         as_on_cuda.peak_bytes, as_on_cuda.breakdown, as_on_cuda.phase

@@ -330,14 +330,14 @@ def test_paged_optimizer_state_leaves_the_allocator_peak_on_cuda(name, state_byt
     lm_head); their absmax, the code tables and smaller tensors' moments stay in device memory. The trace is that
     of the same optimizer unpaged (as on CPU, its updates through bitsandbytes' ops as on CUDA), so the peak falls
     by exactly the paged bytes, which the device total adds back."""
-    from memfit.memory import hybrids
+    from memfit.memory import bnb_cpu
 
     paged = 2 * 2 * (2048 * 64) * state_bytes  # two tensors, two moments each
     model = {"model_args.vocab_size": 2048, "tokenizer.vocab_size": 2048, "optimizer.name": name}
     e = estimate(**model, device="cuda")
     # the same run on CPU: nothing paged; its updates through the ops, as a CUDA trace calls them (a CPU target
     # runs bitsandbytes' CPU kernels and holds their temporaries: test_optim.py)
-    monkeypatch.setattr(hybrids, "BNB_CPU_UPDATES_COMPOSED", False)
+    monkeypatch.setattr(bnb_cpu, "BNB_CPU_UPDATES_COMPOSED", False)
     on_cpu = estimate(**model)
     assert e.unseen == {"paged_optimizer_state": paged} and on_cpu.unseen == {}
     assert e.model_states["paged_optimizer_state"] == paged

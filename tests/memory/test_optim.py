@@ -607,7 +607,7 @@ FAST_CHUNK_CASES = {("torchao_adamw4bit", "true"), ("adamw8bit", "true")}
         ("torchao_adamw4bit", "true"),
         pytest.param("torchao_adamw4bit", "false", marks=pytest.mark.slow),
         pytest.param("torchao_adamw8bit", "true", marks=pytest.mark.slow),
-        ("adamw8bit", "true"),  # bitsandbytes' CPU kernel (hybrids.compose_bnb_cpu_updates)
+        ("adamw8bit", "true"),  # bitsandbytes' CPU kernel (bnb_cpu.compose_bnb_cpu_updates)
     ],
 )
 def test_an_estimate_traces_two_chunks_of_a_low_bit_update_and_gets_every_chunk_s_bytes(
@@ -698,7 +698,7 @@ def test_chunked_low_bit_update_holds_the_temporaries_of_one_chunk(name, monkeyp
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# bitsandbytes' updates on CPU: its CPU kernels, chunk by chunk, seen by the tracker (hybrids.compose_bnb_cpu_updates)
+# bitsandbytes' updates on CPU: its CPU kernels, chunk by chunk, seen by the tracker (bnb_cpu.compose_bnb_cpu_updates)
 # ----------------------------------------------------------------------------------------------------------------
 
 BNB = {"adamw8bit": "AdamW8bit", "lion8bit": "Lion8bit", "paged_adamw": "PagedAdamW"}
@@ -730,7 +730,7 @@ def test_bnb_cpu_update_in_chunks_is_bit_identical_to_its_op_on_the_whole_tensor
     """Flat chunks that hold whole blocks of 256 values run bitsandbytes' CPU kernel's arithmetic element by element
     and block by block: the parameters and the state after 3 steps equal those of its op on whole tensors."""
     _require("paged_adamw")
-    from memfit.memory import hybrids
+    from memfit.memory import bnb_cpu, hybrids
 
     cls = _bnb_class(name)
     monkeypatch.setattr(hybrids, "LOW_BIT_CHUNK_ELEMENTS", CHUNK)
@@ -741,9 +741,9 @@ def test_bnb_cpu_update_in_chunks_is_bit_identical_to_its_op_on_the_whole_tensor
     weights = [torch.randn(s, generator=g) for s in shapes]
     grads = [[torch.randn(s, generator=g) for s in shapes] for _ in range(3)]
     chunked, opt = _bnb_steps(cls, weights, grads)
-    monkeypatch.setattr(hybrids, "BNB_CPU_UPDATES_COMPOSED", False)
+    monkeypatch.setattr(bnb_cpu, "BNB_CPU_UPDATES_COMPOSED", False)
     whole, ref = _bnb_steps(cls, weights, grads)
-    assert len(hybrids._flat_chunks(40 * 2048)) == 20 and hybrids._flat_chunks(9900)[-1] == (8192, 9900)
+    assert len(bnb_cpu._flat_chunks(40 * 2048)) == 20 and bnb_cpu._flat_chunks(9900)[-1] == (8192, 9900)
     for a, b in zip(chunked, whole, strict=True):
         assert torch.equal(a, b)
         state = [k for k, v in opt.state[a].items() if isinstance(v, torch.Tensor)]
@@ -756,7 +756,7 @@ def test_bnb_cpu_update_holds_the_temporaries_of_one_chunk_and_the_tracker_sees_
     (BNB_FP32_TEMPORARIES), where bitsandbytes' op on the whole tensor held them for every value, unseen by the
     tracker; under cuda_paths (an estimate of a CUDA run) the op runs whole again and allocates nothing seen."""
     _require("paged_adamw")
-    from memfit.memory import hybrids
+    from memfit.memory import bnb_cpu, hybrids
     from memfit.planner.cuda_paths import cuda_paths
 
     cls = _bnb_class(name)
@@ -767,7 +767,7 @@ def test_bnb_cpu_update_holds_the_temporaries_of_one_chunk_and_the_tracker_sees_
         assert _update_temporaries(cls, chunks * CHUNK // 256) == one_chunk
     with cuda_paths(True):
         assert _update_temporaries(cls, 2 * CHUNK // 256) == 0
-    assert hybrids.BNB_CPU_UPDATES_COMPOSED  # restored
+    assert bnb_cpu.BNB_CPU_UPDATES_COMPOSED  # restored
 
 
 @pytest.mark.parametrize("name", ["torchao_adamw4bit", "adamw8bit"])

@@ -32,7 +32,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from memfit.config import OptimizerConfig
 from memfit.distributed import unwrap
-from memfit.memory import hybrids, optimizers
+from memfit.memory import bnb_cpu, optimizers
 from memfit.memory.optimizers import check_optimizer_supported
 from memfit.quiet import quiet_torchao_import
 
@@ -600,7 +600,7 @@ def create_state(optimizer: Any) -> int:
     """Create now the state that the first step would create, in every optimizer of ``optimizer``
     (:func:`optimizers_in`) that can (a ``create_state`` method: torchao's low-bit AdamW as memfit builds it,
     :func:`memfit.memory.hybrids.low_bit_class`; bitsandbytes' optimizers, through their own ``init_state``:
-    :func:`memfit.memory.hybrids.create_bnb_state`); state already there (a resumed run's) is kept.
+    :func:`memfit.memory.bnb_cpu.create_bnb_state`); state already there (a resumed run's) is kept.
 
     On CPU, glibc serves tensors under its mmap threshold from its heaps, which keep the holes between live blocks.
     State made one parameter at a time inside the first backward lands between that backward's temporaries, and
@@ -620,7 +620,7 @@ def create_state(optimizer: Any) -> int:
         if callable(create):
             create()
             made += 1
-        elif hybrids.create_bnb_state(opt):
+        elif bnb_cpu.create_bnb_state(opt):
             made += 1
     return made
 

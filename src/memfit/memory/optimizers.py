@@ -57,7 +57,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from memfit.memory import hybrids
+from memfit.memory import bnb_cpu, hybrids
 from memfit.memory.hybrids import projection_rank as apollo_rank  # APOLLO's rule, where its class is
 from memfit.quiet import quiet_bitsandbytes_import, quiet_torchao_import
 
@@ -456,7 +456,7 @@ def _bitsandbytes() -> Any:
         import bitsandbytes as bnb
         import bitsandbytes.backends.cpu.ops as cpu_ops
 
-    hybrids.compose_bnb_cpu_updates(bnb.functional, cpu_ops)  # CPU updates in chunks, seen by the tracker
+    bnb_cpu.compose_bnb_cpu_updates(bnb.functional, cpu_ops)  # CPU updates in chunks, seen by the tracker
     return bnb.optim
 
 

@@ -34,9 +34,9 @@ Paths read and found to allocate the same on CUDA as traced (no rule):
   ``torch.ops.bitsandbytes.optimizer_update_8bit_blockwise`` / ``optimizer_update_32bit``. On CUDA they run
   ``backends/cuda/ops.py``'s ``_optimizer_update_*_impl``: one kernel (``c*_8bit_blockwise_grad_{fp32,fp16,bf16}``,
   ``c*32bit_grad_*``) that updates ``p``, ``state1/2`` and ``absmax1/2`` in place and allocates nothing. A CUDA
-  target's trace calls the ops (``memfit.memory.hybrids.BNB_CPU_UPDATES_COMPOSED`` off), whose registered fakes
+  target's trace calls the ops (``memfit.memory.bnb_cpu.BNB_CPU_UPDATES_COMPOSED`` off), whose registered fakes
   (``bitsandbytes/_ops.py``, ``register_fake``) allocate nothing either; a CPU target's trace runs the CPU kernels
-  in chunks as a CPU run does (:func:`memfit.memory.hybrids.compose_bnb_cpu_updates`). Paging (``get_paged``,
+  in chunks as a CPU run does (:func:`memfit.memory.bnb_cpu.compose_bnb_cpu_updates`). Paging (``get_paged``,
   unified memory) is split off the device peak by the estimator itself.
 - torch ``AdamW`` ``fused``: ``_fused_adamw_`` updates in place on CPU and on CUDA (multi-tensor apply); the step
   counters live on the parameter's device in both.
@@ -71,7 +71,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from memfit.memory import hybrids, offload
+from memfit.memory import bnb_cpu, hybrids, offload
 from memfit.models import llama
 
 _HALF = (torch.float16, torch.bfloat16)
@@ -382,7 +382,7 @@ def cuda_paths(enabled: bool) -> Iterator[None]:
     ``memfit.memory.offload.offload_host`` (:func:`offloaded_as_from_cuda`), and, when torchao's optimizers are
     imported (the estimator imports the optimizer's library before the trace), ``torchao.optim.adam
     .single_param_adam`` (:func:`torchao_compiled_update`) and ``memfit.memory.hybrids.LOW_BIT_CHUNK_ELEMENTS``
-    (no chunks: CUDA updates each tensor whole), and ``memfit.memory.hybrids.BNB_CPU_UPDATES_COMPOSED`` (False:
+    (no chunks: CUDA updates each tensor whole), and ``memfit.memory.bnb_cpu.BNB_CPU_UPDATES_COMPOSED`` (False:
     bitsandbytes' updates call its ops, which allocate nothing, as its CUDA kernels). Each is looked up by name at
     call time by its caller, so the swap reaches it.
 
@@ -397,7 +397,7 @@ def cuda_paths(enabled: bool) -> Iterator[None]:
         _swap(stack, llama, "causal_attention", kv_heads_as_on_cuda(llama.causal_attention))
         _swap(stack, offload, "offload_host", offloaded_as_from_cuda)
         # bitsandbytes' updates through its ops, whose fakes (like CUDA's fused kernels) allocate nothing
-        _swap(stack, hybrids, "BNB_CPU_UPDATES_COMPOSED", False)
+        _swap(stack, bnb_cpu, "BNB_CPU_UPDATES_COMPOSED", False)
         adam = sys.modules.get("torchao.optim.adam")
         if adam is not None:
             _swap(stack, adam, "single_param_adam", torchao_compiled_update)
