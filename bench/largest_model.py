@@ -822,9 +822,14 @@ def memory_cap(cap_bytes: int, name: str) -> Iterator[tuple[list[str], str]]:
     group = CGROUP_V1_MEMORY / f"memfit-bench-{name}-{os.getpid()}"
     try:
         group.mkdir()
-        (group / "memory.limit_in_bytes").write_text(str(cap_bytes))
-    except OSError:
+    except OSError:  # no cgroup v1 memory controller here, or not ours to write
         group = None
+    else:
+        try:
+            (group / "memory.limit_in_bytes").write_text(str(cap_bytes))
+        except OSError:
+            group.rmdir()
+            group = None
     if group is not None:
         try:  # the shell joins the group, then becomes the command
             enter = f'echo $$ > {shlex.quote(str(group / "cgroup.procs"))} && exec "$@"'
