@@ -34,7 +34,8 @@ Paths read and found to allocate the same on CUDA as traced (no rule):
   ``torch.ops.bitsandbytes.optimizer_update_8bit_blockwise`` / ``optimizer_update_32bit``. On CUDA they run
   ``backends/cuda/ops.py``'s ``_optimizer_update_*_impl``: one kernel (``c*_8bit_blockwise_grad_{fp32,fp16,bf16}``,
   ``c*32bit_grad_*``) that updates ``p``, ``state1/2`` and ``absmax1/2`` in place and allocates nothing. A CUDA
-  target's trace calls the ops (``memfit.memory.bnb_cpu.BNB_CPU_UPDATES_COMPOSED`` off), whose registered fakes
+  target's trace calls the ops (their one switch: ``memfit.memory.bnb_cpu.BNB_CPU_UPDATES_COMPOSED`` off, by
+  :func:`cuda_paths`), whose registered fakes
   (``bitsandbytes/_ops.py``, ``register_fake``) allocate nothing either; a CPU target's trace runs the CPU kernels
   in chunks as a CPU run does (:func:`memfit.memory.bnb_cpu.compose_bnb_cpu_updates`). Paging (``get_paged``,
   unified memory) is split off the device peak by the estimator itself.
