@@ -61,7 +61,8 @@ def compose_bnb_cpu_updates(functional: Any, cpu_ops: Any) -> None:
     ``optimizer_update_32bit`` for each tensor. On CUDA each is one fused kernel that allocates nothing. On CPU the
     op runs ``backends/cpu/ops.py``'s Python kernels, which dequantize both moments to fp32 and copy the gradient
     and compute the denominator: about 20 bytes of fp32 temporaries per element of the tensor at once (8-bit AdamW;
-    12 for the 32-bit one), 7.3 GiB for a 3B model's 394M-parameter tied embedding. Through the op, those
+    12 for the 32-bit one), 7.37 GiB measured for a 3B model's 394M-parameter tied embedding
+    (``bench/bnb_cpu_update.py``). Through the op, those
     temporaries were invisible to memfit's tracker and to an estimate (whose fake op allocates nothing), so a CPU
     estimate of an 8-bit AdamW run left them out.
 
@@ -122,6 +123,10 @@ def create_bnb_state(optimizer: Any) -> bool:
     """Create now, as its step would, the state of each trainable parameter of a bitsandbytes optimizer
     (``bitsandbytes.optim.optimizer.Optimizer8bit``: its first-step set-up, then ``init_state`` where a parameter has
     none; a loaded state is kept). The state is zeros either way: the first step then finds it and updates it.
+
+    Args:
+        optimizer: any optimizer; only bitsandbytes' (those with ``init_state`` and its first-step set-up) are
+            touched.
 
     Returns:
         False for an optimizer that is not bitsandbytes' (nothing done).
