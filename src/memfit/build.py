@@ -334,7 +334,12 @@ def build_training(
             dist_.unwrap(model).model.reset_rope()
         elif world_size > 1:
             dist_.materialize_sharded(model, initial, device, peft.to_nf4 if cfg.method == "qlora" else None)
-        optimizer = build_optimizer(model, cfg.optimizer, in_backward=cfg.optimizer_in_backward)
+        optimizer = build_optimizer(
+            model,
+            cfg.optimizer,
+            in_backward=cfg.optimizer_in_backward,
+            rounding=cfg.bf16_rounding if cfg.dtype == "bf16" else "nearest",
+        )
     return TrainingModel(model, optimizer, num_params, num_trainable)
 
 

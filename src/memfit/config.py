@@ -370,6 +370,12 @@ class TrainConfig:
     dtype: str = "fp32"
     """``fp32``: everything fp32. ``bf16``: weights, gradients and optimizer state bf16 (loss in fp32).
     ``bf16_mixed``: fp32 weights, gradients and optimizer state, forward/backward under bf16 autocast."""
+    bf16_rounding: str = "nearest"
+    """How a bf16 weight (``dtype: bf16``; ignored otherwise) takes its update (:mod:`memfit.memory.rounding`):
+    ``nearest`` (the optimizer writes the bf16 weight, each result rounded to nearest: small updates are lost),
+    ``stochastic`` (the update computed on an fp32 copy of each chunk, rounded up or down at random, unbiased;
+    seeded by ``seed``, its stream saved in checkpoints) or ``kahan`` (as stochastic, rounded to nearest with a
+    bf16 compensation buffer per weight: 2 bytes/parameter more state)."""
     device: str = "auto"
     """``auto`` (CUDA when available, else CPU), ``cpu`` or ``cuda``."""
 

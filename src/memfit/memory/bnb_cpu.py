@@ -15,7 +15,11 @@ from typing import Any
 
 import torch
 
-from memfit.memory import hybrids
+from memfit.memory import hybrids, rounding
+
+_ROUNDING: list[tuple[str, torch.Tensor | None]] = []
+"""``(bf16_rounding, Kahan compensation)`` of the parameter whose update runs now (:func:`rounding_class`), read by
+the chunked kernels of :func:`compose_bnb_cpu_updates`."""
 
 BNB_CPU_UPDATES_COMPOSED = True
 """Whether :func:`compose_bnb_cpu_updates`' wrappers run bitsandbytes' CPU update kernels on chunks of CPU tensors
@@ -90,12 +94,17 @@ def compose_bnb_cpu_updates(functional: Any, cpu_ops: Any) -> None:
         absmax2, weight_decay=0.0, gnorm_scale=1.0, skip_zeros=False,
     ):  # fmt: skip
         args = (beta1, beta2, beta3, alpha, eps, step, lr, qmap1, qmap2)
+        mode, comp = _ROUNDING[-1] if _ROUNDING else ("nearest", None)
         if not _composes(p, g, state1, state2):
-            return fused8(optimizer_name, g, p, state1, state2, *args, absmax1, absmax2, weight_decay,
-                          gnorm_scale=gnorm_scale, skip_zeros=skip_zeros)  # fmt: skip
+            with rounding.rounded(p, mode, comp) as target:
+                fused8(optimizer_name, g, target, state1, state2, *args, absmax1, absmax2, weight_decay,
+                       gnorm_scale=gnorm_scale, skip_zeros=skip_zeros)  # fmt: skip
+            return None
         for a, b in hybrids.traced_chunks(_flat_chunks(p.numel()), p):
-            kernel8(optimizer_name, _flat(g, a, b), _flat(p, a, b), _flat(state1, a, b), _flat(state2, a, b), *args,
-                    _blocks(absmax1, a, b), _blocks(absmax2, a, b), weight_decay, gnorm_scale, skip_zeros)  # fmt: skip
+            with rounding.rounded(_flat(p, a, b), mode, _flat(comp, a, b)) as target:
+                kernel8(optimizer_name, _flat(g, a, b), target, _flat(state1, a, b), _flat(state2, a, b), *args,
+                        _blocks(absmax1, a, b), _blocks(absmax2, a, b), weight_decay, gnorm_scale,
+                        skip_zeros)  # fmt: skip
         return None
 
     @functools.wraps(fused32)
@@ -103,20 +112,50 @@ def compose_bnb_cpu_updates(functional: Any, cpu_ops: Any) -> None:
         optimizer_name, g, p, state1, beta1, eps, step, lr, state2=None, beta2=0.0, beta3=0.0, alpha=0.0,
         weight_decay=0.0, gnorm_scale=1.0, unorm_vec=None, max_unorm=0.0, skip_zeros=False,
     ):  # fmt: skip
+        mode, comp = _ROUNDING[-1] if _ROUNDING else ("nearest", None)
         if max_unorm > 0.0 or not _composes(p, g, state1, state2):
-            return fused32(optimizer_name, g, p, state1, beta1, eps, step, lr, state2, beta2, beta3, alpha,
-                           weight_decay, gnorm_scale, unorm_vec, max_unorm=max_unorm,
-                           skip_zeros=skip_zeros)  # fmt: skip
+            with rounding.rounded(p, mode, comp) as target:
+                fused32(optimizer_name, g, target, state1, beta1, eps, step, lr, state2, beta2, beta3, alpha,
+                        weight_decay, gnorm_scale, unorm_vec, max_unorm=max_unorm,
+                        skip_zeros=skip_zeros)  # fmt: skip
+            return None
         hyper = (beta1, beta2, beta3, alpha, eps, weight_decay, step, lr, gnorm_scale, skip_zeros)
         for a, b in hybrids.traced_chunks(_flat_chunks(p.numel()), p):
             # no norm of the update (max_unorm 0): unorm_vec None, param_norm 0.0, as bitsandbytes passes them
-            kernel32(optimizer_name, _flat(g, a, b), _flat(p, a, b), _flat(state1, a, b), _flat(state2, a, b), None,
-                     0.0, 0.0, *hyper)  # fmt: skip
+            with rounding.rounded(_flat(p, a, b), mode, _flat(comp, a, b)) as target:
+                kernel32(optimizer_name, _flat(g, a, b), target, _flat(state1, a, b), _flat(state2, a, b), None,
+                         0.0, 0.0, *hyper)  # fmt: skip
         return None
 
     functional.optimizer_update_8bit_blockwise = optimizer_update_8bit_blockwise
     functional.optimizer_update_32bit = optimizer_update_32bit
     functional.memfit_composed = True
+
+
+@functools.cache
+def rounding_class(base: type) -> type:
+    """bitsandbytes' optimizer class ``base`` whose update of a bf16 parameter is computed on an fp32 copy of each
+    chunk and rounded back by its ``memfit_bf16_rounding`` (:mod:`memfit.memory.rounding`; set by
+    :func:`memfit.memory.optim.build_optimizer`): the kernels of :func:`compose_bnb_cpu_updates` read the rule and
+    the Kahan compensation of the parameter it updates. On CUDA the fused kernel writes the bf16 weight itself,
+    rounded to nearest; config validation refuses another rule there."""
+
+    class _Rounded(base):  # type: ignore[misc, valid-type]
+        memfit_rounds_natively = True
+        memfit_bf16_rounding = "nearest"
+
+        def update_step(self, group: dict, p: torch.Tensor, gindex: int, pindex: int) -> Any:
+            mode = self.memfit_bf16_rounding
+            if mode == "nearest" or p.dtype != torch.bfloat16:
+                return super().update_step(group, p, gindex, pindex)
+            _ROUNDING.append((mode, rounding.compensation_of(self.state[p], p, mode)))
+            try:
+                return super().update_step(group, p, gindex, pindex)
+            finally:
+                _ROUNDING.pop()
+
+    _Rounded.__name__ = _Rounded.__qualname__ = base.__name__
+    return _Rounded
 
 
 def create_bnb_state(optimizer: Any) -> bool:
@@ -144,4 +183,10 @@ def create_bnb_state(optimizer: Any) -> bool:
     return True
 
 
-__all__ = ["BNB_BLOCK", "BNB_CPU_UPDATES_COMPOSED", "compose_bnb_cpu_updates", "create_bnb_state"]
+__all__ = [
+    "BNB_BLOCK",
+    "BNB_CPU_UPDATES_COMPOSED",
+    "compose_bnb_cpu_updates",
+    "create_bnb_state",
+    "rounding_class",
+]

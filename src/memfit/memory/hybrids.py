@@ -31,6 +31,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.optim import _muon
 
 from memfit.errors import ConfigError
+from memfit.memory import rounding
 from memfit.quiet import quiet_bitsandbytes_import
 
 _GROUP_ONLY = ("params", "param_names")
@@ -537,6 +538,9 @@ def low_bit_class(base: type[torch.optim.Optimizer]) -> type[torch.optim.Optimiz
     """
 
     class _LowBitAdamW(base):  # type: ignore[misc, valid-type]
+        memfit_rounds_natively = True  # each chunk's update is rounded by memfit_bf16_rounding in _update
+        memfit_bf16_rounding = "nearest"  # build_optimizer sets the run's bf16_rounding
+
         @torch.no_grad()
         def step(self, closure=None):
             # torchao keeps lr as a tensor (so a new value does not recompile); the training loop sets a float.
@@ -544,6 +548,8 @@ def low_bit_class(base: type[torch.optim.Optimizer]) -> type[torch.optim.Optimiz
                 if not isinstance(group["lr"], torch.Tensor):
                     group["lr"] = torch.tensor(group["lr"], dtype=torch.float32)
             if self.param_groups[0]["params"][0].device.type == "cuda":
+                # compiled whole: torchao's own stochastic rounding (config validation refuses kahan here)
+                self.bf16_stochastic_round |= self.memfit_bf16_rounding == "stochastic"
                 return super().step(closure)
             loss = _closure_loss(closure)
             for group in self.param_groups:
@@ -570,6 +576,7 @@ def low_bit_class(base: type[torch.optim.Optimizer]) -> type[torch.optim.Optimiz
                 state["exp_avg_sq"] = self._new_buffer(p, False)
                 if group["amsgrad"]:
                     state["max_exp_avg_sq"] = self._new_buffer(p, False)
+                rounding.compensation_of(state, p, self.memfit_bf16_rounding)
             return state
 
         def _update(self, group: dict, p: torch.Tensor) -> None:
@@ -580,20 +587,23 @@ def low_bit_class(base: type[torch.optim.Optimizer]) -> type[torch.optim.Optimiz
                 raise RuntimeError("Sparse gradient is not supported")
             state = self._create_state(group, p)
             state["step"] += 1
-            names = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+            names = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", rounding.COMPENSATION)
             tensors = [_local(p.detach()), _local(p.grad)] + [_local(state.get(n)) for n in names]
-            bf16_sr = self.bf16_stochastic_round and p.dtype is torch.bfloat16
+            mode = self.memfit_bf16_rounding
+            bf16_sr = self.bf16_stochastic_round and p.dtype is torch.bfloat16 and mode == "nearest"
             for chunk in traced_chunks(
                 _row_chunks(tensors[0], self.block_size, LOW_BIT_CHUNK_ELEMENTS), tensors[0]
             ):
                 # the slices live only through their call: a quantized state's slice carries its own code table
-                pc, gc, m, v, vmax = (
+                pc, gc, m, v, vmax, comp = (
                     t if t is None or chunk is None else t[chunk[0] : chunk[1]] for t in tensors
                 )
-                single_param_adam(pc, gc, state["step"], m, v, vmax, group["lr"], group["betas"][0],
-                                  group["betas"][1], group["weight_decay"], group["eps"], self.is_adamw,
-                                  bf16_sr)  # fmt: skip
-                del pc, gc, m, v, vmax
+                # bf16_rounding: the chunk's update computed on an fp32 copy of it, rounded back
+                with rounding.rounded(pc, mode, comp) as target:
+                    single_param_adam(target, gc, state["step"], m, v, vmax, group["lr"], group["betas"][0],
+                                      group["betas"][1], group["weight_decay"], group["eps"], self.is_adamw,
+                                      bf16_sr)  # fmt: skip
+                del pc, gc, m, v, vmax, comp
 
     _LowBitAdamW.__name__ = _LowBitAdamW.__qualname__ = f"Memfit{base.__name__}"
     return _LowBitAdamW

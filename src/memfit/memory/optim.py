@@ -32,7 +32,8 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from memfit.config import OptimizerConfig
 from memfit.distributed import unwrap
-from memfit.memory import bnb_cpu, optimizers
+from memfit.memory import bnb_cpu, hybrids, optimizers
+from memfit.memory import rounding as rounding_
 from memfit.memory.optimizers import check_optimizer_supported
 from memfit.quiet import quiet_torchao_import
 
@@ -241,7 +242,11 @@ def _paged_on_cpu_warning(name: str) -> None:
 
 
 def build_optimizer(
-    model: torch.nn.Module, cfg: OptimizerConfig, *, in_backward: bool = False
+    model: torch.nn.Module,
+    cfg: OptimizerConfig,
+    *,
+    in_backward: bool = False,
+    rounding: str = "nearest",
 ) -> torch.optim.Optimizer:
     """The optimizer named by ``cfg.name`` over ``model``'s trainable parameters.
 
@@ -249,6 +254,10 @@ def build_optimizer(
         model: the (materialised, or fake) model.
         cfg: the optimizer section of the run config; ``cpu_offload`` is read when the field exists.
         in_backward: return an :class:`OptimizerInBackward` that updates each parameter inside backward.
+        rounding: ``bf16_rounding`` (:mod:`memfit.memory.rounding`): how a bf16 weight takes its update. Other
+            than ``nearest``, each parameter gets an optimizer of its own (:class:`PerParameterOptimizer`, or
+            :class:`OptimizerInBackward`) whose update is computed on an fp32 copy of the weight, chunk by chunk
+            where the update is elementwise, and rounded back.
 
     Returns:
         A ``torch.optim.Optimizer`` whose ``param_groups`` are ``decay`` / ``no_decay`` (see
@@ -263,7 +272,7 @@ def build_optimizer(
     params = [p for p in model.parameters() if p.requires_grad]
     device_type = params[0].device.type if params else "cpu"
     reason = check_optimizer_supported(
-        cfg.name, device_type, cpu_offload=cpu_offload, in_backward=in_backward
+        cfg.name, device_type, cpu_offload=cpu_offload, in_backward=in_backward, rounding=rounding
     )
     if reason is not None:
         raise ValueError(reason)
@@ -282,6 +291,7 @@ def build_optimizer(
         extra = {"first_seed": numbered + 1} if seeded else {}
         numbered += sum(len(g["params"]) for g in groups)
         opt = cls(groups, **kwargs, **extra)
+        opt.memfit_bf16_rounding = rounding  # torchao's and bitsandbytes' chunked updates round by it themselves
         if paged_on_cpu:
             opt._cpu_paged_warned = True  # memfit's warning above replaces bitsandbytes' one per optimizer
         # bitsandbytes: one pair of code tables for all per-parameter optimizers, as in a single optimizer
@@ -295,7 +305,9 @@ def build_optimizer(
     lr_scale = cfg.adamw_lr / cfg.lr if getattr(cfg, "adamw_lr", 0.0) else 1.0
     groups = param_groups(model, cfg.weight_decay, cfg.name, adamw_lr_scale=lr_scale)
     if in_backward:
-        optimizer: torch.optim.Optimizer = OptimizerInBackward(groups, make)
+        optimizer: torch.optim.Optimizer = OptimizerInBackward(groups, make, rounding=rounding)
+    elif rounding != "nearest":
+        optimizer = PerParameterOptimizer(groups, make, rounding=rounding)
     elif cpu_offload:
         optimizer = _cpu_offload_optimizer(groups, cls, kwargs)
     else:
@@ -347,55 +359,40 @@ class _StateView(Mapping):
         return sum(1 for _ in self)
 
 
-class OptimizerInBackward(torch.optim.Optimizer):
-    """Each parameter is updated inside backward, the moment its gradient is complete, and the gradient freed.
+class _PerParameter(torch.optim.Optimizer):
+    """One optimizer per trainable parameter (built by ``make_optimizer`` with the parameter's group hyperparameters)
+    behind the ``torch.optim`` contract: ``param_groups`` are this wrapper's groups, and before each update of a
+    parameter every hyperparameter its optimizer shares with them (``lr``, ``weight_decay``, ``betas``, ...) is
+    copied over, so ``group["lr"] = lr`` set by the training loop is honoured. ``state`` maps each parameter to its
+    state, and ``state_dict()`` has the layout of a plain optimizer's (``state`` by parameter index,
+    ``param_groups``), so it reads back with ``torch.load(weights_only=True)``.
 
-    A ``post_accumulate_grad`` hook on every trainable parameter (a) adds the squared L2 norm of its gradient,
-    in fp32, into a running 0-dim tensor, (b) steps that parameter's own optimizer (one per parameter, built by
-    ``make_optimizer`` with the parameter's group hyperparameters), and (c) sets ``p.grad = None``. So at most one
-    parameter's gradient is alive beside those autograd is still accumulating: the memory of a full set of
-    gradients is never needed.
-
-    The ``torch.optim`` contract holds: ``param_groups`` are this wrapper's groups, and before each update the
-    hook copies every hyperparameter the per-parameter optimizer shares with them (``lr``, ``weight_decay``,
-    ``betas``, ...), so ``group["lr"] = lr`` set by the training loop is honoured. ``step()`` and
-    ``zero_grad()`` have nothing left to do. ``state`` maps each parameter to its state, and ``state_dict()``
-    has the layout of a plain optimizer's (``state`` by parameter index, ``param_groups``), so it reads back
-    with ``torch.load(weights_only=True)``.
-
-    What it cannot do, by construction (config validation rejects these combinations):
-
-    - gradient accumulation over micro-batches (``gradient_accumulation_steps > 1``): the update runs after the
-      first micro-batch's backward, before the others' gradients exist;
-    - clipping by the global gradient norm (``max_grad_norm > 0``): a parameter is updated before the other
-      gradients, hence the global norm, exist. The global norm is still *reported*
-      (:meth:`consume_grad_norm`), computed from each gradient just before its update.
-
-    No host sync and no data-dependent Python branching happen in the hooks, so a step runs under
-    ``FakeTensorMode`` (with ``adamw``).
+    With ``rounding`` other than ``nearest``, a bf16 parameter's update is computed on an fp32 copy of it and
+    rounded back (:func:`rounded_step`).
 
     Args:
         params: parameters or parameter groups, as for any ``torch.optim.Optimizer``.
         make_optimizer: builds the optimizer of one parameter from a list of one group, e.g.
             ``lambda groups: torch.optim.AdamW(groups, lr=1e-3)``.
+        rounding: ``bf16_rounding`` (:mod:`memfit.memory.rounding`).
     """
 
     def __init__(
         self,
         params: Iterable[torch.Tensor] | Iterable[dict],
         make_optimizer: Callable[[list[dict]], torch.optim.Optimizer],
+        *,
+        rounding: str = "nearest",
     ):
         self._make_optimizer = make_optimizer
+        self._rounding = rounding
         self._inner: dict[torch.Tensor, torch.optim.Optimizer] = {}
-        self._hooks: list[torch.utils.hooks.RemovableHandle] = []
-        self._sq_sum: torch.Tensor | None = None
-        self._sharded_over = None  # the process group of DTensor (FSDP2) gradients, once one was seen
         self._device: torch.device | None = None
         super().__init__(params, {})
         self.state = _StateView({p: (opt, p) for p, opt in self._inner.items()})  # type: ignore[assignment]
 
     def add_param_group(self, param_group: dict) -> None:
-        """Add a group; each of its parameters gets its own optimizer and a gradient hook.
+        """Add a group; each of its parameters gets its own optimizer.
 
         Args:
             param_group: ``{"params": [...], <hyperparameters>}``; hyperparameters it leaves out take the values
@@ -405,9 +402,8 @@ class OptimizerInBackward(torch.optim.Optimizer):
         group = self.param_groups[-1]
         hyper = {k: v for k, v in group.items() if k not in _GROUP_LABELS}
         for p in group["params"]:
-            inner = self._make_optimizer([{"params": [p], **hyper}])
-            self._inner[p] = inner
-            self._hooks.append(p.register_post_accumulate_grad_hook(self._update))
+            self._inner[p] = self._make_optimizer([{"params": [p], **hyper}])
+            self._added(p)
             self._device = self._device or p.device
         if group["params"]:
             for k, v in self._inner[group["params"][0]].defaults.items():
@@ -415,15 +411,11 @@ class OptimizerInBackward(torch.optim.Optimizer):
                 self.defaults.setdefault(k, v)
         self._group_of = {p: g for g in self.param_groups for p in g["params"]}
 
-    def _update(self, p: torch.Tensor) -> None:
-        """The hook: norm, update, free. Runs in backward, once per parameter and backward."""
-        with torch.no_grad():
-            grad = p.grad
-            if hasattr(grad, "to_local"):  # a DTensor shard (FSDP2): this rank's part of the sum of squares
-                self._sharded_over = grad.device_mesh.get_group()
-                grad = grad.to_local()
-            sq = torch.linalg.vector_norm(grad, dtype=torch.float32).square()
-            self._sq_sum = sq if self._sq_sum is None else self._sq_sum + sq
+    def _added(self, p: torch.Tensor) -> None:
+        """What a subclass does for each parameter it takes."""
+
+    def _step_one(self, p: torch.Tensor) -> None:
+        """Update ``p`` by its own optimizer, with its group's current hyperparameters."""
         inner = self._inner[p]
         inner_group = inner.param_groups[0]
         for k, v in self._group_of[p].items():
@@ -434,42 +426,13 @@ class OptimizerInBackward(torch.optim.Optimizer):
                 current.fill_(v)  # torchao keeps lr as a tensor
             else:
                 inner_group[k] = v
-        inner.step()
-        p.grad = None
-
-    def consume_grad_norm(self) -> torch.Tensor:
-        """The global L2 norm of the gradients consumed since the last call, then start again.
-
-        Returns:
-            0-dim fp32 tensor on the parameters' device (no host sync): ``sqrt`` of the summed squares, 0 when no
-            gradient was consumed.
-        """
-        sq_sum = self._sq_sum
-        self._sq_sum = None
-        if sq_sum is None:
-            sq_sum = torch.zeros((), dtype=torch.float32, device=self._device)
-        if self._sharded_over is not None:  # sum the shards' squares over the ranks
-            dist.all_reduce(sq_sum, op=dist.ReduceOp.SUM, group=self._sharded_over)
-        return sq_sum.sqrt()
-
-    @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """Nothing to do: every update already ran inside backward.
-
-        Args:
-            closure: when given, it is called (with grad enabled) and its result returned; its backward runs
-                the updates.
-
-        Returns:
-            The closure's result, or ``None``.
-        """
-        if closure is None:
-            return None
-        with torch.enable_grad():
-            return closure()
+        if self._rounding == "nearest" or p.dtype != torch.bfloat16:
+            inner.step()
+        else:
+            rounded_step(inner, p, self._rounding)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Nothing to do after a backward (each gradient was freed after its update); clears any other gradient.
+        """Clear every gradient.
 
         Args:
             set_to_none: accepted for the ``torch.optim`` signature; gradients are always set to ``None``.
@@ -538,11 +501,252 @@ class OptimizerInBackward(torch.optim.Optimizer):
                 )
             group.update({k: v for k, v in saved.items() if k != "params"})
 
+
+
+class PerParameterOptimizer(_PerParameter):
+    """The optimizer of a run whose bf16 weights round by ``bf16_rounding`` (other than ``nearest``), stepped after
+    backward: each parameter with a gradient is updated by its own optimizer, one at a time, its update computed on
+    an fp32 copy of the weight and rounded back (:func:`rounded_step`), so the fp32 temporaries are one tensor's
+    (one chunk's where the update is elementwise), never the model's."""
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Update every parameter that has a gradient.
+
+        Args:
+            closure: called with grad enabled before the updates; its result is returned.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    self._step_one(p)
+        return loss
+
+
+class OptimizerInBackward(_PerParameter):
+    """Each parameter is updated inside backward, the moment its gradient is complete, and the gradient freed.
+
+    A ``post_accumulate_grad`` hook on every trainable parameter (a) adds the squared L2 norm of its gradient,
+    in fp32, into a running 0-dim tensor, (b) steps that parameter's own optimizer (one per parameter, built by
+    ``make_optimizer`` with the parameter's group hyperparameters; :class:`_PerParameter`), and (c) sets
+    ``p.grad = None``. So at most one parameter's gradient is alive beside those autograd is still accumulating:
+    the memory of a full set of gradients is never needed.
+
+    What it cannot do, by construction (config validation rejects these combinations):
+
+    - gradient accumulation over micro-batches (``gradient_accumulation_steps > 1``): the update runs after the
+      first micro-batch's backward, before the others' gradients exist;
+    - clipping by the global gradient norm (``max_grad_norm > 0``): a parameter is updated before the other
+      gradients, hence the global norm, exist. The global norm is still *reported*
+      (:meth:`consume_grad_norm`), computed from each gradient just before its update.
+
+    No host sync and no data-dependent Python branching happen in the hooks, so a step runs under
+    ``FakeTensorMode`` (with ``adamw``).
+
+    Args:
+        params: parameters or parameter groups, as for any ``torch.optim.Optimizer``.
+        make_optimizer: builds the optimizer of one parameter from a list of one group, e.g.
+            ``lambda groups: torch.optim.AdamW(groups, lr=1e-3)``.
+        rounding: ``bf16_rounding`` (:mod:`memfit.memory.rounding`).
+    """
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict],
+        make_optimizer: Callable[[list[dict]], torch.optim.Optimizer],
+        *,
+        rounding: str = "nearest",
+    ):
+        self._hooks: list[torch.utils.hooks.RemovableHandle] = []
+        self._sq_sum: torch.Tensor | None = None
+        self._sharded_over = None  # the process group of DTensor (FSDP2) gradients, once one was seen
+        super().__init__(params, make_optimizer, rounding=rounding)
+
+    def _added(self, p: torch.Tensor) -> None:
+        self._hooks.append(p.register_post_accumulate_grad_hook(self._update))
+
+    def _update(self, p: torch.Tensor) -> None:
+        """The hook: norm, update, free. Runs in backward, once per parameter and backward."""
+        with torch.no_grad():
+            grad = p.grad
+            if hasattr(grad, "to_local"):  # a DTensor shard (FSDP2): this rank's part of the sum of squares
+                self._sharded_over = grad.device_mesh.get_group()
+                grad = grad.to_local()
+            sq = torch.linalg.vector_norm(grad, dtype=torch.float32).square()
+            self._sq_sum = sq if self._sq_sum is None else self._sq_sum + sq
+            self._step_one(p)
+        p.grad = None
+
+    def consume_grad_norm(self) -> torch.Tensor:
+        """The global L2 norm of the gradients consumed since the last call, then start again.
+
+        Returns:
+            0-dim fp32 tensor on the parameters' device (no host sync): ``sqrt`` of the summed squares, 0 when no
+            gradient was consumed.
+        """
+        sq_sum = self._sq_sum
+        self._sq_sum = None
+        if sq_sum is None:
+            sq_sum = torch.zeros((), dtype=torch.float32, device=self._device)
+        if self._sharded_over is not None:  # sum the shards' squares over the ranks
+            dist.all_reduce(sq_sum, op=dist.ReduceOp.SUM, group=self._sharded_over)
+        return sq_sum.sqrt()
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Nothing to do: every update already ran inside backward.
+
+        Args:
+            closure: when given, it is called (with grad enabled) and its result returned; its backward runs
+                the updates.
+
+        Returns:
+            The closure's result, or ``None``.
+        """
+        if closure is None:
+            return None
+        with torch.enable_grad():
+            return closure()
+
     def remove_hooks(self) -> None:
         """Detach the gradient hooks; afterwards backward leaves gradients in ``.grad`` and updates nothing."""
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# bf16 weights updated in fp32, rounded back (bf16_rounding)
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def rounded_step(inner: torch.optim.Optimizer, p: torch.Tensor, rounding: str) -> None:
+    """Step ``inner``, the optimizer of the one bf16 parameter ``p``, with the update computed on an fp32 copy of
+    ``p`` and rounded back by ``rounding`` (:mod:`memfit.memory.rounding`).
+
+    - torchao's low-bit AdamW and bitsandbytes' CPU updates (``memfit_rounds_natively``) already compute in fp32
+      chunk by chunk: they round each chunk themselves.
+    - An elementwise update (torch AdamW, Muon's AdamW part) of a plain tensor runs on row chunks of
+      :data:`memfit.memory.hybrids.LOW_BIT_CHUNK_ELEMENTS` elements: the parameter, its gradient and every state
+      tensor of its shape are given to ``inner`` as the chunk's slices (the state in its own dtype, updated in
+      place), the counters restored before each chunk, so each element sees one update. Its state is created
+      first where it has none, as torch's first step creates it.
+    - Any other update (Muon's orthogonalised matrix, Adafactor's, APOLLO's, Adam-mini's; a ``DTensor`` shard)
+      runs on fp32 copies of the whole tensor (its local shard), of its gradient and of its bf16 state tensors,
+      the state written back in its own dtype after; state its first step creates in fp32 from those copies is
+      kept in the parameter's dtype, as without rounding (but ``step``, a counter torch keeps in fp32).
+
+    ``p.data`` is swapped for the fp32 copy while ``inner`` steps (the key of its state stays ``p``). Kahan's
+    compensation is kept in the state under :data:`memfit.memory.rounding.COMPENSATION`, from the first step on.
+
+    Args:
+        inner: the optimizer whose only parameter is ``p``.
+        p: a bf16 parameter with a gradient.
+        rounding: ``stochastic`` or ``kahan``.
+    """
+    if getattr(inner, "memfit_rounds_natively", False):
+        inner.step()
+        return
+    state = inner.state[p]
+    grad = p.grad
+    chunks = _elementwise_chunks(inner, p)
+    if chunks is None:
+        comp = rounding_.compensation_of(state, p, rounding) if state else None
+        before = set(state)
+        held = {k: v for k, v in state.items() if k != rounding_.COMPENSATION and _low_precision(v)}
+        state.update({k: v.float() for k, v in held.items()})  # the update in fp32 throughout
+        p32 = rounding_.to_fp32(p.data, comp)
+        try:
+            _swap_step(inner, p, p32, grad.float())
+        finally:
+            for k, v in held.items():
+                v.copy_(state[k])
+                state[k] = v
+        for k in set(state) - before:  # made by the first step from fp32 copies: kept in the parameter's dtype
+            if isinstance(state[k], torch.Tensor) and state[k].dtype == torch.float32 and k != "step":
+                state[k] = state[k].to(p.dtype)  # (torch's optimizers keep their step counter in fp32 always)
+        rounding_.round_into(p.data, p32, rounding, rounding_.compensation_of(state, p, rounding))
+        return
+    _create_adamw_state(inner, state, p)
+    comp = rounding_.compensation_of(state, p, rounding)
+    shaped = {k for k, v in state.items() if isinstance(v, torch.Tensor) and v.shape == p.shape}
+    counters = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state.items() if k not in shaped}
+    data = p.data
+    try:
+        for a, b in hybrids.traced_chunks(chunks, p):
+            sliced = {k: state[k][a:b] for k in shaped}
+            for k, v in counters.items():  # each chunk takes the step from the same counters
+                if isinstance(v, torch.Tensor):
+                    state[k].copy_(v)
+                else:
+                    sliced[k] = v
+            inner.state[p] = {**state, **sliced}
+            comp_chunk = None if comp is None else comp[a:b]
+            p32 = rounding_.to_fp32(data[a:b], comp_chunk)
+            _swap_step(inner, p, p32, grad[a:b])
+            rounding_.round_into(data[a:b], p32, rounding, comp_chunk)
+            del p32
+            state.update({k: v for k, v in inner.state[p].items() if k not in shaped})
+    finally:
+        inner.state[p] = state
+        p.grad = grad
+
+
+def _low_precision(value: Any) -> bool:
+    """A bf16 or fp16 state tensor (a moment, a factored or projected one, a norm)."""
+    return isinstance(value, torch.Tensor) and value.dtype in (torch.bfloat16, torch.float16)
+
+
+def _swap_step(inner: torch.optim.Optimizer, p: torch.Tensor, p32: torch.Tensor, grad: torch.Tensor) -> None:
+    """``inner.step()`` with ``p``'s data swapped for ``p32`` and its gradient for ``grad`` (both restored)."""
+    data, own_grad = p.data, p.grad
+    typed = hasattr(p, "grad_dtype")  # torch >= 2.12 holds a gradient to the parameter's dtype unless told not to
+    grad_dtype = p.grad_dtype if typed else None
+    p.grad = None
+    if typed:
+        p.grad_dtype = None  # the bf16 gradient of the fp32 copy
+    p.data = p32
+    p.grad = grad
+    try:
+        inner.step()
+    finally:
+        p.grad = None
+        p.data = data
+        if typed:
+            p.grad_dtype = grad_dtype
+        p.grad = own_grad
+
+
+def _elementwise_chunks(inner: torch.optim.Optimizer, p: torch.Tensor) -> list[tuple[int, int]] | None:
+    """Row ranges ``[a, b)`` to update ``p`` in, each of at most
+    :data:`memfit.memory.hybrids.LOW_BIT_CHUNK_ELEMENTS` elements (one row at the least), where its optimizer's
+    update is elementwise (torch AdamW; Muon's AdamW part) and ``p`` a plain tensor; ``None``: update it whole."""
+    adamw = type(inner) is torch.optim.AdamW or (
+        isinstance(inner, hybrids.MuonWithAdamW) and inner.param_groups[0].get("algorithm") == "adamw"
+    )
+    if not adamw or hasattr(p, "to_local") or p.dim() < 1 or not p.is_contiguous():
+        return None
+    rows = p.shape[0]
+    per_row = max(1, p.numel() // max(1, rows))
+    size = max(1, hybrids.LOW_BIT_CHUNK_ELEMENTS // per_row)
+    return [(a, min(rows, a + size)) for a in range(0, rows, size)]
+
+
+def _create_adamw_state(inner: torch.optim.Optimizer, state: dict, p: torch.Tensor) -> None:
+    """torch AdamW's state of ``p`` as its first step makes it (``torch.optim.adam._init_group``: a float32 0-dim
+    ``step``, the moments as zeros of ``p``'s shape and dtype), where ``p`` has none yet."""
+    if "exp_avg" in state:
+        return
+    group = inner.param_groups[0]
+    state["step"] = torch.tensor(0.0, dtype=torch.float32)
+    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+    if group.get("amsgrad"):
+        state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
 
 # ----------------------------------------------------------------------------------------------------------------

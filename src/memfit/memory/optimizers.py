@@ -492,7 +492,7 @@ OPTIMIZERS: tuple[Optimizer, ...] = (
     Optimizer(
         "adamw8bit",
         "bitsandbytes",
-        lambda: _bitsandbytes().AdamW8bit,
+        lambda: bnb_cpu.rounding_class(_bitsandbytes().AdamW8bit),
         _BNB_ADAMW8BIT,
         "bitsandbytes 8-bit AdamW: ~2 bytes/parameter of state",
         quantizes=_bnb_quantizes,
@@ -504,7 +504,7 @@ OPTIMIZERS: tuple[Optimizer, ...] = (
     Optimizer(
         "paged_adamw8bit",
         "bitsandbytes",
-        lambda: _bitsandbytes().PagedAdamW8bit,
+        lambda: bnb_cpu.rounding_class(_bitsandbytes().PagedAdamW8bit),
         _BNB_ADAMW8BIT,
         "8-bit state in CUDA unified memory: the driver pages it to host RAM when short",
         quantizes=_bnb_quantizes,
@@ -517,7 +517,7 @@ OPTIMIZERS: tuple[Optimizer, ...] = (
     Optimizer(
         "paged_adamw",
         "bitsandbytes",
-        lambda: _bitsandbytes().PagedAdamW,
+        lambda: bnb_cpu.rounding_class(_bitsandbytes().PagedAdamW),
         _bnb_state(moments=2, bits=32),
         "32-bit state in CUDA unified memory",
         paged_bytes_per_element=2 * 4,
@@ -562,7 +562,7 @@ OPTIMIZERS: tuple[Optimizer, ...] = (
     Optimizer(
         "lion8bit",
         "bitsandbytes",
-        lambda: _bitsandbytes().Lion8bit,
+        lambda: bnb_cpu.rounding_class(_bitsandbytes().Lion8bit),
         _bnb_state(moments=1, bits=8),
         "bitsandbytes 8-bit Lion: one moment, ~1 byte/parameter of state",
         quantizes=_bnb_quantizes,
@@ -729,6 +729,27 @@ def sharded_refusal(name: str, *, strategy: str, dtype: str) -> str | None:
     return entry.sharded(name, strategy, dtype) if entry.sharded is not None else None
 
 
+def rounding_refusal(name: str, device_type: str, rounding: str) -> str | None:
+    """Why optimizer ``name`` cannot round bf16 weights by ``rounding`` (``bf16_rounding``) on ``device_type``, or
+    ``None`` when it can: every optimizer can on CPU; on CUDA bitsandbytes' fused kernel writes the weight itself
+    (nearest only) and torchao's compiled update has stochastic rounding but no Kahan compensation."""
+    if rounding == "nearest" or device_type != "cuda" or name not in OPTIMIZERS_BY_NAME:
+        return None
+    library = spec(name).library
+    if library == "bitsandbytes":
+        return (
+            f"{name!r} (bitsandbytes) cannot round bf16 weights by bf16_rounding={rounding} on CUDA: its fused "
+            f"kernel writes the bf16 weight itself, rounded to nearest. Use torchao_adamw8bit or torchao_adamw4bit "
+            f"(the same block-wise state), or bf16_rounding=nearest"
+        )
+    if library == "torchao" and rounding == "kahan":
+        return (
+            f"{name!r} compiles its CUDA update whole, which keeps no Kahan compensation; use "
+            f"bf16_rounding=stochastic (torchao's own stochastic rounding there) or nearest"
+        )
+    return None
+
+
 def check_optimizer_supported(
     name: str,
     device_type: str,
@@ -736,6 +757,7 @@ def check_optimizer_supported(
     cpu_offload: bool = False,
     in_backward: bool = False,
     max_grad_norm: float = 0.0,
+    rounding: str = "nearest",
 ) -> str | None:
     """Why the optimizer ``name`` cannot run as asked, or ``None`` when it can. Allocates nothing.
 
@@ -748,6 +770,7 @@ def check_optimizer_supported(
         cpu_offload: ``optimizer.cpu_offload`` (torchao ``CPUOffloadOptimizer``).
         in_backward: the step runs inside backward (:class:`memfit.memory.optim.OptimizerInBackward`).
         max_grad_norm: the clipping threshold of the run; 0 is no clipping.
+        rounding: ``bf16_rounding`` of a ``dtype: bf16`` run (``nearest`` otherwise).
 
     Returns:
         A sentence saying what is wrong and what to do instead, or ``None``.
@@ -764,6 +787,8 @@ def check_optimizer_supported(
         what = "optimizer.cpu_offload" if cpu_offload else f"optimizer {name!r}"
         return f"{what} needs torchao, which is not installed (pip install torchao)"
     if entry.device is not None and (reason := entry.device(device_type)) is not None:
+        return reason
+    if (reason := rounding_refusal(name, device_type, rounding)) is not None:
         return reason
     if cpu_offload:
         if entry.update_rule not in ("adamw", "lion"):

@@ -11,7 +11,7 @@ import torch
 from memfit.build import PARAM_DTYPES, build_model
 from memfit.config import TrainConfig
 from memfit.distributed import local_shape, shard_numel
-from memfit.memory import optimizers
+from memfit.memory import optimizers, rounding
 from memfit.models import peft
 from memfit.models.llama import LlamaConfig
 
@@ -58,7 +58,9 @@ def model_state_bytes_closed_form(cfg: TrainConfig, mcfg: LlamaConfig, world_siz
     - gradients: every trainable parameter in its dtype, as the optimizer step finds them (0 with the optimizer
       in backward, which frees each gradient as soon as its update ran);
     - optimizer state: the optimizer's entry says (:attr:`memfit.memory.optimizers.Optimizer.state`; AdamW keeps
-      ``exp_avg`` and ``exp_avg_sq`` in the parameter dtype and a 4-byte fp32 ``step`` per parameter).
+      ``exp_avg`` and ``exp_avg_sq`` in the parameter dtype and a 4-byte fp32 ``step`` per parameter), plus
+      ``bf16_rounding: kahan``'s bf16 compensation buffer of each trainable bf16 tensor
+      (:func:`memfit.memory.rounding.compensation_bytes`).
 
     Sharded (``world_size`` > 1): every parameter is split on dim 0 into ``ceil(rows / world_size)``-row chunks
     (``torch.chunk``'s layout) and rank 0's chunk counts; FSDP1 flattens a unit's parameters into one padded buffer
@@ -91,7 +93,8 @@ def model_state_bytes_closed_form(cfg: TrainConfig, mcfg: LlamaConfig, world_siz
     return {
         "parameters": parameters,
         "gradients": 0 if cfg.optimizer_in_backward else sum(local[n] for n in trainable) * size,
-        "optimizer_state": optimizer.state(tensors),
+        "optimizer_state": optimizer.state(tensors)
+        + sum(rounding.compensation_bytes(cfg.bf16_rounding, t.numel, t.size) for t in tensors),
         "trainable_parameters": sum(local[n] for n in trainable) * size,
         "paged_optimizer_state": optimizer.paged_state(tensors),
     }

@@ -55,7 +55,7 @@ from memfit.memory.switches.base import (
 )
 from memfit.memory.switches.checkpointing import ACTIVATION_CHECKPOINTING, ACTIVATION_CHECKPOINTING_INTERVAL
 from memfit.memory.switches.compile_offload import ACTIVATION_OFFLOADING, COMPILE, cxx_compiler
-from memfit.memory.switches.methods import DTYPE, METHOD, dequantize_passes, layer_weights
+from memfit.memory.switches.methods import BF16_ROUNDING, DTYPE, METHOD, dequantize_passes, layer_weights
 from memfit.memory.switches.optimizer import (
     OPTIMIZER_CPU_OFFLOAD,
     OPTIMIZER_IMPLEMENTATION,
@@ -142,6 +142,7 @@ SWITCHES: tuple[Switch, ...] = (
     OPTIMIZER_IMPLEMENTATION,
     OPTIMIZER_IN_BACKWARD,
     OPTIMIZER_CPU_OFFLOAD,
+    BF16_ROUNDING,
     ACTIVATION_CHECKPOINTING,
     ACTIVATION_CHECKPOINTING_INTERVAL,
     CHUNKED_CROSS_ENTROPY,

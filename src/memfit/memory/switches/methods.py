@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from memfit.errors import ConfigError
+from memfit.memory import optimizers, rounding
 from memfit.memory.switches.base import (
     DTYPES,
     METHODS,
@@ -194,4 +195,74 @@ DTYPE = Switch(
         Parity({"dtype": "bf16_mixed"}, 0.02, relative=True, why="bf16 matmuls under autocast"),
     ),
     doc="fp32, bf16 (weights, gradients, state in bf16) or bf16_mixed (fp32 states, bf16 autocast)",
+)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# bf16_rounding
+# ----------------------------------------------------------------------------------------------------------------
+
+ROUNDING_UPDATE_FACTOR = {"nearest": 1.0, "stochastic": 1.0, "kahan": 1.0}
+"""The optimizer update's time under each ``bf16_rounding``, as a multiple of its time rounding to nearest
+(``bench/bf16_rounding.py``, the update of one tensor on this project's 2 CPU cores)."""
+
+
+def _check_bf16_rounding(cfg: RunConfig, target: Target) -> None:
+    if cfg.dtype != "bf16" or cfg.bf16_rounding == "nearest":
+        return
+    require(
+        not cfg.optimizer.cpu_offload,
+        "bf16_rounding",
+        f"{cfg.bf16_rounding} cannot be combined with optimizer.cpu_offload: the offloaded update runs on the "
+        f"host's fp32 copy of each weight (torchao CPUOffloadOptimizer), which is not rounded. Use "
+        f"bf16_rounding=nearest with the offload, or turn it off",
+    )
+    reason = optimizers.rounding_refusal(cfg.optimizer.name, target.device, cfg.bf16_rounding)
+    require(reason is None, "bf16_rounding", str(reason))
+
+
+def _cost_bf16_rounding(rounding: str, t: StepTerms) -> None:
+    if t.cfg.dtype == "bf16" and rounding != "nearest":
+        t.update_factor *= ROUNDING_UPDATE_FACTOR[rounding]
+        t.per_tensor = True  # one optimizer per parameter (memfit.memory.optim.rounded_step)
+
+
+BF16_ROUNDING = Switch(
+    key="bf16_rounding",
+    record="bf16_rounding",
+    applied="optimizer: memfit.memory.optim.rounded_step (memfit.memory.rounding; torchao's and bitsandbytes' "
+    "chunked updates round each chunk themselves)",
+    check=_check_bf16_rounding,
+    choices=rounding.BF16_ROUNDINGS,
+    cost=_cost_bf16_rounding,
+    not_planned="a choice of quality, not of memory: the plan keeps the config's and prices it (the trace sees "
+    "its fp32 chunk and Kahan's buffer, the cost model its time)",
+    refusals=(
+        Refusal(
+            {
+                "dtype": "bf16",
+                "bf16_rounding": "kahan",
+                "optimizer.name": "adamw",
+                "optimizer.cpu_offload": True,
+                "max_grad_norm": 0,
+                "device": "cuda",
+            },
+            "kahan cannot be combined with optimizer.cpu_offload",
+        ),
+    ),
+    parity=(
+        Parity(
+            {"dtype": "bf16", "bf16_rounding": "stochastic"},
+            0.03,
+            relative=True,
+            why="bf16 weights, each update rounded up or down at random (unbiased) instead of to nearest",
+        ),
+        Parity(
+            {"dtype": "bf16", "bf16_rounding": "kahan"},
+            0.03,
+            relative=True,
+            why="bf16 weights with a bf16 compensation buffer: about 16 bits of mantissa between the two",
+        ),
+    ),
+    doc="nearest, stochastic or kahan: how a bf16 weight takes its fp32-computed update (dtype=bf16 only)",
 )
