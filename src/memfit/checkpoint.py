@@ -962,12 +962,16 @@ def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     numbers each parameter's seed at construction); and it is memfit's own, so that a run or an estimate that
     never touches a distributed checkpoint does not import torch.distributed.checkpoint (~0.5 s, FSDP with it).
     An :class:`~memfit.memory.optim.OptimizerInBackward` steps inside backward only, so each of its per-parameter
-    optimizers is initialised instead.
+    optimizers is initialised instead (those of a :class:`~memfit.memory.optim.PerParameterOptimizer` too), then
+    the Kahan compensation of ``bf16_rounding: kahan`` is created beside their state.
     """
     inner = getattr(optimizer, "_inner", None)
     for opt in inner.values() if isinstance(inner, dict) else [optimizer]:
         if not any(isinstance(v, torch.Tensor) for st in opt.state.values() for v in st.values()):
             _zero_step(opt)
+    compensation = getattr(optimizer, "create_compensation", None)
+    if callable(compensation):  # bf16_rounding=kahan: its buffers, which a step that rounds would have made
+        compensation()
 
 
 def _zero_step(optimizer: torch.optim.Optimizer) -> None:

@@ -228,6 +228,11 @@ def _plan(args: argparse.Namespace) -> int:
             "interconnect_bytes_per_second": args.interconnect_gbps * 1e9,
         }
     allowed = None
+    unset = args.optimizers is None and not _sets_key(args.config, overrides, "optimizer.name")
+    if (
+        unset
+    ):  # an optimizer the user named is kept; one left unset is the plan's to choose, among every entry
+        allowed = optimizers.OPTIMIZER_NAMES
     if args.optimizers is not None:
         allowed = tuple(name.strip() for name in args.optimizers.split(",") if name.strip())
         unknown = [name for name in allowed if name not in optimizers.OPTIMIZER_NAMES]
@@ -247,6 +252,7 @@ def _plan(args: argparse.Namespace) -> int:
         progress=progress,
         constants=constants,
         optimizers=allowed,
+        optimizer_unset=unset,
         estimator=_counted(estimate_run, bar),
     )
     try:
@@ -313,14 +319,21 @@ def _counted(estimator: Any, bar: Any) -> Any:
 
 
 def _sets_key(config: str | None, overrides: list[str], key: str) -> bool:
-    """Whether the config file or the overrides give ``key`` (a top-level key) a value."""
-    if key in parse_overrides(overrides):
+    """Whether the config file or the overrides give ``key`` (dotted: ``optimizer.name``) a value."""
+
+    def has(tree: Any) -> bool:
+        for part in key.split("."):
+            if not isinstance(tree, dict) or part not in tree:
+                return False
+            tree = tree[part]
+        return True
+
+    if has(parse_overrides(overrides)):
         return True
     if config is None:
         return False
     with open(config, encoding="utf-8") as f:
-        tree = yaml.safe_load(f)
-    return isinstance(tree, dict) and key in tree
+        return has(yaml.safe_load(f))
 
 
 def _prepare(args: argparse.Namespace) -> int:
@@ -573,8 +586,8 @@ def _add_plan(sub: Any) -> None:
         default=None,
         metavar="NAME,NAME,...",
         help="optimizer.name values the plan may choose, other update rules included (muon, adafactor, apollo, "
-        "apollo_mini, adam_mini change the update and so the losses) (default: the config's optimizer and the "
-        "8-bit and paged ones that keep its update rule)",
+        "apollo_mini, adam_mini change the update and so the losses) (default: with optimizer.name set, it and "
+        "the 8-bit and paged ones that keep its update rule; left unset, every optimizer of the registry)",
     )
     pl.add_argument(
         "--interconnect-gbps",

@@ -214,6 +214,18 @@ PEAK_CASES = {
     "chunked_cross_entropy": {"chunked_cross_entropy": 4},
     "gradient_accumulation": {"gradient_accumulation_steps": 2},
     "lora": {"method": "lora"},
+    "bf16_stochastic": {"dtype": "bf16", "bf16_rounding": "stochastic"},
+    "bf16_stochastic_adafactor": {
+        "dtype": "bf16",
+        "bf16_rounding": "stochastic",
+        "optimizer.name": "adafactor",
+    },
+    "bf16_kahan_in_backward": {
+        "dtype": "bf16",
+        "bf16_rounding": "kahan",
+        "optimizer_in_backward": "true",
+        "max_grad_norm": 0,
+    },
 }
 RUN = {
     "tokenizer.vocab_size": 65,  # (what the estimate takes as the char tokenizer's ids; the run counts its own)

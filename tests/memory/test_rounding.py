@@ -4,18 +4,23 @@ and the closed form see its bytes."""
 
 from __future__ import annotations
 
+import json
 import math
+import shutil
 import warnings
 
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from memfit.cli import main
 from memfit.config import OptimizerConfig
 from memfit.memory import hybrids, optimizers, rounding
 from memfit.memory.optim import build_optimizer, optimizer_state_bytes
+from memfit.metrics import read_records
 from memfit.models.llama import build_llama
 from memfit.models.presets import model_config
+from tests.conftest import tiny_run_overrides
 
 # ----------------------------------------------------------------------------------------------------------------
 # The rounding itself
@@ -30,7 +35,9 @@ def _neighbours(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return down, up
 
 
-@pytest.mark.parametrize("value", [1.0 + 0.3 * 2**-7, -3.0 - 0.71 * 2**-6, 1e-3 * (1 + 0.05 * 2**-7), 7.5e4 + 13])
+@pytest.mark.parametrize(
+    "value", [1.0 + 0.3 * 2**-7, -3.0 - 0.71 * 2**-6, 1e-3 * (1 + 0.05 * 2**-7), 7.5e4 + 13]
+)
 def test_stochastic_rounding_is_unbiased_and_lands_on_a_neighbour(value):
     """Each draw is one of the two bf16 neighbours; the mean of n = 400,000 draws is the fp32 value within 5
     standard errors (the spread of one draw is gap * sqrt(q (1 - q)), q the fraction toward the upper one)."""
@@ -120,7 +127,9 @@ def test_every_optimizer_rounds_its_bf16_update(name, mode, one_thread, monkeypa
         before = {n: p.detach().clone() for n, p in model.named_parameters()}
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # paged optimizers run unpaged on CPU, and say so
-            opt = build_optimizer(model, OptimizerConfig(name=name, lr=1e-3), in_backward=in_backward, rounding=mode)
+            opt = build_optimizer(
+                model, OptimizerConfig(name=name, lr=1e-3), in_backward=in_backward, rounding=mode
+            )
             losses = _steps(model, opt, 3, in_backward=in_backward)
         assert losses[-1] < losses[0], losses
         assert all(p.dtype == torch.bfloat16 for p in model.parameters())
@@ -225,3 +234,54 @@ def test_a_resumed_state_keeps_the_compensation(one_thread):
         runs.append({n: p.detach().clone() for n, p in model.named_parameters()})
     for n, p in runs[0].items():
         assert torch.equal(p, runs[1][n]), n
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Through the CLI: a run resumes to the same losses; the estimate sees the bytes
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["stochastic", "kahan"])
+def test_a_resumed_bf16_run_logs_the_same_losses(mode, small_corpus, tmp_path):
+    """8 steps of a tiny bf16 run with a checkpoint at step 4, resumed from it: steps 5-8 log the losses of the
+    uninterrupted run to the bit (stochastic rounding draws from the global generator the checkpoint restores; the
+    compensation is optimizer state)."""
+    extra = {"dtype": "bf16", "bf16_rounding": mode, "max_steps": 8, "checkpoint_every": 4}
+    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
+    assert main(["pretrain", *tiny_run_overrides(small_corpus, whole, **extra)]) == 0
+    shutil.copytree(whole, resumed)
+    shutil.rmtree(resumed / "checkpoints" / "step_00000008")
+    records = [r for r in read_records(resumed / "metrics.jsonl") if r["step"] <= 4]
+    (resumed / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert main(["pretrain", *tiny_run_overrides(small_corpus, resumed, resume="true", **extra)]) == 0
+    losses = [[(r["step"], r["loss"]) for r in read_records(out / "metrics.jsonl") if "loss" in r]
+              for out in (whole, resumed)]  # fmt: skip
+    assert losses[0] == losses[1] and len(losses[0]) == 8
+
+
+def test_chunked_adafactor_is_torch_s_update(monkeypatch, one_thread):
+    """memfit's Adafactor in chunks (its rounded path, here on fp32 weights, which it updates in place) against
+    torch's on the same weights and gradients, 4 steps: matrices of 3 chunks, a vector, weight decay and the
+    update clipping (d = 1) both active. The scalars are fp32 tensors instead of Python floats: equal to 1e-6."""
+    from memfit.memory.adafactor import Adafactor
+
+    monkeypatch.setattr(hybrids, "LOW_BIT_CHUNK_ELEMENTS", 700)
+    torch.manual_seed(0)
+    shapes = [(48, 32), (40,), (7, 100)]
+    ours = [torch.nn.Parameter(torch.randn(s)) for s in shapes]
+    theirs = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+    mine = Adafactor(ours, lr=1e-2, weight_decay=0.1, d=1.0)
+    mine.memfit_bf16_rounding = "stochastic"  # the chunked path; fp32 weights are updated in place
+    ref = torch.optim.Adafactor(theirs, lr=1e-2, weight_decay=0.1, d=1.0)
+    for _ in range(4):
+        for a, b in zip(ours, theirs, strict=True):
+            a.grad = torch.randn_like(a)
+            b.grad = a.grad.clone()
+        mine.step()
+        ref.step()
+    for a, b in zip(ours, theirs, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    for a, b in zip(mine.state.values(), ref.state.values(), strict=True):
+        assert set(a) == set(b)
+        for k in a:
+            torch.testing.assert_close(a[k], b[k], rtol=1e-6, atol=1e-7)

@@ -291,7 +291,9 @@ def build_optimizer(
         extra = {"first_seed": numbered + 1} if seeded else {}
         numbered += sum(len(g["params"]) for g in groups)
         opt = cls(groups, **kwargs, **extra)
-        opt.memfit_bf16_rounding = rounding  # torchao's and bitsandbytes' chunked updates round by it themselves
+        opt.memfit_bf16_rounding = (
+            rounding  # torchao's and bitsandbytes' chunked updates round by it themselves
+        )
         if paged_on_cpu:
             opt._cpu_paged_warned = True  # memfit's warning above replaces bitsandbytes' one per optimizer
         # bitsandbytes: one pair of code tables for all per-parameter optimizers, as in a single optimizer
@@ -431,6 +433,16 @@ class _PerParameter(torch.optim.Optimizer):
         else:
             rounded_step(inner, p, self._rounding)
 
+    def create_compensation(self) -> None:
+        """Create, as zeros, the Kahan compensation (``bf16_rounding: kahan``) of every bf16 parameter whose state
+        exists but has none: state laid out by a step that did not round (the zero step of
+        :func:`memfit.checkpoint.init_optimizer_state`, which an estimate and a sharded resume take) holds it too."""
+        if self._rounding != "kahan":
+            return
+        for p, inner in self._inner.items():
+            if inner.state.get(p):
+                rounding_.compensation_of(inner.state[p], p, self._rounding)
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear every gradient.
 
@@ -500,7 +512,6 @@ class _PerParameter(torch.optim.Optimizer):
                     }
                 )
             group.update({k: v for k, v in saved.items() if k != "params"})
-
 
 
 class PerParameterOptimizer(_PerParameter):
@@ -666,7 +677,9 @@ def rounded_step(inner: torch.optim.Optimizer, p: torch.Tensor, rounding: str) -
             for k, v in held.items():
                 v.copy_(state[k])
                 state[k] = v
-        for k in set(state) - before:  # made by the first step from fp32 copies: kept in the parameter's dtype
+        for k in (
+            set(state) - before
+        ):  # made by the first step from fp32 copies: kept in the parameter's dtype
             if isinstance(state[k], torch.Tensor) and state[k].dtype == torch.float32 and k != "step":
                 state[k] = state[k].to(p.dtype)  # (torch's optimizers keep their step counter in fp32 always)
         rounding_.round_into(p.data, p32, rounding, rounding_.compensation_of(state, p, rounding))
@@ -674,7 +687,9 @@ def rounded_step(inner: torch.optim.Optimizer, p: torch.Tensor, rounding: str) -
     _create_adamw_state(inner, state, p)
     comp = rounding_.compensation_of(state, p, rounding)
     shaped = {k for k, v in state.items() if isinstance(v, torch.Tensor) and v.shape == p.shape}
-    counters = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state.items() if k not in shaped}
+    counters = {
+        k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state.items() if k not in shaped
+    }
     data = p.data
     try:
         for a, b in hybrids.traced_chunks(chunks, p):
@@ -704,7 +719,9 @@ def _low_precision(value: Any) -> bool:
 def _swap_step(inner: torch.optim.Optimizer, p: torch.Tensor, p32: torch.Tensor, grad: torch.Tensor) -> None:
     """``inner.step()`` with ``p``'s data swapped for ``p32`` and its gradient for ``grad`` (both restored)."""
     data, own_grad = p.data, p.grad
-    typed = hasattr(p, "grad_dtype")  # torch >= 2.12 holds a gradient to the parameter's dtype unless told not to
+    typed = hasattr(
+        p, "grad_dtype"
+    )  # torch >= 2.12 holds a gradient to the parameter's dtype unless told not to
     grad_dtype = p.grad_dtype if typed else None
     p.grad = None
     if typed:

@@ -57,7 +57,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from memfit.memory import bnb_cpu, hybrids
+from memfit.memory import adafactor, bnb_cpu, hybrids
 from memfit.memory.hybrids import projection_rank as apollo_rank  # APOLLO's rule, where its class is
 from memfit.quiet import quiet_bitsandbytes_import, quiet_torchao_import
 
@@ -598,7 +598,7 @@ OPTIMIZERS: tuple[Optimizer, ...] = (
     Optimizer(
         "adafactor",
         "torch",
-        lambda: torch.optim.Adafactor,
+        lambda: adafactor.Adafactor,
         _adafactor_state,
         "torch Adafactor: a factored second moment, no first moment",
         hyperparameters=("lr", "beta2_decay", "clipping_threshold"),

@@ -88,7 +88,9 @@ def round_into(p: torch.Tensor, p32: torch.Tensor, rounding: str, compensation: 
 
 
 @contextmanager
-def rounded(p: torch.Tensor, rounding: str, compensation: torch.Tensor | None = None) -> Iterator[torch.Tensor]:
+def rounded(
+    p: torch.Tensor, rounding: str, compensation: torch.Tensor | None = None
+) -> Iterator[torch.Tensor]:
     """The fp32 tensor an update of the bf16 weight ``p`` (a chunk of it) is computed on, rounded back by
     ``rounding`` when the block exits; ``p`` itself for ``nearest`` or a weight that is not bf16.
 

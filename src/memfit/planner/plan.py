@@ -103,6 +103,8 @@ class PlanRequest:
     optimizers: Iterable[str] | None = None
     """``optimizer.name`` values to consider besides ``cfg``'s, other update rules included (see
     :func:`candidates`); ``None``: those that keep ``cfg``'s update rule."""
+    optimizer_unset: bool = False
+    """The user left ``optimizer.name`` out: the plan chooses it (``optimizers`` is then every entry) and says so."""
     host_overhead_bytes: int | None = None
     """What of ``budget_bytes`` the tensors cannot have; ``None``: on CPU, the process's own
     (:attr:`Plan.host_overhead_bytes`), 0 on CUDA. The pre-flight check passes 0: its budget is the available
@@ -206,6 +208,9 @@ class Plan:
     """The config planned from."""
     search: Any = field(default=None, repr=False)
     """The search's state (bounds, estimates by activation switches), for inspection."""
+    chosen_among: tuple[str, ...] = ()
+    """``optimizer.name`` values the plan chose from because the config left it out (empty: it kept the
+    config's)."""
 
     @property
     def best(self) -> PlanRow | None:
@@ -745,7 +750,10 @@ def plan(request: PlanRequest) -> Plan:
     if not any(r.fits for r in search.rows) and search.probe is None:
         search.failed_since_fit = PROBE_AFTER
         search.probe_if_due()  # estimated for the report: the smallest peak there is
-    return _finish(search, baseline, start)
+    result = _finish(search, baseline, start)
+    if request.optimizer_unset:
+        result.chosen_among = tuple(request.optimizers or ())
+    return result
 
 
 def cheapest_fix(request: PlanRequest) -> PlanRow | None:

@@ -267,9 +267,22 @@ def format_plan(p: Plan, top: int = 10) -> str:
                 f"  max_grad_norm={best.config.max_grad_norm:g} (was {p.base.max_grad_norm:g}): no global-norm "
                 f"clipping, which {needs} needs (grad_norm is still logged)"
             )
+        if p.chosen_among:
+            lines.append(
+                f"  optimizer.name={best.config.optimizer.name}: left unset, so chosen among the registry's "
+                f"{len(p.chosen_among)} optimizers as the fastest predicted to fit (name one, optimizer.name=..., "
+                f"and the plan keeps it)"
+            )
         if best.config.dtype == "bf16":
-            lines.append("  dtype bf16: weights and optimizer state in bf16 (small updates round away; fine for "
-                         "fine-tuning, watch long pretraining)")  # fmt: skip
+            rounding = best.config.bf16_rounding
+            lines.append(
+                f"  dtype bf16: weights and optimizer state in bf16; bf16_rounding={rounding}"
+                + (
+                    " (small updates round away: fine for short fine-tunes; stochastic keeps them, docs/memory.md)"
+                    if rounding == "nearest"
+                    else " (each update computed in fp32 and rounded back: small updates survive)"
+                )
+            )
     return "\n".join(lines)
 
 
