@@ -214,6 +214,43 @@ def test_two_ranks_with_an_optimizer_that_keeps_less_state(name, extra, tol, sma
         assert diff <= 1e-6
 
 
+# bf16 weights: 2 ranks reduce-scatter bf16 gradients in another order than one process's batched matmuls, so a
+# gradient element can differ by a bf16 rounding (2**-9 of it), and a weight by one bf16 step of it after the update
+BF16_TOL = 2e-2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("in_backward", [False, True], ids=["after-backward", "in-backward"])
+def test_two_ranks_round_their_bf16_shards(in_backward, small_corpus, tmp_path):
+    """``bf16_rounding=kahan`` under FSDP2: each rank's AdamW update of its DTensor shard runs on an fp32 copy of the
+    local shard with its compensation, in and after the backward; 2 ranks train what one process does to bf16's
+    precision, and the compensation goes through the sharded checkpoint (the run resumes onto its losses)."""
+    extra = {"dtype": "bf16", "bf16_rounding": "kahan"}
+    if in_backward:
+        extra.update({"optimizer_in_backward": "true", "max_grad_norm": 0})
+    single = tmp_path / "single"
+    assert main(["pretrain", *_overrides(small_corpus, single, batch_size=8, **extra)]) == 0
+    out = tmp_path / "sharded"
+    sharded = _overrides(small_corpus, out, batch_size=4, **extra, **{"distributed.strategy": "fsdp2"})
+    run_torchrun(["pretrain", *sharded])
+    _assert_same_run(out, single, BF16_TOL)
+    resumed = _interrupted_at_step_3(out, tmp_path / "resumed")
+    run_torchrun(
+        [
+            "pretrain",
+            *_overrides(
+                small_corpus,
+                resumed,
+                batch_size=4,
+                resume="true",
+                **extra,
+                **{"distributed.strategy": "fsdp2"},
+            ),
+        ]
+    )
+    assert _losses(resumed) == _losses(out)
+
+
 FINETUNE = dict(max_steps=4, eval_every=2, checkpoint_every=2, log_every=1, sample__max_new_tokens=4)
 LORA = {
     "method": "lora",

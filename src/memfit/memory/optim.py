@@ -651,7 +651,7 @@ def rounded_step(inner: torch.optim.Optimizer, p: torch.Tensor, rounding: str) -
       the state written back in its own dtype after; state its first step creates in fp32 from those copies is
       kept in the parameter's dtype, as without rounding (but ``step``, a counter torch keeps in fp32).
 
-    ``p.data`` is swapped for the fp32 copy while ``inner`` steps (the key of its state stays ``p``). Kahan's
+    A parameter over the fp32 copy stands in for ``p`` while ``inner`` steps (:func:`_swap_step`). Kahan's
     compensation is kept in the state under :data:`memfit.memory.rounding.COMPENSATION`, from the first step on.
 
     Args:
@@ -664,13 +664,16 @@ def rounded_step(inner: torch.optim.Optimizer, p: torch.Tensor, rounding: str) -
         return
     state = inner.state[p]
     grad = p.grad
+    if _adamw(inner):  # its state made from the bf16 parameter, as torch's first step would (a DTensor's too)
+        _create_adamw_state(inner, state, p)
     chunks = _elementwise_chunks(inner, p)
     if chunks is None:
         comp = rounding_.compensation_of(state, p, rounding) if state else None
         before = set(state)
         held = {k: v for k, v in state.items() if k != rounding_.COMPENSATION and _low_precision(v)}
         state.update({k: v.float() for k, v in held.items()})  # the update in fp32 throughout
-        p32 = rounding_.to_fp32(p.data, comp)
+        data = p.detach()
+        p32 = rounding_.to_fp32(data, comp)
         try:
             _swap_step(inner, p, p32, grad.float())
         finally:
@@ -682,15 +685,14 @@ def rounded_step(inner: torch.optim.Optimizer, p: torch.Tensor, rounding: str) -
         ):  # made by the first step from fp32 copies: kept in the parameter's dtype
             if isinstance(state[k], torch.Tensor) and state[k].dtype == torch.float32 and k != "step":
                 state[k] = state[k].to(p.dtype)  # (torch's optimizers keep their step counter in fp32 always)
-        rounding_.round_into(p.data, p32, rounding, rounding_.compensation_of(state, p, rounding))
+        rounding_.round_into(data, p32, rounding, rounding_.compensation_of(state, p, rounding))
         return
-    _create_adamw_state(inner, state, p)
     comp = rounding_.compensation_of(state, p, rounding)
     shaped = {k for k, v in state.items() if isinstance(v, torch.Tensor) and v.shape == p.shape}
     counters = {
         k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state.items() if k not in shaped
     }
-    data = p.data
+    data = p.detach()
     try:
         for a, b in hybrids.traced_chunks(chunks, p):
             sliced = {k: state[k][a:b] for k in shaped}
@@ -717,40 +719,41 @@ def _low_precision(value: Any) -> bool:
 
 
 def _swap_step(inner: torch.optim.Optimizer, p: torch.Tensor, p32: torch.Tensor, grad: torch.Tensor) -> None:
-    """``inner.step()`` with ``p``'s data swapped for ``p32`` and its gradient for ``grad`` (both restored)."""
-    data, own_grad = p.data, p.grad
-    typed = hasattr(
-        p, "grad_dtype"
-    )  # torch >= 2.12 holds a gradient to the parameter's dtype unless told not to
-    grad_dtype = p.grad_dtype if typed else None
-    p.grad = None
-    if typed:
-        p.grad_dtype = None  # the bf16 gradient of the fp32 copy
-    p.data = p32
-    p.grad = grad
+    """``inner.step()`` on ``p32`` in ``p``'s place: a parameter over ``p32`` (sharing its storage; a ``DTensor``
+    stays one) with ``grad`` as its gradient stands in ``p``'s group and holds ``p``'s state for the step. (Not
+    ``p.data = p32``: a ``DTensor`` parameter's local tensor does not follow its ``.data``.)"""
+    q = torch.nn.Parameter(p32, requires_grad=True)
+    if grad.dtype != p32.dtype and hasattr(q, "grad_dtype"):
+        q.grad_dtype = None  # torch >= 2.12 holds a gradient to the parameter's dtype unless told not to
+    q.grad = grad
+    group = inner.param_groups[0]
+    params = group["params"]
+    group["params"] = [q if x is p else x for x in params]
+    inner.state[q] = inner.state.pop(p)
     try:
         inner.step()
     finally:
-        p.grad = None
-        p.data = data
-        if typed:
-            p.grad_dtype = grad_dtype
-        p.grad = own_grad
+        inner.state[p] = inner.state.pop(q)
+        group["params"] = params
 
 
 def _elementwise_chunks(inner: torch.optim.Optimizer, p: torch.Tensor) -> list[tuple[int, int]] | None:
     """Row ranges ``[a, b)`` to update ``p`` in, each of at most
     :data:`memfit.memory.hybrids.LOW_BIT_CHUNK_ELEMENTS` elements (one row at the least), where its optimizer's
     update is elementwise (torch AdamW; Muon's AdamW part) and ``p`` a plain tensor; ``None``: update it whole."""
-    adamw = type(inner) is torch.optim.AdamW or (
-        isinstance(inner, hybrids.MuonWithAdamW) and inner.param_groups[0].get("algorithm") == "adamw"
-    )
-    if not adamw or hasattr(p, "to_local") or p.dim() < 1 or not p.is_contiguous():
+    if not _adamw(inner) or hasattr(p, "to_local") or p.dim() < 1 or not p.is_contiguous():
         return None
     rows = p.shape[0]
     per_row = max(1, p.numel() // max(1, rows))
     size = max(1, hybrids.LOW_BIT_CHUNK_ELEMENTS // per_row)
     return [(a, min(rows, a + size)) for a in range(0, rows, size)]
+
+
+def _adamw(inner: torch.optim.Optimizer) -> bool:
+    """Whether ``inner`` updates its one parameter by torch AdamW (itself, or Muon's AdamW part)."""
+    return type(inner) is torch.optim.AdamW or (
+        isinstance(inner, hybrids.MuonWithAdamW) and inner.param_groups[0].get("algorithm") == "adamw"
+    )
 
 
 def _create_adamw_state(inner: torch.optim.Optimizer, state: dict, p: torch.Tensor) -> None:
