@@ -14,7 +14,7 @@ from memfit.build import run_model_config
 from memfit.cli import main, split_budget
 from memfit.config import config_to_dict, load_config
 from memfit.errors import ConfigError, PreflightError
-from memfit.memory import hybrids, switches
+from memfit.memory import hybrids, optimizers, switches
 from memfit.memory.switches import layer_weights
 from memfit.planner import plan as P
 from memfit.planner import report
@@ -593,3 +593,23 @@ def test_the_mlp_working_set_bounds_the_peak_from_below(dtype):
     assert peak == closed["parameters"] + closed["optimizer_state"] + working
     assert peak <= estimate_run(cfg).peak_bytes
     assert ctx.mlp_working_set(load_config(None, [*args, "tiled_mlp=4"], needs_weights=False)) == 0
+
+
+def test_an_optimizer_left_unset_is_the_plan_s_to_choose_and_a_named_one_is_kept(capsys):
+    """Left out, ``optimizer.name`` is chosen among every entry of the registry (the plan says so, and prefers
+    the config's default at the same speed); named, every row keeps it or an optimizer of its update rule."""
+    left_out = [a for a in TINY if not a.startswith("optimizer.name=")]
+    assert main(["plan", *left_out, "budget=64MiB", "--json"]) == 0
+    unset = json.loads(capsys.readouterr().out)
+    names = {r["config"]["optimizer.name"] for r in unset["rows"]}
+    assert {"adafactor", "apollo_mini", "adam_mini", "muon"} <= names  # other update rules were candidates
+    assert main(["plan", *left_out, "budget=64MiB"]) == 0
+    text = capsys.readouterr().out
+    best = unset["best"]["config"]["optimizer.name"]
+    assert f"optimizer.name={best}: left unset, so chosen among the registry's 13 optimizers" in text
+    assert main(["plan", *TINY, "budget=64MiB", "--json"]) == 0
+    named = json.loads(capsys.readouterr().out)
+    rules = {optimizers.spec(r["config"]["optimizer.name"]).update_rule for r in named["rows"]}
+    assert rules == {"adamw"}
+    assert main(["plan", *TINY, "budget=64MiB"]) == 0
+    assert "left unset" not in capsys.readouterr().out

@@ -532,6 +532,8 @@ class _Search:
         self.progress = progress or (lambda _msg: None)
         self.estimator = estimator or estimate_run
         self.estimates = 0
+        self.prefer_optimizer: str | None = None
+        """``optimizer.name`` tried first among rows as fast (the config's, when the user left it unset)."""
         self.failed_since_fit = 0
         self.probe: PlanRow | None = None
         self.by_activation: dict[tuple, list[PlanRow]] = {}
@@ -624,9 +626,13 @@ class _Search:
         """Branch and bound over ``group``: estimate fastest-first until ``want`` rows fit and nothing left
         could be faster than the slowest of them."""
         usable = self.ctx.usable
-        pending = sorted(((r.cost["total"], r._bound_peak, i), r) for i, r in enumerate(group))
+        prefer = self.prefer_optimizer  # optimizer.name left unset: the config's default first at a tie
+        pending = sorted(
+            ((r.cost["total"], prefer is not None and r.config.optimizer.name != prefer, r._bound_peak, i), r)
+            for i, r in enumerate(group)
+        )
         found = [r for r in group if r.fits]
-        for i, ((optimistic, _, _), row) in enumerate(pending):
+        for i, ((optimistic, *_), row) in enumerate(pending):
             if row.estimated or row.status == "error":
                 continue
             found.sort(key=lambda r: r.cost["total"])
@@ -682,6 +688,7 @@ def _build(request: PlanRequest) -> tuple[_Search, float]:
         )
     rows = [PlanRow(c, _switches_of(c, world_size), _changes(c, cfg, world_size)) for c in configs]
     search = _Search(ctx, rows, r.progress, r.estimator)
+    search.prefer_optimizer = cfg.optimizer.name if r.optimizer_unset else None
     for row in rows:
         search.bound(row)
     # the baseline: the first dtype considered, each switch at its entry's fastest (fused AdamW, nothing that costs
@@ -753,6 +760,18 @@ def plan(request: PlanRequest) -> Plan:
     result = _finish(search, baseline, start)
     if request.optimizer_unset:
         result.chosen_among = tuple(request.optimizers or ())
+        # at the same speed, the optimizer the config would have used: another update rule only where it is
+        # faster or where the default does not fit
+        order = {"fits": 0, "over budget": 1, "error": 3}
+        result.rows.sort(
+            key=lambda r: (
+                order.get(r.status, 2),
+                -round(r.relative_throughput, 6),
+                r.config.optimizer.name != request.cfg.optimizer.name,
+                r.peak_bytes,
+                len(r.changes),
+            )
+        )
     return result
 
 
