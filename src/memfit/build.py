@@ -33,6 +33,7 @@ from memfit.convert import (
 from memfit.data.chat_template import ChatTemplate
 from memfit.data.instruct import Template, resolve_template
 from memfit.errors import CheckpointError, ConfigError
+from memfit.memory import optimizers
 from memfit.memory.host import release_free_heap
 from memfit.memory.offload import apply_activation_offloading
 from memfit.memory.optim import build_optimizer
@@ -338,7 +339,13 @@ def build_training(
             model,
             cfg.optimizer,
             in_backward=cfg.optimizer_in_backward,
-            rounding=cfg.bf16_rounding if cfg.dtype == "bf16" else "nearest",
+            rounding=optimizers.resolve_rounding(
+                cfg.bf16_rounding,
+                cfg.optimizer.name,
+                device_type(cfg.device),
+                cfg.dtype,
+                cpu_offload=cfg.optimizer.cpu_offload,
+            ),
         )
     return TrainingModel(model, optimizer, num_params, num_trainable)
 

@@ -38,7 +38,7 @@ from memfit.data.run import RunData, run_data, run_tokenizer
 from memfit.errors import DivergenceError, RunLockedError
 from memfit.flops import mfu_above_one, peak_flops_per_second, training_flops_per_token
 from memfit.generate import generate_text
-from memfit.memory import host
+from memfit.memory import host, switches
 from memfit.memory.optim import create_state, describe_partition, lr_at
 from memfit.memory.stats import PeakMemory, process_peak_rss, tracked_memory_fields
 from memfit.memory.timeline import plot_timeline
@@ -521,7 +521,9 @@ def _banner(cfg, verb, built, tokenizer, data, seq_len, world, device, start_ste
     return (
         f"memfit {verb}: model {cfg.model_source} ({built.num_params:,} parameters{trainable}), "
         f"tokenizer {tokenizer.kind} ({tokenizer.vocab_size:,} ids), {data.summary}, batch {cfg.batch_size} x "
-        f"{cfg.gradient_accumulation_steps} x {seq_len} tokens{sharded}, dtype {cfg.dtype}, device {device}"
+        f"{cfg.gradient_accumulation_steps} x {seq_len} tokens{sharded}, dtype {cfg.dtype}"
+        + (f" ({switches.resolved_rounding(cfg, device.type)} rounding)" if cfg.dtype == "bf16" else "")
+        + f", device {device}"
         + (
             f", optimizer {cfg.optimizer.name} ({split})"
             if (split := describe_partition(built.model, cfg.optimizer.name))

@@ -750,6 +750,30 @@ def rounding_refusal(name: str, device_type: str, rounding: str) -> str | None:
     return None
 
 
+def resolve_rounding(
+    setting: str, name: str, device_type: str, dtype: str, *, cpu_offload: bool = False
+) -> str:
+    """The rounding a run's bf16 weights take: ``nearest`` unless ``dtype`` is ``bf16``; ``auto`` is
+    ``stochastic`` where optimizer ``name`` can round so on ``device_type`` (:func:`rounding_refusal`) and without
+    ``optimizer.cpu_offload``, else ``nearest`` (bitsandbytes' fused CUDA kernel, torchao's offloaded update);
+    any other setting is itself.
+
+    Args:
+        setting: ``bf16_rounding``.
+        name: ``optimizer.name``.
+        device_type: ``cpu`` or ``cuda``, where the run's parameters live.
+        dtype: the run's ``dtype``.
+        cpu_offload: ``optimizer.cpu_offload``.
+    """
+    if dtype != "bf16":
+        return "nearest"
+    if setting != "auto":
+        return setting
+    if cpu_offload or rounding_refusal(name, device_type, "stochastic") is not None:
+        return "nearest"
+    return "stochastic"
+
+
 def check_optimizer_supported(
     name: str,
     device_type: str,

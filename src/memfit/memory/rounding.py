@@ -31,8 +31,9 @@ from contextlib import contextmanager
 
 import torch
 
-BF16_ROUNDINGS = ("nearest", "stochastic", "kahan")
-"""``bf16_rounding`` values."""
+BF16_ROUNDINGS = ("auto", "nearest", "stochastic", "kahan")
+"""``bf16_rounding`` values; ``auto`` is ``stochastic`` where the optimizer can round so, else ``nearest``
+(:func:`memfit.memory.optimizers.resolve_rounding`)."""
 COMPENSATION = "bf16_compensation"
 """The key of a weight's Kahan compensation buffer in its optimizer state (bf16, the weight's shape)."""
 

@@ -236,6 +236,7 @@ def step_cost(request: CostRequest) -> dict[str, float]:
         offloaded_activation_bytes=request.offloaded_activation_bytes,
         paged_out_bytes=request.paged_out_bytes,
         per_token=3 * (flops["layers"] + flops["head"]),
+        target=target,
     )
     switches.add_costs(terms)  # each switch's share, by its entry (memfit.memory.switches.Switch.cost)
     compute = terms.tokens * terms.per_token / terms.matmul_flops_per_second

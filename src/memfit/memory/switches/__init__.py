@@ -55,7 +55,14 @@ from memfit.memory.switches.base import (
 )
 from memfit.memory.switches.checkpointing import ACTIVATION_CHECKPOINTING, ACTIVATION_CHECKPOINTING_INTERVAL
 from memfit.memory.switches.compile_offload import ACTIVATION_OFFLOADING, COMPILE, cxx_compiler
-from memfit.memory.switches.methods import BF16_ROUNDING, DTYPE, METHOD, dequantize_passes, layer_weights
+from memfit.memory.switches.methods import (
+    BF16_ROUNDING,
+    DTYPE,
+    METHOD,
+    dequantize_passes,
+    layer_weights,
+    resolved_rounding,
+)
 from memfit.memory.switches.optimizer import (
     OPTIMIZER_CPU_OFFLOAD,
     OPTIMIZER_IMPLEMENTATION,
@@ -123,6 +130,7 @@ __all__ = [
     "planned",
     "records",
     "require",
+    "resolved_rounding",
     "switch_keys",
     "trace_values",
     "value_of",

@@ -227,7 +227,7 @@ class StepTerms:
 
     Inputs (read only): ``cfg``, ``mcfg``, ``constants`` (:data:`memfit.planner.cost.COST_CONSTANTS` of the target),
     ``flops`` (forward FLOPs per token of ``layers`` and ``head``), ``tokens`` of the step, ``states`` (closed-form
-    bytes of one rank), ``world_size``, ``offloaded_activation_bytes``, ``paged_out_bytes``.
+    bytes of one rank), ``world_size``, ``offloaded_activation_bytes``, ``paged_out_bytes``, ``target``.
     """
 
     cfg: Any
@@ -239,6 +239,8 @@ class StepTerms:
     world_size: int
     offloaded_activation_bytes: int
     paged_out_bytes: int
+    target: str = "cpu"
+    """``cpu`` or ``cuda``: the device the run's parameters live on."""
     per_token: float = 0.0
     """FLOPs per token: 3 forwards of the model, plus what switches add (recomputation, the chunked loss)."""
     matmul_flops_per_second: float = 0.0

@@ -208,7 +208,7 @@ ROUNDING_UPDATE_FACTOR = {"nearest": 1.0, "stochastic": 1.0, "kahan": 1.0}
 
 
 def _check_bf16_rounding(cfg: RunConfig, target: Target) -> None:
-    if cfg.dtype != "bf16" or cfg.bf16_rounding == "nearest":
+    if cfg.dtype != "bf16" or cfg.bf16_rounding in ("nearest", "auto"):  # auto takes what the optimizer can
         return
     require(
         not cfg.optimizer.cpu_offload,
@@ -221,8 +221,17 @@ def _check_bf16_rounding(cfg: RunConfig, target: Target) -> None:
     require(reason is None, "bf16_rounding", str(reason))
 
 
-def _cost_bf16_rounding(rounding: str, t: StepTerms) -> None:
-    if t.cfg.dtype == "bf16" and rounding != "nearest":
+def resolved_rounding(cfg: RunConfig, target: str) -> str:
+    """The rounding ``cfg``'s bf16 weights take on ``target`` (``auto`` resolved:
+    :func:`memfit.memory.optimizers.resolve_rounding`)."""
+    return optimizers.resolve_rounding(
+        cfg.bf16_rounding, cfg.optimizer.name, target, cfg.dtype, cpu_offload=cfg.optimizer.cpu_offload
+    )
+
+
+def _cost_bf16_rounding(setting: str, t: StepTerms) -> None:
+    rounding = resolved_rounding(t.cfg, t.target)
+    if rounding != "nearest":
         t.update_factor *= ROUNDING_UPDATE_FACTOR[rounding]
         t.per_tensor = True  # one optimizer per parameter (memfit.memory.optim.rounded_step)
 
