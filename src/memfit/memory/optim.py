@@ -641,15 +641,16 @@ def rounded_step(inner: torch.optim.Optimizer, p: torch.Tensor, rounding: str) -
 
     - torchao's low-bit AdamW and bitsandbytes' CPU updates (``memfit_rounds_natively``) already compute in fp32
       chunk by chunk: they round each chunk themselves.
-    - An elementwise update (torch AdamW, Muon's AdamW part) of a plain tensor runs on row chunks of
+    - An elementwise update (torch AdamW, Muon's AdamW part) runs on row chunks (of a DTensor's local shard) of
       :data:`memfit.memory.hybrids.LOW_BIT_CHUNK_ELEMENTS` elements: the parameter, its gradient and every state
       tensor of its shape are given to ``inner`` as the chunk's slices (the state in its own dtype, updated in
       place), the counters restored before each chunk, so each element sees one update. Its state is created
       first where it has none, as torch's first step creates it.
-    - Any other update (Muon's orthogonalised matrix, Adafactor's, APOLLO's, Adam-mini's; a ``DTensor`` shard)
-      runs on fp32 copies of the whole tensor (its local shard), of its gradient and of its bf16 state tensors,
-      the state written back in its own dtype after; state its first step creates in fp32 from those copies is
-      kept in the parameter's dtype, as without rounding (but ``step``, a counter torch keeps in fp32).
+    - Any other update (Muon's orthogonalised matrix, APOLLO's, Adam-mini's; Adafactor rounds natively, in
+      chunks) runs on fp32 copies of the whole tensor (a DTensor stays one: the whole-matrix operations gather),
+      of its gradient and of its bf16 state tensors, the state written back in its own dtype after; state its
+      first step creates in fp32 from those copies is kept in the parameter's dtype, as without rounding (but
+      ``step``, a counter torch keeps in fp32).
 
     A parameter over the fp32 copy stands in for ``p`` while ``inner`` steps (:func:`_swap_step`). Kahan's
     compensation is kept in the state under :data:`memfit.memory.rounding.COMPENSATION`, from the first step on.
@@ -680,22 +681,22 @@ def rounded_step(inner: torch.optim.Optimizer, p: torch.Tensor, rounding: str) -
             for k, v in held.items():
                 v.copy_(state[k])
                 state[k] = v
-        for k in (
-            set(state) - before
-        ):  # made by the first step from fp32 copies: kept in the parameter's dtype
+        for k in set(state) - before:  # made by the first step from fp32 copies: the parameter's dtype
             if isinstance(state[k], torch.Tensor) and state[k].dtype == torch.float32 and k != "step":
                 state[k] = state[k].to(p.dtype)  # (torch's optimizers keep their step counter in fp32 always)
         rounding_.round_into(data, p32, rounding, rounding_.compensation_of(state, p, rounding))
         return
-    comp = rounding_.compensation_of(state, p, rounding)
+    comp = hybrids._local(rounding_.compensation_of(state, p, rounding))
     shaped = {k for k, v in state.items() if isinstance(v, torch.Tensor) and v.shape == p.shape}
     counters = {
         k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state.items() if k not in shaped
     }
-    data = p.detach()
+    # a DTensor shard is updated on its local tensors (the update is elementwise), as plain slices
+    data, local_grad = hybrids._local(p.detach()), hybrids._local(grad)
+    local_state = {k: hybrids._local(state[k]) for k in shaped}
     try:
-        for a, b in hybrids.traced_chunks(chunks, p):
-            sliced = {k: state[k][a:b] for k in shaped}
+        for a, b in hybrids.traced_chunks(chunks, data):
+            sliced = {k: local_state[k][a:b] for k in shaped}
             for k, v in counters.items():  # each chunk takes the step from the same counters
                 if isinstance(v, torch.Tensor):
                     state[k].copy_(v)
@@ -704,7 +705,7 @@ def rounded_step(inner: torch.optim.Optimizer, p: torch.Tensor, rounding: str) -
             inner.state[p] = {**state, **sliced}
             comp_chunk = None if comp is None else comp[a:b]
             p32 = rounding_.to_fp32(data[a:b], comp_chunk)
-            _swap_step(inner, p, p32, grad[a:b])
+            _swap_step(inner, p, p32, local_grad[a:b])
             rounding_.round_into(data[a:b], p32, rounding, comp_chunk)
             del p32
             state.update({k: v for k, v in inner.state[p].items() if k not in shaped})
@@ -738,13 +739,14 @@ def _swap_step(inner: torch.optim.Optimizer, p: torch.Tensor, p32: torch.Tensor,
 
 
 def _elementwise_chunks(inner: torch.optim.Optimizer, p: torch.Tensor) -> list[tuple[int, int]] | None:
-    """Row ranges ``[a, b)`` to update ``p`` in, each of at most
+    """Row ranges ``[a, b)`` of ``p`` (a ``DTensor``: of its local shard) to update it in, each of at most
     :data:`memfit.memory.hybrids.LOW_BIT_CHUNK_ELEMENTS` elements (one row at the least), where its optimizer's
-    update is elementwise (torch AdamW; Muon's AdamW part) and ``p`` a plain tensor; ``None``: update it whole."""
-    if not _adamw(inner) or hasattr(p, "to_local") or p.dim() < 1 or not p.is_contiguous():
+    update is elementwise (torch AdamW; Muon's AdamW part); ``None``: update it whole."""
+    local = hybrids._local(p.detach())
+    if not _adamw(inner) or local.dim() < 1 or not local.is_contiguous():
         return None
-    rows = p.shape[0]
-    per_row = max(1, p.numel() // max(1, rows))
+    rows = local.shape[0]
+    per_row = max(1, local.numel() // max(1, rows))
     size = max(1, hybrids.LOW_BIT_CHUNK_ELEMENTS // per_row)
     return [(a, min(rows, a + size)) for a in range(0, rows, size)]
 
