@@ -111,9 +111,11 @@ def section(result: dict) -> str:
         f"ce=8` | {tt['peak_memory_gib']:.2f} | {tt['device_total_gib']:.2f} | {tt['host_gib']:.2f} | - |",
         f"| torchtune, published (RTX 4090) | the same recipe | {TORCHTUNE_PUBLISHED_GIB} | - | - | - |",
         "",
-        "With `optimizer.name` left out, the plan chooses among every optimizer of the registry (and says so): "
-        "Adafactor, whose state is a row and a column per matrix, stepped in backward, keeps nothing on the host "
-        "where torchtune's recipe pages 15 GiB of 8-bit state through the driver.",
+        f"With `optimizer.name` left out, the plan chooses among every optimizer of the registry (and says so): "
+        f"`{result['plans'][0]['switches'].split()[1].split(':')[0]}` here, at {result['plans'][0]['host_gib']:.2f} "
+        f"GiB on the host, where torchtune's recipe needs {tt['device_total_gib']:.2f} GiB in the driver's view "
+        f"for a {tt['peak_memory_gib']:.2f} GiB allocator peak: the rest is its paged 8-bit state, which the driver "
+        f"moves between host and device.",
         "",
         "Reproduce: `.venv/bin/python bench/gpu_plan_8b.py`.",
     ]

@@ -370,12 +370,15 @@ class TrainConfig:
     dtype: str = "fp32"
     """``fp32``: everything fp32. ``bf16``: weights, gradients and optimizer state bf16 (loss in fp32).
     ``bf16_mixed``: fp32 weights, gradients and optimizer state, forward/backward under bf16 autocast."""
-    bf16_rounding: str = "nearest"
+    bf16_rounding: str = "auto"
     """How a bf16 weight (``dtype: bf16``; ignored otherwise) takes its update (:mod:`memfit.memory.rounding`):
     ``nearest`` (the optimizer writes the bf16 weight, each result rounded to nearest: small updates are lost),
     ``stochastic`` (the update computed on an fp32 copy of each chunk, rounded up or down at random, unbiased;
-    seeded by ``seed``, its stream saved in checkpoints) or ``kahan`` (as stochastic, rounded to nearest with a
-    bf16 compensation buffer per weight: 2 bytes/parameter more state)."""
+    seeded by ``seed``, its stream saved in checkpoints), ``kahan`` (computed on the weight plus a bf16
+    compensation buffer, rounded to nearest: 2 bytes/parameter more state) or ``auto`` (``stochastic`` where the
+    optimizer can round so, else ``nearest``: bitsandbytes on CUDA, ``optimizer.cpu_offload``). ``auto`` because
+    it matched fp32 AdamW's validation loss where ``nearest`` lost 2.2% (docs/benchmarks.md, "bf16 weights that
+    learn")."""
     device: str = "auto"
     """``auto`` (CUDA when available, else CPU), ``cpu`` or ``cuda``."""
 

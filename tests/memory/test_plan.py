@@ -33,6 +33,9 @@ TINY = [
     "seq_len=64",
     "device=cuda",  # a GPU plan, made on this CPU machine
     "dtype=bf16",
+    # every optimizer and offload can round to nearest (bitsandbytes' CUDA kernel, the offloaded update, cannot round
+    # otherwise: under the default, auto, the plan leaves them out; test_a_plan_keeps_the_config_s_rounding)
+    "bf16_rounding=nearest",
     "optimizer.name=adamw",  # the plans below keep AdamW's family (left out, a run from scratch gets Muon)
 ]
 
@@ -124,7 +127,9 @@ def test_cost_model_orders_as_documented():
     extra = _seconds(activation_checkpointing="full") - base
     assert extra == pytest.approx(2048 * flops["layers"] / 400e12)
     assert _seconds(chunked_cross_entropy=8) > base  # one lm_head forward more
-    assert _seconds(optimizer_in_backward=True, max_grad_norm=0.0) > base  # one kernel launch set per tensor
+    nearest = {"bf16_rounding": "nearest"}  # stochastic rounding steps each tensor on its own already
+    in_backward = _seconds(optimizer_in_backward=True, max_grad_norm=0.0, **nearest)
+    assert in_backward > _seconds(**nearest)  # one kernel launch set per tensor
     for name in ("adamw8bit", "torchao_adamw4bit"):  # low-bit updates: 1.4x AdamW's
         assert _seconds(**{"optimizer.name": name}) > base
     # host traffic: offloaded activations and an offloaded optimizer cost PCIe time
@@ -613,3 +618,21 @@ def test_an_optimizer_left_unset_is_the_plan_s_to_choose_and_a_named_one_is_kept
     assert rules == {"adamw"}
     assert main(["plan", *TINY, "budget=64MiB"]) == 0
     assert "left unset" not in capsys.readouterr().out
+
+
+def test_a_plan_keeps_the_config_s_rounding():
+    """Under ``bf16_rounding=auto`` (stochastic where the optimizer can round so) a bf16 plan never trades the
+    weights' updates for speed: no bitsandbytes optimizer on CUDA (its kernel rounds to nearest) and no
+    ``optimizer.cpu_offload``; with ``nearest`` asked for, both are candidates; an fp32 plan keeps them."""
+
+    def names(*extra):
+        cfgs = P.candidates(tiny(*extra), 1)
+        return {c.optimizer.name for c in cfgs}, any(c.optimizer.cpu_offload for c in cfgs)
+
+    auto_names, auto_offload = names("bf16_rounding=auto")
+    assert not {"adamw8bit", "paged_adamw8bit"} & auto_names and not auto_offload
+    assert {"torchao_adamw8bit", "torchao_adamw4bit"} <= auto_names
+    nearest_names, nearest_offload = names()
+    assert {"adamw8bit", "paged_adamw8bit"} <= nearest_names and nearest_offload
+    fp32_names, _ = names("bf16_rounding=auto", "dtype=fp32")
+    assert "adamw8bit" in fp32_names

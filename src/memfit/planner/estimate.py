@@ -58,7 +58,7 @@ import torch
 
 from memfit.build import build_training, run_model_config
 from memfit.checkpoint import init_optimizer_state
-from memfit.config import TrainConfig, check_lengths
+from memfit.config import TrainConfig, check_lengths, device_type
 from memfit.distributed import unwrap as dist_unwrap
 from memfit.errors import ConfigError
 from memfit.memory import optimizers, switches
@@ -536,8 +536,15 @@ def _traceable(cfg: TrainConfig) -> TrainConfig:
     """The config the trace runs: the run's, on the CPU, untracked, with each switch that needs a CUDA device or a
     compiler at build time set to its entry's trace value (:func:`memfit.memory.switches.trace_values`: their bytes
     are moved to host / unified memory afterwards, see the module doc; ``compile`` off: the trace runs the eager
-    step, an upper bound of the compiled one, docs/memory.md)."""
-    return switches.with_values(cfg, {**switches.trace_values(), "device": "cpu", "track_memory": False})
+    step, an upper bound of the compiled one, docs/memory.md); ``bf16_rounding`` as it resolves on the run's own
+    device (``auto`` is ``nearest`` for bitsandbytes on CUDA, :func:`memfit.memory.switches.resolved_rounding`)."""
+    rounding = (
+        switches.resolved_rounding(cfg, device_type(cfg.device)) if cfg.dtype == "bf16" else cfg.bf16_rounding
+    )
+    return switches.with_values(
+        cfg,
+        {**switches.trace_values(), "device": "cpu", "track_memory": False, "bf16_rounding": rounding},
+    )
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -9,6 +9,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from memfit.memory import optimizers
 from memfit.memory.switches.base import (
     EXACT,
@@ -88,6 +90,33 @@ def _plan_optimizer(cfg: RunConfig, space: PlanSpace) -> tuple[dict[str, Any], .
     )
 
 
+def _device_of(cfg: RunConfig) -> str:
+    """``cpu`` or ``cuda``: where ``cfg.device`` puts the run (``auto``: CUDA when torch sees one)."""
+    if cfg.device in ("cpu", "cuda"):
+        return cfg.device
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _prune_rounding(view: dict[str, Any], cfg: RunConfig) -> bool:
+    """Skip a combination whose bf16 weights would round to nearest where the config's round better: the plan
+    trades memory for speed, never the weights' updates (``auto`` takes stochastic rounding wherever the optimizer
+    can; bitsandbytes on CUDA and ``optimizer.cpu_offload`` cannot)."""
+    if view.get("dtype") != "bf16":
+        return False
+    device = _device_of(cfg)
+    own = optimizers.resolve_rounding(
+        cfg.bf16_rounding, cfg.optimizer.name, device, "bf16", cpu_offload=cfg.optimizer.cpu_offload
+    )
+    planned = optimizers.resolve_rounding(
+        cfg.bf16_rounding,
+        view["optimizer.name"],
+        device,
+        "bf16",
+        cpu_offload=bool(view.get("optimizer.cpu_offload")),
+    )
+    return own != "nearest" and planned == "nearest"
+
+
 def _label_optimizer(name: str, cfg: RunConfig) -> str:
     spec = optimizers.spec(name)
     return f"{name}:{cfg.optimizer.implementation}" if spec.implementations else name
@@ -106,6 +135,7 @@ OPTIMIZER_NAME = Switch(
     check=_check_optimizer_name,
     choices=optimizers.OPTIMIZER_NAMES,
     candidates=_plan_optimizer,
+    prune=_prune_rounding,
     label=_label_optimizer,
     comment=lambda v: optimizers.spec(v).comment if v in optimizers.OPTIMIZER_NAMES else "",
     cost=_cost_optimizer,
