@@ -131,7 +131,9 @@ def test_cost_model_orders_as_documented():
     in_backward = _seconds(optimizer_in_backward=True, max_grad_norm=0.0, **nearest)
     assert in_backward > _seconds(**nearest)  # one kernel launch set per tensor
     for name in ("adamw8bit", "torchao_adamw4bit"):  # low-bit updates: 1.4x AdamW's
-        assert _seconds(**{"optimizer.name": name}) > base
+        assert _seconds(**{"optimizer.name": name}, **nearest) > _seconds(**nearest)
+    # rounding stochastically (bf16_rounding=auto for AdamW) costs the update its fp32 copy and random bits
+    assert base > _seconds(**nearest)
     # host traffic: offloaded activations and an offloaded optimizer cost PCIe time
     assert _seconds(**{"optimizer.cpu_offload": True, "max_grad_norm": 0.0}) > 2 * base
     # fp32 matmuls are slower than bf16 on a GPU

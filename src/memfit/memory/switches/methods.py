@@ -202,9 +202,16 @@ DTYPE = Switch(
 # bf16_rounding
 # ----------------------------------------------------------------------------------------------------------------
 
-ROUNDING_UPDATE_FACTOR = {"nearest": 1.0, "stochastic": 1.0, "kahan": 1.0}
-"""The optimizer update's time under each ``bf16_rounding``, as a multiple of its time rounding to nearest
-(``bench/bf16_rounding.py``, the update of one tensor on this project's 2 CPU cores)."""
+ROUNDING_UPDATE_FACTOR = {
+    "cpu": {"nearest": 1.0, "stochastic": 4.8, "kahan": 1.75},
+    "cuda": {"nearest": 1.0, "stochastic": 3.3, "kahan": 3.0},
+}
+"""The optimizer update's time under each ``bf16_rounding``, as a multiple of its time rounding to nearest, by
+target. cpu: measured (``bench/bf16_rounding.py --part update``: torch AdamW's step of a 4,096 x 4,096 bf16 weight,
+0.026 s to nearest, 4.80x stochastic, whose random draws dominate, 1.75x kahan; torchao's 4-bit update, 1.07 s,
+unchanged within 7%). cuda: counted, not measured: the memory-bound update moves 14 bytes per bf16 parameter
+(read p, g, m, v; write p, m, v); the fp32 copy, the random int32 and the write back add ~32 bytes (stochastic),
+the compensation's read, sum and write ~28 (kahan)."""
 
 
 def _check_bf16_rounding(cfg: RunConfig, target: Target) -> None:
@@ -232,7 +239,7 @@ def resolved_rounding(cfg: RunConfig, target: str) -> str:
 def _cost_bf16_rounding(setting: str, t: StepTerms) -> None:
     rounding = resolved_rounding(t.cfg, t.target)
     if rounding != "nearest":
-        t.update_factor *= ROUNDING_UPDATE_FACTOR[rounding]
+        t.update_factor *= ROUNDING_UPDATE_FACTOR[t.target][rounding]
         t.per_tensor = True  # one optimizer per parameter (memfit.memory.optim.rounded_step)
 
 
