@@ -195,20 +195,7 @@ def test_two_ranks_with_an_optimizer_that_keeps_less_state(name, extra, tol, sma
     assert f"optimizer {name} (" in proc.stdout  # the banner says which tensors each algorithm takes
     _assert_same_run(out, single, tol)
     if name == "muon":
-        resumed = _interrupted_at_step_3(out, tmp_path / "resumed")
-        run_torchrun(
-            [
-                "pretrain",
-                *_overrides(
-                    small_corpus,
-                    resumed,
-                    batch_size=4,
-                    resume="true",
-                    **extra,
-                    **{"distributed.strategy": "fsdp2"},
-                ),
-            ]
-        )
+        resumed = _resumed_on_two_ranks(out, tmp_path / "resumed", small_corpus, extra)
         diff = max(abs(a - b) for (_, a), (_, b) in zip(_losses(resumed), _losses(out), strict=True))
         print(f"max |resumed - uninterrupted| loss, muon on 2 ranks: {diff}")
         assert diff <= 1e-6
@@ -234,20 +221,7 @@ def test_two_ranks_round_their_bf16_shards(in_backward, small_corpus, tmp_path):
     sharded = _overrides(small_corpus, out, batch_size=4, **extra, **{"distributed.strategy": "fsdp2"})
     run_torchrun(["pretrain", *sharded])
     _assert_same_run(out, single, BF16_TOL)
-    resumed = _interrupted_at_step_3(out, tmp_path / "resumed")
-    run_torchrun(
-        [
-            "pretrain",
-            *_overrides(
-                small_corpus,
-                resumed,
-                batch_size=4,
-                resume="true",
-                **extra,
-                **{"distributed.strategy": "fsdp2"},
-            ),
-        ]
-    )
+    resumed = _resumed_on_two_ranks(out, tmp_path / "resumed", small_corpus, extra)
     assert _losses(resumed) == _losses(out)
 
 
@@ -398,6 +372,16 @@ def _interrupted_at_step_3(finished: Path, dest: Path) -> Path:
     records = [r for r in read_records(dest / "metrics.jsonl") if r["step"] <= 3]
     (dest / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     return dest
+
+
+def _resumed_on_two_ranks(finished: Path, dest: Path, corpus: Path, extra: dict) -> Path:
+    """``finished``'s run interrupted after step 3 (:func:`_interrupted_at_step_3`), resumed on 2 FSDP2 ranks."""
+    resumed = _interrupted_at_step_3(finished, dest)
+    overrides = _overrides(
+        corpus, resumed, batch_size=4, resume="true", **extra, **{"distributed.strategy": "fsdp2"}
+    )
+    run_torchrun(["pretrain", *overrides])
+    return resumed
 
 
 def _losses(out: Path) -> list[tuple[int, float]]:

@@ -388,6 +388,7 @@ class _PerParameter(torch.optim.Optimizer):
     ):
         self._make_optimizer = make_optimizer
         self._rounding = rounding
+        self._hooks: list[torch.utils.hooks.RemovableHandle] = []  # what a subclass registers per parameter
         self._inner: dict[torch.Tensor, torch.optim.Optimizer] = {}
         self._device: torch.device | None = None
         super().__init__(params, {})
@@ -556,26 +557,13 @@ class OptimizerInBackward(_PerParameter):
       (:meth:`consume_grad_norm`), computed from each gradient just before its update.
 
     No host sync and no data-dependent Python branching happen in the hooks, so a step runs under
-    ``FakeTensorMode`` (with ``adamw``).
-
-    Args:
-        params: parameters or parameter groups, as for any ``torch.optim.Optimizer``.
-        make_optimizer: builds the optimizer of one parameter from a list of one group, e.g.
-            ``lambda groups: torch.optim.AdamW(groups, lr=1e-3)``.
-        rounding: ``bf16_rounding`` (:mod:`memfit.memory.rounding`).
+    ``FakeTensorMode`` (with ``adamw``). Its arguments are :class:`_PerParameter`'s.
     """
 
-    def __init__(
-        self,
-        params: Iterable[torch.Tensor] | Iterable[dict],
-        make_optimizer: Callable[[list[dict]], torch.optim.Optimizer],
-        *,
-        rounding: str = "nearest",
-    ):
-        self._hooks: list[torch.utils.hooks.RemovableHandle] = []
-        self._sq_sum: torch.Tensor | None = None
-        self._sharded_over = None  # the process group of DTensor (FSDP2) gradients, once one was seen
-        super().__init__(params, make_optimizer, rounding=rounding)
+    _sq_sum: torch.Tensor | None = None
+    """The running sum of the squared gradient norms consumed since :meth:`consume_grad_norm`."""
+    _sharded_over: Any = None
+    """The process group of DTensor (FSDP2) gradients, once one was seen."""
 
     def _added(self, p: torch.Tensor) -> None:
         self._hooks.append(p.register_post_accumulate_grad_hook(self._update))
