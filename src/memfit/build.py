@@ -345,6 +345,7 @@ def build_training(
                 device_type(cfg.device),
                 cfg.dtype,
                 cpu_offload=cfg.optimizer.cpu_offload,
+                sharded=world_size > 1,
             ),
         )
     return TrainingModel(model, optimizer, num_params, num_trainable)

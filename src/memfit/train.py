@@ -522,7 +522,11 @@ def _banner(cfg, verb, built, tokenizer, data, seq_len, world, device, start_ste
         f"memfit {verb}: model {cfg.model_source} ({built.num_params:,} parameters{trainable}), "
         f"tokenizer {tokenizer.kind} ({tokenizer.vocab_size:,} ids), {data.summary}, batch {cfg.batch_size} x "
         f"{cfg.gradient_accumulation_steps} x {seq_len} tokens{sharded}, dtype {cfg.dtype}"
-        + (f" ({switches.resolved_rounding(cfg, device.type)} rounding)" if cfg.dtype == "bf16" else "")
+        + (
+            f" ({switches.resolved_rounding(cfg, device.type, world)} rounding)"
+            if cfg.dtype == "bf16"
+            else ""
+        )
         + f", device {device}"
         + (
             f", optimizer {cfg.optimizer.name} ({split})"

@@ -751,12 +751,14 @@ def rounding_refusal(name: str, device_type: str, rounding: str) -> str | None:
 
 
 def resolve_rounding(
-    setting: str, name: str, device_type: str, dtype: str, *, cpu_offload: bool = False
+    setting: str, name: str, device_type: str, dtype: str, *, cpu_offload: bool = False, sharded: bool = False
 ) -> str:
     """The rounding a run's bf16 weights take: ``nearest`` unless ``dtype`` is ``bf16``; ``auto`` is
-    ``stochastic`` where optimizer ``name`` can round so on ``device_type`` (:func:`rounding_refusal`) and without
-    ``optimizer.cpu_offload``, else ``nearest`` (bitsandbytes' fused CUDA kernel, torchao's offloaded update);
-    any other setting is itself.
+    ``stochastic`` where optimizer ``name`` can round so on ``device_type`` (:func:`rounding_refusal`), without
+    ``optimizer.cpu_offload`` and in one process, else ``nearest`` (bitsandbytes' fused CUDA kernel, torchao's
+    offloaded update; a sharded run, whose rounded per-parameter steps the estimator does not compose from a few
+    layers yet: asked for, ``stochastic`` and ``kahan`` run sharded, and are traced whole); any other setting is
+    itself.
 
     Args:
         setting: ``bf16_rounding``.
@@ -764,12 +766,13 @@ def resolve_rounding(
         device_type: ``cpu`` or ``cuda``, where the run's parameters live.
         dtype: the run's ``dtype``.
         cpu_offload: ``optimizer.cpu_offload``.
+        sharded: the run has more than one rank.
     """
     if dtype != "bf16":
         return "nearest"
     if setting != "auto":
         return setting
-    if cpu_offload or rounding_refusal(name, device_type, "stochastic") is not None:
+    if cpu_offload or sharded or rounding_refusal(name, device_type, "stochastic") is not None:
         return "nearest"
     return "stochastic"
 

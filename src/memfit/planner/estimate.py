@@ -237,6 +237,12 @@ def estimate_run(
             "distributed.strategy=fsdp2"
         )
     why_full = _why_not_composed(cfg, mcfg, target, compose)
+    rounding = switches.resolved_rounding(cfg, target, world_size)
+    if why_full is None and world_size > 1 and rounding != "nearest":
+        why_full = (
+            f"bf16_rounding={rounding} on {world_size} ranks: its per-parameter rounded steps on the shards do not "
+            f"compose from 3 and 4 layers yet"
+        )
     composed = None
     if why_full is None:
         traces, trace_seconds = [], []
@@ -386,7 +392,7 @@ def _trace(
 ) -> _Traced:
     """Build the run on fake tensors and trace one ``train_step`` of it (the module doc); with ``marks``, the
     decoder layers' boundaries are marked in the timeline (:class:`memfit.planner.compose.LayerMarks`)."""
-    trace_cfg = _traceable(cfg)
+    trace_cfg = _traceable(cfg, world_size)
     with (
         fake_process_group(world_size),
         quiet(),
@@ -532,14 +538,16 @@ def packs_documents(cfg: TrainConfig) -> bool:
     return cfg.data.packing
 
 
-def _traceable(cfg: TrainConfig) -> TrainConfig:
+def _traceable(cfg: TrainConfig, world_size: int = 1) -> TrainConfig:
     """The config the trace runs: the run's, on the CPU, untracked, with each switch that needs a CUDA device or a
     compiler at build time set to its entry's trace value (:func:`memfit.memory.switches.trace_values`: their bytes
     are moved to host / unified memory afterwards, see the module doc; ``compile`` off: the trace runs the eager
     step, an upper bound of the compiled one, docs/memory.md); ``bf16_rounding`` as it resolves on the run's own
     device (``auto`` is ``nearest`` for bitsandbytes on CUDA, :func:`memfit.memory.switches.resolved_rounding`)."""
     rounding = (
-        switches.resolved_rounding(cfg, device_type(cfg.device)) if cfg.dtype == "bf16" else cfg.bf16_rounding
+        switches.resolved_rounding(cfg, device_type(cfg.device), world_size)
+        if cfg.dtype == "bf16"
+        else cfg.bf16_rounding
     )
     return switches.with_values(
         cfg,

@@ -274,7 +274,7 @@ def format_plan(p: Plan, top: int = 10) -> str:
                 f"and the plan keeps it)"
             )
         if best.config.dtype == "bf16":
-            rounding = switches.resolved_rounding(best.config, p.target)
+            rounding = switches.resolved_rounding(best.config, p.target, p.world_size)
             lines.append(
                 f"  dtype bf16: weights and optimizer state in bf16; bf16_rounding={rounding}"
                 + (

@@ -228,16 +228,21 @@ def _check_bf16_rounding(cfg: RunConfig, target: Target) -> None:
     require(reason is None, "bf16_rounding", str(reason))
 
 
-def resolved_rounding(cfg: RunConfig, target: str) -> str:
-    """The rounding ``cfg``'s bf16 weights take on ``target`` (``auto`` resolved:
+def resolved_rounding(cfg: RunConfig, target: str, world_size: int = 1) -> str:
+    """The rounding ``cfg``'s bf16 weights take on ``target`` over ``world_size`` ranks (``auto`` resolved:
     :func:`memfit.memory.optimizers.resolve_rounding`)."""
     return optimizers.resolve_rounding(
-        cfg.bf16_rounding, cfg.optimizer.name, target, cfg.dtype, cpu_offload=cfg.optimizer.cpu_offload
+        cfg.bf16_rounding,
+        cfg.optimizer.name,
+        target,
+        cfg.dtype,
+        cpu_offload=cfg.optimizer.cpu_offload,
+        sharded=world_size > 1,
     )
 
 
 def _cost_bf16_rounding(setting: str, t: StepTerms) -> None:
-    rounding = resolved_rounding(t.cfg, t.target)
+    rounding = resolved_rounding(t.cfg, t.target, t.world_size)
     if rounding != "nearest":
         t.update_factor *= ROUNDING_UPDATE_FACTOR[t.target][rounding]
         t.per_tensor = True  # one optimizer per parameter (memfit.memory.optim.rounded_step)
