@@ -376,9 +376,9 @@ class TrainConfig:
     ``stochastic`` (the update computed on an fp32 copy of each chunk, rounded up or down at random, unbiased;
     seeded by ``seed``, its stream saved in checkpoints), ``kahan`` (computed on the weight plus a bf16
     compensation buffer, rounded to nearest: 2 bytes/parameter more state) or ``auto`` (``stochastic`` where the
-    optimizer can round so, else ``nearest``: bitsandbytes on CUDA, ``optimizer.cpu_offload``). ``auto`` because
-    it matched fp32 AdamW's validation loss where ``nearest`` lost 2.2% (docs/benchmarks.md, "bf16 weights that
-    learn")."""
+    optimizer can round so, else ``nearest``: bitsandbytes on CUDA, ``optimizer.cpu_offload``, a sharded run for
+    now). ``auto`` because stochastic rounding matched fp32 AdamW's validation loss where ``nearest`` lost 2.2%
+    (docs/benchmarks.md, "bf16 weights that learn")."""
     device: str = "auto"
     """``auto`` (CUDA when available, else CPU), ``cpu`` or ``cuda``."""
 
