@@ -173,7 +173,7 @@ def test_wandb_needs_a_project_and_the_package(monkeypatch):
         load_config(None, ["wandb=true"])
     assert load_config(None, ["wandb=true", "wandb_project=p"]).wandb_project == "p"
 
-    import memfit.config as config_module
+    import memfit.validation as config_module  # where the wandb check lives
 
     find_spec = config_module.importlib.util.find_spec
     monkeypatch.setattr(

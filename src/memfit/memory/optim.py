@@ -699,7 +699,6 @@ def rounded_step(inner: torch.optim.Optimizer, p: torch.Tensor, rounding: str) -
             state.update({k: v for k, v in inner.state[p].items() if k not in shaped})
     finally:
         inner.state[p] = state
-        p.grad = grad
 
 
 def _low_precision(value: Any) -> bool:
