@@ -82,32 +82,38 @@ it never touches ``docs/``.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import errno
 import json
-import os
 import re
 import shlex
 import shutil
 import signal
-import struct
 import subprocess
 import sys
-import threading
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
 from docs_section import write_section
+from measured_run import Measured, gib, memory_cap, run_measured, split_phases
+from random_hf import ASSETS, ROOT, ensure_model, model_spec
 
-from memfit.units import GIB, MIB
+from memfit.units import GIB
 
-ROOT = Path(__file__).resolve().parents[1]
-ASSETS = ROOT / "tests" / "assets"
-ROWS = ("3b-full", "8b-qlora", "3b-plain", "3b-torchtune", "3b-8bit")
+ROWS = (
+    "3b-full",
+    "8b-qlora",
+    "3b-plain",
+    "3b-torchtune",
+    "3b-8bit",
+    "8b-full",
+    "qwen3-8b-full",
+    "8b-torchtune",
+)
+ROW_MODEL = {"8b-qlora": "8b", "8b-full": "8b", "qwen3-8b-full": "qwen3-8b", "8b-torchtune": "8b"}
+"""Row -> the key of its model in ``random_hf.MODELS`` (``3b`` when not named)."""
 SECTION = "largest-model"
 PROSE_START, PROSE_END = "<!-- largest-model-prose:start -->", "<!-- largest-model-prose:end -->"
 """The hand-written prose inside the section: kept as it is when the script rewrites the section."""
@@ -115,36 +121,26 @@ PLACEHOLDER = (
     "*Placeholder, to be written by hand: what each row needed (which switches the plan chose and why, where "
     "the plain loop failed and why, how each prediction compares with its measurement).*"
 )
-SAMPLE_SECONDS = 0.1
-TIME = Path("/usr/bin/time")
-EOT = "<|endoftext|>"
-EOT_ID = 50256  # GPT-2's <|endoftext|>: BOS and EOS of the tokenizer the directories carry
 SEQ_LEN = 512
 
-# meta-llama/Llama-3.2-3B config.json, but BOS/EOS: the carried tokenizer's (Meta's are 128000 / 128001)
-LLAMA_3_2_3B: dict[str, Any] = {
-    "architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
-    "bos_token_id": EOT_ID, "eos_token_id": EOT_ID, "head_dim": 128, "hidden_act": "silu", "hidden_size": 3072,
-    "initializer_range": 0.02, "intermediate_size": 8192, "max_position_embeddings": 131072, "mlp_bias": False,
-    "model_type": "llama", "num_attention_heads": 24, "num_hidden_layers": 28, "num_key_value_heads": 8,
-    "pretraining_tp": 1, "rms_norm_eps": 1e-05,
-    "rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
-                     "original_max_position_embeddings": 8192, "rope_type": "llama3"},
-    "rope_theta": 500000.0, "tie_word_embeddings": True, "torch_dtype": "bfloat16", "use_cache": True,
-    "vocab_size": 128256,
-}  # fmt: skip
-# meta-llama/Llama-3.1-8B config.json, BOS/EOS as above
-LLAMA_3_1_8B: dict[str, Any] = {
-    **LLAMA_3_2_3B, "hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32,
-    "num_hidden_layers": 32, "num_key_value_heads": 8, "tie_word_embeddings": False,
-    "rope_scaling": {**LLAMA_3_2_3B["rope_scaling"], "factor": 8.0},
-}  # fmt: skip
-del LLAMA_3_1_8B["head_dim"]  # Meta's 8B config.json has none (4096 / 32 = 128)
-# --scale small: the same configs at a tiny size (vocabulary: GPT-2's 50,257 ids rounded up to 64)
-SMALL_HF = {"hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
-            "intermediate_size": 768, "vocab_size": 50304, "head_dim": 64}  # fmt: skip
-SMALL_PRESET_ARGS = {"dim": 256, "num_layers": 4, "num_heads": 4, "num_kv_heads": 2, "intermediate_size": 768,
-                     "vocab_size": 50304}  # fmt: skip
+
+@dataclass(frozen=True)
+class FullRow:
+    """A full fine-tune row run as ``memfit plan`` writes it: batch 1 x ``seq_len``, ``steps`` steps."""
+
+    seq_len: int
+    dtype: str
+    steps: int
+    budget: str
+    """``memfit plan``'s ``budget=`` (default of ``--budget``)."""
+
+
+FULL_ROWS = {
+    "3b-full": FullRow(SEQ_LEN, "fp32", 3, "20GiB"),
+    # bf16 weights (bf16_rounding=auto: stochastic), the sequence of torchtune's 8B recipe
+    "8b-full": FullRow(2048, "bf16", 2, "20GiB"),
+    "qwen3-8b-full": FullRow(2048, "bf16", 2, "20GiB"),
+}
 
 DATA = [
     f"data.path={ASSETS / 'dolly_sample.json'}",
@@ -167,166 +163,11 @@ SWITCH_KEYS = (
     "activation_offloading",
     "chunked_cross_entropy",
     "tiled_mlp",
+    "bf16_rounding",
     "compile",
     "gradient_accumulation_steps",
 )
 """The keys of a config that the table shows as its switches (where the config sets them)."""
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """One random Hugging Face directory to make: its ``config.json``, the memfit preset it must read as, and
-    the size of its shards."""
-
-    name: str
-    hf_config: dict[str, Any]
-    preset: str
-    preset_args: dict[str, Any]
-    shard_bytes: int
-
-
-def model_spec(key: str, scale: str) -> ModelSpec:
-    """The directory of ``key`` (``3b`` or ``8b``) at ``scale`` (``full`` or ``small``)."""
-    base, preset = {"3b": (LLAMA_3_2_3B, "llama3.2-3b"), "8b": (LLAMA_3_1_8B, "llama3.1-8b")}[key]
-    if scale == "full":
-        name = {"3b": "Llama-3.2-3B-random", "8b": "Llama-3.1-8B-random"}[key]
-        return ModelSpec(name, base, preset, {}, 4 * GIB)
-    return ModelSpec(f"small-{key}-random", {**base, **SMALL_HF}, preset, SMALL_PRESET_ARGS, 8 * MIB)
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Child: the random Hugging Face directory, tensor by tensor
-# ----------------------------------------------------------------------------------------------------------------
-
-
-def hf_tensors(cfg: dict[str, Any]) -> list[tuple[str, tuple[int, ...]]]:
-    """The tensors of a ``LlamaForCausalLM`` checkpoint of ``cfg`` (a ``config.json``), by name and shape."""
-    dim, inter, vocab = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
-    heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    head_dim = cfg.get("head_dim") or dim // heads
-    out: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (vocab, dim))]
-    for i in range(cfg["num_hidden_layers"]):
-        p = f"model.layers.{i}."
-        out += [
-            (p + "input_layernorm.weight", (dim,)),
-            (p + "self_attn.q_proj.weight", (heads * head_dim, dim)),
-            (p + "self_attn.k_proj.weight", (kv_heads * head_dim, dim)),
-            (p + "self_attn.v_proj.weight", (kv_heads * head_dim, dim)),
-            (p + "self_attn.o_proj.weight", (dim, heads * head_dim)),
-            (p + "post_attention_layernorm.weight", (dim,)),
-            (p + "mlp.gate_proj.weight", (inter, dim)),
-            (p + "mlp.up_proj.weight", (inter, dim)),
-            (p + "mlp.down_proj.weight", (dim, inter)),
-        ]
-    out.append(("model.norm.weight", (dim,)))
-    if not cfg.get("tie_word_embeddings"):
-        out.append(("lm_head.weight", (vocab, dim)))
-    return out
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
-
-
-def write_random_shards(directory: Path, cfg: dict[str, Any], shard_bytes: int, seed: int) -> int:
-    """Write ``cfg``'s weights as bf16 safetensors shards and their index, one tensor in memory at a time (in
-    chunks of rows); returns the bytes of the weights.
-
-    Each shard's header (names, dtypes, shapes, offsets) is known from the shapes, so it is written first and the
-    tensors are appended in turn: ``normal(0, 0.02)`` from one generator seeded with ``seed``, norms ones.
-    """
-    import torch
-
-    tensors = hf_tensors(cfg)
-    shards: list[list[tuple[str, tuple[int, ...]]]] = [[]]
-    size = 0
-    for name, shape in tensors:
-        nbytes = 2 * _numel(shape)
-        if shards[-1] and size + nbytes > shard_bytes:
-            shards.append([])
-            size = 0
-        shards[-1].append((name, shape))
-        size += nbytes
-    generator = torch.Generator().manual_seed(seed)
-    weight_map, total = {}, 0
-    for index, shard in enumerate(shards, 1):
-        file = f"model-{index:05d}-of-{len(shards):05d}.safetensors"
-        header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-        offset = 0
-        for name, shape in shard:
-            nbytes = 2 * _numel(shape)
-            header[name] = {"dtype": "BF16", "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
-            offset += nbytes
-            weight_map[name] = file
-        raw = json.dumps(header, separators=(",", ":")).encode()
-        raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
-        with open(directory / file, "wb") as f:
-            f.write(struct.pack("<Q", len(raw)) + raw)
-            for _name, shape in shard:
-                if len(shape) == 1:  # RMSNorm weights
-                    f.write(torch.ones(shape, dtype=torch.bfloat16).view(torch.int16).numpy())
-                    continue
-                rows = max(1, (1 << 26) // shape[1])  # at most 64M weights (128 MiB of bf16) at a time
-                for start in range(0, shape[0], rows):
-                    chunk = torch.empty(min(rows, shape[0] - start), shape[1], dtype=torch.float32)
-                    chunk.normal_(0.0, 0.02, generator=generator)
-                    f.write(chunk.to(torch.bfloat16).view(torch.int16).numpy())
-                    del chunk
-        total += offset
-        print(f"  wrote {directory.name}/{file} ({offset / GIB:.2f} GiB)", file=sys.stderr, flush=True)
-    index_json = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (directory / "model.safetensors.index.json").write_text(json.dumps(index_json, indent=2))
-    return total
-
-
-def write_tokenizer(directory: Path) -> None:
-    """GPT-2's byte-level BPE as a Hugging Face ``tokenizer.json`` with its ``tokenizer_config.json``."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
-
-    vocab = json.loads((ASSETS / "gpt2_encoder.json").read_text())
-    merges = [
-        tuple(line.split()) for line in (ASSETS / "gpt2_vocab.bpe").read_text().splitlines()[1:] if line
-    ]
-    tok = Tokenizer(models.BPE(vocab, merges))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens([AddedToken(EOT, special=True, normalized=False)])
-    tok.save(str(directory / "tokenizer.json"))
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": EOT, "eos_token": EOT}
-    (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
-
-
-def make_model(spec: dict[str, Any]) -> None:
-    """Child: write the directory ``spec["dir"]`` (a new one beside it, renamed into place when complete) and check
-    that memfit reads it as the preset: the same architecture and parameter count."""
-    from memfit.convert.hf import read_hf_config
-    from memfit.models.presets import model_config
-    from memfit.tokenizer import load_tokenizer
-
-    final = Path(spec["dir"])
-    tmp = final.with_name(f".{final.name}.partial-{os.getpid()}")
-    tmp.mkdir(parents=True)
-    start = time.perf_counter()
-    cfg = spec["hf_config"]
-    (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
-    (tmp / "generation_config.json").write_text(json.dumps({"bos_token_id": EOT_ID, "eos_token_id": EOT_ID}))
-    write_tokenizer(tmp)
-    weight_bytes = write_random_shards(tmp, cfg, spec["shard_bytes"], spec["seed"])
-    read, preset = read_hf_config(tmp), model_config(spec["preset"], **spec["preset_args"])
-    fields = ("dim", "num_layers", "num_heads", "num_kv_heads", "intermediate_size", "vocab_size",
-              "tie_word_embeddings", "rope_theta", "rope_scaling")  # fmt: skip
-    differ = [f for f in fields if getattr(read, f) != getattr(preset, f)]
-    if differ or read.num_params() != preset.num_params():
-        raise SystemExit(f"{tmp}/config.json does not read as preset {spec['preset']}: {differ}")
-    tokenizer = load_tokenizer(tmp)
-    marker = {**spec, "weight_bytes": weight_bytes, "num_params": read.num_params(),
-              "tokenizer_ids": tokenizer.vocab_size, "seconds": time.perf_counter() - start}  # fmt: skip
-    (tmp / "largest_model.json").write_text(json.dumps(marker, indent=2))
-    tmp.rename(final)
-    print(json.dumps(marker))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -394,171 +235,6 @@ def plain_loop(spec: dict[str, Any]) -> int:
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def _proc_rss(pid: int) -> int:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
-
-
-def _parents() -> dict[int, int]:
-    """pid -> parent pid of every process (from ``/proc/PID/stat``)."""
-    out = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    stat = f.read()
-            except OSError:
-                continue
-            out[int(entry)] = int(stat[stat.rindex(")") + 2 :].split()[1])
-    return out
-
-
-def process_tree(root: int, include_root: bool) -> tuple[int, list[int]]:
-    """The resident bytes and the pids of ``root``'s descendants (and of ``root`` itself with ``include_root``)."""
-    children: dict[int, list[int]] = {}
-    for pid, parent in _parents().items():
-        children.setdefault(parent, []).append(pid)
-    pids = [root] if include_root else []
-    stack = list(children.get(root, []))
-    while stack:
-        pid = stack.pop()
-        pids.append(pid)
-        stack += children.get(pid, [])
-    return sum(_proc_rss(pid) for pid in pids), pids
-
-
-@dataclass
-class Measured:
-    """A child process as this script saw it."""
-
-    returncode: int
-    lines: list[tuple[float, str]]
-    """Each stdout/stderr line with its arrival, seconds after the start."""
-    samples: list[tuple[float, int]]
-    """(seconds after the start, resident bytes of the process tree)."""
-    wall_seconds: float
-    max_rss_bytes: int | None
-    """``/usr/bin/time -v``'s Maximum resident set size (None without /usr/bin/time)."""
-    signal: int | None
-    killed_by_guard: bool = False
-    command: list[str] = field(default_factory=list)
-
-    def first(self, pattern: str) -> float | None:
-        """The arrival of the first line matching ``pattern`` (a regex, from the line's start)."""
-        return next((t for t, line in self.lines if re.match(pattern, line)), None)
-
-    def peak(self, start: float, end: float) -> int | None:
-        """The largest sample in [start, end]; the first one after ``end`` when none falls inside."""
-        inside = [rss for t, rss in self.samples if start <= t <= end]
-        if inside:
-            return max(inside)
-        return next((rss for t, rss in self.samples if t > end), None)
-
-
-def run_measured(cmd: list[str], log: Path, guard_bytes: int | None, tag: str) -> Measured:
-    """Run ``cmd`` under ``/usr/bin/time -v``, sampling its process tree's RSS every 0.1 s in a thread and
-    timestamping each output line (also written to ``log`` and echoed to stderr, prefixed ``[tag]``).
-
-    Args:
-        cmd: the command.
-        log: its output, each line with its time.
-        guard_bytes: kill the measured processes (SIGKILL) when their RSS passes this (None: never), so that a run
-            that overshoots fails alone rather than the machine's OOM killer choosing.
-        tag: the prefix of the echoed lines.
-    """
-    timed = TIME.exists()
-    time_file = log.with_name(log.name + ".time")
-    wrapped = [str(TIME), "-v", "-o", str(time_file), *cmd] if timed else list(cmd)
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    log.parent.mkdir(parents=True, exist_ok=True)
-    start = time.monotonic()
-    proc = subprocess.Popen(
-        wrapped, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace", env=env,
-        start_new_session=True, cwd=ROOT,
-    )  # fmt: skip
-    samples: list[tuple[float, int]] = []
-    stop, guard_hit = threading.Event(), threading.Event()
-
-    def sample() -> None:
-        while not stop.is_set():
-            rss, pids = process_tree(proc.pid, include_root=not timed)  # not /usr/bin/time's own few MiB
-            samples.append((time.monotonic() - start, rss))
-            if guard_bytes is not None and rss > guard_bytes and not guard_hit.is_set():
-                guard_hit.set()
-                for pid in pids:  # the measured processes (ours), not /usr/bin/time: it reports the kill
-                    with contextlib.suppress(ProcessLookupError):
-                        os.kill(pid, signal.SIGKILL)
-            stop.wait(SAMPLE_SECONDS)
-
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
-    lines: list[tuple[float, str]] = []
-    try:
-        with open(log, "w") as f:
-            for line in proc.stdout:
-                t = time.monotonic() - start
-                lines.append((t, line.rstrip("\n")))
-                f.write(f"{t:9.2f}  {line}")
-                f.flush()
-                print(f"  [{tag} {t:7.1f}s] {line}", end="", file=sys.stderr, flush=True)
-        code = proc.wait()
-    finally:
-        if proc.poll() is None:  # interrupted: end the child's group (it is ours: start_new_session)
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        stop.set()
-        sampler.join()
-    wall = time.monotonic() - start
-    max_rss, sig = None, -code if code < 0 else None
-    if timed and time_file.exists():
-        text = time_file.read_text()
-        if m := re.search(r"Maximum resident set size \(kbytes\): (\d+)", text):
-            max_rss = int(m.group(1)) * 1024
-        if m := re.search(r"Command terminated by signal (\d+)", text):
-            sig = int(m.group(1))
-        if m := re.search(r"Exit status: (\d+)", text):
-            code = int(m.group(1)) if sig is None else 128 + sig
-    return Measured(code, lines, samples, wall, max_rss, sig, guard_hit.is_set(), wrapped)
-
-
-def split_phases(
-    run: Measured, order: list[tuple[str, float | None]]
-) -> tuple[dict[str, float | None], dict[str, float], str | None]:
-    """The peak RSS (GiB) and seconds of each phase, and the phase the process ended in when it did not reach the
-    last marker.
-
-    Args:
-        run: the measured process.
-        order: ``(phase, the arrival of the line that ends it, or None when never seen)``, in order; a phase whose
-            end is missing while a later one's is present is merged into the next.
-    """
-    peaks: dict[str, float | None] = {}
-    seconds: dict[str, float] = {}
-    start, ended_in = 0.0, None
-    for i, (name, end) in enumerate(order):
-        if end is None:
-            if any(e is not None for _, e in order[i + 1 :]):
-                continue
-            end, ended_in = run.wall_seconds, name
-        peak = run.peak(start, end)
-        peaks[name] = None if peak is None else round(peak / GIB, 3)
-        seconds[name] = round(end - start, 2)
-        start = end
-        if ended_in is not None:
-            break
-    return peaks, seconds, ended_in
-
-
-def _gib(value: float | int | None) -> float | None:
-    return None if value is None else round(value / GIB, 3)
-
-
 def _memfit() -> list[str]:
     """The ``memfit`` command of this interpreter's environment."""
     script = Path(sys.executable).parent / "memfit"
@@ -595,34 +271,6 @@ def _switches(config: dict[str, Any]) -> dict[str, Any]:
     return {
         k: flat[k] for k in SWITCH_KEYS if k in flat and flat[k] not in off and defaults.get(k) != flat[k]
     }
-
-
-def ensure_model(spec: ModelSpec, workdir: Path, seed: int) -> tuple[Path, dict[str, Any]]:
-    """The directory of ``spec`` under ``workdir``, written (in a child process) unless complete already."""
-    directory = workdir / "models" / spec.name
-    wanted = {"dir": str(directory), "hf_config": spec.hf_config, "preset": spec.preset,
-              "preset_args": spec.preset_args, "shard_bytes": spec.shard_bytes, "seed": seed}  # fmt: skip
-    marker = directory / "largest_model.json"
-    if marker.exists():
-        done = json.loads(marker.read_text())
-        if {k: done.get(k) for k in wanted} == wanted:
-            print(f"reusing {directory} ({done['num_params']:,} parameters)", file=sys.stderr)
-            return directory, done
-    if directory.exists():
-        shutil.rmtree(directory)  # incomplete or another config: ours to replace
-    for stale in directory.parent.glob(f".{spec.name}.partial-*"):
-        shutil.rmtree(stale)
-    need = 2 * sum(_numel(s) for _, s in hf_tensors(spec.hf_config))
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    free = shutil.disk_usage(directory.parent).free
-    if need > free:
-        raise SystemExit(f"{directory}: needs {need / GIB:.1f} GiB of disk, {free / GIB:.1f} GiB free")
-    print(f"writing {directory} ({need / GIB:.2f} GiB of random bf16 weights)", file=sys.stderr, flush=True)
-    cmd = [sys.executable, __file__, "--_make", json.dumps(wanted)]
-    proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, cwd=ROOT)
-    if proc.returncode != 0:
-        raise SystemExit(f"writing {directory} failed (exit {proc.returncode})")
-    return directory, json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def run_overrides(out: Path, steps: int) -> list[str]:
@@ -666,8 +314,8 @@ def predicted_and_measured(predicted: dict[str, Any], run: Measured) -> dict[str
         "estimate_command": predicted.pop("command"),
         "predicted_peak_rss_gib": predicted.get("host_peak_rss_gib"),
         "predicted_phase_rss_gib": predicted.get("phase_rss_gib"),
-        "measured_peak_rss_gib": _gib(run.max_rss_bytes),
-        "sampled_peak_rss_gib": _gib(max((s for _, s in run.samples), default=None)),
+        "measured_peak_rss_gib": gib(run.max_rss_bytes),
+        "sampled_peak_rss_gib": gib(max((s for _, s in run.samples), default=None)),
     }
 
 
@@ -724,7 +372,7 @@ def memfit_run(name: str, config: list[str], steps: int, run_dir: Path, guard_by
         ],
         "tokens_per_second": round(sum(steady_rates) / len(steady_rates), 1) if steady_rates else None,
         "losses": [r["loss"] for r in records],
-        "checkpoint_gib": _gib(_tree_bytes(checkpoint)) if checkpoint and checkpoint.exists() else None,
+        "checkpoint_gib": gib(_tree_bytes(checkpoint)) if checkpoint and checkpoint.exists() else None,
         "checkpoint": str(checkpoint) if checkpoint else None,
         "outcome": outcome,
         "exit_status": run.returncode,
@@ -736,15 +384,18 @@ def memfit_run(name: str, config: list[str], steps: int, run_dir: Path, guard_by
     }
 
 
-def row_3b_full(args: argparse.Namespace, model_dir: Path, run_dir: Path) -> dict[str, Any]:
-    """``3b-full``: plan, then run the plan (or the forced configuration)."""
+def row_full(args: argparse.Namespace, model_dir: Path, run_dir: Path, name: str) -> dict[str, Any]:
+    """A row of :data:`FULL_ROWS`: plan, then run the plan (or the forced configuration)."""
+    spec = FULL_ROWS[name]
     plan_path = run_dir / "plan.yaml"
     plan_path.unlink(missing_ok=True)
-    base = [f"checkpoint_dir={model_dir}", "method=full", "batch_size=1", f"seq_len={SEQ_LEN}", "dtype=fp32"]
+    base = [
+        f"checkpoint_dir={model_dir}", "method=full", "batch_size=1", f"seq_len={spec.seq_len}", f"dtype={spec.dtype}"
+    ]  # fmt: skip
     plan_cmd = [
         *_memfit(),
         "plan",
-        f"budget={args.budget}",
+        f"budget={args.budget or spec.budget}",
         "device=cpu",
         *base,
         *DATA,
@@ -773,7 +424,7 @@ def row_3b_full(args: argparse.Namespace, model_dir: Path, run_dir: Path) -> dic
     else:
         return {**row, "outcome": plan["outcome"], "message": plan.get("message")}
     row["switches"] = _switches(row["config"])
-    return {**row, **memfit_run("3b-full", config, 3, run_dir, args.guard_bytes)}
+    return {**row, **memfit_run(name, config, spec.steps, run_dir, args.guard_bytes)}
 
 
 def row_8b_qlora(args: argparse.Namespace, model_dir: Path, run_dir: Path) -> dict[str, Any]:
@@ -792,61 +443,9 @@ def row_8b_qlora(args: argparse.Namespace, model_dir: Path, run_dir: Path) -> di
     return {**row, **memfit_run("8b-qlora", ["--config", str(path)], 2, run_dir, args.guard_bytes)}
 
 
-CGROUP_V1_MEMORY = Path("/sys/fs/cgroup/memory")
-
-
-@contextlib.contextmanager
-def memory_cap(cap_bytes: int, name: str) -> Iterator[tuple[list[str], str]]:
-    """The prefix that runs a command under a hard memory cap, and its description, in the first way this machine
-    offers:
-
-    1. ``systemd-run --scope`` with ``MemoryMax`` (cgroup v2: resident memory, no swap) where systemd runs;
-    2. a cgroup v1 memory cgroup of its own (``memory.limit_in_bytes``: resident memory and page cache, the cache
-       reclaimed before the kernel's OOM killer ends a process of the group) where this process may make one,
-       removed afterwards;
-    3. ``prlimit --as``: the address space, so mapped files and reserved but untouched memory count too, and it
-       bites well before the resident memory reaches the cap.
-
-    Raises:
-        SystemExit: none of the three is here.
-    """
-    systemd = ["systemd-run", "--quiet", "--scope", "-p", f"MemoryMax={cap_bytes}", "-p", "MemorySwapMax=0"]
-    unified = Path("/sys/fs/cgroup/cgroup.controllers").exists()  # cgroup v2, where MemoryMax applies
-    if unified and shutil.which("systemd-run") and Path("/run/systemd/system").is_dir():
-        if subprocess.run([*systemd, "true"], capture_output=True, timeout=60).returncode == 0:
-            yield (
-                [*systemd, "--"],
-                f"systemd-run --scope -p MemoryMax={cap_bytes} (cgroup v2: resident memory)",
-            )
-            return
-    group = CGROUP_V1_MEMORY / f"memfit-bench-{name}-{os.getpid()}"
-    try:
-        group.mkdir()
-    except OSError:  # no cgroup v1 memory controller here, or not ours to write
-        group = None
-    else:
-        try:
-            (group / "memory.limit_in_bytes").write_text(str(cap_bytes))
-        except OSError:
-            group.rmdir()
-            group = None
-    if group is not None:
-        try:  # the shell joins the group, then becomes the command
-            enter = f'echo $$ > {shlex.quote(str(group / "cgroup.procs"))} && exec "$@"'
-            yield ["sh", "-c", enter, "sh"], f"cgroup v1 memory.limit_in_bytes={cap_bytes} (resident memory)"
-        finally:
-            with contextlib.suppress(OSError):
-                group.rmdir()
-        return
-    if shutil.which("prlimit"):
-        yield ["prlimit", f"--as={cap_bytes}", "--"], f"prlimit --as={cap_bytes} (address space)"
-        return
-    raise SystemExit(f"{name}: no cgroup (v2 through systemd-run, or v1) and no prlimit here for the cap")
-
-
-def _steady_tokens_per_second(seconds: list[float]) -> float | None:
-    """Tokens per second over the steps after the first (each of one 1 x SEQ_LEN batch)."""
-    return round(SEQ_LEN * len(seconds[1:]) / sum(seconds[1:]), 1) if seconds[1:] else None
+def _steady_tokens_per_second(seconds: list[float], seq_len: int = SEQ_LEN) -> float | None:
+    """Tokens per second over the steps after the first (each of one 1 x ``seq_len`` batch)."""
+    return round(seq_len * len(seconds[1:]) / sum(seconds[1:]), 1) if seconds[1:] else None
 
 
 def _capped(
@@ -945,42 +544,67 @@ def torchtune_venv(path: Path) -> Path:
     return tune
 
 
-def torchtune_config(model_dir: Path, out: Path, steps: int) -> dict[str, Any]:
-    """torchtune's ``llama3_2/3B_full_single_device`` config, on this machine: CPU, fp32, the local directory and
-    data, batch 1 x 512 packed, ``steps`` steps; its memory switches as it ships them."""
+@dataclass(frozen=True)
+class TorchtuneRow:
+    """A torchtune peer row: its model builder, checkpoint type, dtype and batch of 1 x ``seq_len``."""
+
+    recipe_config: str
+    """The torchtune config it follows (``tune cp`` name), for the docs."""
+    model: str
+    model_type: str
+    dtype: str
+    seq_len: int
+    steps: int = 2
+
+
+TORCHTUNE_ROWS = {
+    "3b-torchtune": TorchtuneRow(
+        "llama3_2/3B_full_single_device", "torchtune.models.llama3_2.llama3_2_3b", "LLAMA3_2", "fp32", SEQ_LEN
+    ),
+    "8b-torchtune": TorchtuneRow(
+        "llama3_1/8B_full_single_device", "torchtune.models.llama3_1.llama3_1_8b", "LLAMA3", "bf16", 2048
+    ),
+}
+
+
+def torchtune_config(model_dir: Path, out: Path, peer: TorchtuneRow) -> dict[str, Any]:
+    """torchtune's ``peer.recipe_config`` config, on this machine: CPU, ``peer.dtype``, the local directory and
+    data, batch 1 x ``peer.seq_len`` packed, ``peer.steps`` steps; its memory switches as it ships them."""
+    steps, seq_len = peer.steps, peer.seq_len
     index = json.loads((model_dir / "model.safetensors.index.json").read_text())
     return {
         "output_dir": str(out),
         "tokenizer": {"_component_": "torchtune.models.llama3.llama3_tokenizer",
-                      "path": str(ASSETS / "tiktoken_2k.model"), "max_seq_len": SEQ_LEN},
+                      "path": str(ASSETS / "tiktoken_2k.model"), "max_seq_len": seq_len},
         "dataset": {"_component_": "torchtune.datasets.alpaca_dataset", "source": "json",
                     "data_files": str(ASSETS / "dolly_sample.json"), "split": "train", "packed": True,
                     "column_map": {"instruction": "instruction", "input": "context", "output": "response"}},
         "seed": 0, "shuffle": False,
-        "model": {"_component_": "torchtune.models.llama3_2.llama3_2_3b"},
+        "model": {"_component_": peer.model},
         "checkpointer": {"_component_": "torchtune.training.FullModelHFCheckpointer",
                          "checkpoint_dir": str(model_dir),
                          "checkpoint_files": sorted(set(index["weight_map"].values())),
-                         "recipe_checkpoint": None, "output_dir": str(out), "model_type": "LLAMA3_2"},
+                         "recipe_checkpoint": None, "output_dir": str(out), "model_type": peer.model_type},
         "resume_from_checkpoint": False, "batch_size": 1, "epochs": 1,
         "optimizer": {"_component_": "bitsandbytes.optim.PagedAdamW8bit", "lr": 2e-5},
         "loss": {"_component_": "torchtune.modules.loss.CEWithChunkedOutputLoss"},
         "max_steps_per_epoch": steps, "gradient_accumulation_steps": 1, "optimizer_in_bwd": True,
         "clip_grad_norm": None, "compile": False, "device": "cpu", "enable_activation_checkpointing": True,
-        "enable_activation_offloading": False, "dtype": "fp32",
+        "enable_activation_offloading": False, "dtype": peer.dtype,
         "metric_logger": {"_component_": "torchtune.training.metric_logging.DiskLogger", "log_dir": str(out / "logs")},
         "log_every_n_steps": 1, "log_peak_memory_stats": False,
         "profiler": {"_component_": "torchtune.training.setup_torch_profiler", "enabled": False},
     }  # fmt: skip
 
 
-def torchtune_switches(model_dir: Path) -> list[str]:
+def torchtune_switches(model_dir: Path, dtype: str = "fp32", seq_len: int = SEQ_LEN) -> list[str]:
     """memfit's config of torchtune's lowest-memory recipe: 8-bit AdamW (paged on CUDA) in backward, full
-    checkpointing, the cross-entropy in 8 chunks as ``CEWithChunkedOutputLoss`` cuts it; fp32, 1 x 512."""
+    checkpointing, the cross-entropy in 8 chunks as ``CEWithChunkedOutputLoss`` cuts it; ``dtype`` weights rounded
+    to nearest (as torchtune's), 1 x ``seq_len``."""
     return [
         f"checkpoint_dir={model_dir}", "method=full", "optimizer.name=paged_adamw8bit", "optimizer_in_backward=true",
-        "max_grad_norm=0", "activation_checkpointing=full", "chunked_cross_entropy=8", "tiled_mlp=0", "dtype=fp32",
-        "device=cpu", "batch_size=1", f"seq_len={SEQ_LEN}", *DATA,
+        "max_grad_norm=0", "activation_checkpointing=full", "chunked_cross_entropy=8", "tiled_mlp=0", f"dtype={dtype}",
+        "bf16_rounding=nearest", "device=cpu", "batch_size=1", f"seq_len={seq_len}", *DATA,
     ]  # fmt: skip
 
 
@@ -992,25 +616,26 @@ def row_3b_8bit(args: argparse.Namespace, model_dir: Path, run_dir: Path) -> dic
     return {**row, **memfit_run("3b-8bit", config, 3, run_dir, args.guard_bytes)}
 
 
-def row_3b_torchtune(args: argparse.Namespace, model_dir: Path, run_dir: Path) -> dict[str, Any]:
-    """``3b-torchtune``: torchtune's lowest-memory single-device recipe under the cap."""
+def row_torchtune(args: argparse.Namespace, model_dir: Path, run_dir: Path, name: str) -> dict[str, Any]:
+    """A row of :data:`TORCHTUNE_ROWS`: torchtune's lowest-memory single-device recipe under the cap."""
+    peer = TORCHTUNE_ROWS[name]
     if args.scale == "small":
         return {
             "outcome": "not run at --scale small",
             "predicted_peak_rss_gib": None,
             "measured_peak_rss_gib": None,
         }
-    predicted = estimate(torchtune_switches(model_dir), run_dir / "estimate.txt")
+    predicted = estimate(torchtune_switches(model_dir, peer.dtype, peer.seq_len), run_dir / "estimate.txt")
     tune = torchtune_venv(Path(args.torchtune_venv or Path(args.workdir).resolve() / "torchtune-venv"))
-    steps = 2
+    steps = peer.steps
     out = run_dir / "output"
     shutil.rmtree(out, ignore_errors=True)
     config = run_dir / "torchtune.yaml"
-    config.write_text(yaml.safe_dump(torchtune_config(model_dir, out, steps), sort_keys=False))
+    config.write_text(yaml.safe_dump(torchtune_config(model_dir, out, peer), sort_keys=False))
     cap_bytes = int(args.cap_gib * GIB)
-    with memory_cap(cap_bytes, "3b-torchtune") as (prefix, cap_text):
+    with memory_cap(cap_bytes, name) as (prefix, cap_text):
         cmd = [*prefix, str(tune), "run", "full_finetune_single_device", "--config", str(config)]
-        run = run_measured(cmd, run_dir / "torchtune.log", cap_bytes + GIB, "3b-torchtune")
+        run = run_measured(cmd, run_dir / "torchtune.log", cap_bytes + GIB, name)
     # the recipe's lines: the model built from the checkpoint, its tqdm bar ("epoch|step|Loss: ..."), the save
     loaded = run.first(r".*Model is initialized with precision")
     step_ends = [run.first(rf".*\d+\|{n}\|Loss: ") for n in range(1, steps + 1)]
@@ -1034,7 +659,8 @@ def row_3b_torchtune(args: argparse.Namespace, model_dir: Path, run_dir: Path) -
         outcome = f"failed (exit {run.returncode}) during {ended_in}" + (f": {errors[-1]}" if errors else "")
     return {
         "command": _shown(cmd),
-        "config": {"recipe": "full_finetune_single_device", "file": str(config), "steps": steps, "cap": cap_text},
+        "config": {"recipe": "full_finetune_single_device", "as": peer.recipe_config, "file": str(config),
+                   "dtype": peer.dtype, "batch": f"1 x {peer.seq_len}", "steps": steps, "cap": cap_text},
         "switches": {"optimizer": "bitsandbytes PagedAdamW8bit (unpaged on CPU)", "optimizer_in_bwd": True,
                      "enable_activation_checkpointing": True, "loss": "CEWithChunkedOutputLoss"},
         "forced": False,
@@ -1043,9 +669,9 @@ def row_3b_torchtune(args: argparse.Namespace, model_dir: Path, run_dir: Path) -
         "phase_seconds": phase_seconds,
         "load_seconds": phase_seconds.get("load") if loaded is not None else None,
         "step_seconds": seconds,
-        "tokens_per_second": _steady_tokens_per_second(seconds),
+        "tokens_per_second": _steady_tokens_per_second(seconds, peer.seq_len),
         "losses": losses,
-        "checkpoint_gib": _gib(_tree_bytes(out)) if saved is not None and out.exists() else None,
+        "checkpoint_gib": gib(_tree_bytes(out)) if saved is not None and out.exists() else None,
         "outcome": outcome,
         **_capped(args, cap_text, run, predicted),
         "versions": list(TORCHTUNE),
@@ -1067,11 +693,11 @@ def reproduce_command(args: argparse.Namespace, name: str) -> str:
     cmd = [".venv/bin/python", "bench/largest_model.py", "--rows", name]
     if args.scale != "full":
         cmd += ["--scale", args.scale]
-    if name == "3b-full" and args.budget != "20GiB":
+    if name in FULL_ROWS and args.budget:
         cmd += ["--budget", args.budget]
-    if name == "3b-full" and args.force_config:
+    if name in FULL_ROWS and args.force_config:
         cmd += ["--force-config", *args.force_config]
-    if name in ("3b-plain", "3b-torchtune") and args.cap_gib != 22.0:
+    if name in ("3b-plain", *TORCHTUNE_ROWS) and args.cap_gib != 22.0:
         cmd += ["--cap-gib", f"{args.cap_gib:g}"]
     return shlex.join(cmd)
 
@@ -1089,7 +715,7 @@ def section(rows: list[dict[str, Any]], scale: str, prose: str | None = None) ->
     """The markdown section of ``rows`` (the JSON's list), with ``prose`` (default: the placeholder) between the
     prose markers."""
     command = ".venv/bin/python bench/largest_model.py" + (" --scale small" if scale == "small" else "")
-    plain = argparse.Namespace(scale=scale, budget="20GiB", force_config=None, cap_gib=22.0)
+    plain = argparse.Namespace(scale=scale, budget=None, force_config=None, cap_gib=22.0)
     default = {r["name"]: reproduce_command(plain, r["name"]) for r in rows}
     special = [
         f"`{r['reproduce']}`" for r in rows if r.get("reproduce", default[r["name"]]) != default[r["name"]]
@@ -1160,7 +786,9 @@ def main() -> int:
         "--scale", choices=("full", "small"), default="full", help="small: tiny stand-in models"
     )
     parser.add_argument("--workdir", default=str(ROOT / "out" / "largest_model"), help="models and runs")
-    parser.add_argument("--budget", default="20GiB", help="memfit plan's budget for 3b-full (default: 20GiB)")
+    parser.add_argument(
+        "--budget", help="memfit plan's budget for the full rows (default: each row's own, FULL_ROWS)"
+    )
     parser.add_argument(
         "--cap-gib", type=float, default=22.0, help="the plain loop's memory cap (default: 22)"
     )
@@ -1171,20 +799,23 @@ def main() -> int:
         "--torchtune-venv",
         help="3b-torchtune: a virtual environment with torchtune (default: WORKDIR/torchtune-venv)",
     )
-    parser.add_argument("--force-config", nargs="+", metavar="KEY=VAL", help="3b-full: run these keys anyway")
+    parser.add_argument(
+        "--force-config", nargs="+", metavar="KEY=VAL", help="full rows: run these keys anyway"
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed of the random weights (default: 0)")
+    parser.add_argument(
+        "--keep",
+        action="store_true",
+        help="keep each row's output (checkpoints) and the random models (default: removed once measured)",
+    )
     parser.add_argument(
         "--json", help="the results (default: docs/largest_model.json; small: under --workdir)"
     )
     parser.add_argument(
         "--out", help="the markdown to rewrite (default: docs/benchmarks.md; small: '-', print)"
     )
-    parser.add_argument("--_make", help=argparse.SUPPRESS)
     parser.add_argument("--_plain", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args._make:
-        make_model(json.loads(args._make))
-        return 0
     if args._plain:
         return plain_loop(json.loads(args._plain))
 
@@ -1198,24 +829,27 @@ def main() -> int:
     rows = [r for r in ROWS if r in args.rows]
     started = time.monotonic()
     results = json.loads(json_path.read_text()) if json_path.exists() else []
-    for name in rows:
-        model_dir, made = ensure_model(model_spec(name[:2], args.scale), workdir, args.seed)
+    for i, name in enumerate(rows):
+        model_key = ROW_MODEL.get(name, "3b")
+        model_dir, made = ensure_model(model_spec(model_key, args.scale), workdir, args.seed)
         run_dir = runs / name
         run_dir.mkdir(parents=True, exist_ok=True)
         print(f"--- {name} ({made['num_params']:,} parameters)", file=sys.stderr, flush=True)
         t0 = time.monotonic()
-        run_row = {
-            "3b-full": row_3b_full, "8b-qlora": row_8b_qlora, "3b-plain": row_3b_plain,
-            "3b-torchtune": row_3b_torchtune, "3b-8bit": row_3b_8bit,
-        }[name]  # fmt: skip
-        row = run_row(args, model_dir, run_dir)
+        if name in FULL_ROWS:
+            row = row_full(args, model_dir, run_dir, name)
+        elif name in TORCHTUNE_ROWS:
+            row = row_torchtune(args, model_dir, run_dir, name)
+        else:
+            run_row = {"8b-qlora": row_8b_qlora, "3b-plain": row_3b_plain, "3b-8bit": row_3b_8bit}[name]
+            row = run_row(args, model_dir, run_dir)
         row = {
             "name": name,
             "reproduce": reproduce_command(args, name),
             "scale": args.scale,
             "model": str(model_dir),
             "num_params": made["num_params"],
-            "weights_gib": _gib(made["weight_bytes"]),
+            "weights_gib": gib(made["weight_bytes"]),
             **row,
             "row_seconds": round(time.monotonic() - t0, 1),
             "date": time.strftime("%Y-%m-%d"),
@@ -1225,6 +859,12 @@ def main() -> int:
         json_path.parent.mkdir(parents=True, exist_ok=True)
         json_path.write_text(json.dumps(results, indent=2) + "\n")  # after each row: a crash keeps the others
         print(f"--- {name}: {row.get('outcome')} ({row['row_seconds']} s)", file=sys.stderr, flush=True)
+        if (
+            not args.keep
+        ):  # tens of GiB at full scale: the row's checkpoint, then the model no later row needs
+            shutil.rmtree(run_dir / "output", ignore_errors=True)
+            if all(ROW_MODEL.get(later, "3b") != model_key for later in rows[i + 1 :]):
+                shutil.rmtree(model_dir, ignore_errors=True)
     text = section(results, args.scale, None if out == "-" else kept_prose(Path(out)))
     print(text)
     if out != "-":
