@@ -35,14 +35,23 @@ Rows (``--rows``, default all, run in this order):
   tokenizer's special ids need Llama 3's vocabulary).
 - ``3b-8bit``: **memfit with torchtune's switches** (:func:`torchtune_switches`: ``paged_adamw8bit`` in backward,
   full checkpointing, the loss in 8 chunks), 3 steps and the final checkpoint, estimated and run as ``3b-full``.
+- ``8b-full``: **Llama-3.1-8B full fine-tune in bf16** (8,030,261,248 parameters, every one trained, the
+  embedding and the untied head included): planned and run as ``3b-full`` (``--budget``, 20GiB by default) with
+  ``dtype=bf16`` (``bf16_rounding=auto``: stochastic rounding), batch 1 x 2048 packed, 2 steps and the final bf16
+  checkpoint.
+- ``qwen3-8b-full``: **Qwen3-8B full fine-tune in bf16** (8,190,735,360 parameters, 36 layers, q/k norms, an untied
+  151,936-id vocabulary), as ``8b-full``.
+- ``8b-torchtune``: **torchtune's ``llama3_1/8B_full_single_device`` recipe** on the 8B directory, as
+  ``3b-torchtune`` runs its 3B recipe but in bf16 (its weights rounded to nearest) at 1 x 2048, under the same cap;
+  the row records where it stops.
 
 **Weights.** Each model is written once into ``--workdir`` as a Hugging Face directory of *random* weights
-(``config.json`` as Meta's, with BOS/EOS the ids of the tokenizer it carries; ``normal(0, 0.02)``, norms ones, one
-seeded generator): bf16 safetensors shards of at most 4 GiB with ``model.safetensors.index.json``, each tensor made,
-written and dropped in turn (the safetensors header is written first, from the shapes), so the whole model is never
-in memory; in a child process, so that this one never imports torch (a child's ``ru_maxrss`` would include its
-parent's high-water mark at the fork). A directory is reused when complete (its ``largest_model.json`` written
-last, for the same config). The tokenizer is GPT-2's BPE (``tests/assets/gpt2_encoder.json`` and
+(``config.json`` as Meta's or Qwen's, with BOS/EOS the ids of the tokenizer it carries; ``normal(0, 0.02)``, norms
+ones, one seeded generator): bf16 safetensors shards of at most 4 GiB with ``model.safetensors.index.json``, each
+tensor made, written and dropped in turn (the safetensors header is written first, from the shapes), so the whole
+model is never in memory; in a child process, so that this one never imports torch (a child's ``ru_maxrss`` would
+include its parent's high-water mark at the fork). A directory is reused when complete (its ``largest_model.json``
+written last, for the same config). The tokenizer is GPT-2's BPE (``tests/assets/gpt2_encoder.json`` and
 ``gpt2_vocab.bpe``) as a ``tokenizer.json`` (ids < 50,257, inside Llama 3's 128,256).
 
 **Data.** ``tests/assets/dolly_sample.json`` (``data.format=dolly data.template=alpaca``), packed into rows of
@@ -62,9 +71,10 @@ steps after the first (memfit's own ``tokens_per_second_per_gpu`` records), each
 and the bytes of the final checkpoint. The plain loop prints its own markers (``plain: loaded``, ``plain: step N
 ...``). GiB = 1024**3 bytes.
 
-Reproduce (the machine to itself: tens of minutes per row; the 8B QLoRA load alone quantizes ~7B weights at
-~0.19 us each; 21 GiB of disk for the two random directories, 6.0 and 15.0 GiB, written once, and up to 36 GiB
-for the 3B checkpoint: fp32 weights and AdamW state)::
+Reproduce (the machine to itself: tens of minutes per row, the 8B full rows about an hour each; the 8B QLoRA load
+alone quantizes ~7B weights at ~0.19 us each; disk for the random directories, 6.0, 15.0 and 15.3 GiB, each written
+once and removed after the last row that needs it, and for a row's checkpoint, up to 36 GiB for the 3B: fp32
+weights and AdamW state, removed once measured; ``--keep`` keeps both)::
 
     .venv/bin/python bench/largest_model.py                          # every row
     .venv/bin/python bench/largest_model.py --rows 3b-full --force-config optimizer.name=adamw8bit
