@@ -85,6 +85,7 @@ def micro_batch_loss(
     doc_ids: torch.Tensor | None = None,
     compile: bool = False,
     positions: torch.Tensor | None = None,
+    defer_head_gradient: bool = False,
 ) -> torch.Tensor:
     """Summed cross-entropy of one micro-batch (the forward half of a step).
 
@@ -102,21 +103,30 @@ def micro_batch_loss(
         positions: the tokens' RoPE positions, (T,) or (B, T), or ``None`` (``0 .. T - 1``): a sequence-parallel
             rank's slice of its rows (:func:`memfit.memory.ulysses.shard_batch`; ``doc_ids`` are then the whole
             rows').
+        defer_head_gradient: with ``chunked_cross_entropy``, make the ``lm_head`` weight gradient at the end of
+            the backward rather than in the forward (:class:`~memfit.memory.techniques.DeferredWeightGradient`),
+            where :func:`~memfit.memory.techniques.can_defer_head_gradient` allows: an untied, unadapted head in
+            one process. The step passes it when the optimizer steps in the backward.
 
     Returns:
         0-dim fp32 summed loss in nats.
     """
     with autocast_context(dtype, inputs.device.type):
         if chunked_cross_entropy:
+            deferred = None
+            if defer_head_gradient and techniques.can_defer_head_gradient(model):
+                # before the forward: its autograd node must be older than every node of the model's
+                deferred = techniques.DeferredWeightGradient(model.lm_head.weight)
             hidden = model(
                 inputs, doc_ids, return_hidden=True, positions=positions
             )  # (B, T, dim); one call of the whole model (FSDP)
-            weight = lora_effective_weight(model.lm_head)  # (V, dim); with LoRA on lm_head: W + scale * B @ A
+            # (V, dim); with LoRA on lm_head: W + scale * B @ A
+            weight = lora_effective_weight(model.lm_head) if deferred is None else deferred.weight
             chunks = techniques.loss_chunks(chunked_cross_entropy, targets.numel(), weight.shape[0])
             # Gemma 2's final_logit_softcapping, which the model's own forward applies to its logits
             softcap = getattr(getattr(model, "config", None), "final_logit_softcapping", None)
             return techniques.chunked_cross_entropy(
-                hidden, weight, targets, chunks, compile=compile, softcap=softcap
+                hidden, weight, targets, chunks, compile=compile, softcap=softcap, deferred=deferred
             )
         logits = model(inputs, doc_ids, positions=positions)  # (B, T, V)
         return (compiled(loss_sum) if compile else loss_sum)(logits, targets)
@@ -189,6 +199,7 @@ def train_step(
                 doc_ids=rest[0] if rest else None,
                 compile=compile,
                 positions=rest[1] if len(rest) > 1 else None,
+                defer_head_gradient=in_backward,
             )
             / denom
         )

@@ -230,6 +230,86 @@ def test_the_estimate_of_a_tied_chunked_run_counts_one_vocab_by_dim_gradient(mon
     assert summed.peak_bytes - applied.peak_bytes == matrix - 4
 
 
+def _in_backward_run(monkeypatch, defer: bool, dtype: str, vocab: int = 512):
+    """3 steps of an untied tiny Llama, checkpointed, AdamW in the backward, the loss in 3 chunks: the losses, the
+    parameters after, and the order in which the parameters' gradients arrived at step 1."""
+    from memfit.config import OptimizerConfig
+    from memfit.memory import techniques
+    from memfit.memory.optim import build_optimizer
+    from memfit.step import train_step
+
+    if not defer:
+        monkeypatch.setattr(techniques, "can_defer_head_gradient", lambda model: False)
+    model = build_llama(model_config("tiny", vocab_size=vocab), seed=0)
+    assert not model.config.tie_word_embeddings
+    apply_activation_checkpointing(model, "full")
+    optimizer = build_optimizer(model, OptimizerConfig(name="adamw", lr=1e-2), in_backward=True)
+    order = []
+    for name, p in model.named_parameters():
+        p.register_post_accumulate_grad_hook(lambda p, name=name: order.append(name))
+    g = torch.Generator().manual_seed(0)
+    losses = []
+    for _ in range(3):
+        x = torch.randint(0, vocab, (2, 33), generator=g)
+        result = train_step(
+            model, optimizer, [(x[:, :-1], x[:, 1:])], max_grad_norm=0.0, dtype=dtype, chunked_cross_entropy=3
+        )
+        losses.append(result.loss.item())
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    monkeypatch.undo()
+    return losses, params, order[: len(params)]
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16_mixed"])
+def test_a_deferred_head_gradient_is_bit_identical_and_arrives_last(monkeypatch, dtype):
+    """With the optimizer in the backward the untied head's gradient is made after the embedding's (the deferred
+    node is older than the whole forward), from the same chunks in the same order: losses and weights equal to
+    the bit, under autocast too (the recomputed logits are bf16 again)."""
+    deferred = _in_backward_run(monkeypatch, True, dtype)
+    in_forward = _in_backward_run(monkeypatch, False, dtype)
+    assert deferred[0] == in_forward[0]
+    assert all(torch.equal(deferred[1][n], in_forward[1][n]) for n in in_forward[1])
+    assert in_forward[2][0] == "lm_head.weight"  # the loss's gradient first, made in the forward
+    assert deferred[2][-2:] == ["model.embed_tokens.weight", "lm_head.weight"]
+    assert sorted(deferred[2]) == sorted(in_forward[2])
+
+
+def test_a_deferred_head_gradient_costs_one_more_head_matmul_per_chunk():
+    """Forward: each chunk's logits and hidden-state gradient (2 matmuls); backward: each chunk's logits again and
+    the weight gradient (2): one more than the forward-only fused loss's 3."""
+    from memfit.memory.techniques import DeferredWeightGradient
+
+    vocab, chunks = 512, 4
+    x, y = _data(B=2, T=32, vocab=vocab)
+    model = build_llama(model_config("tiny", vocab_size=vocab), seed=0)
+    deferred = DeferredWeightGradient(model.lm_head.weight)
+    hidden = model.model(x).detach().requires_grad_()
+    with _Matmuls(vocab) as forward:
+        loss = chunked_cross_entropy(hidden, deferred.weight, y, chunks, deferred=deferred)
+    with _Matmuls(vocab) as backward:
+        (loss / 5.0).backward()
+    assert (forward.count, backward.count) == (2 * chunks, 2 * chunks)
+    ref = build_llama(model_config("tiny", vocab_size=vocab), seed=0)
+    ref_hidden = hidden.detach().clone().requires_grad_()
+    (chunked_cross_entropy(ref_hidden, ref.lm_head.weight, y, chunks) / 5.0).backward()
+    assert torch.equal(model.lm_head.weight.grad, ref.lm_head.weight.grad)
+    assert torch.equal(hidden.grad, ref_hidden.grad)
+
+
+def test_the_head_gradient_is_deferred_only_where_it_can_be(monkeypatch):
+    """Not for a tied head (the embedding's rows go into the loss's gradient), a frozen one, or one with LoRA."""
+    from memfit.memory.techniques import can_defer_head_gradient
+
+    untied = build_llama(model_config("tiny"), seed=0)
+    assert can_defer_head_gradient(untied)
+    assert not can_defer_head_gradient(_tied())
+    untied.lm_head.weight.requires_grad_(False)
+    assert not can_defer_head_gradient(untied)
+    untied.lm_head.weight.requires_grad_(True)
+    monkeypatch.setattr(untied.lm_head, "memfit_lora", object(), raising=False)
+    assert not can_defer_head_gradient(untied)
+
+
 def test_fused_chunked_cross_entropy_under_bf16_autocast_matches_the_plain_loss():
     """bf16_mixed: matmuls in bf16 under autocast, softmax in fp32, gradients in the inputs' dtypes."""
     x, y = _data()

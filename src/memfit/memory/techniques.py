@@ -286,20 +286,95 @@ def apply_tied_embedding_gradient(model: nn.Module) -> bool:
     return True
 
 
+def _add_weight_gradient(grad_weight: torch.Tensor, grad_logits: torch.Tensor, h: torch.Tensor) -> None:
+    """``grad_weight += grad_logits.T @ h`` (``(V, dim)``, from ``(n, V)`` and ``(n, dim)``): in place when the
+    dtypes agree, else (autocast) the matmul in its dtype and the sum in the weight's."""
+    if grad_logits.dtype == h.dtype == grad_weight.dtype:
+        grad_weight.addmm_(grad_logits.t(), h)  # no temporary
+    else:
+        grad_weight += grad_logits.t() @ h
+
+
+def can_defer_head_gradient(model: nn.Module) -> bool:
+    """Whether :class:`DeferredWeightGradient` applies to ``model``'s ``lm_head``: a plain trainable weight (no
+    LoRA on the head, not tied to the embedding) in a process that is not part of a group (FSDP gathers
+    the head inside the model's forward)."""
+    head = getattr(model, "lm_head", None)
+    weight = getattr(head, "weight", None)
+    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+    return (
+        isinstance(weight, nn.Parameter)
+        and weight.requires_grad
+        and getattr(head, "memfit_lora", None) is None
+        and weight is not getattr(embed, "weight", None)
+        and not (torch.distributed.is_available() and torch.distributed.is_initialized())
+    )
+
+
+class DeferredWeightGradient:
+    """The loss's ``lm_head`` weight gradient, computed at the end of the backward instead of in the forward.
+
+    Made *before* the model's forward, it passes the weight through an identity autograd node that is older than
+    every node of the forward: autograd runs ready nodes newest first, so this one runs last, after the embedding's
+    backward, when the layers' saved activations (or checkpoints) are all freed. There it recomputes each chunk's
+    logits and adds up the ``(vocab_size, dim)`` gradient (the same chunks, order and arithmetic as the forward
+    would have: bit-identical), at the cost of one more ``lm_head`` matmul. Worth it when the optimizer steps in
+    the backward, where the gradient is consumed at once: the peak of a large-vocabulary model at the end of the
+    forward (saved activations plus that gradient) goes.
+
+    Attributes:
+        weight: ``(vocab_size, dim)``, the alias of the weight that the loss must use.
+    """
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.compute = None
+        self.weight = _DeferredWeight.apply(weight, self)
+
+
+class _DeferredWeight(torch.autograd.Function):
+    """Identity on the weight; its backward computes the gradient the loss left to it (see the class above)."""
+
+    @staticmethod
+    def forward(ctx, weight, deferred):  # noqa: D102 (autograd's)
+        ctx.deferred = deferred
+        return weight.view_as(weight)
+
+    @staticmethod
+    def backward(ctx, marker):  # noqa: D102
+        compute, ctx.deferred.compute = ctx.deferred.compute, None
+        return (marker if compute is None else compute()), None
+
+
+def _deferred_weight_gradient(hidden, weight, targets, num_chunks, chunk_fn, softcap, scale, autocast):
+    """The ``(V, dim)`` weight gradient of :class:`_FusedLinearCrossEntropy`, chunk by chunk, times ``scale``;
+    under the forward's autocast state ``autocast`` (``(device_type, enabled, dtype)``)."""
+    device_type, enabled, dtype = autocast
+    grad_weight = torch.zeros_like(weight)
+    with torch.no_grad(), torch.autocast(device_type, dtype=dtype, enabled=enabled):
+        for s, e in tile_ranges(len(hidden), num_chunks, hidden):
+            _loss, grad_logits = chunk_fn(hidden[s:e], weight, targets[s:e], softcap)
+            _add_weight_gradient(grad_weight, grad_logits, hidden[s:e])
+            del grad_logits
+    return grad_weight.mul_(scale.to(grad_weight.dtype))
+
+
 class _FusedLinearCrossEntropy(torch.autograd.Function):
     """Summed cross-entropy over ``hidden @ weight.T`` whose gradients are computed chunk by chunk in the forward.
 
     The forward leaves ``grad_hidden`` ``(N, dim)`` and ``grad_weight`` ``(V, dim)`` (for a loss gradient of 1)
-    for the backward, which only scales them by the incoming gradient: no logits are kept or recomputed.
+    for the backward, which only scales them by the incoming gradient: no logits are kept or recomputed. With a
+    :class:`DeferredWeightGradient` the forward makes no ``grad_weight``; the backward hands the deferred node the
+    work of making it (and a zero-strided marker of the weight's shape in its place).
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, num_chunks, chunk_fn, softcap=None):  # noqa: D102 (autograd's)
+    def forward(ctx, hidden, weight, targets, num_chunks, chunk_fn, softcap=None, deferred=None):  # noqa: D102
         need_hidden, need_weight = ctx.needs_input_grad[:2]
+        defer = need_weight and deferred is not None
         grad_hidden = torch.empty_like(hidden) if need_hidden else None
         # the weight gradient accumulates in the weight's dtype over the chunks, as autograd accumulates a
         # parameter's gradient over the chunks of a chunked computation (each matmul sums its chunk in fp32)
-        grad_weight = torch.zeros_like(weight) if need_weight else None
+        grad_weight = torch.zeros_like(weight) if need_weight and not defer else None
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         for s, e in tile_ranges(len(hidden), num_chunks, hidden):
             h = hidden[s:e]  # (n, dim)
@@ -307,17 +382,34 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             total += loss
             if need_hidden:
                 grad_hidden[s:e] = grad_logits @ weight  # (n, dim)
-            if need_weight:
-                if grad_logits.dtype == h.dtype == grad_weight.dtype:
-                    grad_weight.addmm_(grad_logits.t(), h)  # (V, dim), no temporary
-                else:  # autocast: the matmul in its dtype, the sum in the weight's
-                    grad_weight += grad_logits.t() @ h
+            if grad_weight is not None:
+                _add_weight_gradient(grad_weight, grad_logits, h)
         ctx.weight = weakref.ref(weight)
-        ctx.save_for_backward(grad_hidden, grad_weight)
+        ctx.deferred = None
+        if defer:
+            device_type = hidden.device.type
+            ctx.deferred = (deferred, num_chunks, chunk_fn, softcap)
+            ctx.autocast = (
+                device_type, torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type)
+            )  # fmt: skip
+            ctx.save_for_backward(grad_hidden, hidden, weight, targets)
+        else:
+            ctx.save_for_backward(grad_hidden, grad_weight)
         return total
 
     @staticmethod
     def backward(ctx, grad_output):  # noqa: D102
+        if ctx.deferred is not None:
+            grad_hidden, hidden, weight, targets = ctx.saved_tensors
+            deferred, num_chunks, chunk_fn, softcap = ctx.deferred
+            deferred.compute = functools.partial(
+                _deferred_weight_gradient, hidden.detach(), weight.detach(), targets, num_chunks, chunk_fn,
+                softcap, grad_output.detach(), ctx.autocast,
+            )  # fmt: skip
+            if grad_hidden is not None:
+                grad_hidden.mul_(grad_output.to(grad_hidden.dtype))
+            marker = torch.zeros((), dtype=weight.dtype, device=weight.device).expand(weight.shape)
+            return grad_hidden, marker, None, None, None, None, None
         grad_hidden, grad_weight = ctx.saved_tensors
         # scaled in place: they are this graph's own buffers, used once (the training step never retains a graph)
         for grad in (grad_hidden, grad_weight):
@@ -326,7 +418,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         # a tied embedding's backward, next, adds its rows into it (apply_tied_embedding_gradient)
         if grad_weight is not None and _is(_TIED_LOOKUPS, ctx.weight()):
             _LOSS_WEIGHT_GRADIENTS[id(ctx.weight())] = (ctx.weight, grad_weight)
-        return grad_hidden, grad_weight, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None
 
 
 def chunked_cross_entropy(
@@ -337,6 +429,7 @@ def chunked_cross_entropy(
     *,
     compile: bool = False,
     softcap: float | None = None,
+    deferred: DeferredWeightGradient | None = None,
 ) -> torch.Tensor:
     """Summed token cross-entropy of ``hidden @ lm_head_weight.T``, fused with its gradients, chunk by chunk.
 
@@ -354,6 +447,8 @@ def chunked_cross_entropy(
         compile: run each chunk's loss and softmax gradient as one ``torch.compile``'d function.
         softcap: None, or the model's ``final_logit_softcapping`` (Gemma 2): each chunk's logits are capped as
             the model's ``forward`` caps them.
+        deferred: None, or the :class:`DeferredWeightGradient` whose ``weight`` is ``lm_head_weight``: the weight
+            gradient is then made at the end of the backward (one more ``lm_head`` matmul), not in the forward.
 
     Returns:
         A 0-dim fp32 tensor: the summed cross-entropy (nats) over counted tokens. At most one chunk's logits
@@ -366,7 +461,9 @@ def chunked_cross_entropy(
     flat_t = targets.flatten()  # (B*T,)
     if torch.is_grad_enabled() and (hidden.requires_grad or lm_head_weight.requires_grad):
         chunk_fn = compiled(_chunk_loss_and_grad) if compile else _chunk_loss_and_grad
-        return _FusedLinearCrossEntropy.apply(flat_h, lm_head_weight, flat_t, num_chunks, chunk_fn, softcap)
+        return _FusedLinearCrossEntropy.apply(
+            flat_h, lm_head_weight, flat_t, num_chunks, chunk_fn, softcap, deferred
+        )
     total = torch.zeros((), dtype=torch.float32, device=hidden.device)
     for s, e in tile_ranges(len(flat_h), num_chunks, flat_h):
         logits = F.linear(flat_h[s:e], lm_head_weight)  # (n, V)

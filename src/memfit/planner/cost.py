@@ -179,7 +179,9 @@ def step_cost(request: CostRequest) -> dict[str, float]:
       gradient_accumulation_steps``; activation checkpointing recomputes the forward of each checkpointed layer
       (``full``: +1/3 of the layers' FLOPs; ``every_n``: that for every n-th layer; ``selective``: the constant
       ``selective_recompute_layer_forwards`` of one forward of the layers); chunked (fused) cross-entropy
-      costs ``chunked_ce_extra_head_forwards`` lm_head forwards more than the plain loss;
+      costs ``chunked_ce_extra_head_forwards`` lm_head forwards more than the plain loss, and one more where it
+      makes the head's gradient at the end of the backward
+      (:func:`memfit.memory.switches.sequence.defers_head_gradient`);
     - ``dequantize`` (``method: qlora``): every NF4 weight (:func:`~memfit.memory.switches.layer_weights` per
       layer) dequantized :func:`~memfit.memory.switches.dequantize_passes` times, at
       ``nf4_dequantize_bytes_per_element[dtype]`` bytes per element and ``device_memory_bytes_per_second``; on

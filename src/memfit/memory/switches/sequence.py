@@ -64,9 +64,24 @@ def _plan_chunks(cfg: RunConfig, space: PlanSpace) -> tuple[dict[str, Any], ...]
     return each("chunked_cross_entropy", (cfg.chunked_cross_entropy, *values))
 
 
+def defers_head_gradient(cfg: RunConfig, mcfg: Any, world_size: int) -> bool:
+    """Whether a run makes the chunked loss's ``lm_head`` weight gradient at the end of the backward (one more
+    ``lm_head`` forward; :class:`memfit.memory.techniques.DeferredWeightGradient`): a full fine-tune or
+    pretraining of an untied head, the optimizer stepping in the backward, one process."""
+    return bool(
+        cfg.chunked_cross_entropy
+        and cfg.optimizer_in_backward
+        and cfg.method == "full"
+        and not mcfg.tie_word_embeddings
+        and world_size == 1
+    )
+
+
 def _cost_chunks(chunks: int, t: StepTerms) -> None:
     if chunks:
         t.per_token += t.constants["chunked_ce_extra_head_forwards"] * t.flops["head"]
+        if defers_head_gradient(t.cfg, t.mcfg, t.world_size):  # the deferred gradient recomputes the logits
+            t.per_token += t.flops["head"]
 
 
 _CHUNKED_LOSS = 5e-6
