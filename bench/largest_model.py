@@ -734,8 +734,9 @@ def section(rows: list[dict[str, Any]], scale: str, prose: str | None = None) ->
         "## The largest model on 24 GiB",
         "",
         "Each row is one fresh process on this machine (2 CPU cores, 24 GiB of RAM, no swap), on a Hugging Face "
-        "directory of random bf16 weights with Meta's `config.json` (GPT-2's tokenizer), fp32 compute, batch 1 x "
-        "512 tokens of the Dolly sample packed into full rows. *Predicted* is `memfit estimate --json`'s "
+        "directory of random bf16 weights with Meta's or Qwen's `config.json` (GPT-2's tokenizer), the Dolly "
+        "sample packed into full rows: fp32 weights and batch 1 x 512 tokens, but bf16 weights and 1 x 2048 for "
+        "the 8B full fine-tunes and torchtune's 8B recipe. *Predicted* is `memfit estimate --json`'s "
         "`host_peak_rss_gib` of the row's config, and *predicted load / step / save* the same per phase (its "
         "`phase_peaks_gib` plus what the process holds besides its tensors); *measured* is the whole process's "
         "peak RSS (`/usr/bin/time -v`); "
