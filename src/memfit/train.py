@@ -219,13 +219,13 @@ def _set_up(cfg: TrainConfig, device: torch.device) -> _Run:
             tqdm.write(check)
     elif cfg.memory_budget is not None and main_rank:  # preflight=false wins: nothing is checked
         tqdm.write(f"note: preflight=false: memory_budget={cfg.memory_budget} is not checked")
-    if (
-        host.fixes_mmap_threshold(cfg.mmap_threshold, mcfg.dim, device.type, cfg.method)
-        and host.fix_mmap_threshold()
-    ):
+    threshold = host.mmap_threshold_bytes(cfg.method, cfg.dtype)
+    if host.fixes_mmap_threshold(
+        cfg.mmap_threshold, mcfg.dim, device.type, cfg.method, dtype=cfg.dtype
+    ) and host.fix_mmap_threshold(threshold):
         if main_rank:  # before the model is built: its weights and every step's temporaries are given back
             tqdm.write(
-                f"note: glibc's mmap threshold fixed at {host.FIXED_MMAP_THRESHOLD // 1024} KiB "
+                f"note: glibc's mmap threshold fixed at {threshold // 1024} KiB "
                 f"(mmap_threshold={cfg.mmap_threshold}, dim {mcfg.dim}): freed tensors go back to the kernel"
             )
     out.mkdir(parents=True, exist_ok=True)  # only now: bad input above leaves no output_dir behind

@@ -83,6 +83,13 @@ def test_a_wide_model_fixes_the_mmap_threshold_and_keeps_no_free_heap(monkeypatc
         assert host.fixes_mmap_threshold("auto", 2048, "cpu", method)
         assert not host.fixes_mmap_threshold("auto", 2047, "cpu", method)
     assert not host.fixes_mmap_threshold("auto", 4096, "cpu", "full")
+    # a bf16 full fine-tune of a wide model: fixed, above the chunked updates' 4 MiB temporaries
+    assert host.fixes_mmap_threshold("auto", 4096, "cpu", "full", dtype="bf16")
+    assert not host.fixes_mmap_threshold("auto", 2047, "cpu", "full", dtype="bf16")
+    assert host.mmap_threshold_bytes("full", "bf16") == 8 * 2**20 > 4 * 2**20
+    assert (
+        host.mmap_threshold_bytes("full", "fp32") == host.mmap_threshold_bytes("qlora", "bf16") == 128 * 1024
+    )
     assert host.fixes_mmap_threshold("fixed", 64, "cpu", "full")
     assert not host.fixes_mmap_threshold("dynamic", 4096, "cpu", "qlora")
     assert not host.fixes_mmap_threshold(

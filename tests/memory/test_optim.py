@@ -839,3 +839,36 @@ def test_the_squared_gradient_norm_of_a_bf16_tensor_is_summed_in_fp32_chunks():
     assert abs(float(sq) - float(reference)) <= 1e-4 * float(reference)  # fp32 sums of 2**20 squares
     fp32 = g.float()
     assert torch.equal(squared_norm(fp32), torch.linalg.vector_norm(fp32, dtype=torch.float32).square())
+
+
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+def test_adafactor_s_state_made_before_the_first_step_is_the_state_the_step_makes(rounding):
+    """``create_state`` (a CPU run calls it before its first step, so that the state does not land between the first
+    backward's temporaries in glibc's heap) makes torch's own zeros, and the steps after it are the same to the bit."""
+    from memfit.memory.adafactor import Adafactor
+    from memfit.memory.optim import create_state
+
+    def run(early: bool):
+        torch.manual_seed(0)
+        params = [
+            torch.nn.Parameter(torch.randn(6, 5).bfloat16()),
+            torch.nn.Parameter(torch.randn(5).bfloat16()),
+        ]
+        opt = Adafactor(params, lr=1e-2)
+        opt.memfit_bf16_rounding = rounding
+        if early:
+            assert create_state(opt) == 1
+            made = {k: (v.shape, v.dtype) for k, v in opt.state[params[0]].items()}
+            assert made == {"step": (torch.Size([]), torch.float32), "row_var": ((6, 1), torch.bfloat16),
+                            "col_var": ((1, 5), torch.bfloat16)}  # fmt: skip
+            assert set(opt.state[params[1]]) == {"step", "variance"}
+        for _ in range(3):
+            for p in params:
+                p.grad = torch.randn(p.shape).bfloat16()
+            opt.step()
+        return [p.detach().clone() for p in params], opt.state_dict()["state"]
+
+    (early, early_state), (lazy, lazy_state) = run(True), run(False)
+    assert all(torch.equal(a, b) for a, b in zip(early, lazy, strict=True))
+    for i in lazy_state:
+        assert all(torch.equal(early_state[i][k], lazy_state[i][k]) for k in lazy_state[i])

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.optim.optimizer import _get_scalar_dtype
 
 from memfit.memory import hybrids, rounding
 
@@ -53,6 +54,24 @@ class Adafactor(torch.optim.Adafactor):
 
     memfit_rounds_natively = True
     memfit_bf16_rounding = "nearest"
+
+    @torch.no_grad()
+    def create_state(self) -> None:
+        """Create now the state torch's first step would make (its ``_init_group``: ``step``, and ``row_var`` and
+        ``col_var`` of a matrix or ``variance`` of a vector, zeros in the parameter's dtype) for every parameter
+        without any, so that a CPU run makes it in one piece of the heap before its first step
+        (:func:`memfit.memory.optim.create_state`) rather than between the first backward's temporaries."""
+        for group in self.param_groups:
+            for p in group["params"]:
+                state = self.state[p]
+                if state:
+                    continue
+                state["step"] = torch.tensor(0.0, dtype=_get_scalar_dtype())
+                if p.dim() > 1:
+                    state["row_var"] = p.new_zeros((*p.shape[:-1], 1))
+                    state["col_var"] = p.new_zeros((*p.shape[:-2], 1, p.shape[-1]))
+                else:
+                    state["variance"] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:

@@ -303,7 +303,7 @@ def estimate_run(
         # set_to_none) its gradients are freed by then, with no op to show it in the timeline
         save = sum(v for k, v in timeline[-1][2].items() if k not in ("gradients", "temporaries")) + host
     rss = None
-    fixed = fixes_mmap_threshold(cfg.mmap_threshold, mcfg.dim, target, cfg.method)
+    fixed = fixes_mmap_threshold(cfg.mmap_threshold, mcfg.dim, target, cfg.method, dtype=cfg.dtype)
     if target != "cuda" and baseline is not None:
         gathered = reduced = 0
         if world_size > 1:  # the whole model and gradients pass through FSDP2's and gloo's buffers each step

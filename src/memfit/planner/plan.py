@@ -363,7 +363,9 @@ class _Context:
             host_overhead = process_overhead_bytes(
                 gathered_parameter_bytes=whole["parameters"] if whole else 0,
                 reduced_gradient_bytes=whole["trainable_parameters"] if whole else 0,
-                fixed=fixes_mmap_threshold(cfg.mmap_threshold, self.mcfg.dim, self.target, cfg.method),
+                fixed=fixes_mmap_threshold(
+                    cfg.mmap_threshold, self.mcfg.dim, self.target, cfg.method, dtype=cfg.dtype
+                ),
             )
         elif host_overhead is None:
             host_overhead = 0

@@ -61,7 +61,7 @@ def preflight(cfg: TrainConfig, mcfg: LlamaConfig, seq_len: int, device: torch.d
         available = psutil.virtual_memory().available
         where = "available host memory"
     budget = memory_budget_bytes(cfg)
-    fixed = fixes_mmap_threshold(cfg.mmap_threshold, mcfg.dim, device.type, cfg.method)
+    fixed = fixes_mmap_threshold(cfg.mmap_threshold, mcfg.dim, device.type, cfg.method, dtype=cfg.dtype)
     held = 0 if budget is None else _held_besides_tensors(device.type, fixed)
     if budget is not None and budget <= held:  # nothing left for the tensors: no plan can fit it
         raise PreflightError(_budget_below_what_is_held(cfg, mcfg, seq_len, device.type, budget, held, world))
