@@ -462,7 +462,8 @@ def chunked_cross_entropy(
         ``(B*T/num_chunks, vocab_size)``, their fp32 softmax and gradient are alive at a time; between forward
         and backward the graph holds ``grad_hidden`` ``(B*T, dim)`` (in place of the hidden states a plain loss
         keeps) and ``grad_weight`` ``(vocab_size, dim)`` (which autograd would create at the start of the
-        backward).
+        backward); with ``deferred``, ``grad_hidden`` and the ``(B*T, dim)`` hidden states instead, the weight
+        gradient made at the end of the backward.
     """
     flat_h = hidden.flatten(0, 1)  # (B*T, dim)
     flat_t = targets.flatten()  # (B*T,)
