@@ -337,11 +337,12 @@ def make_hf_checkpoint(directory: Path) -> Path:
     Shakespeare, for the LoRA / adapter rows."""
     from memfit.convert.hf import export_hf
     from memfit.data.sources import default_corpus_path
-    from memfit.models.llama import LlamaConfig, build_llama
+    from memfit.models.config import DecoderConfig
+    from memfit.models.decoder import build_decoder
     from memfit.tokenizer import train_bpe
 
     tokenizer = train_bpe(default_corpus_path().read_text(encoding="utf-8")[:200_000], 512)
-    model = build_llama(LlamaConfig(**HF_BASE), seed=0)
+    model = build_decoder(DecoderConfig(**HF_BASE), seed=0)
     return export_hf(model, directory, tokenizer=tokenizer)
 
 
@@ -352,11 +353,12 @@ def make_hf127_checkpoint(directory: Path) -> Path:
     """A Hugging Face checkpoint of :data:`HF127` (random weights, fp32) with GPT-2's BPE (tests/assets), and beside
     it :data:`ALPACA`: the 12 Dolly records of tests/assets as alpaca ones, for the 2-rank fine-tune rows."""
     from memfit.convert.hf import export_hf
-    from memfit.models.llama import LlamaConfig, build_llama
+    from memfit.models.config import DecoderConfig
+    from memfit.models.decoder import build_decoder
     from memfit.tokenizer import load_tokenizer
 
     assets = ROOT / "tests" / "assets"
-    model = build_llama(LlamaConfig(**HF127), seed=0)
+    model = build_decoder(DecoderConfig(**HF127), seed=0)
     export_hf(model, directory, tokenizer=load_tokenizer(assets))
     del model
     records = json.loads((assets / "dolly_sample.json").read_text(encoding="utf-8"))

@@ -90,7 +90,7 @@ def main() -> int:
     from memfit.config import OptimizerConfig
     from memfit.memory.optim import build_optimizer, optimizer_state_bytes
     from memfit.memory.techniques import apply_activation_checkpointing
-    from memfit.models.llama import build_llama
+    from memfit.models.decoder import build_decoder
     from memfit.models.presets import model_config
     from memfit.step import train_step
 
@@ -98,7 +98,7 @@ def main() -> int:
     cuda = _NoCuda() if args.dry_run else torch.cuda
     cfg = model_config(args.model, **({"vocab_size": 256} if args.dry_run else {}))  # tiny: char-level ids
     t0 = time.perf_counter()
-    model = build_llama(cfg, device=device, dtype=torch.bfloat16, seed=0)
+    model = build_decoder(cfg, device=device, dtype=torch.bfloat16, seed=0)
     apply_activation_checkpointing(model, "full")
     build_s = time.perf_counter() - t0
     num_params = sum(p.numel() for p in model.parameters())

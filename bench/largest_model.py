@@ -44,6 +44,12 @@ Rows (``--rows``, default all, run in this order):
 - ``8b-torchtune``: **torchtune's ``llama3_1/8B_full_single_device`` recipe** on the 8B directory, as
   ``3b-torchtune`` runs its 3B recipe but in bf16 (its weights rounded to nearest) at 1 x 2048, under the same cap;
   the row records where it stops.
+- ``30b-a3b-qlora``: **Qwen3-30B-A3B QLoRA** (30,532,122,624 parameters, 128 experts of 768 in each of 48
+  layers, 8 a token): the bf16 directory, one tensor per expert as on the Hub (57 GiB), each layer's experts stacked
+  and quantized to NF4 as they are read (:func:`memfit.models.nf4.to_nf4`, bit-identical to torchao's); LoRA rank 16
+  (alpha 32) on the attention linears, bf16, full checkpointing and the chunked loss, batch 1 x 1024, 2 steps.
+- ``olmoe-full``: **OLMoE-1B-7B full fine-tune in bf16** (6,919,161,856 parameters, 64 experts in each of 16
+  layers; the routers frozen as a fine-tune leaves them), planned and run as ``8b-full``.
 
 **Weights.** Each model is written once into ``--workdir`` as a Hugging Face directory of *random* weights
 (``config.json`` as Meta's or Qwen's, with BOS/EOS the ids of the tokenizer it carries; ``normal(0, 0.02)``, norms
@@ -121,8 +127,11 @@ ROWS = (
     "8b-full",
     "qwen3-8b-full",
     "8b-torchtune",
+    "30b-a3b-qlora",
+    "olmoe-full",
 )
-ROW_MODEL = {"8b-qlora": "8b", "8b-full": "8b", "qwen3-8b-full": "qwen3-8b", "8b-torchtune": "8b"}
+ROW_MODEL = {"8b-qlora": "8b", "8b-full": "8b", "qwen3-8b-full": "qwen3-8b", "8b-torchtune": "8b",
+             "30b-a3b-qlora": "qwen3-30b-a3b", "olmoe-full": "olmoe-1b-7b"}  # fmt: skip
 """Row -> the key of its model in ``random_hf.MODELS`` (``3b`` when not named)."""
 SECTION = "largest-model"
 PROSE_START, PROSE_END = "<!-- largest-model-prose:start -->", "<!-- largest-model-prose:end -->"
@@ -150,6 +159,8 @@ FULL_ROWS = {
     # bf16 weights (bf16_rounding=auto: stochastic), the sequence of torchtune's 8B recipe
     "8b-full": FullRow(2048, "bf16", 2, "20GiB"),
     "qwen3-8b-full": FullRow(2048, "bf16", 2, "20GiB"),
+    # a mixture of experts, every weight trained (the routers frozen, as a fine-tune leaves them)
+    "olmoe-full": FullRow(2048, "bf16", 2, "20GiB"),
 }
 
 DATA = [
@@ -437,12 +448,22 @@ def row_full(args: argparse.Namespace, model_dir: Path, run_dir: Path, name: str
     return {**row, **memfit_run(name, config, spec.steps, run_dir, args.guard_bytes)}
 
 
-def row_8b_qlora(args: argparse.Namespace, model_dir: Path, run_dir: Path) -> dict[str, Any]:
-    """``8b-qlora``: the QLoRA config written as a YAML file, estimated and run."""
+QLORA_ROWS = {
+    # without checkpointing the 32 layers' saved activations alone are 8.4 GiB at 512 tokens in fp32 (estimated)
+    "8b-qlora": {"dtype": "fp32", "seq_len": SEQ_LEN, "targets": LORA_TARGETS},
+    # the experts stacked and quantized as each layer's are read; rank 16 on the attention linears
+    "30b-a3b-qlora": {"dtype": "bf16", "seq_len": 1024, "targets": LORA_TARGETS[:4]},
+}
+"""QLoRA rows: the base's dtype, the tokens of the batch, the LoRA targets (rank 16, alpha 32)."""
+
+
+def row_qlora(args: argparse.Namespace, model_dir: Path, run_dir: Path, name: str) -> dict[str, Any]:
+    """A row of :data:`QLORA_ROWS`: the QLoRA config written as a YAML file, estimated and run (2 steps)."""
+    spec = QLORA_ROWS[name]
     config = {
-        "checkpoint_dir": str(model_dir), "method": "qlora", "dtype": "fp32", "device": "cpu", "batch_size": 1,
-        "seq_len": SEQ_LEN, "lora": {"rank": 16, "alpha": 32, "target_modules": LORA_TARGETS},
-        # without them the 32 layers' saved activations alone are 8.4 GiB at 512 tokens in fp32 (estimated)
+        "checkpoint_dir": str(model_dir), "method": "qlora", "dtype": spec["dtype"], "device": "cpu",
+        "batch_size": 1, "seq_len": spec["seq_len"],
+        "lora": {"rank": 16, "alpha": 32, "target_modules": spec["targets"]},
         "activation_checkpointing": "full", "chunked_cross_entropy": 8,
         "data": {"path": str(ASSETS / "dolly_sample.json"), "format": "dolly", "template": "alpaca",
                  "packing": True},
@@ -450,7 +471,7 @@ def row_8b_qlora(args: argparse.Namespace, model_dir: Path, run_dir: Path) -> di
     path = run_dir / "qlora.yaml"
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     row = {"config": config, "switches": _switches(config), "forced": False}
-    return {**row, **memfit_run("8b-qlora", ["--config", str(path)], 2, run_dir, args.guard_bytes)}
+    return {**row, **memfit_run(name, ["--config", str(path)], 2, run_dir, args.guard_bytes)}
 
 
 def _steady_tokens_per_second(seconds: list[float], seq_len: int = SEQ_LEN) -> float | None:
@@ -825,6 +846,11 @@ def main() -> int:
     parser.add_argument(
         "--out", help="the markdown to rewrite (default: docs/benchmarks.md; small: '-', print)"
     )
+    parser.add_argument(
+        "--clear-models",
+        action="store_true",
+        help="remove the other random models under WORKDIR/models when a row's model would not fit on disk",
+    )
     parser.add_argument("--_plain", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args._plain:
@@ -842,7 +868,9 @@ def main() -> int:
     results = json.loads(json_path.read_text()) if json_path.exists() else []
     for i, name in enumerate(rows):
         model_key = ROW_MODEL.get(name, "3b")
-        model_dir, made = ensure_model(model_spec(model_key, args.scale), workdir, args.seed)
+        model_dir, made = ensure_model(
+            model_spec(model_key, args.scale), workdir, args.seed, args.clear_models
+        )
         run_dir = runs / name
         run_dir.mkdir(parents=True, exist_ok=True)
         print(f"--- {name} ({made['num_params']:,} parameters)", file=sys.stderr, flush=True)
@@ -851,8 +879,10 @@ def main() -> int:
             row = row_full(args, model_dir, run_dir, name)
         elif name in TORCHTUNE_ROWS:
             row = row_torchtune(args, model_dir, run_dir, name)
+        elif name in QLORA_ROWS:
+            row = row_qlora(args, model_dir, run_dir, name)
         else:
-            run_row = {"8b-qlora": row_8b_qlora, "3b-plain": row_3b_plain, "3b-8bit": row_3b_8bit}[name]
+            run_row = {"3b-plain": row_3b_plain, "3b-8bit": row_3b_8bit}[name]
             row = run_row(args, model_dir, run_dir)
         row = {
             "name": name,

@@ -32,6 +32,7 @@ from pathlib import Path
 
 from docs_section import write_section
 
+from memfit.models import nf4 as nf4_format
 from memfit.units import GIB
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -87,9 +88,8 @@ def run_case(spec: dict[str, str], workdir: Path) -> dict[str, float]:
 
     import memfit.convert
     from memfit.build import quantize_while_loading
-    from memfit.convert.hf import hf_config_to_llama
-    from memfit.models import peft
-    from memfit.models.llama import build_llama
+    from memfit.convert.hf import hf_config_to_decoder
+    from memfit.models.decoder import build_decoder
 
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     dtype = getattr(torch, spec["dtype"])
@@ -100,7 +100,7 @@ def run_case(spec: dict[str, str], workdir: Path) -> dict[str, float]:
     )
     with torch.device("meta"):
         transformers.LlamaForCausalLM(tiny)
-    build_llama(hf_config_to_llama(tiny.to_dict())[0], device="meta")
+    build_decoder(hf_config_to_decoder(tiny.to_dict())[0], device="meta")
     torch.ones(8).sum()
     gc.collect()
     try:
@@ -110,7 +110,9 @@ def run_case(spec: dict[str, str], workdir: Path) -> dict[str, float]:
     baseline = _status_bytes("VmRSS")
     start = time.perf_counter()
     if spec.get("quantize") == "nf4":
-        peft.to_nf4(torch.ones(64, 64))  # import torchao outside the measured load (part of the baseline)
+        nf4_format.to_nf4(
+            torch.ones(64, 64)
+        )  # import torchao outside the measured load (part of the baseline)
         gc.collect()
         Path("/proc/self/clear_refs").write_text("5")
         baseline = _status_bytes("VmRSS")
@@ -125,9 +127,9 @@ def run_case(spec: dict[str, str], workdir: Path) -> dict[str, float]:
     seconds = time.perf_counter() - start
     params = {id(p): p for p in model.parameters()}.values()
     inner = [  # an NF4 weight's codes and scales, a plain weight itself
-        getattr(p, name) if peft.is_nf4(p) else p
+        getattr(p, name) if nf4_format.is_nf4(p) else p
         for p in params
-        for name in (p.__tensor_flatten__()[0] if peft.is_nf4(p) else [None])
+        for name in (p.__tensor_flatten__()[0] if nf4_format.is_nf4(p) else [None])
     ]
     with (
         torch.no_grad()

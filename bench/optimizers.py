@@ -268,16 +268,17 @@ def muon_speed_worker(spec: dict[str, Any]) -> dict[str, Any]:
     from memfit.config import OptimizerConfig
     from memfit.memory import hybrids
     from memfit.memory.optim import build_optimizer
-    from memfit.models.llama import LlamaConfig, build_llama
+    from memfit.models.config import DecoderConfig
+    from memfit.models.decoder import build_decoder
     from memfit.step import train_step
 
     shape, vocab, batch, seq_len, rounds = (spec[k] for k in ("shape", "vocab", "batch", "seq_len", "rounds"))
     if spec.get("threads"):
         torch.set_num_threads(spec["threads"])
-    mcfg = LlamaConfig(vocab_size=vocab, max_seq_len=seq_len, **shape)
+    mcfg = DecoderConfig(vocab_size=vocab, max_seq_len=seq_len, **shape)
     runs = {}
     for side, opt in MUON_SIDES.items():
-        model = build_llama(mcfg, seed=0)
+        model = build_decoder(mcfg, seed=0)
         runs[side] = (model, build_optimizer(model, OptimizerConfig(lr=1e-3, weight_decay=0.1, **opt)))
     gen = torch.Generator().manual_seed(0)
     seconds: dict[str, list[float]] = {side: [] for side in runs}

@@ -76,7 +76,7 @@ MODELS: dict[str, dict[str, int]] = {
     "tiny": {"dim": 64, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "intermediate_size": 176},
     "0.8M": {"dim": 128, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "intermediate_size": 232},
 }
-"""Model name -> Llama shape (memfit's ``LlamaConfig`` field names); the vocabulary is the tokenizer's."""
+"""Model name -> Llama shape (memfit's ``DecoderConfig`` field names); the vocabulary is the tokenizer's."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -56,6 +56,26 @@ QWEN3_8B: dict[str, Any] = {
     "sliding_window": None, "tie_word_embeddings": False, "torch_dtype": "bfloat16", "use_cache": True,
     "use_sliding_window": False, "vocab_size": 151936,
 }  # fmt: skip
+# Qwen/Qwen3-30B-A3B config.json, BOS/EOS as above: Qwen3's attention, 128 experts of 768 in each of 48 layers,
+# 8 a token; stored one tensor per expert (mlp.experts.<e>.gate_proj.weight ...), as on the Hub
+QWEN3_30B_A3B: dict[str, Any] = {
+    **QWEN3_8B, "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 2048,
+    "intermediate_size": 6144, "moe_intermediate_size": 768, "num_attention_heads": 32, "num_hidden_layers": 48,
+    "num_key_value_heads": 4, "max_window_layers": 48, "num_experts": 128, "num_experts_per_tok": 8,
+    "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [], "output_router_logits": False,
+    "router_aux_loss_coef": 0.001,
+}  # fmt: skip
+# allenai/OLMoE-1B-7B-0924 config.json, BOS/EOS as above: q/k norms over the whole projections, 64 experts of
+# 1,024 in each of 16 layers, 8 a token
+OLMOE_1B_7B: dict[str, Any] = {
+    "architectures": ["OlmoeForCausalLM"], "attention_bias": False, "attention_dropout": 0.0, "clip_qkv": None,
+    "bos_token_id": EOT_ID, "eos_token_id": EOT_ID, "hidden_act": "silu", "hidden_size": 2048,
+    "initializer_range": 0.02, "intermediate_size": 1024, "max_position_embeddings": 4096, "model_type": "olmoe",
+    "norm_topk_prob": False, "num_attention_heads": 16, "num_experts": 64, "num_experts_per_tok": 8,
+    "num_hidden_layers": 16, "num_key_value_heads": 16, "output_router_logits": False, "rms_norm_eps": 1e-05,
+    "rope_scaling": None, "rope_theta": 10000.0, "router_aux_loss_coef": 0.01, "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16", "use_cache": True, "vocab_size": 50304,
+}  # fmt: skip
 # --scale small: the same configs at a tiny size (vocabulary: GPT-2's 50,257 ids rounded up to 64)
 SMALL_HF = {"hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
             "intermediate_size": 768, "vocab_size": 50304, "head_dim": 64}  # fmt: skip
@@ -65,6 +85,8 @@ MODELS: dict[str, tuple[dict[str, Any], str, str]] = {
     "3b": (LLAMA_3_2_3B, "llama3.2-3b", "Llama-3.2-3B-random"),
     "8b": (LLAMA_3_1_8B, "llama3.1-8b", "Llama-3.1-8B-random"),
     "qwen3-8b": (QWEN3_8B, "qwen3-8b", "Qwen3-8B-random"),
+    "qwen3-30b-a3b": (QWEN3_30B_A3B, "qwen3-30b-a3b", "Qwen3-30B-A3B-random"),
+    "olmoe-1b-7b": (OLMOE_1B_7B, "olmoe-1b-7b", "OLMoE-1B-7B-random"),
 }
 """Key -> (``config.json``, the memfit preset it reads as, the directory's name at full scale)."""
 
@@ -86,7 +108,14 @@ def model_spec(key: str, scale: str) -> ModelSpec:
     base, preset, name = MODELS[key]
     if scale == "full":
         return ModelSpec(name, base, preset, {}, 4 * GIB)
-    return ModelSpec(f"small-{key}-random", {**base, **SMALL_HF}, preset, SMALL_PRESET_ARGS, 8 * MIB)
+    hf, args = {**base, **SMALL_HF}, dict(SMALL_PRESET_ARGS)
+    if "num_experts" in base:  # 8 experts, 2 a token (of 128 wide where the config has its own size)
+        moe = {"num_experts": 8, "num_experts_per_tok": 2}
+        sized = {"moe_intermediate_size": 128} if "moe_intermediate_size" in base else {}
+        hf, args = {**hf, **moe, **sized}, {**args, **moe, **sized}
+        if base["model_type"] == "olmoe":
+            del hf["head_dim"]  # OLMoE's config.json has none (256 / 4 = 64)
+    return ModelSpec(f"small-{key}-random", hf, preset, args, 8 * MIB)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -95,11 +124,15 @@ def model_spec(key: str, scale: str) -> ModelSpec:
 
 
 def hf_tensors(cfg: dict[str, Any]) -> list[tuple[str, tuple[int, ...]]]:
-    """The tensors of a ``LlamaForCausalLM`` or ``Qwen3ForCausalLM`` checkpoint of ``cfg`` (a ``config.json``), by
-    name and shape."""
+    """The tensors of a ``LlamaForCausalLM``, ``Qwen3ForCausalLM``, ``Qwen3MoeForCausalLM`` or ``OlmoeForCausalLM``
+    checkpoint of ``cfg`` (a ``config.json``), by name and shape; a mixture of experts one tensor per expert, as on
+    the Hub."""
     dim, inter, vocab = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
     heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     head_dim = cfg.get("head_dim") or dim // heads
+    kind = cfg["model_type"]
+    norms = {"qwen3": (head_dim, head_dim), "qwen3_moe": (head_dim, head_dim),
+             "olmoe": (heads * head_dim, kv_heads * head_dim)}.get(kind)  # fmt: skip
     out: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (vocab, dim))]
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}."
@@ -110,11 +143,23 @@ def hf_tensors(cfg: dict[str, Any]) -> list[tuple[str, tuple[int, ...]]]:
             (p + "self_attn.v_proj.weight", (kv_heads * head_dim, dim)),
             (p + "self_attn.o_proj.weight", (dim, heads * head_dim)),
             *(
-                [(p + "self_attn.q_norm.weight", (head_dim,)), (p + "self_attn.k_norm.weight", (head_dim,))]
-                if cfg["model_type"] == "qwen3"
+                [(p + "self_attn.q_norm.weight", (norms[0],)), (p + "self_attn.k_norm.weight", (norms[1],))]
+                if norms
                 else []
             ),
             (p + "post_attention_layernorm.weight", (dim,)),
+        ]
+        if "num_experts" in cfg:
+            experts, size = cfg["num_experts"], cfg.get("moe_intermediate_size", inter)
+            out.append((p + "mlp.gate.weight", (experts, dim)))
+            for e in range(experts):
+                out += [
+                    (p + f"mlp.experts.{e}.gate_proj.weight", (size, dim)),
+                    (p + f"mlp.experts.{e}.up_proj.weight", (size, dim)),
+                    (p + f"mlp.experts.{e}.down_proj.weight", (dim, size)),
+                ]
+            continue
+        out += [
             (p + "mlp.gate_proj.weight", (inter, dim)),
             (p + "mlp.up_proj.weight", (inter, dim)),
             (p + "mlp.down_proj.weight", (dim, inter)),
@@ -218,7 +263,8 @@ def make_model(spec: dict[str, Any]) -> None:
     weight_bytes = write_random_shards(tmp, cfg, spec["shard_bytes"], spec["seed"])
     read, preset = read_hf_config(tmp), model_config(spec["preset"], **spec["preset_args"])
     fields = ("family", "qk_norm", "dim", "num_layers", "num_heads", "num_kv_heads", "intermediate_size", "vocab_size",
-              "tie_word_embeddings", "rope_theta", "rope_scaling")  # fmt: skip
+              "tie_word_embeddings", "rope_theta", "rope_scaling", "num_experts", "num_experts_per_tok",
+              "moe_intermediate_size", "norm_topk_prob")  # fmt: skip
     differ = [f for f in fields if getattr(read, f) != getattr(preset, f)]
     if differ or read.num_params() != preset.num_params():
         raise SystemExit(f"{tmp}/config.json does not read as preset {spec['preset']}: {differ}")
@@ -230,8 +276,12 @@ def make_model(spec: dict[str, Any]) -> None:
     print(json.dumps(marker))
 
 
-def ensure_model(spec: ModelSpec, workdir: Path, seed: int) -> tuple[Path, dict[str, Any]]:
-    """The directory of ``spec`` under ``workdir``, written (in a child process) unless complete already."""
+def ensure_model(
+    spec: ModelSpec, workdir: Path, seed: int, clear_others: bool = False
+) -> tuple[Path, dict[str, Any]]:
+    """The directory of ``spec`` under ``workdir``, written (in a child process) unless complete already; its disk
+    is checked first, and with ``clear_others`` the other models under ``workdir/models`` are removed to make room
+    when it would not fit."""
     directory = workdir / "models" / spec.name
     wanted = {"dir": str(directory), "hf_config": spec.hf_config, "preset": spec.preset,
               "preset_args": spec.preset_args, "shard_bytes": spec.shard_bytes, "seed": seed}  # fmt: skip
@@ -248,8 +298,17 @@ def ensure_model(spec: ModelSpec, workdir: Path, seed: int) -> tuple[Path, dict[
     need = 2 * sum(_numel(s) for _, s in hf_tensors(spec.hf_config))
     directory.parent.mkdir(parents=True, exist_ok=True)
     free = shutil.disk_usage(directory.parent).free
+    if need > free and clear_others:
+        for other in sorted(directory.parent.iterdir()):
+            if other.is_dir() and other != directory:
+                print(f"removing {other} to make room", file=sys.stderr, flush=True)
+                shutil.rmtree(other)
+        free = shutil.disk_usage(directory.parent).free
     if need > free:
-        raise SystemExit(f"{directory}: needs {need / GIB:.1f} GiB of disk, {free / GIB:.1f} GiB free")
+        raise SystemExit(
+            f"{directory}: needs {need / GIB:.1f} GiB of disk, {free / GIB:.1f} GiB free (--clear-models removes the "
+            f"other random models first)"
+        )
     print(f"writing {directory} ({need / GIB:.2f} GiB of random bf16 weights)", file=sys.stderr, flush=True)
     cmd = [sys.executable, __file__, "--_make", json.dumps(wanted)]
     proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, cwd=ROOT)

@@ -64,7 +64,8 @@ def run_rank(spec: dict, global_batch: int, seq_len: int, timed_steps: int) -> d
     from memfit.memory.optim import build_optimizer
     from memfit.memory.stats import PeakMemory
     from memfit.memory.tracker import MemoryTracker
-    from memfit.models.llama import LlamaConfig, build_llama
+    from memfit.models.config import DecoderConfig
+    from memfit.models.decoder import build_decoder
     from memfit.step import train_step
 
     device = dist_.init_distributed(torch.device("cpu"))
@@ -73,7 +74,7 @@ def run_rank(spec: dict, global_batch: int, seq_len: int, timed_steps: int) -> d
         raise SystemExit(f"--global-batch {global_batch} does not split over {world} ranks")
     batch = global_batch // world
     cfg = TrainConfig(distributed=DistributedConfig(**spec))
-    model = build_llama(LlamaConfig(**MODEL_ARGS), seed=0)  # every rank the same weights, then its shards
+    model = build_decoder(DecoderConfig(**MODEL_ARGS), seed=0)  # every rank the same weights, then its shards
     num_params = sum(p.numel() for p in model.parameters())
     if world > 1:
         model = dist_.shard_model(model, cfg, device)

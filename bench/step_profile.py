@@ -60,7 +60,7 @@ SIZES: dict[str, dict[str, int]] = {
     "25.6M": {**MODELS["25.6M"], "batch_size": 4, "seq_len": 256},
     "78.6M": {**MODELS["78.6M"], "batch_size": 4, "seq_len": 256},
 }  # fmt: skip
-"""Size name -> Llama shape (memfit's ``LlamaConfig`` names) and batch (sequences x tokens)."""
+"""Size name -> Llama shape (memfit's ``DecoderConfig`` names) and batch (sequences x tokens)."""
 LR, WEIGHT_DECAY, BETAS, MAX_GRAD_NORM = 1e-3, 0.1, (0.9, 0.95), 1.0
 ENGINE = "autograd::engine::evaluate_function: "
 
@@ -161,11 +161,11 @@ def plain_side(
     import transformers
     from torch.profiler import record_function
 
-    from memfit.convert.hf import llama_to_hf_config
+    from memfit.convert.hf import decoder_to_hf_config
 
     mcfg = memfit_model.config
     # memfit's own config.json of the architecture (as `memfit export` writes it), without a KV cache, with SDPA
-    hf = {**llama_to_hf_config(mcfg), "max_position_embeddings": size["seq_len"], "use_cache": False}
+    hf = {**decoder_to_hf_config(mcfg), "max_position_embeddings": size["seq_len"], "use_cache": False}
     config = transformers.LlamaConfig(**hf, attn_implementation="sdpa")
     model = transformers.LlamaForCausalLM(config)
     model.load_state_dict(memfit_model.state_dict())

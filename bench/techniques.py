@@ -82,12 +82,13 @@ def run_one(spec: dict, batch_size: int, seq_len: int, timed_steps: int, timelin
     from memfit.memory.techniques import apply_activation_checkpointing
     from memfit.memory.timeline import plot_timeline
     from memfit.memory.tracker import MemoryTracker
-    from memfit.models.llama import LlamaConfig, build_llama
+    from memfit.models.config import DecoderConfig
+    from memfit.models.decoder import build_decoder
     from memfit.step import train_step
 
     torch.manual_seed(0)
     dtype = spec.get("dtype", "fp32")
-    model = build_llama(LlamaConfig(**MODEL_ARGS), dtype=PARAM_DTYPES[dtype], seed=0)
+    model = build_decoder(DecoderConfig(**MODEL_ARGS), dtype=PARAM_DTYPES[dtype], seed=0)
     apply_activation_checkpointing(model, spec.get("activation_checkpointing", "none"))
     opt_cfg = OptimizerConfig(
         name=spec.get("optimizer", "adamw"),

@@ -9,7 +9,7 @@ from memfit import checkpoint as ckpt_io
 from memfit.config import OptimizerConfig
 from memfit.errors import CheckpointError
 from memfit.memory.optim import build_optimizer
-from memfit.models.llama import build_llama
+from memfit.models.decoder import build_decoder
 from memfit.models.presets import model_config
 from memfit.step import train_step
 from memfit.tokenizer import CharTokenizer
@@ -19,7 +19,7 @@ TOK = CharTokenizer.from_text("abcdefgh")
 
 def _trained(name="tiny", seed=0):
     cfg = model_config(name, vocab_size=TOK.vocab_size)
-    model = build_llama(cfg, seed=seed)
+    model = build_decoder(cfg, seed=seed)
     opt = build_optimizer(model, OptimizerConfig())
     x = torch.randint(0, TOK.vocab_size, (2, 9), generator=torch.Generator().manual_seed(seed))
     train_step(model, opt, [(x[:, :-1], x[:, 1:])], max_grad_norm=1.0, dtype="fp32")
@@ -43,7 +43,7 @@ def test_round_trip_restores_weights_and_optimizer_exactly(tmp_path, name):
         "tokenizer",
     }
     assert ckpt_io.read_model_config(path) == cfg
-    model2 = build_llama(cfg, seed=123)
+    model2 = build_decoder(cfg, seed=123)
     opt2 = build_optimizer(model2, OptimizerConfig())
     state = ckpt_io.load_checkpoint(path, model2, opt2)
     assert state["step"] == 7 and state["note"] == "test"
@@ -97,7 +97,9 @@ def test_truncated_weights_name_the_file(tmp_path):
     weights = path / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:1000])
     with pytest.raises(CheckpointError, match="model.safetensors' is truncated"):
-        ckpt_io.load_checkpoint(path, build_llama(cfg), build_optimizer(build_llama(cfg), OptimizerConfig()))
+        ckpt_io.load_checkpoint(
+            path, build_decoder(cfg), build_optimizer(build_decoder(cfg), OptimizerConfig())
+        )
 
 
 def test_truncated_weights_without_size_record_still_fail_clearly(tmp_path):
@@ -106,7 +108,7 @@ def test_truncated_weights_without_size_record_still_fail_clearly(tmp_path):
     weights = path / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:1000])
     with pytest.raises(CheckpointError, match="model.safetensors' are truncated or corrupt"):
-        ckpt_io.load_weights(path, build_llama(cfg))
+        ckpt_io.load_weights(path, build_decoder(cfg))
 
 
 def test_missing_files_and_corrupt_state(tmp_path):
@@ -114,7 +116,9 @@ def test_missing_files_and_corrupt_state(tmp_path):
     path = _save(tmp_path, 1, cfg, model, opt)
     (path / "optimizer.pt").unlink()
     with pytest.raises(CheckpointError, match="missing 'optimizer.pt'"):
-        ckpt_io.load_checkpoint(path, build_llama(cfg), build_optimizer(build_llama(cfg), OptimizerConfig()))
+        ckpt_io.load_checkpoint(
+            path, build_decoder(cfg), build_optimizer(build_decoder(cfg), OptimizerConfig())
+        )
     (path / "trainer_state.json").write_text('{"step": 1, "rng"')
     with pytest.raises(CheckpointError, match="trainer_state.json' is truncated or corrupt"):
         ckpt_io.read_trainer_state(path)
@@ -133,7 +137,7 @@ def test_resolve_checkpoint(tmp_path):
 def test_weights_of_another_architecture_are_refused(tmp_path):
     cfg, model, opt = _trained()
     path = _save(tmp_path, 1, cfg, model, opt)
-    other = build_llama(model_config("tiny", vocab_size=TOK.vocab_size, intermediate_size=96))
+    other = build_decoder(model_config("tiny", vocab_size=TOK.vocab_size, intermediate_size=96))
     with pytest.raises(CheckpointError, match="has shape"):
         ckpt_io.load_weights(path, other)
 
@@ -207,7 +211,7 @@ def test_the_optimizer_state_is_laid_out_as_torchs_initialiser_lays_it_out(name)
 
     states = []
     for init in (ckpt_io.init_optimizer_state, _init_optim_state):
-        model = build_llama(model_config("tiny", vocab_size=TOK.vocab_size), seed=0)
+        model = build_decoder(model_config("tiny", vocab_size=TOK.vocab_size), seed=0)
         before = {n: p.detach().clone() for n, p in model.named_parameters()}
         opt = build_optimizer(model, OptimizerConfig(name=name))
         lrs = [g["lr"] for g in opt.param_groups]

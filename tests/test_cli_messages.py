@@ -28,7 +28,7 @@ from memfit.data.instruct import _split_indices
 from memfit.data.run import instruct_data
 from memfit.errors import DataError
 from memfit.filemode import current_umask, default_file_mode
-from memfit.models.llama import build_llama
+from memfit.models.decoder import build_decoder
 from memfit.models.peft import apply_lora
 from memfit.models.presets import model_config
 from memfit.planner.estimate import estimate_run
@@ -448,7 +448,7 @@ def written(tmp_path_factory, small_corpus) -> Path:
         extra = {"max_steps": 2, "checkpoint_every": 0, "eval_every": 0, "sample.max_new_tokens": 0}
         assert main(["pretrain", *tiny_run_overrides(small_corpus, root / "run", **extra)]) == 0
         assert main(["export", "--checkpoint", str(root / "run"), "--out", str(root / "hf")]) == 0
-        model = build_llama(model_config("tiny"), seed=0)
+        model = build_decoder(model_config("tiny"), seed=0)
         apply_lora(model)
         save_peft_adapter(model, root / "adapter")
     return root

@@ -25,7 +25,9 @@ from memfit.convert import (
 from memfit.convert.hf import export_hf, read_hf_config
 from memfit.convert.meta import meta_to_hf_rows, read_meta_params
 from memfit.errors import CheckpointError
-from memfit.models.llama import RopeScaling, RotaryEmbedding, apply_rope, build_llama
+from memfit.models.config import RopeScaling
+from memfit.models.decoder import build_decoder
+from memfit.models.layers import RotaryEmbedding, apply_rope
 from memfit.models.presets import model_config
 from memfit.tokenizer import CharTokenizer, load_tokenizer, train_bpe
 
@@ -280,7 +282,7 @@ def test_tokenizer_config_lists_specials_that_tokenizer_json_does_not_mark(tmp_p
 
 
 def _memfit_model(name: str):
-    model = build_llama(model_config(name), seed=0)
+    model = build_decoder(model_config(name), seed=0)
     randomize(model)
     return model.eval()
 
@@ -334,7 +336,7 @@ def test_exported_tokenizer_loads_in_transformers_with_the_same_ids(tmp_path, ki
         "tiktoken": lambda: load_tokenizer(ASSETS / "tiktoken_2k.model"),
         "gpt2": lambda: load_tokenizer(ASSETS),
     }[kind]()
-    model = build_llama(model_config("tiny", vocab_size=tokenizer.vocab_size), seed=0)
+    model = build_decoder(model_config("tiny", vocab_size=tokenizer.vocab_size), seed=0)
     out = export_hf(model, tmp_path / "hf", tokenizer=tokenizer)
     hf_tok = transformers.AutoTokenizer.from_pretrained(out)
     text = TEXT.replace("<|eot_id|>", "")  # (transformers turns special-token text into the special id)
@@ -642,7 +644,7 @@ def test_unexpected_missing_and_misshaped_tensors_are_named(tmp_path):
 @pytest.mark.parametrize(
     "edit, message",
     [
-        ({"model_type": "mixtral"}, "model_type is 'mixtral'"),
+        ({"model_type": "dbrx"}, "model_type is 'dbrx'"),
         ({"attention_bias": True}, "attention_bias is true"),
         ({"mlp_bias": True}, "mlp_bias is true"),
         ({"hidden_act": "gelu"}, "hidden_act is 'gelu'"),
@@ -690,7 +692,7 @@ def test_export_refuses_a_non_empty_directory_and_leaves_it_alone(tmp_path):
 
 def test_export_refuses_meta_and_lora_models(tmp_path):
     with pytest.raises(CheckpointError, match="meta device"):
-        export_hf(build_llama(model_config("tiny"), device="meta"), tmp_path / "a")
+        export_hf(build_decoder(model_config("tiny"), device="meta"), tmp_path / "a")
     model = _memfit_model("tiny")
     model.model.layers[0].self_attn.q_proj.register_parameter(
         "lora_a", torch.nn.Parameter(torch.zeros(2, 64))
@@ -726,6 +728,6 @@ def test_read_config_reads_no_weights(tmp_path):
     hf_model().to(torch.bfloat16).save_pretrained(tmp_path)
     config, info = read_config(tmp_path)
     assert isinstance(info, PretrainedInfo) and info.stored_dtype == torch.bfloat16
-    meta_model = build_llama(config, device="meta")  # what an estimate builds
+    meta_model = build_decoder(config, device="meta")  # what an estimate builds
     assert sum(p.numel() for p in meta_model.parameters()) == config.num_params()
     assert math.isclose(config.norm_eps, 1e-5)

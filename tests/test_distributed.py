@@ -356,10 +356,10 @@ def _one_process_optimizer_state(ckpt: Path) -> dict:
     ``state_dict``."""
     from memfit.config import config_from_dict
     from memfit.memory.optim import build_optimizer
-    from memfit.models.llama import build_llama
+    from memfit.models.decoder import build_decoder
 
     cfg = config_from_dict(ckpt_io.read_trainer_state(ckpt)["config"], check=False)
-    model = build_llama(ckpt_io.read_model_config(ckpt), device="cpu", dtype=torch.float32, init=False)
+    model = build_decoder(ckpt_io.read_model_config(ckpt), device="cpu", dtype=torch.float32, init=False)
     optimizer = build_optimizer(model, cfg.optimizer, in_backward=cfg.optimizer_in_backward)
     ckpt_io.load_checkpoint(ckpt, model, optimizer)
     return optimizer.state_dict()

@@ -19,7 +19,7 @@ import torch
 from memfit.cli import main
 from memfit.memory.tracker import CATEGORIES
 from memfit.metrics import read_records
-from memfit.models.llama import build_llama
+from memfit.models.decoder import build_decoder
 from memfit.models.presets import model_config
 
 from .conftest import run_torchrun, tiny_run_overrides
@@ -72,7 +72,7 @@ def tracked_run(tmp_path_factory, small_corpus) -> Callable[[str], Path]:
 def _units() -> dict[str, list[torch.nn.Parameter]]:
     """The parameters of each FSDP unit, in registration order: every decoder layer, and the root (the rest; the
     tied embedding / lm_head is one Parameter, so listed once)."""
-    model = build_llama(MCFG, device="meta")
+    model = build_decoder(MCFG, device="meta")
     layers = {f"layer{i}": list(layer.parameters()) for i, layer in enumerate(model.model.layers)}
     in_layers = {id(p) for ps in layers.values() for p in ps}
     return {"root": [p for p in model.parameters() if id(p) not in in_layers], **layers}
@@ -80,7 +80,7 @@ def _units() -> dict[str, list[torch.nn.Parameter]]:
 
 @functools.cache
 def _buffer_bytes() -> int:
-    return sum(b.numel() * b.element_size() for b in build_llama(MCFG, device="meta").buffers())
+    return sum(b.numel() * b.element_size() for b in build_decoder(MCFG, device="meta").buffers())
 
 
 def _fsdp2_bytes(rank: int) -> dict[str, int]:

@@ -80,7 +80,7 @@ def test_frozen_base_is_unchanged(runs, hf_checkpoint, method):
     from safetensors.torch import load_file
 
     from memfit.build import load_for_generation
-    from memfit.models.peft import is_nf4, to_nf4
+    from memfit.models.nf4 import is_nf4, to_nf4
 
     model, _, _ = load_for_generation(runs[method])
     base = load_file(str(hf_checkpoint / "model.safetensors"))
@@ -263,7 +263,8 @@ def test_qlora_first_loss_is_lora_s_within_the_quantization_noise(runs, hf_check
     import torch.nn.functional as F
 
     from memfit.convert import load_pretrained
-    from memfit.models.peft import is_nf4, quantize_for_qlora
+    from memfit.models.nf4 import is_nf4
+    from memfit.models.peft import quantize_for_qlora
 
     full, tokenizer, _ = load_pretrained(hf_checkpoint)
     quantized = dict(load_pretrained(hf_checkpoint, transform=quantize_for_qlora)[0].named_parameters())

@@ -13,7 +13,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from memfit import flops
 from memfit.cli import main
 from memfit.metrics import read_records
-from memfit.models.llama import build_llama
+from memfit.models.decoder import build_decoder
 from memfit.models.presets import model_config
 from tests.conftest import tiny_run_overrides
 
@@ -22,7 +22,7 @@ from tests.conftest import tiny_run_overrides
 def test_matmul_flops_equal_torch_s_count_of_a_training_step(num_kv_heads):
     cfg = dataclasses.replace(model_config("tiny"), num_kv_heads=num_kv_heads)
     batch, seq_len = 2, 32
-    model = build_llama(cfg, seed=0)
+    model = build_decoder(cfg, seed=0)
     with FlopCounterMode(display=False) as counter:
         model(torch.randint(0, cfg.vocab_size, (batch, seq_len))).float().sum().backward()
     counted = counter.get_flop_counts()["Global"]

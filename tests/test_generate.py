@@ -19,7 +19,7 @@ from memfit.data.prepare import prepare
 from memfit.data.sources import default_corpus_path
 from memfit.data.tokens import read_manifest
 from memfit.generate import generate_text, prompt_ids
-from memfit.models.llama import build_llama
+from memfit.models.decoder import build_decoder
 from memfit.models.presets import model_config
 from memfit.tokenizer import load_tokenizer
 
@@ -122,7 +122,7 @@ SOURCES = {
 
 def fed_ids(tokenizer, prompt: str, template: str | None = None) -> list[int]:
     """The ids ``generate_text`` gives the model's forward first (a spy on a tiny model)."""
-    model = build_llama(model_config("tiny", vocab_size=tokenizer.vocab_size), seed=0).eval()
+    model = build_decoder(model_config("tiny", vocab_size=tokenizer.vocab_size), seed=0).eval()
     seen = []
     model.register_forward_pre_hook(lambda _, args: seen.append(args[0][0].tolist()))
     generate_text(model, tokenizer, prompt, max_new_tokens=1, temperature=0, top_k=0, template=template)

@@ -278,13 +278,13 @@ def test_sentencepiece_continuation_keeps_its_leading_space():
     import torch
 
     from memfit.generate import generate_text
-    from memfit.models.llama import build_llama
+    from memfit.models.decoder import build_decoder
     from memfit.models.presets import model_config
     from memfit.tokenizer import load_tokenizer
     from tests.conftest import ASSETS
 
     tokenizer = load_tokenizer(ASSETS / "sentencepiece_2k.model")
-    model = build_llama(model_config("tiny", vocab_size=tokenizer.vocab_size), seed=0).eval()
+    model = build_decoder(model_config("tiny", vocab_size=tokenizer.vocab_size), seed=0).eval()
     prompt = "What is a llama?"
     text = generate_text(model, tokenizer, prompt, max_new_tokens=8, temperature=0, top_k=0)
     ids = tokenizer.encode(prompt, bos=True)  # Llama 2's SentencePiece reads text with BOS first

@@ -23,7 +23,7 @@ from memfit.errors import ConfigError
 from memfit.memory import switches
 from memfit.memory.ulysses import shard_batch
 from memfit.metrics import read_records
-from memfit.models.llama import packed_positions
+from memfit.models.decoder import packed_positions
 
 from .conftest import finetune_overrides, kill_launch, run_torchrun, tiny_run_overrides
 from .test_distributed import (

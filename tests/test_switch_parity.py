@@ -249,6 +249,16 @@ FAMILY_FAST |= {
 }
 
 
+# the mixtures of experts (grouped experts; pretraining trains the routers, with their load-balancing loss):
+# Qwen3-MoE (q/k norms per head), Mixtral, OLMoE (q/k norms over the whole projections)
+FAMILY_PRESETS += ("tiny-qwen3-moe", "tiny-mixtral", "tiny-olmoe")
+FAMILY_FAST |= {
+    ("tiny-qwen3-moe", "activation_checkpointing=full"),
+    ("tiny-mixtral", "optimizer_in_backward=true"),
+    ("tiny-olmoe", "chunked_cross_entropy=4"),
+}
+
+
 def _family_case(preset: str, name: str):
     fast = (preset, name) in FAMILY_FAST
     return pytest.param(preset, name, marks=() if fast else pytest.mark.slow, id=f"{preset}-{name}")

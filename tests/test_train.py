@@ -10,13 +10,13 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from memfit.config import OptimizerConfig, load_config
 from memfit.memory.optim import build_optimizer, lr_at, param_groups
 from memfit.memory.techniques import IGNORE_INDEX
-from memfit.models.llama import build_llama
+from memfit.models.decoder import build_decoder
 from memfit.models.presets import model_config
 from memfit.step import evaluate, evaluation_options, train_step, train_step_options
 
 
 def _model_and_opt(seed=0, dtype=torch.float32):
-    model = build_llama(model_config("tiny"), dtype=dtype, seed=seed)
+    model = build_decoder(model_config("tiny"), dtype=dtype, seed=seed)
     return model, build_optimizer(model, OptimizerConfig(lr=1e-2, weight_decay=0.1))
 
 
@@ -36,7 +36,7 @@ def test_accumulation_equals_one_big_batch():
     y[3, 2:] = IGNORE_INDEX
     # SGD with lr 1: the parameter change *is* the (clipped) gradient, so parameters compare gradients exactly
     # (AdamW's first step g / (|g| + eps) would amplify rounding noise of near-zero gradients).
-    m1, m2 = (build_llama(model_config("tiny"), seed=0) for _ in range(2))
+    m1, m2 = (build_decoder(model_config("tiny"), seed=0) for _ in range(2))
     o1, o2 = (torch.optim.SGD(m.parameters(), lr=1.0) for m in (m1, m2))
     r1 = train_step(m1, o1, [(x, y)], max_grad_norm=1.0, dtype="fp32")
     r2 = train_step(
@@ -85,7 +85,7 @@ def test_steps_are_deterministic_under_a_seed():
 
 @pytest.mark.parametrize("dtype, param_dtype", [("bf16", torch.bfloat16), ("bf16_mixed", torch.float32)])
 def test_dtype_policies_keep_what_they_say(dtype, param_dtype):
-    model = build_llama(model_config("tiny"), dtype=param_dtype, seed=0)
+    model = build_decoder(model_config("tiny"), dtype=param_dtype, seed=0)
     opt = build_optimizer(model, OptimizerConfig())
     result = train_step(model, opt, [_batch(0)], max_grad_norm=1.0, dtype=dtype)
     assert result.loss.dtype == torch.float32 and math.isfinite(result.loss.item())
@@ -95,7 +95,7 @@ def test_dtype_policies_keep_what_they_say(dtype, param_dtype):
 
 
 def test_no_weight_decay_on_norms():
-    model = build_llama(model_config("tiny"), seed=0)
+    model = build_decoder(model_config("tiny"), seed=0)
     decay, no_decay = param_groups(model, 0.1)
     assert all("norm" in n for n in no_decay["param_names"])
     assert len(no_decay["param_names"]) == 2 * 2 + 1  # two norms per layer, two layers, the final norm
@@ -116,7 +116,7 @@ def test_one_step_of_llama3_8b_runs_on_fake_tensors():
     """The very train_step of a run, on a Llama-3-8B-shaped model that exists only as metadata."""
     cfg = model_config("llama3-8b")
     with FakeTensorMode():
-        model = build_llama(cfg, device="cpu", dtype=torch.bfloat16, init=False)
+        model = build_decoder(cfg, device="cpu", dtype=torch.bfloat16, init=False)
         opt = build_optimizer(model, OptimizerConfig(implementation="for_loop"))
         x = torch.randint(0, cfg.vocab_size, (1, 64))
         result = train_step(model, opt, [(x, x)], max_grad_norm=1.0, dtype="bf16")
@@ -128,11 +128,12 @@ def test_one_step_of_llama3_8b_runs_on_fake_tensors():
 
 
 def test_step_and_evaluation_options_are_the_config_keys_of_the_same_name():
-    cfg = load_config(None, ["chunked_cross_entropy=4", "dtype=bf16"])
+    cfg = load_config(None, ["chunked_cross_entropy=4", "dtype=bf16", "moe.router_aux_loss_coef=0"])
     device = torch.device("cpu")
     step = train_step_options(cfg)
     assert step == {
         "max_grad_norm": cfg.max_grad_norm,
+        "router_aux_loss_coef": 0.0,  # moe.router_aux_loss_coef: the step's own name for it
         "dtype": "bf16",
         "chunked_cross_entropy": 4,
         "compile": False,
@@ -188,5 +189,7 @@ def test_a_cpu_run_creates_the_low_bit_state_before_its_first_step(small_corpus,
     cfg = load_config(None, [*overrides, "optimizer_in_backward=true", "max_grad_norm=0"])
     train_module.train(cfg)
     (_, made, created), *steps = seen
-    assert made == sum(1 for _ in build_llama(model_config("tiny"), seed=0).parameters())  # one per parameter
+    assert made == sum(
+        1 for _ in build_decoder(model_config("tiny"), seed=0).parameters()
+    )  # one per parameter
     assert created > 0 and steps == [("step", created), ("step", created)]

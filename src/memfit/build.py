@@ -44,10 +44,13 @@ from memfit.memory.techniques import (
 )
 from memfit.memory.tiled import apply_tiled_mlp
 from memfit.memory.ulysses import apply_sequence_parallel
-from memfit.models import peft
-from memfit.models.llama import Llama, LlamaConfig, build_llama, init_parameter_
+from memfit.models import moe, peft
+from memfit.models import nf4 as nf4_format
+from memfit.models.config import DecoderConfig
+from memfit.models.decoder import Decoder, build_decoder, init_parameter_
 from memfit.models.presets import MODEL_PRESETS, model_config
 from memfit.tokenizer import load_tokenizer
+from memfit.validation import trains_router
 
 PARAM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "bf16_mixed": torch.float32}
 """The parameters' dtype under each dtype policy (see :mod:`memfit.step`)."""
@@ -73,7 +76,7 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def resolve_model_config(cfg: TrainConfig, vocab_size: int) -> LlamaConfig:
+def resolve_model_config(cfg: TrainConfig, vocab_size: int) -> DecoderConfig:
     """The preset with ``model_args`` applied; ``vocab_size`` from the tokenizer when the preset has none.
 
     Raises:
@@ -91,12 +94,12 @@ def resolve_model_config(cfg: TrainConfig, vocab_size: int) -> LlamaConfig:
     return mcfg
 
 
-def checkpoint_model_config(path: str | Path) -> LlamaConfig:
+def checkpoint_model_config(path: str | Path) -> DecoderConfig:
     """The architecture of a Hugging Face, Meta or memfit checkpoint, read without the weights."""
     return read_config(path)[0]
 
 
-def run_model_config(cfg: TrainConfig) -> LlamaConfig:
+def run_model_config(cfg: TrainConfig) -> DecoderConfig:
     """The architecture a run would build, without reading weights or data: ``checkpoint_dir``'s config, or the
     preset with ``model_args``; when the preset has no ``vocab_size``, the tokenizer's (``tokenizer.vocab_size``
     for BPE, the file's for ``file``, 256 for ``char``, whose real size the corpus decides)."""
@@ -117,13 +120,16 @@ def run_model_config(cfg: TrainConfig) -> LlamaConfig:
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def apply_method(model: Llama, cfg: TrainConfig) -> None:
+def apply_method(model: Decoder, cfg: TrainConfig) -> None:
     """Add and unfreeze the weights ``cfg.method`` trains (LoRA, QLoRA or adapter; ``full`` trains everything).
 
     The new weights are initialised from ``cfg.seed``, so a run (and its resume) is a function of its config.
     QLoRA stores the decoder linears in NF4 first (those :func:`load_base` quantized while reading are kept).
+    A mixture of experts' routers are frozen in a full fine-tune unless ``moe.train_router`` says otherwise.
     """
     if cfg.method == "full":
+        if not trains_router(cfg):
+            moe.freeze_routers(model)
         return
 
     if cfg.method in peft.LORA_METHODS:
@@ -145,7 +151,7 @@ def apply_method(model: Llama, cfg: TrainConfig) -> None:
         )
 
 
-def build_model(cfg: TrainConfig, mcfg: LlamaConfig, device: torch.device) -> Llama:
+def build_model(cfg: TrainConfig, mcfg: DecoderConfig, device: torch.device) -> Decoder:
     """The model a run starts from: random init (pretraining) or ``checkpoint_dir``'s weights, with the method
     applied. Weights are materialised tensor by tensor in the dtype policy's parameter dtype.
 
@@ -155,16 +161,16 @@ def build_model(cfg: TrainConfig, mcfg: LlamaConfig, device: torch.device) -> Ll
     dtype = PARAM_DTYPES[cfg.dtype]
     torch.manual_seed(cfg.seed)  # the global RNG (dropout) starts from the seed in every case
     if device.type == "meta":
-        model = build_llama(mcfg, device="meta", dtype=dtype)
+        model = build_decoder(mcfg, device="meta", dtype=dtype)
     elif cfg.checkpoint_dir is None:
-        model = build_llama(mcfg, device=device, dtype=dtype, seed=cfg.seed)
+        model = build_decoder(mcfg, device=device, dtype=dtype, seed=cfg.seed)
     else:
         model = load_base(cfg, device)
     apply_method(model, cfg)
     return model
 
 
-def load_base(cfg: TrainConfig, device: torch.device | str) -> Llama:
+def load_base(cfg: TrainConfig, device: torch.device | str) -> Decoder:
     """``checkpoint_dir``'s weights in the dtype policy's parameter dtype; for QLoRA each decoder linear is
     quantized to NF4 as it is read (:func:`memfit.models.peft.quantize_for_qlora`), so host memory peaks near the
     4-bit model plus one tensor's quantization, never the full-precision model.
@@ -189,7 +195,7 @@ def quantize_while_loading(name: str, tensor: torch.Tensor) -> torch.Tensor:
     return quantized
 
 
-def _check_nf4_sharding(model: Llama, world_size: int) -> None:
+def _check_nf4_sharding(model: Decoder, world_size: int) -> None:
     try:
         peft.check_nf4_sharding(model, world_size)
     except ValueError as exc:
@@ -208,13 +214,13 @@ def check_sharding(cfg: TrainConfig, world_size: int) -> None:
 
 
 def initial_parameters(
-    cfg: TrainConfig, mcfg: LlamaConfig, model: Llama, device: torch.device
+    cfg: TrainConfig, mcfg: DecoderConfig, model: Decoder, device: torch.device
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """The starting value of every parameter of ``model`` (built by ``build_model(..., meta)``), one whole tensor
     at a time: what :func:`build_model` gives a materialised model, for a sharded run to keep its part of.
 
     Base weights are read from ``checkpoint_dir`` (checked against the model before this returns) or drawn in
-    ``named_parameters`` order from a generator seeded with ``cfg.seed`` on ``device``, as ``build_llama`` draws
+    ``named_parameters`` order from a generator seeded with ``cfg.seed`` on ``device``, as ``build_decoder`` draws
     them; LoRA / adapter weights are drawn as :func:`memfit.models.peft.apply_lora` / ``apply_adapter`` draw them.
 
     Raises:
@@ -258,7 +264,7 @@ class TrainingModel:
     """What :func:`build_training` returns: the run's model and optimizer, with its parameter counts."""
 
     model: torch.nn.Module
-    """The model: a :class:`~memfit.models.llama.Llama` with the method and activation checkpointing applied;
+    """The model: a :class:`~memfit.models.decoder.Llama` with the method and activation checkpointing applied;
     sharded, FSDP2's module (parameters are DTensor shards) or FSDP1's wrapper."""
     optimizer: torch.optim.Optimizer
     """Over the trainable parameters (an :class:`~memfit.memory.optim.OptimizerInBackward` with
@@ -271,7 +277,7 @@ class TrainingModel:
 
 def build_training(
     cfg: TrainConfig,
-    mcfg: LlamaConfig,
+    mcfg: DecoderConfig,
     device: torch.device,
     *,
     world_size: int = 1,
@@ -334,7 +340,9 @@ def build_training(
             peft.empty_nf4_(model, torch.device("cpu"))  # to_empty leaves an NF4 weight's scales on meta
             dist_.unwrap(model).model.reset_rope()
         elif world_size > 1:
-            dist_.materialize_sharded(model, initial, device, peft.to_nf4 if cfg.method == "qlora" else None)
+            dist_.materialize_sharded(
+                model, initial, device, nf4_format.to_nf4 if cfg.method == "qlora" else None
+            )
         optimizer = build_optimizer(
             model,
             cfg.optimizer,
@@ -385,7 +393,7 @@ def check_base(cfg: TrainConfig, state: dict[str, Any], ckpt: Path) -> None:
 
 def load_for_generation(
     path: str | Path, device: str | torch.device = "cpu"
-) -> tuple[Llama, object, Template | None]:
+) -> tuple[Decoder, object, Template | None]:
     """Load a model, its tokenizer and its prompt template for sampling.
 
     Args:
@@ -417,7 +425,7 @@ def load_for_generation(
     dtype = {"bf16": torch.bfloat16}.get(cfg.dtype, torch.float32)
     tokenizer = load_tokenizer(ckpt / "tokenizer")
     if cfg.method == "full":
-        model = build_llama(mcfg, device=device, dtype=dtype, init=False)
+        model = build_decoder(mcfg, device=device, dtype=dtype, init=False)
     else:  # the frozen base, then the method's weights from the checkpoint
         check_base(cfg, state, ckpt)
         model = load_base(cfg, device)  # the dtype policy's parameter dtype, as `dtype` above

@@ -5,7 +5,7 @@ Layout of ``output_dir/checkpoints/step_00000250/``:
 - ``model.safetensors``: the weights under Hugging Face ``LlamaForCausalLM`` names (a tied ``lm_head.weight``
   is stored once, as ``model.embed_tokens.weight``); or, for LoRA and adapter runs, ``adapter.safetensors``: only
   the trainable weights (the frozen base is re-read from the run's ``checkpoint_dir``);
-- ``model_config.json``: the :class:`~memfit.models.llama.LlamaConfig`;
+- ``model_config.json``: the :class:`~memfit.models.decoder.DecoderConfig`;
 - ``optimizer.pt``: ``optimizer.state_dict()`` (tensors, numbers and lists only; read with ``weights_only=True``);
 - ``trainer_state.json``: step, data position, RNG states, the run config, and the byte size of every file here
   (so a truncated file is caught before it is read);
@@ -46,7 +46,7 @@ from safetensors.torch import load_file, save_file
 from memfit import storage
 from memfit.errors import CheckpointError
 from memfit.filemode import give_default_mode
-from memfit.models.llama import LlamaConfig, RopeScaling
+from memfit.models.config import DecoderConfig, RopeScaling
 
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 WEIGHTS = "model.safetensors"
@@ -216,15 +216,15 @@ def _single_process_dcp() -> Iterator[None]:
         yield
 
 
-def model_config_to_dict(config: LlamaConfig) -> dict[str, Any]:
+def model_config_to_dict(config: DecoderConfig) -> dict[str, Any]:
     return dataclasses.asdict(config)
 
 
-def model_config_from_dict(data: dict[str, Any]) -> LlamaConfig:
+def model_config_from_dict(data: dict[str, Any]) -> DecoderConfig:
     data = dict(data)
     if data.get("rope_scaling") is not None:
         data["rope_scaling"] = RopeScaling(**data["rope_scaling"])
-    return LlamaConfig(**data)
+    return DecoderConfig(**data)
 
 
 def trainable_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -273,7 +273,7 @@ def save_checkpoint(
     output_dir: str | Path,
     step: int,
     model: torch.nn.Module,
-    model_config: LlamaConfig,
+    model_config: DecoderConfig,
     optimizer: torch.optim.Optimizer | None,
     trainer_state: dict[str, Any],
     tokenizer,
@@ -340,7 +340,7 @@ def save(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     *,
-    model_config: LlamaConfig,
+    model_config: DecoderConfig,
     trainer_state: dict[str, Any],
     tokenizer,
     keep_last: int,
@@ -485,8 +485,8 @@ def read_trainer_state(ckpt: Path) -> dict[str, Any]:
         ) from None
 
 
-def read_model_config(ckpt: Path) -> LlamaConfig:
-    """The :class:`LlamaConfig` saved in a checkpoint.
+def read_model_config(ckpt: Path) -> DecoderConfig:
+    """The :class:`DecoderConfig` saved in a checkpoint.
 
     Raises:
         CheckpointError: missing or invalid.
@@ -651,7 +651,7 @@ def save_sharded_checkpoint(
     output_dir: str | Path,
     step: int,
     model: torch.nn.Module,
-    model_config: LlamaConfig,
+    model_config: DecoderConfig,
     optimizer: torch.optim.Optimizer,
     trainer_state: dict[str, Any],
     tokenizer,
@@ -741,7 +741,7 @@ def save_gathered_trainable_checkpoint(
     output_dir: str | Path,
     step: int,
     model: torch.nn.Module,
-    model_config: LlamaConfig,
+    model_config: DecoderConfig,
     optimizer: torch.optim.Optimizer,
     trainer_state: dict[str, Any],
     tokenizer,

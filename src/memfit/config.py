@@ -195,6 +195,32 @@ class SampleConfig:
 
 
 @dataclass
+class MoeConfig:
+    """A mixture-of-experts model's training options (:mod:`memfit.models.moe`); a dense model ignores them."""
+
+    train_router: bool | None = None
+    """The routers (``mlp.gate.weight``) train; None: when pretraining, and not when fine-tuning (``checkpoint_dir``
+    set), as peers fine-tune (unsloth, axolotl: the experts each token reaches stay the checkpoint's). True is for
+    ``method: full`` only."""
+    router_aux_loss_coef: float | None = None
+    """Weight of the load-balancing loss (Switch Transformer) added to the objective; None is the checkpoint's
+    ``router_aux_loss_coef`` when the routers train, else 0. A positive weight needs ``train_router``."""
+
+
+@dataclass
+class EstimateConfig:
+    """What an estimate assumes where memory depends on the data (``memfit estimate``, ``plan`` and the pre-flight
+    of a run)."""
+
+    moe_skew: float = 2.0
+    """A mixture of experts' routing: balanced top-k, the busiest expert receiving this many times its average
+    share of the routed tokens (MindSpeed's threshold, 2.0); at least 1."""
+    moe_bound: bool = False
+    """Take the bound instead, every token of a micro-batch at the same k experts, as the figure the pre-flight
+    holds against the budget (both figures are reported either way)."""
+
+
+@dataclass
 class DistributedConfig:
     """Sharding over the ranks of a ``torchrun`` launch (ignored in a single process). See
     :mod:`memfit.distributed`. Each group of ``sequence_parallel`` ranks trains on its own ``batch_size``
@@ -328,12 +354,15 @@ class TrainConfig:
     model: str = "shakespeare"
     """Model preset (see :mod:`memfit.models.presets`)."""
     model_args: dict[str, Any] = field(default_factory=dict)
-    """Overrides of the preset's :class:`~memfit.models.llama.LlamaConfig` fields, e.g. ``model_args.num_layers=4``."""
+    """Overrides of the preset's :class:`~memfit.models.decoder.DecoderConfig` fields, e.g.
+    ``model_args.num_layers=4``."""
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optimizer: OptimizerConfig = field(default_factory=lambda: OptimizerConfig(name=default_optimizer(None)))
     sample: SampleConfig = field(default_factory=SampleConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    moe: MoeConfig = field(default_factory=MoeConfig)
+    estimate: EstimateConfig = field(default_factory=EstimateConfig)
 
     method: str = "full"
     """``full`` (every weight trains), ``lora``, ``qlora`` or ``adapter`` (only the small added weights train:

@@ -40,7 +40,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from memfit import lifeline
 from memfit.config import TrainConfig
-from memfit.models.llama import DecoderLayer
+from memfit.models.decoder import DecoderLayer
 
 # ----------------------------------------------------------------------------------------------------------------
 # Process group and rank helpers
@@ -274,7 +274,7 @@ def shard_model(model: torch.nn.Module, cfg: TrainConfig, device: torch.device) 
     Apply after the method (LoRA / adapter) and activation checkpointing, before building the optimizer.
 
     Args:
-        model: a :class:`~memfit.models.llama.Llama`, materialised on ``device`` (or on the host with
+        model: a :class:`~memfit.models.decoder.Llama`, materialised on ``device`` (or on the host with
             ``distributed.cpu_offload``).
         cfg: the run config (``distributed.*`` and ``dtype``).
         device: this rank's device.
@@ -526,7 +526,7 @@ def _owner(units: dict[str, torch.nn.Module], name: str) -> torch.nn.Module:
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    """The :class:`~memfit.models.llama.Llama` inside an FSDP1 wrapper (FSDP2 models are their own)."""
+    """The :class:`~memfit.models.decoder.Llama` inside an FSDP1 wrapper (FSDP2 models are their own)."""
 
     return model.module if is_fsdp1(model) else model
 

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from memfit.models.llama import LlamaConfig
+from memfit.models.config import DecoderConfig
 
 # dense (not 2:4 sparse) peak FLOP/s from the vendors' data sheets: (bf16 / fp16 tensor cores, fp32 matmuls as
 # torch runs them by default: TF32 off, so plain fp32 FMA units)
@@ -56,7 +56,7 @@ CUDA_PEAK_FLOPS: dict[str, tuple[float, float]] = {
 _CPU_PROBE: dict[tuple[int, str], float] = {}  # (threads, dtype) -> FLOP/s
 
 
-def training_flops_per_token(mcfg: LlamaConfig, seq_len: int, full: bool = True) -> float:
+def training_flops_per_token(mcfg: DecoderConfig, seq_len: int, full: bool = True) -> float:
     """Model FLOPs of one training token (forward + backward), see the module docstring.
 
     Args:
@@ -68,7 +68,7 @@ def training_flops_per_token(mcfg: LlamaConfig, seq_len: int, full: bool = True)
         FLOPs per token.
     """
     d, hd = mcfg.dim, mcfg.head_dim
-    per_layer = 2 * d * mcfg.num_heads * hd + 2 * d * mcfg.num_kv_heads * hd + 3 * d * mcfg.intermediate_size
+    per_layer = 2 * d * mcfg.num_heads * hd + 2 * d * mcfg.num_kv_heads * hd + mcfg.mlp_weights(active=True)
     matmul_weights = mcfg.num_layers * per_layer + d * mcfg.vocab_size
     width = mcfg.num_heads * hd  # dim, unless the family sets head_dim
     attention = 0.0

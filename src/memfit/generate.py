@@ -18,12 +18,12 @@ from collections.abc import Collection
 import torch
 
 from memfit.data.instruct import encode_prompt, stop_token_ids
-from memfit.models.llama import Llama
+from memfit.models.decoder import Decoder
 
 
 @torch.no_grad()
 def generate(
-    model: Llama,
+    model: Decoder,
     ids: torch.Tensor,
     *,
     max_new_tokens: int,
@@ -101,7 +101,7 @@ def prompt_ids(tokenizer, prompt: str, template: str | None = None) -> list[int]
 
 
 def generate_text(
-    model: Llama,
+    model: Decoder,
     tokenizer,
     prompt: str,
     *,

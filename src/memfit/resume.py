@@ -16,7 +16,7 @@ from memfit.config import TrainConfig, config_from_dict, config_to_dict
 from memfit.data.run import tokenizer_settings
 from memfit.errors import CheckpointError, ConfigError
 from memfit.models import peft
-from memfit.models.llama import LlamaConfig
+from memfit.models.config import DecoderConfig
 
 
 def find_resume(cfg: TrainConfig) -> tuple[Path | None, dict[str, Any] | None]:
@@ -114,7 +114,9 @@ def check_resume_matches(cfg: TrainConfig, saved: TrainConfig, output_dir: str) 
             )
 
 
-def check_resume_model(cfg: TrainConfig, resume_dir: Path, state: dict[str, Any], mcfg: LlamaConfig) -> None:
+def check_resume_model(
+    cfg: TrainConfig, resume_dir: Path, state: dict[str, Any], mcfg: DecoderConfig
+) -> None:
     """Refuse to resume the run saved in ``resume_dir`` with another architecture than its own (``model``,
     ``model_args``, or what ``checkpoint_dir`` holds now), before anything is traced or allocated.
 
@@ -125,7 +127,7 @@ def check_resume_model(cfg: TrainConfig, resume_dir: Path, state: dict[str, Any]
         mcfg: the architecture ``cfg`` asks for.
 
     Raises:
-        ConfigError: naming the key and every :class:`~memfit.models.llama.LlamaConfig` field that differs, with
+        ConfigError: naming the key and every :class:`~memfit.models.decoder.DecoderConfig` field that differs, with
             the checkpoint's value and the config's.
         CheckpointError: the checkpoint's ``model_config.json`` is missing or corrupt.
     """

@@ -31,6 +31,7 @@ from memfit.config import TrainConfig
 from memfit.memory import optimizers, techniques
 from memfit.memory.optim import OptimizerInBackward
 from memfit.memory.techniques import IGNORE_INDEX, compiled
+from memfit.models import moe
 from memfit.models.peft import lora_effective_weight
 
 
@@ -90,7 +91,7 @@ def micro_batch_loss(
     """Summed cross-entropy of one micro-batch (the forward half of a step).
 
     Args:
-        model: a :class:`~memfit.models.llama.Llama`.
+        model: a :class:`~memfit.models.decoder.Llama`.
         inputs: ``(B, T)`` int64 ids.
         targets: ``(B, T)`` int64; ``-100`` does not count.
         dtype: the dtype policy (``bf16_mixed`` runs the forward under bf16 autocast).
@@ -149,6 +150,7 @@ def train_step(
     compile: bool = False,
     skip_nonfinite: bool = False,
     tracker=None,
+    router_aux_loss_coef: float | None = None,
 ) -> StepResult:
     """One optimizer step over ``gradient_accumulation_steps`` micro-batches.
 
@@ -174,6 +176,9 @@ def train_step(
             ``skipped=True`` (one host sync: the decision is needed before the update). Not with an
             :class:`~memfit.memory.optim.OptimizerInBackward`, whose updates happen during backward.
         tracker: a :class:`~memfit.memory.tracker.MemoryTracker` to tell the phases to, or ``None``.
+        router_aux_loss_coef: a mixture of experts' load-balancing loss weight (``moe.router_aux_loss_coef``:
+            :func:`memfit.models.moe.aux_loss_coefficient`), each micro-batch's loss weighted by
+            ``1 / gradient_accumulation_steps``; a dense model ignores it.
 
     Returns:
         A :class:`StepResult` of device tensors (no host sync happened, unless ``skip_nonfinite``).
@@ -187,24 +192,28 @@ def train_step(
     )
     denom = num_tokens.clamp(min=1).float()
     total = torch.zeros((), dtype=torch.float32, device=micro_batches[0][0].device)
+    # a mixture of experts' load-balancing loss: its gradient, per micro-batch, added inside each MoE layer
+    aux_scale = moe.aux_loss_coefficient(model, router_aux_loss_coef) / len(micro_batches)
     for inputs, targets, *rest in micro_batches:
-        _phase(tracker, "forward")
-        loss = (
-            micro_batch_loss(
-                model,
-                inputs,
-                targets,
-                dtype=dtype,
-                chunked_cross_entropy=chunked_cross_entropy,
-                doc_ids=rest[0] if rest else None,
-                compile=compile,
-                positions=rest[1] if len(rest) > 1 else None,
-                defer_head_gradient=in_backward,
+        # around the forward and its backward (a checkpointed layer runs its forward again in the backward)
+        with moe.aux_loss_scale(aux_scale):
+            _phase(tracker, "forward")
+            loss = (
+                micro_batch_loss(
+                    model,
+                    inputs,
+                    targets,
+                    dtype=dtype,
+                    chunked_cross_entropy=chunked_cross_entropy,
+                    doc_ids=rest[0] if rest else None,
+                    compile=compile,
+                    positions=rest[1] if len(rest) > 1 else None,
+                    defer_head_gradient=in_backward,
+                )
+                / denom
             )
-            / denom
-        )
-        _phase(tracker, "backward")
-        (loss * world if world > 1 else loss).backward()
+            _phase(tracker, "backward")
+            (loss * world if world > 1 else loss).backward()
         total = total + loss.detach()
     _phase(tracker, "optimizer_step")
     total = dist_.all_reduce_sum(total)
@@ -282,7 +291,11 @@ EVALUATION_OPTIONS = ("dtype", "chunked_cross_entropy", "compile")
 
 def train_step_options(cfg: TrainConfig) -> dict[str, Any]:
     """The keyword arguments of :func:`train_step` that ``cfg`` sets (the loop and the estimator pass the same)."""
-    return {"max_grad_norm": cfg.max_grad_norm, **{key: getattr(cfg, key) for key in STEP_OPTIONS}}
+    return {
+        "max_grad_norm": cfg.max_grad_norm,
+        "router_aux_loss_coef": cfg.moe.router_aux_loss_coef,
+        **{key: getattr(cfg, key) for key in STEP_OPTIONS},
+    }
 
 
 def evaluation_options(cfg: TrainConfig, device: torch.device) -> dict[str, Any]:

@@ -44,7 +44,7 @@ from memfit.memory.stats import PeakMemory, process_peak_rss, tracked_memory_fie
 from memfit.memory.timeline import plot_timeline
 from memfit.memory.tracker import MemoryTracker
 from memfit.metrics import MetricsLogger, Throughput, plot_losses
-from memfit.models.llama import LlamaConfig
+from memfit.models.config import DecoderConfig
 from memfit.planner.disk import check_checkpoint_disk
 from memfit.planner.preflight import preflight
 from memfit.resume import check_resume, check_resume_model, find_resume, resume_notes, resumed_config
@@ -184,7 +184,7 @@ class _Run:
     resume_dir: Path | None
     resume_state: dict[str, Any] | None
     tokenizer: Any
-    mcfg: LlamaConfig
+    mcfg: DecoderConfig
     seq_len: int
     data: RunData
 

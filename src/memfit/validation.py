@@ -17,7 +17,7 @@ from memfit.data import formats
 from memfit.errors import ConfigError, DataError
 from memfit.memory import hybrids, switches
 from memfit.models import peft
-from memfit.models.llama import LlamaConfig
+from memfit.models.config import DecoderConfig
 from memfit.models.presets import MODEL_PRESETS, model_config
 from memfit.units import parse_bytes
 
@@ -87,6 +87,42 @@ def validate(cfg: TrainConfig, world_size: int = 1, *, needs_weights: bool = Tru
     switches.check(cfg, switches.Target(device_type(cfg.device), world_size))
     _validate_sample_and_logging(cfg)
     _validate_model(cfg)
+    _validate_moe(cfg)
+
+
+def trains_router(cfg: TrainConfig) -> bool:
+    """Whether a run's routers train (``moe.train_router``, None resolved: pretraining yes, fine-tuning no)."""
+    if cfg.moe.train_router is None:
+        return cfg.checkpoint_dir is None and cfg.method == "full"
+    return cfg.moe.train_router
+
+
+def _validate_moe(cfg: TrainConfig) -> None:
+    """The mixture-of-experts keys: the routers train in a full fine-tune only, and the load-balancing loss needs
+    them to."""
+    skew = cfg.estimate.moe_skew
+    _require(
+        not isinstance(skew, bool) and skew >= 1.0,
+        "estimate.moe_skew",
+        f"is {skew!r}; it must be at least 1.0 (1.0: every expert exactly its average share)",
+    )
+    coef = cfg.moe.router_aux_loss_coef
+    _require(
+        coef is None or (not isinstance(coef, bool) and coef >= 0),
+        "moe.router_aux_loss_coef",
+        f"is {coef!r}; it must be null (the checkpoint's) or a number >= 0",
+    )
+    _require(
+        cfg.moe.train_router is not True or cfg.method == "full",
+        "moe.train_router",
+        f"is true with method {cfg.method!r}; the routers train in a full fine-tune only (method=full)",
+    )
+    _require(
+        not coef or trains_router(cfg),
+        "moe.router_aux_loss_coef",
+        f"is {coef}, but the routers do not train (moe.train_router); the load-balancing loss trains them: set "
+        f"moe.train_router=true, or the weight to 0",
+    )
 
 
 def _validate_run(cfg: TrainConfig) -> None:
@@ -270,7 +306,7 @@ def _validate_model(cfg: TrainConfig) -> None:
     check_lengths(cfg, mcfg, 0)
 
 
-def check_lengths(cfg: TrainConfig, mcfg: LlamaConfig, vocab_size: int) -> int:
+def check_lengths(cfg: TrainConfig, mcfg: DecoderConfig, vocab_size: int) -> int:
     """The training sequence length, checked against the model (validation does this for a preset; a run and
     the estimator again once the architecture of ``checkpoint_dir`` or the tokenizer's vocabulary is known), with
     the switches' checks that need the architecture (:func:`memfit.memory.switches.check_model`).

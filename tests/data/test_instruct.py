@@ -665,12 +665,12 @@ def test_packed_rows(packed_pair):
 
 
 def test_packed_loss_equals_unpacked_losses(packed_pair):
-    from memfit.models.llama import build_llama
+    from memfit.models.decoder import build_decoder
     from memfit.models.presets import model_config
 
     plain, packed = packed_pair
     torch.manual_seed(0)
-    model = build_llama(model_config("tiny", vocab_size=2256, max_seq_len=384), seed=0).eval()
+    model = build_decoder(model_config("tiny", vocab_size=2256, max_seq_len=384), seed=0).eval()
     with torch.no_grad():
         inputs, targets, doc_ids = packed.train.batch(len(packed.train), 0, seed=None)
         logits = model(inputs, doc_ids)  # (B, T, V)

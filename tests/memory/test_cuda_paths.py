@@ -16,7 +16,7 @@ from torch import nn
 from memfit.config import OptimizerConfig, load_config
 from memfit.memory.optim import build_optimizer
 from memfit.memory.tracker import MemoryTracker
-from memfit.models import llama
+from memfit.models import decoder
 from memfit.planner.cuda_paths import cuda_paths, cuda_sdpa_backend
 from memfit.planner.estimate import estimate_run
 from memfit.planner.fake_trace import fake_mode
@@ -173,10 +173,10 @@ def test_attention_saves_what_the_cuda_kernel_saves(dtype, t, masked, on_cpu, on
     with FakeTensorMode():
         q, k, v = qkv(B, NH, NKV, t, HD, dtype)
         doc_ids = torch.zeros(B, t, dtype=torch.long) if masked else None
-        assert saved_bytes(lambda: llama.causal_attention(q, k, v, doc_ids=doc_ids)) == on_cpu
+        assert saved_bytes(lambda: decoder.causal_attention(q, k, v, doc_ids=doc_ids)) == on_cpu
         with cuda_paths(True):
-            assert saved_bytes(lambda: llama.causal_attention(q, k, v, doc_ids=doc_ids)) == on_cuda
-            y = llama.causal_attention(q, k, v, doc_ids=doc_ids)
+            assert saved_bytes(lambda: decoder.causal_attention(q, k, v, doc_ids=doc_ids)) == on_cuda
+            y = decoder.causal_attention(q, k, v, doc_ids=doc_ids)
             y.sum().backward()  # the CUDA kernels' backward runs on fake tensors too
         assert y.shape == q.shape and k.grad.shape == k.shape
 
@@ -184,13 +184,13 @@ def test_attention_saves_what_the_cuda_kernel_saves(dtype, t, masked, on_cpu, on
 def test_cuda_paths_swaps_only_while_entered():
     import torchao.optim.adam as adam  # noqa: F401 - torchao imported: its update is swapped too
 
-    originals = (F.scaled_dot_product_attention, llama.causal_attention, adam.single_param_adam)
+    originals = (F.scaled_dot_product_attention, decoder.causal_attention, adam.single_param_adam)
     with cuda_paths(False):
-        assert (F.scaled_dot_product_attention, llama.causal_attention, adam.single_param_adam) == originals
+        assert (F.scaled_dot_product_attention, decoder.causal_attention, adam.single_param_adam) == originals
     with cuda_paths(True):
-        swapped = (F.scaled_dot_product_attention, llama.causal_attention, adam.single_param_adam)
+        swapped = (F.scaled_dot_product_attention, decoder.causal_attention, adam.single_param_adam)
         assert all(a is not b for a, b in zip(swapped, originals, strict=True))
-    assert (F.scaled_dot_product_attention, llama.causal_attention, adam.single_param_adam) == originals
+    assert (F.scaled_dot_product_attention, decoder.causal_attention, adam.single_param_adam) == originals
     from memfit.memory import hybrids
 
     # off CUDA torchao's eager update runs chunk by chunk; a CUDA run updates each tensor whole (compiled)

@@ -23,7 +23,7 @@ from memfit.convert.hf import export_hf
 from memfit.memory.allocator import CUDA_CONTEXT_BYTES_ESTIMATE, cublas_workspace_bytes, replay
 from memfit.memory.tracker import ALL_GATHER_STREAM, CATEGORIES, PHASES
 from memfit.metrics import read_records
-from memfit.models.llama import build_llama
+from memfit.models.decoder import build_decoder
 from memfit.models.presets import model_config
 from memfit.planner.estimate import CUBLAS_SM, estimate_run
 from memfit.tokenizer import train_bpe
@@ -65,7 +65,7 @@ def hf_tiny(tmp_path_factory, small_corpus) -> Path:
     BPE trained on the corpus: the base of the LoRA / adapter cases (estimates read its config and headers only)."""
     out = tmp_path_factory.mktemp("hf_tiny") / "hf"
     tokenizer = train_bpe(small_corpus.read_text(encoding="utf-8"), 512)
-    return export_hf(build_llama(model_config("tiny", vocab_size=512), seed=0), out, tokenizer=tokenizer)
+    return export_hf(build_decoder(model_config("tiny", vocab_size=512), seed=0), out, tokenizer=tokenizer)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -107,7 +107,7 @@ STATE_CASES = {
 
 
 def test_tiny_preset_counts():
-    numels = [p.numel() for p in build_llama(model_config("tiny"), device="meta").parameters()]
+    numels = [p.numel() for p in build_decoder(model_config("tiny"), device="meta").parameters()]
     assert (sum(numels), len(numels)) == (P, NUM_TENSORS)
 
 

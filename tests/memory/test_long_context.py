@@ -15,7 +15,7 @@ from memfit.memory.techniques import apply_activation_checkpointing, loss_chunks
 from memfit.memory.tiled import apply_tiled_mlp, mlp_tiles
 from memfit.memory.tracker import MemoryTracker
 from memfit.models import peft
-from memfit.models.llama import build_llama
+from memfit.models.decoder import build_decoder
 from memfit.models.presets import model_config
 from memfit.planner.estimate import estimate_run
 from memfit.step import loss_sum, train_step, train_step_options
@@ -82,10 +82,10 @@ def test_tiles_and_chunks_are_functions_of_the_shapes():
 @pytest.mark.parametrize("ac", ["none", "selective", "full"])
 def test_tiled_mlp_gives_the_untiled_loss_and_gradients(method, ac):
     x, y = _batch()
-    ref = _method(build_llama(TINY, seed=0), method)
+    ref = _method(build_decoder(TINY, seed=0), method)
     apply_activation_checkpointing(ref, ac)
     want_loss, want = _loss_and_grads(ref, x, y)
-    model = _method(build_llama(TINY, seed=0), method)
+    model = _method(build_decoder(TINY, seed=0), method)
     assert apply_tiled_mlp(model, 5) == TINY.num_layers  # 48 tokens in 5 tiles: the last one shorter
     apply_activation_checkpointing(model, ac)
     loss, got = _loss_and_grads(model, x, y)
@@ -104,7 +104,7 @@ def test_tiled_mlp_under_bf16_autocast_recomputes_in_bf16():
     x, y = _batch()
     results = []
     for tiles in (0, 3):
-        model = build_llama(TINY, seed=0)
+        model = build_decoder(TINY, seed=0)
         apply_tiled_mlp(model, tiles)
         with torch.autocast("cpu", dtype=torch.bfloat16):
             loss = loss_sum(model(x), y)
@@ -120,7 +120,7 @@ def test_tiled_mlp_hands_each_parameter_one_gradient():
     """The tiles' weight gradients reach each parameter summed, once: a post-accumulate hook (the optimizer in
     backward's) fires once per parameter, with the whole gradient."""
     x, y = _batch()
-    model = build_llama(TINY, seed=0)
+    model = build_decoder(TINY, seed=0)
     apply_tiled_mlp(model, 4)
     calls: dict[str, int] = {}
     for name, p in model.named_parameters():
@@ -142,7 +142,7 @@ def test_a_checkpointed_layer_s_recomputation_skips_the_tiles(ac, forwards, monk
     plain = tiled._untiled
     monkeypatch.setattr(tiled, "_untiled", lambda module, x: calls.append(len(x)) or plain(module, x))
     x, y = _batch()
-    model = build_llama(TINY, seed=0)
+    model = build_decoder(TINY, seed=0)
     apply_tiled_mlp(model, 3)
     apply_activation_checkpointing(model, ac)
     loss_sum(model(x), y).backward()
@@ -164,7 +164,7 @@ def test_tiled_mlp_holds_swiglu_tensors_for_one_tile_at_a_time():
             return out
 
     for tiles, rows in ((0, 512), (4, 128)):
-        model = build_llama(TINY, seed=0)
+        model = build_decoder(TINY, seed=0)
         apply_tiled_mlp(model, tiles)
         Widest.rows = 0
         with Widest():
@@ -181,7 +181,7 @@ def test_tiled_mlp_saves_only_its_input_for_backward():
         (0, 4 * B * T * (TINY.dim + 4 * TINY.intermediate_size)),
         (4, 4 * B * T * TINY.dim),
     ):
-        model = build_llama(TINY, seed=0)
+        model = build_decoder(TINY, seed=0)
         apply_tiled_mlp(model, tiles)
         storages = {}
 
@@ -276,10 +276,10 @@ def test_tracked_peak_of_packed_documents_grows_linearly():
 def test_offloading_on_cpu_hands_tensors_back_as_they_are():
     """On CPU the host is the device: the hooks run around every layer, move nothing, and change no number."""
     x, y = _batch()
-    ref = build_llama(TINY, seed=0)
+    ref = build_decoder(TINY, seed=0)
     apply_activation_checkpointing(ref, "full")
     want_loss, want = _loss_and_grads(ref, x, y)
-    model = build_llama(TINY, seed=0)
+    model = build_decoder(TINY, seed=0)
     apply_activation_checkpointing(model, "full")
     assert apply_activation_offloading(model) == TINY.num_layers
     offload.OffloadStats.reset()

@@ -17,7 +17,7 @@ from memfit.config import OptimizerConfig, load_config
 from memfit.errors import ConfigError
 from memfit.memory import hybrids, optimizers
 from memfit.memory.optim import build_optimizer, describe_partition, optimizer_state_bytes, param_groups
-from memfit.models.llama import build_llama
+from memfit.models.decoder import build_decoder
 from memfit.models.presets import model_config
 from memfit.planner import plan as P
 from memfit.planner.estimate import estimate_run
@@ -71,7 +71,7 @@ def _named(model, *suffixes, ndim=2):
 
 def test_muon_is_a_hand_built_torch_muon_and_adamw_pair():
     """Hidden matrices on torch.optim.Muon, the embedding and lm_head (decayed) and the norms (not) on AdamW."""
-    model, ref = build_llama(TINY, seed=0), build_llama(TINY, seed=0)
+    model, ref = build_decoder(TINY, seed=0), build_decoder(TINY, seed=0)
     opt = build_optimizer(model, _cfg("muon", muon_ns_dtype="bf16"))  # torch's Newton-Schulz dtype
     hidden = [p for n, p in ref.named_parameters() if p.ndim == 2 and ".layers." in n]
     outer = [p for n, p in ref.named_parameters() if p.ndim == 2 and ".layers." not in n]
@@ -90,7 +90,7 @@ def test_muon_is_a_hand_built_torch_muon_and_adamw_pair():
         muon.step(), adamw.step()
         muon.zero_grad(), adamw.zero_grad()
     assert _same_weights(model, ref)
-    assert not _same_weights(model, build_llama(TINY, seed=0))
+    assert not _same_weights(model, build_decoder(TINY, seed=0))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -187,12 +187,12 @@ def test_muon_ns_dtype_auto_follows_the_hardware(monkeypatch):
 @pytest.mark.parametrize("setting", ["fp32", "bf16"])
 def test_optimizer_muon_ns_dtype_reaches_the_built_optimizer(setting):
     """``optimizer.muon_ns_dtype`` is the built Muon's; fp32 and bf16 give different weights after a step."""
-    model = build_llama(TINY, seed=0)
+    model = build_decoder(TINY, seed=0)
     opt = build_optimizer(model, _cfg("muon", muon_ns_dtype=setting))
     expected = torch.float32 if setting == "fp32" else torch.bfloat16
     assert opt.ns_dtype == expected and opt._muon.ns_dtype == expected
     _train(model, opt, 1)
-    other = build_llama(TINY, seed=0)
+    other = build_decoder(TINY, seed=0)
     _train(
         other, build_optimizer(other, _cfg("muon", muon_ns_dtype="bf16" if setting == "fp32" else "fp32")), 1
     )
@@ -200,7 +200,7 @@ def test_optimizer_muon_ns_dtype_reaches_the_built_optimizer(setting):
 
 
 def test_adafactor_is_torch_adafactor():
-    model, ref = build_llama(TINY, seed=0), build_llama(TINY, seed=0)
+    model, ref = build_decoder(TINY, seed=0), build_decoder(TINY, seed=0)
     opt = build_optimizer(model, _cfg("adafactor"))
     groups = [
         {"params": _named(ref), "weight_decay": 0.1},
@@ -221,7 +221,7 @@ def test_apollo_is_the_authors_apollo_adamw(name):
     _require(name)
     from apollo_torch import APOLLOAdamW
 
-    model, ref = build_llama(TINY, seed=0), build_llama(TINY, seed=0)
+    model, ref = build_decoder(TINY, seed=0), build_decoder(TINY, seed=0)
     opt = build_optimizer(model, _cfg(name, update_proj_gap=2))
     mini = name == "apollo_mini"
     settings = {
@@ -246,7 +246,7 @@ def test_apollo_is_the_authors_apollo_adamw(name):
     for step in range(3):
         train_step(ref, package, [_batch(step)], max_grad_norm=0.0, dtype="fp32")
     assert _same_weights(model, ref)
-    assert not _same_weights(model, build_llama(TINY, seed=0))
+    assert not _same_weights(model, build_decoder(TINY, seed=0))
 
 
 def test_adam_mini_is_the_authors_adam_mini_on_llama_names():
@@ -255,7 +255,7 @@ def test_adam_mini_is_the_authors_adam_mini_on_llama_names():
     _require("adam_mini")
     from adam_mini import Adam_mini
 
-    model, ref = build_llama(TINY, seed=0), build_llama(TINY, seed=0)
+    model, ref = build_decoder(TINY, seed=0), build_decoder(TINY, seed=0)
     opt = build_optimizer(model, _cfg("adam_mini"))
     package = Adam_mini(
         ref.named_parameters(),
@@ -280,7 +280,7 @@ def test_adam_mini_blocks_are_heads_where_head_dim_is_not_dim_over_heads():
     not divide the width is refused naming optimizer.name."""
     _require("adam_mini")
     mcfg = model_config("tiny-qwen3")
-    model = build_llama(mcfg, seed=0)
+    model = build_decoder(mcfg, seed=0)
     opt = build_optimizer(model, _cfg("adam_mini"))
     _train(model, opt, 1)
     q, k = (model.model.layers[0].self_attn.q_proj.weight, model.model.layers[0].self_attn.k_proj.weight)
@@ -300,7 +300,7 @@ def test_adam_mini_blocks_are_heads_where_head_dim_is_not_dim_over_heads():
         and blocks["model.layers.0.self_attn.k_proj.weight"] == 2
     )
     assert optimizer_state_bytes(opt) == optimizers.spec("adam_mini").state(infos)
-    odd = build_llama(model_config("tiny", head_dim=24), seed=0)
+    odd = build_decoder(model_config("tiny", head_dim=24), seed=0)
     with pytest.raises(
         ConfigError, match="config key 'optimizer.name': adam_mini .* head_dim 24 does not divide"
     ):
@@ -317,7 +317,7 @@ def test_in_backward_takes_the_same_steps(name):
     """One optimizer per parameter updated inside backward: the same weights as one optimizer after the backward
     (APOLLO's seeds numbered as in one optimizer)."""
     _require(name)
-    plain, inside = build_llama(TINY, seed=0), build_llama(TINY, seed=0)
+    plain, inside = build_decoder(TINY, seed=0), build_decoder(TINY, seed=0)
     cfg = _cfg(name, update_proj_gap=2)
     assert _train(plain, build_optimizer(plain, cfg), 3) == _train(
         inside, build_optimizer(inside, cfg, in_backward=True), 3
@@ -339,11 +339,11 @@ def test_state_dict_round_trip_resumes_exactly(name, in_backward):
     the uninterrupted one (APOLLO redraws its projection at step 4: the saved seed carries over)."""
     _require(name)
     cfg = _cfg(name, update_proj_gap=2)
-    model = build_llama(TINY, seed=0)
+    model = build_decoder(TINY, seed=0)
     opt = build_optimizer(model, cfg, in_backward=in_backward)
     _train(model, opt, 3)
     saved = _save_load(opt.state_dict())
-    resumed = build_llama(TINY, seed=1)
+    resumed = build_decoder(TINY, seed=1)
     resumed.load_state_dict(model.state_dict())
     resumed_opt = build_optimizer(resumed, cfg, in_backward=in_backward)
     resumed_opt.load_state_dict(saved)
@@ -372,7 +372,7 @@ STATE_BYTES = {
 @pytest.mark.parametrize("name", sorted(STATE_BYTES))
 def test_state_bytes_by_hand(name):
     _require(name)
-    model = build_llama(TINY, seed=0)
+    model = build_decoder(TINY, seed=0)
     opt = build_optimizer(model, _cfg(name))
     _train(model, opt, 1)
     assert optimizer_state_bytes(opt) == STATE_BYTES[name]
@@ -386,7 +386,7 @@ def test_state_bytes_by_hand(name):
 
 
 def test_one_partition_for_groups_banner_and_closed_form():
-    model = build_llama(TINY, seed=0)
+    model = build_decoder(TINY, seed=0)
     groups = param_groups(model, 0.1, "muon", adamw_lr_scale=0.5)
     assert [(g["name"], g.get("algorithm"), len(g["params"])) for g in groups] == [
         ("decay", "adamw", 2),
@@ -418,7 +418,7 @@ def test_the_adamw_group_of_muon_follows_the_schedule_at_its_own_lr():
     from memfit.train import _set_lr
 
     cfg = load_config(None, ["optimizer.name=muon", "optimizer.lr=0.02", "optimizer.adamw_lr=0.002"])
-    opt = build_optimizer(build_llama(TINY, seed=0), cfg.optimizer)
+    opt = build_optimizer(build_decoder(TINY, seed=0), cfg.optimizer)
     lr = _set_lr(cfg, opt, cfg.optimizer.warmup_steps)  # the peak
     assert lr == pytest.approx(0.02)
     assert {g["name"]: pytest.approx(g["lr"]) for g in opt.param_groups} == {

@@ -18,7 +18,7 @@ from memfit.config import OptimizerConfig
 from memfit.memory import hybrids, optimizers, rounding
 from memfit.memory.optim import build_optimizer, optimizer_state_bytes
 from memfit.metrics import read_records
-from memfit.models.llama import build_llama
+from memfit.models.decoder import build_decoder
 from memfit.models.presets import model_config
 from tests.conftest import tiny_run_overrides
 
@@ -94,7 +94,7 @@ def test_kahan_keeps_what_nearest_loses():
 
 def _tiny(dtype=torch.bfloat16):
     mcfg = model_config("tiny")
-    return mcfg, build_llama(mcfg, seed=0).to(dtype)
+    return mcfg, build_decoder(mcfg, seed=0).to(dtype)
 
 
 def _steps(model, opt, steps: int, *, in_backward: bool, seed: int = 0) -> list[float]:
@@ -261,13 +261,14 @@ def test_a_resumed_bf16_run_logs_the_same_losses(mode, small_corpus, tmp_path):
 
 def test_chunked_adafactor_is_torch_s_update(monkeypatch, one_thread):
     """memfit's Adafactor in chunks (its rounded path, here on fp32 weights, which it updates in place) against
-    torch's on the same weights and gradients, 4 steps: matrices of 3 chunks, a vector, weight decay and the
-    update clipping (d = 1) both active. The scalars are fp32 tensors instead of Python floats: equal to 1e-6."""
+    torch's on the same weights and gradients, 4 steps: matrices of 3 chunks, a vector, a mixture of experts' 3-D
+    stack (chunks of whole experts), weight decay and the update clipping (d = 1) both active. The scalars are fp32
+    tensors instead of Python floats: equal to 1e-6."""
     from memfit.memory.adafactor import Adafactor
 
     monkeypatch.setattr(hybrids, "LOW_BIT_CHUNK_ELEMENTS", 700)
     torch.manual_seed(0)
-    shapes = [(48, 32), (40,), (7, 100)]
+    shapes = [(48, 32), (40,), (7, 100), (5, 12, 20)]
     ours = [torch.nn.Parameter(torch.randn(s)) for s in shapes]
     theirs = [torch.nn.Parameter(p.detach().clone()) for p in ours]
     mine = Adafactor(ours, lr=1e-2, weight_decay=0.1, d=1.0)

@@ -21,7 +21,8 @@ from memfit.config import OptimizerConfig, TrainConfig, load_config
 from memfit.errors import ConfigError
 from memfit.memory import optimizers, switches
 from memfit.memory.optim import build_optimizer, optimizer_state_bytes
-from memfit.models.llama import LlamaConfig, build_llama
+from memfit.models.config import DecoderConfig
+from memfit.models.decoder import build_decoder
 from memfit.models.presets import model_config
 from memfit.planner import plan as P
 from memfit.planner.estimate import estimate_run
@@ -208,7 +209,7 @@ def test_closed_form_state_equals_the_state_a_step_leaves(name, dtype, one_threa
     entry = optimizers.spec(name)
     pytest.importorskip(entry.library)
     mcfg = model_config("tiny")
-    model = build_llama(mcfg, seed=0).to(dtype)
+    model = build_decoder(mcfg, seed=0).to(dtype)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # paged optimizers run unpaged on CPU, and say so
         opt = build_optimizer(model, OptimizerConfig(name=name))
@@ -238,5 +239,5 @@ def test_every_optimizer_is_complete():
         assert o.library in ("torch", "bitsandbytes", "torchao", "apollo_torch", "adam_mini"), o.name
         assert o.update_factor > 0 and (o.cpu_update_factor is None or o.cpu_update_factor > 0), o.name
         assert set(o.hyperparameters) <= {f.name for f in dataclasses.fields(OptimizerConfig)}, o.name
-        assert set(o.model_arguments) <= {f.name for f in dataclasses.fields(LlamaConfig)}, o.name
+        assert set(o.model_arguments) <= {f.name for f in dataclasses.fields(DecoderConfig)}, o.name
         assert set(o.implementations) <= set(optimizers.OPTIMIZER_IMPLEMENTATIONS), o.name

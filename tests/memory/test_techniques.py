@@ -14,7 +14,7 @@ from memfit.memory.techniques import (
     apply_tied_embedding_gradient,
     chunked_cross_entropy,
 )
-from memfit.models.llama import build_llama
+from memfit.models.decoder import build_decoder
 from memfit.models.presets import model_config
 from memfit.step import loss_sum
 
@@ -34,10 +34,10 @@ def _grads(model):
 @pytest.mark.parametrize("num_chunks", [1, 3, 7, 60])
 def test_chunked_cross_entropy_equals_full_loss_and_grads(num_chunks):
     x, y = _data()
-    ref = build_llama(model_config("tiny"), seed=0)
+    ref = build_decoder(model_config("tiny"), seed=0)
     loss_ref = loss_sum(ref(x), y)
     loss_ref.backward()
-    model = build_llama(model_config("tiny"), seed=0)
+    model = build_decoder(model_config("tiny"), seed=0)
     loss = chunked_cross_entropy(model.model(x), model.lm_head.weight, y, num_chunks)
     loss.backward()
     assert abs(loss.item() - loss_ref.item()) <= 1e-6 * abs(loss_ref.item())
@@ -61,7 +61,7 @@ def test_chunked_cross_entropy_never_holds_full_logits():
             return out
 
     x, y = _data(B=4, T=64, vocab=4096)
-    model = build_llama(model_config("tiny", vocab_size=4096), seed=0)
+    model = build_decoder(model_config("tiny", vocab_size=4096), seed=0)
     hidden = model.model(x).detach().requires_grad_()
     with Largest():
         chunked_cross_entropy(hidden, model.lm_head.weight, y, 8).backward()
@@ -88,7 +88,7 @@ def test_fused_chunked_cross_entropy_recomputes_nothing_in_backward():
     """Forward: per chunk the logits, the hidden-state gradient and the weight gradient (3 matmuls); backward: none."""
     vocab, chunks = 512, 4
     x, y = _data(B=2, T=32, vocab=vocab)
-    model = build_llama(model_config("tiny", vocab_size=vocab), seed=0)
+    model = build_decoder(model_config("tiny", vocab_size=vocab), seed=0)
     hidden = model.model(x).detach().requires_grad_()
     with _Matmuls(vocab) as forward:
         loss = chunked_cross_entropy(hidden, model.lm_head.weight, y, chunks)
@@ -100,7 +100,7 @@ def test_fused_chunked_cross_entropy_recomputes_nothing_in_backward():
 def test_fused_chunked_cross_entropy_scales_by_the_incoming_gradient_and_skips_frozen_weights():
     """A loss divided by the token count (as the training step does) and a frozen lm_head (LoRA without it)."""
     x, y = _data()
-    model = build_llama(model_config("tiny"), seed=0)
+    model = build_decoder(model_config("tiny"), seed=0)
     model.lm_head.weight.requires_grad_(False)
     hidden = model.model(x).detach().requires_grad_()
     ref_hidden = hidden.detach().clone().requires_grad_()
@@ -113,7 +113,7 @@ def test_fused_chunked_cross_entropy_scales_by_the_incoming_gradient_and_skips_f
 def test_chunked_cross_entropy_without_gradients_is_the_plain_loss():
     """Evaluation (no_grad) sums the chunks' losses and builds no graph and no gradient buffers."""
     x, y = _data()
-    model = build_llama(model_config("tiny"), seed=0)
+    model = build_decoder(model_config("tiny"), seed=0)
     with torch.no_grad():
         hidden = model.model(x)
         ref = loss_sum(model.lm_head(hidden), y)
@@ -123,7 +123,7 @@ def test_chunked_cross_entropy_without_gradients_is_the_plain_loss():
 
 
 def _tied(vocab=512, seed=0):
-    return build_llama(model_config("tiny", vocab_size=vocab, tie_word_embeddings=True), seed=seed)
+    return build_decoder(model_config("tiny", vocab_size=vocab, tie_word_embeddings=True), seed=seed)
 
 
 class _VocabByDim(TorchDispatchMode):
@@ -179,7 +179,7 @@ def test_a_tied_embedding_outside_a_chunked_loss_keeps_autograd_s_gradient_and_u
     assert torch.equal(model.lm_head.weight.grad, ref.lm_head.weight.grad)
     with torch.no_grad():  # evaluation: a forward only
         assert torch.equal(model(x), ref(x))
-    untied = build_llama(model_config("tiny", vocab_size=vocab), seed=0)
+    untied = build_decoder(model_config("tiny", vocab_size=vocab), seed=0)
     assert not apply_tied_embedding_gradient(untied)
     assert type(untied.model.embed_tokens) is torch.nn.Embedding
     assert list(model.state_dict()) == list(ref.state_dict())
@@ -192,7 +192,7 @@ def test_the_chunked_loss_hands_its_gradient_on_only_to_a_tied_embedding_and_kee
     from memfit.memory import techniques
 
     x, y = _data()
-    untied = build_llama(model_config("tiny"), seed=0)
+    untied = build_decoder(model_config("tiny"), seed=0)
     assert not apply_tied_embedding_gradient(untied)
     chunked_cross_entropy(untied.model(x), untied.lm_head.weight, y, 3).backward()
     tied = _tied(256)
@@ -240,7 +240,7 @@ def _in_backward_run(monkeypatch, defer: bool, dtype: str, vocab: int = 512):
 
     if not defer:
         monkeypatch.setattr(techniques, "can_defer_head_gradient", lambda model: False)
-    model = build_llama(model_config("tiny", vocab_size=vocab), seed=0)
+    model = build_decoder(model_config("tiny", vocab_size=vocab), seed=0)
     assert not model.config.tie_word_embeddings
     apply_activation_checkpointing(model, "full")
     optimizer = build_optimizer(model, OptimizerConfig(name="adamw", lr=1e-2), in_backward=True)
@@ -281,7 +281,7 @@ def test_a_deferred_head_gradient_costs_one_more_head_matmul_per_chunk():
 
     vocab, chunks = 512, 4
     x, y = _data(B=2, T=32, vocab=vocab)
-    model = build_llama(model_config("tiny", vocab_size=vocab), seed=0)
+    model = build_decoder(model_config("tiny", vocab_size=vocab), seed=0)
     deferred = DeferredWeightGradient(model.lm_head.weight)
     hidden = model.model(x).detach().requires_grad_()
     with _Matmuls(vocab) as forward:
@@ -289,7 +289,7 @@ def test_a_deferred_head_gradient_costs_one_more_head_matmul_per_chunk():
     with _Matmuls(vocab) as backward:
         (loss / 5.0).backward()
     assert (forward.count, backward.count) == (2 * chunks, 2 * chunks)
-    ref = build_llama(model_config("tiny", vocab_size=vocab), seed=0)
+    ref = build_decoder(model_config("tiny", vocab_size=vocab), seed=0)
     ref_hidden = hidden.detach().clone().requires_grad_()
     (chunked_cross_entropy(ref_hidden, ref.lm_head.weight, y, chunks) / 5.0).backward()
     assert torch.equal(model.lm_head.weight.grad, ref.lm_head.weight.grad)
@@ -300,7 +300,7 @@ def test_the_head_gradient_is_deferred_only_where_it_can_be(monkeypatch):
     """Not for a tied head (the embedding's rows go into the loss's gradient), a frozen one, or one with LoRA."""
     from memfit.memory.techniques import can_defer_head_gradient
 
-    untied = build_llama(model_config("tiny"), seed=0)
+    untied = build_decoder(model_config("tiny"), seed=0)
     assert can_defer_head_gradient(untied)
     assert not can_defer_head_gradient(_tied())
     untied.lm_head.weight.requires_grad_(False)
@@ -315,7 +315,7 @@ def test_fused_chunked_cross_entropy_under_bf16_autocast_matches_the_plain_loss(
     x, y = _data()
     grads = []
     for chunks in (0, 4):
-        model = build_llama(model_config("tiny"), seed=0)
+        model = build_decoder(model_config("tiny"), seed=0)
         with torch.autocast("cpu", dtype=torch.bfloat16):
             hidden = model.model(x)
             loss = (
@@ -358,9 +358,9 @@ def test_unknown_checkpointing_mode():
 @pytest.mark.parametrize("mode", ["full", "every_n", "selective"])
 def test_activation_checkpointing_gives_identical_grads_and_keeps_names(mode):
     x, y = _data()
-    ref = build_llama(model_config("tiny"), seed=0)
+    ref = build_decoder(model_config("tiny"), seed=0)
     loss_sum(ref(x), y).backward()
-    model = build_llama(model_config("tiny"), seed=0)
+    model = build_decoder(model_config("tiny"), seed=0)
     names = list(model.state_dict())
     assert apply_activation_checkpointing(model, mode, 2) == ([0] if mode == "every_n" else [0, 1])
     assert list(model.state_dict()) == names
@@ -384,8 +384,8 @@ def test_activation_checkpointing_saves_fewer_tensors_for_backward():
             model(x).sum()
         return total
 
-    plain = saved_bytes(build_llama(model_config("tiny"), seed=0))
-    model = build_llama(model_config("tiny"), seed=0)
+    plain = saved_bytes(build_decoder(model_config("tiny"), seed=0))
+    model = build_decoder(model_config("tiny"), seed=0)
     apply_activation_checkpointing(model, "full")
     ac = saved_bytes(model)
     assert ac < plain / 2
@@ -398,7 +398,7 @@ def _step_flops_and_peak(mode: str) -> tuple[int, int]:
     from memfit.memory.tracker import MemoryTracker
 
     cfg = dataclasses.replace(model_config("tiny"), num_layers=4, dim=128, intermediate_size=512)
-    model = build_llama(cfg, seed=0)
+    model = build_decoder(cfg, seed=0)
     apply_activation_checkpointing(model, mode)
     x = torch.randint(0, cfg.vocab_size, (4, 64), generator=torch.Generator().manual_seed(0))
     gc.collect()  # tensors of earlier tests in reference cycles would otherwise be freed inside the tracked step

@@ -20,7 +20,7 @@ from memfit.memory.optim import build_optimizer
 from memfit.memory.techniques import apply_activation_checkpointing
 from memfit.memory.timeline import plot_timeline
 from memfit.memory.tracker import CATEGORIES, PHASES, MemoryTracker, model_state_bytes
-from memfit.models.llama import build_llama
+from memfit.models.decoder import build_decoder
 from memfit.models.presets import model_config
 from memfit.step import train_step
 
@@ -38,7 +38,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 def make(implementation: str = "foreach", in_backward: bool = False):
     """The tiny model, its AdamW, and one (inputs, targets) batch; under a FakeTensorMode too."""
-    model = build_llama(CFG, seed=0)
+    model = build_decoder(CFG, seed=0)
     optimizer = build_optimizer(
         model, OptimizerConfig(implementation=implementation), in_backward=in_backward
     )
@@ -316,7 +316,7 @@ def test_plot_timeline_writes_a_png(tmp_path):
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_counts_device_memory_within_the_allocator_peak():
-    model = build_llama(CFG, device="cuda", seed=0)
+    model = build_decoder(CFG, device="cuda", seed=0)
     optimizer = build_optimizer(model, OptimizerConfig(implementation="foreach"))
     x = torch.randint(0, CFG.vocab_size, (B, T), device="cuda")
     batches = [(x, x.roll(-1, dims=1))]

@@ -22,12 +22,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from memfit.cli import main
 from memfit.convert import export_checkpoint, load_pretrained, read_config
-from memfit.convert.hf import hf_config_to_llama
+from memfit.convert.hf import hf_config_to_decoder
 from memfit.errors import CheckpointError
 from memfit.memory.tiled import apply_tiled_mlp
 from memfit.models.attention import softcapped_attention
+from memfit.models.config import DecoderConfig
+from memfit.models.decoder import build_decoder
 from memfit.models.families import FAMILIES
-from memfit.models.llama import LlamaConfig, build_llama
 from memfit.models.presets import model_config
 from memfit.step import micro_batch_loss
 from tests.conftest import finetune_overrides
@@ -111,7 +112,7 @@ def test_each_option_changes_the_logits(hf_dirs, kind, field):
     """The parity above is not vacuous: without the option (a cap, the local base, the scaling, the scalar, the
     local layer's window) the same weights give other logits."""
     ours, _, _ = load_pretrained(hf_dirs[kind])
-    other = build_llama(dataclasses.replace(ours.config, **{field: None}), init=False)
+    other = build_decoder(dataclasses.replace(ours.config, **{field: None}), init=False)
     other.load_state_dict(ours.state_dict())
     ids = _ids(24)
     with torch.no_grad():
@@ -193,7 +194,7 @@ def _loss_and_grads(model, ids, targets, **options):
 
 @pytest.mark.parametrize("preset", ["tiny-gemma2", "tiny-gemma3"])
 def test_chunked_loss_and_tiled_geglu_equal_the_plain_step(preset):
-    model = build_llama(model_config(preset), seed=0)
+    model = build_decoder(model_config(preset), seed=0)
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.05)
@@ -281,11 +282,11 @@ def test_preset_parameters_equal_the_official_config(name):
     preset = model_config(name)
     assert sum(p.numel() for p in hf.parameters()) == published  # a tied matrix once
     assert preset.num_params() == published
-    assert sum(p.numel() for p in build_llama(preset, device="meta").parameters()) == published
+    assert sum(p.numel() for p in build_decoder(preset, device="meta").parameters()) == published
     cfg = {**hf_config.to_dict(), "architectures": [FAMILIES[preset.family].architectures[0]]}
-    assert hf_config_to_llama(cfg)[0] == preset  # the official config.json reads as the preset
+    assert hf_config_to_decoder(cfg)[0] == preset  # the official config.json reads as the preset
     # the 4.x spelling the released files use reads the same
-    assert hf_config_to_llama({**fields, "model_type": model_type})[0] == preset
+    assert hf_config_to_decoder({**fields, "model_type": model_type})[0] == preset
 
 
 def test_layer_patterns_of_the_presets():
@@ -343,16 +344,16 @@ def test_what_memfit_does_not_build_is_refused_naming_the_key(tmp_path, kind, ed
 @pytest.mark.parametrize(
     "fields, message",
     [
-        ({"mlp_activation": "relu"}, "LlamaConfig.mlp_activation must be one of"),
-        ({"attn_logit_softcapping": -1.0}, "LlamaConfig.attn_logit_softcapping must be None or a positive"),
-        ({"layer_types": ("full_attention",)}, r"LlamaConfig.layer_types must hold 2 \(num_layers\)"),
+        ({"mlp_activation": "relu"}, "DecoderConfig.mlp_activation must be one of"),
+        ({"attn_logit_softcapping": -1.0}, "DecoderConfig.attn_logit_softcapping must be None or a positive"),
+        ({"layer_types": ("full_attention",)}, r"DecoderConfig.layer_types must hold 2 \(num_layers\)"),
         ({"layer_types": ("sliding_attention", "full_attention")}, "sliding_window is None"),
     ],
 )
 def test_config_fields_are_checked_naming_the_field(fields, message):
     base = dict(vocab_size=64, dim=32, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=64)
     with pytest.raises(ValueError, match=message):
-        LlamaConfig(**base, **fields)
+        DecoderConfig(**base, **fields)
 
 
 def test_llama_is_unchanged_by_the_new_fields():

@@ -21,7 +21,7 @@ from memfit.convert.peft_adapter import PEFT_CONFIG, PEFT_WEIGHTS, load_peft_ada
 from memfit.memory.optim import build_optimizer
 from memfit.memory.techniques import apply_activation_checkpointing, apply_compile, chunked_cross_entropy
 from memfit.memory.tracker import MemoryTracker
-from memfit.models.llama import build_llama
+from memfit.models.decoder import build_decoder
 from memfit.models.peft import (
     LORA_TARGETS,
     adapter_state_dict,
@@ -67,7 +67,7 @@ def randomize(model, suffixes: tuple[str, ...], std: float = 0.1, seed: int = 5)
 
 
 def with_method(method: str, config=CFG, **kwargs):
-    model = build_llama(config, seed=0)
+    model = build_decoder(config, seed=0)
     names = (apply_lora if method == "lora" else apply_adapter)(model, seed=1, **kwargs)
     return model, names
 
@@ -80,7 +80,7 @@ def sgd(model, lr: float = 0.5):
 
 
 def test_lora_starts_as_the_base_model_with_only_the_new_parameters_trainable():
-    model = build_llama(CFG, seed=0)
+    model = build_decoder(CFG, seed=0)
     x, _ = batch()
     base_keys = list(model.state_dict())
     with torch.no_grad():
@@ -98,10 +98,10 @@ def test_lora_starts_as_the_base_model_with_only_the_new_parameters_trainable():
     assert torch.count_nonzero(k_proj.lora_B) == 0 and k_proj.lora_A.abs().max() <= 1 / math.sqrt(64)
     assert peft_method(model) == "lora"
     # same dtype and device as the base weight
-    bf16 = build_llama(CFG, dtype=torch.bfloat16, seed=0)
+    bf16 = build_decoder(CFG, dtype=torch.bfloat16, seed=0)
     apply_lora(bf16)
     assert bf16.model.layers[0].self_attn.q_proj.lora_A.dtype == torch.bfloat16
-    meta = build_llama(CFG, device="meta")
+    meta = build_decoder(CFG, device="meta")
     apply_lora(meta)
     assert meta.model.layers[0].self_attn.v_proj.lora_B.device.type == "meta"
 
@@ -145,7 +145,7 @@ def test_merge_reproduces_the_lora_model_and_restores_the_plain_module():
     x, _ = batch()
     with torch.no_grad():
         expected = model(x)
-        assert (expected - build_llama(CFG, seed=0)(x)).abs().max() > 1e-2  # the update matters
+        assert (expected - build_decoder(CFG, seed=0)(x)).abs().max() > 1e-2  # the update matters
         q_proj = model.model.layers[0].self_attn.q_proj
         effective = lora_effective_weight(q_proj).clone()
     merge_lora(model)
@@ -154,14 +154,14 @@ def test_merge_reproduces_the_lora_model_and_restores_the_plain_module():
     assert (merged - expected).abs().max().item() <= 1e-5
     assert torch.allclose(q_proj.weight, effective, atol=1e-6, rtol=0)
     assert lora_effective_weight(q_proj) is q_proj.weight
-    assert list(model.state_dict()) == list(build_llama(CFG).state_dict())
+    assert list(model.state_dict()) == list(build_decoder(CFG).state_dict())
     assert "forward" not in vars(q_proj) and peft_method(model) is None
     with pytest.raises(ValueError, match="no LoRA"):
         merge_lora(model)
 
 
 def test_merge_in_bf16_is_done_in_fp32():
-    model = build_llama(CFG, dtype=torch.bfloat16, seed=0)
+    model = build_decoder(CFG, dtype=torch.bfloat16, seed=0)
     apply_lora(model, seed=1)
     randomize(model, ("lora_B",))
     q_proj = model.model.layers[0].self_attn.q_proj
@@ -175,15 +175,15 @@ def test_merge_in_bf16_is_done_in_fp32():
 def _hf_llama(config):
     """An untrained transformers Llama of the same architecture (config written by memfit's exporter)."""
     transformers = pytest.importorskip("transformers")
-    from memfit.convert.hf import llama_to_hf_config
+    from memfit.convert.hf import decoder_to_hf_config
 
-    hf_config = transformers.LlamaConfig(**llama_to_hf_config(config), attn_implementation="eager")
+    hf_config = transformers.LlamaConfig(**decoder_to_hf_config(config), attn_implementation="eager")
     return transformers.LlamaForCausalLM(hf_config).eval()
 
 
 def test_peft_export_files_and_transformers_reproduce_the_lora_logits(tmp_path):
     hf = _hf_llama(CFG)
-    model = build_llama(CFG, seed=0).eval()
+    model = build_decoder(CFG, seed=0).eval()
     hf.load_state_dict(model.state_dict(), strict=True)
     apply_lora(model, rank=4, alpha=8.0, dropout=0.05, target_modules=LORA_TARGETS, seed=1)
     randomize(model, ("lora_B",))
@@ -219,10 +219,10 @@ def test_peft_export_files_and_transformers_reproduce_the_lora_logits(tmp_path):
         expected = model(x)
         reproduced = hf(x).logits
     assert (reproduced - expected).abs().max().item() <= 1e-5
-    assert (expected - build_llama(CFG, seed=0)(x)).abs().max() > 1e-2
+    assert (expected - build_decoder(CFG, seed=0)(x)).abs().max() > 1e-2
 
     # load_peft_adapter applies and loads; saving again replaces the directory
-    fresh = build_llama(CFG, seed=0).eval()
+    fresh = build_decoder(CFG, seed=0).eval()
     assert load_peft_adapter(fresh, out) == list(lora_state_dict(model))
     with torch.no_grad():
         assert torch.equal(fresh(x), expected)
@@ -231,11 +231,11 @@ def test_peft_export_files_and_transformers_reproduce_the_lora_logits(tmp_path):
     config["use_dora"] = True
     (out / PEFT_CONFIG).write_text(json.dumps(config))
     with pytest.raises(ValueError, match="use_dora"):
-        load_peft_adapter(build_llama(CFG), out)
+        load_peft_adapter(build_decoder(CFG), out)
 
 
 def test_lora_errors():
-    model = build_llama(CFG, seed=0)
+    model = build_decoder(CFG, seed=0)
     with pytest.raises(ValueError, match=r"'qkv'.*q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj"):
         apply_lora(model, target_modules=("q_proj", "qkv"))
     for bad in ({"rank": 0}, {"alpha": 0.0}, {"dropout": 1.0}, {"target_modules": ()}):
@@ -247,7 +247,7 @@ def test_lora_errors():
         apply_lora(model)
     with pytest.raises(ValueError, match="already has lora"):
         apply_adapter(model)
-    tied = build_llama(model_config("tiny-tied"), seed=0)
+    tied = build_decoder(model_config("tiny-tied"), seed=0)
     with pytest.raises(ValueError, match="tied"):
         apply_lora(tied, target_modules=("q_proj", "lm_head"))
     apply_lora(tied, target_modules=("q_proj", "up_proj"))  # the rest of a tied model is fine
@@ -255,9 +255,9 @@ def test_lora_errors():
     with pytest.raises(ValueError, match="not parameters"):
         freeze_base(tied, ["lm_head.lora_A"])
     with pytest.raises(ValueError, match="no LoRA"):
-        lora_state_dict(build_llama(CFG))
+        lora_state_dict(build_decoder(CFG))
     with pytest.raises(ValueError, match="no LoRA"):
-        save_peft_adapter(build_llama(CFG), "unused")
+        save_peft_adapter(build_decoder(CFG), "unused")
 
 
 def test_lora_state_dict_round_trip_and_strictness():
@@ -277,7 +277,7 @@ def test_lora_state_dict_round_trip_and_strictness():
     with pytest.raises(ValueError, match=r"has shape \(4, 64\), the model expects \(8, 64\)"):
         load_lora_state_dict(other, {**sd, names[0]: sd[names[0]][:4]})
     with pytest.raises(ValueError, match="no LoRA"):
-        load_lora_state_dict(build_llama(CFG), sd)
+        load_lora_state_dict(build_decoder(CFG), sd)
 
 
 # ---------------------------------------------------------------------------------------------------- LLaMA-Adapter
@@ -286,7 +286,7 @@ def test_lora_state_dict_round_trip_and_strictness():
 @pytest.mark.parametrize("name", ["tiny", "tiny-mha"])
 def test_adapter_starts_as_the_base_model(name):
     config = model_config(name)
-    model = build_llama(config, seed=0)
+    model = build_decoder(config, seed=0)
     x, _ = batch()
     doc_ids = torch.tensor([[0] * 5 + [1] * 11, [0] * 16])
     with torch.no_grad():
@@ -396,7 +396,7 @@ def test_adapter_state_dict_round_trip_and_errors():
         load_adapter_state_dict(with_method("lora")[0], sd)
     for bad in ({"prompt_length": 0}, {"num_layers": 0}, {"num_layers": 3}):
         with pytest.raises(ValueError, match="prompt_length|1..2"):
-            apply_adapter(build_llama(CFG), **bad)
+            apply_adapter(build_decoder(CFG), **bad)
     with pytest.raises(ValueError, match="already has adapter"):
         apply_adapter(model)
     with pytest.raises(ValueError, match="already has adapter"):
@@ -428,13 +428,13 @@ def test_activation_checkpointing_composes(method):
 
 @pytest.mark.parametrize("method", ["lora", "adapter"])
 def test_training_step_runs_on_meta_and_under_fake_tensors(method):
-    meta = build_llama(CFG, device="meta")
+    meta = build_decoder(CFG, device="meta")
     (apply_lora if method == "lora" else apply_adapter)(meta)
     x = torch.zeros(B, T, dtype=torch.int64, device="meta")
     meta(x).sum().backward()
     assert all((p.grad is not None) == p.requires_grad for p in meta.parameters())
     with FakeTensorMode():
-        model = build_llama(CFG)
+        model = build_decoder(CFG)
         (apply_lora if method == "lora" else apply_adapter)(model, seed=0)
         optimizer = build_optimizer(model, OptimizerConfig())
         x, y = torch.randint(0, CFG.vocab_size, (B, T)), torch.randint(0, CFG.vocab_size, (B, T))
@@ -462,7 +462,7 @@ def test_gradients_and_optimizer_state_only_for_the_new_parameters(method):
 @pytest.mark.parametrize("dtype", ["bf16", "bf16_mixed"])
 def test_dtype_policies_keep_zero_init_and_train(method, dtype):
     param_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
-    model = build_llama(CFG, dtype=param_dtype, seed=0)
+    model = build_decoder(CFG, dtype=param_dtype, seed=0)
     x, y = batch()
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bf16_mixed"):
         expected = model(x)
@@ -496,7 +496,7 @@ def test_compiled_layers_train_lora_and_adapter_as_eager_ones(method):
     x = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(0))
     results = []
     for compile_ in (False, True):
-        model = build_llama(model_config("tiny"), seed=0)
+        model = build_decoder(model_config("tiny"), seed=0)
         if method == "lora":
             apply_lora(model, target_modules=("q_proj", "v_proj", "down_proj"), seed=1)
             for (

@@ -21,9 +21,9 @@ from safetensors import safe_open
 
 from memfit.cli import main
 from memfit.convert import export_checkpoint, load_pretrained, read_config
-from memfit.convert.hf import hf_config_to_llama
+from memfit.convert.hf import hf_config_to_decoder
 from memfit.errors import CheckpointError
-from memfit.models.llama import build_llama
+from memfit.models.decoder import build_decoder
 from memfit.models.peft import apply_lora, lora_settings
 from memfit.models.presets import model_config
 from tests.conftest import finetune_overrides
@@ -130,7 +130,7 @@ def test_a_fused_tensor_of_the_wrong_rows_is_refused_naming_it(phi3_dir, tmp_pat
 
 
 def test_lora_on_the_fused_names_adapts_their_parts():
-    model = build_llama(model_config("tiny-phi3"), device="meta")
+    model = build_decoder(model_config("tiny-phi3"), device="meta")
     names = apply_lora(model, rank=2, target_modules=["qkv_proj", "gate_up_proj"])
     adapted = sorted({n.split(".")[-2] for n in names})
     assert adapted == ["gate_proj", "k_proj", "q_proj", "up_proj", "v_proj"]
@@ -139,10 +139,10 @@ def test_lora_on_the_fused_names_adapts_their_parts():
 
 
 def test_a_layer_named_twice_or_a_fused_name_on_another_family_is_refused():
-    phi3 = build_llama(model_config("tiny-phi3"), device="meta")
+    phi3 = build_decoder(model_config("tiny-phi3"), device="meta")
     with pytest.raises(ValueError, match=r"names a layer twice: \['qkv_proj', 'k_proj'\].*qkv_proj is"):
         apply_lora(phi3, rank=2, target_modules=["qkv_proj", "k_proj"])
-    llama = build_llama(model_config("tiny"), device="meta")
+    llama = build_decoder(model_config("tiny"), device="meta")
     with pytest.raises(ValueError, match="unknown LoRA target module 'qkv_proj' for the llama family"):
         apply_lora(llama, rank=2, target_modules=["qkv_proj"])
 
@@ -217,12 +217,12 @@ def test_preset_parameters_equal_the_official_config(name, fields):
     preset = model_config(name)
     assert _count(fields) == PUBLISHED
     assert preset.num_params() == PUBLISHED
-    assert sum(p.numel() for p in build_llama(preset, device="meta").parameters()) == PUBLISHED
+    assert sum(p.numel() for p in build_decoder(preset, device="meta").parameters()) == PUBLISHED
 
 
 def test_the_official_phi3_mini_config_reads_as_the_preset():
     cfg = {**transformers.Phi3Config(**PHI3_MINI_4K).to_dict(), "architectures": ["Phi3ForCausalLM"]}
-    assert hf_config_to_llama(cfg)[0] == model_config("phi-3-mini")
+    assert hf_config_to_decoder(cfg)[0] == model_config("phi-3-mini")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -259,5 +259,5 @@ def test_fields_memfit_does_not_implement_are_refused_naming_the_key(tmp_path, e
 def test_without_a_window_phi3_reads_none():
     """Phi3Config's default window is None (Mistral's would be 4096)."""
     cfg = {k: v for k, v in _hf_config().to_dict().items() if k != "sliding_window"}
-    assert hf_config_to_llama({**cfg, "architectures": ["Phi3ForCausalLM"]})[0].sliding_window is None
+    assert hf_config_to_decoder({**cfg, "architectures": ["Phi3ForCausalLM"]})[0].sliding_window is None
     assert VOCAB == _hf_config().vocab_size

@@ -21,8 +21,9 @@ from memfit.convert import load_pretrained
 from memfit.convert.hf import export_hf
 from memfit.memory.optim import build_optimizer
 from memfit.memory.tracker import MemoryTracker
+from memfit.models import nf4 as nf4_format
 from memfit.models import peft
-from memfit.models.llama import build_llama
+from memfit.models.decoder import build_decoder
 from memfit.models.presets import model_config
 from memfit.step import train_step
 
@@ -71,17 +72,17 @@ def hand_nf4_bytes(rows: int, cols: int, itemsize: int) -> int:
 )
 def test_nf4_bytes_by_hand_equal_the_stored_bytes(shape, dtype, expected):
     weight = torch.randn(shape, generator=torch.Generator().manual_seed(0)).to(dtype)
-    quantized = peft.to_nf4(weight)
+    quantized = nf4_format.to_nf4(weight)
     assert peft.nf4_bytes(shape, dtype) == expected == inner_bytes(quantized)
     # the meta / fake stand-in has the same inner storages
-    assert inner_bytes(peft.empty_nf4(shape, dtype, "cpu")) == expected
+    assert inner_bytes(nf4_format.empty_nf4(shape, dtype, "cpu")) == expected
     assert quantized.shape == weight.shape and quantized.dtype == dtype
 
 
 def test_quantized_linear_equals_its_dequantized_linear_and_error_is_bounded():
     generator = torch.Generator().manual_seed(0)
     weight = torch.randn(128, 64, generator=generator) * 0.02
-    quantized = peft.to_nf4(weight)
+    quantized = nf4_format.to_nf4(weight)
     dequantized = quantized.get_original_weight()
     blocks = weight.flatten().view(-1, 64)
     error = (dequantized - weight).flatten().view(-1, 64).abs() / blocks.abs().amax(1, keepdim=True)
@@ -98,28 +99,28 @@ def test_quantized_linear_equals_its_dequantized_linear_and_error_is_bounded():
 
 
 def test_qlora_quantizes_every_decoder_linear_and_trains_only_lora():
-    model = build_llama(CFG, seed=0)
+    model = build_decoder(CFG, seed=0)
     names = peft.apply_qlora(model, target_modules=("q_proj", "v_proj"), seed=1)
     assert peft.peft_method(model) == "qlora"
     params = dict(model.named_parameters())
-    quantized = sorted(n for n, p in params.items() if peft.is_nf4(p))
+    quantized = sorted(n for n, p in params.items() if nf4_format.is_nf4(p))
     assert quantized == sorted(n for n in params if peft.is_qlora_quantized(n)) and len(quantized) == 14
     assert all(p.requires_grad == (n in names) for n, p in params.items())
-    assert not any(peft.is_nf4(params[n]) for n in ("model.embed_tokens.weight", "lm_head.weight"))
+    assert not any(nf4_format.is_nf4(params[n]) for n in ("model.embed_tokens.weight", "lm_head.weight"))
     # step 0 (lora_B = 0) is the dequantized base
     x, _ = batch()
-    plain = build_llama(CFG, seed=0)
+    plain = build_decoder(CFG, seed=0)
     peft.quantize_base_(plain)
     peft.dequantize_base_(plain)
     with torch.no_grad():
         torch.testing.assert_close(model(x), plain(x), rtol=0, atol=1e-6)
     optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
-    before = {n: p.detach().clone() for n, p in params.items() if not peft.is_nf4(p)}
-    codes = {n: p.quantized_data.clone() for n, p in params.items() if peft.is_nf4(p)}
+    before = {n: p.detach().clone() for n, p in params.items() if not nf4_format.is_nf4(p)}
+    codes = {n: p.quantized_data.clone() for n, p in params.items() if nf4_format.is_nf4(p)}
     for step in range(2):
         train_step(model, optimizer, [batch(step)], max_grad_norm=0.0, dtype="fp32")
     for n, p in params.items():
-        if peft.is_nf4(p):
+        if nf4_format.is_nf4(p):
             assert torch.equal(p.quantized_data, codes[n]) and p.grad is None
         elif n.endswith("lora_B") or n.endswith("lora_A"):
             assert not torch.equal(p, before[n]), n
@@ -132,20 +133,20 @@ def test_first_loss_against_lora_on_the_unquantized_base_within_the_quantization
     error makes, sum |dL/dW| * |W - dequant(W)| over the quantized weights (plus a second-order rest, given
     half as much again)."""
     x, y = batch()
-    lora = build_llama(CFG, seed=0)
+    lora = build_decoder(CFG, seed=0)
     peft.apply_lora(lora, target_modules=("q_proj", "v_proj"), seed=1)
     for p in lora.parameters():
         p.requires_grad_(True)
     loss = F.cross_entropy(lora(x).flatten(0, 1), y.flatten())
     loss.backward()
-    qlora = build_llama(CFG, seed=0)
+    qlora = build_decoder(CFG, seed=0)
     peft.apply_qlora(qlora, target_modules=("q_proj", "v_proj"), seed=1)
     with torch.no_grad():
         quantized_loss = F.cross_entropy(qlora(x).flatten(0, 1), y.flatten())
     lora_params = dict(lora.named_parameters())
     bound = 0.0
     for name, p in qlora.named_parameters():
-        if peft.is_nf4(p):
+        if nf4_format.is_nf4(p):
             full = lora_params[name]
             bound += (full.grad.abs() * (full.detach() - p.get_original_weight()).abs()).sum().item()
     diff = abs(quantized_loss.item() - loss.item())
@@ -153,7 +154,7 @@ def test_first_loss_against_lora_on_the_unquantized_base_within_the_quantization
 
 
 def test_merge_dequantizes_then_folds_the_update():
-    model = build_llama(CFG, seed=0)
+    model = build_decoder(CFG, seed=0)
     peft.apply_qlora(model, target_modules=("q_proj", "down_proj"), seed=1)
     with torch.no_grad():
         for n, p in model.named_parameters():
@@ -164,14 +165,14 @@ def test_merge_dequantizes_then_folds_the_update():
         before = model(x)
     peft.merge_lora(model)
     assert peft.peft_method(model) is None
-    assert not any(peft.is_nf4(p) for p in model.parameters())
-    assert sorted(model.state_dict()) == sorted(build_llama(CFG, device="meta").state_dict())
+    assert not any(nf4_format.is_nf4(p) for p in model.parameters())
+    assert sorted(model.state_dict()) == sorted(build_decoder(CFG, device="meta").state_dict())
     with torch.no_grad():
         torch.testing.assert_close(model(x), before, rtol=0, atol=1e-5)
 
 
 def test_loading_quantizes_each_weight_as_it_is_read(tmp_path):
-    base = build_llama(CFG, seed=0)
+    base = build_decoder(CFG, seed=0)
     export_hf(base, tmp_path / "hf")
     seen = []
 
@@ -185,8 +186,8 @@ def test_loading_quantizes_each_weight_as_it_is_read(tmp_path):
     loaded = dict(model.named_parameters())
     for name, p in base.named_parameters():
         if peft.is_qlora_quantized(name):
-            expected = peft.to_nf4(p.detach())
-            assert peft.is_nf4(loaded[name]) and not loaded[name].requires_grad
+            expected = nf4_format.to_nf4(p.detach())
+            assert nf4_format.is_nf4(loaded[name]) and not loaded[name].requires_grad
             for inner in expected.__tensor_flatten__()[0]:
                 assert torch.equal(getattr(loaded[name], inner), getattr(expected, inner)), (name, inner)
         else:
@@ -195,10 +196,10 @@ def test_loading_quantizes_each_weight_as_it_is_read(tmp_path):
 
 @pytest.mark.parametrize("dtype, itemsize", [(torch.float32, 4), (torch.bfloat16, 2)])
 def test_tracked_parameter_bytes_are_the_nf4_bytes_by_hand(dtype, itemsize):
-    model = build_llama(CFG, seed=0, dtype=dtype)
+    model = build_decoder(CFG, seed=0, dtype=dtype)
     names = peft.apply_qlora(model, target_modules=("q_proj",), seed=1)
     optimizer = build_optimizer(model, OptimizerConfig())
-    full = [p.numel() for n, p in model.named_parameters() if not peft.is_nf4(p)]
+    full = [p.numel() for n, p in model.named_parameters() if not nf4_format.is_nf4(p)]
     expected = sum(hand_nf4_bytes(r, c, itemsize) for r, c in TINY_LINEARS)
     expected += sum(full) * itemsize + 4 * (CFG.head_dim // 2)  # + the fp32 RoPE buffer
     with MemoryTracker(model, optimizer) as tracker:
@@ -209,12 +210,12 @@ def test_tracked_parameter_bytes_are_the_nf4_bytes_by_hand(dtype, itemsize):
 
 
 def test_training_step_runs_on_meta_and_under_fake_tensors():
-    meta = build_llama(CFG, device="meta")
+    meta = build_decoder(CFG, device="meta")
     peft.apply_qlora(meta)
-    assert all(p.is_meta for p in meta.parameters() if not peft.is_nf4(p))
-    assert all(peft.is_nf4(p) for n, p in meta.named_parameters() if peft.is_qlora_quantized(n))
+    assert all(p.is_meta for p in meta.parameters() if not nf4_format.is_nf4(p))
+    assert all(nf4_format.is_nf4(p) for n, p in meta.named_parameters() if peft.is_qlora_quantized(n))
     with FakeTensorMode():
-        model = build_llama(CFG)
+        model = build_decoder(CFG)
         peft.apply_qlora(model, seed=0)
         optimizer = build_optimizer(model, OptimizerConfig())
         x, y = torch.randint(0, CFG.vocab_size, (B, T)), torch.randint(0, CFG.vocab_size, (B, T))
@@ -225,18 +226,18 @@ def test_training_step_runs_on_meta_and_under_fake_tensors():
 
 def test_errors():
     with pytest.raises(ValueError, match="multiple of the block size 64"):
-        peft.nf4_layout((10, 10))
-    model = build_llama(CFG, seed=0)
+        nf4_format.nf4_layout((10, 10))
+    model = build_decoder(CFG, seed=0)
     with pytest.raises(ValueError, match="rank must be a positive int"):
         peft.apply_qlora(model, rank=0)
-    assert not any(peft.is_nf4(p) for p in model.parameters())  # nothing changed before the error
+    assert not any(nf4_format.is_nf4(p) for p in model.parameters())  # nothing changed before the error
     peft.apply_qlora(model)
     with pytest.raises(ValueError, match="already has qlora"):
         peft.apply_lora(model)
     # FSDP2 splits codes, scales and scales of scales evenly: the tiny model's one group of scales does not
     with pytest.raises(ValueError, match="does not split evenly over 2 ranks"):
         peft.check_nf4_sharding(model, 2)
-    wide = build_llama(model_config("tiny", dim=256, intermediate_size=512), device="meta")
+    wide = build_decoder(model_config("tiny", dim=256, intermediate_size=512), device="meta")
     peft.apply_qlora(wide)
     peft.check_nf4_sharding(wide, 2)
     with pytest.raises(ValueError, match="does not split evenly over 4 ranks"):

@@ -53,7 +53,8 @@ from memfit.convert.memfit import scan_memfit
 from memfit.convert.meta import META_PARAMS, META_SHARD, scan_meta
 from memfit.convert.tensors import Entry, PretrainedInfo, Scan, read_json
 from memfit.errors import CheckpointError
-from memfit.models.llama import Llama, LlamaConfig, build_llama
+from memfit.models.config import DecoderConfig
+from memfit.models.decoder import Decoder, build_decoder
 from memfit.tokenizer import Tokenizer, load_tokenizer
 
 __all__ = [
@@ -62,6 +63,7 @@ __all__ = [
     "detect_format",
     "export_checkpoint",
     "iter_state_dict",
+    "expert_load_order",
     "load_order",
     "load_pretrained",
     "pretrained_parameters",
@@ -127,10 +129,10 @@ def detect_format(path: str | Path) -> str:
 # Configs
 
 
-def read_config(path: str | Path, fmt: str | None = None) -> tuple[LlamaConfig, PretrainedInfo]:
+def read_config(path: str | Path, fmt: str | None = None) -> tuple[DecoderConfig, PretrainedInfo]:
     """The architecture and metadata of a checkpoint, from its config and tensor headers only (no weights read).
 
-    Use it to estimate or plan a run from a checkpoint: ``build_llama(config, device="meta")``.
+    Use it to estimate or plan a run from a checkpoint: ``build_decoder(config, device="meta")``.
 
     Args:
         path: a checkpoint directory of any format (see :func:`detect_format`).
@@ -226,7 +228,7 @@ def load_pretrained(
     dtype: torch.dtype | None = torch.float32,
     fmt: str | None = None,
     transform: Callable[[str, Tensor], Tensor] | None = None,
-) -> tuple[Llama, Tokenizer | None, PretrainedInfo]:
+) -> tuple[Decoder, Tokenizer | None, PretrainedInfo]:
     """Load a pretrained Llama (Hugging Face, Meta or memfit format) and its tokenizer.
 
     The model is built on the meta device, every tensor's name and shape is checked against it from the file
@@ -254,11 +256,11 @@ def load_pretrained(
         CheckpointError: naming the tensor and the file, when a tensor is missing, unexpected, mis-shaped or not
             floating point, or a file is missing, truncated or inconsistent.
         memfit.tokenizer.TokenizerError: a tokenizer file is corrupt.
-        ValueError: ``device`` is meta (use :func:`read_config` and ``build_llama(config, device="meta")``).
+        ValueError: ``device`` is meta (use :func:`read_config` and ``build_decoder(config, device="meta")``).
     """
     if torch.device(device).type == "meta":
         raise ValueError(
-            "load_pretrained reads weights; for a meta model use read_config() and build_llama()"
+            "load_pretrained reads weights; for a meta model use read_config() and build_decoder()"
         )
     return _load(_scan(Path(path), fmt), torch.device(device), dtype, transform)
 
@@ -283,7 +285,7 @@ def pretrained_parameters(path: str | Path, fmt: str | None = None) -> Iterator[
         CheckpointError: as :func:`load_pretrained`.
     """
     scan = _scan(Path(path), fmt)
-    return _checked_tensors(scan, build_llama(scan.config, device="meta"))
+    return _checked_tensors(scan, build_decoder(scan.config, device="meta"))
 
 
 def load_order(path: str | Path, fmt: str | None = None) -> list[tuple[Entry, bool]] | None:
@@ -297,7 +299,8 @@ def load_order(path: str | Path, fmt: str | None = None) -> list[tuple[Entry, bo
 
     Returns:
         ``[(entry, kept), ...]``, or ``None`` where the format is read otherwise (Meta shards concatenated, fused
-        tensors split, a sharded memfit checkpoint consolidated first).
+        tensors split, a sharded memfit checkpoint consolidated first, a mixture of experts stored one tensor per
+        expert: :func:`expert_load_order`).
 
     Raises:
         CheckpointError: as :func:`load_pretrained`.
@@ -305,14 +308,35 @@ def load_order(path: str | Path, fmt: str | None = None) -> list[tuple[Entry, bo
     scan = _scan(Path(path), fmt)
     if not scan.streamed:
         return None
-    skip = _check_entries(build_llama(scan.config, device="meta"), scan)
+    skip = _check_entries(build_decoder(scan.config, device="meta"), scan)
     by_file: dict[Path, list[Entry]] = {}  # read_safetensors' order: file by file, as first named
     for e in scan.entries:
         by_file.setdefault(e.file, []).append(e)
     return [(e, e.name not in skip) for group in by_file.values() for e in group]
 
 
-def _checked_tensors(scan: Scan, model: Llama) -> Iterator[tuple[str, Tensor]]:
+def expert_load_order(
+    path: str | Path, fmt: str | None = None
+) -> tuple[list[Entry], dict[str, tuple[Entry, int]]] | None:
+    """What :func:`load_pretrained` reads from a mixture of experts stored one tensor per expert, from the headers:
+    the files' tensors in the order they are read, each dropped when the next is read, and for each expert's
+    tensor the stacked tensor it is copied into (allocated in the stored dtype at its first part, handed on whole
+    once its last part is in: :func:`memfit.convert.hf.scan_hf`).
+
+    Returns:
+        ``(stored, stacks)``: ``stacks`` maps a stored name to ``(stacked entry, parts that fill it)``; ``None`` for
+        any other checkpoint (:func:`load_order`).
+    """
+    scan = _scan(Path(path), fmt)
+    if scan.stacks is None or scan.stored is None:
+        return None
+    by_file: dict[Path, list[Entry]] = {}  # read_safetensors' order: file by file, as first named
+    for e in scan.stored:
+        by_file.setdefault(e.file, []).append(e)
+    return [e for group in by_file.values() for e in group], scan.stacks
+
+
+def _checked_tensors(scan: Scan, model: Decoder) -> Iterator[tuple[str, Tensor]]:
     skip = _check_entries(model, scan)  # now, not at the first read
 
     def tensors() -> Iterator[tuple[str, Tensor]]:
@@ -329,9 +353,9 @@ def _load(
     device: torch.device,
     dtype: torch.dtype | None,
     transform: Callable[[str, Tensor], Tensor] | None = None,
-) -> tuple[Llama, Tokenizer | None, PretrainedInfo]:
+) -> tuple[Decoder, Tokenizer | None, PretrainedInfo]:
     config = scan.config
-    model = build_llama(config, device="meta")
+    model = build_decoder(config, device="meta")
     tensors = _checked_tensors(scan, model)
     tokenizer, info = _load_tokenizer(scan.info, config)  # small, and may fail: before the weights
 
@@ -353,7 +377,7 @@ def _load(
     return model, tokenizer, info
 
 
-def _check_entries(model: Llama, scan: Scan) -> set[str]:
+def _check_entries(model: Decoder, scan: Scan) -> set[str]:
     """Check names, shapes and dtypes against the meta-built model; return the names to skip (a tied lm_head)."""
     expected = {n: tuple(p.shape) for n, p in model.named_parameters()}  # a tied lm_head.weight is not listed
     where = f"'{scan.info.path}'"
@@ -399,7 +423,7 @@ def _check_entries(model: Llama, scan: Scan) -> set[str]:
     return skip
 
 
-def _load_tokenizer(info: PretrainedInfo, config: LlamaConfig) -> tuple[Tokenizer | None, PretrainedInfo]:
+def _load_tokenizer(info: PretrainedInfo, config: DecoderConfig) -> tuple[Tokenizer | None, PretrainedInfo]:
     if info.tokenizer_path is None:
         return None, info
     tokenizer = load_tokenizer(info.tokenizer_path)

@@ -40,8 +40,9 @@ from memfit.convert.tensors import (
 )
 from memfit.errors import CheckpointError
 from memfit.filemode import give_default_mode
+from memfit.models.config import DecoderConfig, RopeScaling
+from memfit.models.decoder import Decoder, build_decoder
 from memfit.models.families import family, hf_family
-from memfit.models.llama import Llama, LlamaConfig, RopeScaling, build_llama
 from memfit.tokenizer import CONFIG_NAME as TOKENIZER_CONFIG
 from memfit.tokenizer import Tokenizer
 from memfit.units import GIB
@@ -54,8 +55,8 @@ __all__ = [
     "HF_WEIGHTS",
     "check_out_dir",
     "export_hf",
-    "hf_config_to_llama",
-    "llama_to_hf_config",
+    "hf_config_to_decoder",
+    "decoder_to_hf_config",
     "read_chat_template",
     "read_hf_config",
     "scan_hf",
@@ -84,8 +85,8 @@ _UNIMPLEMENTED = {
 # Configs
 
 
-def read_hf_config(path: str | Path) -> LlamaConfig:
-    """The :class:`LlamaConfig` of a Hugging Face ``config.json`` of a family memfit builds
+def read_hf_config(path: str | Path) -> DecoderConfig:
+    """The :class:`DecoderConfig` of a Hugging Face ``config.json`` of a family memfit builds
     (:mod:`memfit.models.families`: Llama, Mistral, Qwen2 / Qwen2.5, Qwen3).
 
     Reads both spellings: transformers 4.x (``rope_theta`` at the top level, ``rope_scaling`` with ``rope_type``
@@ -117,18 +118,18 @@ def read_hf_config(path: str | Path) -> LlamaConfig:
     return config
 
 
-def _hf_config_from_file(path: Path) -> tuple[LlamaConfig, torch.dtype | None]:
+def _hf_config_from_file(path: Path) -> tuple[DecoderConfig, torch.dtype | None]:
     cfg = read_json(path)
     if not isinstance(cfg, dict):
         raise CheckpointError(f"'{path}' must hold a JSON object, got {type(cfg).__name__}")
-    return hf_config_to_llama(cfg, source=str(path))
+    return hf_config_to_decoder(cfg, source=str(path))
 
 
-def hf_config_to_llama(
+def hf_config_to_decoder(
     cfg: dict[str, Any], source: str = "config.json"
-) -> tuple[LlamaConfig, torch.dtype | None]:
+) -> tuple[DecoderConfig, torch.dtype | None]:
     """Translate a Hugging Face config dict (4.x or 5.x spelling) of a family memfit builds to a
-    :class:`LlamaConfig`: the shared keys here, the family's own by its entry (:attr:`Family.read`).
+    :class:`DecoderConfig`: the shared keys here, the family's own by its entry (:attr:`Family.read`).
 
     Args:
         cfg: the parsed ``config.json``.
@@ -214,7 +215,7 @@ def hf_config_to_llama(
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             family=fam.name,
         )
-        config = LlamaConfig(
+        config = DecoderConfig(
             **{**shared, **family_fields}
         )  # a family's own RoPE (reads_rope) replaces the shared
     except ValueError as exc:
@@ -223,13 +224,13 @@ def hf_config_to_llama(
     return config, _FLOAT_DTYPES.get(dtype_name) if isinstance(dtype_name, str) else None
 
 
-def llama_to_hf_config(
-    config: LlamaConfig,
+def decoder_to_hf_config(
+    config: DecoderConfig,
     dtype: torch.dtype | None = None,
     bos_token_id: int | None = None,
     eos_token_id: int | list[int] | None = None,
 ) -> dict[str, Any]:
-    """The ``config.json`` of a :class:`LlamaConfig`, for its family's class (``LlamaForCausalLM``,
+    """The ``config.json`` of a :class:`DecoderConfig`, for its family's class (``LlamaForCausalLM``,
     ``MistralForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``: :attr:`Family.write` adds its keys).
 
     Readable by transformers 5.x (``rope_parameters``, ``dtype``) and 4.x (top-level ``rope_theta``,
@@ -305,16 +306,108 @@ def scan_hf(directory: Path) -> Scan:
     )
     if family(config.family).fused:
         return _split_scan(config, info, entries)
+    if family(config.family).experts is not None and any(".experts." in e.name for e in entries):
+        return _expert_scan(config, info, entries)
     return Scan(config, info, entries, lambda: read_safetensors(entries), streamed=True)
 
 
-def _part_rows(config: LlamaConfig) -> dict[str, int]:
+def _expert_names(config: DecoderConfig, layer: int) -> dict[str, tuple[str, int, slice]]:
+    """A mixture-of-experts layer's per-expert checkpoint names (:class:`~memfit.models.families.ExpertLayout`)
+    -> ``(memfit's stacked tensor, expert, rows)``; the router -> ``(memfit's router, -1, all)``."""
+    layout = family(config.family).experts
+    prefix, inner = f"model.layers.{layer}.", config.expert_intermediate_size
+    gate_up, down = f"{prefix}mlp.experts.gate_up_proj", f"{prefix}mlp.experts.down_proj"
+    names = {f"{prefix}{layout.block}.gate.weight": (f"{prefix}mlp.gate.weight", -1, slice(None))}
+    for e in range(config.num_experts):
+        expert = f"{prefix}{layout.block}.experts.{e}."
+        names[f"{expert}{layout.gate}.weight"] = (gate_up, e, slice(0, inner))
+        names[f"{expert}{layout.up}.weight"] = (gate_up, e, slice(inner, 2 * inner))
+        names[f"{expert}{layout.down}.weight"] = (down, e, slice(None))
+    return names
+
+
+def _expert_scan(config: DecoderConfig, info: PretrainedInfo, stored: list[Entry]) -> Scan:
+    """The scan of a mixture of experts stored one tensor per expert (transformers 4.x, the Hub): each layer's
+    experts are listed as memfit's two stacked tensors, (E, 2I, C) and (E, C, I), filled expert by expert as the
+    files are read and yielded once complete (a layer's stacked tensors in stored dtype are the most held).
+
+    Raises:
+        CheckpointError: an expert's tensor has a shape the config does not imply, or a layer lacks some of its
+            experts' tensors (naming them and the file).
+    """
+    names: dict[str, tuple[str, int, slice]] = {}
+    for layer in range(config.num_layers):
+        if config.layer_is_moe(layer):
+            names.update(_expert_names(config, layer))
+    C, inner, E = config.dim, config.expert_intermediate_size, config.num_experts  # noqa: N806
+    shapes = {"gate_up_proj": (E, 2 * inner, C), "down_proj": (E, C, inner)}
+    entries: list[Entry] = []
+    parts: dict[str, list[Entry]] = {}  # stacked name -> the stored entries that fill it
+    stacked: dict[str, Entry] = {}
+    for e in stored:
+        if e.name not in names:
+            entries.append(e)
+            continue
+        target, expert, rows = names[e.name]
+        if expert < 0:  # the router, renamed
+            entries.append(Entry(target, e.shape, e.dtype, e.file))
+            continue
+        full = shapes[target.rpartition(".")[2]]
+        want = (rows.stop - rows.start, C) if rows.stop is not None else full[1:]
+        if e.shape != want:
+            raise CheckpointError(
+                f"'{e.file}': tensor '{e.name}' has shape {e.shape} but the config implies {want}; the weights "
+                f"and the config do not belong together"
+            )
+        if target not in stacked:
+            stacked[target] = Entry(target, full, e.dtype, e.file)
+            entries.append(stacked[target])
+        parts.setdefault(target, []).append(e)
+    for target, got in parts.items():
+        expected = 2 * E if target.endswith("gate_up_proj") else E
+        if len(got) != expected:
+            raise CheckpointError(
+                f"'{got[0].file}': {target.rpartition('.experts.')[0]} has {len(got)} of its {expected} expert "
+                f"tensors for {target.rpartition('.')[2]}; the checkpoint is incomplete"
+            )
+
+    def read() -> Iterator[tuple[Entry, Tensor]]:
+        filling: dict[str, tuple[Tensor, int]] = {}  # stacked name -> (its tensor, parts still missing)
+        for e, tensor in read_safetensors(stored):
+            if e.name not in names:
+                yield e, tensor
+                continue
+            target, expert, rows = names[e.name]
+            if expert < 0:
+                yield Entry(target, e.shape, e.dtype, e.file), tensor
+                continue
+            if target not in filling:
+                filling[target] = (torch.empty(stacked[target].shape, dtype=tensor.dtype), len(parts[target]))
+            whole, missing = filling[target]
+            whole[expert, rows].copy_(tensor)
+            del tensor
+            if missing == 1:
+                del filling[target]
+                yield stacked[target], whole
+                del whole
+            else:
+                filling[target] = (whole, missing - 1)
+
+    fills = {
+        name: (stacked[target], len(parts[target]))
+        for name, (target, e, _) in names.items()
+        if e >= 0 and target in stacked
+    }
+    return Scan(config, info, entries, read, stacks=fills or None, stored=stored)
+
+
+def _part_rows(config: DecoderConfig) -> dict[str, int]:
     """Rows of each decoder-layer weight under its name in ``model.layers.<i>.`` (a one-layer meta model's)."""
-    layer = build_llama(dataclasses.replace(config, num_layers=1), device="meta").model.layers[0]
+    layer = build_decoder(dataclasses.replace(config, num_layers=1), device="meta").model.layers[0]
     return {n: p.shape[0] for n, p in layer.named_parameters()}
 
 
-def _split_scan(config: LlamaConfig, info: PretrainedInfo, stored: list[Entry]) -> Scan:
+def _split_scan(config: DecoderConfig, info: PretrainedInfo, stored: list[Entry]) -> Scan:
     """The scan of a family whose checkpoints fuse memfit's matrices (:attr:`Family.fused`): each fused tensor
     is listed as its parts, and read once then split, the parts yielded in turn (each owning its memory).
 
@@ -440,7 +533,7 @@ def read_chat_template(directory: Path | None) -> str | None:
 
 
 def export_hf(
-    model: Llama,
+    model: Decoder,
     out_dir: str | Path,
     *,
     tokenizer: Tokenizer | None = None,
@@ -452,7 +545,7 @@ def export_hf(
     """Write ``model`` as a Hugging Face directory of its family (``config.family``: ``LlamaForCausalLM``,
     ``Qwen2ForCausalLM``, ...).
 
-    Files: ``config.json`` (see :func:`llama_to_hf_config`), ``model.safetensors`` or
+    Files: ``config.json`` (see :func:`decoder_to_hf_config`), ``model.safetensors`` or
     ``model-0000i-of-0000n.safetensors`` shards with ``model.safetensors.index.json`` (a tied ``lm_head`` stored
     once, as ``model.embed_tokens.weight``, like ``save_pretrained``), ``generation_config.json`` and the tokenizer.
     The tokenizer's memfit files (:meth:`Tokenizer.save`) are written, with ``tokenizer_config.json`` completed so
@@ -466,7 +559,7 @@ def export_hf(
     or the device differ from the parameters').
 
     Args:
-        model: a materialised memfit :class:`Llama` (merge LoRA/adapters first; gather FSDP shards first).
+        model: a materialised memfit :class:`Decoder` (merge LoRA/adapters first; gather FSDP shards first).
         out_dir: the new directory; it must not exist or be empty.
         tokenizer: written beside the weights, and the source of BOS/EOS ids; None writes no tokenizer.
         dtype: dtype of the stored weights; None keeps the parameters' (the embedding's).
@@ -537,7 +630,7 @@ def export_hf(
                 "weight_map": weight_map,
             }
             _write_json(tmp / HF_INDEX, index)
-        hf_config = llama_to_hf_config(config, dtype, gen.get("bos_token_id"), gen.get("eos_token_id"))
+        hf_config = decoder_to_hf_config(config, dtype, gen.get("bos_token_id"), gen.get("eos_token_id"))
         _write_json(tmp / HF_CONFIG, hf_config)
         _write_json(tmp / HF_GENERATION_CONFIG, gen)
         if tokenizer is not None:
@@ -562,11 +655,11 @@ def check_out_dir(out: Path) -> None:
     check_writable(out)
 
 
-def _export_tensors(model: Llama) -> dict[str, Tensor]:
+def _export_tensors(model: Decoder) -> dict[str, Tensor]:
     """The model's tensors under HF names, a tied lm_head stored once; checked against a plain Llama."""
-    if not isinstance(model, Llama):
+    if not isinstance(model, Decoder):
         raise TypeError(f"export_hf expects a memfit Llama, got {type(model).__name__}")
-    expected = dict(build_llama(model.config, device="meta").named_parameters())
+    expected = dict(build_decoder(model.config, device="meta").named_parameters())
     state = dict(model.named_parameters())
     if model.config.tie_word_embeddings and model.lm_head.weight is not model.model.embed_tokens.weight:
         raise CheckpointError(
@@ -599,10 +692,12 @@ def _export_tensors(model: Llama) -> dict[str, Tensor]:
 
 
 def _fuse_for_export(
-    tensors: dict[str, Tensor], config: LlamaConfig
+    tensors: dict[str, Tensor], config: DecoderConfig
 ) -> dict[str, Tensor | tuple[Tensor, ...]]:
     """The tensors under the family's checkpoint names: the parts of each fused tensor (:attr:`Family.fused`)
     listed once, in the fused tensor's place and row order, to be concatenated as its shard is written."""
+    if family(config.family).experts is not None:
+        return _unstack_experts(tensors, config)
     fusions = family(config.family).fused
     if not fusions:
         return dict(tensors)
@@ -622,6 +717,22 @@ def _fuse_for_export(
             out[fused] = tuple(tensors[p] for p in parts)
         elif name not in in_fusion:
             out[name] = t
+    return out
+
+
+def _unstack_experts(tensors: dict[str, Tensor], config: DecoderConfig) -> dict[str, Tensor]:
+    """The tensors under the mixture-of-experts family's checkpoint names, in order: one (I, C) / (C, I) view per
+    expert and projection in place of each stacked tensor, the router under its block's name (what
+    ``save_pretrained`` writes, and transformers 4.x and 5 both read)."""
+    pieces: dict[str, list[tuple[str, int, slice]]] = {}  # memfit's name -> its stored pieces
+    for layer in range(config.num_layers):
+        if config.layer_is_moe(layer):
+            for stored, (target, expert, rows) in _expert_names(config, layer).items():
+                pieces.setdefault(target, []).append((stored, expert, rows))
+    out: dict[str, Tensor] = {}
+    for name, tensor in tensors.items():
+        for stored, expert, rows in pieces.get(name, [(name, -1, slice(None))]):
+            out[stored] = (tensor[expert] if expert >= 0 else tensor)[rows]
     return out
 
 

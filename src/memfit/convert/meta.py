@@ -23,7 +23,7 @@ from torch import Tensor
 
 from memfit.convert.tensors import Entry, PretrainedInfo, Scan, config_file, read_json
 from memfit.errors import CheckpointError
-from memfit.models.llama import LlamaConfig, RopeScaling
+from memfit.models.config import DecoderConfig, RopeScaling
 
 __all__ = ["META_PARAMS", "META_SHARD", "hf_to_meta_rows", "meta_to_hf_rows", "read_meta_params", "scan_meta"]
 
@@ -31,8 +31,8 @@ META_PARAMS = "params.json"
 META_SHARD = re.compile(r"^consolidated\.(\d+)\.pth$")
 
 
-def read_meta_params(path: str | Path) -> LlamaConfig:
-    """The :class:`LlamaConfig` of a Meta checkpoint (``params.json`` plus the tensor shapes).
+def read_meta_params(path: str | Path) -> DecoderConfig:
+    """The :class:`DecoderConfig` of a Meta checkpoint (``params.json`` plus the tensor shapes).
 
     ``params.json`` holds ``dim``, ``n_layers``, ``n_heads``, ``n_kv_heads`` (default ``n_heads``),
     ``vocab_size`` (``-1`` in Llama 2: taken from the embedding's shape), ``multiple_of``, ``ffn_dim_multiplier``,
@@ -95,7 +95,7 @@ class _MetaTensor:
 
 @dataclass(frozen=True)
 class _MetaLayout:
-    config: LlamaConfig
+    config: DecoderConfig
     shards: list[Path]
     tensors: list[_MetaTensor]  # rope.freqs and an output.weight tied to the embedding are left out
     stored_dtype: torch.dtype | None
@@ -245,7 +245,7 @@ def _meta_layout(directory: Path) -> _MetaLayout:
         notes.append("output.weight equals tok_embeddings.weight: loaded tied (stored once)")
 
     try:
-        config = LlamaConfig(
+        config = DecoderConfig(
             vocab_size=vocab_size,
             dim=dim,
             num_layers=params["n_layers"],

@@ -16,8 +16,8 @@ from safetensors.torch import load_file, save_file
 from memfit.checkpoint import atomic_directory
 from memfit.errors import CheckpointError
 from memfit.filemode import give_default_mode
+from memfit.models.decoder import Decoder
 from memfit.models.families import family
-from memfit.models.llama import Llama
 from memfit.models.peft import LoraSettings, apply_lora, load_lora_state_dict, lora_settings, lora_state_dict
 
 __all__ = ["PEFT_CONFIG", "PEFT_PREFIX", "PEFT_WEIGHTS", "load_peft_adapter", "save_peft_adapter"]
@@ -57,7 +57,7 @@ def _peft_config(settings: LoraSettings, base_model_name_or_path: str) -> dict[s
     }
 
 
-def save_peft_adapter(model: Llama, out_dir: str | Path, *, base_model_name_or_path: str = "") -> Path:
+def save_peft_adapter(model: Decoder, out_dir: str | Path, *, base_model_name_or_path: str = "") -> Path:
     """Write the LoRA adapter alone in Hugging Face PEFT's format, atomically.
 
     ``adapter_model.safetensors`` holds ``base_model.model.<module>.lora_A.weight`` (r, in) and
@@ -112,7 +112,7 @@ def _check_unfused_targets(family_name: str, settings: LoraSettings) -> None:
         )
 
 
-def load_peft_adapter(model: Llama, adapter_dir: str | Path, *, seed: int | None = None) -> list[str]:
+def load_peft_adapter(model: Decoder, adapter_dir: str | Path, *, seed: int | None = None) -> list[str]:
     """Apply LoRA as a Hugging Face PEFT adapter directory describes, and load its tensors.
 
     Args:

@@ -1,7 +1,7 @@
 """What every checkpoint reader of :mod:`memfit.convert` produces and shares: a scan, safetensors files, JSON.
 
 A reader (:mod:`memfit.convert.hf`, :mod:`memfit.convert.meta`, :mod:`memfit.convert.memfit`) turns a checkpoint
-directory into a :class:`Scan`: its architecture (:class:`LlamaConfig`), a :class:`PretrainedInfo`, and the list of
+directory into a :class:`Scan`: its architecture (:class:`DecoderConfig`), a :class:`PretrainedInfo`, and the list of
 its tensors (:class:`Entry`), all known from the file headers before any weight is read, plus a function that then
 yields the tensors one at a time. Single safetensors files (Hugging Face's and memfit's) are read here with
 ``pread`` into memory each tensor owns.
@@ -20,7 +20,7 @@ from safetensors import SafetensorError, safe_open
 from torch import Tensor
 
 from memfit.errors import CheckpointError
-from memfit.models.llama import LlamaConfig
+from memfit.models.config import DecoderConfig
 
 __all__ = [
     "Entry",
@@ -49,7 +49,7 @@ _SAFETENSORS_DTYPES = {
 
 @dataclass(frozen=True)
 class PretrainedInfo:
-    """What a pretrained checkpoint holds besides its architecture (:class:`LlamaConfig`)."""
+    """What a pretrained checkpoint holds besides its architecture (:class:`DecoderConfig`)."""
 
     format: str
     """``"hf"``, ``"meta"`` or ``"memfit"``."""
@@ -82,13 +82,18 @@ class Entry:
 class Scan:
     """A checkpoint's config, info and tensor list, read from headers only; ``read()`` yields the tensors."""
 
-    config: LlamaConfig
+    config: DecoderConfig
     info: PretrainedInfo
     entries: list[Entry]
     read: Callable[[], Iterator[tuple[Entry, Tensor]]]
     streamed: bool = False
     """``read()`` is :func:`read_safetensors` of ``entries``: each tensor read whole into memory of its own, in file
     order, and no other tensor held meanwhile (what :func:`memfit.convert.load_order` can predict)."""
+    stacks: dict[str, tuple[Entry, int]] | None = None
+    """A mixture of experts stored one tensor per expert: each stored tensor's name -> the stacked entry it fills
+    and how many stored tensors fill that one; ``stored`` lists the files' tensors (what
+    :func:`memfit.convert.load_order` walks)."""
+    stored: list[Entry] | None = None
 
 
 def first_float_dtype(entries: list[Entry]) -> torch.dtype | None:

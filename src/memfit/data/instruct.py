@@ -19,7 +19,7 @@ Three stages, each a function of its inputs alone:
 
 A sample of ``n`` tokens trains the model on input ``ids[:-1]`` against target ``labels[1:]`` (next-token shift);
 that is why samples hold up to ``max_seq_len + 1`` tokens. Packed rows concatenate the shifted (input, target)
-pairs of several samples into exactly ``max_seq_len`` positions and carry ``doc_ids`` so that ``Llama.forward``
+pairs of several samples into exactly ``max_seq_len`` positions and carry ``doc_ids`` so that ``Decoder.forward``
 keeps attention inside each sample and restarts its positions: a packed row computes what its samples would alone.
 
 Record indices in error messages count from 0 (the position in the JSON list, or among the non-blank lines of a
@@ -830,7 +830,7 @@ class InstructSplit:
         Returns:
             ``(inputs, targets, doc_ids)``: int64 tensors of shape ``(B, T)``, ``T`` the longest item of the batch
             (``max_seq_len`` when packed); inputs right-padded with ``pad_id``, targets with
-            :data:`IGNORE_INDEX`. ``doc_ids`` is ``(B, T)`` for packed splits (pass it to ``Llama.forward``) and
+            :data:`IGNORE_INDEX`. ``doc_ids`` is ``(B, T)`` for packed splits (pass it to ``Decoder.forward``) and
             ``None`` otherwise.
 
         Raises:

@@ -47,9 +47,8 @@ class Adafactor(torch.optim.Adafactor):
     back into the bf16 weight (see the module doc). Its state is torch's (``step``, ``row_var`` / ``col_var`` or
     ``variance``, in the gradient's dtype), so checkpoints load either way.
 
-    Raises:
-        RuntimeError: a tensor of more than 2 dimensions under a rounding other than ``nearest`` (memfit's models
-            have none).
+    A mixture of experts' stacked (E, m, n) tensors are factored per expert, as torch factors the last two
+    dimensions, over chunks of whole experts.
     """
 
     memfit_rounds_natively = True
@@ -89,8 +88,6 @@ class Adafactor(torch.optim.Adafactor):
         return loss
 
     def _update(self, group: dict, p: torch.Tensor) -> None:
-        if p.dim() > 2:
-            raise RuntimeError(f"memfit's chunked Adafactor takes 1-D and 2-D tensors, not {tuple(p.shape)}")
         state = self.state[p]
         mode = self.memfit_bf16_rounding
         comp = rounding.compensation_of(state, p, mode)
@@ -106,7 +103,10 @@ class Adafactor(torch.optim.Adafactor):
         one_minus_beta2 = step.pow(group["beta2_decay"])
         rho = step.rsqrt().clamp(max=lr)
         chunks = hybrids.traced_chunks(_rows(weight), weight)
-        factored = weight.dim() == 2
+        factored = weight.dim() >= 2
+        stacked = (
+            weight.dim() == 3
+        )  # a mixture of experts' (E, m, n): chunks of whole experts, factors per expert
         row_var, col_var, variance = (
             hybrids._local(state.get(k)) for k in ("row_var", "col_var", "variance")
         )
@@ -114,7 +114,9 @@ class Adafactor(torch.optim.Adafactor):
         # pass 1: the weight's sum of squares; the second moment's factors (or the whole vector)
         weight_sq = torch.zeros((), dtype=torch.float32, device=weight.device)
         col_sq = (
-            torch.zeros(weight.shape[-1], dtype=torch.float32, device=weight.device) if factored else None
+            torch.zeros(weight.shape[-1], dtype=torch.float32, device=weight.device)
+            if factored and not stacked
+            else None
         )
         for a, b in chunks:
             w32 = rounding.to_fp32(weight[a:b], None if comp is None else comp[a:b])
@@ -123,17 +125,23 @@ class Adafactor(torch.optim.Adafactor):
             if factored:
                 sq = g32.square_()
                 _lerp_(row_var[a:b], sq.sum(dim=-1, keepdim=True).div_(weight.shape[-1]), one_minus_beta2)
-                col_sq += sq.sum(dim=0)
+                if stacked:
+                    _lerp_(col_var[a:b], sq.sum(dim=-2, keepdim=True).div_(weight.shape[-2]), one_minus_beta2)
+                else:
+                    col_sq += sq.sum(dim=0)
             else:
                 _lerp_(variance[a:b], g32.square_(), one_minus_beta2)
             del w32, g32
         alpha = (weight_sq.sqrt() / weight.numel() ** 0.5).clamp(min=eps2) * rho
-        if factored:
+        if factored and not stacked:
             _lerp_(col_var, col_sq.div_(weight.shape[0]).unsqueeze(0), one_minus_beta2)
+        if factored:  # (1, 1), or (E, 1, 1): per expert
             row_mean = row_var.float().mean(dim=-2, keepdim=True).clamp_(min=eps1)
 
         def update_of(a: int, b: int) -> torch.Tensor:
-            if factored:
+            if stacked:
+                estimate = (row_var[a:b].float() @ col_var[a:b].float()).div_(row_mean[a:b])
+            elif factored:
                 estimate = (row_var[a:b].float() @ col_var.float()).div_(row_mean)
             else:
                 estimate = variance[a:b].to(torch.float32, copy=True)

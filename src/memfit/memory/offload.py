@@ -176,7 +176,7 @@ def apply_activation_offloading(model: nn.Module) -> int:
     embedding, the final norm and the loss keep theirs on the device (the backward needs them first).
 
     Args:
-        model: a :class:`memfit.models.llama.Llama`.
+        model: a :class:`memfit.models.decoder.Llama`.
 
     Returns:
         The number of layers whose saved tensors are offloaded.

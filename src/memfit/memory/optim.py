@@ -1,8 +1,9 @@
 """Optimizers, chosen by one name, with the usual parameter groups, the learning-rate schedule, and the
 optimizer step inside backward.
 
-Parameter groups: matrices (``ndim == 2``: projections and embeddings) get weight decay; 1-D tensors (RMSNorm
-weights, biases) do not, as in GPT-2/nanoGPT, litgpt and torchtune practice.
+Parameter groups: matrices (``ndim == 2``: projections and embeddings; ``ndim == 3``: a mixture of experts'
+stacks) get weight decay; 1-D tensors (RMSNorm weights, biases) do not, as in GPT-2/nanoGPT, litgpt and torchtune
+practice.
 
 The optimizers behind ``optimizer.name``, their state in closed form and where they run are declared in
 :mod:`memfit.memory.optimizers`; this module builds them.
@@ -58,7 +59,8 @@ def _ndim(p: torch.Tensor) -> int:
 def param_groups(
     model: torch.nn.Module, weight_decay: float, optimizer: str = "adamw", *, adamw_lr_scale: float = 1.0
 ) -> list[dict]:
-    """Split trainable parameters into a decayed group (matrices: ``ndim == 2``) and an undecayed one (norms,
+    """Split trainable parameters into a decayed group (matrices: ``ndim == 2``, and a mixture of experts' stacked
+    matrices, ``ndim == 3``) and an undecayed one (norms,
     LLaMA-Adapter's per-head gates and any other non-matrix tensor); for an optimizer that treats tensors apart
     (Muon, APOLLO, Adam-mini), first by the algorithm :func:`memfit.memory.optimizers.part_of` gives each.
 
@@ -81,7 +83,7 @@ def param_groups(
             continue
         ndim = _ndim(p)
         algorithm = optimizers.part_of(optimizer, name, ndim) if partitioned else ""
-        decayed = ndim == 2
+        decayed = ndim >= 2
         group = groups.get((algorithm, decayed))
         if group is None:
             label = "decay" if decayed else "no_decay"
@@ -128,7 +130,7 @@ def describe_partition(model: torch.nn.Module, optimizer: str) -> str:
             entry = counts.setdefault(optimizers.part_of(optimizer, name, ndim), [0, 0, 0])
             entry[0] += 1
             entry[1] += getattr(p, "_memfit_numel", p.numel())
-            entry[2] += ndim == 2
+            entry[2] += ndim >= 2
     return ", ".join(
         f"{part}: {n} {'matrices' if matrices == n else 'tensors'} ({numel / 1e6:.1f}M)"
         for part, (n, numel, matrices) in sorted(counts.items(), key=lambda item: -item[1][1])

@@ -273,8 +273,11 @@ def parameter_role(param_name: str, ndim: int) -> str:
 
     Returns:
         ``embedding``, ``output`` (``lm_head``), ``matrix`` (any other 2-D tensor: a decoder layer's projections,
-        LoRA's A and B, the adapter's prompt) or ``vector`` (norm weights, the adapter's gates).
+        LoRA's A and B, the adapter's prompt), ``experts`` (a mixture of experts' stacked (E, m, n) matrices,
+        which Muon and APOLLO leave to AdamW) or ``vector`` (norm weights, the adapter's gates).
     """
+    if ndim == 3:
+        return "experts"
     if ndim != 2:
         return "vector"
     if param_name.endswith("embed_tokens.weight"):
@@ -409,7 +412,7 @@ class Optimizer:
     arguments: tuple[tuple[str, str], ...] = ()
     """``(config field, keyword)`` where the class names a hyperparameter otherwise (Adafactor's ``d``)."""
     model_arguments: tuple[str, ...] = ()
-    """Fields of the model's :class:`~memfit.models.llama.LlamaConfig` passed too (``dim``, ``num_heads``, ...)."""
+    """Fields of the model's :class:`~memfit.models.decoder.DecoderConfig` passed too (``dim``, ``num_heads``, ...)."""
     update_rule: str = "adamw"
     """The update it computes (quantized or paged state computes the same one): ``memfit plan`` keeps the config's
     update rule unless ``--optimizers`` allows others."""

@@ -44,7 +44,7 @@ def apply_activation_checkpointing(model: nn.Module, mode: str, interval: int = 
     original, so module structure and parameter names (and so checkpoints) are unchanged.
 
     Args:
-        model: a :class:`memfit.models.llama.Llama` (its ``model.layers``).
+        model: a :class:`memfit.models.decoder.Llama` (its ``model.layers``).
         mode: ``none``, ``selective`` (every layer, keeping matmul and attention outputs), ``full`` or ``every_n``.
         interval: ``n`` for ``every_n``.
 
@@ -110,7 +110,7 @@ def apply_compile(model: nn.Module) -> int:
     The embedding, the final norm and ``lm_head`` stay eager; the loss is compiled apart (:func:`compiled`).
 
     Args:
-        model: a :class:`memfit.models.llama.Llama` (its ``model.layers``), before FSDP wraps it.
+        model: a :class:`memfit.models.decoder.Llama` (its ``model.layers``), before FSDP wraps it.
 
     Returns:
         The number of layers compiled.
@@ -273,7 +273,7 @@ def apply_tied_embedding_gradient(model: nn.Module) -> bool:
     first.
 
     Args:
-        model: a :class:`memfit.models.llama.Llama`, before FSDP wraps it.
+        model: a :class:`memfit.models.decoder.Llama`, before FSDP wraps it.
 
     Returns:
         Whether it applied: the model ties ``lm_head`` to ``model.embed_tokens`` and the embedding is a plain one

@@ -170,7 +170,7 @@ def apply_tiled_mlp(model: nn.Module, setting: int | str) -> int:
     the layer.
 
     Args:
-        model: a :class:`memfit.models.llama.Llama`.
+        model: a :class:`memfit.models.decoder.Llama`.
         setting: tiles per micro-batch, or ``auto`` (:func:`mlp_tiles`); 0 leaves the model as it is.
 
     Returns:

@@ -30,7 +30,7 @@ from torch import Tensor, nn
 
 from memfit.memory.switches import kv_heads_sent
 from memfit.memory.techniques import IGNORE_INDEX
-from memfit.models.llama import Attention, packed_positions
+from memfit.models.decoder import Attention, packed_positions
 
 
 def _heads_to_sequence(x: Tensor, size: int, group) -> Tensor:
@@ -55,7 +55,7 @@ def _sequence_to_heads(y: Tensor, size: int, group) -> Tensor:
 
 
 class UlyssesAttention(Attention):
-    """:class:`~memfit.models.llama.Attention` over a sequence shard, exchanging heads for tokens around the core
+    """:class:`~memfit.models.decoder.Attention` over a sequence shard, exchanging heads for tokens around the core
     (see the module doc). Made by :func:`apply_sequence_parallel` (a class swap: parameters and names unchanged);
     ``memfit_sp_group`` and ``memfit_sp_size`` are set there."""
 
@@ -81,7 +81,9 @@ class UlyssesAttention(Attention):
             k = k.repeat_interleave(size // self.num_kv_heads, dim=1)  # (B, N, T/N, hd)
             v = v.repeat_interleave(size // self.num_kv_heads, dim=1)
         q, k, v = (_heads_to_sequence(h, size, group) for h in (q, k, v))  # (B, heads/N, T, hd)
-        y = self.attend(q, k, v, doc_ids)  # (B, nh/N, T, hd): llama.causal_attention with the layer's options
+        y = self.attend(
+            q, k, v, doc_ids
+        )  # (B, nh/N, T, hd): decoder.causal_attention with the layer's options
         y = _sequence_to_heads(y, size, group)  # (B, nh, T/N, hd)
         y = y.transpose(1, 2).reshape(B, t, self.num_heads * self.head_dim)  # (B, T/N, nh * hd)
         return self.o_proj(y)  # (B, T/N, C)
@@ -93,7 +95,7 @@ def apply_sequence_parallel(model: nn.Module, group, size: int) -> int:
     Apply before activation checkpointing, compile and sharding (they take the layer as it then is).
 
     Args:
-        model: a :class:`memfit.models.llama.Llama`.
+        model: a :class:`memfit.models.decoder.Llama`.
         group: the process group of this rank's sequence-parallel group (``size`` ranks).
         size: N; 1 leaves the model as it is.
 

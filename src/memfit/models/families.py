@@ -3,8 +3,8 @@
 Each :class:`Family` is the whole of what sets one family apart: its Hugging Face ``model_type`` and
 ``architectures``, the ``config.json`` keys it reads and writes beyond the ones every family shares (the sizes,
 RoPE, the norms' epsilon, tied embeddings: :mod:`memfit.convert.hf`), its architecture differences as
-:class:`~memfit.models.llama.LlamaConfig` fields, the tensors a layer adds to Llama's, its LoRA targets and its
-presets. memfit's own decoder (:mod:`memfit.models.llama`) builds every family from those fields, so every memory
+:class:`~memfit.models.decoder.DecoderConfig` fields, the tensors a layer adds to Llama's, its LoRA targets and its
+presets. memfit's own decoder (:mod:`memfit.models.decoder`) builds every family from those fields, so every memory
 switch, the tracker, the estimator and the planner apply unchanged, and the model still knows nothing of
 techniques.
 
@@ -16,7 +16,11 @@ tensor into memfit's modules as it reads it and fuses them again as it writes, s
 modules and every memory switch applies unchanged. Its LoRA targets may name the fused matrix
 (:attr:`Family.lora_aliases`), which adapts each of its parts.
 
-Families memfit does not build (a mixture of experts, a state-space model, an unknown ``model_type``) are refused
+A mixture of experts (Qwen3-MoE, Mixtral, OLMoE) declares how its checkpoints name each expert's tensors
+(:attr:`Family.experts`): :mod:`memfit.convert.hf` stacks them into memfit's fused 3-D expert tensors (transformers
+5's) as it reads them, reads transformers 5's fused tensors as they are, and writes one tensor per expert again.
+
+Families memfit does not build (other mixtures of experts, a state-space model, an unknown ``model_type``) are refused
 by :func:`hf_family` before anything is allocated, naming ``model_type`` / ``architectures`` and the families
 memfit builds.
 """
@@ -27,7 +31,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from memfit.models.llama import LlamaConfig
+from memfit.models.config import DecoderConfig
 
 __all__ = ["FAMILIES", "Family", "family", "hf_family"]
 
@@ -36,6 +40,10 @@ Refuse = Callable[[str, str], Exception]
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head")
 """The linear layers of the Llama-layout families, in module order."""
+_ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "lm_head")
+"""The linear layers of a mixture-of-experts family (its experts are 3-D parameters, not linear layers)."""
+_MOE_LAYER = ("mlp.gate.weight", "mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+"""A mixture-of-experts layer's feed-forward tensors, in memfit (and transformers 5) names."""
 
 
 @dataclass(frozen=True)
@@ -47,7 +55,7 @@ class Family:
     """
 
     name: str
-    """memfit's name, the value of :attr:`LlamaConfig.family`."""
+    """memfit's name, the value of :attr:`DecoderConfig.family`."""
     model_types: tuple[str, ...]
     """Hugging Face ``model_type`` values read as this family; the first is written."""
     architectures: tuple[str, ...]
@@ -55,11 +63,11 @@ class Family:
     summary: str
     """What sets it apart from Llama, in words (error messages and docs)."""
     read: Callable[[Mapping[str, Any], Refuse], dict[str, Any]]
-    """``config.json`` -> the :class:`LlamaConfig` fields of the family's architecture differences
+    """``config.json`` -> the :class:`DecoderConfig` fields of the family's architecture differences
     (``head_dim``, ``attention_bias``, ``qk_norm``, ``sliding_window``); refuses, naming the key, a field that
     changes the computation and that memfit does not implement."""
-    write: Callable[[LlamaConfig], dict[str, Any]]
-    """:class:`LlamaConfig` -> the family's own ``config.json`` keys (everything transformers would otherwise
+    write: Callable[[DecoderConfig], dict[str, Any]]
+    """:class:`DecoderConfig` -> the family's own ``config.json`` keys (everything transformers would otherwise
     default differently)."""
     hf_defaults: Mapping[str, Any]
     """Shared keys whose transformers default differs from Llama's, used when ``config.json`` lacks them."""
@@ -85,6 +93,27 @@ class Family:
     reads_rope: bool = False
     """``read`` maps the RoPE keys itself (Gemma 3's per-layer-type ``rope_parameters``), in place of the shared
     reading of ``rope_theta`` / ``rope_scaling`` / ``rope_parameters``."""
+    experts: ExpertLayout | None = None
+    """A mixture of experts: how its checkpoints name the experts one tensor each (transformers 4.x and the Hub);
+    the fused 3-D tensors of transformers 5 are read under memfit's own names."""
+
+
+@dataclass(frozen=True)
+class ExpertLayout:
+    """The per-expert tensor names of a mixture-of-experts checkpoint, under ``model.layers.<i>.``:
+    ``{block}.gate.weight`` (the router, memfit's ``mlp.gate.weight``) and ``{block}.experts.<e>.{gate}.weight``
+    (I, C), ``...{up}.weight`` (I, C), ``...{down}.weight`` (C, I), which memfit stacks into
+    ``mlp.experts.gate_up_proj`` (E, 2I, C) and ``mlp.experts.down_proj`` (E, C, I) as it reads them and splits
+    again as it writes."""
+
+    block: str = "mlp"
+    """The sparse block's name (Mixtral's ``block_sparse_moe``)."""
+    gate: str = "gate_proj"
+    """One expert's gate projection (Mixtral's ``w1``)."""
+    up: str = "up_proj"
+    """One expert's up projection (Mixtral's ``w3``)."""
+    down: str = "down_proj"
+    """One expert's down projection (Mixtral's ``w2``)."""
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -141,7 +170,7 @@ def _read_llama(cfg: Mapping[str, Any], refuse: Refuse) -> dict[str, Any]:
     return {"head_dim": _head_dim(cfg, refuse)}
 
 
-def _write_llama(config: LlamaConfig) -> dict[str, Any]:
+def _write_llama(config: DecoderConfig) -> dict[str, Any]:
     return {"head_dim": config.head_dim, "attention_bias": False, "mlp_bias": False, "pretraining_tp": 1}
 
 
@@ -156,7 +185,7 @@ def _read_mistral(cfg: Mapping[str, Any], refuse: Refuse) -> dict[str, Any]:
     return {"head_dim": _head_dim(cfg, refuse), "sliding_window": window}
 
 
-def _write_mistral(config: LlamaConfig) -> dict[str, Any]:
+def _write_mistral(config: DecoderConfig) -> dict[str, Any]:
     # null written out: MistralConfig reads a missing sliding_window as 4096
     return {"head_dim": config.head_dim, "sliding_window": config.sliding_window}
 
@@ -167,7 +196,7 @@ def _read_qwen2(cfg: Mapping[str, Any], refuse: Refuse) -> dict[str, Any]:
     return {"head_dim": _head_dim(cfg, refuse), "attention_bias": True}
 
 
-def _write_qwen2(config: LlamaConfig) -> dict[str, Any]:
+def _write_qwen2(config: DecoderConfig) -> dict[str, Any]:
     return {"use_sliding_window": False, "sliding_window": None, "max_window_layers": config.num_layers}
 
 
@@ -186,7 +215,7 @@ def _read_qwen3(cfg: Mapping[str, Any], refuse: Refuse) -> dict[str, Any]:
     }  # Qwen3Config's default head_dim
 
 
-def _write_qwen3(config: LlamaConfig) -> dict[str, Any]:
+def _write_qwen3(config: DecoderConfig) -> dict[str, Any]:
     return {
         "head_dim": config.head_dim,
         "attention_bias": False,
@@ -223,7 +252,7 @@ def _read_phi3(cfg: Mapping[str, Any], refuse: Refuse) -> dict[str, Any]:
     return {"head_dim": _head_dim(cfg, refuse), "sliding_window": window}
 
 
-def _write_phi3(config: LlamaConfig) -> dict[str, Any]:
+def _write_phi3(config: DecoderConfig) -> dict[str, Any]:
     return {
         "head_dim": config.head_dim,  # Phi3Attention and its RoPE read it where present
         "sliding_window": config.sliding_window,
@@ -233,6 +262,118 @@ def _write_phi3(config: LlamaConfig) -> dict[str, Any]:
         # Phi3Config's default pad id, 32000, is an embedding row only a 32064 vocabulary has; the id only
         # zeroes that row's gradient in transformers' training (memfit keeps no pad id), never the logits
         "pad_token_id": None,
+    }
+
+
+def _positive_int(cfg: Mapping[str, Any], refuse: Refuse, key: str, default: Any) -> Any:
+    """``cfg[key]`` (``default`` when absent): a positive int."""
+    value = cfg.get(key, default)
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise refuse(key, f"is {value!r}; it must be a positive int")
+    return value
+
+
+def _read_experts(
+    cfg: Mapping[str, Any], refuse: Refuse, experts_key: str, experts: int, per_token: int, coef: float
+) -> dict[str, Any]:
+    """The mixture-of-experts keys every MoE family shares: E (under ``experts_key``), k, the aux-loss weight, and
+    refusals of what memfit does not build (router jitter, a shared expert)."""
+    if cfg.get("router_jitter_noise"):
+        raise refuse(
+            "router_jitter_noise", f"is {cfg['router_jitter_noise']!r}; memfit routes without jitter (0.0)"
+        )
+    for key in ("shared_expert_intermediate_size", "n_shared_experts"):
+        if cfg.get(key):
+            raise refuse(key, "is set; memfit builds no shared expert (Qwen2-MoE, DeepSeek)")
+    alias = "num_local_experts" if experts_key == "num_experts" else "num_experts"
+    if experts_key not in cfg and alias in cfg:  # transformers 5 writes some under the other name
+        experts_key = alias
+    num_experts = _positive_int(cfg, refuse, experts_key, experts)
+    top_k = _positive_int(cfg, refuse, "num_experts_per_tok", per_token)
+    if top_k > num_experts:
+        raise refuse(
+            "num_experts_per_tok", f"is {top_k}, more than the {num_experts} experts ({experts_key})"
+        )
+    aux = cfg.get("router_aux_loss_coef", coef)
+    if isinstance(aux, bool) or not isinstance(aux, (int, float)) or aux < 0:
+        raise refuse("router_aux_loss_coef", f"is {aux!r}; it must be a number >= 0")
+    return {"num_experts": num_experts, "num_experts_per_tok": top_k, "router_aux_loss_coef": float(aux)}
+
+
+def _read_qwen3_moe(cfg: Mapping[str, Any], refuse: Refuse) -> dict[str, Any]:
+    dense = _read_qwen3(cfg, refuse)
+    step = _positive_int(cfg, refuse, "decoder_sparse_step", 1)
+    only = cfg.get("mlp_only_layers") or []
+    if not isinstance(only, (list, tuple)) or not all(isinstance(i, int) for i in only):
+        raise refuse("mlp_only_layers", f"is {only!r}; it must be a list of layer indices")
+    layers = cfg.get("num_hidden_layers") or 0
+    dense_layers = tuple(i for i in range(layers) if i in only or (i + 1) % step != 0)
+    return {
+        **dense,
+        **_read_experts(cfg, refuse, "num_experts", 128, 8, 0.001),
+        "moe_intermediate_size": _positive_int(cfg, refuse, "moe_intermediate_size", 768),
+        "norm_topk_prob": bool(cfg.get("norm_topk_prob", False)),
+        "dense_layers": dense_layers,
+    }
+
+
+def _write_experts(config: DecoderConfig, experts_key: str = "num_experts") -> dict[str, Any]:
+    return {
+        experts_key: config.num_experts,
+        "num_experts_per_tok": config.num_experts_per_tok,
+        "router_aux_loss_coef": config.router_aux_loss_coef,
+        "output_router_logits": False,
+    }
+
+
+def _write_qwen3_moe(config: DecoderConfig) -> dict[str, Any]:
+    return {
+        **_write_qwen3(config),
+        **_write_experts(config),
+        "moe_intermediate_size": config.expert_intermediate_size,
+        "norm_topk_prob": config.norm_topk_prob,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": list(config.dense_layers),
+    }
+
+
+def _read_mixtral(cfg: Mapping[str, Any], refuse: Refuse) -> dict[str, Any]:
+    return {
+        **_read_mistral({**cfg, "sliding_window": cfg.get("sliding_window")}, refuse),  # MixtralConfig: None
+        **_read_experts(cfg, refuse, "num_local_experts", 8, 2, 0.001),
+        "norm_topk_prob": True,  # transformers' Mixtral always renormalises the top k
+    }
+
+
+def _write_mixtral(config: DecoderConfig) -> dict[str, Any]:
+    return {
+        **_write_mistral(config),
+        **_write_experts(config, "num_local_experts"),
+        "router_jitter_noise": 0.0,
+    }
+
+
+def _read_olmoe(cfg: Mapping[str, Any], refuse: Refuse) -> dict[str, Any]:
+    _refuse_true(cfg, refuse, ("attention_bias", "mlp_bias"), "OLMoE", "memfit builds OLMoE without biases")
+    if cfg.get("clip_qkv") is not None:
+        raise refuse(
+            "clip_qkv", f"is {cfg['clip_qkv']!r}; memfit does not clip q, k and v (OLMoE-1B-7B: null)"
+        )
+    return {
+        "head_dim": _head_dim(cfg, refuse),
+        "qk_norm": True,
+        "qk_norm_per_head": False,
+        **_read_experts(cfg, refuse, "num_experts", 64, 8, 0.01),
+        "norm_topk_prob": bool(cfg.get("norm_topk_prob", False)),
+    }
+
+
+def _write_olmoe(config: DecoderConfig) -> dict[str, Any]:
+    return {
+        **_write_experts(config),
+        "norm_topk_prob": config.norm_topk_prob,
+        "clip_qkv": None,
+        "attention_bias": False,
     }
 
 
@@ -297,7 +438,7 @@ def _read_gemma2(cfg: Mapping[str, Any], refuse: Refuse) -> dict[str, Any]:
     }
 
 
-def _write_gemma_common(config: LlamaConfig) -> dict[str, Any]:
+def _write_gemma_common(config: DecoderConfig) -> dict[str, Any]:
     return {
         "hidden_act": GEMMA_ACT,
         "hidden_activation": GEMMA_ACT,
@@ -311,7 +452,7 @@ def _write_gemma_common(config: LlamaConfig) -> dict[str, Any]:
     }
 
 
-def _write_gemma2(config: LlamaConfig) -> dict[str, Any]:
+def _write_gemma2(config: DecoderConfig) -> dict[str, Any]:
     return _write_gemma_common(config)
 
 
@@ -365,7 +506,7 @@ def _read_gemma3(cfg: Mapping[str, Any], refuse: Refuse) -> dict[str, Any]:
     }
 
 
-def _write_gemma3(config: LlamaConfig) -> dict[str, Any]:
+def _write_gemma3(config: DecoderConfig) -> dict[str, Any]:
     full: dict[str, Any] = {"rope_type": "default", "rope_theta": float(config.rope_theta)}
     if config.rope_linear_factor is not None:
         full = {
@@ -515,14 +656,60 @@ FAMILIES: dict[str, Family] = {
                 "gate_up_proj": ("gate_proj", "up_proj"),
             },
         ),
+        Family(
+            name="qwen3_moe",
+            model_types=("qwen3_moe",),
+            architectures=("Qwen3MoeForCausalLM",),
+            summary="Qwen3-MoE: Qwen3's attention (q/k norms per head) and a mixture of experts in every layer "
+            "(30B-A3B: 128 experts, 8 a token, renormalised)",
+            read=_read_qwen3_moe,
+            write=_write_qwen3_moe,
+            hf_defaults={"max_position_embeddings": 32768},
+            layer_tensors=_MOE_LAYER + ("self_attn.q_norm.weight", "self_attn.k_norm.weight"),
+            lora_targets=_ATTENTION_TARGETS,
+            presets=("qwen3-30b-a3b", "qwen3-235b-a22b", "tiny-qwen3-moe"),
+            implements=("num_experts", "num_local_experts"),
+            experts=ExpertLayout(),
+        ),
+        Family(
+            name="mixtral",
+            model_types=("mixtral",),
+            architectures=("MixtralForCausalLM",),
+            summary="Mixtral: Mistral's attention and 8 experts in every layer, 2 a token (block_sparse_moe "
+            "w1/w3/w2 in the checkpoint)",
+            read=_read_mixtral,
+            write=_write_mixtral,
+            hf_defaults={"max_position_embeddings": 4096 * 32},
+            layer_tensors=_MOE_LAYER,
+            lora_targets=_ATTENTION_TARGETS,
+            presets=("mixtral-8x7b", "tiny-mixtral"),
+            implements=("num_experts", "num_local_experts"),
+            experts=ExpertLayout(block="block_sparse_moe", gate="w1", up="w3", down="w2"),
+        ),
+        Family(
+            name="olmoe",
+            model_types=("olmoe",),
+            architectures=("OlmoeForCausalLM",),
+            summary="OLMoE: RMSNorm of the whole q and k projections, 64 experts in every layer, 8 a token "
+            "(weights as the softmax gives them)",
+            read=_read_olmoe,
+            write=_write_olmoe,
+            hf_defaults={"max_position_embeddings": 4096, "rms_norm_eps": 1e-5},
+            layer_tensors=_MOE_LAYER + ("self_attn.q_norm.weight", "self_attn.k_norm.weight"),
+            lora_targets=_ATTENTION_TARGETS,
+            presets=("olmoe-1b-7b", "tiny-olmoe"),
+            implements=("num_experts", "num_local_experts"),
+            experts=ExpertLayout(),
+        ),
     )
 }
 """Every family memfit builds, by :attr:`Family.name`."""
 
 _NOT_BUILT = {
     **dict.fromkeys(
-        ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3", "dbrx", "olmoe", "granitemoe"),
-        "a mixture of experts, which memfit does not build",
+        ("qwen2_moe", "deepseek_v2", "deepseek_v3", "dbrx", "granitemoe"),
+        "a mixture of experts memfit does not build (shared experts, DeepSeek's latent attention, DBRX's and "
+        "Granite's layouts); it builds qwen3_moe, mixtral and olmoe",
     ),
     **dict.fromkeys(
         ("mamba", "mamba2", "falcon_mamba"), "a state-space model (no attention), which memfit does not build"
@@ -544,7 +731,7 @@ def builds() -> str:
 
 
 def family(name: str) -> Family:
-    """The entry of :attr:`LlamaConfig.family` ``name``.
+    """The entry of :attr:`DecoderConfig.family` ``name``.
 
     Raises:
         ValueError: ``name`` is not a family memfit builds; the message lists them.

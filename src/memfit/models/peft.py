@@ -1,4 +1,4 @@
-"""Parameter-efficient fine-tuning, applied to a built :class:`~memfit.models.llama.Llama` from outside.
+"""Parameter-efficient fine-tuning, applied to a built :class:`~memfit.models.decoder.Llama` from outside.
 
 The model file knows nothing of these methods: each function here adds parameters to existing submodules and
 replaces their ``forward`` on the instance (as activation checkpointing does), so every base parameter keeps its
@@ -43,15 +43,14 @@ import math
 import types
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from memfit.models import families
-from memfit.models.llama import Attention, Llama
-from memfit.quiet import quiet_torchao_import
+from memfit.models.decoder import Attention, Decoder
+from memfit.models.nf4 import NF4_LUT_SIZE, empty_nf4, is_nf4, nf4_layout, to_nf4
 
 LORA_METHODS = ("lora", "qlora")
 """Methods whose settings are ``lora.*`` (QLoRA is LoRA over a 4-bit NormalFloat base)."""
@@ -61,9 +60,6 @@ ALL_LORA_TARGETS = tuple(dict.fromkeys(t for f in families.FAMILIES.values() for
 """Every name ``lora.target_modules`` may hold in some family (Phi-3's ``qkv_proj`` and ``gate_up_proj`` too);
 which of them a model takes is its family's (:func:`lora_targets`)."""
 """Linear layers LoRA can adapt (:func:`apply_lora`)."""
-NF4_BLOCK_SIZE = 64
-"""Weights per block of QLoRA's 4-bit NormalFloat base."""
-
 """Names of the linear layers LoRA can adapt (the last component of the module name)."""
 ADAPTER_PROMPT_STD = 1.0
 """Standard deviation of the normal initialisation of the LLaMA-Adapter prompt. The prompt feeds ``k_proj`` and
@@ -282,14 +278,14 @@ def _lora_linear_forward(self: nn.Linear, x: Tensor) -> Tensor:
     return out + F.linear(down, self.lora_B)  # (..., out)
 
 
-def lora_targets(model: Llama, target_modules: Sequence[str]) -> list[tuple[str, nn.Linear]]:
+def lora_targets(model: Decoder, target_modules: Sequence[str]) -> list[tuple[str, nn.Linear]]:
     """The linear layers that ``target_modules`` names, in module order.
 
     A name of the family's :attr:`~memfit.models.families.Family.lora_aliases` (Phi-3's ``qkv_proj``) stands
     for its parts (``q_proj``, ``k_proj``, ``v_proj``), each adapted on its own.
 
     Args:
-        model: a :class:`~memfit.models.llama.Llama`.
+        model: a :class:`~memfit.models.decoder.Llama`.
         target_modules: names from the family's ``lora_targets``.
 
     Returns:
@@ -326,7 +322,7 @@ def lora_targets(model: Llama, target_modules: Sequence[str]) -> list[tuple[str,
 
 
 def _checked_lora_targets(
-    model: Llama, rank: int, alpha: float, dropout: float, target_modules: Sequence[str]
+    model: Decoder, rank: int, alpha: float, dropout: float, target_modules: Sequence[str]
 ) -> list[tuple[str, nn.Linear]]:
     """:func:`lora_targets` after checking LoRA's hyperparameters (the errors of :func:`apply_lora`)."""
     if not isinstance(rank, int) or isinstance(rank, bool) or rank <= 0:
@@ -346,7 +342,7 @@ def _checked_lora_targets(
 
 
 def apply_lora(
-    model: Llama,
+    model: Decoder,
     *,
     rank: int = 8,
     alpha: float = 16.0,
@@ -361,7 +357,7 @@ def apply_lora(
     tensors included), and its ``forward`` becomes ``W x + (alpha / r) * B A dropout(x)``.
 
     Args:
-        model: a built :class:`~memfit.models.llama.Llama` (base weights already loaded).
+        model: a built :class:`~memfit.models.decoder.Llama` (base weights already loaded).
         rank: r, a positive int.
         alpha: scale numerator, > 0; the update is multiplied by ``alpha / rank``.
         dropout: probability in [0, 1) of dropping inputs of the low-rank path while training.
@@ -445,7 +441,7 @@ def lora_effective_weight(linear: nn.Linear) -> Tensor:
 
 
 @torch.no_grad()
-def merge_lora(model: Llama) -> None:
+def merge_lora(model: Decoder) -> None:
     """Fold every LoRA update into its base weight and remove LoRA from the model.
 
     Under QLoRA every NF4 weight is first dequantized (:func:`dequantize_base_`): the merged model is the
@@ -471,7 +467,7 @@ def merge_lora(model: Llama) -> None:
     del model.memfit_peft
 
 
-def lora_state_dict(model: Llama) -> dict[str, Tensor]:
+def lora_state_dict(model: Decoder) -> dict[str, Tensor]:
     """The LoRA tensors only, under memfit (= Hugging Face module) names.
 
     Args:
@@ -485,7 +481,7 @@ def lora_state_dict(model: Llama) -> dict[str, Tensor]:
     return _select_state_dict(model, _LORA_SUFFIXES)
 
 
-def load_lora_state_dict(model: Llama, state_dict: Mapping[str, Tensor]) -> None:
+def load_lora_state_dict(model: Decoder, state_dict: Mapping[str, Tensor]) -> None:
     """Copy a :func:`lora_state_dict` into the model's LoRA parameters (strict).
 
     Args:
@@ -503,36 +499,8 @@ def load_lora_state_dict(model: Llama, state_dict: Mapping[str, Tensor]) -> None
 # QLoRA: a 4-bit NormalFloat base
 # ----------------------------------------------------------------------------------------------------------------
 
-NF4_SCALER_BLOCK_SIZE = 256
-"""Block scales per block of the second (double) quantization to int8 (the paper's 256). NF4 blocks hold
-:data:`NF4_BLOCK_SIZE` (64) weights, each block scaled by its absolute maximum (the paper's and
-torchtune's block). A weight whose block count is not a multiple of 256 uses the largest power of two that divides
-the count (:func:`nf4_layout`)."""
-NF4_LUT_SIZE = 16
-"""The 16 NormalFloat code values, stored (in the weight's dtype) with every quantized tensor."""
 QLORA_QUANTIZED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 """The decoder linears whose frozen weights QLoRA stores in NF4 (every one, adapted by LoRA or not)."""
-
-
-def nf4_layout(shape: Sequence[int]) -> tuple[int, int]:
-    """The NF4 block sizes of a weight of ``shape``: ``(block_size, scaler_block_size)``.
-
-    Args:
-        shape: the weight's shape, e.g. ``(out, in)``.
-
-    Returns:
-        ``(64, s)`` with ``s`` the largest power of two <= 256 that divides the weight's block count.
-
-    Raises:
-        ValueError: the element count is not a multiple of 64 (the block size).
-    """
-    numel = math.prod(shape)
-    if numel == 0 or numel % NF4_BLOCK_SIZE:
-        raise ValueError(
-            f"a weight of shape {tuple(shape)} ({numel} elements) cannot be stored in NF4: the element count must "
-            f"be a positive multiple of the block size {NF4_BLOCK_SIZE}"
-        )
-    return NF4_BLOCK_SIZE, math.gcd(numel // NF4_BLOCK_SIZE, NF4_SCALER_BLOCK_SIZE)
 
 
 def nf4_bytes(shape: Sequence[int], dtype: torch.dtype, world_size: int = 1) -> int:
@@ -601,92 +569,21 @@ def check_nf4_sharding(model: nn.Module, world_size: int) -> None:
             )
 
 
-def is_nf4(tensor: Tensor) -> bool:
-    """Whether ``tensor`` (or a DTensor's local shard) is a torchao ``NF4Tensor``."""
-    local = getattr(tensor, "_local_tensor", tensor)
-    return type(local).__name__ == "NF4Tensor"
-
-
-def nf4_module() -> Any:
-    """torchao's ``nf4_tensor`` module (``NF4Tensor``, ``to_nf4``), imported quietly on first use."""
-    with quiet_torchao_import():  # torchao takes seconds to import: only a QLoRA run pays for it
-        from torchao.quantization.quantize_.workflows.nf4 import nf4_tensor
-
-    return nf4_tensor
-
-
-def to_nf4(weight: Tensor) -> Tensor:
-    """Quantize a weight to NF4 with double-quantized scales (torchao's ``to_nf4``; :func:`nf4_layout`'s blocks).
-
-    On the meta device (or a fake one) no value is computed: the result has the inner tensors' exact shapes and
-    dtypes, empty.
-
-    Args:
-        weight: a floating (out, in) tensor, real, meta or fake.
-
-    Returns:
-        An ``NF4Tensor`` of ``weight``'s shape, dtype and device; ``.to(dtype)`` dequantizes it.
-
-    Raises:
-        ValueError: as :func:`nf4_layout`.
-    """
-    block, scaler_block = nf4_layout(weight.shape)
-    nf4 = nf4_module()
-    if weight.is_meta or isinstance(weight, torch._subclasses.fake_tensor.FakeTensor):
-        return empty_nf4(weight.shape, weight.dtype, weight.device)
-    return nf4.to_nf4(weight.detach().contiguous(), block, scaler_block)
-
-
-def empty_nf4(shape: Sequence[int], dtype: torch.dtype, device: torch.device | str) -> Tensor:
-    """An ``NF4Tensor`` with uninitialised inner tensors of exactly the shapes :func:`to_nf4` gives ``shape``.
-
-    For the meta device and for the estimator's fake tensors (inside a ``FakeTensorMode`` they are fake).
-
-    Args:
-        shape: the weight's shape, e.g. ``(out, in)``.
-        dtype: the dtype it dequantizes to (that of the scales of the scales, their mean and the code table).
-        device: where the inner tensors go.
-
-    Returns:
-        An ``NF4Tensor`` whose inner tensors hold exactly :func:`nf4_bytes` bytes.
-
-    Raises:
-        ValueError: as :func:`nf4_layout`.
-    """
-    block, scaler_block = nf4_layout(shape)
-    nf4 = nf4_module()
-    numel = math.prod(shape)
-    n_blocks = numel // block
-    groups = n_blocks // scaler_block
-    # one group: torchao's scale of the scales is a view of scaler_block elements (see nf4_bytes)
-    factor = torch.empty(scaler_block if groups == 1 else groups, dtype=dtype, device=device)[:groups]
-    meta = nf4.SubclassTensorArgs(
-        torch.Size(shape), torch.empty(shape, device="meta").stride(), 0, dtype, torch.device(device), False
-    )
-    return nf4.NF4Tensor(
-        meta,
-        block,
-        n_blocks,
-        scaler_block,
-        torch.empty(n_blocks, dtype=torch.int8, device=device),  # quantized_scalers
-        factor,  # quantization_factor
-        torch.empty((), dtype=dtype, device=device),  # scaler_mean
-        torch.empty(numel // 2, dtype=torch.uint8, device=device),  # quantized_data
-        torch.empty(NF4_LUT_SIZE, dtype=dtype, device=device),  # nf4 code table
-    )
+QLORA_QUANTIZED_EXPERTS = ("gate_up_proj", "down_proj")
+"""A mixture of experts' stacked weights QLoRA stores in NF4 (``mlp.experts.gate_up_proj``, each expert's
+(2I, C) a slice of it)."""
 
 
 def is_qlora_quantized(name: str) -> bool:
     """Whether QLoRA stores the parameter ``name`` in NF4: the weight of a decoder linear in
-    :data:`QLORA_QUANTIZED` (``model.layers.3.mlp.down_proj.weight``)."""
+    :data:`QLORA_QUANTIZED` (``model.layers.3.mlp.down_proj.weight``), or a mixture of experts' stacked weight
+    (``model.layers.3.mlp.experts.gate_up_proj``)."""
     parts = name.split(".")
-    return (
-        len(parts) >= 4
-        and parts[0] == "model"
-        and parts[1] == "layers"
-        and parts[-1] == "weight"
-        and parts[-2] in QLORA_QUANTIZED
-    )
+    if len(parts) < 4 or parts[0] != "model" or parts[1] != "layers":
+        return False
+    if parts[-2] == "experts":
+        return parts[-1] in QLORA_QUANTIZED_EXPERTS
+    return parts[-1] == "weight" and parts[-2] in QLORA_QUANTIZED
 
 
 def quantize_for_qlora(name: str, tensor: Tensor) -> Tensor:
@@ -695,23 +592,25 @@ def quantize_for_qlora(name: str, tensor: Tensor) -> Tensor:
     return to_nf4(tensor) if is_qlora_quantized(name) else tensor
 
 
-def _quantized_linears(model: nn.Module) -> list[tuple[str, nn.Linear]]:
+def _quantized_linears(model: nn.Module) -> list[tuple[nn.Module, str]]:
+    """``(module, attribute)`` of every weight QLoRA stores in NF4 (:func:`is_qlora_quantized`)."""
     return [
-        (n, m)
+        (m, attr)
         for n, m in model.named_modules()
-        if isinstance(m, nn.Linear) and is_qlora_quantized(f"{n}.weight")
+        for attr in ("weight", *QLORA_QUANTIZED_EXPERTS)
+        if attr in m._parameters and is_qlora_quantized(f"{n}.{attr}")
     ]
 
 
 @torch.no_grad()
-def quantize_base_(model: Llama) -> int:
+def quantize_base_(model: Decoder) -> int:
     """Store every decoder linear's weight (:data:`QLORA_QUANTIZED`) in NF4, frozen, in place.
 
     Weights already in NF4 (quantized while loading) are left as they are; meta and fake weights become NF4
     tensors of exact inner shapes (:func:`empty_nf4`).
 
     Args:
-        model: a :class:`~memfit.models.llama.Llama`.
+        model: a :class:`~memfit.models.decoder.Llama`.
 
     Returns:
         How many weights were quantized now.
@@ -720,12 +619,12 @@ def quantize_base_(model: Llama) -> int:
         ValueError: a weight's size is not a multiple of the NF4 block (:func:`nf4_layout`), checked for every
             weight before any is changed.
     """
-    linears = [(n, m) for n, m in _quantized_linears(model) if not is_nf4(m.weight)]
-    for _, linear in linears:
-        nf4_layout(linear.weight.shape)
-    for _, linear in linears:
-        linear.weight = nn.Parameter(to_nf4(linear.weight), requires_grad=False)
-    return len(linears)
+    weights = [(m, attr) for m, attr in _quantized_linears(model) if not is_nf4(m._parameters[attr])]
+    for module, attr in weights:
+        nf4_layout(module._parameters[attr].shape)
+    for module, attr in weights:
+        module._parameters[attr] = nn.Parameter(to_nf4(module._parameters[attr]), requires_grad=False)
+    return len(weights)
 
 
 @torch.no_grad()
@@ -738,12 +637,23 @@ def empty_nf4_(model: nn.Module, device: torch.device) -> int:
         How many weights were replaced.
     """
     count = 0
-    for _, module in model.named_modules():
-        weight = module._parameters.get("weight")
-        if weight is not None and is_nf4(weight) and not hasattr(weight, "_local_tensor"):
-            module.weight = nn.Parameter(empty_nf4(weight.shape, weight.dtype, device), requires_grad=False)
+    for module, attr, weight in _nf4_weights(model):
+        if not hasattr(weight, "_local_tensor"):
+            module._parameters[attr] = nn.Parameter(
+                empty_nf4(weight.shape, weight.dtype, device), requires_grad=False
+            )
             count += 1
     return count
+
+
+def _nf4_weights(model: nn.Module) -> list[tuple[nn.Module, str, Tensor]]:
+    """``(module, attribute, weight)`` of every NF4 weight (a linear's, or a mixture of experts' stack)."""
+    return [
+        (m, attr, m._parameters[attr])
+        for m in model.modules()
+        for attr in ("weight", *QLORA_QUANTIZED_EXPERTS)
+        if m._parameters.get(attr) is not None and is_nf4(m._parameters[attr])
+    ]
 
 
 @torch.no_grad()
@@ -753,17 +663,14 @@ def dequantize_base_(model: nn.Module) -> int:
     Returns:
         How many weights were dequantized.
     """
-    count = 0
-    for _, module in model.named_modules():
-        weight = module._parameters.get("weight")
-        if weight is not None and is_nf4(weight):
-            module.weight = nn.Parameter(weight.get_original_weight(), requires_grad=False)
-            count += 1
-    return count
+    weights = _nf4_weights(model)
+    for module, attr, weight in weights:
+        module._parameters[attr] = nn.Parameter(weight.get_original_weight(), requires_grad=False)
+    return len(weights)
 
 
 def apply_qlora(
-    model: Llama,
+    model: Decoder,
     *,
     rank: int = 8,
     alpha: float = 16.0,
@@ -777,7 +684,7 @@ def apply_qlora(
     else is frozen.
 
     Args:
-        model: a built :class:`~memfit.models.llama.Llama`, its base weights loaded (already NF4 when loaded with
+        model: a built :class:`~memfit.models.decoder.Llama`, its base weights loaded (already NF4 when loaded with
             :func:`quantize_for_qlora`) or on the meta device.
         rank, alpha, dropout, target_modules, seed: as :func:`apply_lora`.
 
@@ -855,7 +762,7 @@ def _adapter_attention_forward(
 
 
 def apply_adapter(
-    model: Llama, *, prompt_length: int = 10, num_layers: int | None = None, seed: int | None = None
+    model: Decoder, *, prompt_length: int = 10, num_layers: int | None = None, seed: int | None = None
 ) -> list[str]:
     """Add LLaMA-Adapter prompts and zero gates to the top decoder layers and freeze everything else.
 
@@ -864,7 +771,7 @@ def apply_adapter(
     ``gate * attention(q, k_proj(prompt), v_proj(prompt))`` to the causal attention output before ``o_proj``.
 
     Args:
-        model: a built :class:`~memfit.models.llama.Llama` (base weights already loaded).
+        model: a built :class:`~memfit.models.decoder.Llama` (base weights already loaded).
         prompt_length: L, a positive int.
         num_layers: adapt the last ``num_layers`` decoder layers; None adapts all.
         seed: seed of a generator for the prompts' init; None draws from the global RNG.
@@ -912,7 +819,7 @@ def _adapter_settings(model: nn.Module) -> AdapterSettings:
     return settings
 
 
-def adapter_state_dict(model: Llama) -> dict[str, Tensor]:
+def adapter_state_dict(model: Decoder) -> dict[str, Tensor]:
     """The adapter tensors only: ``model.layers.{i}.self_attn.adapter_prompt`` (L, C) and ``.adapter_gate``.
 
     Args:
@@ -925,7 +832,7 @@ def adapter_state_dict(model: Llama) -> dict[str, Tensor]:
     return _select_state_dict(model, _ADAPTER_SUFFIXES)
 
 
-def load_adapter_state_dict(model: Llama, state_dict: Mapping[str, Tensor]) -> None:
+def load_adapter_state_dict(model: Decoder, state_dict: Mapping[str, Tensor]) -> None:
     """Copy an :func:`adapter_state_dict` into the model's adapter parameters (strict).
 
     Args:

@@ -1,4 +1,4 @@
-"""Named model sizes: ``model_config("llama3-8b")`` returns a ``LlamaConfig``.
+"""Named model sizes: ``model_config("llama3-8b")`` returns a ``DecoderConfig``.
 
 Published sizes copy the config.json of the official checkpoints on the Hugging Face Hub (Meta's Llama, Mistral
 AI's, Qwen's, Hugging Face's SmolLM2) (field names translated:
@@ -16,8 +16,8 @@ from dataclasses import fields
 from typing import Any
 
 from memfit.errors import UnknownPresetError
+from memfit.models.config import DecoderConfig, RopeScaling
 from memfit.models.families import family
-from memfit.models.llama import LlamaConfig, RopeScaling
 
 # meta-llama/Llama-2-7b-hf config.json
 _LLAMA2_7B: dict[str, Any] = dict(
@@ -75,6 +75,27 @@ _GEMMA3_1B: dict[str, Any] = dict(
 _TINY: dict[str, Any] = dict(
     vocab_size=256, dim=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128, max_seq_len=128,
 )  # fmt: skip
+
+# Qwen/Qwen3-30B-A3B config.json: Qwen3's attention, 128 experts of 768 in each of 48 layers, 8 a token
+_QWEN3_30B_A3B: dict[str, Any] = dict(
+    family="qwen3_moe", qk_norm=True, head_dim=128, vocab_size=151936, dim=2048, num_layers=48, num_heads=32,
+    num_kv_heads=4, intermediate_size=6144, norm_eps=1e-6, rope_theta=1000000.0, max_seq_len=40960,
+    num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True,
+    router_aux_loss_coef=0.001,
+)  # fmt: skip
+# mistralai/Mixtral-8x7B-v0.1 config.json: Mistral's attention without a window, 8 experts, 2 a token
+_MIXTRAL_8X7B: dict[str, Any] = dict(
+    family="mixtral", vocab_size=32000, dim=4096, num_layers=32, num_heads=32, num_kv_heads=8,
+    intermediate_size=14336, norm_eps=1e-5, rope_theta=1000000.0, max_seq_len=32768, num_experts=8,
+    num_experts_per_tok=2, norm_topk_prob=True, router_aux_loss_coef=0.02,
+)  # fmt: skip
+# allenai/OLMoE-1B-7B-0924 config.json: q/k norms over the whole projections, 64 experts of 1024, 8 a token
+_OLMOE_1B_7B: dict[str, Any] = dict(
+    family="olmoe", qk_norm=True, qk_norm_per_head=False, vocab_size=50304, dim=2048, num_layers=16,
+    num_heads=16, num_kv_heads=16, intermediate_size=1024, norm_eps=1e-5, rope_theta=10000.0, max_seq_len=4096,
+    num_experts=64, num_experts_per_tok=8, router_aux_loss_coef=0.01,
+)  # fmt: skip
+_TINY_EXPERTS: dict[str, Any] = dict(num_experts=8, num_experts_per_tok=2, intermediate_size=32)
 
 MODEL_PRESETS: dict[str, dict[str, Any]] = {
     # memfit's own: sized so the default run trains ~1M tokens in ~8 minutes on 2 CPU cores (6 layers, width 256,
@@ -194,6 +215,47 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
     "tiny-mistral": {**_TINY, "family": "mistral", "sliding_window": 12},
     "tiny-qwen2": {**_TINY, "family": "qwen2", "attention_bias": True, "tie_word_embeddings": True},
     "tiny-qwen3": {**_TINY, "family": "qwen3", "qk_norm": True, "head_dim": 32},
+    # Qwen/Qwen3-30B-A3B config.json: 30,532,122,624 parameters (published: 30.5B, 3.3B active)
+    "qwen3-30b-a3b": _QWEN3_30B_A3B,
+    # Qwen/Qwen3-235B-A22B config.json: 235,093,634,560 parameters (published: 235B, 22B active)
+    "qwen3-235b-a22b": {
+        **_QWEN3_30B_A3B,
+        "dim": 4096,
+        "num_layers": 94,
+        "num_heads": 64,
+        "intermediate_size": 12288,
+        "moe_intermediate_size": 1536,
+    },
+    "tiny-qwen3-moe": {
+        **_TINY,
+        **_TINY_EXPERTS,
+        "family": "qwen3_moe",
+        "qk_norm": True,
+        "head_dim": 32,
+        "intermediate_size": 128,
+        "moe_intermediate_size": 32,
+        "norm_topk_prob": True,
+        "router_aux_loss_coef": 0.001,
+    },
+    # mistralai/Mixtral-8x7B-v0.1 config.json: 46,702,792,704 parameters (published: 46.7B, 12.9B active)
+    "mixtral-8x7b": _MIXTRAL_8X7B,
+    "tiny-mixtral": {
+        **_TINY,
+        **_TINY_EXPERTS,
+        "family": "mixtral",
+        "norm_topk_prob": True,
+        "router_aux_loss_coef": 0.02,
+    },
+    # allenai/OLMoE-1B-7B-0924 config.json: 6,919,161,856 parameters (published: 6.9B, 1.3B active)
+    "olmoe-1b-7b": _OLMOE_1B_7B,
+    "tiny-olmoe": {
+        **_TINY,
+        **_TINY_EXPERTS,
+        "family": "olmoe",
+        "qk_norm": True,
+        "qk_norm_per_head": False,
+        "router_aux_loss_coef": 0.01,
+    },
     # microsoft/Phi-3-mini-4k-instruct config.json: 3,821,079,552 parameters (published: 3.8B)
     "phi-3-mini": _PHI3_MINI,
     # microsoft/Phi-3.5-mini-instruct config.json: Phi-3-mini's shapes (3,821,079,552 parameters), whose
@@ -288,12 +350,12 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
-def model_config(name: str, **overrides: Any) -> LlamaConfig:
-    """The ``LlamaConfig`` of a named preset, with fields overridden.
+def model_config(name: str, **overrides: Any) -> DecoderConfig:
+    """The ``DecoderConfig`` of a named preset, with fields overridden.
 
     Args:
         name: a key of ``MODEL_PRESETS``.
-        **overrides: ``LlamaConfig`` fields that replace the preset's (``vocab_size`` from a tokenizer, for
+        **overrides: ``DecoderConfig`` fields that replace the preset's (``vocab_size`` from a tokenizer, for
             example). ``rope_scaling`` may be a dict of ``RopeScaling`` fields.
 
     Returns:
@@ -302,19 +364,19 @@ def model_config(name: str, **overrides: Any) -> LlamaConfig:
     Raises:
         UnknownPresetError: (a ValueError and a KeyError) when ``name`` is unknown; the message lists the known
             names.
-        ValueError: naming the field, when an override is not a ``LlamaConfig`` field, when ``vocab_size`` is
-            neither in the preset nor given, or when ``LlamaConfig`` validation rejects the result.
+        ValueError: naming the field, when an override is not a ``DecoderConfig`` field, when ``vocab_size`` is
+            neither in the preset nor given, or when ``DecoderConfig`` validation rejects the result.
     """
     if name not in MODEL_PRESETS:
         raise UnknownPresetError(f"unknown model preset {name!r}; known presets: {', '.join(MODEL_PRESETS)}")
-    known = [f.name for f in fields(LlamaConfig)]
+    known = [f.name for f in fields(DecoderConfig)]
     for key in overrides:
         if key not in known:
-            raise ValueError(f"{key!r} is not a LlamaConfig field (model preset {name!r}); fields: {known}")
+            raise ValueError(f"{key!r} is not a DecoderConfig field (model preset {name!r}); fields: {known}")
     kwargs = {**MODEL_PRESETS[name], **overrides}
     family(kwargs.get("family", "llama"))  # a ValueError naming the families memfit builds
     if kwargs.get("vocab_size") is None:
         raise ValueError(
             f"model preset {name!r} has no vocab_size: pass vocab_size (usually the tokenizer's)"
         )
-    return LlamaConfig(**kwargs)
+    return DecoderConfig(**kwargs)

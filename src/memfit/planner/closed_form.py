@@ -12,13 +12,14 @@ from memfit.build import PARAM_DTYPES, build_model
 from memfit.config import TrainConfig
 from memfit.distributed import local_shape, shard_numel
 from memfit.memory import optimizers, rounding
+from memfit.models import nf4 as nf4_format
 from memfit.models import peft
-from memfit.models.llama import LlamaConfig
+from memfit.models.config import DecoderConfig
 
 _UPDATE_FLOPS: dict[str, float] = {}
 
 
-def _update_flops(cfg: TrainConfig, mcfg: LlamaConfig) -> float:
+def _update_flops(cfg: TrainConfig, mcfg: DecoderConfig) -> float:
     entry = optimizers.spec(cfg.optimizer.name)
     model = build_model(cfg, mcfg, torch.device("meta"))
     tensors = optimizers.tensor_infos(
@@ -32,7 +33,7 @@ def _update_flops(cfg: TrainConfig, mcfg: LlamaConfig) -> float:
     return entry.update_flops(tensors, cfg.optimizer) if entry.update_flops is not None else 0.0
 
 
-def optimizer_update_flops(cfg: TrainConfig, mcfg: LlamaConfig) -> float:
+def optimizer_update_flops(cfg: TrainConfig, mcfg: DecoderConfig) -> float:
     """Matmul FLOPs of one optimizer update beyond AdamW's elementwise work, on each rank: Muon's Newton-Schulz
     iteration of every hidden matrix, APOLLO's projections (:attr:`memfit.memory.optimizers.Optimizer.
     update_flops`); 0 for the others. Of the whole matrices: sharded, DTensor gathers each matrix for Muon's
@@ -49,7 +50,9 @@ def optimizer_update_flops(cfg: TrainConfig, mcfg: LlamaConfig) -> float:
     return _UPDATE_FLOPS[key]
 
 
-def model_state_bytes_closed_form(cfg: TrainConfig, mcfg: LlamaConfig, world_size: int = 1) -> dict[str, int]:
+def model_state_bytes_closed_form(
+    cfg: TrainConfig, mcfg: DecoderConfig, world_size: int = 1
+) -> dict[str, int]:
     """Parameters, gradients and optimizer state of one rank, in bytes, from shapes and dtypes alone.
 
     - parameters: every parameter once (a tied ``lm_head`` is the embedding) in the dtype policy's parameter dtype
@@ -87,7 +90,7 @@ def model_state_bytes_closed_form(cfg: TrainConfig, mcfg: LlamaConfig, world_siz
         head_dim=mcfg.head_dim,
     )
     parameters = buffers + sum(
-        peft.nf4_bytes(tuple(p.shape), dtype, world_size) if peft.is_nf4(p) else local[n] * size
+        peft.nf4_bytes(tuple(p.shape), dtype, world_size) if nf4_format.is_nf4(p) else local[n] * size
         for n, p in params.items()
     )
     return {

@@ -38,7 +38,7 @@ from memfit.build import run_model_config
 from memfit.config import TrainConfig, config_from_dict, config_to_dict, device_type
 from memfit.errors import ConfigError
 from memfit.memory import switches
-from memfit.models.llama import LlamaConfig
+from memfit.models.config import DecoderConfig
 from memfit.planner import plan as plan_
 from memfit.planner import report
 from memfit.planner.estimate import Estimate, estimate_run
@@ -69,7 +69,7 @@ SP_KEY = "distributed.sequence_parallel"
 """Sharded, the ladder's last rung splits each sequence over the most ranks the model allows."""
 
 
-def largest_sequence_parallel(world_size: int, mcfg: LlamaConfig) -> int:
+def largest_sequence_parallel(world_size: int, mcfg: DecoderConfig) -> int:
     """The largest N dividing ``world_size`` and ``num_heads`` whose key/value heads split or repeat evenly (1 for
     one rank): the ranks a sequence can be split over (:mod:`memfit.memory.ulysses`)."""
     return max(

@@ -15,7 +15,7 @@ from typing import Any
 from memfit.config import TrainConfig, device_type
 from memfit.memory import optimizers, switches
 from memfit.memory.switches import layer_weights
-from memfit.models.llama import LlamaConfig
+from memfit.models.config import DecoderConfig
 from memfit.planner.closed_form import optimizer_update_flops
 
 _CUDA_CONSTANTS: dict[str, Any] = {
@@ -122,7 +122,7 @@ def param_bytes(dtype: str) -> int:
     return 2 if dtype == "bf16" else 4
 
 
-def model_flops_per_token(mcfg: LlamaConfig, seq_len: int) -> dict[str, float]:
+def model_flops_per_token(mcfg: DecoderConfig, seq_len: int) -> dict[str, float]:
     """Forward FLOPs per token of the decoder layers (weights + attention) and of ``lm_head``.
 
     Per layer: ``2 * weights`` (q, k, v, o projections and the SwiGLU MLP) ``+ 4 * K * nh * hd`` (scores and
@@ -134,14 +134,14 @@ def model_flops_per_token(mcfg: LlamaConfig, seq_len: int) -> dict[str, float]:
         ``{"layers": ..., "head": ..., "mlp": ...}`` in FLOPs per token (``mlp``: the SwiGLU MLPs' part of
         ``layers``, ``2 * 3 * dim * intermediate_size`` a layer).
     """
-    weights = layer_weights(mcfg)
+    weights = layer_weights(mcfg, active=True)  # a mixture of experts: the experts a token computes with
     return {
         "layers": sum(  # each layer by its own window (Gemma's local and global layers)
             2.0 * weights + 4.0 * keys * mcfg.num_heads * mcfg.head_dim
             for keys in mcfg.layer_attended_keys(seq_len)
         ),
         "head": 2.0 * mcfg.dim * mcfg.vocab_size,
-        "mlp": mcfg.num_layers * 6.0 * mcfg.dim * mcfg.intermediate_size,
+        "mlp": mcfg.num_layers * 2.0 * mcfg.mlp_weights(active=True),
     }
 
 
@@ -151,7 +151,7 @@ class CostRequest:
 
     cfg: TrainConfig
     """The run's config (its switches, ``batch_size``, ``gradient_accumulation_steps``, ``device``)."""
-    mcfg: LlamaConfig
+    mcfg: DecoderConfig
     """The architecture."""
     world_size: int
     """Ranks."""
@@ -281,7 +281,7 @@ def step_cost(request: CostRequest) -> dict[str, float]:
     }
 
 
-def _trainable_tensor_count(cfg: TrainConfig, mcfg: LlamaConfig) -> int:
+def _trainable_tensor_count(cfg: TrainConfig, mcfg: DecoderConfig) -> int:
     if cfg.method != "full":
         return 2 * mcfg.num_layers  # a few small tensors per layer: launches are what count, and they are few
     per_layer = 9  # q, k, v, o, gate, up, down, 2 norms

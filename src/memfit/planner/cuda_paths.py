@@ -22,7 +22,7 @@ Rules (torch 2.13, torchao 0.18; each a function of this module):
   (24 bytes a call) besides what CPU flash saves; memory-efficient, the logsumexp padded to a multiple of 32
   queries, the mask padded to a multiple of 8 keys when the sequence length is not one, and the philox
   seed/offset.
-- :func:`kv_heads_as_on_cuda`: :func:`memfit.models.llama.causal_attention` lets SDPA read shared key/value heads
+- :func:`kv_heads_as_on_cuda`: :func:`memfit.models.decoder.causal_attention` lets SDPA read shared key/value heads
   in place (``enable_gqa``) on CPU, or on CUDA in fp16/bf16; in fp32 on CUDA it expands keys and values to every
   query head (two (B, nh, T, hd) copies, saved for backward by memory-efficient attention). The rule decides as
   on CUDA.
@@ -73,7 +73,7 @@ import torch
 import torch.nn.functional as F
 
 from memfit.memory import bnb_cpu, hybrids, offload
-from memfit.models import llama
+from memfit.models import decoder
 
 _HALF = (torch.float16, torch.bfloat16)
 
@@ -319,7 +319,7 @@ def sdpa_as_on_cuda(
 def kv_heads_as_on_cuda(
     original: Callable[..., torch.Tensor],
 ) -> Callable[..., torch.Tensor]:
-    """:func:`memfit.models.llama.causal_attention`, deciding as on CUDA (``device_type="cuda"``).
+    """:func:`memfit.models.decoder.causal_attention`, deciding as on CUDA (``device_type="cuda"``).
 
     ``causal_attention`` passes ``enable_gqa`` (keys and values of ``nkv`` heads read in place) when ``native_gqa``
     is None and the device is the CPU or the query is fp16/bf16; else it expands them to ``nh`` heads, two
@@ -379,7 +379,7 @@ def cuda_paths(enabled: bool) -> Iterator[None]:
     """While the trace runs, the library paths that allocate differently on CUDA behave as on CUDA.
 
     Swaps in, until the context exits: ``torch.nn.functional.scaled_dot_product_attention`` (:func:`sdpa_as_on_cuda`),
-    ``memfit.models.llama.causal_attention`` (:func:`kv_heads_as_on_cuda`),
+    ``memfit.models.decoder.causal_attention`` (:func:`kv_heads_as_on_cuda`),
     ``memfit.memory.offload.offload_host`` (:func:`offloaded_as_from_cuda`), and, when torchao's optimizers are
     imported (the estimator imports the optimizer's library before the trace), ``torchao.optim.adam
     .single_param_adam`` (:func:`torchao_compiled_update`) and ``memfit.memory.hybrids.LOW_BIT_CHUNK_ELEMENTS``
@@ -395,7 +395,7 @@ def cuda_paths(enabled: bool) -> Iterator[None]:
         return
     with contextlib.ExitStack() as stack:
         _swap(stack, F, "scaled_dot_product_attention", sdpa_as_on_cuda(F.scaled_dot_product_attention))
-        _swap(stack, llama, "causal_attention", kv_heads_as_on_cuda(llama.causal_attention))
+        _swap(stack, decoder, "causal_attention", kv_heads_as_on_cuda(decoder.causal_attention))
         _swap(stack, offload, "offload_host", offloaded_as_from_cuda)
         # bitsandbytes' updates through its ops, whose fakes (like CUDA's fused kernels) allocate nothing
         _swap(stack, bnb_cpu, "BNB_CPU_UPDATES_COMPOSED", False)

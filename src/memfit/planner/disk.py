@@ -16,14 +16,14 @@ from pathlib import Path
 
 from memfit.config import TrainConfig
 from memfit.errors import CheckpointError
-from memfit.models.llama import LlamaConfig
+from memfit.models.config import DecoderConfig
 from memfit.planner.closed_form import model_state_bytes_closed_form
 from memfit.units import format_bytes
 
 __all__ = ["checkpoint_bytes", "check_checkpoint_disk", "saves_of_run"]
 
 
-def checkpoint_bytes(cfg: TrainConfig, mcfg: LlamaConfig, world_size: int = 1) -> int:
+def checkpoint_bytes(cfg: TrainConfig, mcfg: DecoderConfig, world_size: int = 1) -> int:
     """Bytes of the tensors in one checkpoint of the run, all ranks together: the trainable weights in their dtype
     (the whole model for a full fine-tune or pretraining; the adapters of LoRA, QLoRA and adapter runs, whose
     frozen base is re-read from ``checkpoint_dir``) and the optimizer state (:func:`memfit.planner.closed_form.
@@ -52,7 +52,7 @@ def saves_of_run(cfg: TrainConfig, start_step: int) -> int:
 
 
 def check_checkpoint_disk(
-    cfg: TrainConfig, mcfg: LlamaConfig, world_size: int, start_step: int, existing: int
+    cfg: TrainConfig, mcfg: DecoderConfig, world_size: int, start_step: int, existing: int
 ) -> int:
     """Refuse a run whose checkpoints will not fit in the free space of ``output_dir``'s disk.
 

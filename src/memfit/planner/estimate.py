@@ -69,7 +69,8 @@ from memfit.memory.optim import optimizers_in
 from memfit.memory.optimizers import BNB_PAGED_MIN_NUMEL
 from memfit.memory.tracker import CATEGORIES, MemoryTracker, model_state_bytes
 from memfit.memory.ulysses import shard_batch
-from memfit.models.llama import LlamaConfig
+from memfit.models import moe
+from memfit.models.config import DecoderConfig
 from memfit.planner.closed_form import model_state_bytes_closed_form
 from memfit.planner.compose import COMPOSE_FROM_LAYERS, TRACED_LAYERS, LayerTrace, NotComposable, marking
 from memfit.planner.compose import compose as compose_layers
@@ -137,6 +138,10 @@ class Estimate:
     fixes_mmap_threshold: bool = False
     """CPU runs: the run fixes glibc's mmap threshold when it starts (:func:`memfit.memory.host.fixes_mmap_threshold`),
     so the predicted resident set holds no free heap."""
+    routing: dict[str, Any] | None = None
+    """A mixture of experts (None for a dense model): the routing this estimate assumed (``assumption``:
+    ``balanced`` with ``moe_skew``, or ``collapsed``, the bound) and the other's figures (``other``:
+    ``assumption``, ``peak_bytes``, ``run_peak_bytes``, ``host_peak_rss_bytes``)."""
     trace: dict[str, Any] = field(default_factory=dict)
     """How the figure was obtained: ``layers``, ``layers_traced`` (the depths traced: the run's, or 3 and 4 to
     compose it), ``composed``, ``trace_seconds`` (each trace's seconds, in that order), ``events_traced`` and
@@ -184,8 +189,18 @@ class Estimate:
             ),
             "phase_peaks_gib": {k: v / GIB for k, v in self.phase_peaks.items()},
             "fixes_mmap_threshold": self.fixes_mmap_threshold,
+            "routing": _routing_json(self.routing),
             "trace": self.trace,
         }
+
+
+def _routing_json(routing: dict[str, Any] | None) -> dict[str, Any] | None:
+    """:attr:`Estimate.routing` with its byte counts in GiB (``..._gib``)."""
+    if routing is None:
+        return None
+    other = {k.replace("_bytes", "_gib"): (v / GIB if k.endswith("_bytes") and v is not None else v)
+             for k, v in routing["other"].items()}  # fmt: skip
+    return {**routing, "other": other}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -198,8 +213,9 @@ def estimate_run(
     *,
     world_size: int = 1,
     seq_len: int | None = None,
-    model_config: LlamaConfig | None = None,
+    model_config: DecoderConfig | None = None,
     compose: bool | None = None,
+    routing: moe.Routing | None = None,
 ) -> Estimate:
     """Predict the peak memory of one rank of the run ``cfg`` describes, without allocating it.
 
@@ -215,6 +231,9 @@ def estimate_run(
             decoder layers is composed from traces of 3 and 4 layers (:mod:`memfit.planner.compose`) where
             composing holds, else traced whole; ``True``: compose any model of at least 5 layers where it holds;
             ``False``: trace the whole model. :attr:`Estimate.trace` says which was done and why.
+        routing: a mixture of experts' routing assumption (:class:`memfit.models.moe.Routing`); default from
+            ``estimate.moe_skew`` and ``estimate.moe_bound``. The other figure (the bound, or the balanced one) is
+            estimated too, into :attr:`Estimate.routing`.
 
     Returns:
         The :class:`Estimate`.
@@ -236,6 +255,44 @@ def estimate_run(
             "into one flat buffer, so its model states are those of FSDP2 to within padding. Estimate with "
             "distributed.strategy=fsdp2"
         )
+    other = None
+    if (
+        mcfg.num_experts is not None and routing is None
+    ):  # the stated assumption, and the other figure beside it
+        balanced = moe.Routing("balanced", cfg.estimate.moe_skew)
+        routing, alternative = (
+            (moe.Routing("collapsed"), balanced) if cfg.estimate.moe_bound else (balanced, None)
+        )
+        alternative = alternative or moe.Routing("collapsed")
+        kwargs = {"world_size": world_size, "seq_len": seq_len, "model_config": mcfg, "compose": compose}
+        other = estimate_run(cfg, routing=alternative, **kwargs)
+    with moe.routing_assumption(routing or moe.Routing()):
+        estimate = _estimate(cfg, mcfg, world_size, seq_len, target, compose, start)
+    if other is not None:
+        estimate.routing = {
+            "assumption": routing.kind,
+            "moe_skew": routing.skew if routing.kind == "balanced" else None,
+            "other": {
+                "assumption": "collapsed" if routing.kind == "balanced" else "balanced",
+                "peak_bytes": other.peak_bytes,
+                "run_peak_bytes": other.run_peak_bytes,
+                "host_peak_rss_bytes": other.host_peak_rss_bytes,
+            },
+        }
+        estimate.seconds = time.perf_counter() - start
+    return estimate
+
+
+def _estimate(
+    cfg: TrainConfig,
+    mcfg: DecoderConfig,
+    world_size: int,
+    seq_len: int,
+    target: str,
+    compose: bool | None,
+    start: float,
+) -> Estimate:
+    """:func:`estimate_run`'s figure under the routing assumption in force."""
     why_full = _why_not_composed(cfg, mcfg, target, compose)
     rounding = switches.resolved_rounding(cfg, target, world_size)
     if why_full is None and world_size > 1 and rounding != "nearest":
@@ -353,7 +410,7 @@ def _step_gradients(timeline: list) -> int:
     return next((b["gradients"] for _, ph, b in reversed(timeline) if ph == "optimizer_step"), 0)
 
 
-def _why_not_composed(cfg: TrainConfig, mcfg: LlamaConfig, target: str, compose: bool | None) -> str | None:
+def _why_not_composed(cfg: TrainConfig, mcfg: DecoderConfig, target: str, compose: bool | None) -> str | None:
     """Why the estimate traces the whole model instead of composing it (None: it composes)."""
     if compose is False:
         return "asked for the full trace"
@@ -364,6 +421,8 @@ def _why_not_composed(cfg: TrainConfig, mcfg: LlamaConfig, target: str, compose:
         return "the layers differ: local (sliding-window) and global attention layers (layer_types)"
     if mcfg.layer_types is not None:
         return "the layers follow a declared pattern (layer_types), traced as it is"
+    if mcfg.dense_layers:
+        return "the layers differ: dense feed-forwards in a mixture of experts (dense_layers)"
     if cfg.activation_checkpointing == "every_n":
         return "activation_checkpointing=every_n: the layers differ (checkpointed or not)"
     if cfg.method == "adapter" and cfg.adapter.num_layers and cfg.adapter.num_layers < mcfg.num_layers:
@@ -388,7 +447,7 @@ class _Traced:
 
 
 def _trace(
-    cfg: TrainConfig, mcfg: LlamaConfig, world_size: int, seq_len: int, target: str, *, marks: bool
+    cfg: TrainConfig, mcfg: DecoderConfig, world_size: int, seq_len: int, target: str, *, marks: bool
 ) -> _Traced:
     """Build the run on fake tensors and trace one ``train_step`` of it (the module doc); with ``marks``, the
     decoder layers' boundaries are marked in the timeline (:class:`memfit.planner.compose.LayerMarks`)."""

@@ -26,13 +26,16 @@ from torch import nn
 
 from memfit.build import PARAM_DTYPES
 from memfit.config import TrainConfig
-from memfit.convert import load_order
+from memfit.convert import expert_load_order, load_order
+from memfit.convert.tensors import Entry
 from memfit.memory.tracker import MemoryTracker
-from memfit.models.llama import LlamaConfig, build_llama
-from memfit.models.peft import is_qlora_quantized, nf4_bytes, nf4_layout, nf4_module
+from memfit.models.config import DecoderConfig
+from memfit.models.decoder import build_decoder
+from memfit.models.nf4 import code_table, code_table_bytes, quantize
+from memfit.models.peft import is_qlora_quantized, nf4_bytes
 
 
-def load_peak_bytes(cfg: TrainConfig, mcfg: LlamaConfig) -> int | None:
+def load_peak_bytes(cfg: TrainConfig, mcfg: DecoderConfig) -> int | None:
     """The peak of live tensor bytes while one process loads ``cfg.checkpoint_dir`` (before the method's adapters
     and the optimizer exist), from the file headers.
 
@@ -50,36 +53,76 @@ def load_peak_bytes(cfg: TrainConfig, mcfg: LlamaConfig) -> int | None:
     if cfg.checkpoint_dir is None:
         return None
     order = load_order(cfg.checkpoint_dir)
+    stacks: dict[str, tuple[Entry, int]] = {}
     if order is None:
-        return None
+        experts = expert_load_order(cfg.checkpoint_dir)
+        if experts is None:
+            return None
+        stored_entries, stacks = experts
+        order = [(e, True) for e in stored_entries]
     dtype = PARAM_DTYPES[cfg.dtype]
-    loaded = peak = 0
+    walk = _LoadWalk(cfg, dtype)
+    missing: dict[str, int] = {}
     for entry, kept in order:
-        numel = math.prod(entry.shape)
-        stored_dtype = entry.dtype or dtype
-        stored = numel * stored_dtype.itemsize
-        if not kept:  # read, then dropped
-            peak = max(peak, loaded + stored)
-            continue
-        converted = 0 if stored_dtype == dtype else numel * dtype.itemsize  # .to() returns the same tensor
-        if cfg.method == "qlora" and is_qlora_quantized(entry.name):
-            # the source (when converted) beside to_nf4's own peak, which holds its input and its result
-            peak = max(
-                peak, loaded + (stored if converted else 0) + nf4_quantization_peak(entry.shape, dtype)
-            )
-            loaded += nf4_bytes(entry.shape, dtype)
+        stored = math.prod(entry.shape) * (entry.dtype or dtype).itemsize
+        if entry.name in stacks:  # an expert's tensor, copied into its stack (allocated at the first part)
+            stack, parts = stacks[entry.name]
+            if stack.name not in missing:
+                missing[stack.name] = parts
+                walk.filling += math.prod(stack.shape) * (stack.dtype or dtype).itemsize
+            walk.peak = max(walk.peak, walk.loaded + walk.filling + stored)
+            missing[stack.name] -= 1
+            if missing[stack.name]:
+                continue
+            del missing[stack.name]
+            # handed on whole, counted as the tensor read now; its last part stays alive meanwhile (the file
+            # reader's reference, dropped when it reads the next)
+            whole = math.prod(stack.shape) * (stack.dtype or dtype).itemsize
+            walk.filling -= whole
+            walk.keep(stack, whole, beside=stored)
+        elif not kept:  # read, then dropped
+            walk.peak = max(walk.peak, walk.loaded + walk.filling + stored)
         else:
-            peak = max(peak, loaded + stored + converted)
-            loaded += converted or stored
-    return max(peak, loaded + _rope_peak(mcfg))
+            walk.keep(entry, stored)
+    return max(walk.peak, walk.loaded + _rope_peak(mcfg))
 
 
-def _rope_peak(mcfg: LlamaConfig) -> int:
+class _LoadWalk:
+    """What :func:`load_peak_bytes` holds as it walks the load: ``loaded`` (the model so far), ``filling`` (stacks
+    of experts in progress) and the ``peak``."""
+
+    def __init__(self, cfg: TrainConfig, dtype: torch.dtype) -> None:
+        self.cfg, self.dtype = cfg, dtype
+        self.loaded = self.peak = self.filling = 0
+        self.table = 0  # the quantizer's code table, made at the first NF4 weight and kept
+
+    def keep(self, entry: Entry, stored: int, beside: int = 0) -> None:
+        """One tensor the model keeps, read (``stored`` bytes, with ``beside`` bytes more alive meanwhile),
+        converted to the run's dtype (a second tensor where it differs) and, for QLoRA, quantized to NF4."""
+        numel, dtype = math.prod(entry.shape), self.dtype
+        held = self.loaded + self.filling + beside
+        converted = 0 if (entry.dtype or dtype) == dtype else numel * dtype.itemsize  # .to() returns the same
+        if self.cfg.method == "qlora" and is_qlora_quantized(entry.name):
+            if not self.table:
+                self.table = code_table_bytes(dtype)
+                self.loaded += self.table
+                held += self.table
+            # the source (when converted) beside the quantization's own peak, which holds its input and result
+            self.peak = max(
+                self.peak, held + (stored if converted else 0) + nf4_quantization_peak(entry.shape, dtype)
+            )
+            self.loaded += nf4_bytes(entry.shape, dtype)
+            return
+        self.peak = max(self.peak, held + stored + converted)
+        self.loaded += converted or stored
+
+
+def _rope_peak(mcfg: DecoderConfig) -> int:
     """The peak live bytes of recomputing the model's RoPE buffers once the weights are in (``reset_rope``): the
     buffers and the temporaries of computing them, traced on fake tensors."""
     from torch._subclasses.fake_tensor import FakeTensorMode  # deferred: imports torch._dynamo
 
-    model = build_llama(mcfg, device="meta")
+    model = build_decoder(mcfg, device="meta")
     with FakeTensorMode(allow_non_fake_inputs=True):
         tracker = MemoryTracker(nn.Module(), device="cpu", record_timeline=False)
         with tracker:
@@ -90,7 +133,7 @@ def _rope_peak(mcfg: LlamaConfig) -> int:
 @functools.lru_cache(maxsize=64)
 def nf4_quantization_peak(shape: Sequence[int], dtype: torch.dtype) -> int:
     """The peak live bytes of quantizing one ``(out, in)`` weight of ``dtype`` to NF4 with torchao's ``to_nf4``
-    (:func:`memfit.models.peft.to_nf4`'s blocks), its input and its result included: traced on fake tensors by a
+    (:func:`memfit.models.nf4_format.to_nf4`'s blocks), its input and its result included: traced on fake tensors by a
     :class:`~memfit.memory.tracker.MemoryTracker`, once per shape and dtype.
 
     Args:
@@ -102,10 +145,11 @@ def nf4_quantization_peak(shape: Sequence[int], dtype: torch.dtype) -> int:
     """
     from torch._subclasses.fake_tensor import FakeTensorMode  # deferred: imports torch._dynamo
 
-    nf4 = nf4_module()
     with FakeTensorMode(allow_non_fake_inputs=True):
         weight = torch.empty(tuple(shape), dtype=dtype)
         tracker = MemoryTracker(nn.Module(), device="cpu", record_timeline=False)
         with tracker:
-            nf4.to_nf4(weight, *nf4_layout(shape))
-    return tracker.peak_bytes
+            if code_table_bytes(dtype):  # seen from the start, so that the peak holds it whenever it falls
+                torch.index_select(code_table(dtype, "cpu"), 0, torch.zeros(0, dtype=torch.int32))
+            quantize(weight)
+    return tracker.peak_bytes - code_table_bytes(dtype)

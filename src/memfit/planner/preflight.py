@@ -16,7 +16,7 @@ from memfit.config import TrainConfig, device_type, memory_budget_bytes
 from memfit.errors import PreflightError
 from memfit.memory.allocator import CUDA_CONTEXT_BYTES_ESTIMATE
 from memfit.memory.host import fixes_mmap_threshold, process_overhead_bytes
-from memfit.models.llama import LlamaConfig
+from memfit.models.config import DecoderConfig
 from memfit.planner.closed_form import model_state_bytes_closed_form
 from memfit.planner.estimate import Estimate, estimate_run
 from memfit.planner.phases import load_peak_bytes
@@ -25,7 +25,7 @@ from memfit.planner.report import format_estimate
 from memfit.units import GIB, MIB, format_bytes
 
 
-def preflight(cfg: TrainConfig, mcfg: LlamaConfig, seq_len: int, device: torch.device) -> str:
+def preflight(cfg: TrainConfig, mcfg: DecoderConfig, seq_len: int, device: torch.device) -> str:
     """Check that the run will fit before anything is allocated, and refuse it when it will not.
 
     A cheap bound comes first: the closed-form model states plus a generous activation bound (34 bytes per token
@@ -180,7 +180,7 @@ def _on(cfg: TrainConfig, device_type: str) -> TrainConfig:
 
 def _budget_below_what_is_held(
     cfg: TrainConfig,
-    mcfg: LlamaConfig,
+    mcfg: DecoderConfig,
     seq_len: int,
     device_type: str,
     budget: int,

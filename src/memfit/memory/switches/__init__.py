@@ -87,7 +87,7 @@ from memfit.memory.switches.sharding import (
 )
 
 if TYPE_CHECKING:
-    from memfit.models.llama import LlamaConfig
+    from memfit.models.config import DecoderConfig
 
 __all__ = [
     "AC_MODES",
@@ -197,7 +197,7 @@ def check(cfg: RunConfig, target: Target) -> None:
         switch.check(cfg, target)
 
 
-def check_model(cfg: RunConfig, mcfg: LlamaConfig) -> None:
+def check_model(cfg: RunConfig, mcfg: DecoderConfig) -> None:
     """The checks that need the architecture (:attr:`Switch.check_model`)."""
     for switch in SWITCHES:
         if switch.check_model is not None:

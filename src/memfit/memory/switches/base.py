@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from memfit.errors import ConfigError
 
 if TYPE_CHECKING:
-    from memfit.models.llama import LlamaConfig
+    from memfit.models.config import DecoderConfig
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -307,7 +307,7 @@ class Switch:
     (:func:`check_values`) before any entry's ``check`` runs."""
     choices: tuple[Any, ...] = ()
     """The allowed values, when they are a list."""
-    check_model: Callable[[RunConfig, LlamaConfig], None] | None = None
+    check_model: Callable[[RunConfig, DecoderConfig], None] | None = None
     """Checks that need the architecture (:func:`memfit.config.check_lengths` calls them)."""
     trace_value: Any = None
     """Not ``None``: the estimator traces the step with this value instead (the switch needs a CUDA device or a
@@ -384,10 +384,10 @@ def not_with_fsdp1(cfg: RunConfig, target: Target, key: str, why: str) -> None:
     )
 
 
-def within_tokens(key: str, what: str, advice: str) -> Callable[[RunConfig, LlamaConfig], None]:
+def within_tokens(key: str, what: str, advice: str) -> Callable[[RunConfig, DecoderConfig], None]:
     """A ``check_model`` refusing more ``what`` (chunks, tiles) than the tokens of a micro-batch."""
 
-    def check(cfg: RunConfig, mcfg: LlamaConfig) -> None:
+    def check(cfg: RunConfig, mcfg: DecoderConfig) -> None:
         sp = cfg.distributed.sequence_parallel
         tokens = cfg.batch_size * (cfg.seq_len or mcfg.max_seq_len) // sp
         value = value_of(cfg, key)

@@ -24,17 +24,19 @@ from memfit.memory.switches.base import (
     each,
     require,
 )
+from memfit.models import nf4 as nf4_format
 from memfit.models import peft
 
 if TYPE_CHECKING:
-    from memfit.models.llama import LlamaConfig
+    from memfit.models.config import DecoderConfig
 
 
-def layer_weights(mcfg: LlamaConfig) -> int:
+def layer_weights(mcfg: DecoderConfig, active: bool = False) -> float:
     """Weights of one decoder layer's linears: q, k, v, o projections and the SwiGLU MLP's gate, up and down (the
-    weights QLoRA stores in NF4, :data:`memfit.models.peft.QLORA_QUANTIZED`)."""
+    weights QLoRA stores in NF4, :data:`memfit.models.peft.QLORA_QUANTIZED`); a mixture of experts' every expert
+    (as stored and dequantized), or with ``active`` those a token computes with (averaged over the layers)."""
     d, hd = mcfg.dim, mcfg.head_dim
-    return 2 * d * mcfg.num_heads * hd + 2 * d * mcfg.num_kv_heads * hd + 3 * d * mcfg.intermediate_size
+    return 2 * d * mcfg.num_heads * hd + 2 * d * mcfg.num_kv_heads * hd + mcfg.mlp_weights(active)
 
 
 def dequantize_passes(cfg: RunConfig, num_layers: int) -> float:
@@ -71,10 +73,10 @@ def _check_method(cfg: RunConfig, target: Target) -> None:
     )
 
 
-def _check_method_model(cfg: RunConfig, mcfg: LlamaConfig) -> None:
+def _check_method_model(cfg: RunConfig, mcfg: DecoderConfig) -> None:
     if cfg.method == "qlora":
         hd = mcfg.head_dim
-        block = peft.NF4_BLOCK_SIZE
+        block = nf4_format.NF4_BLOCK_SIZE
         shapes = {
             "q_proj/o_proj": (mcfg.num_heads * hd, mcfg.dim),
             "k_proj/v_proj": (mcfg.num_kv_heads * hd, mcfg.dim),

@@ -27,7 +27,7 @@ from memfit.memory.switches.base import (
 from memfit.models import peft
 
 if TYPE_CHECKING:
-    from memfit.models.llama import LlamaConfig
+    from memfit.models.config import DecoderConfig
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -288,7 +288,7 @@ def _require_sequence_divides(seq_len: int, sp: int) -> None:
     )
 
 
-def _check_sequence_parallel_model(cfg: RunConfig, mcfg: LlamaConfig) -> None:
+def _check_sequence_parallel_model(cfg: RunConfig, mcfg: DecoderConfig) -> None:
     sp, key = cfg.distributed.sequence_parallel, "distributed.sequence_parallel"
     if sp == 1:
         return

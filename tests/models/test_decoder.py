@@ -11,17 +11,10 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from memfit.errors import UnknownPresetError
-from memfit.models import llama as llama_module
-from memfit.models.llama import (
-    Llama,
-    LlamaConfig,
-    RMSNorm,
-    RopeScaling,
-    apply_rope,
-    build_llama,
-    causal_attention,
-    rope_inv_freq,
-)
+from memfit.models import layers as layers_module
+from memfit.models.config import DecoderConfig, RopeScaling
+from memfit.models.decoder import Decoder, build_decoder, causal_attention
+from memfit.models.layers import RMSNorm, apply_rope, rope_inv_freq
 from memfit.models.presets import MODEL_PRESETS, model_config
 
 # Parameter counts of the Meta checkpoints as published (Hugging Face model cards / safetensors metadata).
@@ -36,7 +29,7 @@ PUBLISHED_PARAMS = {
 }
 
 
-def _preset(name: str) -> LlamaConfig:
+def _preset(name: str) -> DecoderConfig:
     return (
         model_config(name, vocab_size=512) if "vocab_size" not in MODEL_PRESETS[name] else model_config(name)
     )
@@ -48,7 +41,7 @@ def _preset(name: str) -> LlamaConfig:
 @pytest.mark.parametrize("name", sorted(MODEL_PRESETS))
 def test_every_preset_builds_on_meta(name):
     config = _preset(name)
-    model = build_llama(config, device="meta")
+    model = build_decoder(config, device="meta")
     assert all(p.device.type == "meta" for p in model.parameters())
     assert sum(p.numel() for p in model.parameters()) == config.num_params()
 
@@ -56,7 +49,7 @@ def test_every_preset_builds_on_meta(name):
 @pytest.mark.parametrize("name", sorted(PUBLISHED_PARAMS))
 def test_published_parameter_counts(name):
     config = model_config(name)
-    model = build_llama(config, device="meta")
+    model = build_decoder(config, device="meta")
     assert sum(p.numel() for p in model.parameters()) == PUBLISHED_PARAMS[name]
     assert config.num_params() == PUBLISHED_PARAMS[name]
 
@@ -90,12 +83,12 @@ def test_model_config_errors():
     with pytest.raises(ValueError, match="known presets: .*llama3-8b") as info:
         model_config("llama4-8b")
     assert isinstance(info.value, KeyError) and isinstance(info.value, UnknownPresetError)
-    with pytest.raises(ValueError, match="'hidden_size' is not a LlamaConfig field"):
+    with pytest.raises(ValueError, match="'hidden_size' is not a DecoderConfig field"):
         model_config("tiny", hidden_size=128)
     with pytest.raises(ValueError, match="vocab_size"):
         model_config("shakespeare")
     with pytest.raises(
-        ValueError, match=r"LlamaConfig\.num_heads \(4\) must be divisible by num_kv_heads \(3\)"
+        ValueError, match=r"DecoderConfig\.num_heads \(4\) must be divisible by num_kv_heads \(3\)"
     ):
         model_config("tiny", num_kv_heads=3)
     assert model_config("tiny-llama3", rope_scaling={"factor": 2.0}).rope_scaling == RopeScaling(factor=2.0)
@@ -109,21 +102,21 @@ _TINY = dict(vocab_size=256, dim=64, num_layers=2, num_heads=4, num_kv_heads=2, 
 @pytest.mark.parametrize(
     ("override", "message"),
     [
-        ({"dim": 66}, r"LlamaConfig\.dim \(66\) must be divisible by num_heads"),
-        ({"num_kv_heads": 3}, r"LlamaConfig\.num_heads \(4\) must be divisible by num_kv_heads \(3\)"),
-        ({"num_layers": 0}, r"LlamaConfig\.num_layers must be a positive int"),
-        ({"vocab_size": -1}, r"LlamaConfig\.vocab_size must be a positive int"),
-        ({"intermediate_size": 12.5}, r"LlamaConfig\.intermediate_size must be a positive int"),
-        ({"num_heads": 0}, r"LlamaConfig\.num_heads must be a positive int"),
-        ({"max_seq_len": 0}, r"LlamaConfig\.max_seq_len must be a positive int"),
-        ({"norm_eps": 0.0}, r"LlamaConfig\.norm_eps must be a positive number"),
-        ({"rope_theta": -1.0}, r"LlamaConfig\.rope_theta must be a positive number"),
+        ({"dim": 66}, r"DecoderConfig\.dim \(66\) must be divisible by num_heads"),
+        ({"num_kv_heads": 3}, r"DecoderConfig\.num_heads \(4\) must be divisible by num_kv_heads \(3\)"),
+        ({"num_layers": 0}, r"DecoderConfig\.num_layers must be a positive int"),
+        ({"vocab_size": -1}, r"DecoderConfig\.vocab_size must be a positive int"),
+        ({"intermediate_size": 12.5}, r"DecoderConfig\.intermediate_size must be a positive int"),
+        ({"num_heads": 0}, r"DecoderConfig\.num_heads must be a positive int"),
+        ({"max_seq_len": 0}, r"DecoderConfig\.max_seq_len must be a positive int"),
+        ({"norm_eps": 0.0}, r"DecoderConfig\.norm_eps must be a positive number"),
+        ({"rope_theta": -1.0}, r"DecoderConfig\.rope_theta must be a positive number"),
         ({"dim": 12, "num_heads": 4, "num_kv_heads": 4}, r"dim // num_heads \(3\) must be even"),
         (
             {"rope_scaling": {"factor": 8.0, "beta": 1.0}},
-            r"LlamaConfig\.rope_scaling has unknown keys \['beta'\]",
+            r"DecoderConfig\.rope_scaling has unknown keys \['beta'\]",
         ),
-        ({"rope_scaling": 8.0}, r"LlamaConfig\.rope_scaling must be None, a RopeScaling or a dict"),
+        ({"rope_scaling": 8.0}, r"DecoderConfig\.rope_scaling must be None, a RopeScaling or a dict"),
         (
             {"rope_scaling": {"low_freq_factor": 4.0}},
             r"RopeScaling\.high_freq_factor \(4.0\) must be greater",
@@ -133,11 +126,11 @@ _TINY = dict(vocab_size=256, dim=64, num_layers=2, num_heads=4, num_kv_heads=2, 
 )
 def test_config_validation(override, message):
     with pytest.raises(ValueError, match=message):
-        LlamaConfig(**{**_TINY, **override})
+        DecoderConfig(**{**_TINY, **override})
 
 
 def test_config_head_dim_and_dict_rope_scaling():
-    config = LlamaConfig(**_TINY, rope_scaling={"factor": 4.0, "original_max_position_embeddings": 16})
+    config = DecoderConfig(**_TINY, rope_scaling={"factor": 4.0, "original_max_position_embeddings": 16})
     assert config.head_dim == 16
     assert config.rope_scaling == RopeScaling(factor=4.0, original_max_position_embeddings=16)
     with pytest.raises(dataclasses.FrozenInstanceError):
@@ -147,7 +140,7 @@ def test_config_head_dim_and_dict_rope_scaling():
 # ---------------------------------------------------------------- parity with transformers
 
 
-def _hf_model(config: LlamaConfig, attn_implementation: str = "eager"):
+def _hf_model(config: DecoderConfig, attn_implementation: str = "eager"):
     transformers = pytest.importorskip("transformers")
     rope = {"rope_type": "default", "rope_theta": config.rope_theta}
     if config.rope_scaling is not None:  # transformers 5 spells the llama3 scaling as rope_parameters
@@ -185,7 +178,7 @@ def _hf_model(config: LlamaConfig, attn_implementation: str = "eager"):
 def test_logits_match_transformers(name, attn_implementation):
     config = model_config(name)
     hf = _hf_model(config, attn_implementation)
-    model = build_llama(config, init=False).eval()
+    model = build_decoder(config, init=False).eval()
     model.load_state_dict(hf.state_dict(), strict=True)
     assert torch.equal(model.model.rotary_emb.inv_freq, hf.model.rotary_emb.inv_freq)
     if config.tie_word_embeddings:
@@ -205,8 +198,8 @@ def test_logits_match_transformers(name, attn_implementation):
 def test_rope_scaling_changes_logits_beyond_original_context():
     """The scaling case of the parity test can fail: without scaling the logits differ."""
     config = model_config("tiny-llama3")
-    scaled = build_llama(config, seed=0).eval()
-    plain = build_llama(dataclasses.replace(config, rope_scaling=None), init=False).eval()
+    scaled = build_decoder(config, seed=0).eval()
+    plain = build_decoder(dataclasses.replace(config, rope_scaling=None), init=False).eval()
     plain.load_state_dict(scaled.state_dict())
     assert not torch.equal(scaled.model.rotary_emb.inv_freq, plain.model.rotary_emb.inv_freq)
     input_ids = torch.randint(0, config.vocab_size, (1, 80), generator=torch.Generator().manual_seed(1))
@@ -217,11 +210,11 @@ def test_rope_scaling_changes_logits_beyond_original_context():
 def test_state_dict_keys_match_transformers():
     for name in ("tiny", "tiny-tied"):
         config = model_config(name)
-        assert list(build_llama(config).state_dict()) == list(_hf_model(config).state_dict())
+        assert list(build_decoder(config).state_dict()) == list(_hf_model(config).state_dict())
 
 
 def test_state_dict_layout():
-    model = build_llama(model_config("tiny"))
+    model = build_decoder(model_config("tiny"))
     keys = list(model.state_dict())
     assert len(keys) == 2 * 9 + 3
     assert keys[:2] == ["model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight"]
@@ -235,7 +228,7 @@ def test_state_dict_layout():
 
 def test_forward_is_lm_head_of_backbone():
     config = model_config("tiny")
-    model = build_llama(config, seed=0)
+    model = build_decoder(config, seed=0)
     input_ids = torch.randint(0, config.vocab_size, (2, 7))
     hidden = model.model(input_ids)
     assert hidden.shape == (2, 7, 64)
@@ -244,7 +237,7 @@ def test_forward_is_lm_head_of_backbone():
 
 def test_causal():
     config = model_config("tiny")
-    model = build_llama(config, seed=0)
+    model = build_decoder(config, seed=0)
     input_ids = torch.randint(0, config.vocab_size, (1, 12))
     changed = input_ids.clone()
     changed[0, 8] = (changed[0, 8] + 1) % config.vocab_size
@@ -282,7 +275,7 @@ def _reference_rms_norm(x, weight, eps):
 @pytest.mark.parametrize("chunk_elements", [None, 3 * 48])  # one chunk; chunks of 3 rows (the last one short)
 def test_rms_norm_equals_the_plain_expression(x_dtype, weight_dtype, chunk_elements, monkeypatch):
     if chunk_elements:
-        monkeypatch.setattr(llama_module, "NORM_CHUNK_ELEMENTS", chunk_elements)
+        monkeypatch.setattr(layers_module, "NORM_CHUNK_ELEMENTS", chunk_elements)
     generator = torch.Generator().manual_seed(0)
     x = (3 * torch.randn(2, 7, 48, generator=generator)).to(x_dtype)  # (B, T, C)
     weight = (1 + 0.3 * torch.randn(48, generator=generator)).to(weight_dtype)
@@ -329,16 +322,16 @@ def test_rope_equals_rotate_half_expression_bit_for_bit(dtype, table):
 
 def test_init_weights_deterministic_and_scaled():
     config = model_config("tiny")
-    a, b = build_llama(config, seed=3), build_llama(config, seed=3)
+    a, b = build_decoder(config, seed=3), build_decoder(config, seed=3)
     for (name, x), y in zip(a.state_dict().items(), b.state_dict().values(), strict=True):
         assert torch.equal(x, y), name
-    c = build_llama(config, seed=4)
+    c = build_decoder(config, seed=4)
     assert not torch.equal(a.model.embed_tokens.weight, c.model.embed_tokens.weight)
 
     torch.manual_seed(5)
-    d = build_llama(config)
+    d = build_decoder(config)
     torch.manual_seed(5)
-    e = build_llama(config)
+    e = build_decoder(config)
     assert torch.equal(d.lm_head.weight, e.lm_head.weight)
     d.init_weights(torch.Generator().manual_seed(3))  # re-initialising equals building with that seed
     assert all(
@@ -360,7 +353,7 @@ def test_init_weights_deterministic_and_scaled():
 
 def test_rope_buffer_is_float32_and_not_persistent():
     config = model_config("tiny-llama3")
-    model = build_llama(config, dtype=torch.bfloat16, init=False)  # computed even without init
+    model = build_decoder(config, dtype=torch.bfloat16, init=False)  # computed even without init
     inv_freq = model.model.rotary_emb.inv_freq
     assert inv_freq.dtype == torch.float32 and inv_freq.shape == (config.head_dim // 2,)
     assert torch.equal(inv_freq, rope_inv_freq(config))
@@ -370,7 +363,7 @@ def test_rope_buffer_is_float32_and_not_persistent():
 
 def test_bf16_build():
     config = model_config("tiny")
-    model = build_llama(config, dtype=torch.bfloat16, seed=0)
+    model = build_decoder(config, dtype=torch.bfloat16, seed=0)
     assert all(p.dtype == torch.bfloat16 for p in model.parameters())
     assert model.model.rotary_emb.inv_freq.dtype == torch.float32
     input_ids = torch.randint(0, config.vocab_size, (2, 16))
@@ -379,13 +372,13 @@ def test_bf16_build():
     logits.float().sum().backward()
     assert model.model.layers[0].mlp.up_proj.weight.grad.dtype == torch.bfloat16
 
-    reference = build_llama(config, init=False)  # the same weights in float32
+    reference = build_decoder(config, init=False)  # the same weights in float32
     reference.load_state_dict({k: v.float() for k, v in model.state_dict().items()})
     torch.testing.assert_close(logits.float(), reference(input_ids), rtol=0, atol=0.02)
 
 
 def test_dtype_cast_and_to_empty_keep_rope_fp32_and_tie():
-    model = build_llama(model_config("tiny-tied"), seed=0)
+    model = build_decoder(model_config("tiny-tied"), seed=0)
     inv_freq = model.model.rotary_emb.inv_freq.clone()
     model.to(torch.bfloat16)
     assert model.lm_head.weight is model.model.embed_tokens.weight
@@ -398,7 +391,7 @@ def test_dtype_cast_and_to_empty_keep_rope_fp32_and_tie():
 
 def test_meta_forward():
     config = model_config("tiny")
-    model = build_llama(config, device="meta")
+    model = build_decoder(config, device="meta")
     logits = model(torch.zeros(2, 5, dtype=torch.long, device="meta"))
     assert logits.shape == (2, 5, config.vocab_size) and logits.device.type == "meta"
 
@@ -406,11 +399,11 @@ def test_meta_forward():
 def test_llama3_8b_forward_backward_under_fake_tensors():
     config = model_config("llama3-8b")
     with FakeTensorMode():
-        model = build_llama(config, device="cpu", dtype=torch.bfloat16, seed=0)
+        model = build_decoder(config, device="cpu", dtype=torch.bfloat16, seed=0)
         input_ids = torch.randint(0, config.vocab_size, (1, 16))
         logits = model(input_ids)
         logits.float().sum().backward()
-    assert isinstance(model, Llama)
+    assert isinstance(model, Decoder)
     assert logits.shape == (1, 16, 128256) and logits.dtype == torch.bfloat16
     assert model.model.rotary_emb.inv_freq.dtype == torch.float32
     assert all(p.grad is not None and p.grad.shape == p.shape for p in model.parameters())
@@ -425,7 +418,7 @@ def test_packed_row_computes_each_sample_alone(name):
     """A row packing samples of lengths 5, 3 and 4 (with doc ids) gives, for every token, the logits of the sample
     run on its own: attention stays inside each sample and positions restart at 0."""
     config = model_config(name)
-    model = build_llama(config, seed=0)
+    model = build_decoder(config, seed=0)
     lengths = [5, 3, 4]
     samples = [
         torch.randint(0, config.vocab_size, (1, n), generator=torch.Generator().manual_seed(n))
