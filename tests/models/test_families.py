@@ -313,7 +313,12 @@ OFFICIAL = {
 
 @pytest.mark.parametrize("name", list(OFFICIAL))
 def test_preset_parameters_equal_the_official_config(name):
-    model_type, fields, published = OFFICIAL[name]
+    assert_preset_is_the_official_config(name, *OFFICIAL[name])
+
+
+def assert_preset_is_the_official_config(name: str, model_type: str, fields: dict, published: int) -> None:
+    """transformers' count of the official config.json is the published figure, and so are the preset's closed form
+    and its meta-built model's count; that config.json reads as the preset."""
     hf_config = transformers.AutoConfig.for_model(model_type, **fields)
     with torch.device("meta"):
         hf = transformers.AutoModelForCausalLM.from_config(hf_config)

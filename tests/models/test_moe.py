@@ -26,6 +26,7 @@ from memfit.models.presets import model_config
 from tests.models.test_families import (
     VOCAB,
     _ids,
+    assert_preset_is_the_official_config,
     finetune_and_export,
     packed_rows_diff,
     perturbed,
@@ -240,28 +241,25 @@ def test_under_fake_tensors_the_experts_route_by_the_assumption():
 # ----------------------------------------------------------------------------------------------------------------
 # Presets and refusals
 
+# Qwen/Qwen3-30B-A3B config.json
+_QWEN3_30B_A3B = dict(
+    vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_hidden_layers=48,
+    num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
+    norm_topk_prob=True, max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6,
+    tie_word_embeddings=False, router_aux_loss_coef=0.001, decoder_sparse_step=1, mlp_only_layers=[],
+)  # fmt: skip
 OFFICIAL = {
-    # Qwen/Qwen3-30B-A3B config.json; published 30.5B (3.3B active)
-    "qwen3-30b-a3b": (
-        "qwen3_moe",
-        dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
-             num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
-             num_experts_per_tok=8, norm_topk_prob=True, max_position_embeddings=40960, rope_theta=1000000.0,
-             rms_norm_eps=1e-6, tie_word_embeddings=False, router_aux_loss_coef=0.001, decoder_sparse_step=1,
-             mlp_only_layers=[]),
-        30_532_122_624,
-    ),
-    # Qwen/Qwen3-235B-A22B config.json; published 235B (22B active)
+    # published 30.5B, 3.3B active
+    "qwen3-30b-a3b": ("qwen3_moe", _QWEN3_30B_A3B, 30_532_122_624, 3.3),
+    # Qwen/Qwen3-235B-A22B config.json: published 235B, 22B active
     "qwen3-235b-a22b": (
         "qwen3_moe",
-        dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, moe_intermediate_size=1536,
-             num_hidden_layers=94, num_attention_heads=64, num_key_value_heads=4, head_dim=128, num_experts=128,
-             num_experts_per_tok=8, norm_topk_prob=True, max_position_embeddings=40960, rope_theta=1000000.0,
-             rms_norm_eps=1e-6, tie_word_embeddings=False, router_aux_loss_coef=0.001, decoder_sparse_step=1,
-             mlp_only_layers=[]),
+        {**_QWEN3_30B_A3B, "hidden_size": 4096, "intermediate_size": 12288, "moe_intermediate_size": 1536,
+         "num_hidden_layers": 94, "num_attention_heads": 64},
         235_093_634_560,
+        22.2,
     ),
-    # mistralai/Mixtral-8x7B-v0.1 config.json; published 46.7B (12.9B active)
+    # mistralai/Mixtral-8x7B-v0.1 config.json; published 46.7B, 12.9B active
     "mixtral-8x7b": (
         "mixtral",
         dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
@@ -269,8 +267,9 @@ OFFICIAL = {
              max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-5, sliding_window=None,
              router_aux_loss_coef=0.02, tie_word_embeddings=False),
         46_702_792_704,
+        12.9,
     ),
-    # allenai/OLMoE-1B-7B-0924 config.json; published 6.9B (1.3B active)
+    # allenai/OLMoE-1B-7B-0924 config.json; published 6.9B, 1.3B active
     "olmoe-1b-7b": (
         "olmoe",
         dict(vocab_size=50304, hidden_size=2048, intermediate_size=1024, num_hidden_layers=16,
@@ -278,22 +277,18 @@ OFFICIAL = {
              norm_topk_prob=False, max_position_embeddings=4096, rope_theta=10000.0, rms_norm_eps=1e-5,
              router_aux_loss_coef=0.01, clip_qkv=None, tie_word_embeddings=False),
         6_919_161_856,
+        1.3,
     ),
 }  # fmt: skip
+"""Preset -> (model_type, the official config.json's fields, parameters, billions active as published)."""
 
 
 @pytest.mark.parametrize("name", list(OFFICIAL))
 def test_preset_parameters_equal_the_official_config(name):
-    model_type, fields, published = OFFICIAL[name]
-    hf_config = transformers.AutoConfig.for_model(model_type, **fields)
-    with torch.device("meta"):
-        hf = transformers.AutoModelForCausalLM.from_config(hf_config)
-    preset = model_config(name)
-    assert sum(p.numel() for p in hf.parameters()) == published
-    assert preset.num_params() == published
-    assert sum(p.numel() for p in build_decoder(preset, device="meta").parameters()) == published
-    cfg = {**hf_config.to_dict(), "architectures": [FAMILIES[preset.family].architectures[0]]}
-    assert hf_config_to_decoder(cfg)[0] == preset
+    model_type, fields, published, active = OFFICIAL[name]
+    assert_preset_is_the_official_config(name, model_type, fields, published)
+    # the experts a token computes with, to the published figure's rounding (Qwen writes 3.35B as 3.3B)
+    assert abs(model_config(name).active_params() / 1e9 - active) < 0.06
 
 
 @pytest.mark.parametrize(
@@ -418,7 +413,9 @@ def test_the_load_of_experts_one_tensor_each_is_predicted_to_the_byte(hf_dirs, t
     hf = _hf(hf_dirs["mixtral"]).to(torch.bfloat16)
     directory = tmp_path / "bf16"
     hf.save_pretrained(directory)  # one tensor per expert, in bf16
-    cfg = load_config(None, [f"checkpoint_dir={directory}", f"method={method}", f"dtype={dtype}", "device=cpu"])
+    cfg = load_config(
+        None, [f"checkpoint_dir={directory}", f"method={method}", f"dtype={dtype}", "device=cpu"]
+    )
     predicted = load_peak_bytes(cfg, run_model_config(cfg))
     tracker = MemoryTracker(nn.Module(), device="cpu", record_timeline=False)
     with tracker:
@@ -426,3 +423,18 @@ def test_the_load_of_experts_one_tensor_each_is_predicted_to_the_byte(hf_dirs, t
     assert predicted == tracker.peak_bytes
     stack = 6 * 2 * 96 * 64 * 2  # a layer's gate_up stack in bf16: (6, 192, 64)
     assert predicted > stack and model.model.layers[2].mlp.experts.gate_up_proj.shape == (6, 192, 64)
+
+
+def test_estimate_reports_the_routing_assumption_and_the_bound(capsys):
+    from memfit.cli import main
+
+    args = ["estimate", "model=tiny-mixtral", "model_args.vocab_size=512", "tokenizer.vocab_size=512", "batch_size=2",
+            "seq_len=32", "device=cpu"]  # fmt: skip
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "routing (mixture of experts): balanced top-k, the busiest expert 2.0x its share" in out
+    assert "the bound (every token at the same k experts): peak" in out
+    assert main([*args, "estimate.moe_bound=true", "--json"]) == 0
+    routing = json.loads(capsys.readouterr().out)["routing"]
+    assert routing["assumption"] == "collapsed" and routing["other"]["assumption"] == "balanced"
+    assert routing["other"]["peak_gib"] > 0

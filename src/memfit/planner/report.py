@@ -61,6 +61,8 @@ def format_estimate(e: Estimate) -> str:
             f"{e.process_baseline_bytes / n:.2f} {u} (this process's resident set, imports done) + tensors "
             f"{tensors / n:.2f} {u} + {other / n:.2f} {u} kept by the C allocator, threads and kernels"
         )
+    if e.routing is not None:
+        lines.append(_routing_line(e, size, unit))
     lines.append("model states, closed form vs traced:")
     for k in ("parameters", "gradients", "optimizer_state"):
         closed, traced = e.model_states[k], e.traced_model_states[k]
@@ -68,6 +70,23 @@ def format_estimate(e: Estimate) -> str:
         lines.append(f"  {k:<15}  {closed / size:8.3f} {unit}  {traced / size:8.3f} {unit}{mark}")
     lines.append(f"estimated in {e.seconds:.1f} s; {_how_traced(e.trace)}")
     return "\n".join(lines)
+
+
+def _routing_line(e: Any, size: int, unit: str) -> str:
+    """A mixture of experts' routing assumption and the other figure (:attr:`Estimate.routing`)."""
+    routing, other = e.routing, e.routing["other"]
+    said = {
+        "balanced": f"balanced top-k, the busiest expert {routing['moe_skew']}x its share (estimate.moe_skew)",
+        "collapsed": "the bound: every token at the same k experts (estimate.moe_bound)",
+    }
+    other_said = (
+        "the bound (every token at the same k experts)" if other["assumption"] == "collapsed" else "balanced"
+    )
+    rss = other.get("host_peak_rss_bytes")
+    return (
+        f"routing (mixture of experts): {said[routing['assumption']]}; {other_said}: peak "
+        f"{other['peak_bytes'] / size:.2f} {unit}" + (f", peak RSS {rss / size:.2f} {unit}" if rss else "")
+    )
 
 
 def _how_traced(trace: dict) -> str:
