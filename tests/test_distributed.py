@@ -110,6 +110,19 @@ def test_two_ranks_train_what_one_process_does_on_other_families(model, small_co
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("model", ["tiny-qwen3-moe", "tiny-mixtral"])
+def test_two_ranks_train_a_mixture_of_experts_as_one_process_does(model, small_corpus, tmp_path):
+    """FSDP2 over a mixture of experts (the stacked experts sharded on dim 0, each rank routing its own tokens): the
+    losses, norms and weights of one process with the same global batch. The load-balancing loss is off here: each
+    rank balances the routing of its own micro-batch, so with it on the runs differ by design."""
+    single, out = tmp_path / "single", tmp_path / "fsdp2"
+    extra = {"model": model, "moe.router_aux_loss_coef": 0}
+    assert main(["pretrain", *_overrides(small_corpus, single, batch_size=8, **extra)]) == 0
+    run_torchrun(["pretrain", *_overrides(small_corpus, out, batch_size=4, **extra)])
+    _assert_same_run(out, single)
+
+
+@pytest.mark.slow
 def test_two_ranks_with_optimizer_in_backward(single_runs, small_corpus, tmp_path):
     out = tmp_path / "oib"
     extra = {"optimizer_in_backward": "true", "max_grad_norm": 0, "distributed.strategy": "fsdp2"}

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from memfit.models import moe
 from memfit.models.tiles import representative
 
 
@@ -96,7 +97,8 @@ class _TiledMLP(torch.autograd.Function):
         with _replayed_rng(ctx.rng), _autocast(x.device.type, ctx.autocast):
             for s, e in tile_ranges(len(flat), ctx.tiles, flat):
                 tile = flat[s:e].requires_grad_(need_x)  # (n, C)
-                with torch.enable_grad():
+                # a mixture of experts' load-balancing loss: each tile's by its share of the tokens
+                with torch.enable_grad(), moe.aux_loss_share((e - s) / len(flat)):
                     out = _untiled(module, tile)  # (n, C); SwiGLU's (n, I) tensors live until the grad below
                 inputs = ([tile] if need_x else []) + params
                 tile_grads = list(torch.autograd.grad(out, inputs, grads[s:e])) if inputs else []

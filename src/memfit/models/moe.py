@@ -26,6 +26,8 @@ probability, averaged over the MoE layers and scaled by ``router_aux_loss_coef``
 Qwen3-30B-A3B); for one layer the two are equal, over several transformers' pools the layers' counts first. Its
 gradient is added in the backward (:class:`_AuxLossGradient`, Megatron's "aux loss auto-scaler"), so the layer's
 output and every memory technique around it are unchanged; the step sets its scale (:func:`aux_loss_scale`).
+Under the tiled MLP each tile adds its own, weighted by its share of the tokens (:func:`aux_loss_share`): their
+token-weighted mean, not the whole sequence's loss.
 
 Shape letters: N tokens (B * T), C width, E experts, k experts per token, I an expert's hidden size.
 """
@@ -133,6 +135,19 @@ def aux_loss_scale(scale: float) -> Iterator[None]:
     (the step passes ``router_aux_loss_coef / (MoE layers * micro-batches)``; 0 adds nothing)."""
     global _AUX_SCALE
     previous, _AUX_SCALE = _AUX_SCALE, scale
+    try:
+        yield
+    finally:
+        _AUX_SCALE = previous
+
+
+@contextlib.contextmanager
+def aux_loss_share(fraction: float) -> Iterator[None]:
+    """Within the block, the load-balancing loss's scale is ``fraction`` of what it was: a tiled MLP
+    (:mod:`memfit.memory.tiled`) runs each tile's experts under its share of the tokens, so that the tiles' losses
+    add up to their token-weighted mean."""
+    global _AUX_SCALE
+    previous, _AUX_SCALE = _AUX_SCALE, _AUX_SCALE * fraction
     try:
         yield
     finally:
