@@ -241,3 +241,12 @@ def _run_with_glibc_defaults(code: str) -> str:
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     return out.stdout
+
+
+def test_onednn_s_primitive_cache_is_turned_off_for_a_mixture_of_experts_on_cpu_unless_set(monkeypatch):
+    monkeypatch.delenv(host.ONEDNN_CACHE_ENV, raising=False)
+    assert host.caps_onednn_cache("cpu", 8) and not host.caps_onednn_cache("cpu", None)
+    assert not host.caps_onednn_cache("cuda", 8)
+    assert host.cap_onednn_primitive_cache() and os.environ[host.ONEDNN_CACHE_ENV] == "0"
+    monkeypatch.setenv(host.ONEDNN_CACHE_ENV, "64")  # the user's own setting wins
+    assert not host.cap_onednn_primitive_cache() and os.environ[host.ONEDNN_CACHE_ENV] == "64"
