@@ -315,6 +315,11 @@ def build_training(
     Raises:
         CheckpointError: ``checkpoint_dir``'s tensors do not match the model (before anything is allocated).
     """
+    if cfg.compile and mcfg.num_experts is not None:  # before anything is allocated
+        raise ConfigError(
+            "config key 'compile': a mixture of experts routes by the data (each expert's rows are read on the host "
+            "in every layer), which torch.compile cannot trace in one graph; set compile=false"
+        )
     on_meta = fake_mode is not None or world_size > 1
     model: torch.nn.Module = build_model(cfg, mcfg, torch.device("meta") if on_meta else device)
     initial = initial_parameters(cfg, mcfg, model, device) if world_size > 1 and fake_mode is None else None

@@ -438,3 +438,15 @@ def test_estimate_reports_the_routing_assumption_and_the_bound(capsys):
     routing = json.loads(capsys.readouterr().out)["routing"]
     assert routing["assumption"] == "collapsed" and routing["other"]["assumption"] == "balanced"
     assert routing["other"]["peak_gib"] > 0
+
+
+def test_compile_is_refused_for_a_mixture_of_experts_before_anything_is_allocated(
+    tmp_path, small_corpus, capsys
+):
+    from memfit.cli import main
+    from tests.conftest import tiny_run_overrides
+
+    run = tiny_run_overrides(small_corpus, tmp_path / "run", model="tiny-mixtral", compile="true")
+    assert main(["pretrain", *run]) == 2
+    assert "config key 'compile': a mixture of experts routes by the data" in capsys.readouterr().err
+    assert not (tmp_path / "run" / "checkpoints").exists()

@@ -34,7 +34,9 @@ def test_to_nf4_is_torchao_s_bit_for_bit(dtype, shape, monkeypatch):
     ours = nf4.to_nf4(weight)
     theirs = nf4.nf4_module().to_nf4(weight, *nf4.nf4_layout(shape))
     _same(ours, theirs)
-    assert ours.shape == weight.shape and torch.equal(ours.get_original_weight(), theirs.get_original_weight())
+    assert ours.shape == weight.shape and torch.equal(
+        ours.get_original_weight(), theirs.get_original_weight()
+    )
 
 
 def test_every_bf16_value_takes_torchao_s_code():
