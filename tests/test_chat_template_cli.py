@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from memfit.cli import main
-from memfit.data.instruct import encode_conversation, load_conversations, prepare_instruct, resolve_template
+from memfit.data.instruct import encode_conversation, prepare_instruct, resolve_template
+from memfit.data.records import load_conversations
 from memfit.memory.techniques import IGNORE_INDEX
 from memfit.tokenizer import load_tokenizer
 

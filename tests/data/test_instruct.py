@@ -25,10 +25,10 @@ from memfit.data.instruct import (
     batch_position,
     encode_conversation,
     encode_prompt,
-    load_conversations,
     prepare_instruct,
     stop_token_ids,
 )
+from memfit.data.records import load_conversations
 from memfit.errors import DataError
 from memfit.tokenizer import LLAMA3_PATTERN, load_tokenizer, train_bpe
 

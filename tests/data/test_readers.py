@@ -24,8 +24,8 @@ import memfit.data.sources as sources
 import memfit.tokenizer as tokenizer_module
 from memfit.cli import main
 from memfit.config import load_prepare_config
-from memfit.data.instruct import load_conversations
 from memfit.data.prepare import prepare
+from memfit.data.records import load_conversations
 from memfit.data.sources import read_pieces, resolve_sources
 from memfit.data.tokens import is_validation, read_manifest
 from memfit.errors import DataError

@@ -28,7 +28,6 @@ JSONL file); line numbers count from 1.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 from collections.abc import Iterator, Sequence
@@ -40,21 +39,12 @@ import numpy as np
 import torch
 
 from memfit.data.chat_template import ROLES, ChatTemplate
-from memfit.data.formats import DEFAULT_TEMPLATE, TEMPLATES, format_columns
-from memfit.data.jsonl import Lines, MalformedJSON, NotUTF8, is_blank
-from memfit.data.jsonl import loads as jsonl_loads
+from memfit.data.formats import DEFAULT_TEMPLATE, TEMPLATES
+from memfit.data.records import load_records
 from memfit.errors import DataError
 from memfit.memory.techniques import IGNORE_INDEX
 
 log = logging.getLogger(__name__)
-
-_SHAREGPT_ROLES = {
-    "human": "user",
-    "user": "user",
-    "gpt": "assistant",
-    "assistant": "assistant",
-    "system": "system",
-}
 
 # Stanford Alpaca's prompts (tatsu-lab/stanford_alpaca, train.py PROMPT_DICT).
 ALPACA_PROMPT_INPUT = (
@@ -81,250 +71,6 @@ _L3_BOT, _L3_START, _L3_END, _L3_EOT = (
 _IM_START, _IM_END = "<|im_start|>", "<|im_end|>"
 # Names of a padding token, tried in order when the tokenizer has no ``pad_id``.
 _PAD_NAMES = ("<pad>", "[PAD]", "<|pad|>", "<|finetune_right_pad_id|>")
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Loading records
-
-
-@dataclass(frozen=True)
-class _Record:
-    """One loaded conversation and where it came from (for error messages)."""
-
-    index: int
-    line: int | None
-    messages: list[dict[str, str]]
-
-    def where(self, path: Path) -> str:
-        return _where(path, self.index, self.line)
-
-
-def _where(path: Path, index: int, line: int | None) -> str:
-    return f"'{path}' record {index} (0-based" + (f"; line {line})" if line is not None else ")")
-
-
-class _Malformed(Exception):
-    """A record that cannot become a conversation; the message says what is wrong with it."""
-
-
-def load_conversations(
-    path: str | Path,
-    fmt: str,
-    *,
-    column_map: dict[str, str] | None = None,
-    skip_malformed: bool = False,
-) -> tuple[list[list[dict[str, str]]], int]:
-    """Read instruction or chat records as conversations.
-
-    Formats (field names as in the file, renamed by ``column_map``):
-
-    - ``alpaca``: ``instruction``, ``input`` (optional, may be empty), ``output`` -> ``[user, assistant]``; a
-      non-empty input is kept on the user message under ``"input"``.
-    - ``dolly``: ``instruction``, ``context``, ``response``: Alpaca with ``column_map={"input": "context",
-      "output": "response"}`` (Dolly's other fields, such as ``category``, are ignored).
-    - ``sharegpt``: ``conversations``: ``[{"from": "human" | "user" | "gpt" | "assistant" | "system", "value"}]``.
-    - ``openai``: ``messages``: ``[{"role": "system" | "user" | "assistant", "content"}]``.
-
-    A record is malformed when it is not a JSON object, a field is missing or not a string, a role is unknown, the
-    conversation is empty or has no assistant turn, or (JSONL) its line is not valid JSON.
-
-    Args:
-        path: A ``.json`` file (a list of records, or a single record as an object) or a ``.jsonl`` file.
-        fmt: One of :data:`memfit.data.formats.INSTRUCT_FORMATS`.
-        column_map: Canonical field name -> field name in the file, for example ``{"instruction": "question"}``.
-            Canonical names: ``instruction``, ``input``, ``output`` (alpaca, dolly; dolly also accepts
-            ``context`` and ``response``), ``conversations``, ``from``, ``value`` (sharegpt), ``messages``,
-            ``role``, ``content`` (openai).
-        skip_malformed: Skip malformed records and count them (a warning logs how many and the first reasons)
-            instead of raising.
-
-    Returns:
-        ``(conversations, num_skipped)``: the conversations in file order, each a list of message dicts, and the
-        number of malformed records skipped.
-
-    Raises:
-        DataError: The file is missing, unreadable, not UTF-8, not valid JSON (``.json``), of another extension,
-            or holds no record; ``fmt`` or a ``column_map`` key is unknown; or, without ``skip_malformed``, a
-            record is malformed (the message names the file, the record index, the line for JSONL, and what is
-            wrong); or every record is malformed.
-    """
-    records, skipped = _load_records(Path(path), fmt, column_map, skip_malformed)
-    return [r.messages for r in records], skipped
-
-
-def read_utf8(path: Path, what: str = "corpus file", encoding: str = "utf-8") -> str:
-    """Read a file as strict UTF-8 (``encoding="utf-8-sig"`` also drops a byte-order mark).
-
-    Args:
-        path: the file.
-        what: how errors name it ("corpus file", "data file").
-        encoding: ``utf-8`` or ``utf-8-sig``.
-
-    Raises:
-        DataError: the file is unreadable or not valid UTF-8 (the message gives line and column).
-    """
-    try:
-        raw = path.read_bytes()
-    except OSError as exc:
-        raise DataError(f"cannot read {what} '{path}': {exc.strerror}") from None
-    try:
-        return raw.decode(encoding)
-    except UnicodeDecodeError as exc:
-        line = raw.count(b"\n", 0, exc.start) + 1
-        col = exc.start - (raw.rfind(b"\n", 0, exc.start) + 1) + 1
-        raise DataError(
-            f"{what} '{path}' is not valid UTF-8: byte 0x{raw[exc.start]:02x} at line {line}, column {col} "
-            f"(byte offset {exc.start}). Convert it to UTF-8 (e.g. iconv -f latin1 -t utf-8) and run again."
-        ) from None
-
-
-def _read_raw(path: Path) -> list[tuple[int | None, Any]]:
-    """``[(line or None, parsed record or _Malformed), ...]`` for every record of the file."""
-    suffix = path.suffix.lower()
-    if suffix not in (".json", ".jsonl"):
-        raise DataError(
-            f"data file '{path}' has extension {path.suffix!r}; expected .json (a list of records) or .jsonl "
-            "(one record per line)"
-        )
-    if not path.is_file():
-        raise DataError(f"data file '{path}' does not exist")
-    if suffix == ".jsonl":
-        return _read_jsonl(path)
-    text = read_utf8(path, "data file", encoding="utf-8-sig")
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        hint = ""
-        if exc.msg == "Extra data":
-            hint = "; it looks like JSON Lines (one record per line): rename it to .jsonl"
-        raise DataError(
-            f"data file '{path}' is not valid JSON: {exc.msg} at line {exc.lineno}, column {exc.colno}{hint}"
-        ) from None
-    if isinstance(data, dict):
-        data = [data]
-    if not isinstance(data, list):
-        raise DataError(
-            f"data file '{path}' holds a JSON {type(data).__name__}; expected a list of records or one record object"
-        )
-    if not data:
-        raise DataError(f"data file '{path}' holds no records")
-    return [(None, item) for item in data]
-
-
-def _read_jsonl(path: Path) -> list[tuple[int | None, Any]]:
-    """The records of a ``.jsonl`` file by memfit's JSON Lines rule (:mod:`memfit.data.jsonl`: a byte-order mark
-    skipped, lines cut at ``\\n`` only, so U+2028 and the like inside a string are text)."""
-    out: list[tuple[int | None, Any]] = []
-    try:
-        with open(path, "rb") as fh:
-            lines = Lines(fh, limit=1 << 62)  # fine-tuning records are read whole
-            for data in lines:
-                if is_blank(data):
-                    continue
-                try:
-                    out.append((lines.number, jsonl_loads(data)))
-                except MalformedJSON as exc:
-                    out.append((lines.number, _Malformed(f"invalid JSON: {exc.msg} at column {exc.colno}")))
-                except NotUTF8 as exc:
-                    raise DataError(
-                        f"data file '{path}' is not valid UTF-8: byte 0x{exc.byte:02x} at line {lines.number}, "
-                        f"column {exc.start + 1} (byte offset {lines.offset + exc.start}). Convert it to UTF-8 "
-                        f"(e.g. iconv -f latin1 -t utf-8) and run again."
-                    ) from None
-    except OSError as exc:
-        raise DataError(f"cannot read data file '{path}': {exc.strerror}") from None
-    if not out:
-        raise DataError(f"data file '{path}' holds no records")
-    return out
-
-
-def _load_records(
-    path: Path, fmt: str, column_map: dict[str, str] | None, skip_malformed: bool
-) -> tuple[list[_Record], int]:
-    columns = format_columns(fmt, column_map)
-    records: list[_Record] = []
-    reasons: list[str] = []
-    for index, (line, item) in enumerate(_read_raw(path)):
-        try:
-            if isinstance(item, _Malformed):
-                raise item
-            messages = _to_messages(item, fmt, columns)
-        except _Malformed as exc:
-            message = f"{_where(path, index, line)} is malformed: {exc}"
-            if not skip_malformed:
-                raise DataError(f"{message} (set data.skip_malformed to skip such records)") from None
-            reasons.append(message)
-            continue
-        records.append(_Record(index, line, messages))
-    if reasons:
-        log.warning(
-            "skipped %d malformed record(s) of '%s'; first: %s", len(reasons), path, "; ".join(reasons[:3])
-        )
-    if not records:
-        raise DataError(
-            f"data file '{path}' holds no valid {fmt} record ({len(reasons)} malformed, skipped); the first: "
-            f"{reasons[0]}"
-        )
-    return records, len(reasons)
-
-
-def _field(obj: dict, name: str, what: str, optional: bool = False) -> str | None:
-    """``obj[name]``, a string; ``what`` is the canonical name, shown when the file's name differs."""
-    label = repr(name) if name == what else f"{name!r} (the {what})"
-    if name not in obj or (optional and obj[name] is None):
-        if optional:
-            return None
-        have = ", ".join(map(repr, list(obj)[:8])) or "none"
-        raise _Malformed(f"missing field {label}; fields present: {have} (rename with column_map)")
-    value = obj[name]
-    if not isinstance(value, str):
-        raise _Malformed(f"field {label} must be a string, got {type(value).__name__} {value!r:.40}")
-    return value
-
-
-def _to_messages(item: Any, fmt: str, columns: dict[str, str]) -> list[dict[str, str]]:
-    if not isinstance(item, dict):
-        raise _Malformed(f"a record must be a JSON object, got {type(item).__name__} {item!r:.40}")
-    if fmt in ("alpaca", "dolly"):
-        instruction = _field(item, columns["instruction"], "instruction")
-        context = _field(item, columns["input"], "input", optional=True)
-        output = _field(item, columns["output"], "output")
-        user = {"role": "user", "content": instruction}
-        if context:
-            user["input"] = context
-        return [user, {"role": "assistant", "content": output}]
-
-    key, role_key, text_key = (
-        ("conversations", "from", "value") if fmt == "sharegpt" else ("messages", "role", "content")
-    )
-    if columns[key] not in item:
-        raise _Malformed(f"missing field {columns[key]!r} (the list of turns) (rename with column_map)")
-    turns = item[columns[key]]
-    if not isinstance(turns, list):
-        raise _Malformed(f"field {columns[key]!r} is a {type(turns).__name__}, not a list of turns")
-    if not turns:
-        raise _Malformed("the conversation is empty")
-    messages = []
-    for t, turn in enumerate(turns):
-        if not isinstance(turn, dict):
-            raise _Malformed(f"turn {t} is a {type(turn).__name__}, not an object")
-        try:
-            role = _field(turn, columns[role_key], role_key)
-            content = _field(turn, columns[text_key], text_key)
-        except _Malformed as exc:
-            raise _Malformed(f"turn {t}: {exc}") from None
-        if fmt == "sharegpt":
-            if role not in _SHAREGPT_ROLES:
-                raise _Malformed(
-                    f"turn {t} has unknown speaker {role!r}; expected one of {', '.join(_SHAREGPT_ROLES)}"
-                )
-            role = _SHAREGPT_ROLES[role]
-        elif role not in ROLES:
-            raise _Malformed(f"turn {t} has unknown role {role!r}; expected one of {', '.join(ROLES)}")
-        messages.append({"role": role, "content": content})
-    if not any(m["role"] == "assistant" for m in messages):
-        raise _Malformed("the conversation has no assistant turn (nothing to train on)")
-    return messages
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -1024,7 +770,7 @@ def prepare_instruct(
     if not 0.0 <= val_fraction < 1.0:
         raise DataError(f"val_fraction must be in [0, 1), got {val_fraction!r}")
     _specials_for(template, tokenizer)  # a tokenizer/template mismatch fails here, not once per record
-    records, num_skipped = _load_records(path, fmt, column_map, skip_malformed)
+    records, num_skipped = load_records(path, fmt, column_map, skip_malformed)
 
     # ---- encode and truncate
     samples: list[tuple[np.ndarray, np.ndarray] | None] = []
