@@ -250,7 +250,12 @@ ADAPTER = {"method": "adapter", "optimizer.lr": 5e-2, "adapter.num_layers": 1}
 # the tiny model's, and Adam divides by sqrt(v), which magnifies the reduction-order rounding of gradient elements
 # near zero into the update (measured 1.6e-5; losses still agree to 5e-7)
 WIDE_WEIGHT_TOL = 5e-5
+# LoRA on every expert's stacks: the same magnification in a few elements (tens of ~15,000) of the experts' and
+# layer 0's q_proj LoRA, whose gradients sum rows each rank routes to an expert (measured 4.6e-5; losses to 5e-7)
+EXPERTS_WEIGHT_TOL = 1e-4
 QLORA = {**LORA, "method": "qlora", "lora.target_modules": "[q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj]"}
+# LoRA on every expert's stacks too (sharded on dim 0 with their experts)
+LORA_EXPERTS = {**LORA, "lora.target_parameters": "[mlp.experts.gate_up_proj,mlp.experts.down_proj]"}
 
 
 @pytest.fixture(scope="module")
@@ -275,18 +280,38 @@ def wide_hf_checkpoint(tmp_path_factory, hf_checkpoint) -> Path:
     return out
 
 
+@pytest.fixture(scope="module")
+def moe_hf_checkpoint(tmp_path_factory, hf_checkpoint) -> Path:
+    """A transformers-initialised Mixtral (6 experts of 64, 2 a token) with the small checkpoint's tokenizer."""
+    transformers = pytest.importorskip("transformers")
+    out = tmp_path_factory.mktemp("moe") / "hf"
+    config = transformers.MixtralConfig(
+        vocab_size=512, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=1024, num_local_experts=6, num_experts_per_tok=2,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    transformers.MixtralForCausalLM(config).save_pretrained(out)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(hf_checkpoint / name, out / name)
+    return out
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "strategy, method",
-    [("fsdp2", LORA), ("fsdp1", ADAPTER), ("fsdp2", QLORA)],
-    ids=["lora-fsdp2", "adapter-fsdp1", "qlora-fsdp2"],
+    "strategy, method, fixture",
+    [
+        ("fsdp2", LORA, "hf_checkpoint"),
+        ("fsdp1", ADAPTER, "hf_checkpoint"),
+        ("fsdp2", QLORA, "wide_hf_checkpoint"),
+        ("fsdp2", LORA_EXPERTS, "moe_hf_checkpoint"),
+    ],
+    ids=["lora-fsdp2", "adapter-fsdp1", "qlora-fsdp2", "lora-experts-fsdp2"],
 )
-def test_two_ranks_finetune_what_one_process_does(strategy, method, request, tmp_path):
+def test_two_ranks_finetune_what_one_process_does(strategy, method, fixture, request, tmp_path):
     """LoRA, QLoRA and LLaMA-Adapter sharded: each rank fills its shards of the frozen base from the Hugging Face
     files (QLoRA: its chunk of each weight's NF4 codes and scales, quantized whole on every rank); the few
     trainable weights are gathered into the same checkpoint one process writes (adapter.safetensors +
     optimizer.pt), which resumes in one process onto the 2-rank run's losses."""
-    fixture = "wide_hf_checkpoint" if method["method"] == "qlora" else "hf_checkpoint"
     hf_checkpoint = request.getfixturevalue(fixture)
     extra = {k.replace("__", "."): v for k, v in {**FINETUNE, **method}.items()}
     single, sharded = tmp_path / "single", tmp_path / "sharded"
@@ -298,7 +323,10 @@ def test_two_ranks_finetune_what_one_process_does(strategy, method, request, tmp
     assert proc.stdout.count("final validation loss") == 1
     diffs, w1 = finetune_diffs(sharded, single)
     print(f"max |2 ranks - 1 process| ({strategy}, {method['method']}): {diffs}")
-    tols = {"loss": TOL, "val_loss": TOL, "weights": WIDE_WEIGHT_TOL if fixture.startswith("wide") else TOL}
+    weight_tol = {"wide_hf_checkpoint": WIDE_WEIGHT_TOL, "moe_hf_checkpoint": EXPERTS_WEIGHT_TOL}.get(
+        fixture, TOL
+    )
+    tols = {"loss": TOL, "val_loss": TOL, "weights": weight_tol}
     assert all(d <= tols[k] for k, d in diffs.items()), diffs
     # it trained: the weights that start at zero (lora_B, adapter_gate) moved, so the comparison is not of idle runs
     assert all(w1[k].abs().max() > 0 for k in w1 if k.endswith(("lora_B", "adapter_gate")))

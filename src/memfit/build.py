@@ -13,6 +13,7 @@ weights is :func:`run_model_config`.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +31,7 @@ from memfit.convert import (
     read_config,
     weights_fingerprint,
 )
+from memfit.convert.tensors import Entry
 from memfit.data.chat_template import ChatTemplate
 from memfit.data.instruct import Template, resolve_template
 from memfit.errors import CheckpointError, ConfigError
@@ -48,6 +50,7 @@ from memfit.models import moe, peft
 from memfit.models import nf4 as nf4_format
 from memfit.models.config import DecoderConfig
 from memfit.models.decoder import Decoder, build_decoder, init_parameter_
+from memfit.models.nf4 import NF4Builder, in_parts
 from memfit.models.presets import MODEL_PRESETS, model_config
 from memfit.tokenizer import load_tokenizer
 from memfit.validation import trains_router
@@ -141,6 +144,7 @@ def apply_method(model: Decoder, cfg: TrainConfig) -> None:
             dropout=cfg.lora.dropout,
             target_modules=tuple(cfg.lora.target_modules),
             seed=cfg.seed,
+            target_parameters=tuple(cfg.lora.target_parameters),
         )
     else:
         peft.apply_adapter(
@@ -179,8 +183,39 @@ def load_base(cfg: TrainConfig, device: torch.device | str) -> Decoder:
         CheckpointError: as :func:`memfit.convert.load_pretrained`.
     """
     dtype = PARAM_DTYPES[cfg.dtype]
-    transform = quantize_while_loading if cfg.method == "qlora" else None
-    return load_pretrained(cfg.checkpoint_dir, device=device, dtype=dtype, transform=transform)[0]
+    qlora = cfg.method == "qlora"
+    transform = quantize_while_loading if qlora else None
+    stack = functools.partial(nf4_stack, dtype=dtype, device=torch.device(device)) if qlora else None
+    return load_pretrained(cfg.checkpoint_dir, device=device, dtype=dtype, transform=transform, stack=stack)[
+        0
+    ]
+
+
+class _NF4Stack:
+    """A stack of experts quantized to NF4 expert by expert as the files are read (:class:`NF4Builder`)."""
+
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
+        self.builder, self.dtype, self.device = NF4Builder(shape, dtype, device), dtype, device
+
+    def put(self, start: int, part: torch.Tensor) -> None:
+        self.builder.put(start, part.to(device=self.device, dtype=self.dtype))
+
+    def finish(self) -> torch.Tensor:
+        made = self.builder.finish()
+        if self.device.type == "cpu":
+            release_free_heap()
+        return made
+
+
+def nf4_stack(entry: Entry, part_numel: int, *, dtype: torch.dtype, device: torch.device) -> _NF4Stack | None:
+    """QLoRA's :data:`~memfit.convert.tensors.StackFactory`: each stacked expert weight
+    (:func:`memfit.models.peft.is_qlora_quantized`) quantized to NF4 as its experts are read, so a layer's experts
+    never exist whole in 16 bits (the codes and block maxima fill in place:
+    :class:`memfit.models.nf4.NF4Builder`); None (stacked whole, then quantized) for a float32 run, or parts that
+    are not whole NF4 blocks."""
+    if not (peft.is_qlora_quantized(entry.name) and in_parts(dtype, part_numel)):
+        return None
+    return _NF4Stack(entry.shape, dtype, device)
 
 
 def quantize_while_loading(name: str, tensor: torch.Tensor) -> torch.Tensor:

@@ -107,7 +107,11 @@ class LoraConfig:
     alpha: float = 16.0
     dropout: float = 0.05
     target_modules: list[str] = field(default_factory=lambda: ["q_proj", "v_proj"])
-    """Any of q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj, lm_head."""
+    """Any of q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj, lm_head (empty when
+    ``target_parameters`` names something)."""
+    target_parameters: list[str] = field(default_factory=list)
+    """A mixture of experts' stacked weights to adapt, as PEFT's ``target_parameters``: mlp.experts.gate_up_proj,
+    mlp.experts.down_proj (each expert's matrix gets a LoRA of its own; needs ``dropout: 0``)."""
 
 
 @dataclass

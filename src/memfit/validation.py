@@ -390,9 +390,20 @@ def _validate_finetuning(cfg: TrainConfig, needs_weights: bool = True) -> None:
     _require(lora.rank >= 1, "lora.rank", f"must be >= 1, got {lora.rank}")
     _require(lora.alpha > 0, "lora.alpha", f"must be > 0, got {lora.alpha}")
     _require(0 <= lora.dropout < 1, "lora.dropout", f"must be in [0, 1), got {lora.dropout}")
-    _require(bool(lora.target_modules), "lora.target_modules", "must name at least one module")
+    _require(
+        bool(lora.target_modules) or bool(lora.target_parameters),
+        "lora.target_modules",
+        "must name at least one module (or lora.target_parameters a stacked expert weight)",
+    )
     for name in lora.target_modules:
         _one_of(name, peft.ALL_LORA_TARGETS, "lora.target_modules")
+    for name in lora.target_parameters:
+        _one_of(name, peft.EXPERT_LORA_TARGETS, "lora.target_parameters")
+    _require(
+        len(set(lora.target_parameters)) == len(lora.target_parameters),
+        "lora.target_parameters",
+        f"names a weight twice: {lora.target_parameters}",
+    )
     _require(
         cfg.adapter.prompt_length >= 1,
         "adapter.prompt_length",

@@ -222,9 +222,9 @@ def test_under_fake_tensors_the_experts_route_by_the_assumption():
     seen = []
     real = moe._GroupedExperts.forward
 
-    def spy(ctx, xs, gate_up, down, sizes):
+    def spy(ctx, xs, gate_up, down, sizes, *lora):
         seen.append(list(sizes))
-        return real(ctx, xs, gate_up, down, sizes)
+        return real(ctx, xs, gate_up, down, sizes, *lora)
 
     config = model_config("tiny-qwen3-moe", num_layers=1)
     with (
@@ -398,11 +398,14 @@ def test_qlora_stores_the_experts_in_nf4_and_trains(hf_dirs, tmp_path):
     assert experts.gate_up_proj.shape == (6, 64, 64) and not experts.gate_up_proj.requires_grad
 
 
-@pytest.mark.parametrize(("method", "dtype"), [("qlora", "bf16"), ("full", "fp32"), ("full", "bf16")])
+@pytest.mark.parametrize(
+    ("method", "dtype"), [("qlora", "bf16"), ("qlora", "fp32"), ("full", "fp32"), ("full", "bf16")]
+)
 def test_the_load_of_experts_one_tensor_each_is_predicted_to_the_byte(hf_dirs, tmp_path, method, dtype):
     """Each layer's experts are stacked as their tensors are read (the stack allocated at its first part, in the
     stored dtype) and handed on whole: the walk of the headers (:func:`memfit.planner.phases.load_peak_bytes`)
-    predicts what a tracker sees the real load hold, to the byte; QLoRA quantizes each stack as it completes."""
+    predicts what a tracker sees the real load hold, to the byte. QLoRA in 16 bits quantizes each expert into its
+    stack's NF4 codes as it is read (no 16-bit stack exists); in float32 it quantizes each stack as it completes."""
     from torch import nn
 
     from memfit.build import load_base, run_model_config
@@ -423,6 +426,31 @@ def test_the_load_of_experts_one_tensor_each_is_predicted_to_the_byte(hf_dirs, t
     assert predicted == tracker.peak_bytes
     stack = 6 * 2 * 96 * 64 * 2  # a layer's gate_up stack in bf16: (6, 192, 64)
     assert predicted > stack and model.model.layers[2].mlp.experts.gate_up_proj.shape == (6, 192, 64)
+
+
+def test_qlora_quantizes_each_expert_as_it_is_read_bit_identical_to_the_whole_stack(hf_dirs, tmp_path):
+    """The NF4 stacks a QLoRA load builds expert by expert (:class:`memfit.models.nf4.NF4Builder`) equal
+    :func:`memfit.models.nf4.to_nf4` of the whole bf16 stack, inner tensor by inner tensor."""
+    from memfit.build import load_base
+    from memfit.config import load_config
+    from memfit.models.nf4 import is_nf4, to_nf4
+
+    hf = _hf(hf_dirs["qwen3_moe"]).to(torch.bfloat16)
+    directory = tmp_path / "bf16"
+    hf.save_pretrained(directory)  # one tensor per expert, in bf16
+    base = [f"checkpoint_dir={directory}", "dtype=bf16", "device=cpu"]
+    quantized = load_base(load_config(None, [*base, "method=qlora"]), "cpu")
+    whole = load_base(load_config(None, [*base, "method=full"]), "cpu")
+    inner = ("quantized_data", "quantized_scalers", "quantization_factor", "scaler_mean", "nf4")
+    checked = 0
+    for name, p in quantized.named_parameters():
+        if ".experts." in name:
+            assert is_nf4(p), name
+            reference = to_nf4(whole.get_parameter(name).detach())
+            assert all(torch.equal(getattr(p, a), getattr(reference, a)) for a in inner), name
+            assert p.shape == reference.shape and p.dtype == torch.bfloat16
+            checked += 1
+    assert checked == 4  # 2 MoE layers x (gate_up_proj, down_proj)
 
 
 def test_estimate_reports_the_routing_assumption_and_the_bound(capsys):

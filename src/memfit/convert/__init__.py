@@ -51,7 +51,7 @@ from memfit.convert.hf import (
 )
 from memfit.convert.memfit import scan_memfit
 from memfit.convert.meta import META_PARAMS, META_SHARD, scan_meta
-from memfit.convert.tensors import Entry, PretrainedInfo, Scan, read_json
+from memfit.convert.tensors import Entry, PretrainedInfo, Scan, StackFactory, read_json
 from memfit.errors import CheckpointError
 from memfit.models.config import DecoderConfig
 from memfit.models.decoder import Decoder, build_decoder
@@ -228,6 +228,7 @@ def load_pretrained(
     dtype: torch.dtype | None = torch.float32,
     fmt: str | None = None,
     transform: Callable[[str, Tensor], Tensor] | None = None,
+    stack: StackFactory | None = None,
 ) -> tuple[Decoder, Tokenizer | None, PretrainedInfo]:
     """Load a pretrained Llama (Hugging Face, Meta or memfit format) and its tokenizer.
 
@@ -245,6 +246,9 @@ def load_pretrained(
         transform: called as ``transform(name, tensor)`` on each parameter once it is in ``dtype`` on ``device``;
             what it returns is kept instead (QLoRA's NF4 quantization). A parameter it changed into another
             tensor type is frozen.
+        stack: for a mixture of experts stored one tensor per expert, what fills each stack of experts from its
+            parts (:data:`~memfit.convert.tensors.StackFactory`: QLoRA quantizes each expert as it is read);
+            a tensor subclass its ``finish`` gives is kept as it is (frozen), neither converted nor transformed.
 
     Returns:
         ``(model, tokenizer, info)``: the model in train mode with ``requires_grad`` parameters; the tokenizer
@@ -262,7 +266,7 @@ def load_pretrained(
         raise ValueError(
             "load_pretrained reads weights; for a meta model use read_config() and build_decoder()"
         )
-    return _load(_scan(Path(path), fmt), torch.device(device), dtype, transform)
+    return _load(_scan(Path(path), fmt), torch.device(device), dtype, transform, stack)
 
 
 def pretrained_parameters(path: str | Path, fmt: str | None = None) -> Iterator[tuple[str, Tensor]]:
@@ -336,11 +340,13 @@ def expert_load_order(
     return [e for group in by_file.values() for e in group], scan.stacks
 
 
-def _checked_tensors(scan: Scan, model: Decoder) -> Iterator[tuple[str, Tensor]]:
+def _checked_tensors(
+    scan: Scan, model: Decoder, stack: StackFactory | None = None
+) -> Iterator[tuple[str, Tensor]]:
     skip = _check_entries(model, scan)  # now, not at the first read
 
     def tensors() -> Iterator[tuple[str, Tensor]]:
-        for entry, tensor in scan.read():
+        for entry, tensor in scan.read(stack=stack) if stack is not None and scan.stacks else scan.read():
             if entry.name not in skip:
                 yield entry.name, tensor
             del tensor  # the caller's copy is the only one left while the next tensor is read
@@ -353,19 +359,25 @@ def _load(
     device: torch.device,
     dtype: torch.dtype | None,
     transform: Callable[[str, Tensor], Tensor] | None = None,
+    stack: StackFactory | None = None,
 ) -> tuple[Decoder, Tokenizer | None, PretrainedInfo]:
     config = scan.config
     model = build_decoder(config, device="meta")
-    tensors = _checked_tensors(scan, model)
+    tensors = _checked_tensors(scan, model, stack)
     tokenizer, info = _load_tokenizer(scan.info, config)  # small, and may fail: before the weights
 
     # ---- materialise one parameter at a time: read, convert, assign, drop the stored copy
     with torch.no_grad():
         for name, tensor in tensors:
             module_name, _, attr = name.rpartition(".")
-            value = tensor.to(device=device, dtype=dtype if tensor.is_floating_point() else None)
+            final = type(tensor) is not Tensor  # made by its stack (QLoRA's NF4, quantized as it was read)
+            value = (
+                tensor
+                if final
+                else tensor.to(device=device, dtype=dtype if tensor.is_floating_point() else None)
+            )
             del tensor
-            if transform is not None:
+            if transform is not None and not final:
                 value = transform(name, value)
             trainable = type(value) is Tensor  # a quantized tensor subclass is frozen
             model.get_submodule(module_name)._parameters[attr] = nn.Parameter(value, requires_grad=trainable)

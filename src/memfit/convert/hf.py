@@ -32,6 +32,8 @@ from memfit.convert.tensors import (
     Entry,
     PretrainedInfo,
     Scan,
+    Stack,
+    StackFactory,
     config_file,
     first_float_dtype,
     read_json,
@@ -371,8 +373,8 @@ def _expert_scan(config: DecoderConfig, info: PretrainedInfo, stored: list[Entry
                 f"tensors for {target.rpartition('.')[2]}; the checkpoint is incomplete"
             )
 
-    def read() -> Iterator[tuple[Entry, Tensor]]:
-        filling: dict[str, tuple[Tensor, int]] = {}  # stacked name -> (its tensor, parts still missing)
+    def read(stack: StackFactory | None = None) -> Iterator[tuple[Entry, Tensor]]:
+        filling: dict[str, tuple[Stack, int]] = {}  # stacked name -> (its stack, parts still missing)
         for e, tensor in read_safetensors(stored):
             if e.name not in names:
                 yield e, tensor
@@ -382,13 +384,18 @@ def _expert_scan(config: DecoderConfig, info: PretrainedInfo, stored: list[Entry
                 yield Entry(target, e.shape, e.dtype, e.file), tensor
                 continue
             if target not in filling:
-                filling[target] = (torch.empty(stacked[target].shape, dtype=tensor.dtype), len(parts[target]))
+                made = stack(stacked[target], tensor.numel()) if stack is not None else None
+                filling[target] = (
+                    made or _TensorStack(stacked[target].shape, tensor.dtype),
+                    len(parts[target]),
+                )
             whole, missing = filling[target]
-            whole[expert, rows].copy_(tensor)
+            _, inner, width = stacked[target].shape
+            whole.put((expert * inner + (rows.start or 0)) * width, tensor)  # the part's first element
             del tensor
             if missing == 1:
                 del filling[target]
-                yield stacked[target], whole
+                yield stacked[target], whole.finish()
                 del whole
             else:
                 filling[target] = (whole, missing - 1)
@@ -399,6 +406,19 @@ def _expert_scan(config: DecoderConfig, info: PretrainedInfo, stored: list[Entry
         if e >= 0 and target in stacked
     }
     return Scan(config, info, entries, read, stacks=fills or None, stored=stored)
+
+
+class _TensorStack:
+    """A stack of experts filled in the stored dtype (what :data:`StackFactory` gives when it makes none)."""
+
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+        self.whole = torch.empty(shape, dtype=dtype)
+
+    def put(self, start: int, part: Tensor) -> None:
+        self.whole.view(-1)[start : start + part.numel()].copy_(part.reshape(-1))
+
+    def finish(self) -> Tensor:
+        return self.whole
 
 
 def _part_rows(config: DecoderConfig) -> dict[str, int]:

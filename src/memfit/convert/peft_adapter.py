@@ -12,13 +12,22 @@ from pathlib import Path
 from typing import Any
 
 from safetensors.torch import load_file, save_file
+from torch import Tensor
 
 from memfit.checkpoint import atomic_directory
 from memfit.errors import CheckpointError
 from memfit.filemode import give_default_mode
 from memfit.models.decoder import Decoder
 from memfit.models.families import family
-from memfit.models.peft import LoraSettings, apply_lora, load_lora_state_dict, lora_settings, lora_state_dict
+from memfit.models.peft import (
+    EXPERT_LORA_TARGETS,
+    LoraSettings,
+    apply_lora,
+    expert_lora_target,
+    load_lora_state_dict,
+    lora_settings,
+    lora_state_dict,
+)
 
 __all__ = ["PEFT_CONFIG", "PEFT_PREFIX", "PEFT_WEIGHTS", "load_peft_adapter", "save_peft_adapter"]
 
@@ -51,10 +60,66 @@ def _peft_config(settings: LoraSettings, base_model_name_or_path: str) -> dict[s
         "rank_pattern": {},
         "revision": None,
         "target_modules": list(settings.target_modules),
+        "target_parameters": list(settings.target_parameters) or None,
         "task_type": "CAUSAL_LM",
         "use_dora": False,
         "use_rslora": False,
     }
+
+
+_EXPERTS_LORA = ".experts.lora."
+"""What memfit's name of a stacked expert weight's LoRA holds: ``model.layers.0.mlp.experts.lora.down_proj.lora_A``."""
+
+
+def _to_peft(name: str, tensor: Tensor, order: list[str]) -> tuple[str, Tensor]:
+    """PEFT's key and tensor for one of memfit's LoRA tensors.
+
+    A linear's ``<module>.lora_A`` (r, in) is ``base_model.model.<module>.lora_A.weight`` as it is. A stacked
+    expert weight's is PEFT's ``ParamWrapper``'s: ``A`` (E, r, in) is ``lora_A.weight`` (E * r, in), expert e's rows
+    ``e * r .. e * r + r - 1``; ``B`` (E, out, r) is ``lora_B.weight`` (out, r * E), expert e's columns
+    ``e, e + E, ...``. PEFT wraps the experts module once per targeted weight, in the module's parameter order
+    (transformers registers ``gate_up_proj`` first), the first innermost: with both weights targeted,
+    ``gate_up_proj``'s tensors are under ``<experts>.base_layer.`` and ``down_proj``'s under ``<experts>.``.
+
+    Args:
+        name: memfit's name of the tensor.
+        tensor: the tensor.
+        order: the targeted stacks' attribute names, innermost first (:func:`_stacks`).
+    """
+    module, which = name.rsplit(".", 1)  # which: lora_A or lora_B
+    if _EXPERTS_LORA not in module:
+        return f"{PEFT_PREFIX}{module}.{which}.weight", tensor
+    experts, weight = module.split(_EXPERTS_LORA)
+    wrapper = "base_layer." * (len(order) - 1 - order.index(weight))
+    if which == "lora_A":
+        flat = tensor.reshape(-1, tensor.shape[-1])  # (E * r, in)
+    else:
+        flat = tensor.permute(1, 2, 0).reshape(tensor.shape[1], -1)  # (out, r * E)
+    return f"{PEFT_PREFIX}{experts}.experts.{wrapper}{which}.weight", flat
+
+
+def _from_peft(key: str, tensor: Tensor, order: list[str], experts: int) -> tuple[str, Tensor]:
+    """memfit's name and tensor for one of PEFT's adapter tensors (the inverse of :func:`_to_peft`)."""
+    name = key.removeprefix(PEFT_PREFIX).removesuffix(".weight")
+    module, which = name.rsplit(".", 1)
+    if not module.endswith(".experts") and ".experts.base_layer" not in module:
+        return name, tensor
+    nest = module.count("base_layer")
+    if nest >= len(order):
+        raise ValueError(f"'{key}': {nest} wrappers deep, but target_parameters names {len(order)} weights")
+    weight = order[len(order) - 1 - nest]
+    owner = module.split(".experts")[0]
+    if which == "lora_A":
+        local = tensor.reshape(experts, -1, tensor.shape[-1])  # (E, r, in)
+    else:
+        local = tensor.reshape(tensor.shape[0], -1, experts).permute(2, 0, 1).contiguous()  # (E, out, r)
+    return f"{owner}{_EXPERTS_LORA}{weight}.{which}", local
+
+
+def _stacks(target_parameters: list[str] | tuple[str, ...]) -> list[str]:
+    """The attribute names of the targeted stacks in the experts module's parameter order, the order PEFT wraps
+    them in whatever the config lists (``["gate_up_proj", "down_proj"]``)."""
+    return [t.rsplit(".", 1)[-1] for t in EXPERT_LORA_TARGETS if t in target_parameters]
 
 
 def save_peft_adapter(model: Decoder, out_dir: str | Path, *, base_model_name_or_path: str = "") -> Path:
@@ -62,7 +127,8 @@ def save_peft_adapter(model: Decoder, out_dir: str | Path, *, base_model_name_or
 
     ``adapter_model.safetensors`` holds ``base_model.model.<module>.lora_A.weight`` (r, in) and
     ``...lora_B.weight`` (out, r) for every target; ``adapter_config.json`` holds ``peft_type`` LORA, ``r``,
-    ``lora_alpha``, ``lora_dropout``, ``target_modules``, ``task_type`` CAUSAL_LM, ... so that
+    ``lora_alpha``, ``lora_dropout``, ``target_modules``, ``target_parameters`` (a mixture of experts' stacked
+    weights, in PEFT's ``ParamWrapper`` layout: :func:`_to_peft`), ``task_type`` CAUSAL_LM, ... so that
     ``peft.PeftModel.from_pretrained(LlamaForCausalLM..., out_dir)`` loads it. Both files are written into a
     temporary sibling directory which is then renamed to ``out_dir`` (replacing an existing one).
 
@@ -84,8 +150,8 @@ def save_peft_adapter(model: Decoder, out_dir: str | Path, *, base_model_name_or
     _check_unfused_targets(model.config.family, settings)
     tensors = {}
     for name, tensor in lora_state_dict(model).items():
-        module_name, which = name.rsplit(".", 1)  # which: lora_A or lora_B
-        tensors[f"{PEFT_PREFIX}{module_name}.{which}.weight"] = tensor.cpu().contiguous()
+        key, value = _to_peft(name, tensor, _stacks(settings.target_parameters))
+        tensors[key] = value.cpu().contiguous()
     out = Path(out_dir)
     with atomic_directory(out, "adapter", where="--out") as tmp:
         save_file(tensors, str(tmp / PEFT_WEIGHTS), metadata={"format": "pt"})
@@ -157,6 +223,11 @@ def load_peft_adapter(model: Decoder, adapter_dir: str | Path, *, seed: int | No
         raise ValueError(
             f"'{adapter_dir / PEFT_CONFIG}': target_modules must be a list of names, got {targets!r}"
         )
+    parameters = config.get("target_parameters") or []
+    try:
+        parameters = [expert_lora_target(n) for n in parameters]
+    except ValueError as exc:
+        raise ValueError(f"'{adapter_dir / PEFT_CONFIG}': target_parameters: {exc}") from None
     names = apply_lora(
         model,
         rank=config["r"],
@@ -164,12 +235,9 @@ def load_peft_adapter(model: Decoder, adapter_dir: str | Path, *, seed: int | No
         dropout=config.get("lora_dropout", 0.0),
         target_modules=targets,
         seed=seed,
+        target_parameters=parameters,
     )
-    state_dict = {}
-    for key, tensor in tensors.items():
-        name = key.removeprefix(PEFT_PREFIX)
-        if name.endswith((".lora_A.weight", ".lora_B.weight")):
-            name = name.removesuffix(".weight")
-        state_dict[name] = tensor
+    order, experts = _stacks(parameters), model.config.num_experts or 1
+    state_dict = dict(_from_peft(key, tensor, order, experts) for key, tensor in tensors.items())
     load_lora_state_dict(model, state_dict)
     return names

@@ -13,7 +13,7 @@ import json
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -68,6 +68,22 @@ class PretrainedInfo:
     """Remarks for the user: values chosen by default, a missing tokenizer, a vocabulary mismatch."""
 
 
+class Stack(Protocol):
+    """A tensor filled part by part as a checkpoint's files are read (a mixture of experts' stack of experts)."""
+
+    def put(self, start: int, part: Tensor) -> None:
+        """Copy (or quantize) ``part`` into the elements ``start ..`` of the tensor's row-major flattening."""
+
+    def finish(self) -> Tensor:
+        """The whole tensor, once every part is in."""
+
+
+StackFactory = Callable[["Entry", int], "Stack | None"]
+"""``stack(entry, part_numel)``: a :class:`Stack` for the stacked tensor ``entry`` filled from parts of
+``part_numel`` elements each (QLoRA's NF4 quantized in parts), or None to fill it in the stored dtype. Its parts
+arrive in the stored dtype; what ``finish`` gives is kept as it is (not converted, not transformed)."""
+
+
 @dataclass(frozen=True)
 class Entry:
     """One tensor of a checkpoint, known from the file headers before any data is read."""
@@ -85,7 +101,9 @@ class Scan:
     config: DecoderConfig
     info: PretrainedInfo
     entries: list[Entry]
-    read: Callable[[], Iterator[tuple[Entry, Tensor]]]
+    read: Callable[..., Iterator[tuple[Entry, Tensor]]]
+    """``read()`` yields the tensors; a mixture of experts' scan takes ``read(stack=...)``, a
+    :data:`StackFactory` for its stacks."""
     streamed: bool = False
     """``read()`` is :func:`read_safetensors` of ``entries``: each tensor read whole into memory of its own, in file
     order, and no other tensor held meanwhile (what :func:`memfit.convert.load_order` can predict)."""

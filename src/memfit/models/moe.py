@@ -195,16 +195,68 @@ def _silu_grad(x: Tensor) -> Tensor:
     return s * (1 + x * (1 - s))
 
 
+@dataclass(frozen=True)
+class ExpertsLora:
+    """LoRA on a stacked expert weight (added by :func:`memfit.models.peft.apply_lora`): expert e's weight acts as
+    ``W_e + scale * B_e @ A_e``.
+
+    ``gate_up`` and ``down`` are ``(A, B)`` pairs or None: for ``gate_up_proj`` A (E, r, C) and B (E, 2I, r), for
+    ``down_proj`` A (E, r, I) and B (E, C, r). As PEFT's ``target_parameters`` LoRA of a 3-D parameter, one pair
+    adapts each expert's whole fused matrix (the gate's and up projection's rows share A).
+    """
+
+    gate_up: tuple[Tensor, Tensor] | None
+    down: tuple[Tensor, Tensor] | None
+    scale: float
+
+    def tensors(self) -> tuple[Tensor | None, ...]:
+        """``(gate_up A, gate_up B, down A, down B)``, None where a weight is not adapted."""
+        return (*(self.gate_up or (None, None)), *(self.down or (None, None)))
+
+
+def _lora_mm(x: Tensor, a: Tensor | None, b: Tensor | None, e: int, scale: float, out: Tensor) -> None:
+    """``out += scale * (x @ A_e.T) @ B_e.T`` in place: the low-rank path of one expert, (n, r) in between."""
+    if a is not None:
+        out.addmm_(x @ a[e].t(), b[e].t(), alpha=scale)
+
+
+def _lora_mm_backward(
+    x: Tensor,
+    g: Tensor,
+    a: Tensor,
+    b: Tensor,
+    e: int,
+    scale: float,
+    grads: tuple[Tensor | None, Tensor | None],
+) -> Tensor:
+    """The backward of :func:`_lora_mm` for expert ``e``: writes ``grad A_e = scale * (g B_e).T x`` and
+    ``grad B_e = scale * g.T (x A_e.T)`` into ``grads`` (where not None) and returns ``scale * (g B_e) A_e``,
+    the path's (n, in) input gradient.
+
+    Args:
+        x: (n, in) the path's input.
+        g: (n, out) the output's gradient.
+    """
+    gb = g @ b[e]  # (n, r)
+    grad_a, grad_b = grads
+    if grad_a is not None:
+        torch.mm(gb.t(), x, out=grad_a[e]).mul_(scale)  # (r, in)
+    if grad_b is not None:
+        torch.mm(g.t(), x @ a[e].t(), out=grad_b[e]).mul_(scale)  # (out, r)
+    return (gb @ a[e]).mul_(scale)  # (n, in)
+
+
 class _GroupedExperts(torch.autograd.Function):
-    """Each expert's gated MLP over its contiguous slice of the sorted rows: ``down(silu(gate(x)) * up(x))``.
+    """Each expert's gated MLP over its contiguous slice of the sorted rows: ``down(silu(gate(x)) * up(x))``,
+    with a LoRA's low-rank path beside each adapted weight (:class:`ExpertsLora`).
 
     Saves the sorted inputs (N * k, C) and the gate/up products (N * k, 2 * I); the activation's product is
-    recomputed per expert in the backward. Weight gradients are written expert by expert into one (E, ...) tensor
-    each; an expert without rows gets zeros.
+    recomputed per expert in the backward (and the LoRA paths' (n, r) products). Weight gradients are written
+    expert by expert into one (E, ...) tensor each; an expert without rows gets zeros.
     """
 
     @staticmethod
-    def forward(ctx, xs, gate_up, down, sizes):  # noqa: D102 (autograd's signature)
+    def forward(ctx, xs, gate_up, down, sizes, scale, gu_a, gu_b, d_a, d_b):  # noqa: D102 (autograd's signature)
         rows, inner = xs.shape[0], down.shape[2]
         h = xs.new_empty(rows, 2 * inner)  # (N * k, 2I) gate then up
         out = xs.new_empty(rows, down.shape[1])  # (N * k, C)
@@ -213,45 +265,81 @@ class _GroupedExperts(torch.autograd.Function):
             if n:
                 s = slice(start, start + n)
                 torch.mm(xs[s], _expert(gate_up, e).t(), out=h[s])
+                _lora_mm(xs[s], gu_a, gu_b, e, scale, h[s])
                 act = F.silu(h[s, :inner]).mul_(h[s, inner:])  # (n, I)
                 torch.mm(act, _expert(down, e).t(), out=out[s])
+                _lora_mm(act, d_a, d_b, e, scale, out[s])
                 del act
             start += n
         ctx.save_for_backward(xs, h)
-        ctx.weights = (
-            gate_up,
-            down,
-        )  # parameters (NF4 under QLoRA): held by the model, not saved activations
-        ctx.sizes = sizes
+        # parameters (NF4 under QLoRA) and LoRA factors: held by the model, not saved activations
+        ctx.weights = (gate_up, down, gu_a, gu_b, d_a, d_b)
+        ctx.sizes, ctx.scale = sizes, scale
         return out
 
     @staticmethod
     def backward(ctx, grad_out):  # noqa: D102
         xs, h = ctx.saved_tensors
-        gate_up, down = ctx.weights
+        gate_up, down, gu_a, gu_b, d_a, d_b = ctx.weights
+        scale = ctx.scale
         need_x, need_gu, need_down = ctx.needs_input_grad[:3]
         inner = down.shape[2]
+
+        def zeros(t: Tensor | None, needed: bool) -> Tensor | None:
+            return torch.zeros_like(t) if needed and t is not None else None
+
         grad_x = torch.empty_like(xs) if need_x else None
-        grad_gu = torch.zeros_like(gate_up) if need_gu else None
-        grad_down = torch.zeros_like(down) if need_down else None
+        grad_gu, grad_down = zeros(gate_up, need_gu), zeros(down, need_down)
+        lora_grads = [
+            zeros(t, needed) for t, needed in zip(ctx.weights[2:], ctx.needs_input_grad[5:], strict=True)
+        ]
         start = 0
         for e, n in enumerate(ctx.sizes):
             if n:
                 s = slice(start, start + n)
                 gate, up, g = h[s, :inner], h[s, inner:], grad_out[s]
                 silu = F.silu(gate)  # (n, I)
+                act = silu * up if need_down or d_a is not None else None  # (n, I)
                 if need_down:
-                    torch.mm(g.t(), silu * up, out=grad_down[e])  # (C, I)
+                    torch.mm(g.t(), act, out=grad_down[e])  # (C, I)
                 d_act = g @ _expert(down, e)  # (n, I)
+                if d_a is not None:
+                    d_act += _lora_mm_backward(act, g, d_a, d_b, e, scale, lora_grads[2:])
+                del act
                 d_gu = torch.cat((d_act * up * _silu_grad(gate), d_act.mul_(silu)), dim=1)  # (n, 2I)
                 del silu, d_act
                 if need_gu:
                     torch.mm(d_gu.t(), xs[s], out=grad_gu[e])  # (2I, C)
+                lora_dx = None
+                if gu_a is not None:
+                    lora_dx = _lora_mm_backward(xs[s], d_gu, gu_a, gu_b, e, scale, lora_grads[:2])
                 if need_x:
                     torch.mm(d_gu, _expert(gate_up, e), out=grad_x[s])  # (n, C)
-                del d_gu
+                    if lora_dx is not None:
+                        grad_x[s] += lora_dx
+                del d_gu, lora_dx
             start += n
-        return grad_x, grad_gu, grad_down, None
+        return (grad_x, grad_gu, grad_down, None, None, *lora_grads)
+
+
+def grouped_experts(
+    xs: Tensor, gate_up: Tensor, down: Tensor, sizes: list[int], lora: ExpertsLora | None = None
+) -> Tensor:
+    """Run each expert's gated MLP on its slice of the sorted rows (:class:`_GroupedExperts`).
+
+    Args:
+        xs: (N * k, C) rows sorted by expert.
+        gate_up: (E, 2I, C) stacked weights (NF4 under QLoRA).
+        down: (E, C, I).
+        sizes: E ints: the rows of each expert, in order.
+        lora: a LoRA on either stack, or None.
+
+    Returns:
+        (N * k, C), unweighted.
+    """
+    scale = lora.scale if lora is not None else 0.0
+    factors = lora.tensors() if lora is not None else (None,) * 4
+    return _GroupedExperts.apply(xs, gate_up, down, sizes, scale, *factors)
 
 
 class Router(nn.Module):
@@ -309,7 +397,7 @@ class Experts(nn.Module):
         Returns:
             (N * k, C), unweighted.
         """
-        return _GroupedExperts.apply(xs, self.gate_up_proj, self.down_proj, sizes)
+        return grouped_experts(xs, self.gate_up_proj, self.down_proj, sizes)
 
 
 class MoE(nn.Module):

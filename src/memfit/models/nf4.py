@@ -113,30 +113,100 @@ def quantize(weight: Tensor) -> Tensor:
         rows = flat.view(-1, weight.shape[-1]) if weight.dim() > 1 else flat
         made = nf4.to_nf4(rows.contiguous(), block, scaler_block)
         return _with_shape(made, weight.shape) if weight.dim() > 2 else made
-    n_blocks = flat.numel() // block
-    absmax = torch.empty(n_blocks, dtype=weight.dtype, device=weight.device)
-    codes = torch.empty(flat.numel() // 2, dtype=torch.uint8, device=weight.device)
-    table = code_table(weight.dtype, weight.device)
-    step = max(block, CHUNK_ELEMENTS // block * block)
-    for start in range(0, flat.numel(), step):
-        part = flat[start : start + step]
-        blocks = part.view(-1, block)  # (n, 64)
-        b0 = start // block
-        scale = absmax[b0 : b0 + blocks.shape[0]]
-        scale.copy_(blocks.abs().max(dim=1).values)  # torchao's block absmax
-        scaled = blocks / scale.unsqueeze(-1)  # (n, 64) in the weight's dtype, as torchao divides
-        bits = scaled.view(-1).view(torch.uint16).to(torch.int32)  # (n * 64,) each value's 16 bits, unsigned
-        del scaled
-        index = torch.index_select(table, 0, bits)  # (n * 64,) uint8 codes: one lookup a weight
-        del bits
-        torch.bitwise_or(index[::2] << 4, index[1::2], out=codes[start // 2 : (start + part.numel()) // 2])
-        del index
-    return _assemble(weight, absmax, codes, block, scaler_block)
+    builder = NF4Builder(weight.shape, weight.dtype, weight.device)
+    builder.put(0, flat)
+    return builder.finish()
 
 
-def _assemble(weight: Tensor, absmax: Tensor, codes: Tensor, block: int, scaler_block: int) -> Tensor:
-    """The ``NF4Tensor`` of ``weight`` from its block maxima and packed codes: torchao's double quantization of the
-    scales (``double_quantize_scalers``, on the same maxima)."""
+def in_parts(dtype: torch.dtype, part_numel: int) -> bool:
+    """Whether :class:`NF4Builder` can quantize a weight of ``dtype`` from parts of ``part_numel`` weights each (a
+    16-bit dtype, and parts of whole blocks)."""
+    return dtype.itemsize == 2 and part_numel > 0 and part_numel % NF4_BLOCK_SIZE == 0
+
+
+class NF4Builder:
+    """A 16-bit weight quantized to NF4 part by part as its parts arrive (a mixture of experts' stack, expert by
+    expert as the files are read), so that the weight never exists whole in its dtype: the packed codes (half a byte
+    a weight) and the block maxima are filled in place, and :meth:`finish` double-quantizes the maxima. The result
+    equals :func:`to_nf4` of the whole weight bit for bit (every block is scaled and coded on its own, and the
+    double quantization runs on the same maxima).
+
+    Args:
+        shape: the whole weight's shape, e.g. (E, 2I, C).
+        dtype: a 16-bit dtype (bf16, fp16): the parts' and the result's.
+        device: where the inner tensors go.
+
+    Raises:
+        ValueError: as :func:`nf4_layout`; a dtype that is not 16-bit (torchao's float32 path has no parts).
+    """
+
+    def __init__(self, shape: Sequence[int], dtype: torch.dtype, device: torch.device | str) -> None:
+        self.block, self.scaler_block = nf4_layout(shape)
+        if dtype.itemsize != 2:
+            raise ValueError(f"NF4Builder quantizes 16-bit weights in parts, not {dtype}")
+        self.shape, self.dtype, self.device = tuple(shape), dtype, torch.device(device)
+        numel = math.prod(shape)
+        self.absmax = torch.empty(numel // self.block, dtype=dtype, device=device)  # (n_blocks,)
+        self.codes = torch.empty(
+            numel // 2, dtype=torch.uint8, device=device
+        )  # (numel / 2,) two codes a byte
+
+    def put(self, start: int, part: Tensor) -> None:
+        """Quantize ``part`` into the weight's elements ``start .. start + part.numel() - 1`` (row-major).
+
+        Args:
+            start: a multiple of the block size (64).
+            part: a tensor of whole blocks, in the builder's dtype and on its device.
+
+        Raises:
+            ValueError: ``start`` or the part's size not whole blocks, or another dtype.
+        """
+        block = self.block
+        flat = part.detach().reshape(-1)
+        if start % block or flat.numel() % block or part.dtype != self.dtype:
+            raise ValueError(
+                f"NF4Builder.put: a part of {flat.numel()} {part.dtype} weights at {start} is not whole blocks of "
+                f"{block} {self.dtype} weights"
+            )
+        table = code_table(self.dtype, self.device)
+        step = max(block, CHUNK_ELEMENTS // block * block)
+        for offset in range(0, flat.numel(), step):
+            chunk = flat[offset : offset + step]
+            blocks = chunk.view(-1, block)  # (n, 64)
+            first = start + offset
+            scale = self.absmax[first // block : first // block + blocks.shape[0]]
+            scale.copy_(blocks.abs().max(dim=1).values)  # torchao's block absmax
+            scaled = blocks / scale.unsqueeze(-1)  # (n, 64) in the weight's dtype, as torchao divides
+            bits = (
+                scaled.view(-1).view(torch.uint16).to(torch.int32)
+            )  # (n * 64,) each value's 16 bits, unsigned
+            del scaled
+            index = torch.index_select(table, 0, bits)  # (n * 64,) uint8 codes: one lookup a weight
+            del bits
+            out = self.codes[first // 2 : (first + chunk.numel()) // 2]
+            torch.bitwise_or(index[::2] << 4, index[1::2], out=out)
+            del index
+
+    def finish(self) -> Tensor:
+        """The ``NF4Tensor`` once every part is in (the maxima double-quantized; the builder is spent)."""
+        made = _assemble(
+            self.shape, self.dtype, self.device, self.absmax, self.codes, self.block, self.scaler_block
+        )
+        del self.absmax, self.codes
+        return made
+
+
+def _assemble(
+    shape: Sequence[int],
+    dtype: torch.dtype,
+    device: torch.device,
+    absmax: Tensor,
+    codes: Tensor,
+    block: int,
+    scaler_block: int,
+) -> Tensor:
+    """The ``NF4Tensor`` of a weight of ``shape`` and ``dtype`` from its block maxima and packed codes: torchao's
+    double quantization of the scales (``double_quantize_scalers``, on the same maxima)."""
     nf4 = nf4_module()
     mean = absmax.mean()
     centred = absmax - mean
@@ -147,12 +217,7 @@ def _assemble(weight: Tensor, absmax: Tensor, codes: Tensor, block: int, scaler_
     quantized = (group_blocks * factor).round().clamp(-128, 127)
     factor = factor[:, 0]
     meta = nf4.SubclassTensorArgs(
-        weight.size(),
-        torch.empty(weight.shape, device="meta").stride(),
-        0,
-        weight.dtype,
-        weight.device,
-        False,
+        torch.Size(shape), torch.empty(shape, device="meta").stride(), 0, dtype, device, False
     )
     return nf4.NF4Tensor(
         meta,
@@ -163,7 +228,7 @@ def _assemble(weight: Tensor, absmax: Tensor, codes: Tensor, block: int, scaler_
         factor.view(groups).contiguous(),
         mean,
         codes,
-        nf4=_codes(weight.dtype, weight.device),
+        nf4=_codes(dtype, device),
     )
 
 

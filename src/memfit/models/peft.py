@@ -48,7 +48,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from memfit.models import families
+from memfit.models import families, moe
 from memfit.models.decoder import Attention, Decoder
 from memfit.models.nf4 import NF4_LUT_SIZE, empty_nf4, is_nf4, nf4_layout, to_nf4
 
@@ -83,6 +83,8 @@ class LoraSettings:
     """Dropout probability on the input of the low-rank path (training mode only)."""
     target_modules: tuple[str, ...]
     """Names (from :data:`LORA_TARGETS`) of the adapted linear layers."""
+    target_parameters: tuple[str, ...] = ()
+    """Names (from :data:`EXPERT_LORA_TARGETS`) of the adapted stacked expert weights."""
 
     @property
     def scale(self) -> float:
@@ -218,6 +220,10 @@ def init_method_parameter_(name: str, tensor: Tensor, seed: int | None = None) -
     if tensor.is_meta:
         return tensor
     generator = _generator(seed, tensor.device)
+    if kind == "lora_A" and tensor.dim() == 3:
+        # experts' A (E, r, in): each row drawn as PEFT's nn.Linear(in, E * r) draws it (kaiming's bound, fan_in in)
+        std = nn.init.calculate_gain("leaky_relu", math.sqrt(5)) / math.sqrt(tensor.shape[-1])
+        return nn.init.uniform_(tensor, -math.sqrt(3.0) * std, math.sqrt(3.0) * std, generator=generator)
     if kind == "lora_A":
         return nn.init.kaiming_uniform_(tensor, a=math.sqrt(5), generator=generator)
     return nn.init.normal_(tensor, mean=0.0, std=ADAPTER_PROMPT_STD, generator=generator)
@@ -322,23 +328,115 @@ def lora_targets(model: Decoder, target_modules: Sequence[str]) -> list[tuple[st
 
 
 def _checked_lora_targets(
-    model: Decoder, rank: int, alpha: float, dropout: float, target_modules: Sequence[str]
-) -> list[tuple[str, nn.Linear]]:
-    """:func:`lora_targets` after checking LoRA's hyperparameters (the errors of :func:`apply_lora`)."""
+    model: Decoder,
+    rank: int,
+    alpha: float,
+    dropout: float,
+    target_modules: Sequence[str],
+    target_parameters: Sequence[str] = (),
+) -> tuple[list[tuple[str, nn.Linear]], list[tuple[str, moe.Experts, tuple[str, ...]]]]:
+    """:func:`lora_targets` and :func:`expert_lora_targets` after checking LoRA's hyperparameters (the errors of
+    :func:`apply_lora`)."""
     if not isinstance(rank, int) or isinstance(rank, bool) or rank <= 0:
         raise ValueError(f"LoRA rank must be a positive int, got {rank!r}")
     if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not alpha > 0:
         raise ValueError(f"LoRA alpha must be a positive number, got {alpha!r}")
     if not isinstance(dropout, (int, float)) or not 0.0 <= dropout < 1.0:
         raise ValueError(f"LoRA dropout must be in [0, 1), got {dropout!r}")
-    targets = lora_targets(model, target_modules)
+    experts = expert_lora_targets(model, target_parameters)
+    if experts and dropout > 0:
+        raise ValueError(
+            f"LoRA dropout must be 0 with target_parameters (got {dropout}): a LoRA on a stacked expert weight "
+            "has no dropout, as PEFT's target_parameters has none (it could not load the adapter)"
+        )
+    targets = lora_targets(model, target_modules) if target_modules or not experts else []
     if model.lm_head.weight is model.model.embed_tokens.weight and any(n == "lm_head" for n, _ in targets):
         raise ValueError(
             "LoRA on lm_head is not supported with tied embeddings (tie_word_embeddings): lm_head.weight is "
             "model.embed_tokens.weight, so merging the update would change the input embedding too. Leave "
             "lm_head out of target_modules"
         )
-    return targets
+    return targets, experts
+
+
+EXPERT_LORA_TARGETS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+"""The stacked expert weights LoRA may adapt (``lora.target_parameters``), named as PEFT's ``target_parameters``
+name them on transformers 5's modules."""
+
+
+def expert_lora_target(name: str) -> str:
+    """The entry of :data:`EXPERT_LORA_TARGETS` that ``name`` names: itself, or its end after a dot as PEFT
+    matches ``target_parameters`` (``experts.down_proj``, ``down_proj``).
+
+    Raises:
+        ValueError: ``name`` names none of them.
+    """
+    hits = [t for t in EXPERT_LORA_TARGETS if t == name or t.endswith(f".{name}")]
+    if len(hits) != 1:
+        raise ValueError(
+            f"unknown LoRA target parameter {name!r}; valid: {', '.join(EXPERT_LORA_TARGETS)} (a mixture of "
+            "experts' stacked weights)"
+        )
+    return hits[0]
+
+
+def expert_lora_targets(
+    model: Decoder, target_parameters: Sequence[str]
+) -> list[tuple[str, moe.Experts, tuple[str, ...]]]:
+    """The experts modules whose stacked weights ``target_parameters`` names, in module order.
+
+    Args:
+        model: a decoder.
+        target_parameters: names from :data:`EXPERT_LORA_TARGETS` (or their ends, :func:`expert_lora_target`).
+
+    Returns:
+        ``[(module name, experts, (attribute, ...)), ...]``, attributes in :data:`EXPERT_LORA_TARGETS`' order;
+        empty when ``target_parameters`` is.
+
+    Raises:
+        ValueError: an unknown or repeated name, or a model without a mixture of experts.
+    """
+    if isinstance(target_parameters, str):
+        target_parameters = [target_parameters]
+    canonical = [expert_lora_target(n) for n in target_parameters]
+    if len(set(canonical)) != len(canonical):
+        raise ValueError(f"LoRA target_parameters names a weight twice: {list(target_parameters)}")
+    if not canonical:
+        return []
+    attrs = tuple(t.rsplit(".", 1)[-1] for t in EXPERT_LORA_TARGETS if t in canonical)
+    found = [(n, m, attrs) for n, m in model.named_modules() if isinstance(m, moe.Experts)]
+    if not found:
+        raise ValueError(
+            f"LoRA target_parameters {list(target_parameters)} adapt a mixture of experts' stacked weights, but "
+            f"this {model.config.family} model has no mixture of experts; use target_modules"
+        )
+    return found
+
+
+def _lora_experts_forward(self: moe.Experts, xs: Tensor, sizes: list[int]) -> Tensor:
+    """:meth:`~memfit.models.moe.Experts.forward` with the LoRA of each adapted stack beside its weight."""
+    pairs = {name: (holder.lora_A, holder.lora_B) for name, holder in self.lora.items()}
+    lora = moe.ExpertsLora(pairs.get("gate_up_proj"), pairs.get("down_proj"), self.memfit_lora.scale)
+    return moe.grouped_experts(xs, self.gate_up_proj, self.down_proj, sizes, lora)
+
+
+def _add_expert_lora(
+    experts: moe.Experts, attrs: Sequence[str], settings: LoraSettings, seed: int | None
+) -> None:
+    """Give ``experts`` a LoRA on each stack in ``attrs``: ``experts.lora.<attr>.lora_A`` (E, r, in) and
+    ``lora_B`` (E, out, r), initialised as :func:`init_method_parameter_` draws them."""
+    holders = nn.ModuleDict()
+    for attr in attrs:
+        weight = experts._parameters[attr]  # (E, out, in), NF4 under QLoRA
+        num, out, inp = weight.shape
+        holder = nn.Module()
+        for kind, shape in (("lora_A", (num, settings.rank, inp)), ("lora_B", (num, out, settings.rank))):
+            tensor = torch.empty(shape, device=weight.device, dtype=weight.dtype)
+            holder.register_parameter(kind, nn.Parameter(init_method_parameter_(kind, tensor, seed)))
+        holders[attr] = holder
+    experts.lora = holders
+    experts.memfit_lora = settings
+    experts.forward = types.MethodType(_lora_experts_forward, experts)
 
 
 def apply_lora(
@@ -349,37 +447,48 @@ def apply_lora(
     dropout: float = 0.0,
     target_modules: Sequence[str] = ("q_proj", "v_proj"),
     seed: int | None = None,
+    target_parameters: Sequence[str] = (),
 ) -> list[str]:
-    """Add a LoRA update to the targeted linear layers and freeze everything else.
+    """Add a LoRA update to the targeted linear layers and stacked expert weights, and freeze everything else.
 
     Each target gets parameters ``lora_A`` (r, in), kaiming-uniform (``a = sqrt(5)``, as PEFT and
     ``nn.Linear``), and ``lora_B`` (out, r), zeros, on the base weight's device and in its dtype (meta and fake
     tensors included), and its ``forward`` becomes ``W x + (alpha / r) * B A dropout(x)``.
+
+    A stacked expert weight (``target_parameters``: a mixture of experts' ``gate_up_proj`` (E, 2I, C) or
+    ``down_proj`` (E, C, I)) gets ``lora_A`` (E, r, in) and ``lora_B`` (E, out, r) under
+    ``<experts>.lora.<weight>``: each expert's matrix acts as ``W_e + (alpha / r) * B_e A_e``, as PEFT's
+    ``target_parameters`` LoRA does, computed beside each expert's matmul (:class:`memfit.models.moe.ExpertsLora`).
 
     Args:
         model: a built :class:`~memfit.models.decoder.Llama` (base weights already loaded).
         rank: r, a positive int.
         alpha: scale numerator, > 0; the update is multiplied by ``alpha / rank``.
         dropout: probability in [0, 1) of dropping inputs of the low-rank path while training.
-        target_modules: names from :data:`LORA_TARGETS`.
+        target_modules: names from :data:`LORA_TARGETS` (may be empty when ``target_parameters`` is not).
         seed: seed of a generator for ``lora_A``'s init; None draws from the global RNG.
+        target_parameters: names from :data:`EXPERT_LORA_TARGETS`.
 
     Returns:
-        The names of the new trainable parameters, e.g. ``model.layers.0.self_attn.q_proj.lora_A``.
+        The names of the new trainable parameters, e.g. ``model.layers.0.self_attn.q_proj.lora_A``,
+        ``model.layers.0.mlp.experts.lora.down_proj.lora_B``.
 
     Raises:
-        ValueError: a bad hyperparameter or target name; a method already applied; ``lm_head`` targeted while it
+        ValueError: a bad hyperparameter or target name; ``target_parameters`` on a dense model, or with a
+            dropout above 0; a method already applied; ``lm_head`` targeted while it
             shares its weight with the token embedding (``tie_word_embeddings``): a merged update would change
             the embedding too, so LoRA on a tied ``lm_head`` is refused (leave it out of ``target_modules``).
     """
     _check_no_peft(model, "LoRA")
-    targets = _checked_lora_targets(model, rank, alpha, dropout, target_modules)
+    targets, experts = _checked_lora_targets(model, rank, alpha, dropout, target_modules, target_parameters)
     adapted = {name.rsplit(".", 1)[-1] for name, _ in targets}  # aliases (qkv_proj) as their parts
+    stacks = {f"mlp.experts.{a}" for _, _, attrs in experts for a in attrs}
     settings = LoraSettings(
         rank=rank,
         alpha=float(alpha),
         dropout=float(dropout),
         target_modules=tuple(t for t in LORA_TARGETS if t in adapted),
+        target_parameters=tuple(t for t in EXPERT_LORA_TARGETS if t in stacks),
     )
     names = []
     for module_name, linear in targets:
@@ -393,12 +502,16 @@ def apply_lora(
         linear.memfit_lora = settings
         linear.forward = types.MethodType(_lora_linear_forward, linear)
         names += [f"{module_name}.lora_A", f"{module_name}.lora_B"]
+    for module_name, module, attrs in experts:
+        _add_expert_lora(module, attrs, settings, seed)
+        names += [f"{module_name}.lora.{a}.{kind}" for a in attrs for kind in ("lora_A", "lora_B")]
     freeze_base(model, names)
     model.memfit_peft = settings
     return names
 
 
-def _lora_modules(model: nn.Module) -> list[tuple[str, nn.Linear]]:
+def _lora_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``(name, module)`` of every LoRA-adapted linear layer and experts module."""
     return [
         (n, m) for n, m in model.named_modules() if isinstance(getattr(m, "memfit_lora", None), LoraSettings)
     ]
@@ -459,11 +572,19 @@ def merge_lora(model: Decoder) -> None:
     settings = lora_settings(model)
     if isinstance(settings, QLoraSettings):
         dequantize_base_(model)
-    for _, linear in _lora_modules(model):
-        delta = (linear.lora_B.float() @ linear.lora_A.float()) * settings.scale  # (out, in)
-        linear.weight.copy_((linear.weight.float() + delta).to(linear.weight.dtype))
-        del linear.lora_A, linear.lora_B, linear.memfit_lora
-        del linear.forward  # the instance attribute: nn.Linear.forward shows through again
+    for _, module in _lora_modules(model):
+        if isinstance(module, moe.Experts):
+            for attr, holder in module.lora.items():
+                weight = module._parameters[attr]  # (E, out, in)
+                for e in range(weight.shape[0]):  # one expert's fp32 update at a time
+                    delta = (holder.lora_B[e].float() @ holder.lora_A[e].float()) * settings.scale
+                    weight[e].copy_((weight[e].float() + delta).to(weight.dtype))
+            del module.lora, module.memfit_lora
+        else:
+            delta = (module.lora_B.float() @ module.lora_A.float()) * settings.scale  # (out, in)
+            module.weight.copy_((module.weight.float() + delta).to(module.weight.dtype))
+            del module.lora_A, module.lora_B, module.memfit_lora
+        del module.forward  # the instance attribute: the class's forward shows through again
     del model.memfit_peft
 
 
@@ -677,8 +798,10 @@ def apply_qlora(
     dropout: float = 0.0,
     target_modules: Sequence[str] = ("q_proj", "v_proj"),
     seed: int | None = None,
+    target_parameters: Sequence[str] = (),
 ) -> list[str]:
-    """QLoRA: store the decoder linears in NF4 (:func:`quantize_base_`), then apply LoRA (:func:`apply_lora`).
+    """QLoRA: store the decoder linears (and stacked experts) in NF4 (:func:`quantize_base_`), then apply LoRA
+    (:func:`apply_lora`).
 
     LoRA's ``lora_A`` / ``lora_B`` take the parameter dtype (the NF4 tensors' dtype) and train in it; everything
     else is frozen.
@@ -686,7 +809,7 @@ def apply_qlora(
     Args:
         model: a built :class:`~memfit.models.decoder.Llama`, its base weights loaded (already NF4 when loaded with
             :func:`quantize_for_qlora`) or on the meta device.
-        rank, alpha, dropout, target_modules, seed: as :func:`apply_lora`.
+        rank, alpha, dropout, target_modules, seed, target_parameters: as :func:`apply_lora`.
 
     Returns:
         The names of the new trainable parameters.
@@ -695,10 +818,16 @@ def apply_qlora(
         ValueError: as :func:`apply_lora` and :func:`quantize_base_` (checked before the model changes).
     """
     _check_no_peft(model, "QLoRA")
-    _checked_lora_targets(model, rank, alpha, dropout, target_modules)
+    _checked_lora_targets(model, rank, alpha, dropout, target_modules, target_parameters)
     quantize_base_(model)
     names = apply_lora(
-        model, rank=rank, alpha=alpha, dropout=dropout, target_modules=target_modules, seed=seed
+        model,
+        rank=rank,
+        alpha=alpha,
+        dropout=dropout,
+        target_modules=target_modules,
+        seed=seed,
+        target_parameters=target_parameters,
     )
     model.memfit_peft = QLoraSettings(**dataclasses.asdict(model.memfit_peft))
     return names

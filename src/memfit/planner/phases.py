@@ -31,7 +31,7 @@ from memfit.convert.tensors import Entry
 from memfit.memory.tracker import MemoryTracker
 from memfit.models.config import DecoderConfig
 from memfit.models.decoder import build_decoder
-from memfit.models.nf4 import code_table, code_table_bytes, quantize
+from memfit.models.nf4 import NF4_BLOCK_SIZE, NF4Builder, code_table, code_table_bytes, in_parts, quantize
 from memfit.models.peft import is_qlora_quantized, nf4_bytes
 
 
@@ -65,21 +65,36 @@ def load_peak_bytes(cfg: TrainConfig, mcfg: DecoderConfig) -> int | None:
     missing: dict[str, int] = {}
     for entry, kept in order:
         stored = math.prod(entry.shape) * (entry.dtype or dtype).itemsize
-        if entry.name in stacks:  # an expert's tensor, copied into its stack (allocated at the first part)
+        if entry.name in stacks:  # an expert's tensor, put into its stack (allocated at the first part)
             stack, parts = stacks[entry.name]
+            in_nf4 = walk.quantizes(stack) and in_parts(dtype, math.prod(entry.shape))
+            buffers = (
+                nf4_builder_bytes(stack.shape, dtype)
+                if in_nf4
+                else math.prod(stack.shape) * (stack.dtype or dtype).itemsize
+            )
             if stack.name not in missing:
                 missing[stack.name] = parts
-                walk.filling += math.prod(stack.shape) * (stack.dtype or dtype).itemsize
-            walk.peak = max(walk.peak, walk.loaded + walk.filling + stored)
+                walk.filling += buffers
+            if in_nf4:  # the part read, converted and coded into the stack's codes and maxima
+                walk.touch_table()
+                part = nf4_part_peak(math.prod(entry.shape), entry.dtype or dtype, dtype)
+                walk.peak = max(walk.peak, walk.loaded + walk.filling + part)
+            else:
+                walk.peak = max(walk.peak, walk.loaded + walk.filling + stored)
             missing[stack.name] -= 1
             if missing[stack.name]:
                 continue
             del missing[stack.name]
+            walk.filling -= buffers
+            if in_nf4:  # the maxima double-quantized beside the last part (the file reader's reference)
+                finish = nf4_finish_peak(tuple(stack.shape), dtype)
+                walk.peak = max(walk.peak, walk.loaded + walk.filling + stored + finish)
+                walk.loaded += nf4_bytes(stack.shape, dtype)
+                continue
             # handed on whole, counted as the tensor read now; its last part stays alive meanwhile (the file
             # reader's reference, dropped when it reads the next)
-            whole = math.prod(stack.shape) * (stack.dtype or dtype).itemsize
-            walk.filling -= whole
-            walk.keep(stack, whole, beside=stored)
+            walk.keep(stack, buffers, beside=stored)
         elif not kept:  # read, then dropped
             walk.peak = max(walk.peak, walk.loaded + walk.filling + stored)
         else:
@@ -96,17 +111,26 @@ class _LoadWalk:
         self.loaded = self.peak = self.filling = 0
         self.table = 0  # the quantizer's code table, made at the first NF4 weight and kept
 
+    def quantizes(self, entry: Entry) -> bool:
+        """Whether the run stores ``entry`` in NF4 (QLoRA's decoder linears and expert stacks)."""
+        return self.cfg.method == "qlora" and is_qlora_quantized(entry.name)
+
+    def touch_table(self) -> int:
+        """The quantizer's code table, made at the first NF4 weight and kept: its bytes the first time, else 0."""
+        if self.table:
+            return 0
+        self.table = code_table_bytes(self.dtype)
+        self.loaded += self.table
+        return self.table
+
     def keep(self, entry: Entry, stored: int, beside: int = 0) -> None:
         """One tensor the model keeps, read (``stored`` bytes, with ``beside`` bytes more alive meanwhile),
         converted to the run's dtype (a second tensor where it differs) and, for QLoRA, quantized to NF4."""
         numel, dtype = math.prod(entry.shape), self.dtype
         held = self.loaded + self.filling + beside
         converted = 0 if (entry.dtype or dtype) == dtype else numel * dtype.itemsize  # .to() returns the same
-        if self.cfg.method == "qlora" and is_qlora_quantized(entry.name):
-            if not self.table:
-                self.table = code_table_bytes(dtype)
-                self.loaded += self.table
-                held += self.table
+        if self.quantizes(entry):
+            held += self.touch_table()
             # the source (when converted) beside the quantization's own peak, which holds its input and result
             self.peak = max(
                 self.peak, held + (stored if converted else 0) + nf4_quantization_peak(entry.shape, dtype)
@@ -127,6 +151,45 @@ def _rope_peak(mcfg: DecoderConfig) -> int:
         tracker = MemoryTracker(nn.Module(), device="cpu", record_timeline=False)
         with tracker:
             model.model.reset_rope("cpu")
+    return tracker.peak_bytes
+
+
+def nf4_builder_bytes(shape: Sequence[int], dtype: torch.dtype) -> int:
+    """Bytes an :class:`~memfit.models.nf4.NF4Builder` of a weight of ``shape`` holds while its parts arrive: the
+    packed codes (half a byte a weight) and the block maxima in ``dtype``."""
+    numel = math.prod(shape)
+    return numel // 2 + numel // NF4_BLOCK_SIZE * dtype.itemsize
+
+
+@functools.lru_cache(maxsize=64)
+def nf4_part_peak(part_numel: int, stored: torch.dtype, dtype: torch.dtype) -> int:
+    """The peak live bytes of putting one part of ``part_numel`` weights, read in ``stored``, into an NF4 stack of
+    ``dtype`` (:class:`~memfit.models.nf4.NF4Builder`, as QLoRA's load does: :func:`memfit.build.nf4_stack`): the
+    part as read, its conversion and the quantization's temporaries, above the stack's own buffers and the code
+    table. Traced on fake tensors, once per size and dtypes.
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode  # deferred: imports torch._dynamo
+
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        tracker = MemoryTracker(nn.Module(), device="cpu", record_timeline=False)
+        with tracker:
+            torch.index_select(code_table(dtype, "cpu"), 0, torch.zeros(0, dtype=torch.int32))
+            builder = NF4Builder((part_numel,), dtype, "cpu")
+            part = torch.empty(part_numel, dtype=stored)
+            builder.put(0, part.to(dtype=dtype))
+    return tracker.peak_bytes - code_table_bytes(dtype) - nf4_builder_bytes((part_numel,), dtype)
+
+
+@functools.lru_cache(maxsize=64)
+def nf4_finish_peak(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    """The peak live bytes of :meth:`~memfit.models.nf4.NF4Builder.finish` of a weight of ``shape``: its codes and
+    maxima, the double quantization's temporaries and the result, traced on fake tensors."""
+    from torch._subclasses.fake_tensor import FakeTensorMode  # deferred: imports torch._dynamo
+
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        tracker = MemoryTracker(nn.Module(), device="cpu", record_timeline=False)
+        with tracker:
+            NF4Builder(shape, dtype, "cpu").finish()
     return tracker.peak_bytes
 
 

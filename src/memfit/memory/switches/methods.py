@@ -71,6 +71,12 @@ def _check_method(cfg: RunConfig, target: Target) -> None:
         "one dtype, which cannot hold NF4 weights. Use distributed.strategy=fsdp2 (which shards torchao's NF4 "
         "tensors as they are)",
     )
+    require(
+        not (cfg.method in peft.LORA_METHODS and cfg.lora.target_parameters and cfg.lora.dropout > 0),
+        "lora.dropout",
+        f"must be 0 with lora.target_parameters (got {cfg.lora.dropout}): a LoRA on a stacked expert weight has "
+        "no dropout, as PEFT's target_parameters has none (PEFT could not load the adapter). Set lora.dropout=0",
+    )
 
 
 def _check_method_model(cfg: RunConfig, mcfg: DecoderConfig) -> None:
@@ -93,6 +99,12 @@ def _check_method_model(cfg: RunConfig, mcfg: DecoderConfig) -> None:
         raise ConfigError(
             "config key 'lora.target_modules': this model ties lm_head to the input embedding, so a LoRA update "
             "of lm_head would also change the embedding when merged; leave lm_head out"
+        )
+    if cfg.method in peft.LORA_METHODS and cfg.lora.target_parameters and not mcfg.num_moe_layers:
+        raise ConfigError(
+            f"config key 'lora.target_parameters': adapts a mixture of experts' stacked weights "
+            f"({', '.join(cfg.lora.target_parameters)}), but this {mcfg.family} model has none; use "
+            "lora.target_modules"
         )
     if cfg.method == "adapter" and cfg.adapter.num_layers > mcfg.num_layers:
         raise ConfigError(
@@ -149,6 +161,16 @@ METHOD = Switch(
             },
             "this model ties lm_head to the input embedding",
             key="lora.target_modules",
+        ),
+        Refusal(
+            {"method": "lora", "lora.target_parameters": "[mlp.experts.down_proj]"},
+            "must be 0 with lora.target_parameters",
+            key="lora.dropout",
+        ),
+        Refusal(
+            {"method": "lora", "lora.target_parameters": "[mlp.experts.down_proj]", "lora.dropout": 0},
+            "adapts a mixture of experts' stacked weights (mlp.experts.down_proj), but this llama model has none",
+            key="lora.target_parameters",
         ),
         Refusal(
             {"method": "adapter", "adapter.num_layers": 99},
