@@ -48,6 +48,9 @@ Rows (``--rows``, default all, run in this order):
   layers, 8 a token): the bf16 directory, one tensor per expert as on the Hub (57 GiB), each layer's experts stacked
   and quantized to NF4 as they are read (:func:`memfit.models.nf4.to_nf4`, bit-identical to torchao's); LoRA rank 16
   (alpha 32) on the attention linears, bf16, full checkpointing and the chunked loss, batch 1 x 1024, 2 steps.
+- ``30b-a3b-peft``: **transformers + PEFT + bitsandbytes QLoRA** of the same directory, rank and batch
+  (``bench/peft_qlora.py``: ``BitsAndBytesConfig(load_in_4bit=True, ...)``, ``prepare_model_for_kbit_training``,
+  ``get_peft_model``, gradient checkpointing, AdamW), under the same cap as the torchtune rows (``--cap-gib``).
 - ``olmoe-full``: **OLMoE-1B-7B full fine-tune in bf16** (6,919,161,856 parameters, 64 experts in each of 16
   layers; the routers frozen as a fine-tune leaves them), planned and run as ``8b-full``.
 
@@ -128,10 +131,12 @@ ROWS = (
     "qwen3-8b-full",
     "8b-torchtune",
     "30b-a3b-qlora",
+    "30b-a3b-peft",
     "olmoe-full",
 )
 ROW_MODEL = {"8b-qlora": "8b", "8b-full": "8b", "qwen3-8b-full": "qwen3-8b", "8b-torchtune": "8b",
-             "30b-a3b-qlora": "qwen3-30b-a3b", "olmoe-full": "olmoe-1b-7b"}  # fmt: skip
+             "30b-a3b-qlora": "qwen3-30b-a3b", "30b-a3b-peft": "qwen3-30b-a3b",
+             "olmoe-full": "olmoe-1b-7b"}  # fmt: skip
 """Row -> the key of its model in ``random_hf.MODELS`` (``3b`` when not named)."""
 SECTION = "largest-model"
 PROSE_START, PROSE_END = "<!-- largest-model-prose:start -->", "<!-- largest-model-prose:end -->"
@@ -474,6 +479,56 @@ def row_qlora(args: argparse.Namespace, model_dir: Path, run_dir: Path, name: st
     return {**row, **memfit_run(name, ["--config", str(path)], 2, run_dir, args.guard_bytes)}
 
 
+def row_peft(args: argparse.Namespace, model_dir: Path, run_dir: Path, name: str) -> dict[str, Any]:
+    """``30b-a3b-peft``: transformers + PEFT + bitsandbytes QLoRA (``bench/peft_qlora.py``) on the directory of
+    ``30b-a3b-qlora``, with its rank, targets, batch and steps, under the cap."""
+    spec = QLORA_ROWS["30b-a3b-qlora"]
+    child = {"dir": str(model_dir), "rank": 16, "alpha": 32, "targets": list(spec["targets"]),
+             "data": str(ASSETS / "dolly_sample.json"), "seq_len": spec["seq_len"], "steps": 2}  # fmt: skip
+    cap_bytes = int(args.cap_gib * GIB)
+    with memory_cap(cap_bytes, name) as (prefix, cap_text):
+        cmd = [*prefix, sys.executable, str(Path(__file__).with_name("peft_qlora.py")), json.dumps(child)]
+        run = run_measured(cmd, run_dir / "peft.log", cap_bytes + GIB, name)
+    steps = [run.first(rf"peft: step {n} \|") for n in (1, 2)]
+    loaded = run.first(r"peft: loaded")
+    peaks, phase_seconds, ended_in = split_phases(
+        run, [("setup", run.first(r"peft: loading")), ("load", loaded), ("first_step", steps[0]),
+              ("steady_step", steps[1])]
+    )  # fmt: skip
+    done = [t for t in steps if t is not None]
+    seconds = [round(b - a, 1) for a, b in zip([loaded or 0.0, *done], done, strict=False)]
+    said = [ln for _, ln in run.lines if ln.startswith("peft: ")]
+    failed = next((ln for ln in said if ln.startswith("peft: failed in")), None)
+    if run.returncode == 0:
+        outcome = "ok"
+    elif run.signal is not None:
+        outcome = f"killed by signal {run.signal} ({signal.Signals(run.signal).name}) during {ended_in}"
+    else:
+        outcome = failed or f"failed (exit {run.returncode}) during {ended_in}"
+    return {
+        "command": _shown(cmd),
+        "config": {**child, "quantization": "BitsAndBytesConfig(load_in_4bit, nf4, double quant, bf16 compute)",
+                   "cap": cap_text},
+        "switches": {"gradient_checkpointing": True, "prepare_model_for_kbit_training": True},
+        "forced": False,
+        "predicted_peak_rss_gib": None,
+        "measured_peak_rss_gib": gib(run.max_rss_bytes),
+        "sampled_peak_rss_gib": gib(max((s for _, s in run.samples), default=None)),
+        "phase_peaks_gib": {k: peaks.get(k) for k in ("setup", "load", "first_step", "steady_step")},
+        "phase_seconds": phase_seconds,
+        "load_seconds": phase_seconds.get("load") if loaded is not None else None,
+        "step_seconds": seconds,
+        "tokens_per_second": _steady_tokens_per_second(seconds, spec["seq_len"]),
+        "said": said,
+        "outcome": outcome,
+        "cap_gib": args.cap_gib,
+        "cap_method": cap_text,
+        "exit_status": run.returncode,
+        "wall_seconds": round(run.wall_seconds, 1),
+        "log": str(run_dir / "peft.log"),
+    }  # fmt: skip
+
+
 def _steady_tokens_per_second(seconds: list[float], seq_len: int = SEQ_LEN) -> float | None:
     """Tokens per second over the steps after the first (each of one 1 x ``seq_len`` batch)."""
     return round(seq_len * len(seconds[1:]) / sum(seconds[1:]), 1) if seconds[1:] else None
@@ -728,7 +783,7 @@ def reproduce_command(args: argparse.Namespace, name: str) -> str:
         cmd += ["--budget", args.budget]
     if name in FULL_ROWS and args.force_config:
         cmd += ["--force-config", *args.force_config]
-    if name in ("3b-plain", *TORCHTUNE_ROWS) and args.cap_gib != 22.0:
+    if name in ("3b-plain", "30b-a3b-peft", *TORCHTUNE_ROWS) and args.cap_gib != 22.0:
         cmd += ["--cap-gib", f"{args.cap_gib:g}"]
     return shlex.join(cmd)
 
@@ -881,6 +936,8 @@ def main() -> int:
             row = row_torchtune(args, model_dir, run_dir, name)
         elif name in QLORA_ROWS:
             row = row_qlora(args, model_dir, run_dir, name)
+        elif name == "30b-a3b-peft":
+            row = row_peft(args, model_dir, run_dir, name)
         else:
             run_row = {"3b-plain": row_3b_plain, "3b-8bit": row_3b_8bit}[name]
             row = run_row(args, model_dir, run_dir)
