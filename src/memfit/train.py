@@ -228,14 +228,13 @@ def _set_up(cfg: TrainConfig, device: torch.device) -> _Run:
                 f"note: glibc's mmap threshold fixed at {threshold // 1024} KiB "
                 f"(mmap_threshold={cfg.mmap_threshold}, dim {mcfg.dim}): freed tensors go back to the kernel"
             )
-    if (
-        host.caps_onednn_cache(device.type, mcfg.num_experts)
-        and host.cap_onednn_primitive_cache()
-        and main_rank
-    ):
+    capped = (
+        host.cap_onednn_primitive_cache() if host.caps_onednn_cache(device.type, mcfg.num_experts) else []
+    )
+    if capped and main_rank:
         tqdm.write(
-            "note: oneDNN's primitive cache off (ONEDNN_PRIMITIVE_CACHE_CAPACITY=0): a mixture of experts' matmuls "
-            "take a new shape at every expert and step"
+            f"note: matmul primitive caches capped ({', '.join(capped)}): a mixture of experts' matmuls take a new "
+            "shape at every expert and step"
         )
     out.mkdir(parents=True, exist_ok=True)  # only now: bad input above leaves no output_dir behind
     if main_rank and cfg.optimizer.warmup_steps >= cfg.max_steps:

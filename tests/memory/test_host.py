@@ -243,10 +243,14 @@ def _run_with_glibc_defaults(code: str) -> str:
     return out.stdout
 
 
-def test_onednn_s_primitive_cache_is_turned_off_for_a_mixture_of_experts_on_cpu_unless_set(monkeypatch):
+def test_the_primitive_caches_are_capped_for_a_mixture_of_experts_on_cpu_unless_set(monkeypatch):
     monkeypatch.delenv(host.ONEDNN_CACHE_ENV, raising=False)
+    monkeypatch.delenv(host.TORCH_LRU_CACHE_ENV, raising=False)
     assert host.caps_onednn_cache("cpu", 8) and not host.caps_onednn_cache("cpu", None)
     assert not host.caps_onednn_cache("cuda", 8)
-    assert host.cap_onednn_primitive_cache() and os.environ[host.ONEDNN_CACHE_ENV] == "0"
-    monkeypatch.setenv(host.ONEDNN_CACHE_ENV, "64")  # the user's own setting wins
-    assert not host.cap_onednn_primitive_cache() and os.environ[host.ONEDNN_CACHE_ENV] == "64"
+    assert host.cap_onednn_primitive_cache() == ["ONEDNN_PRIMITIVE_CACHE_CAPACITY=0", "LRU_CACHE_CAPACITY=64"]
+    assert os.environ[host.ONEDNN_CACHE_ENV] == "0" and os.environ[host.TORCH_LRU_CACHE_ENV] == "64"
+    monkeypatch.setenv(host.ONEDNN_CACHE_ENV, "64")  # the user's own settings win
+    monkeypatch.setenv(host.TORCH_LRU_CACHE_ENV, "8")
+    assert host.cap_onednn_primitive_cache() == []
+    assert os.environ[host.ONEDNN_CACHE_ENV] == "64" and os.environ[host.TORCH_LRU_CACHE_ENV] == "8"

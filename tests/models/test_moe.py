@@ -53,6 +53,11 @@ HF_CONFIGS = {
 
 @pytest.fixture(scope="module")
 def hf_dirs(tmp_path_factory):
+    return make_hf_dirs(tmp_path_factory)
+
+
+def make_hf_dirs(tmp_path_factory):
+    """A directory of each of :data:`HF_CONFIGS`, written by transformers (one tensor per expert)."""
     out = {}
     for kind, make in HF_CONFIGS.items():
         torch.manual_seed(0)

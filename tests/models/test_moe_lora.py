@@ -18,13 +18,18 @@ from memfit.models import moe
 from memfit.models.peft import EXPERT_LORA_TARGETS, apply_lora, lora_state_dict, merge_lora
 from tests.conftest import finetune_overrides
 from tests.models.test_families import _ids, _losses
-from tests.models.test_moe import HF_CONFIGS, _hf, hf_dirs  # noqa: F401 (hf_dirs: a fixture)
+from tests.models.test_moe import HF_CONFIGS, _hf, make_hf_dirs
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
 BOTH = list(EXPERT_LORA_TARGETS)
+
+
+@pytest.fixture(scope="module")
+def hf_dirs(tmp_path_factory):
+    return make_hf_dirs(tmp_path_factory)
 
 
 def _peft_model(directory, target_parameters, target_modules=("q_proj",), seed=1):
