@@ -50,7 +50,7 @@ from memfit.models import moe, peft
 from memfit.models import nf4 as nf4_format
 from memfit.models.config import DecoderConfig
 from memfit.models.decoder import Decoder, build_decoder, init_parameter_
-from memfit.models.nf4 import NF4Builder, in_parts
+from memfit.models.nf4 import NF4Builder
 from memfit.models.presets import MODEL_PRESETS, model_config
 from memfit.tokenizer import load_tokenizer
 from memfit.validation import trains_router
@@ -213,7 +213,7 @@ def nf4_stack(entry: Entry, part_numel: int, *, dtype: torch.dtype, device: torc
     never exist whole in 16 bits (the codes and block maxima fill in place:
     :class:`memfit.models.nf4.NF4Builder`); None (stacked whole, then quantized) for a float32 run, or parts that
     are not whole NF4 blocks."""
-    if not (peft.is_qlora_quantized(entry.name) and in_parts(dtype, part_numel)):
+    if not peft.quantized_in_parts(entry.name, dtype, part_numel):
         return None
     return _NF4Stack(entry.shape, dtype, device)
 

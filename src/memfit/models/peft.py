@@ -50,7 +50,7 @@ from torch import Tensor, nn
 
 from memfit.models import families, moe
 from memfit.models.decoder import Attention, Decoder
-from memfit.models.nf4 import NF4_LUT_SIZE, empty_nf4, is_nf4, nf4_layout, to_nf4
+from memfit.models.nf4 import NF4_LUT_SIZE, empty_nf4, in_parts, is_nf4, nf4_layout, to_nf4
 
 LORA_METHODS = ("lora", "qlora")
 """Methods whose settings are ``lora.*`` (QLoRA is LoRA over a 4-bit NormalFloat base)."""
@@ -705,6 +705,14 @@ def is_qlora_quantized(name: str) -> bool:
     if parts[-2] == "experts":
         return parts[-1] in QLORA_QUANTIZED_EXPERTS
     return parts[-1] == "weight" and parts[-2] in QLORA_QUANTIZED
+
+
+def quantized_in_parts(name: str, dtype: torch.dtype, part_numel: int) -> bool:
+    """Whether a QLoRA load quantizes the stacked weight ``name`` part by part as its experts are read
+    (:class:`memfit.models.nf4.NF4Builder`): an NF4 weight (:func:`is_qlora_quantized`) of a 16-bit ``dtype`` whose
+    parts of ``part_numel`` weights are whole NF4 blocks; else it is stacked whole, then quantized. The rule both the
+    load (:func:`memfit.build.nf4_stack`) and its prediction (:mod:`memfit.planner.phases`) follow."""
+    return is_qlora_quantized(name) and in_parts(dtype, part_numel)
 
 
 def quantize_for_qlora(name: str, tensor: Tensor) -> Tensor:

@@ -31,8 +31,8 @@ from memfit.convert.tensors import Entry
 from memfit.memory.tracker import MemoryTracker
 from memfit.models.config import DecoderConfig
 from memfit.models.decoder import build_decoder
-from memfit.models.nf4 import NF4_BLOCK_SIZE, NF4Builder, code_table, code_table_bytes, in_parts, quantize
-from memfit.models.peft import is_qlora_quantized, nf4_bytes
+from memfit.models.nf4 import NF4_BLOCK_SIZE, NF4Builder, code_table, code_table_bytes, quantize
+from memfit.models.peft import is_qlora_quantized, nf4_bytes, quantized_in_parts
 
 
 def load_peak_bytes(cfg: TrainConfig, mcfg: DecoderConfig) -> int | None:
@@ -67,7 +67,7 @@ def load_peak_bytes(cfg: TrainConfig, mcfg: DecoderConfig) -> int | None:
         stored = math.prod(entry.shape) * (entry.dtype or dtype).itemsize
         if entry.name in stacks:  # an expert's tensor, put into its stack (allocated at the first part)
             stack, parts = stacks[entry.name]
-            in_nf4 = walk.quantizes(stack) and in_parts(dtype, math.prod(entry.shape))
+            in_nf4 = cfg.method == "qlora" and quantized_in_parts(stack.name, dtype, math.prod(entry.shape))
             buffers = (
                 nf4_builder_bytes(stack.shape, dtype)
                 if in_nf4
@@ -111,10 +111,6 @@ class _LoadWalk:
         self.loaded = self.peak = self.filling = 0
         self.table = 0  # the quantizer's code table, made at the first NF4 weight and kept
 
-    def quantizes(self, entry: Entry) -> bool:
-        """Whether the run stores ``entry`` in NF4 (QLoRA's decoder linears and expert stacks)."""
-        return self.cfg.method == "qlora" and is_qlora_quantized(entry.name)
-
     def touch_table(self) -> int:
         """The quantizer's code table, made at the first NF4 weight and kept: its bytes the first time, else 0."""
         if self.table:
@@ -129,7 +125,7 @@ class _LoadWalk:
         numel, dtype = math.prod(entry.shape), self.dtype
         held = self.loaded + self.filling + beside
         converted = 0 if (entry.dtype or dtype) == dtype else numel * dtype.itemsize  # .to() returns the same
-        if self.quantizes(entry):
+        if self.cfg.method == "qlora" and is_qlora_quantized(entry.name):
             held += self.touch_table()
             # the source (when converted) beside the quantization's own peak, which holds its input and result
             self.peak = max(
