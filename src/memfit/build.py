@@ -13,6 +13,7 @@ weights is :func:`run_model_config`.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -53,7 +54,7 @@ from memfit.models.decoder import Decoder, build_decoder, init_parameter_
 from memfit.models.nf4 import NF4Builder
 from memfit.models.presets import MODEL_PRESETS, model_config
 from memfit.tokenizer import load_tokenizer
-from memfit.validation import trains_router
+from memfit.validation import reference_mode, trains_router
 
 PARAM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "bf16_mixed": torch.float32}
 """The parameters' dtype under each dtype policy (see :mod:`memfit.step`)."""
@@ -308,6 +309,9 @@ class TrainingModel:
     """Parameters of the whole (unsharded) model."""
     num_trainable: int
     """Of which trainable (all for ``method: full``)."""
+    reference: torch.nn.Module | None = None
+    """A preference run's resident reference model (``preference.reference: resident``): the starting weights,
+    frozen, in the run's dtype, sharded as the policy is; ``None`` otherwise."""
 
 
 def build_training(
@@ -396,7 +400,38 @@ def build_training(
                 sharded=world_size > 1,
             ),
         )
-    return TrainingModel(model, optimizer, num_params, num_trainable)
+    reference = None
+    if reference_mode(cfg) == "resident":
+        reference = build_reference(cfg, mcfg, device, world_size=world_size, fake_mode=fake_mode)
+    return TrainingModel(model, optimizer, num_params, num_trainable, reference)
+
+
+def build_reference(
+    cfg: TrainConfig, mcfg: DecoderConfig, device: torch.device, *, world_size: int = 1, fake_mode: Any = None
+) -> torch.nn.Module:
+    """A preference run's resident reference: ``checkpoint_dir``'s weights as ``method: full`` loads them, frozen
+    and in eval mode, with none of the run's memory switches (it only runs forwards without gradients); sharded
+    as the policy is, fake under ``fake_mode``.
+
+    Raises:
+        CheckpointError: as :func:`build_model`.
+    """
+    ref_cfg = dataclasses.replace(cfg, method="full", moe=dataclasses.replace(cfg.moe, train_router=False))
+    on_meta = fake_mode is not None or world_size > 1
+    model: torch.nn.Module = build_model(ref_cfg, mcfg, torch.device("meta") if on_meta else device)
+    model.requires_grad_(False)
+    initial = (
+        initial_parameters(ref_cfg, mcfg, model, device) if world_size > 1 and fake_mode is None else None
+    )
+    if world_size > 1:
+        model = dist_.shard_model(model, ref_cfg, torch.device("cpu") if fake_mode is not None else device)
+    with fake_mode if fake_mode is not None else contextlib.nullcontext():
+        if fake_mode is not None:
+            model.to_empty(device=torch.device("cpu"))
+            dist_.unwrap(model).model.reset_rope()
+        elif world_size > 1:
+            dist_.materialize_sharded(model, initial, device, None)
+    return model.eval()
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -114,7 +114,9 @@ def _print_summary(summary: dict) -> None:
         # why, naming the key that decides it (RunData.val_empty_reason, passed on by train())
         print(f"final validation loss: none ({summary.get('val_empty_reason') or 'no validation samples'})")
     else:
-        print(f"final validation loss: {summary['final_val_loss']:.4f} nats/token")
+        print(
+            f"final validation loss: {summary['final_val_loss']:.4f} {summary.get('val_loss_unit', 'nats/token')}"
+        )
     if summary.get("tokens_per_second_per_gpu"):
         print(f"tokens_per_second_per_gpu: {summary['tokens_per_second_per_gpu']:,.0f}")
     by_rank = summary.get("peak_memory_by_rank") or {}

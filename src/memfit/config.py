@@ -212,6 +212,32 @@ class MoeConfig:
 
 
 @dataclass
+class PreferenceConfig:
+    """A preference objective's settings (``objective`` dpo, ipo, simpo or orpo; :mod:`memfit.objectives`), named
+    as TRL names them."""
+
+    beta: float = 0.1
+    """DPO's and SimPO's inverse temperature, IPO's regularisation (tau), ORPO's odds-ratio weight (lambda)."""
+    label_smoothing: float = 0.0
+    """dpo and simpo: the probability that a pair's preference is flipped (conservative DPO), in [0, 0.5)."""
+    simpo_gamma: float = 0.5
+    """simpo: the target reward margin (gamma)."""
+    cpo_alpha: float = 0.0
+    """simpo: weight of the chosen replies' cross-entropy added to the loss (TRL's ``cpo_alpha``)."""
+    reference: str = "auto"
+    """Where DPO's and IPO's reference log-probabilities come from: ``lora_off`` (the LoRA / QLoRA policy with
+    its adapters switched off: no second model), ``precomputed`` (one pass of the starting model over the pairs
+    before training, stored on disk and reused: training holds one model), ``resident`` (a frozen copy of the
+    starting weights beside the policy, in the run's dtype), or ``auto``: lora_off for LoRA and QLoRA,
+    precomputed otherwise. SimPO and ORPO need none."""
+    reference_dir: str | None = None
+    """Where precomputed reference log-probabilities are stored; ``None``: ``.memfit_reference`` beside
+    ``data.path``. Keyed by a hash of the checkpoint, the rendered pairs (data, template, seq_len) and dtype."""
+    reference_batch_size: int = 0
+    """Pairs per forward of the precompute pass; 0: ``batch_size``."""
+
+
+@dataclass
 class EstimateConfig:
     """What an estimate assumes where memory depends on the data (``memfit estimate``, ``plan`` and the pre-flight
     of a run)."""
@@ -367,7 +393,12 @@ class TrainConfig:
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     moe: MoeConfig = field(default_factory=MoeConfig)
     estimate: EstimateConfig = field(default_factory=EstimateConfig)
+    preference: PreferenceConfig = field(default_factory=PreferenceConfig)
 
+    objective: str = "next_token"
+    """``next_token`` (cross-entropy: pretraining and supervised fine-tuning) or a preference objective over
+    pairs of replies (``data.format: preference``): ``dpo``, ``ipo``, ``simpo`` or ``orpo``
+    (:mod:`memfit.objectives`; settings under ``preference``)."""
     method: str = "full"
     """``full`` (every weight trains), ``lora``, ``qlora`` or ``adapter`` (only the small added weights train:
     they alone get gradients and optimizer state; needs ``checkpoint_dir``). ``qlora`` is LoRA (settings under

@@ -26,6 +26,8 @@ _STDOUT_FIELDS = (
     ("val_loss", "val_loss {:.4f}"),
     ("lr", "lr {:.2e}"),
     ("grad_norm", "grad_norm {:.3f}"),
+    ("rewards/margins", "margin {:.3f}"),
+    ("rewards/accuracies", "reward_acc {:.0%}"),
     ("tokens_per_second_per_gpu", "tok/s/gpu {:,.0f}"),
     ("mfu", "mfu {:.1%}"),
     ("peak_memory_active", "active {:.2f} GiB"),

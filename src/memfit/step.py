@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -32,7 +32,18 @@ from memfit.memory import optimizers, techniques
 from memfit.memory.optim import OptimizerInBackward
 from memfit.memory.techniques import IGNORE_INDEX, compiled
 from memfit.models import moe
-from memfit.models.peft import lora_effective_weight
+from memfit.models.peft import lora_effective_weight, lora_off
+from memfit.objectives import (
+    PREFERENCE_OBJECTIVES,
+    Preference,
+    StepNorms,
+    metrics_from_sums,
+    micro_batch_objective,
+    pair_terms,
+    sequence_sums,
+    whole_targets,
+)
+from memfit.validation import reference_mode
 
 
 def autocast_context(dtype: str, device_type: str) -> contextlib.AbstractContextManager:
@@ -69,6 +80,24 @@ class StepResult:
     """0-dim int64: tokens that counted in the loss (of all ranks)."""
     skipped: bool = False
     """``skip_nonfinite`` only: the loss or gradient norm was not finite, and the update was not applied."""
+    metrics: dict[str, torch.Tensor] = field(default_factory=dict)
+    """A preference objective's metrics (0-dim, :func:`memfit.objectives.metrics_from_sums`); empty otherwise."""
+
+
+REFERENCES = ("none", "batch", "lora_off", "model")
+"""Where a preference step's reference log-probabilities come from: none (SimPO, ORPO), the micro-batch (computed
+before training and stored: :mod:`memfit.reference`), the policy with its LoRA switched off, or a second model."""
+
+
+@dataclass(frozen=True)
+class PreferenceStep:
+    """How :func:`train_step` computes a preference objective (:mod:`memfit.objectives`)."""
+
+    objective: Preference
+    reference: str = "none"
+    """One of :data:`REFERENCES`."""
+    reference_model: torch.nn.Module | None = None
+    """The frozen reference model, for ``reference="model"``."""
 
 
 def _phase(tracker, name: str) -> None:
@@ -121,16 +150,139 @@ def micro_batch_loss(
             hidden = model(
                 inputs, doc_ids, return_hidden=True, positions=positions
             )  # (B, T, dim); one call of the whole model (FSDP)
-            # (V, dim); with LoRA on lm_head: W + scale * B @ A
-            weight = lora_effective_weight(model.lm_head) if deferred is None else deferred.weight
-            chunks = techniques.loss_chunks(chunked_cross_entropy, targets.numel(), weight.shape[0])
-            # Gemma 2's final_logit_softcapping, which the model's own forward applies to its logits
-            softcap = getattr(getattr(model, "config", None), "final_logit_softcapping", None)
+            weight, chunks, softcap = _chunked_head(model, targets.numel(), chunked_cross_entropy, deferred)
             return techniques.chunked_cross_entropy(
                 hidden, weight, targets, chunks, compile=compile, softcap=softcap, deferred=deferred
             )
         logits = model(inputs, doc_ids, positions=positions)  # (B, T, V)
         return (compiled(loss_sum) if compile else loss_sum)(logits, targets)
+
+
+def _chunked_head(model, hidden_rows: int, chunked_cross_entropy: int | str, deferred=None):
+    """``(weight, chunks, softcap)`` of a chunked loss over ``model``'s head: the weight it acts with (LoRA merged
+    in, or the deferred alias), the chunks of ``hidden_rows`` tokens, and Gemma 2's logit soft-cap."""
+    # (V, dim); with LoRA on lm_head: W + scale * B @ A
+    weight = lora_effective_weight(model.lm_head) if deferred is None else deferred.weight
+    chunks = techniques.loss_chunks(chunked_cross_entropy, hidden_rows, weight.shape[0])
+    # Gemma 2's final_logit_softcapping, which the model's own forward applies to its logits
+    softcap = getattr(getattr(model, "config", None), "final_logit_softcapping", None)
+    return weight, chunks, softcap
+
+
+@torch.no_grad()
+def sequence_logps(
+    model: torch.nn.Module,
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    dtype: str,
+    chunked_cross_entropy: int | str = 0,
+    compile: bool = False,
+) -> torch.Tensor:
+    """Each row's summed log-probability of its counted targets, without gradients (a preference objective's
+    reference, :mod:`memfit.reference`).
+
+    Args:
+        model: a :class:`~memfit.models.decoder.Decoder`.
+        inputs: ``(R, T)`` int64 ids.
+        targets: ``(R, T)`` int64; ``-100`` does not count.
+        dtype: the dtype policy.
+        chunked_cross_entropy: > 0 or ``auto``: from the hidden states chunk by chunk, never the ``(R, T,
+            vocab_size)`` logits (see :func:`micro_batch_loss`).
+        compile: unused (no gradient: nothing to fuse); accepted with the step's other options.
+
+    Returns:
+        ``(R,)`` fp32 log-probabilities in nats.
+    """
+    del compile
+    with autocast_context(dtype, inputs.device.type):
+        if chunked_cross_entropy:
+            hidden = model(inputs, None, return_hidden=True)  # (R, T, dim)
+            weight, chunks, softcap = _chunked_head(model, targets.numel(), chunked_cross_entropy)
+            tokens = techniques.chunked_token_losses(hidden, weight, targets, chunks, softcap=softcap)
+        else:
+            logits = model(inputs, None)  # (R, T, V)
+            tokens = F.cross_entropy(
+                logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="none"
+            ).view(targets.shape)  # (R, T)
+    return sequence_sums(tokens, targets)[0]
+
+
+def preference_micro_batch_loss(
+    model: torch.nn.Module,
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+    reference: torch.Tensor | None,
+    pref: Preference,
+    norms: StepNorms,
+    *,
+    dtype: str,
+    chunked_cross_entropy: int | str = 0,
+    compile: bool = False,
+    defer_head_gradient: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One preference micro-batch's share of the step's loss (the forward half of its step).
+
+    The plain path takes each row's log-probability from the ``(2B, T, vocab_size)`` logits. With
+    ``chunked_cross_entropy`` no such logits exist: a first pass over the chunks sums each row's log-probability
+    without gradients, the objective's derivative with respect to each row's sum is taken on those ``2B`` numbers,
+    and the fused chunked cross-entropy then runs with each token weighted by its row's derivative
+    (``token_weights``), its gradients made in the forward as for the plain objective. The loss is the
+    objective's value, its gradient the weighted sum's: equal to the plain path's (within rounding), at the cost
+    of one more ``lm_head`` matmul in the forward.
+
+    Args:
+        model: a :class:`~memfit.models.decoder.Decoder`.
+        inputs: ``(2B, T)`` int64 ids: the B pairs' chosen rows, then their rejected rows.
+        targets: ``(2B, T)`` int64; ``-100`` outside the replies.
+        reference: ``(2B,)`` fp32 reference log-probabilities of the rows, or ``None`` (SimPO, ORPO).
+        pref: the objective.
+        norms: the step's totals (:class:`~memfit.objectives.StepNorms`).
+        dtype, chunked_cross_entropy, compile, defer_head_gradient: as :func:`micro_batch_loss`.
+
+    Returns:
+        ``(loss, sums)`` as :func:`memfit.objectives.micro_batch_objective`.
+    """
+    counts = (targets != IGNORE_INDEX).sum(dim=1)  # (2B,)
+    reply = targets != IGNORE_INDEX  # (2B, T)
+    # ORPO's NLL covers the chosen rows' prompts too: the loss is then over every next token of the rows
+    loss_targets = whole_targets(inputs, targets) if pref.nll_covers_prompt else targets
+
+    def objective(tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(loss, sums, logps, prompt_nll) from each token's cross-entropy (2B, T)."""
+        logps = -(tokens * reply).sum(dim=1)  # (2B,)
+        prompt_nll = (tokens * ~reply).sum(dim=1) if pref.nll_covers_prompt else None  # (2B,)
+        loss, sums = micro_batch_objective(pref, logps, counts, reference, norms, prompt_nll)
+        return loss, sums, logps, prompt_nll
+
+    with autocast_context(dtype, inputs.device.type):
+        if not chunked_cross_entropy:
+            logits = model(inputs, None)  # (2B, T, V)
+            tokens = F.cross_entropy(
+                logits.float().flatten(0, 1),
+                loss_targets.flatten(),
+                ignore_index=IGNORE_INDEX,
+                reduction="none",
+            ).view(targets.shape)  # (2B, T)
+            return objective(tokens)[:2]
+        deferred = None
+        if defer_head_gradient and techniques.can_defer_head_gradient(model):
+            deferred = techniques.DeferredWeightGradient(model.lm_head.weight)
+        hidden = model(inputs, None, return_hidden=True)  # (2B, T, dim)
+        weight, chunks, softcap = _chunked_head(model, targets.numel(), chunked_cross_entropy, deferred)
+        with torch.no_grad():
+            tokens = techniques.chunked_token_losses(
+                hidden.detach(), weight.detach(), loss_targets, chunks, softcap=softcap
+            )  # (2B, T)
+        with torch.enable_grad():
+            tokens.requires_grad_(True)
+            loss, sums, _, _ = objective(tokens)
+            (token_weights,) = torch.autograd.grad(loss, tokens)  # d loss / d cross-entropy, (2B, T)
+        weighted = techniques.chunked_cross_entropy(
+            hidden, weight, loss_targets, chunks, compile=compile, softcap=softcap, deferred=deferred,
+            token_weights=token_weights.reshape(-1),
+        )  # fmt: skip
+    return loss.detach() + (weighted - weighted.detach()), sums
 
 
 def _optimizer_step(optimizer: torch.optim.Optimizer) -> None:
@@ -151,6 +303,7 @@ def train_step(
     skip_nonfinite: bool = False,
     tracker=None,
     router_aux_loss_coef: float | None = None,
+    preference: PreferenceStep | None = None,
 ) -> StepResult:
     """One optimizer step over ``gradient_accumulation_steps`` micro-batches.
 
@@ -179,6 +332,11 @@ def train_step(
         router_aux_loss_coef: a mixture of experts' load-balancing loss weight (``moe.router_aux_loss_coef``:
             :func:`memfit.models.moe.aux_loss_coefficient`), each micro-batch's loss weighted by
             ``1 / gradient_accumulation_steps``; a dense model ignores it.
+        preference: a preference objective (:class:`PreferenceStep`), or ``None`` for the next-token
+            cross-entropy. Its micro-batches are ``(inputs, targets, reference)``: ``(2B, T)`` rows, chosen then
+            rejected (:func:`preference_micro_batch_loss`), and ``(2B,)`` reference log-probabilities or ``None``
+            (computed here from the policy with its LoRA off, or from ``reference_model``). The loss is the mean
+            over the step's pairs.
 
     Returns:
         A :class:`StepResult` of device tensors (no host sync happened, unless ``skip_nonfinite``).
@@ -194,7 +352,13 @@ def train_step(
     total = torch.zeros((), dtype=torch.float32, device=micro_batches[0][0].device)
     # a mixture of experts' load-balancing loss: its gradient, per micro-batch, added inside each MoE layer
     aux_scale = moe.aux_loss_coefficient(model, router_aux_loss_coef) / len(micro_batches)
-    for inputs, targets, *rest in micro_batches:
+    options = {"dtype": dtype, "chunked_cross_entropy": chunked_cross_entropy, "compile": compile}
+    metrics: dict[str, torch.Tensor] = {}
+    if preference is not None:
+        total, metrics = _preference_backward(
+            model, micro_batches, preference, options, in_backward, aux_scale, tracker
+        )
+    for inputs, targets, *rest in micro_batches if preference is None else ():
         # around the forward and its backward (a checkpointed layer runs its forward again in the backward)
         with moe.aux_loss_scale(aux_scale):
             _phase(tracker, "forward")
@@ -216,7 +380,8 @@ def train_step(
             (loss * world if world > 1 else loss).backward()
         total = total + loss.detach()
     _phase(tracker, "optimizer_step")
-    total = dist_.all_reduce_sum(total)
+    if preference is None:
+        total = dist_.all_reduce_sum(total)
     if in_backward:
         grad_norm = optimizer.consume_grad_norm()
     else:
@@ -231,7 +396,47 @@ def train_step(
             optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     _phase(tracker, "other")
-    return StepResult(loss=total, grad_norm=grad_norm, num_tokens=num_tokens, skipped=skipped)
+    return StepResult(
+        loss=total, grad_norm=grad_norm, num_tokens=num_tokens, skipped=skipped, metrics=metrics
+    )
+
+
+def _preference_backward(
+    model,
+    micro_batches,
+    preference: PreferenceStep,
+    options: dict,
+    in_backward: bool,
+    aux_scale: float,
+    tracker,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The forwards and backwards of a preference step's micro-batches (see :func:`train_step`): returns the
+    step's loss (all ranks) and its metrics."""
+    world = dist_.world_size()
+    pref = preference.objective
+    device = micro_batches[0][0].device
+    pairs = sum(mb[0].shape[0] // 2 for mb in micro_batches)
+    chosen = torch.stack([(mb[1][: mb[1].shape[0] // 2] != IGNORE_INDEX).sum() for mb in micro_batches]).sum()
+    totals = dist_.all_reduce_sum(torch.stack([torch.tensor(pairs, device=device), chosen]).float())
+    norms = StepNorms(pairs=totals[0].clamp(min=1), chosen_tokens=totals[1].clamp(min=1))
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    sums = None
+    for inputs, targets, reference in micro_batches:
+        with moe.aux_loss_scale(aux_scale):
+            _phase(tracker, "forward")
+            if preference.reference == "lora_off":
+                with lora_off():
+                    reference = sequence_logps(model, inputs, targets, **options)
+            elif preference.reference == "model":
+                reference = sequence_logps(preference.reference_model, inputs, targets, **options)
+            loss, mb_sums = preference_micro_batch_loss(
+                model, inputs, targets, reference, pref, norms, **options, defer_head_gradient=in_backward
+            )
+            _phase(tracker, "backward")
+            (loss * world if world > 1 else loss).backward()
+        total = total + loss.detach()
+        sums = mb_sums if sums is None else sums + mb_sums
+    return dist_.all_reduce_sum(total), metrics_from_sums(pref, dist_.all_reduce_sum(sums), norms)
 
 
 @torch.no_grad()
@@ -243,8 +448,11 @@ def evaluate(
     device: torch.device,
     chunked_cross_entropy: int | str = 0,
     compile: bool = False,
+    preference: PreferenceStep | None = None,
 ) -> float:
-    """Mean cross-entropy per counted token over ``batches`` (the same fixed validation batches at every call).
+    """Mean cross-entropy per counted token over ``batches`` (the same fixed validation batches at every call);
+    with a preference objective, its loss over the batches' pairs (``(inputs, targets, reference)`` batches, as
+    :func:`train_step`'s).
 
     Sharded, each rank passes its own part of the batches, and the sums are all-reduced: every rank returns the
     loss over all ranks' batches.
@@ -263,6 +471,11 @@ def evaluate(
     """
     was_training = model.training
     model.eval()
+    if preference is not None:
+        options = {"dtype": dtype, "chunked_cross_entropy": chunked_cross_entropy, "compile": compile}
+        loss = _evaluate_preference(model, batches, preference, options, device)
+        model.train(was_training)
+        return loss
     total = torch.zeros((), dtype=torch.float64, device=device)
     count = torch.zeros((), dtype=torch.int64, device=device)
     for inputs, targets, doc_ids, *rest in batches:
@@ -283,23 +496,75 @@ def evaluate(
     return float(total.item() / count) if count else math.nan
 
 
+def _evaluate_preference(model, batches, preference: PreferenceStep, options: dict, device) -> float:
+    """The preference objective over every pair of ``batches`` (all ranks'): the mean of the pairs' losses, plus
+    the NLL term over all chosen reply tokens. NaN without a pair."""
+    pref = preference.objective
+    sums = torch.zeros(
+        3, dtype=torch.float64, device=device
+    )  # pairs' losses, -chosen logps; pairs, chosen tokens
+    counts = torch.zeros(2, dtype=torch.float64, device=device)
+    for inputs, targets, reference in batches:
+        inputs, targets = inputs.to(device), targets.to(device)
+        if preference.reference == "lora_off":
+            with lora_off():
+                reference = sequence_logps(model, inputs, targets, **options)
+        elif preference.reference == "model":
+            reference = sequence_logps(preference.reference_model, inputs, targets, **options)
+        elif reference is not None:
+            reference = reference.to(device)
+        logps = sequence_logps(model, inputs, targets, **options)
+        losses, _ = pair_terms(pref, logps, (targets != IGNORE_INDEX).sum(dim=1), reference)
+        B = len(losses)
+        sums[0] += losses.double().sum()
+        sums[1] += -logps[:B].double().sum()
+        counts += torch.stack([torch.tensor(B), (targets[:B] != IGNORE_INDEX).sum().cpu()]).to(counts)
+    sums, counts = dist_.all_reduce_sum(sums), dist_.all_reduce_sum(counts)
+    pairs, chosen = float(counts[0].item()), float(counts[1].item())
+    if not pairs:
+        return math.nan
+    nll = pref.nll_weight * float(sums[1].item()) / max(chosen, 1.0) if pref.nll_weight else 0.0
+    return float(sums[0].item()) / pairs + nll
+
+
 STEP_OPTIONS = ("dtype", "chunked_cross_entropy", "compile")
 """The config keys :func:`train_step` takes as keyword arguments of the same name (with ``max_grad_norm``)."""
 EVALUATION_OPTIONS = ("dtype", "chunked_cross_entropy", "compile")
 """Those :func:`evaluate` takes too."""
 
 
-def train_step_options(cfg: TrainConfig) -> dict[str, Any]:
-    """The keyword arguments of :func:`train_step` that ``cfg`` sets (the loop and the estimator pass the same)."""
+def preference_step(
+    cfg: TrainConfig, reference_model: torch.nn.Module | None = None
+) -> PreferenceStep | None:
+    """The :class:`PreferenceStep` of a run with a preference ``objective`` (``reference_model``: a ``resident``
+    reference's, :attr:`memfit.build.TrainingModel.reference`), else ``None``."""
+    if cfg.objective not in PREFERENCE_OBJECTIVES:
+        return None
+    p = cfg.preference
+    objective = Preference(cfg.objective, p.beta, p.label_smoothing, p.simpo_gamma, p.cpo_alpha)
+    where = {"none": "none", "lora_off": "lora_off", "precomputed": "batch", "resident": "model"}
+    return PreferenceStep(objective, where[reference_mode(cfg)], reference_model)
+
+
+def train_step_options(cfg: TrainConfig, reference_model: torch.nn.Module | None = None) -> dict[str, Any]:
+    """The keyword arguments of :func:`train_step` that ``cfg`` sets (the loop and the estimator pass the same;
+    ``reference_model`` as :func:`preference_step`)."""
     return {
         "max_grad_norm": cfg.max_grad_norm,
         "router_aux_loss_coef": cfg.moe.router_aux_loss_coef,
+        "preference": preference_step(cfg, reference_model),
         **{key: getattr(cfg, key) for key in STEP_OPTIONS},
     }
 
 
-def evaluation_options(cfg: TrainConfig, device: torch.device) -> dict[str, Any]:
+def evaluation_options(
+    cfg: TrainConfig, device: torch.device, reference_model: torch.nn.Module | None = None
+) -> dict[str, Any]:
     """The keyword arguments of :func:`evaluate` that ``cfg`` sets: :func:`train_step_options`' evaluation part, and
     the model's ``device``."""
-    step = train_step_options(cfg)
-    return {**{key: step[key] for key in EVALUATION_OPTIONS}, "device": device}
+    step = train_step_options(cfg, reference_model)
+    return {
+        **{key: step[key] for key in EVALUATION_OPTIONS},
+        "device": device,
+        "preference": step["preference"],
+    }

@@ -47,9 +47,11 @@ from memfit.metrics import MetricsLogger, Throughput, plot_losses
 from memfit.models.config import DecoderConfig
 from memfit.planner.disk import check_checkpoint_disk
 from memfit.planner.preflight import preflight
+from memfit.reference import default_reference_dir, precompute_reference, reference_key
 from memfit.resume import check_resume, check_resume_model, find_resume, resume_notes, resumed_config
 from memfit.step import StepResult, evaluate, evaluation_options, train_step, train_step_options
 from memfit.units import to_gib
+from memfit.validation import reference_mode
 
 
 def train(cfg: TrainConfig) -> dict[str, Any]:
@@ -80,6 +82,8 @@ def _train(cfg: TrainConfig, device: torch.device, cleanup: contextlib.ExitStack
     # --- model and optimizer (sharded: built on meta, each rank fills only its shards) ------------------------
     built = build_training(cfg, run.mcfg, device, world_size=run.world)
     model, optimizer = built.model, built.optimizer
+    if reference_mode(cfg) == "precomputed":  # from the starting weights: before a resumed run's are loaded
+        _reference_tables(cfg, run, model, device)
     start_step = 0
     if run.resume_dir is not None:
         start_step = int(ckpt_io.load_checkpoint(run.resume_dir, model, optimizer)["step"])
@@ -94,8 +98,8 @@ def _train(cfg: TrainConfig, device: torch.device, cleanup: contextlib.ExitStack
     memory = cleanup.enter_context(contextlib.closing(PeakMemory(device)))
     records = _StepRecords(cfg, run, device, logger)
     # skipping a non-finite step changes no memory: the estimator traces the step without it
-    step_options = {**train_step_options(cfg), "skip_nonfinite": cfg.on_nonfinite == "skip"}
-    eval_options = evaluation_options(cfg, device)
+    step_options = {**train_step_options(cfg, built.reference), "skip_nonfinite": cfg.on_nonfinite == "skip"}
+    eval_options = evaluation_options(cfg, device, built.reference)
     tracker = MemoryTracker(model, optimizer) if cfg.track_memory else None
     divergence = _Divergence(cfg, out, device, start_step)
     save = _saver(cfg, run, model, optimizer, divergence)
@@ -245,6 +249,36 @@ def _set_up(cfg: TrainConfig, device: torch.device) -> _Run:
     return _Run(main_rank, world, out, resume_dir, resume_state, tokenizer, mcfg, seq_len, data)
 
 
+def _reference_tables(cfg: TrainConfig, run: _Run, model: torch.nn.Module, device: torch.device) -> None:
+    """A preference run's stored reference log-probabilities (:mod:`memfit.reference`): read, or computed now by
+    the starting model, for each split; handed to the run's batches."""
+    pairs, pref = run.data.pairs, cfg.preference
+    directory = Path(pref.reference_dir) if pref.reference_dir else default_reference_dir(cfg.data.path)
+    for label, split in (("train", pairs.train), ("val", pairs.val)):
+        if not len(split):
+            continue
+        key = reference_key(cfg.checkpoint_dir, split.fingerprint(), cfg.dtype)
+        stored = (directory / f"{key}.npy").is_file()
+        t0 = time.perf_counter()
+        run.data.references[label] = precompute_reference(
+            model,
+            split,
+            batch_size=pref.reference_batch_size or cfg.batch_size,
+            device=device,
+            directory=directory,
+            key=key,
+            step_options=train_step_options(cfg),
+            describe={"checkpoint_dir": cfg.checkpoint_dir, "data": cfg.data.path, "dtype": cfg.dtype},
+            progress_bar=show_progress(cfg.progress_bar),
+            label=label,
+        )
+        if run.main_rank:
+            how = "reused" if stored else f"computed in {time.perf_counter() - t0:.1f} s"
+            tqdm.write(
+                f"reference log-probabilities of {len(split):,} {label} pairs: {how}, '{directory / key}.npy'"
+            )
+
+
 def _metrics_logger(cfg: TrainConfig, run: _Run, start_step: int) -> MetricsLogger:
     """The run's step records (stdout, metrics.jsonl, TensorBoard, W&B), written by the main rank."""
     return MetricsLogger(
@@ -329,6 +363,7 @@ class _StepRecords:
             "loss": loss,
             "lr": lr,
             "grad_norm": result.grad_norm.item(),
+            **{name: value.item() for name, value in result.metrics.items()},  # a preference objective's
             "tokens_per_second_per_gpu": rate,
             "mfu": rate * self.flops_per_token / self.peak_flops if self.peak_flops else None,
             **dist_.max_over_ranks(peaks),  # the peaks of the fullest rank
@@ -364,6 +399,7 @@ def _summary(
     return {
         "final_val_loss": None if math.isnan(val_loss) else val_loss,
         "val_empty_reason": run.data.val_empty_reason,
+        "val_loss_unit": "nats/token" if cfg.objective == "next_token" else f"{cfg.objective} loss per pair",
         "steps": cfg.max_steps,
         "num_params": built.num_params,
         "num_trainable_params": built.num_trainable,

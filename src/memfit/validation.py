@@ -19,6 +19,7 @@ from memfit.memory import hybrids, switches
 from memfit.models import peft
 from memfit.models.config import DecoderConfig
 from memfit.models.presets import MODEL_PRESETS, model_config
+from memfit.objectives import OBJECTIVES, PREFERENCE_OBJECTIVES, REFERENCE_FREE
 from memfit.units import parse_bytes
 
 if TYPE_CHECKING:
@@ -88,6 +89,100 @@ def validate(cfg: TrainConfig, world_size: int = 1, *, needs_weights: bool = Tru
     _validate_sample_and_logging(cfg)
     _validate_model(cfg)
     _validate_moe(cfg)
+    _validate_preference(cfg, needs_weights)
+
+
+REFERENCE_MODES = ("auto", "lora_off", "precomputed", "resident")
+"""The values of ``preference.reference``."""
+
+
+def reference_mode(cfg: TrainConfig) -> str:
+    """Where a run's reference log-probabilities come from: ``none`` (next-token, SimPO, ORPO), ``lora_off``,
+    ``precomputed`` or ``resident`` (``preference.reference``, ``auto`` resolved)."""
+    if cfg.objective not in PREFERENCE_OBJECTIVES or cfg.objective in REFERENCE_FREE:
+        return "none"
+    if cfg.preference.reference == "auto":
+        return "lora_off" if cfg.method in ("lora", "qlora") else "precomputed"
+    return cfg.preference.reference
+
+
+def _validate_preference(cfg: TrainConfig, needs_weights: bool = True) -> None:
+    """The objective and its preference settings, and what a preference run cannot combine with."""
+    _one_of(cfg.objective, OBJECTIVES, "objective")
+    pref = cfg.preference
+    _one_of(pref.reference, REFERENCE_MODES, "preference.reference")
+    preference = cfg.objective in PREFERENCE_OBJECTIVES
+    if cfg.data.format == "preference":
+        _require(
+            preference,
+            "objective",
+            f"data.format=preference holds pairs of replies for a preference objective; set objective to one of "
+            f"{', '.join(PREFERENCE_OBJECTIVES)}",
+        )
+    if not preference:
+        return
+    _require(
+        cfg.data.format == "preference",
+        "data.format",
+        f"objective={cfg.objective} trains on pairs of chosen and rejected replies: set data.format=preference "
+        f"(records of prompt, chosen and rejected)",
+    )
+    _require(pref.beta > 0, "preference.beta", f"must be > 0, got {pref.beta}")
+    _require(
+        cfg.checkpoint_dir is not None or not needs_weights,
+        "checkpoint_dir",
+        f"objective={cfg.objective} aligns a trained model with preference pairs: set checkpoint_dir (its weights "
+        "are the policy's start and the reference)",
+    )
+    _require(
+        0 <= pref.label_smoothing < 0.5,
+        "preference.label_smoothing",
+        f"must be in [0, 0.5), got {pref.label_smoothing}",
+    )
+    _require(
+        pref.label_smoothing == 0 or cfg.objective in ("dpo", "simpo"),
+        "preference.label_smoothing",
+        f"applies to dpo and simpo, not {cfg.objective}",
+    )
+    _require(pref.cpo_alpha >= 0, "preference.cpo_alpha", f"must be >= 0, got {pref.cpo_alpha}")
+    _require(
+        pref.cpo_alpha == 0 or cfg.objective == "simpo",
+        "preference.cpo_alpha",
+        f"weighs SimPO's cross-entropy term; objective={cfg.objective} has none to weigh (ORPO's is fixed at 1)",
+    )
+    _require(
+        pref.reference_batch_size >= 0,
+        "preference.reference_batch_size",
+        f"must be >= 0 (0: batch_size), got {pref.reference_batch_size}",
+    )
+    _require(
+        pref.reference == "auto" or cfg.objective not in REFERENCE_FREE,
+        "preference.reference",
+        f"objective={cfg.objective} is reference-free: it compares the policy's own log-probabilities; leave "
+        f"preference.reference at auto",
+    )
+    _require(
+        pref.reference != "lora_off" or cfg.method in ("lora", "qlora"),
+        "preference.reference",
+        f"lora_off takes the reference from the policy with its LoRA switched off, but method={cfg.method} has "
+        f"no LoRA; use precomputed (one pass before training, stored on disk) or resident",
+    )
+    _require(
+        not cfg.data.packing,
+        "data.packing",
+        "packs samples into shared rows; a preference pair's chosen and rejected replies are rows of their own",
+    )
+    _require(
+        not cfg.data.train_on_prompt,
+        "data.train_on_prompt",
+        "a preference objective compares the replies' log-probabilities; the prompt is never part of them",
+    )
+    _require(
+        cfg.distributed.sequence_parallel == 1,
+        "distributed.sequence_parallel",
+        "splits each row's tokens over ranks, but a preference objective needs each row's whole log-probability; "
+        "shard with FSDP2 alone (distributed.sequence_parallel=1)",
+    )
 
 
 def trains_router(cfg: TrainConfig) -> bool:

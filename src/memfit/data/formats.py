@@ -1,7 +1,8 @@
-"""The schema of instruction / chat data: its record formats, their fields and the prompt templates.
+"""The schema of instruction / chat data and preference pairs: their record formats, their fields and the prompt
+templates.
 
-The data layer reads records with it (:mod:`memfit.data.instruct`) and config validation checks ``data.format``,
-``data.template`` and ``data.column_map`` against it, so it sits below both.
+The data layer reads records with it (:mod:`memfit.data.instruct`, :mod:`memfit.data.preference`) and config
+validation checks ``data.format``, ``data.template`` and ``data.column_map`` against it, so it sits below both.
 """
 
 from __future__ import annotations
@@ -10,7 +11,10 @@ from memfit.errors import DataError
 
 INSTRUCT_FORMATS = ("alpaca", "dolly", "sharegpt", "openai")
 """Record formats of instruction / chat data (:mod:`memfit.data.instruct`)."""
-DATA_FORMATS = ("text", *INSTRUCT_FORMATS)
+PREFERENCE_FORMAT = "preference"
+"""The record format of preference pairs: ``prompt``, ``chosen``, ``rejected`` (:mod:`memfit.data.preference`)."""
+DATA_FORMATS = ("text", *INSTRUCT_FORMATS, PREFERENCE_FORMAT)
+"""The values of ``data.format``: a text corpus, instruction / chat records, or preference pairs."""
 TEMPLATES = ("alpaca", "llama2-chat", "llama3-chat", "chatml")
 """memfit's built-in prompt templates of instruction / chat data and of ``memfit generate``."""
 TEMPLATE_CHOICES = ("auto", *TEMPLATES)
@@ -27,19 +31,33 @@ INSTRUCT_COLUMNS: dict[str, dict[str, str]] = {
 }
 """Each instruction format's fields, by canonical name -> the name in the file; ``data.column_map`` overrides the
 right-hand side."""
+PREFERENCE_COLUMNS = {"prompt": "prompt", "chosen": "chosen", "rejected": "rejected"}
+"""The fields of a preference pair, canonical name -> the name in the file; ``data.column_map`` overrides the
+right-hand side."""
 DOLLY_ALIASES = {"context": "input", "response": "output"}
 """Dolly's own field names, accepted as ``column_map`` keys beside the canonical Alpaca ones."""
 
 
 def format_columns(fmt: str, column_map: dict[str, str] | None) -> dict[str, str]:
-    """An instruction format's fields (canonical name -> name in the file) with ``column_map`` applied.
+    """A record format's fields (canonical name -> name in the file) with ``column_map`` applied.
+
+    Args:
+        fmt: One of :data:`INSTRUCT_FORMATS`, or :data:`PREFERENCE_FORMAT`.
+        column_map: Canonical name -> the name in the file, for the fields to rename.
+
+    Returns:
+        Every field of the format, canonical name -> name in the file.
 
     Raises:
         DataError: unknown format, a ``column_map`` key that is not a field of the format, or an empty name.
     """
-    if fmt not in INSTRUCT_FORMATS:
-        raise DataError(f"unknown data format {fmt!r}; expected one of {', '.join(INSTRUCT_FORMATS)}")
-    columns = dict(INSTRUCT_COLUMNS[fmt])
+    if fmt == PREFERENCE_FORMAT:
+        columns = dict(PREFERENCE_COLUMNS)
+    elif fmt in INSTRUCT_FORMATS:
+        columns = dict(INSTRUCT_COLUMNS[fmt])
+    else:
+        known = (*INSTRUCT_FORMATS, PREFERENCE_FORMAT)
+        raise DataError(f"unknown data format {fmt!r}; expected one of {', '.join(known)}")
     for key, name in (column_map or {}).items():
         canonical = DOLLY_ALIASES.get(key, key) if fmt == "dolly" else key
         if canonical not in columns:

@@ -28,6 +28,7 @@ JSONL file); line numbers count from 1.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 from collections.abc import Iterator, Sequence
@@ -39,7 +40,7 @@ import numpy as np
 import torch
 
 from memfit.data.chat_template import ROLES, ChatTemplate
-from memfit.data.formats import DEFAULT_TEMPLATE, TEMPLATES
+from memfit.data.formats import DEFAULT_TEMPLATE, INSTRUCT_FORMATS, TEMPLATES
 from memfit.data.records import load_records
 from memfit.errors import DataError
 from memfit.memory.techniques import IGNORE_INDEX
@@ -463,66 +464,22 @@ def batch_position(
     return ((step * gradient_accumulation_steps + micro_step) * world_size + rank) * batch_size
 
 
-class InstructSplit:
-    """The samples (or packed rows) of one split, served as padded batches.
+class EpochStream:
+    """Items served as an endless stream of seeded epochs: the order logic :class:`InstructSplit` and
+    :class:`memfit.data.preference.PreferenceSplit` share.
 
-    Item ``k`` holds model inputs and targets of the same length (``ids[:-1]`` and ``labels[1:]`` of a sample; or
-    a packed row of exactly ``max_seq_len``) and, when packed, the row's ``doc_ids``. Items are stored as flat
-    int32 arrays with offsets.
-
-    Args:
-        inputs: Per item, (n,) input ids.
-        targets: Per item, (n,) target ids, :data:`IGNORE_INDEX` where not trained.
-        doc_ids: ``None`` (unpacked), or per item (n,) sample numbers ``0, 1, 2, ...`` (packed rows).
-        pad_id: Id that right-pads inputs to the longest item of a batch.
-        num_tokens: Non-pad input tokens, when the items hold padding (packed rows); ``None`` counts every
-            position.
-
-    Attributes:
-        packed: Whether items are packed rows.
-        num_tokens: Input tokens of all items, padding excluded.
-        num_label_tokens: Targets that are trained (not :data:`IGNORE_INDEX`).
-        pad_id: As given.
+    Item ``p`` of the stream is item ``order(p // N, seed)[p % N]`` of the ``N = len(self)`` items, so a batch is a
+    pure function of ``(batch_size, position, seed)``. A subclass defines ``__len__`` and names its items in
+    :attr:`item_name` (for the error an empty split raises).
     """
 
-    def __init__(
-        self,
-        inputs: Sequence[np.ndarray],
-        targets: Sequence[np.ndarray],
-        doc_ids: Sequence[np.ndarray] | None,
-        pad_id: int,
-        num_tokens: int | None = None,
-    ) -> None:
-        lengths = np.array([len(x) for x in inputs], dtype=np.int64)
-        if len(targets) != len(inputs) or any(len(t) != n for t, n in zip(targets, lengths, strict=False)):
-            raise ValueError("every item needs inputs and targets of the same length")
-        self.packed = doc_ids is not None
-        self.pad_id = int(pad_id)
-        self._offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-        self._lengths = lengths
+    item_name = "items"
 
-        def flat(arrays: Sequence[np.ndarray]) -> np.ndarray:
-            return np.concatenate(arrays).astype(np.int32) if len(arrays) else np.zeros(0, np.int32)
-
-        self._inputs, self._targets = flat(inputs), flat(targets)
-        self._doc_ids = flat(doc_ids) if doc_ids is not None else None
-        self.num_tokens = int(lengths.sum()) if num_tokens is None else num_tokens
-        self.num_label_tokens = int((self._targets != IGNORE_INDEX).sum())
+    def __init__(self) -> None:
         self._perms: dict[tuple[int, int], np.ndarray] = {}
 
-    @property
-    def max_length(self) -> int:
-        """Tokens of the longest item (0 for an empty split): the widest batch this split can produce."""
-        return int(self._lengths.max()) if len(self._lengths) else 0
-
     def __len__(self) -> int:
-        """Number of items: samples, or packed rows."""
-        return len(self._lengths)
-
-    @property
-    def lengths(self) -> np.ndarray:
-        """(N,) int64 input length of each item."""
-        return self._lengths.copy()
+        raise NotImplementedError
 
     def num_batches(self, batch_size: int) -> int:
         """Batches of ``batch_size`` in one epoch, the last possibly partial: ``ceil(len(self) / batch_size)``."""
@@ -548,17 +505,88 @@ class InstructSplit:
         return self._perms[key]
 
     def indices(self, batch_size: int, position: int, seed: int | None) -> np.ndarray:
-        """Item indices of the batch at ``position`` (see :meth:`batch`)."""
+        """(batch_size,) int64 item indices of the batch whose first item is at ``position`` of the stream.
+
+        Raises:
+            ValueError: ``batch_size < 1`` or ``position < 0``.
+            DataError: The split is empty.
+        """
         if batch_size < 1 or position < 0:
             raise ValueError(f"batch_size must be >= 1 and position >= 0, got {batch_size} and {position}")
         n = len(self)
         if n == 0:
-            raise DataError("this split holds no samples; cannot draw a batch (is data.val_fraction 0?)")
+            raise DataError(
+                f"this split holds no {self.item_name}; cannot draw a batch (is data.val_fraction 0?)"
+            )
         out = np.empty(batch_size, dtype=np.int64)
         for j, p in enumerate(range(position, position + batch_size)):
             epoch, k = divmod(p, n)
             out[j] = self.order(epoch, seed)[k]
         return out
+
+
+class InstructSplit(EpochStream):
+    """The samples (or packed rows) of one split, served as padded batches.
+
+    Item ``k`` holds model inputs and targets of the same length (``ids[:-1]`` and ``labels[1:]`` of a sample; or
+    a packed row of exactly ``max_seq_len``) and, when packed, the row's ``doc_ids``. Items are stored as flat
+    int32 arrays with offsets.
+
+    Args:
+        inputs: Per item, (n,) input ids.
+        targets: Per item, (n,) target ids, :data:`IGNORE_INDEX` where not trained.
+        doc_ids: ``None`` (unpacked), or per item (n,) sample numbers ``0, 1, 2, ...`` (packed rows).
+        pad_id: Id that right-pads inputs to the longest item of a batch.
+        num_tokens: Non-pad input tokens, when the items hold padding (packed rows); ``None`` counts every
+            position.
+
+    Attributes:
+        packed: Whether items are packed rows.
+        num_tokens: Input tokens of all items, padding excluded.
+        num_label_tokens: Targets that are trained (not :data:`IGNORE_INDEX`).
+        pad_id: As given.
+    """
+
+    item_name = "samples"
+
+    def __init__(
+        self,
+        inputs: Sequence[np.ndarray],
+        targets: Sequence[np.ndarray],
+        doc_ids: Sequence[np.ndarray] | None,
+        pad_id: int,
+        num_tokens: int | None = None,
+    ) -> None:
+        lengths = np.array([len(x) for x in inputs], dtype=np.int64)
+        if len(targets) != len(inputs) or any(len(t) != n for t, n in zip(targets, lengths, strict=False)):
+            raise ValueError("every item needs inputs and targets of the same length")
+        self.packed = doc_ids is not None
+        self.pad_id = int(pad_id)
+        self._offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+        self._lengths = lengths
+
+        def flat(arrays: Sequence[np.ndarray]) -> np.ndarray:
+            return np.concatenate(arrays).astype(np.int32) if len(arrays) else np.zeros(0, np.int32)
+
+        self._inputs, self._targets = flat(inputs), flat(targets)
+        self._doc_ids = flat(doc_ids) if doc_ids is not None else None
+        self.num_tokens = int(lengths.sum()) if num_tokens is None else num_tokens
+        self.num_label_tokens = int((self._targets != IGNORE_INDEX).sum())
+        super().__init__()
+
+    @property
+    def max_length(self) -> int:
+        """Tokens of the longest item (0 for an empty split): the widest batch this split can produce."""
+        return int(self._lengths.max()) if len(self._lengths) else 0
+
+    def __len__(self) -> int:
+        """Number of items: samples, or packed rows."""
+        return len(self._lengths)
+
+    @property
+    def lengths(self) -> np.ndarray:
+        """(N,) int64 input length of each item."""
+        return self._lengths.copy()
 
     def batch(
         self, batch_size: int, position: int, seed: int | None
@@ -615,6 +643,26 @@ class InstructSplit:
         """
         for start in range(0, len(self), batch_size):
             yield self.collate(np.arange(start, min(start + batch_size, len(self))))
+
+    def fingerprint(self) -> str:
+        """The sha256 hex digest of the items: their offsets, input ids, targets (the label mask included, as
+        :data:`IGNORE_INDEX`) and doc ids, in item order.
+
+        Splits that feed a model the same tokens against the same targets share it; it keys what is computed from
+        them (a preference run's reference log-probs). Padding and ``pad_id`` do not enter it.
+        """
+        h = hashlib.sha256()
+        arrays = (
+            ("offsets", self._offsets, "<i8"),
+            ("inputs", self._inputs, "<i4"),
+            ("targets", self._targets, "<i4"),
+            ("doc_ids", self._doc_ids, "<i4"),
+        )
+        for name, array, dtype in arrays:
+            if array is not None:
+                h.update(f"{name}:{len(array)}:".encode())
+                h.update(np.ascontiguousarray(array, dtype=dtype).tobytes())
+        return h.hexdigest()
 
 
 @dataclass
@@ -765,6 +813,15 @@ def prepare_instruct(
             record's roles do not fit the template (unless ``skip_malformed``); or no training sample is left.
     """
     path = Path(path)
+    if fmt not in INSTRUCT_FORMATS:  # "preference" is a data format too, read by memfit.data.preference
+        raise DataError(
+            f"prepare_instruct reads the formats {', '.join(INSTRUCT_FORMATS)}, not {fmt!r}"
+            + (
+                " (preference pairs: memfit.data.preference.prepare_preference)"
+                if fmt == "preference"
+                else ""
+            )
+        )
     if not isinstance(max_seq_len, int) or max_seq_len < 1:
         raise DataError(f"max_seq_len must be a positive integer, got {max_seq_len!r}")
     if not 0.0 <= val_fraction < 1.0:

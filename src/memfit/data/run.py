@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from tqdm.auto import tqdm
 
@@ -31,6 +32,7 @@ from memfit.data.instruct import (
     template_label,
     template_name,
 )
+from memfit.data.preference import PreferenceData, prepare_preference
 from memfit.data.prepare import empty_file_notes, prepare
 from memfit.data.sources import default_corpus_path, source_tree
 from memfit.data.tokens import TRAIN, VAL, TokenDataset, document_ids, is_dataset, read_manifest
@@ -63,6 +65,12 @@ class RunData:
     val_empty_reason: str | None = None
     """Why there is nothing to validate on, naming the key that decides it (for the end-of-run message), e.g.
     ``no validation samples: data.val_fraction=0``; ``None`` when there is."""
+    pairs: PreferenceData | None = None
+    """Preference pairs (``data.format: preference``): their splits, whose reference log-probabilities the loop
+    computes or reads (:mod:`memfit.reference`) and hands to :attr:`references`."""
+    references: dict[str, np.ndarray] = field(default_factory=dict)
+    """``"train"`` / ``"val"`` -> ``(pairs, 2)`` stored reference log-probabilities; each batch then carries its
+    pairs' (``(inputs, targets, reference)``); empty: batches carry ``None``."""
 
 
 def tokenizer_settings(cfg: TrainConfig) -> dict[str, Any]:
@@ -179,9 +187,12 @@ def run_tokenizer(cfg: TrainConfig, out: Path, resume_dir: Path | None) -> tuple
 def run_data(
     cfg: TrainConfig, tokenizer: Tokenizer, manifest: dict | None, seq_len: int, out: Path
 ) -> RunData:
-    """Where the run's batches come from: :func:`text_data` for a token dataset, else :func:`instruct_data`."""
+    """Where the run's batches come from: :func:`text_data` for a token dataset, :func:`preference_data` for
+    preference pairs, else :func:`instruct_data`."""
     if manifest is not None:
         data = text_data(cfg, text_dataset_dir(cfg, out), manifest, seq_len)
+    elif cfg.data.format == "preference":
+        return preference_data(cfg, tokenizer, seq_len)  # never sequence-parallel (config validation)
     else:
         data = instruct_data(cfg, tokenizer, seq_len)
     return sequence_shards(data, cfg.distributed.sequence_parallel)
@@ -345,6 +356,69 @@ def instruct_data(cfg: TrainConfig, tokenizer, seq_len: int) -> RunData:
         longest,
         val_empty_reason=_val_empty_reason(cfg, stats, seq_len, template_name(template)),
     )
+
+
+def preference_data(cfg: TrainConfig, tokenizer, seq_len: int) -> RunData:
+    """Preference pairs rendered with ``data.template`` (:mod:`memfit.data.preference`): each micro-batch is
+    ``(inputs, targets, reference)``, its ``2B`` rows the B pairs' chosen replies then their rejected ones, and
+    ``reference`` their stored reference log-probabilities (``(2B,)`` fp32, once :attr:`RunData.references` has
+    them) or ``None``. Training walks seeded epoch permutations of the pairs as :func:`instruct_data` walks samples;
+    validation walks the held-out pairs once, in order."""
+    d = cfg.data
+    template = resolve_template(d.template, tokenizer)
+    pairs = prepare_preference(
+        d.path,
+        template,
+        tokenizer,
+        max_seq_len=seq_len,
+        val_fraction=d.val_fraction,
+        seed=cfg.seed,
+        skip_malformed=d.skip_malformed,
+        column_map=d.column_map or None,
+        length_fix=_length_fix(cfg),
+    )
+    B, rank, world = cfg.batch_size, dist_.data_rank(), dist_.data_world_size()
+    references: dict[str, np.ndarray] = {}
+
+    def with_reference(split: str, batch: tuple) -> Batch:
+        inputs, targets, index = batch
+        table = references.get(split)
+        if table is None:
+            return inputs, targets, None
+        rows = table[index.numpy()]  # (B, 2): [chosen, rejected] of each pair
+        return inputs, targets, torch.from_numpy(np.concatenate([rows[:, 0], rows[:, 1]]).astype(np.float32))
+
+    def train_batch(step: int, micro: int) -> Batch:
+        position = batch_position(step, micro, B, cfg.gradient_accumulation_steps, rank, world)
+        return with_reference("train", pairs.train.batch(B, position, cfg.seed))
+
+    def val_batches() -> Iterator[Batch]:
+        # global batches of world * B pairs, of which this rank takes its B (see text_data)
+        for start in itertools.islice(range(0, len(pairs.val), world * B), cfg.eval_batches):
+            index = np.arange(start + rank * B, min(start + (rank + 1) * B, len(pairs.val)))
+            if len(index):
+                yield with_reference("val", pairs.val.collate(index))
+
+    s = pairs.stats
+    summary = (
+        f"{s.num_records:,} record{'s' * (s.num_records != 1)} (preference, template "
+        f"{template_label(d.template, template)}): {s.num_train_pairs:,} train / {s.num_val_pairs:,} val pairs, "
+        f"{s.num_tokens:,} tokens ({s.num_label_tokens:,} in replies), {s.num_truncated:,} truncated to "
+        f"{seq_len + 1} tokens, {s.num_dropped:,} dropped (no reply left), "
+        f"{s.num_malformed + s.num_template_skipped:,} malformed skipped"
+    )
+    reason = None
+    if not len(pairs.val):
+        reason = (
+            "no validation pairs: data.val_fraction=0"
+            if d.val_fraction == 0
+            else f"no validation pairs: the {s.num_val_records} held out by data.val_fraction={d.val_fraction:g} "
+            "were dropped or skipped"
+        )
+    return RunData(
+        train_batch, val_batches, summary, pairs.train.max_length, val_empty_reason=reason, pairs=pairs,
+        references=references,
+    )  # fmt: skip
 
 
 def _length_fix(cfg: TrainConfig) -> str:

@@ -152,7 +152,11 @@ def loss_chunks(setting: int | str, tokens: int, vocab_size: int) -> int:
 
 
 def _chunk_loss_and_grad(
-    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, softcap: float | None = None
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    softcap: float | None = None,
+    token_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One chunk's summed cross-entropy and its gradient with respect to the chunk's logits.
 
@@ -162,10 +166,13 @@ def _chunk_loss_and_grad(
         targets: ``(n,)`` int64, ``-100`` not counted.
         softcap: None, or Gemma 2's ``final_logit_softcapping``: the loss is over ``cap * tanh(logits / cap)``
             (in the logits' dtype, as the model's ``forward`` caps them) and the gradient is taken through it.
+        token_weights: None, or ``(n,)`` fp32: each counted token's cross-entropy (and its gradient) times its
+            weight (a preference objective's, :func:`memfit.objectives.weighted_policy_loss`).
 
     Returns:
         ``(loss, grad_logits)``: a 0-dim fp32 sum in nats, and ``(n, V)`` ``softmax(logits) - one_hot(targets)``
-        (zero in rows that do not count) in the dtype of the logits. The softmax is taken in fp32.
+        (zero in rows that do not count; times the token's weight) in the dtype of the logits. The softmax is
+        taken in fp32.
     """
     logits = F.linear(hidden, weight)  # (n, V), in the matmul dtype (bf16 under autocast)
     tanh = None
@@ -185,10 +192,11 @@ def _chunk_loss_and_grad(
     probs.sub_(peak).exp_()  # exp(logits - max)
     total = probs.sum(dim=-1, keepdim=True)  # (n, 1)
     lse = total.log().add_(peak).squeeze(1)  # (n,)
-    loss = torch.where(counted, lse - picked, 0.0).sum()
+    token_loss = lse - picked if token_weights is None else (lse - picked) * token_weights
+    loss = torch.where(counted, token_loss, 0.0).sum()
     probs.div_(total)  # softmax
     probs[torch.arange(len(safe), device=safe.device), safe] -= 1.0
-    probs.mul_(counted[:, None])
+    probs.mul_((counted if token_weights is None else counted * token_weights)[:, None])
     if tanh is not None:  # d(cap * tanh(z / cap)) / dz = 1 - tanh^2
         probs.mul_(1.0 - tanh.float().square())
     return loss, probs.to(dtype)
@@ -352,14 +360,17 @@ class _DeferredWeight(torch.autograd.Function):
         return (marker if compute is None else compute()), None
 
 
-def _deferred_weight_gradient(hidden, weight, targets, num_chunks, chunk_fn, softcap, scale, autocast):
+def _deferred_weight_gradient(
+    hidden, weight, targets, num_chunks, chunk_fn, softcap, token_weights, scale, autocast
+):
     """The ``(V, dim)`` weight gradient of :class:`_FusedLinearCrossEntropy`, chunk by chunk, times ``scale``;
     under the forward's autocast state ``autocast`` (``(device_type, enabled, dtype)``)."""
     device_type, enabled, dtype = autocast
     grad_weight = torch.zeros_like(weight)
     with torch.no_grad(), torch.autocast(device_type, dtype=dtype, enabled=enabled):
         for s, e in tile_ranges(len(hidden), num_chunks, hidden):
-            _loss, grad_logits = chunk_fn(hidden[s:e], weight, targets[s:e], softcap)
+            w = None if token_weights is None else token_weights[s:e]
+            _loss, grad_logits = chunk_fn(hidden[s:e], weight, targets[s:e], softcap, w)
             _add_weight_gradient(grad_weight, grad_logits, hidden[s:e])
             del grad_logits
     return grad_weight.mul_(scale.to(grad_weight.dtype))
@@ -375,7 +386,9 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, num_chunks, chunk_fn, softcap=None, deferred=None):  # noqa: D102
+    def forward(
+        ctx, hidden, weight, targets, num_chunks, chunk_fn, softcap=None, deferred=None, token_weights=None
+    ):  # noqa: D102,E501
         need_hidden, need_weight = ctx.needs_input_grad[:2]
         defer = need_weight and deferred is not None
         grad_hidden = torch.empty_like(hidden) if need_hidden else None
@@ -385,7 +398,8 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         for s, e in tile_ranges(len(hidden), num_chunks, hidden):
             h = hidden[s:e]  # (n, dim)
-            loss, grad_logits = chunk_fn(h, weight, targets[s:e], softcap)  # 0-dim, (n, V)
+            w = None if token_weights is None else token_weights[s:e]
+            loss, grad_logits = chunk_fn(h, weight, targets[s:e], softcap, w)  # 0-dim, (n, V)
             total += loss
             if need_hidden:
                 grad_hidden[s:e] = grad_logits @ weight  # (n, dim)
@@ -395,7 +409,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         ctx.deferred = None
         if defer:
             device_type = hidden.device.type
-            ctx.deferred = (deferred, num_chunks, chunk_fn, softcap)
+            ctx.deferred = (deferred, num_chunks, chunk_fn, softcap, token_weights)
             ctx.autocast = (
                 device_type, torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type)
             )  # fmt: skip
@@ -408,15 +422,15 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_output):  # noqa: D102
         if ctx.deferred is not None:
             grad_hidden, hidden, weight, targets = ctx.saved_tensors
-            deferred, num_chunks, chunk_fn, softcap = ctx.deferred
+            deferred, num_chunks, chunk_fn, softcap, token_weights = ctx.deferred
             deferred.compute = functools.partial(
                 _deferred_weight_gradient, hidden.detach(), weight.detach(), targets, num_chunks, chunk_fn,
-                softcap, grad_output.detach(), ctx.autocast,
+                softcap, token_weights, grad_output.detach(), ctx.autocast,
             )  # fmt: skip
             if grad_hidden is not None:
                 grad_hidden.mul_(grad_output.to(grad_hidden.dtype))
             marker = torch.zeros((), dtype=weight.dtype, device=weight.device).expand(weight.shape)
-            return grad_hidden, marker, None, None, None, None, None
+            return grad_hidden, marker, None, None, None, None, None, None
         grad_hidden, grad_weight = ctx.saved_tensors
         # scaled in place: they are this graph's own buffers, used once (the training step never retains a graph)
         for grad in (grad_hidden, grad_weight):
@@ -425,7 +439,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         # a tied embedding's backward, next, adds its rows into it (apply_tied_embedding_gradient)
         if grad_weight is not None and _is(_TIED_LOOKUPS, ctx.weight()):
             _LOSS_WEIGHT_GRADIENTS[id(ctx.weight())] = (ctx.weight, grad_weight)
-        return grad_hidden, grad_weight, None, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None, None
 
 
 def chunked_cross_entropy(
@@ -437,6 +451,7 @@ def chunked_cross_entropy(
     compile: bool = False,
     softcap: float | None = None,
     deferred: DeferredWeightGradient | None = None,
+    token_weights: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Summed token cross-entropy of ``hidden @ lm_head_weight.T``, fused with its gradients, chunk by chunk.
 
@@ -456,6 +471,8 @@ def chunked_cross_entropy(
             the model's ``forward`` caps them.
         deferred: None, or the :class:`DeferredWeightGradient` whose ``weight`` is ``lm_head_weight``: the weight
             gradient is then made at the end of the backward (one more ``lm_head`` matmul), not in the forward.
+        token_weights: None, or ``(B*T,)`` fp32: the sum is of each token's cross-entropy times its weight (with
+            gradients; a preference objective's per-sequence weights, :mod:`memfit.objectives`).
 
     Returns:
         A 0-dim fp32 tensor: the summed cross-entropy (nats) over counted tokens. At most one chunk's logits
@@ -470,8 +487,10 @@ def chunked_cross_entropy(
     if torch.is_grad_enabled() and (hidden.requires_grad or lm_head_weight.requires_grad):
         chunk_fn = compiled(_chunk_loss_and_grad) if compile else _chunk_loss_and_grad
         return _FusedLinearCrossEntropy.apply(
-            flat_h, lm_head_weight, flat_t, num_chunks, chunk_fn, softcap, deferred
+            flat_h, lm_head_weight, flat_t, num_chunks, chunk_fn, softcap, deferred, token_weights
         )
+    if token_weights is not None:
+        raise ValueError("token_weights is for a loss with gradients (the weighted policy loss)")
     total = torch.zeros((), dtype=torch.float32, device=hidden.device)
     for s, e in tile_ranges(len(flat_h), num_chunks, flat_h):
         logits = F.linear(flat_h[s:e], lm_head_weight)  # (n, V)
@@ -479,3 +498,39 @@ def chunked_cross_entropy(
             logits = torch.tanh(logits / softcap) * softcap
         total += F.cross_entropy(logits.float(), flat_t[s:e], ignore_index=IGNORE_INDEX, reduction="sum")
     return total
+
+
+@torch.no_grad()
+def chunked_token_losses(
+    hidden: torch.Tensor,
+    lm_head_weight: torch.Tensor,
+    targets: torch.Tensor,
+    num_chunks: int,
+    *,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """Each token's cross-entropy of ``hidden @ lm_head_weight.T``, chunk by chunk, without gradients.
+
+    A preference objective sums them per sequence (:mod:`memfit.objectives`) before it knows each sequence's
+    weight in the loss. At most one chunk's ``(n, vocab_size)`` logits and their fp32 log-softmax exist at a time.
+
+    Args:
+        hidden: ``(B, T, dim)`` final-normed hidden states.
+        lm_head_weight: ``(vocab_size, dim)``.
+        targets: ``(B, T)`` int64; ``-100`` marks tokens that do not count.
+        num_chunks: chunks of the ``B*T`` tokens (at least 1).
+        softcap: None, or the model's ``final_logit_softcapping`` (Gemma 2).
+
+    Returns:
+        ``(B, T)`` fp32 cross-entropy in nats, 0 where the target does not count.
+    """
+    flat_h = hidden.flatten(0, 1)  # (B*T, dim)
+    flat_t = targets.flatten()  # (B*T,)
+    out = torch.empty(flat_t.shape, dtype=torch.float32, device=hidden.device)  # (B*T,)
+    for s, e in tile_ranges(len(flat_h), max(1, num_chunks), flat_h):
+        logits = F.linear(flat_h[s:e], lm_head_weight)  # (n, V)
+        if softcap is not None:
+            logits = torch.tanh(logits / softcap) * softcap
+        out[s:e] = F.cross_entropy(logits.float(), flat_t[s:e], ignore_index=IGNORE_INDEX, reduction="none")
+        del logits
+    return out.view(targets.shape)

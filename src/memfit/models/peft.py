@@ -38,10 +38,11 @@ r LoRA rank, L adapter prompt length.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import types
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -268,6 +269,22 @@ def _load_selected(
 # ----------------------------------------------------------------------------------------------------------------
 
 
+_OFF = [False]
+"""Whether :func:`lora_off` is in effect: every LoRA-adapted module acts with its base weight alone."""
+
+
+@contextlib.contextmanager
+def lora_off() -> Iterator[None]:
+    """Within it, every LoRA-adapted linear and experts module computes with its base weights alone (PEFT's
+    ``disable_adapter``): a preference objective's reference model is the LoRA / QLoRA policy's own base, with no
+    second copy of it (:mod:`memfit.objectives`)."""
+    was, _OFF[0] = _OFF[0], True
+    try:
+        yield
+    finally:
+        _OFF[0] = was
+
+
 def _lora_linear_forward(self: nn.Linear, x: Tensor) -> Tensor:
     """``W x + b + (alpha / r) * B A dropout(x)``, bound to a LoRA-adapted ``nn.Linear`` as its ``forward``.
 
@@ -279,6 +296,8 @@ def _lora_linear_forward(self: nn.Linear, x: Tensor) -> Tensor:
     """
     settings: LoraSettings = self.memfit_lora
     out = F.linear(x, self.weight, self.bias)  # (..., out)
+    if _OFF[0]:
+        return out
     h = F.dropout(x, settings.dropout, self.training) if settings.dropout > 0 else x
     down = F.linear(h, self.lora_A) * settings.scale  # (..., r)
     return out + F.linear(down, self.lora_B)  # (..., out)
@@ -415,6 +434,8 @@ def expert_lora_targets(
 
 def _lora_experts_forward(self: moe.Experts, xs: Tensor, sizes: list[int]) -> Tensor:
     """:meth:`~memfit.models.moe.Experts.forward` with the LoRA of each adapted stack beside its weight."""
+    if _OFF[0]:
+        return moe.grouped_experts(xs, self.gate_up_proj, self.down_proj, sizes, None)
     pairs = {name: (holder.lora_A, holder.lora_B) for name, holder in self.lora.items()}
     lora = moe.ExpertsLora(pairs.get("gate_up_proj"), pairs.get("down_proj"), self.memfit_lora.scale)
     return moe.grouped_experts(xs, self.gate_up_proj, self.down_proj, sizes, lora)
@@ -548,7 +569,7 @@ def lora_effective_weight(linear: nn.Linear) -> Tensor:
         (out, in).
     """
     settings = getattr(linear, "memfit_lora", None)
-    if not isinstance(settings, LoraSettings):
+    if not isinstance(settings, LoraSettings) or _OFF[0]:
         return linear.weight
     return linear.weight + (linear.lora_B * settings.scale) @ linear.lora_A  # (out, in)
 

@@ -71,6 +71,7 @@ from memfit.memory.tracker import CATEGORIES, MemoryTracker, model_state_bytes
 from memfit.memory.ulysses import shard_batch
 from memfit.models import moe
 from memfit.models.config import DecoderConfig
+from memfit.objectives import PREFERENCE_OBJECTIVES
 from memfit.planner.closed_form import model_state_bytes_closed_form
 from memfit.planner.compose import COMPOSE_FROM_LAYERS, TRACED_LAYERS, LayerTrace, NotComposable, marking
 from memfit.planner.compose import compose as compose_layers
@@ -80,6 +81,7 @@ from memfit.planner.fake_trace import GlooBuffers, ScalarReads, fake_ids, fake_m
 from memfit.planner.phases import load_peak_bytes
 from memfit.step import train_step, train_step_options
 from memfit.units import GIB
+from memfit.validation import reference_mode
 
 
 @dataclass
@@ -464,8 +466,7 @@ def _trace(
         model, optimizer = built.model, built.optimizer
         with fake, ScalarReads():
             batches = [
-                tuple(fake_ids(cfg.batch_size, seq_len, mcfg.vocab_size) for _ in ("inputs", "targets"))
-                + ((torch.zeros(cfg.batch_size, seq_len, dtype=torch.long),) if packs_documents(cfg) else ())
+                _fake_micro_batch(cfg, seq_len, mcfg.vocab_size)
                 for _ in range(cfg.gradient_accumulation_steps)
             ]
             sp = cfg.distributed.sequence_parallel
@@ -488,7 +489,13 @@ def _trace(
             layers = list(dist_unwrap(model).model.layers) if marks else None
             counted = (lambda: tracker.allocations) if target == "cuda" else None
             with tracker, gloo, marking(layers, tracker.timeline, counted) as marked:
-                train_step(model, optimizer, batches, tracker=tracker, **train_step_options(trace_cfg))
+                train_step(
+                    model,
+                    optimizer,
+                    batches,
+                    tracker=tracker,
+                    **train_step_options(trace_cfg, built.reference),
+                )
             offloaded = OffloadStats.peak
             traced = model_state_bytes(model, optimizer)
             paged_keys = _paged_state_entries(cfg, tracker, optimizer) if target == "cuda" else set()
@@ -510,6 +517,20 @@ def _trace(
         num_params=built.num_params,
         num_trainable=built.num_trainable,
         layers=mcfg.num_layers,
+    )
+
+
+def _fake_micro_batch(cfg: TrainConfig, seq_len: int, vocab_size: int) -> tuple:
+    """A micro-batch as the run draws it, fake: ``(inputs, targets)`` (B, T) with packed samples' ``doc_ids``;
+    for a preference objective ``2B`` rows (each pair's chosen and rejected reply) and the stored reference
+    log-probabilities (2B,) where the run reads them from disk (:mod:`memfit.reference`)."""
+    if cfg.objective in PREFERENCE_OBJECTIVES:
+        rows = 2 * cfg.batch_size
+        stored = reference_mode(cfg) == "precomputed"
+        reference = torch.zeros(rows, dtype=torch.float32) if stored else None
+        return fake_ids(rows, seq_len, vocab_size), fake_ids(rows, seq_len, vocab_size), reference
+    return tuple(fake_ids(cfg.batch_size, seq_len, vocab_size) for _ in ("inputs", "targets")) + (
+        (torch.zeros(cfg.batch_size, seq_len, dtype=torch.long),) if packs_documents(cfg) else ()
     )
 
 
