@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -57,6 +58,12 @@ PAIR_METRICS = (
 """Metrics every preference objective logs, each a mean over the step's pairs (TRL's names)."""
 ORPO_METRICS = ("log_odds_ratio", "log_odds_chosen")
 """ORPO's own per-pair metrics (means over pairs), beside ``nll_loss``."""
+
+
+def rows_per_micro_batch(cfg: Any) -> int:
+    """The rows of a run's micro-batch: ``batch_size`` sequences, or two per pair (its chosen and its rejected
+    reply) under a preference ``objective``."""
+    return cfg.batch_size * (2 if cfg.objective in PREFERENCE_OBJECTIVES else 1)
 
 
 @dataclass(frozen=True)

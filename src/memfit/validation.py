@@ -453,7 +453,7 @@ def _validate_finetuning(cfg: TrainConfig, needs_weights: bool = True) -> None:
     if data.format != "text":
         _require(data.path is not None, "data.path", f"is required for data.format={data.format!r}")
         _require(
-            cfg.checkpoint_dir is not None or cfg.tokenizer.kind == "file",
+            cfg.checkpoint_dir is not None or cfg.tokenizer.kind == "file" or not needs_weights,
             "data.format",
             f"{data.format!r} records need a fixed tokenizer: set checkpoint_dir (its tokenizer is used) or "
             f"tokenizer.kind=file with tokenizer.path",

@@ -155,11 +155,13 @@ def _segments(trace: LayerTrace) -> list[tuple[Tag, int, int]]:
     return out
 
 
-def _expected(depth: int, passes: int) -> list[Tag]:
+def _expected(depth: int, backward: list[bool]) -> list[Tag]:
+    """The segments of a step whose passes run forward, and backward where ``backward`` says (a pass without
+    gradients, e.g. a preference objective's reference forward, has none)."""
     tags: list[Tag] = [("I", 0, None)]
-    for p in range(passes):
+    for p, back in enumerate(backward):
         tags += [("F", p, j) for j in range(depth)] + [("H", p, None)]
-        tags += [("B", p, j) for j in reversed(range(depth))]
+        tags += [("B", p, j) for j in reversed(range(depth))] if back else []
     return tags
 
 
@@ -308,9 +310,10 @@ def compose(three: LayerTrace, four: LayerTrace, layers: int) -> Composed:
         raise ValueError(f"composing needs at least 5 layers, got {layers}")
     seg3, seg4 = _segments(three), _segments(four)
     passes = sum(1 for tag, _, _ in seg4 if tag[0] == "H")
+    backward = [any(tag == ("B", p, 0) for tag, _, _ in seg4) for p in range(passes)]
     for depth, segs in ((3, seg3), (4, seg4)):
         tags = [t for t, _, _ in segs]
-        if tags != _expected(depth, passes):
+        if tags != _expected(depth, backward):
             raise NotComposable(f"the {depth}-layer trace's layers do not run in order, once a pass")
     by3 = {tag: (a, b) for tag, a, b in seg3}
     by4 = {tag: (a, b) for tag, a, b in seg4}
@@ -475,6 +478,8 @@ def compose(three: LayerTrace, four: LayerTrace, layers: int) -> Composed:
         emit(("F", p, 2), slopes(("F", p, 2)))  # layer L - 2
         emit(("F", p, 3), slopes(("F", p, 3)))
         emit(("H", p, None), slopes(("H", p, None)))
+        if not backward[p]:  # a forward without gradients: its head's segment runs on to the next pass
+            continue
         emit(("B", p, 3), slopes(("B", p, 3)))
         below = slopes(("B", p, 2))  # one more layer still to back-propagate
         emit(("B", p, 2), below)

@@ -16,7 +16,9 @@ from memfit.config import TrainConfig, device_type
 from memfit.memory import optimizers, switches
 from memfit.memory.switches import layer_weights
 from memfit.models.config import DecoderConfig
+from memfit.objectives import PREFERENCE_OBJECTIVES, rows_per_micro_batch
 from memfit.planner.closed_form import optimizer_update_flops
+from memfit.validation import reference_mode
 
 _CUDA_CONSTANTS: dict[str, Any] = {
     # forward + backward: 6 FLOPs per weight and token, + 12 * T * dim per layer and token for attention
@@ -181,7 +183,9 @@ def step_cost(request: CostRequest) -> dict[str, float]:
       ``selective_recompute_layer_forwards`` of one forward of the layers); chunked (fused) cross-entropy
       costs ``chunked_ce_extra_head_forwards`` lm_head forwards more than the plain loss, and one more where it
       makes the head's gradient at the end of the backward
-      (:func:`memfit.memory.switches.sequence.defers_head_gradient`);
+      (:func:`memfit.memory.switches.sequence.defers_head_gradient`); a preference objective has two rows per
+      pair (``tokens`` doubled), one more forward where its reference is computed in the step (LoRA off, or a
+      resident model) and one more lm_head forward with the chunked loss;
     - ``dequantize`` (``method: qlora``): every NF4 weight (:func:`~memfit.memory.switches.layer_weights` per
       layer) dequantized :func:`~memfit.memory.switches.dequantize_passes` times, at
       ``nf4_dequantize_bytes_per_element[dtype]`` bytes per element and ``device_memory_bytes_per_second``; on
@@ -225,8 +229,17 @@ def step_cost(request: CostRequest) -> dict[str, float]:
     )
     target = device_type(cfg.device)
     c = request.constants or COST_CONSTANTS[target]
-    tokens = cfg.batch_size * seq_len * cfg.gradient_accumulation_steps
     flops = model_flops_per_token(mcfg, seq_len)
+    # a preference objective: each pair is two rows (chosen, rejected); a reference computed in the step (LoRA off,
+    # or a resident model) runs one more forward of them, and the chunked loss one more lm_head forward (its first
+    # pass sums each row's log-probability before the weighted one: memfit.step.preference_micro_batch_loss)
+    extra = 0.0
+    if cfg.objective in PREFERENCE_OBJECTIVES:
+        if reference_mode(cfg) in ("lora_off", "resident"):
+            extra += flops["layers"] + flops["head"]
+        if cfg.chunked_cross_entropy:
+            extra += flops["head"]
+    tokens = rows_per_micro_batch(cfg) * seq_len * cfg.gradient_accumulation_steps
     terms = switches.StepTerms(
         cfg=cfg,
         mcfg=mcfg,
@@ -237,7 +250,7 @@ def step_cost(request: CostRequest) -> dict[str, float]:
         world_size=world_size,
         offloaded_activation_bytes=request.offloaded_activation_bytes,
         paged_out_bytes=request.paged_out_bytes,
-        per_token=3 * (flops["layers"] + flops["head"]),
+        per_token=3 * (flops["layers"] + flops["head"]) + extra,
         target=target,
     )
     switches.add_costs(terms)  # each switch's share, by its entry (memfit.memory.switches.Switch.cost)

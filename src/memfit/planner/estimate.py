@@ -79,7 +79,7 @@ from memfit.planner.compose_allocations import compose_allocations
 from memfit.planner.cuda_paths import cuda_paths
 from memfit.planner.fake_trace import GlooBuffers, ScalarReads, fake_ids, fake_mode, fake_process_group, quiet
 from memfit.planner.phases import load_peak_bytes
-from memfit.step import train_step, train_step_options
+from memfit.step import sequence_logps, train_step, train_step_options
 from memfit.units import GIB
 from memfit.validation import reference_mode
 
@@ -137,6 +137,9 @@ class Estimate:
     save_peak_bytes: int | None = None
     """CPU runs of one process: the peak live tensor bytes while a checkpoint is written, the live bytes at the end
     of the traced step (:mod:`memfit.planner.phases`); ``None`` where not predicted."""
+    reference_peak_bytes: int | None = None
+    """A preference run with a stored reference (``preference.reference: precomputed``): the peak live tensor
+    bytes of the pass that computes it before training (:mod:`memfit.reference`), traced; ``None`` otherwise."""
     fixes_mmap_threshold: bool = False
     """CPU runs: the run fixes glibc's mmap threshold when it starts (:func:`memfit.memory.host.fixes_mmap_threshold`),
     so the predicted resident set holds no free heap."""
@@ -152,11 +155,15 @@ class Estimate:
 
     @property
     def phase_peaks(self) -> dict[str, int]:
-        """Live tensor bytes at the peak of each predicted phase of the run: ``load`` and ``save`` where predicted,
-        ``step`` (the traced peak plus host bytes) always."""
-        step = {"step": self.peak_bytes + self.host_bytes}
-        return {k: v for k, v in {"load": self.load_peak_bytes, **step, "save": self.save_peak_bytes}.items()
-                if v is not None}  # fmt: skip
+        """Live tensor bytes at the peak of each predicted phase of the run: ``load``, ``reference`` (a stored
+        reference's pass) and ``save`` where predicted, ``step`` (the traced peak plus host bytes) always."""
+        phases = {
+            "load": self.load_peak_bytes,
+            "reference": self.reference_peak_bytes,
+            "step": self.peak_bytes + self.host_bytes,
+            "save": self.save_peak_bytes,
+        }
+        return {k: v for k, v in phases.items() if v is not None}
 
     @property
     def run_peak_bytes(self) -> int:
@@ -325,6 +332,7 @@ def _estimate(
         trace_seconds = [time.perf_counter() - began]
         timeline, offloaded, traced = trace.timeline, trace.offloaded, trace.traced
         num_params, num_trainable = trace.num_params, trace.num_trainable
+        reference_peak = trace.reference_peak
         baseline = trace.baseline
         how = {"layers": mcfg.num_layers, "layers_traced": [mcfg.num_layers], "composed": False}
         how["why_not_composed"] = why_full
@@ -335,6 +343,11 @@ def _estimate(
         traced = {k: four.traced[k] + extra * (four.traced[k] - three.traced[k]) for k in four.traced}
         num_params = four.num_params + extra * (four.num_params - three.num_params)
         num_trainable = four.num_trainable + extra * (four.num_trainable - three.num_trainable)
+        reference_peak = (
+            None  # each layer adds its weights; the pass's own temporaries are one layer's and the head's
+        )
+        if four.reference_peak is not None:
+            reference_peak = four.reference_peak + extra * (four.reference_peak - three.reference_peak)
         baseline = three.baseline
         how = {"layers": mcfg.num_layers, "layers_traced": list(TRACED_LAYERS), "composed": True}
         how["events_composed"] = len(timeline)
@@ -369,7 +382,7 @@ def _estimate(
             whole = model_state_bytes_closed_form(cfg, mcfg, 1)
             gathered, reduced = whole["parameters"], whole["trainable_parameters"]
         retained = retained_heap_bytes(gathered, reduced, fixed=fixed)
-        tensors = max(peak + host, load or 0, save or 0)
+        tensors = max(peak + host, load or 0, save or 0, reference_peak or 0)
         rss = predict_peak_rss(tensors, baseline, heap_retained_bytes=retained)
     return Estimate(
         peak_bytes=peak,
@@ -392,6 +405,7 @@ def _estimate(
         peak_reserved_bytes=reserved,
         load_peak_bytes=load,
         save_peak_bytes=save,
+        reference_peak_bytes=reference_peak if world_size == 1 and target != "cuda" else None,
         fixes_mmap_threshold=fixed,
         trace=how,
     )
@@ -446,6 +460,7 @@ class _Traced:
     num_params: int
     num_trainable: int
     layers: int
+    reference_peak: int | None = None
 
 
 def _trace(
@@ -472,6 +487,9 @@ def _trace(
             sp = cfg.distributed.sequence_parallel
             if world_size > 1 and sp > 1:  # rank 0's slice of its group's sequences, as a run draws it
                 batches = [shard_batch(b, 0, sp) for b in batches]
+            # before the first step, a stored reference's pass (memfit.reference): the starting model's forwards
+            # without gradients, the optimizer state not made yet
+            reference_peak = _trace_reference_pass(cfg, model, optimizer, seq_len, mcfg.vocab_size)
             # step 1 only creates the optimizer state: an optimizer step on zero gradients at lr 0 (what torch's
             # distributed checkpointing does to lay the state out); step 2, the run's train_step, is traced
             init_optimizer_state(optimizer)
@@ -517,7 +535,27 @@ def _trace(
         num_params=built.num_params,
         num_trainable=built.num_trainable,
         layers=mcfg.num_layers,
+        reference_peak=reference_peak,
     )
+
+
+def _trace_reference_pass(cfg: TrainConfig, model, optimizer, seq_len: int, vocab_size: int) -> int | None:
+    """The peak live bytes of a stored reference's pass (:func:`memfit.reference.precompute_reference`): one
+    batch of ``2 * preference.reference_batch_size`` rows through :func:`memfit.step.sequence_logps`, traced;
+    ``None`` where the run has no such pass."""
+    if reference_mode(cfg) != "precomputed":
+        return None
+    rows = 2 * (cfg.preference.reference_batch_size or cfg.batch_size)
+    tracker = MemoryTracker(model, optimizer, refresh_roles_at_peak=False)
+    with tracker:
+        sequence_logps(
+            model,
+            fake_ids(rows, seq_len, vocab_size),
+            fake_ids(rows, seq_len, vocab_size),
+            dtype=cfg.dtype,
+            chunked_cross_entropy=cfg.chunked_cross_entropy,
+        )
+    return tracker.peak_bytes
 
 
 def _fake_micro_batch(cfg: TrainConfig, seq_len: int, vocab_size: int) -> tuple:

@@ -57,6 +57,7 @@ from memfit.memory import optimizers, switches
 from memfit.memory.host import fixes_mmap_threshold, process_overhead_bytes
 from memfit.memory.switches import checkpointed_layers
 from memfit.models import peft
+from memfit.objectives import rows_per_micro_batch
 from memfit.planner.closed_form import model_state_bytes_closed_form
 from memfit.planner.cost import COST_CONSTANTS, CostRequest, param_bytes, step_cost
 from memfit.planner.estimate import Estimate, estimate_run
@@ -441,7 +442,8 @@ class _Context:
         sequence-parallel rank holds ``T / sequence_parallel`` tokens of each row.
         """
         m = self.mcfg
-        tokens = cfg.batch_size * self.seq_len // self.sequence_parallel(cfg)  # a micro-batch's, of this rank
+        # a micro-batch's, of this rank
+        tokens = rows_per_micro_batch(cfg) * self.seq_len // self.sequence_parallel(cfg)
         resid = param_bytes(cfg.dtype)
         matmul = 4 if cfg.dtype == "fp32" else 2
         checkpointed = len(
@@ -461,7 +463,7 @@ class _Context:
         tile's share."""
         if cfg.tiled_mlp:
             return 0
-        tokens = cfg.batch_size * self.seq_len // self.sequence_parallel(cfg)
+        tokens = rows_per_micro_batch(cfg) * self.seq_len // self.sequence_parallel(cfg)
         return 2 * tokens * self.mcfg.intermediate_size * (4 if cfg.dtype == "fp32" else 2)
 
     def gradient_sizes(self, cfg: TrainConfig) -> tuple[int, int]:
@@ -507,7 +509,7 @@ class _Context:
 
     def tokens(self, cfg: TrainConfig) -> int:
         """Tokens of one rank's ``batch_size`` sequences a step: the work :meth:`cost` prices."""
-        return cfg.batch_size * self.seq_len * cfg.gradient_accumulation_steps
+        return rows_per_micro_batch(cfg) * self.seq_len * cfg.gradient_accumulation_steps
 
     def sequence_parallel(self, cfg: TrainConfig) -> int:
         return cfg.distributed.sequence_parallel if self.world_size > 1 else 1

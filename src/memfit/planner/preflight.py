@@ -17,6 +17,7 @@ from memfit.errors import PreflightError
 from memfit.memory.allocator import CUDA_CONTEXT_BYTES_ESTIMATE
 from memfit.memory.host import fixes_mmap_threshold, process_overhead_bytes
 from memfit.models.config import DecoderConfig
+from memfit.objectives import rows_per_micro_batch
 from memfit.planner.closed_form import model_state_bytes_closed_form
 from memfit.planner.estimate import Estimate, estimate_run
 from memfit.planner.phases import load_peak_bytes
@@ -68,7 +69,7 @@ def preflight(cfg: TrainConfig, mcfg: DecoderConfig, seq_len: int, device: torch
     # what the tensors may have: the free memory, and the budget less what the device or process holds besides them
     limit = available if budget is None else min(available, budget - held)
     states = model_state_bytes_closed_form(cfg, mcfg, world)
-    tokens = cfg.batch_size * seq_len
+    tokens = rows_per_micro_batch(cfg) * seq_len
     act_bytes = 2 if cfg.dtype != "fp32" else 4
     bound = (
         states["parameters"]

@@ -61,6 +61,12 @@ def format_estimate(e: Estimate) -> str:
             f"{e.process_baseline_bytes / n:.2f} {u} (this process's resident set, imports done) + tensors "
             f"{tensors / n:.2f} {u} + {other / n:.2f} {u} kept by the C allocator, threads and kernels"
         )
+    phases = e.phase_peaks
+    if len(phases) > 1:  # the phases around the step, where predicted (planner/phases.py, memfit.reference)
+        lines.append(
+            "live tensors by phase of the run: "
+            + ", ".join(f"{k} {v / size:.2f} {unit}" for k, v in phases.items())
+        )
     if e.routing is not None:
         lines.append(_routing_line(e, size, unit))
     lines.append("model states, closed form vs traced:")
