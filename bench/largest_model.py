@@ -345,8 +345,12 @@ def predicted_and_measured(predicted: dict[str, Any], run: Measured) -> dict[str
     }
 
 
-def memfit_run(name: str, config: list[str], steps: int, run_dir: Path, guard_bytes: int) -> dict[str, Any]:
-    """Estimate, then run ``memfit finetune CONFIG`` with the run overrides, measured; the row's fields."""
+def memfit_run(
+    name: str, config: list[str], steps: int, run_dir: Path, guard_bytes: int, reference: bool = False
+) -> dict[str, Any]:
+    """Estimate, then run ``memfit finetune CONFIG`` with the run overrides, measured; the row's fields. With
+    ``reference``, a stored reference's pass (a preference run) is a phase of its own, between the load and the
+    banner."""
     out = run_dir / "output"
     if out.exists():
         shutil.rmtree(out)  # a fresh run (ours: under --workdir)
@@ -360,7 +364,11 @@ def memfit_run(name: str, config: list[str], steps: int, run_dir: Path, guard_by
         run,
         [
             ("setup", run.first(r"pre-flight:")),
-            ("load", loaded),
+            *(
+                [("load", run.first(r"reference log-probabilities of .* pairs: computing")), ("reference", loaded)]
+                if reference
+                else [("load", loaded)]
+            ),
             ("first_step", step_times[0]),
             *([("steady_step", step_times[-1])] if steps > 1 else []),
             ("save", run.first(r"final validation loss")),
@@ -800,6 +808,7 @@ def kept_prose(doc: Path) -> str | None:
 def section(rows: list[dict[str, Any]], scale: str, prose: str | None = None) -> str:
     """The markdown section of ``rows`` (the JSON's list), with ``prose`` (default: the placeholder) between the
     prose markers."""
+    rows = [r for r in rows if r.get("name") in ROWS]  # the JSON holds other benches' rows too (preference.py)
     command = ".venv/bin/python bench/largest_model.py" + (" --scale small" if scale == "small" else "")
     plain = argparse.Namespace(scale=scale, budget=None, force_config=None, cap_gib=22.0)
     default = {r["name"]: reproduce_command(plain, r["name"]) for r in rows}

@@ -10,9 +10,10 @@ by the objective's derivative (:func:`policy_loss`).
 Per pair ``i`` (``pc``, ``pr``: the policy's chosen / rejected sums; ``rc``, ``rr`` the reference's; ``n`` the
 reply lengths; ``sigma`` the logistic function), as TRL 1.13 computes them:
 
-- ``dpo`` (Rafailov et al. 2023, "Direct Preference Optimization"; TRL ``DPOTrainer`` ``loss_type="sigmoid"``;
-  with ``label_smoothing`` eps, the conservative DPO of Mitchell 2023): ``d = (pc - rc) - (pr - rr)``,
-  ``loss = -(1 - eps) log sigma(beta d) - eps log sigma(-beta d)``; rewards ``beta (p - r)``.
+- ``dpo`` (Rafailov et al. 2023, "Direct Preference Optimization"; TRL ``DPOTrainer`` ``loss_type="sigmoid"``):
+  ``d = (pc - rc) - (pr - rr)``, ``loss = -(1 - eps) log sigma(beta d) - eps log sigma(-beta d)``; rewards
+  ``beta (p - r)``. With ``label_smoothing`` eps > 0 this is the conservative DPO of Mitchell (2023), as TRL's
+  ``CPOTrainer`` and TRL's DPO before 1.0 compute it (TRL 1.13's ``sigmoid`` has no smoothing: eps = 0 there).
 - ``ipo`` (Azar et al. 2023, "A General Theoretical Paradigm to Understand Learning from Human Preferences";
   TRL ``loss_type="ipo"``, log-ratios averaged per reply token): ``loss = ((pc - rc) / nc - (pr - rr) / nr -
   1 / (2 beta))^2``; rewards ``beta (p - r)``.
@@ -232,6 +233,14 @@ def whole_targets(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     real = counted.flip(1).cumsum(1).flip(1) > 0  # at or before the row's last reply target
     following = torch.cat([inputs[:, 1:], inputs[:, -1:]], dim=1)  # (2B, T): inputs[t + 1]
     return torch.where(counted, targets, torch.where(real, following, torch.full_like(targets, -100)))
+
+
+def nll_tokens(pref: Preference, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """0-dim int64: the tokens the NLL term averages over in a micro-batch: the chosen rows' reply targets, or with
+    ``pref.nll_covers_prompt`` (ORPO) every next token of the chosen rows (:func:`whole_targets`)."""
+    B = targets.shape[0] // 2
+    covered = whole_targets(inputs[:B], targets[:B]) if pref.nll_covers_prompt else targets[:B]
+    return (covered != -100).sum()
 
 
 def sequence_sums(token_losses: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

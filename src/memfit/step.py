@@ -39,6 +39,7 @@ from memfit.objectives import (
     StepNorms,
     metrics_from_sums,
     micro_batch_objective,
+    nll_tokens,
     pair_terms,
     sequence_sums,
     whole_targets,
@@ -416,7 +417,7 @@ def _preference_backward(
     pref = preference.objective
     device = micro_batches[0][0].device
     pairs = sum(mb[0].shape[0] // 2 for mb in micro_batches)
-    chosen = torch.stack([(mb[1][: mb[1].shape[0] // 2] != IGNORE_INDEX).sum() for mb in micro_batches]).sum()
+    chosen = torch.stack([nll_tokens(pref, mb[0], mb[1]) for mb in micro_batches]).sum()
     totals = dist_.all_reduce_sum(torch.stack([torch.tensor(pairs, device=device), chosen]).float())
     norms = StepNorms(pairs=totals[0].clamp(min=1), chosen_tokens=totals[1].clamp(min=1))
     total = torch.zeros((), dtype=torch.float32, device=device)
@@ -513,12 +514,14 @@ def _evaluate_preference(model, batches, preference: PreferenceStep, options: di
             reference = sequence_logps(preference.reference_model, inputs, targets, **options)
         elif reference is not None:
             reference = reference.to(device)
+        B = inputs.shape[0] // 2
         logps = sequence_logps(model, inputs, targets, **options)
         losses, _ = pair_terms(pref, logps, (targets != IGNORE_INDEX).sum(dim=1), reference)
-        B = len(losses)
         sums[0] += losses.double().sum()
-        sums[1] += -logps[:B].double().sum()
-        counts += torch.stack([torch.tensor(B), (targets[:B] != IGNORE_INDEX).sum().cpu()]).to(counts)
+        if pref.nll_weight:  # the chosen rows' cross-entropy over what the NLL term covers
+            covered = whole_targets(inputs, targets) if pref.nll_covers_prompt else targets
+            sums[1] += -sequence_logps(model, inputs[:B], covered[:B], **options).double().sum()
+        counts += torch.stack([torch.tensor(B), nll_tokens(pref, inputs, targets).cpu()]).to(counts)
     sums, counts = dist_.all_reduce_sum(sums), dist_.all_reduce_sum(counts)
     pairs, chosen = float(counts[0].item()), float(counts[1].item())
     if not pairs:

@@ -259,11 +259,17 @@ def _reference_tables(cfg: TrainConfig, run: _Run, model: torch.nn.Module, devic
             continue
         key = reference_key(cfg.checkpoint_dir, split.fingerprint(), cfg.dtype)
         stored = (directory / f"{key}.npy").is_file()
+        batch_size = pref.reference_batch_size or cfg.batch_size
+        if run.main_rank and not stored:
+            tqdm.write(
+                f"reference log-probabilities of {len(split):,} {label} pairs: computing with the starting weights "
+                f"({batch_size} pair(s) a forward)"
+            )
         t0 = time.perf_counter()
         run.data.references[label] = precompute_reference(
             model,
             split,
-            batch_size=pref.reference_batch_size or cfg.batch_size,
+            batch_size=batch_size,
             device=device,
             directory=directory,
             key=key,
