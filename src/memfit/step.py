@@ -505,8 +505,11 @@ def _evaluate_preference(model, batches, preference: PreferenceStep, options: di
         3, dtype=torch.float64, device=device
     )  # pairs' losses, -chosen logps; pairs, chosen tokens
     counts = torch.zeros(2, dtype=torch.float64, device=device)
-    for inputs, targets, reference in batches:
+    for inputs, targets, reference, *rest in batches:
         inputs, targets = inputs.to(device), targets.to(device)
+        if rest:  # which pairs count: an uncounted pair's rows score nothing (data.run.preference_data)
+            counted = rest[0].to(device).repeat(2)  # (2B,)
+            targets = targets.masked_fill(~counted[:, None], IGNORE_INDEX)
         if preference.reference == "lora_off":
             with lora_off():
                 reference = sequence_logps(model, inputs, targets, **options)
@@ -517,11 +520,14 @@ def _evaluate_preference(model, batches, preference: PreferenceStep, options: di
         B = inputs.shape[0] // 2
         logps = sequence_logps(model, inputs, targets, **options)
         losses, _ = pair_terms(pref, logps, (targets != IGNORE_INDEX).sum(dim=1), reference)
+        if rest:
+            losses = losses * counted[:B]
         sums[0] += losses.double().sum()
         if pref.nll_weight:  # the chosen rows' cross-entropy over what the NLL term covers
             covered = whole_targets(inputs, targets) if pref.nll_covers_prompt else targets
             sums[1] += -sequence_logps(model, inputs[:B], covered[:B], **options).double().sum()
-        counts += torch.stack([torch.tensor(B), nll_tokens(pref, inputs, targets).cpu()]).to(counts)
+        pairs = counted[:B].sum().cpu() if rest else torch.tensor(B)
+        counts += torch.stack([pairs, nll_tokens(pref, inputs, targets).cpu()]).to(counts)
     sums, counts = dist_.all_reduce_sum(sums), dist_.all_reduce_sum(counts)
     pairs, chosen = float(counts[0].item()), float(counts[1].item())
     if not pairs:

@@ -393,11 +393,15 @@ def preference_data(cfg: TrainConfig, tokenizer, seq_len: int) -> RunData:
         return with_reference("train", pairs.train.batch(B, position, cfg.seed))
 
     def val_batches() -> Iterator[Batch]:
-        # global batches of world * B pairs, of which this rank takes its B (see text_data)
+        # global batches of world * B pairs, of which this rank takes its B (see text_data); a rank left without
+        # a pair in the last one runs pair 0 uncounted (its fourth element, which pairs count: none), so that every
+        # rank runs as many forwards (sharded, each is a collective)
         for start in itertools.islice(range(0, len(pairs.val), world * B), cfg.eval_batches):
             index = np.arange(start + rank * B, min(start + (rank + 1) * B, len(pairs.val)))
-            if len(index):
-                yield with_reference("val", pairs.val.collate(index))
+            counted = torch.ones(len(index), dtype=torch.bool)
+            if not len(index):
+                index, counted = np.zeros(1, dtype=np.int64), torch.zeros(1, dtype=torch.bool)
+            yield (*with_reference("val", pairs.val.collate(index)), counted)
 
     s = pairs.stats
     summary = (
