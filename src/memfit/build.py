@@ -47,7 +47,7 @@ from memfit.memory.techniques import (
 )
 from memfit.memory.tiled import apply_tiled_mlp
 from memfit.memory.ulysses import apply_sequence_parallel
-from memfit.models import moe, peft
+from memfit.models import adapter, moe, peft
 from memfit.models import nf4 as nf4_format
 from memfit.models.config import DecoderConfig
 from memfit.models.decoder import Decoder, build_decoder, init_parameter_
@@ -148,7 +148,7 @@ def apply_method(model: Decoder, cfg: TrainConfig) -> None:
             target_parameters=tuple(cfg.lora.target_parameters),
         )
     else:
-        peft.apply_adapter(
+        adapter.apply_adapter(
             model,
             prompt_length=cfg.adapter.prompt_length,
             num_layers=cfg.adapter.num_layers or None,

@@ -14,7 +14,7 @@ from memfit.memory.offload import apply_activation_offloading
 from memfit.memory.techniques import apply_activation_checkpointing, loss_chunks
 from memfit.memory.tiled import apply_tiled_mlp, mlp_tiles
 from memfit.memory.tracker import MemoryTracker
-from memfit.models import peft
+from memfit.models import adapter, peft
 from memfit.models.decoder import build_decoder
 from memfit.models.presets import model_config
 from memfit.planner.estimate import estimate_run
@@ -45,7 +45,7 @@ def _method(model, method):
     elif method == "qlora":
         peft.apply_qlora(model, rank=4, alpha=8, dropout=0.0, target_modules=("up_proj", "down_proj"), seed=0)
     elif method == "adapter":
-        peft.apply_adapter(model, prompt_length=3, seed=0)
+        adapter.apply_adapter(model, prompt_length=3, seed=0)
         for (
             name,
             p,

@@ -21,14 +21,12 @@ from memfit.convert.peft_adapter import PEFT_CONFIG, PEFT_WEIGHTS, load_peft_ada
 from memfit.memory.optim import build_optimizer
 from memfit.memory.techniques import apply_activation_checkpointing, apply_compile, chunked_cross_entropy
 from memfit.memory.tracker import MemoryTracker
+from memfit.models.adapter import adapter_state_dict, apply_adapter, load_adapter_state_dict
 from memfit.models.decoder import build_decoder
 from memfit.models.peft import (
     LORA_TARGETS,
-    adapter_state_dict,
-    apply_adapter,
     apply_lora,
     freeze_base,
-    load_adapter_state_dict,
     load_lora_state_dict,
     lora_effective_weight,
     lora_state_dict,

@@ -127,7 +127,10 @@ def _cost_method(method: str, t: StepTerms) -> None:
 METHOD = Switch(
     key="method",
     record="method",
-    applied="build: memfit.build.build_model (memfit.models.peft.apply_lora / apply_qlora / apply_adapter)",
+    applied=(
+        "build: memfit.build.build_model (memfit.models.peft.apply_lora / apply_qlora, "
+        "memfit.models.adapter.apply_adapter)"
+    ),
     check=_check_method,
     choices=METHODS,
     check_model=_check_method_model,
