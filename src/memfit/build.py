@@ -409,14 +409,16 @@ def build_training(
 def build_reference(
     cfg: TrainConfig, mcfg: DecoderConfig, device: torch.device, *, world_size: int = 1, fake_mode: Any = None
 ) -> torch.nn.Module:
-    """A preference run's resident reference: ``checkpoint_dir``'s weights as ``method: full`` loads them, frozen
-    and in eval mode, with none of the run's memory switches (it only runs forwards without gradients); sharded
-    as the policy is, fake under ``fake_mode``.
+    """A preference run's resident reference: ``checkpoint_dir``'s weights as ``method: full`` loads them (under
+    ``method: qlora``, its decoder linears in NF4 as the policy's base: QLoRA's with ``lora_B`` zero, the base's
+    own function), frozen and in eval mode, with none of the run's memory switches (it only runs forwards without
+    gradients); sharded as the policy is, fake under ``fake_mode``.
 
     Raises:
         CheckpointError: as :func:`build_model`.
     """
-    ref_cfg = dataclasses.replace(cfg, method="full", moe=dataclasses.replace(cfg.moe, train_router=False))
+    method = "qlora" if cfg.method == "qlora" else "full"
+    ref_cfg = dataclasses.replace(cfg, method=method, moe=dataclasses.replace(cfg.moe, train_router=False))
     on_meta = fake_mode is not None or world_size > 1
     model: torch.nn.Module = build_model(ref_cfg, mcfg, torch.device("meta") if on_meta else device)
     model.requires_grad_(False)
@@ -428,9 +430,10 @@ def build_reference(
     with fake_mode if fake_mode is not None else contextlib.nullcontext():
         if fake_mode is not None:
             model.to_empty(device=torch.device("cpu"))
+            peft.empty_nf4_(model, torch.device("cpu"))
             dist_.unwrap(model).model.reset_rope()
         elif world_size > 1:
-            dist_.materialize_sharded(model, initial, device, None)
+            dist_.materialize_sharded(model, initial, device, nf4_format.to_nf4 if method == "qlora" else None)
     return model.eval()
 
 
