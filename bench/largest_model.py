@@ -365,7 +365,10 @@ def memfit_run(
         [
             ("setup", run.first(r"pre-flight:")),
             *(
-                [("load", run.first(r"reference log-probabilities of .* pairs: computing")), ("reference", loaded)]
+                [
+                    ("load", run.first(r"reference log-probabilities of .* pairs: computing")),
+                    ("reference", loaded),
+                ]
                 if reference
                 else [("load", loaded)]
             ),
@@ -808,7 +811,8 @@ def kept_prose(doc: Path) -> str | None:
 def section(rows: list[dict[str, Any]], scale: str, prose: str | None = None) -> str:
     """The markdown section of ``rows`` (the JSON's list), with ``prose`` (default: the placeholder) between the
     prose markers."""
-    rows = [r for r in rows if r.get("name") in ROWS]  # the JSON holds other benches' rows too (preference.py)
+    # the JSON holds other benches' rows too (bench/preference.py)
+    rows = [r for r in rows if r.get("name") in ROWS]
     command = ".venv/bin/python bench/largest_model.py" + (" --scale small" if scale == "small" else "")
     plain = argparse.Namespace(scale=scale, budget=None, force_config=None, cap_gib=22.0)
     default = {r["name"]: reproduce_command(plain, r["name"]) for r in rows}

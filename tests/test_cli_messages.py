@@ -24,7 +24,7 @@ from memfit import train as train_mod
 from memfit.cli import build_parser, main
 from memfit.config import config_from_dict, describe_keys, load_config, show_progress
 from memfit.convert.peft_adapter import save_peft_adapter
-from memfit.data.instruct import _split_indices
+from memfit.data.instruct import split_indices
 from memfit.data.run import instruct_data
 from memfit.errors import DataError
 from memfit.filemode import current_umask, default_file_mode
@@ -336,7 +336,7 @@ def _records(tmp_path: Path, long_at: int) -> Path:
 
 
 def test_validation_emptied_by_truncation_says_so(tmp_path, bpe):
-    (val,) = _split_indices(2, 0.5, seed=1337)[1]  # the record held out (seed: TrainConfig's default)
+    (val,) = split_indices(2, 0.5, seed=1337)[1]  # the record held out (seed: TrainConfig's default)
     cfg = _instruct_cfg(_records(tmp_path, int(val)))
     data = instruct_data(cfg, bpe, 160)
     assert data.val_empty_reason == (

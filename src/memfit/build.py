@@ -433,7 +433,9 @@ def build_reference(
             peft.empty_nf4_(model, torch.device("cpu"))
             dist_.unwrap(model).model.reset_rope()
         elif world_size > 1:
-            dist_.materialize_sharded(model, initial, device, nf4_format.to_nf4 if method == "qlora" else None)
+            dist_.materialize_sharded(
+                model, initial, device, nf4_format.to_nf4 if method == "qlora" else None
+            )
     return model.eval()
 
 

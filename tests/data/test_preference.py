@@ -380,7 +380,7 @@ def test_split_by_record_with_instruct_rule(tmp_path, tok):
     s = data.stats
     assert (len(data.train), len(data.val)) == (s.num_train_pairs, s.num_val_pairs) == (6, 2)
     assert s.num_val_records == 2
-    held_out = np.sort(np.random.default_rng([3, 0]).permutation(8)[:2])  # instruct.py's _split_indices
+    held_out = np.sort(np.random.default_rng([3, 0]).permutation(8)[:2])  # instruct.py's split_indices
     for k, i in enumerate(held_out):
         prompt_ids = encode_prompt([user(f"Q{i}")], "chatml", tok)
         assert split_rows(data.val, k)[0][0][: len(prompt_ids)] == prompt_ids

@@ -156,7 +156,7 @@ class _Rendering:
         return self.tokenizer.encode(text)
 
 
-def _specials_for(template: Template, tokenizer: Any) -> dict[str, int]:
+def specials_for(template: Template, tokenizer: Any) -> dict[str, int]:
     """The special ids a template needs from ``tokenizer``; raises when it lacks one (a chat template: when it
     cannot be rendered or read with this tokenizer)."""
     if isinstance(template, ChatTemplate):
@@ -206,7 +206,7 @@ def _user_text(message: dict[str, str]) -> str:
 def _render(
     messages: Sequence[dict[str, str]], template: str, tokenizer: Any, generation_prompt: bool
 ) -> _Rendering:
-    ids = _specials_for(template, tokenizer)
+    ids = specials_for(template, tokenizer)
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
             raise DataError(
@@ -409,7 +409,7 @@ def stop_token_ids(template: Template, tokenizer: Any) -> list[int]:
     """
     if isinstance(template, ChatTemplate):
         return template.stop_token_ids(tokenizer)
-    ids = _specials_for(template, tokenizer)
+    ids = specials_for(template, tokenizer)
     out = [ids["eos"]] if "eos" in ids else []
     for token in (_L3_EOT, _IM_END):
         if token in ids and ids[token] not in out:
@@ -716,7 +716,7 @@ class InstructData:
     stats: InstructStats
 
 
-def _split_indices(n: int, val_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+def split_indices(n: int, val_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
     """(train, val) record indices, each in file order; val a seeded random ``val_fraction`` of ``n``."""
     n_val = 0
     if val_fraction > 0 and n >= 2:
@@ -826,7 +826,7 @@ def prepare_instruct(
         raise DataError(f"max_seq_len must be a positive integer, got {max_seq_len!r}")
     if not 0.0 <= val_fraction < 1.0:
         raise DataError(f"val_fraction must be in [0, 1), got {val_fraction!r}")
-    _specials_for(template, tokenizer)  # a tokenizer/template mismatch fails here, not once per record
+    specials_for(template, tokenizer)  # a tokenizer/template mismatch fails here, not once per record
     records, num_skipped = load_records(path, fmt, column_map, skip_malformed)
 
     # ---- encode and truncate
@@ -869,7 +869,7 @@ def prepare_instruct(
     num_skipped += len(template_errors)
 
     # ---- split (by record, so the split does not depend on the template or max_seq_len)
-    train_idx, val_idx = _split_indices(len(records), val_fraction, seed)
+    train_idx, val_idx = split_indices(len(records), val_fraction, seed)
     train_samples = [s for i in train_idx if (s := samples[i]) is not None]
     val_samples = [s for i in val_idx if (s := samples[i]) is not None]
     if not train_samples:

@@ -70,14 +70,14 @@ from memfit.data.instruct import (
     EpochStream,
     InstructSplit,
     Template,
-    _specials_for,
-    _split_indices,
     encode_conversation,
     encode_prompt,
     pad_token_id,
+    specials_for,
+    split_indices,
     template_name,
 )
-from memfit.data.records import _Malformed, _read_raw, _where
+from memfit.data.records import Malformed, read_raw, record_where
 from memfit.errors import DataError
 from memfit.memory.techniques import IGNORE_INDEX
 
@@ -112,7 +112,7 @@ class PreferencePair:
 
     def where(self, path: Path) -> str:
         """``'<path>' record <index> (0-based; line <line>)``, as :mod:`memfit.data.records` names records."""
-        return _where(path, self.index, self.line)
+        return record_where(path, self.index, self.line)
 
 
 def load_pairs(
@@ -139,13 +139,13 @@ def load_pairs(
     columns = format_columns(PREFERENCE_FORMAT, column_map)
     pairs: list[PreferencePair] = []
     reasons: list[str] = []
-    for index, (line, item) in enumerate(_read_raw(path)):
+    for index, (line, item) in enumerate(read_raw(path)):
         try:
-            if isinstance(item, _Malformed):
+            if isinstance(item, Malformed):
                 raise item
             prompt, chosen, rejected = _to_pair(item, columns)
-        except _Malformed as exc:
-            message = f"{_where(path, index, line)} is malformed: {exc}"
+        except Malformed as exc:
+            message = f"{record_where(path, index, line)} is malformed: {exc}"
             if not skip_malformed:
                 raise DataError(f"{message} {_SKIP_HINT}") from None
             reasons.append(message)
@@ -170,24 +170,22 @@ def _label(name: str, canonical: str) -> str:
 
 def _message(m: Any, what: str) -> dict[str, str]:
     if not isinstance(m, dict):
-        raise _Malformed(f"{what} is a {type(m).__name__}, not a message {{'role', 'content'}}: {m!r:.40}")
+        raise Malformed(f"{what} is a {type(m).__name__}, not a message {{'role', 'content'}}: {m!r:.40}")
     if "role" not in m or "content" not in m:
-        raise _Malformed(
+        raise Malformed(
             f"{what} needs 'role' and 'content'; it has {', '.join(map(repr, list(m)[:8])) or 'none'}"
         )
     role, content = m["role"], m["content"]
     if not isinstance(role, str) or role not in ROLES:
-        raise _Malformed(f"{what} has role {role!r:.40}; expected one of {', '.join(ROLES)}")
+        raise Malformed(f"{what} has role {role!r:.40}; expected one of {', '.join(ROLES)}")
     if not isinstance(content, str):
-        raise _Malformed(
-            f"{what} has content of type {type(content).__name__}, not a string: {content!r:.40}"
-        )
+        raise Malformed(f"{what} has content of type {type(content).__name__}, not a string: {content!r:.40}")
     return {"role": role, "content": content}
 
 
 def _message_list(value: list, label: str) -> Messages:
     if not value:
-        raise _Malformed(f"field {label} is an empty list of messages")
+        raise Malformed(f"field {label} is an empty list of messages")
     return [_message(m, f"field {label} message {i}") for i, m in enumerate(value)]
 
 
@@ -195,7 +193,7 @@ def _prompt(value: Any, label: str) -> Messages:
     if isinstance(value, str):
         return [{"role": "user", "content": value}]
     if not isinstance(value, list):
-        raise _Malformed(
+        raise Malformed(
             f"field {label} must be a string or a list of messages, got {type(value).__name__} {value!r:.40}"
         )
     messages = _message_list(value, label)
@@ -205,7 +203,7 @@ def _prompt(value: Any, label: str) -> Messages:
 
 def _check_prompt(messages: Messages, what: str) -> None:
     if messages[-1]["role"] != "user":
-        raise _Malformed(
+        raise Malformed(
             f"{what} ends with a{'n' * (messages[-1]['role'] == 'assistant')} {messages[-1]['role']!r} message; "
             "a prompt ends with the user's message"
         )
@@ -219,7 +217,7 @@ def _completion(value: Any, label: str) -> Messages:
     elif isinstance(value, list):
         messages = _message_list(value, label)
     else:
-        raise _Malformed(
+        raise Malformed(
             f"field {label} must be a string, a message or a list of messages, got {type(value).__name__} "
             f"{value!r:.40}"
         )
@@ -230,7 +228,7 @@ def _completion(value: Any, label: str) -> Messages:
 def _check_completion(messages: Messages, what: str) -> None:
     for end, m in (("begins", messages[0]), ("ends", messages[-1])):
         if m["role"] != "assistant":
-            raise _Malformed(
+            raise Malformed(
                 f"{what} {end} with a {m['role']!r} message; a completion is the assistant's reply (it begins "
                 "and ends with an assistant message)"
             )
@@ -238,14 +236,14 @@ def _check_completion(messages: Messages, what: str) -> None:
 
 def _to_pair(item: Any, columns: dict[str, str]) -> tuple[Messages, Messages, Messages]:
     if not isinstance(item, dict):
-        raise _Malformed(f"a record must be a JSON object, got {type(item).__name__} {item!r:.40}")
+        raise Malformed(f"a record must be a JSON object, got {type(item).__name__} {item!r:.40}")
     labels = {key: _label(columns[key], key) for key in ("prompt", "chosen", "rejected")}
     for key in ("chosen", "rejected"):
         if columns[key] in item and item[columns[key]] is None:
-            raise _Malformed(f"field {labels[key]} is null")
+            raise Malformed(f"field {labels[key]} is null")
         if columns[key] not in item:
             have = ", ".join(map(repr, list(item)[:8])) or "none"
-            raise _Malformed(f"missing field {labels[key]}; fields present: {have} (rename with column_map)")
+            raise Malformed(f"missing field {labels[key]}; fields present: {have} (rename with column_map)")
     chosen, rejected = item[columns["chosen"]], item[columns["rejected"]]
     if item.get(columns["prompt"]) is not None:
         prompt = _prompt(item[columns["prompt"]], labels["prompt"])
@@ -254,7 +252,7 @@ def _to_pair(item: Any, columns: dict[str, str]) -> tuple[Messages, Messages, Me
     # implicit prompt: the shared leading messages of two whole conversations (TRL's extract_prompt)
     for key, value in (("chosen", chosen), ("rejected", rejected)):
         if not isinstance(value, list):
-            raise _Malformed(
+            raise Malformed(
                 f"missing field {labels['prompt']}; without it, {labels['chosen']} and {labels['rejected']} must "
                 f"be whole conversations (lists of messages) that share the prompt, but {labels[key]} is a "
                 f"{type(value).__name__} (rename with column_map)"
@@ -264,7 +262,7 @@ def _to_pair(item: Any, columns: dict[str, str]) -> tuple[Messages, Messages, Me
     k = next((i for i in range(n) if chosen[i] != rejected[i]), n - 1)
     what = f"the implicit prompt (the messages {labels['chosen']} and {labels['rejected']} share)"
     if k == 0:
-        raise _Malformed(
+        raise Malformed(
             f"missing field {labels['prompt']}, and {labels['chosen']} and {labels['rejected']} share no leading "
             "message before their completions to take it from"
         )
@@ -571,7 +569,7 @@ def prepare_preference(
         raise DataError(f"max_seq_len must be a positive integer, got {max_seq_len!r}")
     if not 0.0 <= val_fraction < 1.0:
         raise DataError(f"val_fraction must be in [0, 1), got {val_fraction!r}")
-    _specials_for(template, tokenizer)  # a tokenizer/template mismatch fails here, not once per record
+    specials_for(template, tokenizer)  # a tokenizer/template mismatch fails here, not once per record
     pairs, num_malformed = load_pairs(path, column_map=column_map, skip_malformed=skip_malformed)
 
     # ---- render and truncate
@@ -625,7 +623,7 @@ def prepare_preference(
         )
 
     # ---- split (by record, so the split does not depend on the template or max_seq_len)
-    train_idx, val_idx = _split_indices(len(pairs), val_fraction, seed)
+    train_idx, val_idx = split_indices(len(pairs), val_fraction, seed)
     train = [r for i in train_idx if (r := rows[i]) is not None]
     val = [r for i in val_idx if (r := rows[i]) is not None]
     num_records = len(pairs) + num_malformed

@@ -42,14 +42,14 @@ class _Record:
     messages: list[dict[str, str]]
 
     def where(self, path: Path) -> str:
-        return _where(path, self.index, self.line)
+        return record_where(path, self.index, self.line)
 
 
-def _where(path: Path, index: int, line: int | None) -> str:
+def record_where(path: Path, index: int, line: int | None) -> str:
     return f"'{path}' record {index} (0-based" + (f"; line {line})" if line is not None else ")")
 
 
-class _Malformed(Exception):
+class Malformed(Exception):
     """A record that cannot become a conversation; the message says what is wrong with it."""
 
 
@@ -124,8 +124,8 @@ def read_utf8(path: Path, what: str = "corpus file", encoding: str = "utf-8") ->
         ) from None
 
 
-def _read_raw(path: Path) -> list[tuple[int | None, Any]]:
-    """``[(line or None, parsed record or _Malformed), ...]`` for every record of the file."""
+def read_raw(path: Path) -> list[tuple[int | None, Any]]:
+    """``[(line or None, parsed record or Malformed), ...]`` for every record of the file."""
     suffix = path.suffix.lower()
     if suffix not in (".json", ".jsonl"):
         raise DataError(
@@ -170,7 +170,7 @@ def _read_jsonl(path: Path) -> list[tuple[int | None, Any]]:
                 try:
                     out.append((lines.number, jsonl_loads(data)))
                 except MalformedJSON as exc:
-                    out.append((lines.number, _Malformed(f"invalid JSON: {exc.msg} at column {exc.colno}")))
+                    out.append((lines.number, Malformed(f"invalid JSON: {exc.msg} at column {exc.colno}")))
                 except NotUTF8 as exc:
                     raise DataError(
                         f"data file '{path}' is not valid UTF-8: byte 0x{exc.byte:02x} at line {lines.number}, "
@@ -190,13 +190,13 @@ def load_records(
     columns = format_columns(fmt, column_map)
     records: list[_Record] = []
     reasons: list[str] = []
-    for index, (line, item) in enumerate(_read_raw(path)):
+    for index, (line, item) in enumerate(read_raw(path)):
         try:
-            if isinstance(item, _Malformed):
+            if isinstance(item, Malformed):
                 raise item
             messages = _to_messages(item, fmt, columns)
-        except _Malformed as exc:
-            message = f"{_where(path, index, line)} is malformed: {exc}"
+        except Malformed as exc:
+            message = f"{record_where(path, index, line)} is malformed: {exc}"
             if not skip_malformed:
                 raise DataError(f"{message} (set data.skip_malformed to skip such records)") from None
             reasons.append(message)
@@ -221,16 +221,16 @@ def _field(obj: dict, name: str, what: str, optional: bool = False) -> str | Non
         if optional:
             return None
         have = ", ".join(map(repr, list(obj)[:8])) or "none"
-        raise _Malformed(f"missing field {label}; fields present: {have} (rename with column_map)")
+        raise Malformed(f"missing field {label}; fields present: {have} (rename with column_map)")
     value = obj[name]
     if not isinstance(value, str):
-        raise _Malformed(f"field {label} must be a string, got {type(value).__name__} {value!r:.40}")
+        raise Malformed(f"field {label} must be a string, got {type(value).__name__} {value!r:.40}")
     return value
 
 
 def _to_messages(item: Any, fmt: str, columns: dict[str, str]) -> list[dict[str, str]]:
     if not isinstance(item, dict):
-        raise _Malformed(f"a record must be a JSON object, got {type(item).__name__} {item!r:.40}")
+        raise Malformed(f"a record must be a JSON object, got {type(item).__name__} {item!r:.40}")
     if fmt in ("alpaca", "dolly"):
         instruction = _field(item, columns["instruction"], "instruction")
         context = _field(item, columns["input"], "input", optional=True)
@@ -244,30 +244,30 @@ def _to_messages(item: Any, fmt: str, columns: dict[str, str]) -> list[dict[str,
         ("conversations", "from", "value") if fmt == "sharegpt" else ("messages", "role", "content")
     )
     if columns[key] not in item:
-        raise _Malformed(f"missing field {columns[key]!r} (the list of turns) (rename with column_map)")
+        raise Malformed(f"missing field {columns[key]!r} (the list of turns) (rename with column_map)")
     turns = item[columns[key]]
     if not isinstance(turns, list):
-        raise _Malformed(f"field {columns[key]!r} is a {type(turns).__name__}, not a list of turns")
+        raise Malformed(f"field {columns[key]!r} is a {type(turns).__name__}, not a list of turns")
     if not turns:
-        raise _Malformed("the conversation is empty")
+        raise Malformed("the conversation is empty")
     messages = []
     for t, turn in enumerate(turns):
         if not isinstance(turn, dict):
-            raise _Malformed(f"turn {t} is a {type(turn).__name__}, not an object")
+            raise Malformed(f"turn {t} is a {type(turn).__name__}, not an object")
         try:
             role = _field(turn, columns[role_key], role_key)
             content = _field(turn, columns[text_key], text_key)
-        except _Malformed as exc:
-            raise _Malformed(f"turn {t}: {exc}") from None
+        except Malformed as exc:
+            raise Malformed(f"turn {t}: {exc}") from None
         if fmt == "sharegpt":
             if role not in _SHAREGPT_ROLES:
-                raise _Malformed(
+                raise Malformed(
                     f"turn {t} has unknown speaker {role!r}; expected one of {', '.join(_SHAREGPT_ROLES)}"
                 )
             role = _SHAREGPT_ROLES[role]
         elif role not in ROLES:
-            raise _Malformed(f"turn {t} has unknown role {role!r}; expected one of {', '.join(ROLES)}")
+            raise Malformed(f"turn {t} has unknown role {role!r}; expected one of {', '.join(ROLES)}")
         messages.append({"role": role, "content": content})
     if not any(m["role"] == "assistant" for m in messages):
-        raise _Malformed("the conversation has no assistant turn (nothing to train on)")
+        raise Malformed("the conversation has no assistant turn (nothing to train on)")
     return messages
