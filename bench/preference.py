@@ -23,9 +23,11 @@ Rows (``--rows``, default all, run in this order; each one fresh process):
   reference is the adapters-off base too), under the cap.
 
 The models are ``bench/largest_model.py``'s random Hugging Face directories (``bench/random_hf.py``: Meta's
-configs, GPT-2's tokenizer), written once under ``--workdir`` and shared with that script. The pairs are
-``tests/assets/preference_pairs.jsonl`` (12 pairs made from the Dolly sample; half plain strings, half chat
-messages) rendered with ``data.template=chatml``; pairs whose prompt alone fills 513 tokens are dropped.
+configs, GPT-2's tokenizer), written once under ``--workdir`` and shared with that script. The pairs are 6 made
+from the Dolly sample (:func:`long_pairs`: a record's instruction, and two runs of the responses after it, each
+longer than 512 tokens), rendered with ``data.template=chatml``: every row is cut to 513 tokens, so every step
+holds rows as long as the estimate's (the longest the data has), as the packed rows of ``bench/largest_model.py``
+do.
 
 Measured as ``bench/largest_model.py`` measures (``memfit_run``: ``/usr/bin/time -v``'s peak RSS, the process
 tree's RSS sampled every 0.1 s and split into phases at the lines memfit prints: load to ``reference
@@ -67,13 +69,39 @@ ROW_MODEL = {"3b-dpo": "3b", "3b-dpo-trl": "3b", "8b-qlora-dpo": "8b", "8b-qlora
 SECTION = "preference"
 SEQ_LEN = 512
 STEPS = 2
-PAIRS = ASSETS / "preference_pairs.jsonl"
+NUM_PAIRS = 6
+
+
+def long_pairs(path: Path, count: int = NUM_PAIRS, chars: int = 4000) -> Path:
+    """``count`` pairs whose every row fills ``SEQ_LEN + 1`` tokens, written to ``path`` (JSONL): the prompt a
+    Dolly record's instruction, the chosen and the rejected reply each the Dolly responses that follow it (from two
+    different records on), joined until ``chars`` characters (GPT-2's BPE: ~4 characters a token, so > 512 tokens).
+    Every step's rows are then as long as the longest the estimate assumes, as the packed rows of
+    ``bench/largest_model.py`` are."""
+    records = json.loads((ASSETS / "dolly_sample.json").read_text())
+    responses = [r["response"] for r in records]
+
+    def reply(start: int) -> str:
+        out, k = "", start
+        while len(out) < chars:
+            out += responses[k % len(responses)] + "\n\n"
+            k += 1
+        return out[:chars]
+
+    lines = [
+        json.dumps({"prompt": records[i]["instruction"], "chosen": reply(i + 1), "rejected": reply(i + 5)})
+        for i in range(count)
+    ]
+    path.write_text("\n".join(lines) + "\n")
+    return path
 
 
 def data(run_dir: Path) -> list[str]:
-    """The pairs, as ``memfit plan`` and ``memfit finetune`` take them, with a fresh reference directory."""
+    """The pairs (:func:`long_pairs`), as ``memfit plan`` and ``memfit finetune`` take them, with a fresh reference
+    directory."""
+    pairs = long_pairs(run_dir / "pairs.jsonl")
     return [
-        f"data.path={PAIRS}", "data.format=preference", "data.template=chatml", "objective=dpo",
+        f"data.path={pairs}", "data.format=preference", "data.template=chatml", "objective=dpo",
         f"preference.reference_dir={run_dir / 'reference'}",
     ]  # fmt: skip
 
@@ -121,7 +149,8 @@ def row_8b_qlora_dpo(args: argparse.Namespace, model_dir: Path, run_dir: Path, n
 def row_trl(args: argparse.Namespace, model_dir: Path, run_dir: Path, name: str) -> dict[str, Any]:
     """A TRL row (``bench/trl_dpo.py``) under the cap: where it stops, or its peak."""
     mode = "qlora" if "qlora" in name else "full"
-    child = {"dir": str(model_dir), "mode": mode, "data": str(PAIRS), "seq_len": SEQ_LEN, "steps": STEPS,
+    pairs = long_pairs(run_dir / "pairs.jsonl")
+    child = {"dir": str(model_dir), "mode": mode, "data": str(pairs), "seq_len": SEQ_LEN, "steps": STEPS,
              "rank": 16, "alpha": 32, "targets": LORA_TARGETS}  # fmt: skip
     cap_bytes = int(args.cap_gib * GIB)
     with memory_cap(cap_bytes, name) as (prefix, cap_text):
@@ -184,8 +213,8 @@ def section(rows: list[dict[str, Any]]) -> str:
         "## Preference tuning (DPO) on 24 GiB",
         "",
         "Each row is one fresh process on this machine (2 CPU cores, 24 GiB of RAM, no swap), on "
-        "`bench/largest_model.py`'s directories of random bf16 weights, one pair of `tests/assets/"
-        "preference_pairs.jsonl` a step (its chosen and rejected replies, each row at most 512 tokens), 2 steps. "
+        "`bench/largest_model.py`'s directories of random bf16 weights, one pair a step of 6 made "
+        "from the Dolly sample (its chosen and rejected rows, each cut to 512 tokens), 2 steps. "
         "*Predicted* is `memfit estimate --json`'s `host_peak_rss_gib`, and per phase its `phase_peaks_gib` plus "
         "what the process holds besides its tensors; *measured* is the whole process's peak RSS (`/usr/bin/time "
         "-v`), the phase peaks the RSS sampled every 0.1 s, split at the lines the run prints. The TRL rows run "
