@@ -134,13 +134,16 @@ def test_step_and_evaluation_options_are_the_config_keys_of_the_same_name():
     assert step == {
         "max_grad_norm": cfg.max_grad_norm,
         "router_aux_loss_coef": 0.0,  # moe.router_aux_loss_coef: the step's own name for it
+        "preference": None,  # objective=next_token
         "dtype": "bf16",
         "chunked_cross_entropy": 4,
         "compile": False,
     }
     assert set(step) <= set(inspect.signature(train_step).parameters)
     options = evaluation_options(cfg, device)
-    assert options == {"dtype": "bf16", "chunked_cross_entropy": 4, "compile": False, "device": device}
+    assert options == {
+        "dtype": "bf16", "chunked_cross_entropy": 4, "compile": False, "device": device, "preference": None
+    }  # fmt: skip
     assert set(options) == set(inspect.signature(evaluate).parameters) - {"model", "batches"}
 
 

@@ -5,7 +5,7 @@ The pass runs the starting model (the checkpoint, before any update) over every 
 without gradients, as the step computes a row's log-probability (:func:`memfit.step.sequence_logps`, chunked
 when the run chunks its loss), and stores ``(num_pairs, 2)`` float64 ``[chosen, rejected]`` summed reply
 log-probabilities as ``<reference_dir>/<key>.npy``. The key is a sha256 of the checkpoint's weight files
-(:func:`memfit.convert.weights_fingerprint`), the split's rendered pairs (their token ids and reply masks:
+(every byte: :func:`checkpoint_digest`), the split's rendered pairs (their token ids and reply masks:
 :meth:`memfit.data.preference.PreferenceSplit.fingerprint`, which covers the data, the template and
 ``seq_len``) and the dtype policy, so a later run of the same pairs on the same weights reuses the file and any
 change computes a new one. An interrupted pass resumes from ``<key>.partial.npz`` (written atomically every
@@ -30,7 +30,7 @@ import torch
 from tqdm.auto import tqdm
 
 from memfit import distributed as dist_
-from memfit.convert import weights_fingerprint
+from memfit.convert import weight_files
 from memfit.errors import DataError
 from memfit.step import sequence_logps
 
@@ -39,10 +39,52 @@ SAVE_EVERY_S = 60.0
 FORMAT_VERSION = 1
 
 
-def reference_key(checkpoint_dir: str | Path, split_fingerprint: str, dtype: str) -> str:
+def checkpoint_digest(checkpoint_dir: str | Path, cache: Path | None = None) -> str:
+    """sha256 hex over a checkpoint's weight files and ``config.json``, every byte of them: the reference
+    log-probabilities must change with any weight (a cheap fingerprint of a few MiB a file would miss an edit in
+    the middle of one).
+
+    Each file's own sha256 is kept in ``cache`` (a JSON file; ``None``: none) under its path, size and
+    modification time, so a later run over unchanged files reads instead of hashing them again (hashing runs at
+    about 1 GB/s: seconds for an 8B checkpoint).
+
+    Raises:
+        CheckpointError: ``checkpoint_dir`` is not a checkpoint (:func:`memfit.convert.detect_format`).
+    """
+    root = Path(checkpoint_dir)
+    files = weight_files(root) + [f for f in (root / "config.json", root / "params.json") if f.is_file()]
+    known = {}
+    if cache is not None and cache.is_file():
+        try:
+            known = json.loads(cache.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            known = {}  # a damaged cache is only a cache
+    digest, changed = hashlib.sha256(), False
+    for file in files:
+        st = file.stat()
+        name = str(file.resolve())
+        entry = known.get(name)
+        if not (entry and entry.get("size") == st.st_size and entry.get("mtime_ns") == st.st_mtime_ns):
+            h = hashlib.sha256()
+            with open(file, "rb") as f:
+                while block := f.read(16 * 1024**2):
+                    h.update(block)
+            entry = known[name] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": h.hexdigest()}
+            changed = True
+        digest.update(f"{file.name}:{st.st_size}:{entry['sha256']}\n".encode())
+    if cache is not None and changed:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        _atomic(cache, lambda tmp: tmp.write_text(json.dumps(known, indent=1) + "\n", encoding="utf-8"))
+    return digest.hexdigest()
+
+
+def reference_key(
+    checkpoint_dir: str | Path, split_fingerprint: str, dtype: str, cache: Path | None = None
+) -> str:
     """The file name (without suffix) of a split's reference log-probabilities: sha256 hex of the checkpoint's
-    weights fingerprint, the split's fingerprint, the dtype policy and the format version."""
-    parts = (str(FORMAT_VERSION), weights_fingerprint(checkpoint_dir), split_fingerprint, dtype)
+    bytes (:func:`checkpoint_digest`, its per-file hashes kept in ``cache``), the split's fingerprint, the dtype
+    policy and the format version."""
+    parts = (str(FORMAT_VERSION), checkpoint_digest(checkpoint_dir, cache), split_fingerprint, dtype)
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:32]
 
 
@@ -66,10 +108,12 @@ def _save_npy(path: Path, array: np.ndarray) -> None:
     _atomic(path, write)
 
 
-def _save_partial(path: Path, logps: np.ndarray, rounds: int) -> None:
+def _save_partial(path: Path, logps: np.ndarray) -> None:
+    """The pass's results so far (``NaN`` rows: not computed yet), written atomically."""
+
     def write(tmp: Path) -> None:
         with open(tmp, "wb") as f:
-            np.savez(f, logps=logps, rounds=np.array(rounds))
+            np.savez(f, logps=logps)
 
     _atomic(path, write)
 
@@ -113,8 +157,11 @@ def precompute_reference(
     """The reference log-probabilities of every pair of ``split``: read from ``directory`` when stored, else
     computed now with ``model`` (and stored).
 
-    Sharded, every rank takes its own batch of each round (batch ``round * world + rank``; a rank past the last
-    batch repeats it and its result is dropped), the results are summed over the ranks and rank 0 writes them.
+    The pairs not computed yet (all, or those a partial file of an interrupted pass lacks) go in batches of
+    ``batch_size``, in order. Sharded, every rank takes its own batch of each round (batch ``round * world +
+    rank``; a rank past the last batch repeats it and its result is dropped), the results are summed over the
+    ranks and rank 0 writes them. The pass runs eager (``torch.compiler.set_stance("force_eager")``), compiled
+    layers or not.
 
     Args:
         model: the starting model, in the state the run starts from.
@@ -142,49 +189,50 @@ def precompute_reference(
     main, world, rank = dist_.is_main(), dist_.world_size(), dist_.rank()
     partial = directory / f"{key}.partial.npz"
     logps = np.full((n, 2), np.nan, dtype=np.float64)
-    start_round = 0
-    if partial.is_file():
+    if main and partial.is_file():
         with np.load(partial) as saved:
             if saved["logps"].shape == logps.shape:
-                logps, start_round = saved["logps"].copy(), int(saved["rounds"])
-    if main:
+                logps = saved["logps"].copy()
         directory.mkdir(parents=True, exist_ok=True)
-    num_batches = -(-n // batch_size)
-    num_rounds = -(-num_batches // world)
+    elif main:
+        directory.mkdir(parents=True, exist_ok=True)
+    logps = dist_.from_main(logps)  # every rank resumes from rank 0's partial results
+    # the pairs still to compute, in order: an interrupted pass resumes with the same batches (the same batch size)
+    # or with any other batch size or number of ranks
+    todo = np.flatnonzero(~np.isfinite(logps).all(axis=1))
+    batches = [todo[i : i + batch_size] for i in range(0, len(todo), batch_size)]
+    num_rounds = -(-len(batches) // world)
     options = {k: step_options[k] for k in ("dtype", "chunked_cross_entropy")}
     was_training = model.training
     model.eval()
     last_save = time.monotonic()
     bar = tqdm(
-        total=num_rounds,
-        initial=start_round,
+        total=len(todo),
         desc=f"reference log-probs ({label})",
-        unit="round",
+        unit="pair",
         disable=not (progress_bar and main),
         dynamic_ncols=True,
     )
-    for r in range(start_round, num_rounds):
-        b = min(r * world + rank, num_batches - 1)
-        first = b * batch_size
-        index = np.arange(first, min(first + batch_size, n))
-        inputs, targets, _ = split.collate(index)
-        got = sequence_logps(model, inputs.to(device), targets.to(device), **options).double()  # (2k,)
-        k = len(index)
-        mine = torch.full((world, batch_size, 2), 0.0, dtype=torch.float64, device=device)
-        valid = torch.zeros((world, batch_size), dtype=torch.float64, device=device)
-        if r * world + rank < num_batches:
-            mine[rank, :k, 0], mine[rank, :k, 1] = got[:k], got[k:]
-            valid[rank, :k] = 1.0
-        mine, valid = dist_.all_reduce_sum(mine).cpu().numpy(), dist_.all_reduce_sum(valid).cpu().numpy()
-        for w in range(world):
-            bw = r * world + w
-            if bw < num_batches:
-                rows = np.arange(bw * batch_size, min(bw * batch_size + batch_size, n))
-                logps[rows] = mine[w, : len(rows)]
-        bar.update(1)
-        if main and time.monotonic() - last_save > SAVE_EVERY_S and r + 1 < num_rounds:
-            _save_partial(partial, logps, r + 1)
-            last_save = time.monotonic()
+    # eager: a pass without gradients, once; compiling its graphs beside the step's gains nothing
+    with torch.compiler.set_stance("force_eager"):
+        for r in range(num_rounds):
+            b = r * world + rank  # this rank's batch; past the last, it repeats the last and drops the result
+            index = batches[min(b, len(batches) - 1)]
+            inputs, targets, _ = split.collate(index)
+            got = sequence_logps(model, inputs.to(device), targets.to(device), **options).double()  # (2k,)
+            mine = torch.zeros((world, batch_size, 2), dtype=torch.float64, device=device)
+            if b < len(batches):
+                k = len(index)
+                mine[rank, :k, 0], mine[rank, :k, 1] = got[:k], got[k:]
+            mine = dist_.all_reduce_sum(mine).cpu().numpy()
+            for w in range(world):
+                if r * world + w < len(batches):
+                    rows = batches[r * world + w]
+                    logps[rows] = mine[w, : len(rows)]
+                    bar.update(len(rows))
+            if main and time.monotonic() - last_save > SAVE_EVERY_S and r + 1 < num_rounds:
+                _save_partial(partial, logps)
+                last_save = time.monotonic()
     bar.close()
     model.train(was_training)
     if not np.isfinite(logps).all():

@@ -499,12 +499,12 @@ def evaluate(
 
 def _evaluate_preference(model, batches, preference: PreferenceStep, options: dict, device) -> float:
     """The preference objective over every pair of ``batches`` (all ranks'): the mean of the pairs' losses, plus
-    the NLL term over all chosen reply tokens. NaN without a pair."""
+    the NLL term over the tokens it covers. NaN without a pair."""
     pref = preference.objective
     sums = torch.zeros(
-        3, dtype=torch.float64, device=device
-    )  # pairs' losses, -chosen logps; pairs, chosen tokens
-    counts = torch.zeros(2, dtype=torch.float64, device=device)
+        2, dtype=torch.float64, device=device
+    )  # the pairs' losses, the NLL term's cross-entropy
+    counts = torch.zeros(2, dtype=torch.float64, device=device)  # pairs, the NLL term's tokens
     for inputs, targets, reference, *rest in batches:
         inputs, targets = inputs.to(device), targets.to(device)
         if rest:  # which pairs count: an uncounted pair's rows score nothing (data.run.preference_data)

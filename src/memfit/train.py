@@ -257,7 +257,12 @@ def _reference_tables(cfg: TrainConfig, run: _Run, model: torch.nn.Module, devic
     for label, split in (("train", pairs.train), ("val", pairs.val)):
         if not len(split):
             continue
-        key = reference_key(cfg.checkpoint_dir, split.fingerprint(), cfg.dtype)
+        # rank 0 hashes the checkpoint (its per-file hashes cached beside the tables), every rank uses its key
+        key = dist_.from_main(
+            reference_key(cfg.checkpoint_dir, split.fingerprint(), cfg.dtype, directory / "checkpoints.json")
+            if run.main_rank
+            else None
+        )
         stored = (directory / f"{key}.npy").is_file()
         batch_size = pref.reference_batch_size or cfg.batch_size
         if run.main_rank and not stored:

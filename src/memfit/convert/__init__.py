@@ -170,7 +170,7 @@ def weights_fingerprint(path: str | Path, fmt: str | None = None) -> str:
     import hashlib
 
     digest = hashlib.sha256()
-    files = sorted({entry.file for entry in _scan(Path(path), fmt).entries})
+    files = weight_files(path, fmt)
     chunk = 1024**2
     for file in files:
         size = file.stat().st_size
@@ -180,6 +180,15 @@ def weights_fingerprint(path: str | Path, fmt: str | None = None) -> str:
             f.seek(max(size - chunk, 0))
             digest.update(f.read(chunk))
     return digest.hexdigest()
+
+
+def weight_files(path: str | Path, fmt: str | None = None) -> list[Path]:
+    """The files a checkpoint's weights are read from, sorted (safetensors shards, ``.pth`` files).
+
+    Raises:
+        CheckpointError: see :func:`detect_format`.
+    """
+    return sorted({entry.file for entry in _scan(Path(path), fmt).entries})
 
 
 def _scan(path: Path, fmt: str | None) -> Scan:
