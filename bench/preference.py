@@ -206,8 +206,20 @@ def _cell(value: Any, fmt: str = "{:.2f}") -> str:
     return "—" if value is None else fmt.format(value)
 
 
-def section(rows: list[dict[str, Any]]) -> str:
-    """The markdown section of this script's rows of the JSON."""
+PROSE_START, PROSE_END = "<!-- preference-prose:start -->", "<!-- preference-prose:end -->"
+"""The hand-written prose inside the section, kept as it is when the script rewrites the section."""
+
+
+def kept_prose(doc: Path) -> str:
+    """The prose between the prose markers of ``doc`` (a placeholder until written)."""
+    text = doc.read_text() if doc.exists() else ""
+    if PROSE_START in text and PROSE_END in text:
+        return text[text.index(PROSE_START) + len(PROSE_START) : text.index(PROSE_END)].strip()
+    return "*To be written by hand: what each row needed, and how each prediction compares with its measurement.*"
+
+
+def section(rows: list[dict[str, Any]], prose: str = "") -> str:
+    """The markdown section of this script's rows of the JSON, with ``prose`` between the prose markers."""
     rows = [r for r in rows if r.get("name") in ROWS]
     lines = [
         "## Preference tuning (DPO) on 24 GiB",
@@ -246,6 +258,7 @@ def section(rows: list[dict[str, Any]]) -> str:
             f"| {_cell(r.get('measured_peak_rss_gib'))} | {measured} | {predicted} | {steps} | {losses} "
             f"| {outcome} |"
         )
+    lines += ["", PROSE_START, prose, PROSE_END]
     return "\n".join(lines) + "\n"
 
 
@@ -314,10 +327,11 @@ def main() -> int:
             shutil.rmtree(run_dir / "output", ignore_errors=True)
             if all(ROW_MODEL[later] != model_key for later in rows[i + 1 :]):
                 shutil.rmtree(model_dir, ignore_errors=True)
-    text = section(results)
+    doc = ROOT / "docs" / "benchmarks.md"
+    text = section(results, kept_prose(doc))
     print(text)
     if not small:
-        write_section(ROOT / "docs" / "benchmarks.md", SECTION, text)
+        write_section(doc, SECTION, text)
     return 0
 
 
