@@ -77,7 +77,7 @@ from memfit.data.instruct import (
     split_indices,
     template_name,
 )
-from memfit.data.records import Malformed, read_raw, record_where
+from memfit.data.records import Malformed, record_where, valid_records
 from memfit.errors import DataError
 from memfit.memory.techniques import IGNORE_INDEX
 
@@ -137,30 +137,10 @@ def load_pairs(
     """
     path = Path(path)
     columns = format_columns(PREFERENCE_FORMAT, column_map)
-    pairs: list[PreferencePair] = []
-    reasons: list[str] = []
-    for index, (line, item) in enumerate(read_raw(path)):
-        try:
-            if isinstance(item, Malformed):
-                raise item
-            prompt, chosen, rejected = _to_pair(item, columns)
-        except Malformed as exc:
-            message = f"{record_where(path, index, line)} is malformed: {exc}"
-            if not skip_malformed:
-                raise DataError(f"{message} {_SKIP_HINT}") from None
-            reasons.append(message)
-            continue
-        pairs.append(PreferencePair(index, line, prompt, chosen, rejected))
-    if reasons:
-        log.warning(
-            "skipped %d malformed record(s) of '%s'; first: %s", len(reasons), path, "; ".join(reasons[:3])
-        )
-    if not pairs:
-        raise DataError(
-            f"data file '{path}' holds no valid {PREFERENCE_FORMAT} record ({len(reasons)} malformed, skipped); "
-            f"the first: {reasons[0]}"
-        )
-    return pairs, len(reasons)
+    valid, skipped = valid_records(
+        path, PREFERENCE_FORMAT, lambda item: _to_pair(item, columns), skip_malformed
+    )
+    return [PreferencePair(index, line, *pair) for index, line, pair in valid], skipped
 
 
 def _label(name: str, canonical: str) -> str:

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from memfit.data.chat_template import ROLES
 from memfit.data.formats import format_columns
@@ -19,6 +20,8 @@ from memfit.data.jsonl import loads as jsonl_loads
 from memfit.errors import DataError
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 _SHAREGPT_ROLES = {
     "human": "user",
@@ -184,34 +187,51 @@ def _read_jsonl(path: Path) -> list[tuple[int | None, Any]]:
     return out
 
 
-def load_records(
-    path: Path, fmt: str, column_map: dict[str, str] | None, skip_malformed: bool
-) -> tuple[list[_Record], int]:
-    columns = format_columns(fmt, column_map)
-    records: list[_Record] = []
+def valid_records(
+    path: Path, fmt: str, convert: Callable[[Any], T], skip_malformed: bool
+) -> tuple[list[tuple[int, int | None, T]], int]:
+    """Every record of ``path`` (:func:`read_raw`) through ``convert``, which raises :class:`Malformed` for a bad
+    one: a malformed record raises, naming the file, the record and its line, or with ``skip_malformed`` is skipped
+    and counted (a warning logs how many and the first reasons).
+
+    Returns:
+        ``([(index, line, converted), ...], num_malformed)`` in file order.
+
+    Raises:
+        DataError: as :func:`read_raw`; a malformed record without ``skip_malformed``; no valid record at all.
+    """
+    out: list[tuple[int, int | None, T]] = []
     reasons: list[str] = []
     for index, (line, item) in enumerate(read_raw(path)):
         try:
             if isinstance(item, Malformed):
                 raise item
-            messages = _to_messages(item, fmt, columns)
+            converted = convert(item)
         except Malformed as exc:
             message = f"{record_where(path, index, line)} is malformed: {exc}"
             if not skip_malformed:
                 raise DataError(f"{message} (set data.skip_malformed to skip such records)") from None
             reasons.append(message)
             continue
-        records.append(_Record(index, line, messages))
+        out.append((index, line, converted))
     if reasons:
         log.warning(
             "skipped %d malformed record(s) of '%s'; first: %s", len(reasons), path, "; ".join(reasons[:3])
         )
-    if not records:
+    if not out:
         raise DataError(
             f"data file '{path}' holds no valid {fmt} record ({len(reasons)} malformed, skipped); the first: "
             f"{reasons[0]}"
         )
-    return records, len(reasons)
+    return out, len(reasons)
+
+
+def load_records(
+    path: Path, fmt: str, column_map: dict[str, str] | None, skip_malformed: bool
+) -> tuple[list[_Record], int]:
+    columns = format_columns(fmt, column_map)
+    valid, skipped = valid_records(path, fmt, lambda item: _to_messages(item, fmt, columns), skip_malformed)
+    return [_Record(index, line, messages) for index, line, messages in valid], skipped
 
 
 def _field(obj: dict, name: str, what: str, optional: bool = False) -> str | None:
