@@ -496,6 +496,30 @@ def _mask(checkpoint: Path, input_ids: Tensor, attention_mask: Tensor | None) ->
     return (input_ids != load_tokenizer(checkpoint).pad_token_id).long()
 
 
+def _batch_loss(
+    config_class,
+    trainer_class,
+    name: str,
+    checkpoint: Path,
+    input_ids: Tensor,
+    labels: Tensor,
+    attention_mask: Tensor | None,
+    workdir: Path,
+    settings: dict[str, Any],
+) -> dict[str, Any]:
+    """A CPO or ORPO trainer of TRL on CPU in fp32 (``settings``: its loss's own), run on one tokenized batch."""
+    args = config_class(
+        output_dir=str(Path(workdir) / name), report_to=[], use_cpu=True, bf16=False, fp16=False,
+        gradient_checkpointing=False, remove_unused_columns=False, max_length=input_ids.shape[1], seed=0, **settings,
+    )  # fmt: skip
+    trainer = trainer_class(
+        model=_load_model(checkpoint), args=args, train_dataset=_dummy_preferences(),
+        processing_class=load_tokenizer(checkpoint),
+    )  # fmt: skip
+    batch = _trl_batch(input_ids, labels, _mask(checkpoint, input_ids, attention_mask))
+    return _run_batch_loss(trainer, batch)
+
+
 def trl_cpo(
     checkpoint: Path,
     input_ids: Tensor,
@@ -535,30 +559,10 @@ def trl_cpo(
     with _quiet(), _kept_rng():
         from trl.experimental.cpo import CPOConfig, CPOTrainer
 
-        args = CPOConfig(
-            output_dir=str(Path(workdir) / "trl_cpo"),
-            report_to=[],
-            use_cpu=True,
-            bf16=False,
-            fp16=False,
-            gradient_checkpointing=False,
-            remove_unused_columns=False,
-            max_length=input_ids.shape[1],
-            loss_type=loss_type,
-            beta=beta,
-            simpo_gamma=simpo_gamma,
-            cpo_alpha=cpo_alpha,
-            label_smoothing=label_smoothing,
-            seed=0,
-        )
-        trainer = CPOTrainer(
-            model=_load_model(checkpoint),
-            args=args,
-            train_dataset=_dummy_preferences(),
-            processing_class=load_tokenizer(checkpoint),
-        )
-        batch = _trl_batch(input_ids, labels, _mask(checkpoint, input_ids, attention_mask))
-        return _run_batch_loss(trainer, batch)
+        settings = {"loss_type": loss_type, "beta": beta, "simpo_gamma": simpo_gamma, "cpo_alpha": cpo_alpha}
+        settings["label_smoothing"] = label_smoothing
+        return _batch_loss(CPOConfig, CPOTrainer, "trl_cpo", checkpoint, input_ids, labels, attention_mask,
+                           workdir, settings)  # fmt: skip
 
 
 def trl_orpo(
@@ -590,23 +594,5 @@ def trl_orpo(
     with _quiet(), _kept_rng():
         from trl.experimental.orpo import ORPOConfig, ORPOTrainer
 
-        args = ORPOConfig(
-            output_dir=str(Path(workdir) / "trl_orpo"),
-            report_to=[],
-            use_cpu=True,
-            bf16=False,
-            fp16=False,
-            gradient_checkpointing=False,
-            remove_unused_columns=False,
-            max_length=input_ids.shape[1],
-            beta=beta,
-            seed=0,
-        )
-        trainer = ORPOTrainer(
-            model=_load_model(checkpoint),
-            args=args,
-            train_dataset=_dummy_preferences(),
-            processing_class=load_tokenizer(checkpoint),
-        )
-        batch = _trl_batch(input_ids, labels, _mask(checkpoint, input_ids, attention_mask))
-        return _run_batch_loss(trainer, batch)
+        return _batch_loss(ORPOConfig, ORPOTrainer, "trl_orpo", checkpoint, input_ids, labels, attention_mask,
+                           workdir, {"beta": beta})  # fmt: skip
