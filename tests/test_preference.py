@@ -523,8 +523,8 @@ def test_predicted_peak_of_a_preference_run_is_the_tracked_peak(
     """The traced step against ``track_memory``'s breakdown (tests/memory/test_estimate.py), to the byte: the run
     holds one thing the trace does not, the previous step's result (loss, grad_norm: fp32; num_tokens: int64; and
     each of the objective's 0-dim fp32 metrics). A precomputed reference's pass, traced as a phase of its own,
-    against the real pass under a tracker: that holds the previous round's results (``2B`` float64 log-probs,
-    ``(B, 2)`` and ``(B,)`` float64 gathers) and the round's ``(B,)`` int64 pair index besides."""
+    against the real pass under a tracker: that holds the previous round's results (``2B`` float64 log-probs, the
+    ``(1, B, 2)`` float64 gather) and the round's ``(B,)`` int64 pair index besides."""
     data = _long_pairs(tmp_path / "long.jsonl", small_corpus)
     over = {
         "data.path": data,
@@ -570,7 +570,7 @@ def test_predicted_peak_of_a_preference_run_is_the_tracked_peak(
             step_options=train_step_options(cfg),
         )
     B = cfg.batch_size
-    assert tracker.peak_bytes - estimate.reference_peak_bytes == 8 * (2 * B + 2 * B + B) + 8 * B
+    assert tracker.peak_bytes - estimate.reference_peak_bytes == 8 * (2 * B + 2 * B) + 8 * B
 
 
 # ----------------------------------------------------------------------------------------------------------------
