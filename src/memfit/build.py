@@ -377,16 +377,8 @@ def build_training(
     num_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     if world_size > 1:
         _check_nf4_sharding(model, world_size)
-        model = dist_.shard_model(model, cfg, torch.device("cpu") if fake_mode is not None else device)
+    model = _shard_and_fill(model, cfg, device, world_size, fake_mode, initial)
     with fake_mode if fake_mode is not None else contextlib.nullcontext():
-        if fake_mode is not None:
-            model.to_empty(device=torch.device("cpu"))
-            peft.empty_nf4_(model, torch.device("cpu"))  # to_empty leaves an NF4 weight's scales on meta
-            dist_.unwrap(model).model.reset_rope()
-        elif world_size > 1:
-            dist_.materialize_sharded(
-                model, initial, device, nf4_format.to_nf4 if cfg.method == "qlora" else None
-            )
         optimizer = build_optimizer(
             model,
             cfg.optimizer,
@@ -425,18 +417,28 @@ def build_reference(
     initial = (
         initial_parameters(ref_cfg, mcfg, model, device) if world_size > 1 and fake_mode is None else None
     )
+    return _shard_and_fill(model, ref_cfg, device, world_size, fake_mode, initial).eval()
+
+
+def _shard_and_fill(
+    model: torch.nn.Module, cfg: TrainConfig, device: torch.device, world_size: int, fake_mode: Any, initial
+) -> torch.nn.Module:
+    """:func:`build_training`'s steps 4 and 5 for a model built on meta (one process's, built on ``device``, is
+    returned as it is): sharded, FSDP over the process group and each rank's shards filled from ``initial``
+    (:func:`initial_parameters`); fake, every parameter (or shard) given fake storage on the CPU inside
+    ``fake_mode``."""
     if world_size > 1:
-        model = dist_.shard_model(model, ref_cfg, torch.device("cpu") if fake_mode is not None else device)
+        model = dist_.shard_model(model, cfg, torch.device("cpu") if fake_mode is not None else device)
     with fake_mode if fake_mode is not None else contextlib.nullcontext():
         if fake_mode is not None:
             model.to_empty(device=torch.device("cpu"))
-            peft.empty_nf4_(model, torch.device("cpu"))
+            peft.empty_nf4_(model, torch.device("cpu"))  # to_empty leaves an NF4 weight's scales on meta
             dist_.unwrap(model).model.reset_rope()
         elif world_size > 1:
             dist_.materialize_sharded(
-                model, initial, device, nf4_format.to_nf4 if method == "qlora" else None
+                model, initial, device, nf4_format.to_nf4 if cfg.method == "qlora" else None
             )
-    return model.eval()
+    return model
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -241,16 +241,3 @@ def nll_tokens(pref: Preference, inputs: torch.Tensor, targets: torch.Tensor) ->
     B = targets.shape[0] // 2
     covered = whole_targets(inputs[:B], targets[:B]) if pref.nll_covers_prompt else targets[:B]
     return (covered != -100).sum()
-
-
-def sequence_sums(token_losses: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row's summed reply log-probability and reply length.
-
-    Args:
-        token_losses: ``(2B, T)`` fp32 per-token cross-entropy (0 where the target does not count).
-        targets: ``(2B, T)`` int64, ``-100`` where it does not count.
-
-    Returns:
-        ``(logps, counts)``: ``(2B,)`` fp32 ``-sum(token_losses)`` per row and ``(2B,)`` int64 counted targets.
-    """
-    return -token_losses.sum(dim=1), (targets != -100).sum(dim=1)

@@ -95,9 +95,15 @@ def default_reference_dir(data_path: str | Path) -> Path:
 
 
 def _atomic(path: Path, write: Callable[[Path], None]) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    write(tmp)
-    os.replace(tmp, path)
+    """``write`` a file aside, then rename it into place: a reader never sees half of one (the file aside is removed
+    when either fails: a full disk, say)."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def _save_npy(path: Path, array: np.ndarray) -> None:
@@ -244,7 +250,7 @@ def precompute_reference(
     if main:
         _save_npy(directory / f"{key}.npy", logps)
         side = {"key": key, "pairs": n, "split": label, "format": FORMAT_VERSION, **(describe or {})}
-        (directory / f"{key}.json").write_text(json.dumps(side, indent=1) + "\n", encoding="utf-8")
+        _atomic(directory / f"{key}.json", lambda tmp: tmp.write_text(json.dumps(side, indent=1) + "\n"))
         partial.unlink(missing_ok=True)
     dist_.barrier()
     return logps

@@ -41,7 +41,6 @@ from memfit.objectives import (
     micro_batch_objective,
     nll_tokens,
     pair_terms,
-    sequence_sums,
     whole_targets,
 )
 from memfit.validation import reference_mode
@@ -170,6 +169,35 @@ def _chunked_head(model, hidden_rows: int, chunked_cross_entropy: int | str, def
     return weight, chunks, softcap
 
 
+def token_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Each token's cross-entropy, computed in fp32.
+
+    Args:
+        logits: ``(R, T, vocab_size)``, any float dtype.
+        targets: ``(R, T)`` int64; ``-100`` marks tokens that do not count.
+
+    Returns:
+        ``(R, T)`` fp32 nats, 0 where the target does not count.
+    """
+    return F.cross_entropy(
+        logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="none"
+    ).view(targets.shape)
+
+
+def _reference_logps(
+    model: torch.nn.Module, preference: PreferenceStep, inputs, targets, given, options: dict
+) -> torch.Tensor | None:
+    """A preference micro-batch's reference log-probabilities ``(2B,)``: ``given`` (the batch's stored ones, or
+    ``None`` for a reference-free objective), or computed now from the policy with its LoRA off or from the
+    resident reference model."""
+    if preference.reference == "lora_off":
+        with lora_off():
+            return sequence_logps(model, inputs, targets, **options)
+    if preference.reference == "model":
+        return sequence_logps(preference.reference_model, inputs, targets, **options)
+    return given
+
+
 @torch.no_grad()
 def sequence_logps(
     model: torch.nn.Module,
@@ -202,11 +230,8 @@ def sequence_logps(
             weight, chunks, softcap = _chunked_head(model, targets.numel(), chunked_cross_entropy)
             tokens = techniques.chunked_token_losses(hidden, weight, targets, chunks, softcap=softcap)
         else:
-            logits = model(inputs, None)  # (R, T, V)
-            tokens = F.cross_entropy(
-                logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="none"
-            ).view(targets.shape)  # (R, T)
-    return sequence_sums(tokens, targets)[0]
+            tokens = token_cross_entropy(model(inputs, None), targets)  # (R, T)
+    return -tokens.sum(dim=1)  # (R,): the tokens that do not count are 0
 
 
 def preference_micro_batch_loss(
@@ -258,14 +283,7 @@ def preference_micro_batch_loss(
 
     with autocast_context(dtype, inputs.device.type):
         if not chunked_cross_entropy:
-            logits = model(inputs, None)  # (2B, T, V)
-            tokens = F.cross_entropy(
-                logits.float().flatten(0, 1),
-                loss_targets.flatten(),
-                ignore_index=IGNORE_INDEX,
-                reduction="none",
-            ).view(targets.shape)  # (2B, T)
-            return objective(tokens)[:2]
+            return objective(token_cross_entropy(model(inputs, None), loss_targets))[:2]
         deferred = None
         if defer_head_gradient and techniques.can_defer_head_gradient(model):
             deferred = techniques.DeferredWeightGradient(model.lm_head.weight)
@@ -425,11 +443,7 @@ def _preference_backward(
     for inputs, targets, reference in micro_batches:
         with moe.aux_loss_scale(aux_scale):
             _phase(tracker, "forward")
-            if preference.reference == "lora_off":
-                with lora_off():
-                    reference = sequence_logps(model, inputs, targets, **options)
-            elif preference.reference == "model":
-                reference = sequence_logps(preference.reference_model, inputs, targets, **options)
+            reference = _reference_logps(model, preference, inputs, targets, reference, options)
             loss, mb_sums = preference_micro_batch_loss(
                 model, inputs, targets, reference, pref, norms, **options, defer_head_gradient=in_backward
             )
@@ -501,22 +515,16 @@ def _evaluate_preference(model, batches, preference: PreferenceStep, options: di
     """The preference objective over every pair of ``batches`` (all ranks'): the mean of the pairs' losses, plus
     the NLL term over the tokens it covers. NaN without a pair."""
     pref = preference.objective
-    sums = torch.zeros(
-        2, dtype=torch.float64, device=device
-    )  # the pairs' losses, the NLL term's cross-entropy
-    counts = torch.zeros(2, dtype=torch.float64, device=device)  # pairs, the NLL term's tokens
+    # the pairs' losses and the NLL term's cross-entropy; the pairs and the NLL term's tokens
+    sums = torch.zeros(2, dtype=torch.float64, device=device)
+    counts = torch.zeros(2, dtype=torch.float64, device=device)
     for inputs, targets, reference, *rest in batches:
         inputs, targets = inputs.to(device), targets.to(device)
         if rest:  # which pairs count: an uncounted pair's rows score nothing (data.run.preference_data)
             counted = rest[0].to(device).repeat(2)  # (2B,)
             targets = targets.masked_fill(~counted[:, None], IGNORE_INDEX)
-        if preference.reference == "lora_off":
-            with lora_off():
-                reference = sequence_logps(model, inputs, targets, **options)
-        elif preference.reference == "model":
-            reference = sequence_logps(preference.reference_model, inputs, targets, **options)
-        elif reference is not None:
-            reference = reference.to(device)
+        reference = None if reference is None else reference.to(device)
+        reference = _reference_logps(model, preference, inputs, targets, reference, options)
         B = inputs.shape[0] // 2
         logps = sequence_logps(model, inputs, targets, **options)
         losses, _ = pair_terms(pref, logps, (targets != IGNORE_INDEX).sum(dim=1), reference)
