@@ -72,7 +72,9 @@ resident set of the process tree sampled every 0.1 s by a thread of this script,
 stdout timestamped as it arrives (``PYTHONUNBUFFERED=1``), which splits the samples into phases: ``setup``
 (imports, tokenizer, data, the pre-flight check: to memfit's ``pre-flight:`` line), ``load`` (the weights and the
 optimizer: to its banner, ``memfit finetune (...): model ...``), ``first_step`` (to the ``step 1 | loss ...``
-line), ``steady_step`` (to the last step's line), ``save`` (the final checkpoint: to ``final validation loss:``);
+line), ``steady_step`` (to the save's first line, ``saving checkpoint step_...``, which memfit prints once the
+steps' free heap is given back: a step frees its last tensors after its own line), ``save`` (the final checkpoint:
+to ``final validation loss:``);
 the peak of a phase is the largest sample inside it (a phase shorter than the interval takes the first sample
 after it; a spike shorter than the interval can fall between samples, so the phase peaks may sit below the
 measured peak). Load time (``pre-flight:`` to the banner), each step's seconds (between those lines), tokens/s of the
@@ -323,9 +325,11 @@ def estimate(config: list[str], log: Path) -> dict[str, Any]:
 
 
 def predicted_phase_rss(found: dict[str, Any]) -> dict[str, float] | None:
-    """The predicted peak RSS (GiB) of each phase memfit estimate predicts (load, step, save): the phase's tensors
-    plus what the process holds besides them (baseline, runtime, free heap: the whole-run prediction less its
-    largest phase's tensors)."""
+    """The predicted peak RSS (GiB) of each phase memfit estimate predicts (load, reference, step, save): its
+    ``phase_rss_gib`` (the phase's tensors, the baseline and runtime, and the steps' free heap), or, from an estimate
+    without it, the phase's tensors plus the whole-run prediction less its largest phase's tensors."""
+    if found.get("phase_rss_gib"):
+        return {k: round(v, 3) for k, v in found["phase_rss_gib"].items()}
     phases, rss = found.get("phase_peaks_gib"), found.get("host_peak_rss_gib")
     if not phases or rss is None:
         return None
@@ -360,6 +364,7 @@ def memfit_run(
     run = run_measured(cmd, run_dir / "finetune.log", guard_bytes, name)
     step_times = [run.first(rf"step {n} \| loss ") for n in range(1, steps + 1)]
     loaded = run.first(r"memfit finetune")
+    saving = run.first(r"saving checkpoint step_") or step_times[-1]
     peaks, phase_seconds, ended_in = split_phases(
         run,
         [
@@ -372,8 +377,10 @@ def memfit_run(
                 if reference
                 else [("load", loaded)]
             ),
-            ("first_step", step_times[0]),
-            *([("steady_step", step_times[-1])] if steps > 1 else []),
+            # a step's last frees come after its line: its phase ends where the save begins (its first line,
+            # printed once the steps' free heap is given back)
+            ("first_step", step_times[0] if steps > 1 else saving),
+            *([("steady_step", saving)] if steps > 1 else []),
             ("save", run.first(r"final validation loss")),
         ],
     )

@@ -31,7 +31,8 @@ do.
 
 Measured as ``bench/largest_model.py`` measures (``memfit_run``: ``/usr/bin/time -v``'s peak RSS, the process
 tree's RSS sampled every 0.1 s and split into phases at the lines memfit prints: load to ``reference
-log-probabilities ... computing``, reference to the banner, then the first step, the steady step, the save). The
+log-probabilities ... computing``, reference to the banner, then the first step, the steady step to the save's
+first line, the save). The
 rows go into ``docs/largest_model.json`` beside that script's (a row run again replaces its entry) and this
 script rewrites the section between the ``preference`` markers of ``docs/benchmarks.md``.
 

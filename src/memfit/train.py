@@ -313,6 +313,8 @@ def _saver(cfg: TrainConfig, run: _Run, model, optimizer, divergence: _Divergenc
     def save(step: int) -> Path:
         divergence.check()
         host.release_free_heap()  # the steps' free heap back to the kernel: the save starts from the live tensors
+        if run.main_rank:
+            tqdm.write(f"saving checkpoint step_{step:08d} ...")
         if not dist_.all_finite(p for p in model.parameters() if p.requires_grad):
             raise DivergenceError(  # a finite loss and gradient norm, but not finite weights (an overflow)
                 f"the weights are not finite at step {step} (the run diverged), so no checkpoint was written; "

@@ -146,6 +146,32 @@ def test_the_save_holds_what_the_run_holds_between_steps():
     assert estimate_run(load_config(None, [*tiny[:-1], "device=cuda"])).save_peak_bytes is None
 
 
+@pytest.mark.skipif(not host.glibc(), reason="glibc's heap")
+def test_only_the_steps_hold_their_free_heap(tmp_path, monkeypatch):
+    # a full fine-tune of the tiny checkpoint: its load comes before any step's holes and its save gives them back
+    # first, so only the step's predicted resident set carries the free heap: 300 MiB under the dynamic threshold,
+    # 300 MiB at bf16's 8 MiB threshold (BF16_FULL_RETAINED_BYTES), none at 128 KiB
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
+    ckpt = _checkpoint(tmp_path, torch.bfloat16)
+    args = [f"checkpoint_dir={ckpt}", "method=full", "device=cpu", "batch_size=1", "seq_len=16",
+            "optimizer.name=adamw"]  # fmt: skip
+    for extra, retained in (
+        (["dtype=fp32", "mmap_threshold=dynamic"], host.HEAP_RETAINED_BYTES),
+        (["dtype=bf16", "mmap_threshold=fixed"], host.BF16_FULL_RETAINED_BYTES),
+        (["dtype=fp32", "mmap_threshold=fixed"], 0),
+    ):
+        e = estimate_run(load_config(None, [*args, *extra]))
+        besides = e.process_baseline_bytes + host.RUNTIME_BYTES
+        assert e.phase_rss_bytes == {
+            "load": besides + e.load_peak_bytes,
+            "step": besides + retained + e.peak_bytes + e.host_bytes,
+            "save": besides + e.save_peak_bytes,
+        }
+        assert e.host_peak_rss_bytes == max(e.phase_rss_bytes.values())
+        assert e.to_json()["phase_rss_gib"]["step"] * 2**30 == pytest.approx(e.phase_rss_bytes["step"], abs=1)
+    assert host.BF16_FULL_RETAINED_BYTES == host.HEAP_RETAINED_BYTES == 314_572_800
+
+
 def test_a_budget_the_steps_fit_but_the_load_does_not_is_refused(tmp_path, monkeypatch):
     # the tiny QLoRA run's load needs more than its step: a memory_budget between the two is refused before
     # anything is allocated, naming the predicted peak resident set (the load's). The process's own resident set

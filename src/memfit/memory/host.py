@@ -24,7 +24,9 @@ threshold fixed. So a CPU run fixes the threshold itself where its model is wide
 (``mmap_threshold: auto``, the default: :func:`fixes_mmap_threshold`), and the estimator predicts no free heap for it.
 A full fine-tune keeps the threshold dynamic and leaves fewer holes instead: it creates its optimizer state before
 its first step (:func:`memfit.memory.optim.create_state`), not between the first backward's temporaries, and
-torchao's eager update makes temporaries of 4 MiB (:data:`memfit.memory.hybrids.LOW_BIT_CHUNK_ELEMENTS`).
+torchao's eager update makes temporaries of 4 MiB (:data:`memfit.memory.hybrids.LOW_BIT_CHUNK_ELEMENTS`). A bf16
+full fine-tune of a wide model fixes it at 8 MiB (:data:`BF16_FULL_MMAP_THRESHOLD`), above those temporaries, and
+keeps a measured ~300 MiB beside its tensors at its steps' peaks (:data:`BF16_FULL_RETAINED_BYTES`).
 """
 
 from __future__ import annotations
@@ -69,6 +71,18 @@ of dim 4,096 is 16 MiB), which glibc's dynamic threshold (risen to 32 MiB) would
 temporaries. A Llama-3.1-8B-shaped stand-in with 4 layers (bf16 Adafactor in the backward, ac=full, 1 x 2048): peak
 RSS 5.59 -> 5.23 GiB, the free heap at the peak 0.48 -> 0.12 GiB, steps as fast (docs/memory.md)."""
 
+BF16_FULL_RETAINED_BYTES = 300 * 1024**2
+"""Bytes a bf16 full fine-tune that fixes the threshold at :data:`BF16_FULL_MMAP_THRESHOLD` holds at its step's peak
+beyond its tensors, :data:`RUNTIME_BYTES` and its baseline: its chunked updates' temporaries (4 MiB) and its
+sub-8-MiB activations stay in the heap, and the holes between them with them. Measured as peak RSS - prediction
+without it on the four such rows of docs/benchmarks.md: Llama-3.1-8B 0.27 GiB, Qwen3-8B 0.35, OLMoE-1B-7B 0.17,
+Llama-3.2-3B DPO 0.39 (mean 0.30); a 4-layer stand-in of the last held 0.38 GiB free in its heap at its peak
+(``mallinfo2``), 0.11 with the threshold at 4 MiB (its steps 22% slower), 0.02 at 128 KiB (43% slower). A replay of
+the traced step's own allocations through a model of glibc's heap leaves only 0.03 GiB of it free at the 28-layer
+step's peak: the holes are made around the step (loading, the data, the first step), by blocks no trace holds. Only
+the steps hold it: the load comes before it, and a checkpoint's save gives it back first
+(:func:`release_free_heap`)."""
+
 _M_MMAP_THRESHOLD = -3  # glibc's malloc.h
 
 _MALLOC_SETTINGS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_MMAP_MAX_")
@@ -110,7 +124,7 @@ def fixes_mmap_threshold(
     (:func:`dynamic_mmap_threshold`), with ``mmap_threshold: fixed``, or ``auto``, an adapter method or a bf16 full
     fine-tune and a model at least :data:`FIXED_MMAP_THRESHOLD_FROM_DIM` wide (the threshold:
     :func:`mmap_threshold_bytes`). The estimator asks the same question, and predicts no free heap where the answer
-    is yes.
+    is yes at 128 KiB (:func:`retained_heap_bytes`).
 
     Args:
         setting: the config key ``mmap_threshold``: ``auto``, ``dynamic`` or ``fixed``.
@@ -275,10 +289,15 @@ Fitted on the runs listed there."""
 
 
 def retained_heap_bytes(
-    gathered_parameter_bytes: int = 0, reduced_gradient_bytes: int = 0, *, fixed: bool = False
+    gathered_parameter_bytes: int = 0,
+    reduced_gradient_bytes: int = 0,
+    *,
+    fixed: bool = False,
+    threshold: int = FIXED_MMAP_THRESHOLD,
 ) -> int:
-    """Bytes of free memory glibc's heaps will hold at this process's peak, under a dynamic mmap threshold (else 0,
-    as where the run fixes it: ``fixed``, :func:`fixes_mmap_threshold`):
+    """Bytes of free memory glibc's heaps will hold at the peak of this process's steps, under a dynamic mmap
+    threshold (where the run fixes it, ``fixed``, :func:`fixes_mmap_threshold`: 0 at :data:`FIXED_MMAP_THRESHOLD`,
+    :data:`BF16_FULL_RETAINED_BYTES` at a higher ``threshold``):
     :data:`HEAP_RETAINED_BYTES`, plus, for a rank of a sharded CPU run, the gradients it reduce-scatters each step and
     :data:`SHARDED_HEAP_GATHERED_FRACTION` of the parameters it all-gathers.
 
@@ -302,11 +321,14 @@ def retained_heap_bytes(
         reduced_gradient_bytes: a rank of a sharded run: bytes of the whole model's gradients (unsharded), which it
             reduce-scatters each step (those of the trainable parameters); 0 for one process.
         fixed: the run fixes the threshold when it starts (:func:`fixes_mmap_threshold`).
+        threshold: the threshold it fixes, bytes (:func:`mmap_threshold_bytes`).
 
     Returns:
         Bytes.
     """
-    if fixed or not dynamic_mmap_threshold():
+    if fixed:
+        return BF16_FULL_RETAINED_BYTES if threshold > FIXED_MMAP_THRESHOLD else 0
+    if not dynamic_mmap_threshold():
         return 0
     return (
         HEAP_RETAINED_BYTES
@@ -316,12 +338,19 @@ def retained_heap_bytes(
 
 
 def process_overhead_bytes(
-    gathered_parameter_bytes: int = 0, reduced_gradient_bytes: int = 0, *, fixed: bool = False
+    gathered_parameter_bytes: int = 0,
+    reduced_gradient_bytes: int = 0,
+    *,
+    fixed: bool = False,
+    threshold: int = FIXED_MMAP_THRESHOLD,
 ) -> int:
     """What a CPU training process holds at its peak besides its tensors, predicted from this process: its resident
     set now (imports; call it from a process that has imported memfit's training path and no model) plus
     :data:`RUNTIME_BYTES` plus :func:`retained_heap_bytes` (of the arguments: a rank of a sharded run's whole-model
-    parameter and gradient bytes, 0 for one process; ``fixed``: the run fixes the mmap threshold). What
-    :func:`predict_peak_rss` adds to a traced peak, for a planner that compares traced peaks with an RSS budget."""
-    retained = retained_heap_bytes(gathered_parameter_bytes, reduced_gradient_bytes, fixed=fixed)
+    parameter and gradient bytes, 0 for one process; ``fixed``: the run fixes the mmap threshold, at
+    ``threshold``). What :func:`predict_peak_rss` adds to a traced step's peak, for a planner that compares traced
+    peaks with an RSS budget."""
+    retained = retained_heap_bytes(
+        gathered_parameter_bytes, reduced_gradient_bytes, fixed=fixed, threshold=threshold
+    )
     return predict_peak_rss(0, process_rss_bytes() or 0, heap_retained_bytes=retained)

@@ -63,7 +63,13 @@ from memfit.distributed import unwrap as dist_unwrap
 from memfit.errors import ConfigError
 from memfit.memory import optimizers, switches
 from memfit.memory.allocator import CUDA_CONTEXT_BYTES_ESTIMATE, replay, workspace_events
-from memfit.memory.host import fixes_mmap_threshold, predict_peak_rss, process_rss_bytes, retained_heap_bytes
+from memfit.memory.host import (
+    fixes_mmap_threshold,
+    mmap_threshold_bytes,
+    predict_peak_rss,
+    process_rss_bytes,
+    retained_heap_bytes,
+)
 from memfit.memory.offload import OffloadStats
 from memfit.memory.optim import optimizers_in
 from memfit.memory.optimizers import BNB_PAGED_MIN_NUMEL
@@ -117,10 +123,16 @@ class Estimate:
     config: dict[str, Any] = field(default_factory=dict)
     """The switches that decide memory, for reports."""
     host_peak_rss_bytes: int | None = None
-    """CPU runs (``device`` not ``cuda``): the predicted peak resident set of the training process,
-    :func:`memfit.memory.host.predict_peak_rss` of ``peak_bytes + host_bytes`` over ``process_baseline_bytes``
-    (what ``/usr/bin/time -v`` and ``peak_memory_rss`` report; docs/memory.md, "Host memory (RSS) on CPU").
+    """CPU runs (``device`` not ``cuda``): the predicted peak resident set of the training process, the highest of
+    :attr:`phase_rss_bytes` (:func:`memfit.memory.host.predict_peak_rss` of each phase's tensors over
+    ``process_baseline_bytes``; what ``/usr/bin/time -v`` and ``peak_memory_rss`` report; docs/memory.md, "Host
+    memory (RSS) on CPU").
     ``None`` for CUDA runs or where the resident set cannot be read."""
+    phase_rss_bytes: dict[str, int] | None = None
+    """CPU runs: the predicted peak resident set of each of :attr:`phase_peaks`: the phase's tensors plus the baseline
+    and :data:`memfit.memory.host.RUNTIME_BYTES`, and for ``step`` the free heap its steps keep
+    (:func:`memfit.memory.host.retained_heap_bytes`; the load comes before it, a save gives it back first).
+    :attr:`host_peak_rss_bytes` is the highest. ``None`` where that is."""
     process_baseline_bytes: int | None = None
     """The resident set of the estimating process when the trace began, the optimizer's library imported and no
     tensor allocated: the stand-in for the training process's own (interpreter, torch, memfit, libraries)."""
@@ -190,6 +202,11 @@ class Estimate:
             "seconds": self.seconds,
             "config": self.config,
             "host_peak_rss_gib": None if self.host_peak_rss_bytes is None else self.host_peak_rss_bytes / GIB,
+            "phase_rss_gib": (
+                None
+                if self.phase_rss_bytes is None
+                else {k: v / GIB for k, v in self.phase_rss_bytes.items()}
+            ),
             "process_baseline_gib": (
                 None if self.process_baseline_bytes is None else self.process_baseline_bytes / GIB
             ),
@@ -374,17 +391,8 @@ def _estimate(
         # what the run holds between steps, written in place: the step's last temporaries and (zero_grad with
         # set_to_none) its gradients are freed by then, with no op to show it in the timeline
         save = sum(v for k, v in timeline[-1][2].items() if k not in ("gradients", "temporaries")) + host
-    rss = None
     fixed = fixes_mmap_threshold(cfg.mmap_threshold, mcfg.dim, target, cfg.method, dtype=cfg.dtype)
-    if target != "cuda" and baseline is not None:
-        gathered = reduced = 0
-        if world_size > 1:  # the whole model and gradients pass through FSDP2's and gloo's buffers each step
-            whole = model_state_bytes_closed_form(cfg, mcfg, 1)
-            gathered, reduced = whole["parameters"], whole["trainable_parameters"]
-        retained = retained_heap_bytes(gathered, reduced, fixed=fixed)
-        tensors = max(peak + host, load or 0, save or 0, reference_peak or 0)
-        rss = predict_peak_rss(tensors, baseline, heap_retained_bytes=retained)
-    return Estimate(
+    estimate = Estimate(
         peak_bytes=peak,
         breakdown=breakdown,
         phase=phase,
@@ -400,7 +408,6 @@ def _estimate(
         seq_len=seq_len,
         seconds=time.perf_counter() - start,
         config=_switches(cfg),
-        host_peak_rss_bytes=rss,
         process_baseline_bytes=baseline,
         peak_reserved_bytes=reserved,
         load_peak_bytes=load,
@@ -409,6 +416,20 @@ def _estimate(
         fixes_mmap_threshold=fixed,
         trace=how,
     )
+    if target != "cuda" and baseline is not None:
+        gathered = reduced = 0
+        if world_size > 1:  # the whole model and gradients pass through FSDP2's and gloo's buffers each step
+            whole = model_state_bytes_closed_form(cfg, mcfg, 1)
+            gathered, reduced = whole["parameters"], whole["trainable_parameters"]
+        threshold = mmap_threshold_bytes(cfg.method, cfg.dtype)
+        retained = retained_heap_bytes(gathered, reduced, fixed=fixed, threshold=threshold)
+        # the steps' free heap: the load comes before it, and a save gives it back first (memory/host.py)
+        estimate.phase_rss_bytes = {
+            k: predict_peak_rss(v, baseline, heap_retained_bytes=retained if k == "step" else 0)
+            for k, v in estimate.phase_peaks.items()
+        }
+        estimate.host_peak_rss_bytes = max(estimate.phase_rss_bytes.values())
+    return estimate
 
 
 @dataclass

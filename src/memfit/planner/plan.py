@@ -54,7 +54,7 @@ from memfit.config import (
 from memfit.distributed import shard_numel
 from memfit.errors import ConfigError
 from memfit.memory import optimizers, switches
-from memfit.memory.host import fixes_mmap_threshold, process_overhead_bytes
+from memfit.memory.host import fixes_mmap_threshold, mmap_threshold_bytes, process_overhead_bytes
 from memfit.memory.switches import checkpointed_layers
 from memfit.models import peft
 from memfit.objectives import rows_per_micro_batch
@@ -367,6 +367,7 @@ class _Context:
                 fixed=fixes_mmap_threshold(
                     cfg.mmap_threshold, self.mcfg.dim, self.target, cfg.method, dtype=cfg.dtype
                 ),
+                threshold=mmap_threshold_bytes(cfg.method, cfg.dtype),
             )
         elif host_overhead is None:
             host_overhead = 0

@@ -15,7 +15,7 @@ from memfit import distributed as dist_
 from memfit.config import TrainConfig, device_type, memory_budget_bytes
 from memfit.errors import PreflightError
 from memfit.memory.allocator import CUDA_CONTEXT_BYTES_ESTIMATE
-from memfit.memory.host import fixes_mmap_threshold, process_overhead_bytes
+from memfit.memory.host import fixes_mmap_threshold, mmap_threshold_bytes, process_overhead_bytes
 from memfit.models.config import DecoderConfig
 from memfit.objectives import rows_per_micro_batch
 from memfit.planner.closed_form import model_state_bytes_closed_form
@@ -63,7 +63,7 @@ def preflight(cfg: TrainConfig, mcfg: DecoderConfig, seq_len: int, device: torch
         where = "available host memory"
     budget = memory_budget_bytes(cfg)
     fixed = fixes_mmap_threshold(cfg.mmap_threshold, mcfg.dim, device.type, cfg.method, dtype=cfg.dtype)
-    held = 0 if budget is None else _held_besides_tensors(device.type, fixed)
+    held = 0 if budget is None else _held_besides_tensors(device.type, fixed, _threshold(cfg))
     if budget is not None and budget <= held:  # nothing left for the tensors: no plan can fit it
         raise PreflightError(_budget_below_what_is_held(cfg, mcfg, seq_len, device.type, budget, held, world))
     # what the tensors may have: the free memory, and the budget less what the device or process holds besides them
@@ -167,11 +167,19 @@ def budgeted_bytes(estimate: Estimate, device_type: str) -> int:
     return estimate.run_peak_bytes + process_overhead_bytes(fixed=estimate.fixes_mmap_threshold)
 
 
-def _held_besides_tensors(device_type: str, fixed: bool) -> int:
+def _held_besides_tensors(device_type: str, fixed: bool, threshold: int) -> int:
     """What of ``memory_budget`` a run's tensors cannot have: the CUDA context, or (CPU) the process's own
     resident set and what stepping adds to it (:func:`memfit.memory.host.process_overhead_bytes`; ``fixed``: the
-    run fixes glibc's mmap threshold, :func:`memfit.memory.host.fixes_mmap_threshold`)."""
-    return CUDA_CONTEXT_BYTES_ESTIMATE if device_type == "cuda" else process_overhead_bytes(fixed=fixed)
+    run fixes glibc's mmap threshold, :func:`memfit.memory.host.fixes_mmap_threshold`, at ``threshold``)."""
+    if device_type == "cuda":
+        return CUDA_CONTEXT_BYTES_ESTIMATE
+    return process_overhead_bytes(fixed=fixed, threshold=threshold)
+
+
+def _threshold(cfg: TrainConfig) -> int:
+    """The mmap threshold ``cfg``'s run fixes where it fixes one, bytes
+    (:func:`memfit.memory.host.mmap_threshold_bytes`)."""
+    return mmap_threshold_bytes(cfg.method, cfg.dtype)
 
 
 def _on(cfg: TrainConfig, device_type: str) -> TrainConfig:
@@ -222,7 +230,9 @@ def _over_budget(
     per_rank = f" per rank of {world_size}" if world_size > 1 else ""
     # the fix fits the tensors' share of the budget (what the CUDA context or, on CPU, the process's own resident
     # set leaves), less plan's margin: its predicted peak passes this check
-    share = max(0, budget - _held_besides_tensors(device_type, estimate.fixes_mmap_threshold))
+    share = max(
+        0, budget - _held_besides_tensors(device_type, estimate.fixes_mmap_threshold, _threshold(cfg))
+    )
     fix = _cheapest_fix(cfg, share, world_size)
     return (
         f"the run is predicted not to fit memory_budget={cfg.memory_budget}: it needs "
