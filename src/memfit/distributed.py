@@ -32,15 +32,17 @@ import math
 import os
 import sys
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from memfit import lifeline
-from memfit.config import TrainConfig
 from memfit.models.decoder import DecoderLayer
+
+if TYPE_CHECKING:  # an annotation only: memory modules import this one, and no memory module imports config
+    from memfit.config import TrainConfig
 
 # ----------------------------------------------------------------------------------------------------------------
 # Process group and rank helpers

@@ -13,9 +13,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from memfit.data import formats
+from memfit import data_formats as formats
 from memfit.errors import ConfigError, DataError
 from memfit.memory import hybrids, switches
+from memfit.memory.host import MMAP_THRESHOLD_SETTINGS
 from memfit.models import peft
 from memfit.models.config import DecoderConfig
 from memfit.models.presets import MODEL_PRESETS, model_config
@@ -27,12 +28,12 @@ if TYPE_CHECKING:
 
 # ----------------------------------------------------------------------------------------------------------------
 # The allowed values of the keys that are not memory switches (those are in memfit.memory.switches; optimizers in
-# memfit.memory.optimizers; LoRA's targets in memfit.models.peft; instruction data's in memfit.data.formats)
+# memfit.memory.optimizers; LoRA's targets in memfit.models.peft; instruction data's in memfit.data_formats;
+# mmap_threshold's in memfit.memory.host)
 # ----------------------------------------------------------------------------------------------------------------
 
 DEVICES = ("auto", "cpu", "cuda")
 NONFINITE_POLICIES = ("stop", "skip")  # on_nonfinite
-MMAP_THRESHOLD_SETTINGS = ("auto", "dynamic", "fixed")  # mmap_threshold (memory/host.py)
 TOKENIZER_KINDS = ("bpe", "char", "file")
 
 

@@ -18,7 +18,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from memfit.data.formats import TEMPLATES
 from memfit.data.instruct import (
     IGNORE_INDEX,
     InstructSplit,
@@ -29,6 +28,7 @@ from memfit.data.instruct import (
     stop_token_ids,
 )
 from memfit.data.records import load_conversations
+from memfit.data_formats import TEMPLATES
 from memfit.errors import DataError
 from memfit.tokenizer import LLAMA3_PATTERN, load_tokenizer, train_bpe
 

@@ -23,7 +23,6 @@ import pytest
 import torch
 
 from memfit.data.chat_template import ChatTemplate
-from memfit.data.formats import DATA_FORMATS, INSTRUCT_FORMATS, PREFERENCE_COLUMNS, format_columns
 from memfit.data.instruct import (
     encode_conversation,
     encode_prompt,
@@ -32,6 +31,7 @@ from memfit.data.instruct import (
     resolve_template,
 )
 from memfit.data.preference import PreferenceSplit, encode_pair, load_pairs, prepare_preference
+from memfit.data_formats import DATA_FORMATS, INSTRUCT_FORMATS, PREFERENCE_COLUMNS, format_columns
 from memfit.errors import DataError
 from memfit.memory.techniques import IGNORE_INDEX
 from memfit.tokenizer import load_tokenizer

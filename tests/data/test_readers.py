@@ -21,7 +21,7 @@ import pytest
 
 import memfit.data.prepare as prepare_module
 import memfit.data.sources as sources
-import memfit.tokenizer as tokenizer_module
+import memfit.tokenizer.tiktoken as tiktoken_kind
 from memfit.cli import main
 from memfit.config import load_prepare_config
 from memfit.data.prepare import prepare
@@ -193,7 +193,7 @@ def small_pieces(monkeypatch):
         monkeypatch.setattr(_jsonl(), "SHORT_STRING_BYTES", 512)
     monkeypatch.setattr(prepare_module, "ENCODE_CHARS", 700, raising=False)
     monkeypatch.setattr(prepare_module, "BATCH_CHARS", 2000)
-    monkeypatch.setattr(tokenizer_module, "_TIKTOKEN_MAX_ENCODE_CHARS", 1500)
+    monkeypatch.setattr(tiktoken_kind, "_TIKTOKEN_MAX_ENCODE_CHARS", 1500)
 
 
 def _document(seed: int = 0, chars: int = 40_000) -> str:

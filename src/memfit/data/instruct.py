@@ -3,7 +3,7 @@
 Three stages, each a function of its inputs alone:
 
 1. :func:`load_conversations` reads a ``.json`` file (a list of records, or one record as an object) or a
-   ``.jsonl`` file (one record per line, blank lines ignored) in one of :data:`memfit.data.formats.INSTRUCT_FORMATS` and
+   ``.jsonl`` file (one record per line, blank lines ignored) in one of :data:`memfit.data_formats.INSTRUCT_FORMATS` and
    turns every record into a conversation: a list of messages ``{"role": "system" | "user" | "assistant",
    "content": str}``. Alpaca and Dolly records become ``[user, assistant]``; a non-empty ``input`` (Dolly's
    ``context``) rides on the user message as an extra ``"input"`` key, so the ``alpaca`` template can render
@@ -40,8 +40,8 @@ import numpy as np
 import torch
 
 from memfit.data.chat_template import ROLES, ChatTemplate
-from memfit.data.formats import DEFAULT_TEMPLATE, INSTRUCT_FORMATS, TEMPLATES
 from memfit.data.records import load_records
+from memfit.data_formats import DEFAULT_TEMPLATE, INSTRUCT_FORMATS, TEMPLATES
 from memfit.errors import DataError
 from memfit.memory.techniques import IGNORE_INDEX
 
@@ -91,7 +91,7 @@ def resolve_template(name: str, tokenizer: Any) -> Template:
 
     Returns:
         A named template as is; for ``auto``, the tokenizer's chat template when it has one, else
-        :data:`~memfit.data.formats.DEFAULT_TEMPLATE` (``alpaca``).
+        :data:`~memfit.data_formats.DEFAULT_TEMPLATE` (``alpaca``).
 
     Raises:
         DataError: ``name`` is unknown, or the chat template is not valid Jinja (naming its file).
@@ -785,7 +785,7 @@ def prepare_instruct(
 
     Args:
         path: The data file (see :func:`load_conversations`).
-        fmt: One of :data:`memfit.data.formats.INSTRUCT_FORMATS`.
+        fmt: One of :data:`memfit.data_formats.INSTRUCT_FORMATS`.
         template: One of :data:`TEMPLATES`, or a checkpoint's :class:`~memfit.data.chat_template.ChatTemplate`
             (see :func:`resolve_template`).
         tokenizer: A ``memfit.tokenizer.Tokenizer``.

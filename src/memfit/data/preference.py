@@ -65,7 +65,6 @@ import numpy as np
 import torch
 
 from memfit.data.chat_template import ROLES
-from memfit.data.formats import PREFERENCE_FORMAT, format_columns
 from memfit.data.instruct import (
     EpochStream,
     InstructSplit,
@@ -78,6 +77,7 @@ from memfit.data.instruct import (
     template_name,
 )
 from memfit.data.records import Malformed, record_where, valid_records
+from memfit.data_formats import PREFERENCE_FORMAT, format_columns
 from memfit.errors import DataError
 from memfit.memory.techniques import IGNORE_INDEX
 
@@ -287,7 +287,7 @@ def encode_pair(
         prompt: Messages ending with a user message.
         chosen: Messages beginning and ending with an assistant message.
         rejected: Likewise.
-        template: One of :data:`memfit.data.formats.TEMPLATES`, or a checkpoint's
+        template: One of :data:`memfit.data_formats.TEMPLATES`, or a checkpoint's
             :class:`~memfit.data.chat_template.ChatTemplate`.
         tokenizer: A ``memfit.tokenizer.Tokenizer``.
 
@@ -521,7 +521,7 @@ def prepare_preference(
 
     Args:
         path: The data file (see :func:`load_pairs`).
-        template: One of :data:`memfit.data.formats.TEMPLATES`, or a checkpoint's
+        template: One of :data:`memfit.data_formats.TEMPLATES`, or a checkpoint's
             :class:`~memfit.data.chat_template.ChatTemplate` (see :func:`memfit.data.instruct.resolve_template`).
         tokenizer: A ``memfit.tokenizer.Tokenizer``.
         max_seq_len: Model inputs per row ``T``; rows hold at most ``T + 1`` tokens (longer ones are cut to their

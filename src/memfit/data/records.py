@@ -14,9 +14,9 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from memfit.data.chat_template import ROLES
-from memfit.data.formats import format_columns
 from memfit.data.jsonl import Lines, MalformedJSON, NotUTF8, is_blank
 from memfit.data.jsonl import loads as jsonl_loads
+from memfit.data_formats import format_columns
 from memfit.errors import DataError
 
 log = logging.getLogger(__name__)
@@ -79,7 +79,7 @@ def load_conversations(
 
     Args:
         path: A ``.json`` file (a list of records, or a single record as an object) or a ``.jsonl`` file.
-        fmt: One of :data:`memfit.data.formats.INSTRUCT_FORMATS`.
+        fmt: One of :data:`memfit.data_formats.INSTRUCT_FORMATS`.
         column_map: Canonical field name -> field name in the file, for example ``{"instruction": "question"}``.
             Canonical names: ``instruction``, ``input``, ``output`` (alpaca, dolly; dolly also accepts
             ``context`` and ``response``), ``conversations``, ``from``, ``value`` (sharegpt), ``messages``,

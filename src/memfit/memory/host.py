@@ -38,7 +38,9 @@ import sys
 from collections.abc import Mapping
 from typing import Any
 
-from memfit.config import MMAP_THRESHOLD_SETTINGS
+MMAP_THRESHOLD_SETTINGS = ("auto", "dynamic", "fixed")
+"""The values of ``mmap_threshold`` (:func:`fixes_mmap_threshold`); config validation takes them from here (memory
+modules import no config: config imports the memory registries)."""
 
 HEAP_RETAINED_BYTES = 300 * 1024**2
 """Bytes of free memory glibc's heaps hold at a run's peak under the dynamic mmap threshold, measured as peak RSS -

@@ -25,18 +25,20 @@ import inspect
 import math
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from memfit.config import OptimizerConfig
 from memfit.distributed import unwrap
 from memfit.memory import bnb_cpu, hybrids, optimizers
 from memfit.memory import rounding as rounding_
 from memfit.memory.optimizers import check_optimizer_supported
 from memfit.quiet import quiet_torchao_import
+
+if TYPE_CHECKING:  # an annotation only: no memory module imports config, which imports the memory registries
+    from memfit.config import OptimizerConfig
 
 _ADAMW_IMPLEMENTATIONS = {
     "foreach": {"foreach": True, "fused": False},

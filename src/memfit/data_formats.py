@@ -2,7 +2,8 @@
 templates.
 
 The data layer reads records with it (:mod:`memfit.data.instruct`, :mod:`memfit.data.preference`) and config
-validation checks ``data.format``, ``data.template`` and ``data.column_map`` against it, so it sits below both.
+validation checks ``data.format``, ``data.template`` and ``data.column_map`` against it, so it sits below both,
+outside the data package: config imports no module of :mod:`memfit.data`, whose modules import config.
 """
 
 from __future__ import annotations
