@@ -1,4 +1,5 @@
-"""memfit: pretrain, fine-tune and sample Llama models in the least memory.
+"""memfit: pretrain, fine-tune and sample open decoder models (Llama, Mistral, Qwen2/2.5, Qwen3, Gemma 2/3, Phi-3,
+and the mixtures of experts Qwen3-MoE, Mixtral and OLMoE) in the least memory.
 
 Verbs: prepare, pretrain, finetune, estimate, plan, generate, export. Examples::
 
@@ -472,9 +473,10 @@ def _add_pretrain(sub: Any) -> None:
         "YAML preset, e.g. configs/shakespeare.yaml (default: none, the built-in defaults below)",
         "dotted overrides, e.g. max_steps=100; nproc=N ranks (default: 1, no torchrun)",
         help=verbs.VERBS["pretrain"],
-        description="Pretrain a Llama on a text corpus. Keys are memfit.config.TrainConfig fields; "
-        "override any with dotted key=value (optimizer.lr=3e-4). nproc=N starts N sharded ranks on this machine "
-        "(torchrun --standalone --nproc_per_node N -m memfit pretrain ...).",
+        description="Pretrain a model on a text corpus: a preset of any family (model=..., e.g. qwen3-0.6b, "
+        "gemma-3-1b, olmoe-1b-7b; default: shakespeare, a 5.2M-parameter Llama). Keys are "
+        "memfit.config.TrainConfig fields; override any with dotted key=value (optimizer.lr=3e-4). nproc=N starts "
+        "N sharded ranks on this machine (torchrun --standalone --nproc_per_node N -m memfit pretrain ...).",
         epilog=_keys_epilog("keys and defaults (the defaults are the main job)"),
     )
 
@@ -704,8 +706,8 @@ def _add_export(sub: Any) -> None:
         "export",
         help=verbs.VERBS["export"],
         description="Export a memfit run or checkpoint (or convert a Meta checkpoint) to a Hugging Face "
-        "LlamaForCausalLM directory. LoRA runs are merged into the base weights, or with --adapter-only written "
-        "in PEFT's adapter format.",
+        "directory of its family's own class (LlamaForCausalLM, Qwen3ForCausalLM, Gemma2ForCausalLM, ...). LoRA "
+        "runs are merged into the base weights, or with --adapter-only written in PEFT's adapter format.",
     )
     e.add_argument(
         "--checkpoint", required=True, help="memfit run or checkpoint dir, or a Meta/HF directory (required)"

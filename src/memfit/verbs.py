@@ -12,11 +12,14 @@ import argparse
 
 from memfit import __version__
 
-DESCRIPTION = "memfit: pretrain, fine-tune and sample Llama models in the least memory."
+DESCRIPTION = (
+    "memfit: pretrain, fine-tune and sample open decoder models (Llama, Mistral, Qwen2/2.5, Qwen3, Gemma 2/3, "
+    "Phi-3, and the mixtures of experts Qwen3-MoE, Mixtral and OLMoE) in the least memory."
+)
 """The first line of ``memfit --help``."""
 
 VERBS: dict[str, str] = {
-    "pretrain": "pretrain a Llama on a text corpus (default: Tiny Shakespeare)",
+    "pretrain": "pretrain a model of any family's preset on a text corpus (default: a 5.2M Llama, Tiny Shakespeare)",
     "finetune": "fine-tune pretrained weights (full, LoRA, QLoRA or adapter) on instructions, chats or text",
     "estimate": "predict a run's peak memory on fake tensors, before allocating anything",
     "plan": "pick the fastest memory switches that fit a memory budget, and write them as a config",
