@@ -12,6 +12,7 @@ from pathlib import Path
 
 import httpx2
 import pytest
+import yaml
 from huggingface_hub import constants
 from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError
 from huggingface_hub.file_download import DryRunFileInfo
@@ -495,3 +496,26 @@ def test_a_text_dataset_repo_prepares_as_its_local_files(
         "corpus": [str(snapshot / "data/test-00000-of-00001.jsonl")]
     }
     assert _raw_sources(str(snapshot)) == {"corpus": [str(snapshot / name) for name in sorted(files)]}
+
+
+def test_plan_from_a_config_alone_writes_the_hub_id(hub_cache, hf_checkpoint, tmp_path, capsys):
+    put_snapshot(hub_cache, "org/tiny", {"config.json": hf_checkpoint / "config.json"}, A)
+    out = tmp_path / "plan.yaml"
+    args = [
+        "checkpoint_dir=org/tiny",
+        "method=lora",
+        "budget=2GiB",
+        "batch_size=1",
+        "seq_len=64",
+        "device=cpu",
+    ]
+    capsys.readouterr()
+    assert main(["plan", *args, "dtype=fp32", "--optimizers", "adamw", "--out", str(out)]) == 0
+    assert f"checkpoint_dir: hub org/tiny@main (commit {A[:12]}) -> " in capsys.readouterr().err
+    planned = yaml.safe_load(out.read_text())
+    assert (planned["checkpoint_dir"], planned["method"], planned["optimizer"]["name"]) == (
+        "org/tiny",
+        "lora",
+        "adamw",
+    )
+    assert not list(hub_cache.rglob("*.safetensors"))  # the run fetches the weights when it starts
