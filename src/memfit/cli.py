@@ -10,8 +10,10 @@ Verbs: prepare, pretrain, finetune, estimate, plan, generate, export. Examples::
     memfit pretrain nproc=2 max_steps=200             # 2 ranks on this machine, sharded (runs torchrun)
     memfit generate --checkpoint out/shakespeare --prompt "ROMEO:" --max-new-tokens 200
     memfit finetune --config configs/finetune_lora.yaml checkpoint_dir=path/to/Llama-3.2-1B data.path=data.json
+    memfit finetune checkpoint_dir=Qwen/Qwen3-0.6B method=lora data.path=data.json   # a Hub id: fetched, cached
     memfit export --checkpoint out/finetune --out path/to/hf_dir   # a directory transformers loads
     memfit estimate model=llama3-8b dtype=bf16 seq_len=2048 device=cuda   # peak memory, before allocating
+    memfit estimate checkpoint_dir=Qwen/Qwen3-8B method=qlora device=cuda  # fetches config.json alone
     memfit plan model=llama3-8b budget=24GiB batch_size=1 seq_len=2048 device=cuda --out plan.yaml
 
 Errors in the input (config keys, data files, checkpoints, output directories) are printed as one paragraph and
@@ -24,17 +26,19 @@ torchrun command it runs; see :mod:`memfit.launch` and docs/distributed.md for t
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
 import signal
 import sys
+from pathlib import Path
 from typing import Any
 
 import yaml
 from tqdm.auto import tqdm
 
-from memfit import distributed, launch, lifeline, storage, verbs
+from memfit import distributed, hub, launch, lifeline, storage, verbs
 from memfit.build import check_sharding, load_for_generation, resolve_device
 from memfit.config import (
     PrepareConfig,
@@ -58,6 +62,7 @@ from memfit.planner import plan as plan_
 from memfit.planner.cost import COST_CONSTANTS
 from memfit.planner.estimate import estimate_run
 from memfit.planner.preflight import preflight_sharded
+from memfit.resume import recorded_hub
 from memfit.train import train
 from memfit.units import GIB, format_bytes, parse_bytes
 
@@ -76,6 +81,10 @@ def _pretrain(args: argparse.Namespace) -> int:
     if nproc is not None:
         launch.check_nproc(nproc, device_type)
     if relaunch:
+        # Hub ids fetched once, here; every rank then reads the same commit from the cache
+        local, sources = hub.resolve_run(cfg, recorded=recorded_hub(cfg))
+        overrides = overrides + [f"{key}={source.pinned}" for key, source in sources.items()]
+        cfg = local
         check_sharding(cfg, nproc)  # before any rank starts, as validation
         check = preflight_sharded(cfg, nproc)  # memory_budget: one rank traced, before any rank starts
         if check is not None:
@@ -104,7 +113,8 @@ def _load_run_config(verb: str, config: str | None, overrides: list[str], world_
     if cfg.checkpoint_dir is None:
         raise ConfigError(
             "config key 'checkpoint_dir': memfit finetune starts from pretrained weights; set "
-            "checkpoint_dir=DIR (a Hugging Face, Meta or memfit checkpoint), or use memfit pretrain"
+            "checkpoint_dir=DIR (a Hugging Face, Meta or memfit checkpoint) or checkpoint_dir=ORG/NAME (a Hugging "
+            "Face Hub model), or use memfit pretrain"
         )
     return cfg
 
@@ -163,12 +173,27 @@ def _estimate(args: argparse.Namespace) -> int:
         args.overrides, "world_size", "the number of ranks of the sharded run"
     )
     world_size = world_size or 1
-    cfg = load_config(args.config, overrides, world_size=world_size, needs_weights=False)
+    cfg, source = _config_alone(
+        load_config(args.config, overrides, world_size=world_size, needs_weights=False)
+    )
     estimate = estimate_run(cfg, world_size=world_size, compose=False if args.full_trace else None)
+    if source is not None:  # the report names the Hub id, not the cache's snapshot
+        estimate.config["model"] = f"{source.label()} (commit {source.commit[:12]})"
     print(json.dumps(estimate.to_json()) if args.json else report.format_estimate(estimate))
     if args.explain and not args.json:  # --json has it all in "trace"
         print(report.explain_estimate(estimate))
     return 0
+
+
+def _config_alone(cfg: Any) -> tuple[Any, hub.HubSource | None]:
+    """``memfit estimate`` / ``plan``'s config with a Hub ``checkpoint_dir`` resolved to its snapshot in the cache,
+    fetching ``config.json`` (and the shards' index) alone, never a weight; the note of where it came from goes
+    to stderr (stdout stays the report, or the one JSON object of ``--json``)."""
+    cfg, sources = hub.resolve_run(cfg, weights=False, data=False)
+    source = sources.get("checkpoint_dir")
+    if source is not None:
+        print(f"checkpoint_dir: {source.describe()} (config alone)", file=sys.stderr, flush=True)
+    return cfg, source
 
 
 def split_budget(overrides: list[str], key: str = "budget") -> tuple[int | None, list[str]]:
@@ -204,7 +229,10 @@ def _plan(args: argparse.Namespace) -> int:
     budget, overrides = split_budget(overrides)
     longest = "seq_len=max" in [o.replace(" ", "") for o in overrides]
     overrides = [o for o in overrides if o.replace(" ", "") != "seq_len=max"]
-    cfg = load_config(args.config, overrides, world_size=world_size, needs_weights=False)
+    cfg, source = _config_alone(
+        load_config(args.config, overrides, world_size=world_size, needs_weights=False)
+    )
+    spec = None if source is None else _given_checkpoint(args.config, overrides)
     budget = budget if budget is not None else memory_budget_bytes(cfg)  # budget= wins over the config's
     if budget is None:
         raise ConfigError(
@@ -282,6 +310,10 @@ def _plan(args: argparse.Namespace) -> int:
     if best is None:
         raise NoPlanError(report.no_fit_message(result))
     if args.out:
+        if (
+            spec is not None
+        ):  # the plan runs from the Hub id as given (its weights fetched then), not the snapshot
+            best = dataclasses.replace(best, config=dataclasses.replace(best.config, checkpoint_dir=spec))
         path = report.write_plan_yaml(args.out, best, result)
         if not args.json:
             print(
@@ -321,6 +353,15 @@ def _counted(estimator: Any, bar: Any) -> Any:
     return estimate
 
 
+def _given_checkpoint(config: str | None, overrides: list[str]) -> str | None:
+    """``checkpoint_dir`` as the config file and the overrides give it (the last one wins)."""
+    given = parse_overrides(overrides).get("checkpoint_dir")
+    if given is None and config is not None:
+        with open(config, encoding="utf-8") as f:
+            given = (yaml.safe_load(f) or {}).get("checkpoint_dir")
+    return None if given is None else str(given)
+
+
 def _sets_key(config: str | None, overrides: list[str], key: str) -> bool:
     """Whether the config file or the overrides give ``key`` (dotted: ``optimizer.name``) a value."""
 
@@ -352,7 +393,7 @@ def _prepare(args: argparse.Namespace) -> int:
             raise ConfigError(
                 f"--source {item!r} is not NAME=PATH_OR_GLOB (e.g. --source web='data/cc/*.jsonl.zst')"
             )
-        sources.setdefault(name.strip(), []).append(path.strip())
+        sources.setdefault(name.strip(), []).extend(_hub_source(name.strip(), path.strip()))
     if args.source_tree is not None:
         for name, paths in source_tree(args.source_tree).items():
             if name in sources:
@@ -381,6 +422,33 @@ def _prepare(args: argparse.Namespace) -> int:
     return 0
 
 
+def _hub_source(name: str, spec: str) -> list[str]:
+    """The files of ``--source NAME=SPEC``: ``SPEC`` itself (a path or glob), or where it reads
+    ``ORG/NAME[@REVISION][:PATTERN]`` and no such local path exists, the Hub dataset's ``.parquet`` / ``.jsonl`` /
+    ``.txt`` files (those ``PATTERN`` selects: fnmatch over the repo's paths), fetched into huggingface_hub's cache.
+
+    Raises:
+        DataError: see :func:`memfit.hub.resolve_dataset`.
+    """
+    repo, colon, pattern = spec.partition(":")
+    if hub.hub_id(spec) is None and (not colon or hub.hub_id(repo) is None or Path(spec).exists()):
+        return [spec]
+    source = hub.resolve_dataset(
+        repo, patterns=pattern or None, suffixes=hub.TEXT_SUFFIXES, key=f"--source {name}"
+    )
+    print(f"--source {name}: {source.describe()}, {len(source.files)} file(s)", file=sys.stderr, flush=True)
+    return [str(source.path / f) for f in source.files]
+
+
+def _checkpoint_path(option: str, spec: str) -> str:
+    """``--checkpoint``'s directory: itself, or a Hub model's snapshot (fetched where missing)."""
+    if hub.hub_id(spec) is None:
+        return spec
+    source = hub.resolve_checkpoint(spec, key=option)
+    print(f"{option}: {source.describe()}", file=sys.stderr, flush=True)
+    return str(source.path)
+
+
 def _generate(args: argparse.Namespace) -> int:
     _check_path("--checkpoint", args.checkpoint)
     _check_option("--max-new-tokens", args.max_new_tokens, args.max_new_tokens >= 0, ">= 0")
@@ -391,7 +459,9 @@ def _generate(args: argparse.Namespace) -> int:
     _check_option("--top-k", args.top_k, args.top_k >= 0, ">= 0 (0: no top-k restriction)")
     _check_option("--seed", args.seed, 0 <= args.seed < 2**64, "in [0, 2**64)")
     device = resolve_device(args.device)
-    model, tokenizer, run_template = load_for_generation(args.checkpoint, device=device)
+    model, tokenizer, run_template = load_for_generation(
+        _checkpoint_path("--checkpoint", args.checkpoint), device=device
+    )
     template = {"auto": run_template, "none": None}.get(args.template, args.template)
     if template is not None and not isinstance(template, str):
         template.check(tokenizer)  # a checkpoint's own template: refused before sampling, naming its file
@@ -421,7 +491,7 @@ def _export(args: argparse.Namespace) -> int:
         "--max-shard-size", size, math.isfinite(size) and size * GIB >= 1, "> 0 (GiB per safetensors file)"
     )
     out = export_run(
-        args.checkpoint,
+        _checkpoint_path("--checkpoint", args.checkpoint),
         args.out,
         adapter_only=args.adapter_only,
         dtype=args.dtype,
@@ -488,7 +558,8 @@ def _add_finetune(sub: Any) -> None:
         "finetune",
         _pretrain,
         "YAML preset, e.g. configs/finetune_lora.yaml (default: none, the built-in defaults below)",
-        "e.g. checkpoint_dir=DIR method=lora (checkpoint_dir is required); nproc=N ranks (default: 1)",
+        "e.g. checkpoint_dir=DIR (or a Hub id ORG/NAME[@REVISION]) method=lora (checkpoint_dir is required); "
+        "nproc=N ranks (default: 1)",
         help=verbs.VERBS["finetune"],
         description="Fine-tune a Hugging Face, Meta or memfit checkpoint (checkpoint_dir) with method full, lora, "
         "qlora or adapter, on instruction / chat records (data.format alpaca, dolly, sharegpt, openai; data.template "
@@ -625,7 +696,9 @@ def _add_prepare(sub: Any) -> None:
         action="append",
         default=[],
         metavar="NAME=PATH_OR_GLOB",
-        help="a source (repeatable; at least one --source or a --source-tree) (default: none)",
+        help="a source (repeatable; at least one --source or a --source-tree): a path, directory or glob, or a "
+        "Hugging Face Hub dataset ORG/NAME[@REVISION][:PATTERN] (its .parquet / .jsonl / .txt files, those "
+        "PATTERN selects) (default: none)",
     )
     pr.add_argument(
         "--source-tree",
@@ -663,8 +736,8 @@ def _add_generate(sub: Any) -> None:
     g.add_argument(
         "--checkpoint",
         required=True,
-        help="a run's output_dir (newest checkpoint), a checkpoint dir, or a Hugging Face / Meta directory "
-        "(required)",
+        help="a run's output_dir (newest checkpoint), a checkpoint dir, a Hugging Face / Meta directory, or a "
+        "Hugging Face Hub model ORG/NAME[@REVISION] (required)",
     )
     g.add_argument(
         "--prompt",
@@ -710,7 +783,9 @@ def _add_export(sub: Any) -> None:
         "runs are merged into the base weights, or with --adapter-only written in PEFT's adapter format.",
     )
     e.add_argument(
-        "--checkpoint", required=True, help="memfit run or checkpoint dir, or a Meta/HF directory (required)"
+        "--checkpoint",
+        required=True,
+        help="memfit run or checkpoint dir, a Meta/HF directory, or a Hub model ORG/NAME[@REVISION] (required)",
     )
     e.add_argument(
         "--out", required=True, help="new directory to write; must not exist or be empty (required)"

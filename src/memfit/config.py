@@ -27,6 +27,7 @@ from typing import Any
 
 import yaml
 
+from memfit import hub
 from memfit.errors import ConfigError
 from memfit.memory import switches
 from memfit.validation import (  # the checks of the schema below, and the allowed values they take
@@ -66,7 +67,16 @@ class DataConfig:
     or raw text that the run prepares into ``output_dir/data`` first (once; later runs reuse it): a file, a
     directory or a glob of ``.txt``, ``.jsonl``, ``.jsonl.gz``, ``.jsonl.zst`` or ``.parquet`` files (one source),
     or a directory of one sub-directory per source (RedPajama's layout). ``None`` is the Tiny Shakespeare text
-    shipped inside the package. Other formats: a ``.json`` or ``.jsonl`` file of records."""
+    shipped inside the package. Other formats: a ``.json`` or ``.jsonl`` file of records. Either may be a Hugging
+    Face Hub dataset, ``ORG/NAME`` or ``ORG/NAME@REVISION``, where no local path of that spelling exists
+    (:mod:`memfit.hub`; docs/data.md, "Datasets from the Hub")."""
+    files: str | None = None
+    """Which files of a Hub dataset (or of a ``data.path`` directory) to read: a pattern over their paths as
+    huggingface_hub's ``allow_patterns`` reads it (fnmatch: ``*`` also matches ``/``), e.g.
+    ``data/train-*.parquet``. ``None``: every file memfit reads (:func:`memfit.hub.select_files`)."""
+    split: str | None = None
+    """Keep the files whose path names this split as a word (``train`` selects ``train.jsonl``,
+    ``data/train-00000-of-00002.parquet``); ``None``: every split."""
     format: str = "text"
     """``text`` (a corpus, cut into random windows), ``alpaca`` (``instruction``, ``input``, ``output``),
     ``dolly`` (``instruction``, ``context``, ``response``), ``sharegpt`` (``conversations`` of ``from``/``value``)
@@ -405,7 +415,9 @@ class TrainConfig:
     ``lora``) over a base whose decoder linears are stored in 4-bit NormalFloat (:mod:`memfit.models.peft`)."""
     checkpoint_dir: str | None = None
     """Start from these weights (fine-tuning): a Hugging Face directory (config.json + safetensors), Meta's
-    original format (params.json + consolidated.*.pth) or a memfit run / checkpoint directory. The architecture
+    original format (params.json + consolidated.*.pth) or a memfit run / checkpoint directory; or a Hugging Face
+    Hub model, ``ORG/NAME`` or ``ORG/NAME@REVISION``, fetched into huggingface_hub's cache (a local path of that
+    spelling wins; :mod:`memfit.hub`, docs/finetuning.md, "Checkpoints from the Hub"). The architecture
     and the tokenizer come from it (``model``, ``model_args`` and ``tokenizer`` are then not used). ``None``:
     random initialisation of ``model`` (pretraining)."""
     lora: LoraConfig = field(default_factory=LoraConfig)
@@ -835,10 +847,13 @@ def config_to_dict(cfg: TrainConfig) -> dict[str, Any]:
 
 def with_absolute_paths(cfg: TrainConfig) -> TrainConfig:
     """``checkpoint_dir`` and ``data.path`` as absolute paths (``~`` expanded), so that what a run records (and
-    what generate, export and resume read back) does not depend on the directory it was started from."""
+    what generate, export and resume read back) does not depend on the directory it was started from; a Hub id
+    (:func:`memfit.hub.hub_id`: no local path of that spelling) is kept as it is."""
 
     def absolute(path: str | None) -> str | None:
-        return None if path is None else str(Path(path).expanduser().absolute())
+        if path is None or hub.hub_id(path) is not None:
+            return path
+        return str(Path(path).expanduser().absolute())
 
     data = dataclasses.replace(cfg.data, path=absolute(cfg.data.path))
     return dataclasses.replace(

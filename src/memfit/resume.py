@@ -45,6 +45,19 @@ def find_resume(cfg: TrainConfig) -> tuple[Path | None, dict[str, Any] | None]:
     return latest, state
 
 
+def recorded_hub(cfg: TrainConfig) -> dict[str, Any] | None:
+    """The Hub repos the run in ``output_dir`` recorded (its newest checkpoint's trainer state ``hub``: each key's
+    repo, revision and commit, :meth:`memfit.hub.HubSource.record`) when ``cfg`` resumes it, else ``None``. Read
+    before the Hub ids are resolved, so that a resume reads the commit the run started from."""
+    latest = ckpt_io.latest_checkpoint(cfg.output_dir) if cfg.resume else None
+    if latest is None:
+        return None
+    try:
+        return ckpt_io.read_trainer_state(latest).get("hub")
+    except CheckpointError:  # reported by find_resume, with the rest of the checkpoint's checks
+        return None
+
+
 def resumed_config(cfg: TrainConfig, state: dict[str, Any]) -> TrainConfig:
     """``cfg`` as it continues the run whose trainer state is ``state``: ``data.template=auto`` (the default) takes
     the template the run was trained with, when the run named one (runs saved before ``auto`` existed record the

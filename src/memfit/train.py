@@ -14,7 +14,7 @@ import contextlib
 import math
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +23,7 @@ from tqdm.auto import tqdm
 
 from memfit import checkpoint as ckpt_io
 from memfit import distributed as dist_
-from memfit import runlock
+from memfit import hub, runlock
 from memfit.build import (
     build_training,
     checkpoint_model_config,
@@ -48,7 +48,14 @@ from memfit.models.config import DecoderConfig
 from memfit.planner.disk import check_checkpoint_disk
 from memfit.planner.preflight import preflight
 from memfit.reference import default_reference_dir, precompute_reference, reference_key
-from memfit.resume import check_resume, check_resume_model, find_resume, resume_notes, resumed_config
+from memfit.resume import (
+    check_resume,
+    check_resume_model,
+    find_resume,
+    recorded_hub,
+    resume_notes,
+    resumed_config,
+)
 from memfit.step import StepResult, evaluate, evaluation_options, train_step, train_step_options
 from memfit.units import to_gib
 from memfit.validation import reference_mode
@@ -70,13 +77,20 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     cfg = with_absolute_paths(cfg)
     device = dist_.init_distributed(resolve_device(cfg.device))  # under torchrun: this rank's device
     with _run_lock(Path(cfg.output_dir)), contextlib.ExitStack() as cleanup:  # one run per output_dir
-        return _train(cfg, device, cleanup)
+        # Hub ids -> the cache's snapshots (fetched now where missing; a resume reads the commit it recorded)
+        say = tqdm.write if dist_.is_main() else (lambda line: None)
+        cfg, sources = hub.resolve_run(cfg, recorded=recorded_hub(cfg), say=say)
+        return _train(cfg, device, cleanup, sources)
 
 
-def _train(cfg: TrainConfig, device: torch.device, cleanup: contextlib.ExitStack) -> dict[str, Any]:
-    """:func:`train` holding the run directory's lock; ``cleanup`` closes what the run opens, however it ends."""
+def _train(
+    cfg: TrainConfig, device: torch.device, cleanup: contextlib.ExitStack, sources: dict[str, hub.HubSource]
+) -> dict[str, Any]:
+    """:func:`train` holding the run directory's lock; ``cleanup`` closes what the run opens, however it ends;
+    ``sources``: the Hub repos ``checkpoint_dir`` and ``data.path`` named (:func:`memfit.hub.resolve_run`)."""
     # --- set-up: resume state, tokenizer, data, pre-flight (all checked before any weight is allocated) -------
     run = _set_up(cfg, device)
+    run.sources = sources
     out, main_rank = run.out, run.main_rank
 
     # --- model and optimizer (sharded: built on meta, each rank fills only its shards) ------------------------
@@ -89,9 +103,7 @@ def _train(cfg: TrainConfig, device: torch.device, cleanup: contextlib.ExitStack
         start_step = int(ckpt_io.load_checkpoint(run.resume_dir, model, optimizer)["step"])
     verb = "pretrain" if cfg.checkpoint_dir is None else f"finetune ({cfg.method})"
     if main_rank:
-        tqdm.write(
-            _banner(cfg, verb, built, run.tokenizer, run.data, run.seq_len, run.world, device, start_step)
-        )
+        tqdm.write(_banner(cfg, verb, built, run, device, start_step))
     if device.type == "cpu":
         create_state(optimizer)  # in one piece of glibc's heap, not between the first step's temporaries
     logger = cleanup.enter_context(_metrics_logger(cfg, run, start_step))  # a failed W&B run ends as failed
@@ -191,6 +203,8 @@ class _Run:
     mcfg: DecoderConfig
     seq_len: int
     data: RunData
+    sources: dict[str, hub.HubSource] = field(default_factory=dict)
+    """The Hub repos the run reads (:func:`memfit.hub.resolve_run`), recorded in its checkpoints."""
 
 
 def _set_up(cfg: TrainConfig, device: torch.device) -> _Run:
@@ -254,6 +268,8 @@ def _reference_tables(cfg: TrainConfig, run: _Run, model: torch.nn.Module, devic
     the starting model, for each split; handed to the run's batches."""
     pairs, pref = run.data.pairs, cfg.preference
     directory = Path(pref.reference_dir) if pref.reference_dir else default_reference_dir(cfg.data.path)
+    if not pref.reference_dir and "data.path" in run.sources:  # Hub records: not beside them, in the cache
+        directory = run.out / "reference"
     for label, split in (("train", pairs.train), ("val", pairs.val)):
         if not len(split):
             continue
@@ -307,6 +323,10 @@ def _saver(cfg: TrainConfig, run: _Run, model, optimizer, divergence: _Divergenc
     """``save(step)``: the run's checkpoint at ``step``, refused when the run diverged."""
     # world_size: a resume on other ranks says what became of the global batch (resume_notes)
     trainer_state = {"config": config_to_dict(cfg), "data_position": "step", "world_size": run.world}
+    if (
+        run.sources
+    ):  # the commit each Hub id resolved to: a resume reads the same (hub.resolve_run's recorded)
+        trainer_state["hub"] = {key: source.record() for key, source in run.sources.items()}
     if cfg.method != "full":  # the base stays in checkpoint_dir: remember which weights it held
         trainer_state["base_fingerprint"] = weights_fingerprint(cfg.checkpoint_dir)
 
@@ -564,9 +584,18 @@ def _sample(cfg: TrainConfig, model, tokenizer, last_ckpt: Path | None, device: 
     )
 
 
-def _banner(cfg, verb, built, tokenizer, data, seq_len, world, device, start_step) -> str:
-    """The start-of-run line: what trains, on what (``data``: the run's :class:`~memfit.data.run.RunData`), in
-    which batches, where; and when nothing can be validated on, why, at the start rather than only at the end."""
+def _banner(cfg, verb, built, run: _Run, device, start_step) -> str:
+    """The start-of-run line: what trains (from a local directory, or a Hub id at its commit and the cache's
+    snapshot), on what (the run's :class:`~memfit.data.run.RunData`), in which batches, where; and when nothing can
+    be validated on, why, at the start rather than only at the end."""
+    tokenizer, data, seq_len, world = run.tokenizer, run.data, run.seq_len, run.world
+    source, model, where = run.sources.get("checkpoint_dir"), cfg.model_source, ""
+    if source is not None:
+        model, where = source.label(), f"hub commit {source.commit[:12]} -> '{source.path}'; "
+    elif cfg.checkpoint_dir is not None:
+        where = "local directory; "
+    read = run.sources.get("data.path")
+    data_from = "" if read is None else f" from {read.describe()}"
     trainable = "" if built.num_trainable == built.num_params else f", {built.num_trainable:,} trainable"
     sharded = f" x {world} ranks ({cfg.distributed.strategy})" if world > 1 else ""
     sp = cfg.distributed.sequence_parallel
@@ -576,9 +605,9 @@ def _banner(cfg, verb, built, tokenizer, data, seq_len, world, device, start_ste
             f"{world}; {seq_len // sp} tokens of each sequence a rank)"
         )
     return (
-        f"memfit {verb}: model {cfg.model_source} ({built.num_params:,} parameters{trainable}), "
-        f"tokenizer {tokenizer.kind} ({tokenizer.vocab_size:,} ids), {data.summary}, batch {cfg.batch_size} x "
-        f"{cfg.gradient_accumulation_steps} x {seq_len} tokens{sharded}, dtype {cfg.dtype}"
+        f"memfit {verb}: model {model} ({where}{built.num_params:,} parameters{trainable}), "
+        f"tokenizer {tokenizer.kind} ({tokenizer.vocab_size:,} ids), {data.summary}{data_from}, "
+        f"batch {cfg.batch_size} x {cfg.gradient_accumulation_steps} x {seq_len} tokens{sharded}, dtype {cfg.dtype}"
         + (
             f" ({switches.resolved_rounding(cfg, device.type, world)} rounding)"
             if cfg.dtype == "bf16"

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from memfit import data_formats as formats
+from memfit import hub
 from memfit.errors import ConfigError, DataError
 from memfit.memory import hybrids, switches
 from memfit.memory.host import MMAP_THRESHOLD_SETTINGS
@@ -450,6 +451,14 @@ def _validate_finetuning(cfg: TrainConfig, needs_weights: bool = True) -> None:
             not cfg.model_args,
             "model_args",
             "the architecture comes from checkpoint_dir; remove model_args (seq_len sets the training length)",
+        )
+    for key, value in (("data.files", data.files), ("data.split", data.split)):
+        _require(
+            value is None
+            or (data.path is not None and (hub.hub_id(data.path) is not None or Path(data.path).is_dir())),
+            key,
+            "selects files of a Hub dataset (data.path=ORG/NAME) or of a data.path directory; data.path is "
+            + ("not set" if data.path is None else f"'{data.path}', neither"),
         )
     if data.format != "text":
         _require(data.path is not None, "data.path", f"is required for data.format={data.format!r}")

@@ -23,7 +23,8 @@ dtype and device, so host memory peaks near one copy of the weights in the targe
 memory at a time; :func:`export_checkpoint` converts any readable checkpoint to it. Hugging Face PEFT adapters are
 read and written by :mod:`memfit.convert.peft_adapter`.
 
-Nothing is unpickled beyond tensors (``weights_only=True``) and nothing is downloaded.
+Nothing is unpickled beyond tensors (``weights_only=True``) and nothing is downloaded here (a Hub id is fetched
+by :mod:`memfit.hub` before a directory reaches this package).
 """
 
 from __future__ import annotations
@@ -45,9 +46,11 @@ from memfit.convert.hf import (
     HF_INDEX,
     HF_WEIGHTS,
     check_out_dir,
+    config_only,
     export_hf,
     read_chat_template,
     scan_hf,
+    scan_hf_config,
 )
 from memfit.convert.memfit import scan_memfit
 from memfit.convert.meta import META_PARAMS, META_SHARD, scan_meta
@@ -132,7 +135,8 @@ def detect_format(path: str | Path) -> str:
 def read_config(path: str | Path, fmt: str | None = None) -> tuple[DecoderConfig, PretrainedInfo]:
     """The architecture and metadata of a checkpoint, from its config and tensor headers only (no weights read).
 
-    Use it to estimate or plan a run from a checkpoint: ``build_decoder(config, device="meta")``.
+    Use it to estimate or plan a run from a checkpoint: ``build_decoder(config, device="meta")``. A Hugging Face
+    directory holding ``config.json`` alone (what ``memfit estimate`` fetches of a Hub model) is read too.
 
     Args:
         path: a checkpoint directory of any format (see :func:`detect_format`).
@@ -146,7 +150,7 @@ def read_config(path: str | Path, fmt: str | None = None) -> tuple[DecoderConfig
         CheckpointError: see :func:`detect_format`, :func:`memfit.convert.hf.read_hf_config` and
             :func:`memfit.convert.meta.read_meta_params`.
     """
-    scan = _scan(Path(path), fmt)
+    scan = _scan(Path(path), fmt, config_alone=True)
     return scan.config, scan.info
 
 
@@ -191,7 +195,11 @@ def weight_files(path: str | Path, fmt: str | None = None) -> list[Path]:
     return sorted({entry.file for entry in _scan(Path(path), fmt).entries})
 
 
-def _scan(path: Path, fmt: str | None) -> Scan:
+def _scan(path: Path, fmt: str | None, *, config_alone: bool = False) -> Scan:
+    """``path``'s scan; ``config_alone``: a Hugging Face ``config.json`` without weights is read as the checkpoint
+    its config implies (:func:`memfit.convert.hf.scan_hf_config`: what the estimator needs), not refused."""
+    if config_alone and fmt in (None, "hf") and path.is_dir() and config_only(path):
+        return scan_hf_config(path)
     fmt = fmt or detect_format(path)
     if fmt == "hf":
         return scan_hf(path)
@@ -305,6 +313,8 @@ def load_order(path: str | Path, fmt: str | None = None) -> list[tuple[Entry, bo
     """The tensors :func:`load_pretrained` reads from ``path``, in the order it reads them, from the headers alone:
     each is read whole into memory of its own and dropped when the next is read. The flag says whether the model
     keeps it (``False``: read and dropped, as a tied ``lm_head.weight`` or a stored ``rotary_emb.inv_freq``).
+    A Hugging Face ``config.json`` without weights gives the tensors its config implies, in the order
+    ``save_pretrained`` stores them (:func:`memfit.convert.hf.scan_hf_config`).
 
     Args:
         path: a checkpoint directory (see :func:`detect_format`).
@@ -318,7 +328,7 @@ def load_order(path: str | Path, fmt: str | None = None) -> list[tuple[Entry, bo
     Raises:
         CheckpointError: as :func:`load_pretrained`.
     """
-    scan = _scan(Path(path), fmt)
+    scan = _scan(Path(path), fmt, config_alone=True)
     if not scan.streamed:
         return None
     skip = _check_entries(build_decoder(scan.config, device="meta"), scan)
@@ -340,7 +350,7 @@ def expert_load_order(
         ``(stored, stacks)``: ``stacks`` maps a stored name to ``(stacked entry, parts that fill it)``; ``None`` for
         any other checkpoint (:func:`load_order`).
     """
-    scan = _scan(Path(path), fmt)
+    scan = _scan(Path(path), fmt, config_alone=True)
     if scan.stacks is None or scan.stored is None:
         return None
     by_file: dict[Path, list[Entry]] = {}  # read_safetensors' order: file by file, as first named

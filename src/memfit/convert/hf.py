@@ -60,8 +60,10 @@ __all__ = [
     "hf_config_to_decoder",
     "decoder_to_hf_config",
     "read_chat_template",
+    "config_only",
     "read_hf_config",
     "scan_hf",
+    "scan_hf_config",
 ]
 
 HF_CONFIG = "config.json"
@@ -311,6 +313,68 @@ def scan_hf(directory: Path) -> Scan:
     if family(config.family).experts is not None and any(".experts." in e.name for e in entries):
         return _expert_scan(config, info, entries)
     return Scan(config, info, entries, lambda: read_safetensors(entries), streamed=True)
+
+
+def config_only(directory: Path) -> bool:
+    """Whether ``directory`` holds a Hugging Face ``config.json`` and no weights: what ``memfit estimate`` and
+    ``plan`` fetch of a Hub model (:data:`memfit.hub.CONFIG_FILES`), or a config copied alone."""
+    if not (directory / HF_CONFIG).is_file() or (directory / HF_WEIGHTS).is_file():
+        return False
+    if any(directory.glob("*.safetensors")) or any(directory.glob("pytorch_model*.bin")):
+        return False
+    return True
+
+
+def scan_hf_config(directory: Path) -> Scan:
+    """A Hugging Face directory that holds only ``config.json`` (and perhaps ``model.safetensors.index.json``), read
+    as the checkpoint ``save_pretrained`` writes for that config: the tensors the architecture stores under the
+    family's checkpoint names (fused, or one per expert, as :func:`export_hf` writes them; a tied ``lm_head``
+    stored once), their shapes from the config, their dtype the config's ``dtype`` / ``torch_dtype``, in the order
+    the shards are read: the index's (grouped by shard as first named) where there is one, else sorted by name as
+    ``model.safetensors`` lists them. What the estimator needs of a load (:func:`memfit.convert.load_order`), with
+    no weight on disk; ``read()`` refuses.
+
+    Raises:
+        CheckpointError: as :func:`read_hf_config`; the index is not JSON.
+    """
+    config_path = config_file(directory, HF_CONFIG)
+    config, config_dtype = _hf_config_from_file(config_path)
+    params = dict(build_decoder(config, device="meta").named_parameters())
+    stored = _fuse_for_export(params, config)
+    shapes = {
+        name: (sum(p.shape[0] for p in t), *t[0].shape[1:]) if isinstance(t, tuple) else tuple(t.shape)
+        for name, t in stored.items()
+    }
+    if config.tie_word_embeddings:  # read and dropped where a checkpoint stores it (the index says so)
+        shapes.setdefault("lm_head.weight", shapes["model.embed_tokens.weight"])
+    index = directory / HF_INDEX
+    if index.is_file():
+        weight_map = (read_json(index) or {}).get("weight_map") or {}
+        named = [(n, f) for n, f in weight_map.items() if n in shapes]
+    else:
+        named = [
+            (n, HF_WEIGHTS) for n in sorted(shapes) if n != "lm_head.weight" or not config.tie_word_embeddings
+        ]
+    entries = [Entry(n, tuple(shapes[n]), config_dtype, directory / f) for n, f in named]
+    bos, eos = _hf_token_ids(directory, config_path)
+    info = PretrainedInfo(
+        format="hf",
+        path=directory,
+        stored_dtype=config_dtype,
+        bos_token_id=bos,
+        eos_token_ids=eos,
+        tokenizer_path=directory if _has_tokenizer_files(directory) else None,
+        notes=(f"'{directory}' holds the config alone: tensors as its config implies, no weights",),
+    )
+
+    def refuse(*args: Any, **kwargs: Any) -> Iterator[tuple[Entry, Tensor]]:
+        raise CheckpointError(f"'{directory}' holds config.json but no weights; fetch the safetensors first")
+
+    if family(config.family).fused:
+        return _split_scan(config, info, entries)
+    if family(config.family).experts is not None and any(".experts." in e.name for e in entries):
+        return _expert_scan(config, info, entries)
+    return Scan(config, info, entries, refuse, streamed=True)
 
 
 def _expert_names(config: DecoderConfig, layer: int) -> dict[str, tuple[str, int, slice]]:

@@ -22,6 +22,7 @@ import torch
 from tqdm.auto import tqdm
 
 from memfit import distributed as dist_
+from memfit import hub
 from memfit.config import PrepareConfig, TrainConfig, load_prepare_config, show_progress
 from memfit.convert import checkpoint_tokenizer
 from memfit.data.instruct import (
@@ -88,10 +89,14 @@ def text_dataset_dir(cfg: TrainConfig, out: Path) -> Path:
     return Path(cfg.data.path) if is_dataset(cfg.data.path) else out / "data"
 
 
-def _raw_sources(path: str | None) -> dict[str, list[str]]:
+def _raw_sources(
+    path: str | None, files: str | None = None, split: str | None = None
+) -> dict[str, list[str]]:
     """The sources of raw text named by ``data.path``: Tiny Shakespeare (shipped) for ``None``; a directory of
     sub-directories is one source each (RedPajama's layout); any other file, directory or glob is one source named
-    after it."""
+    after it. A Hub dataset's snapshot (:func:`memfit.hub.resolve_run`), or a directory with ``data.files`` or
+    ``data.split``, is one source of the files those select (:func:`memfit.hub.select_files`), named after the
+    repo (or the directory)."""
     if path is None:
         return {"tinyshakespeare": [str(default_corpus_path())]}
     p = Path(path)
@@ -99,6 +104,18 @@ def _raw_sources(path: str | None) -> dict[str, list[str]]:
         raise DataError(
             f"corpus file '{p}' does not exist; point data.path at text, a directory or glob of it"
         )
+    snapshot = hub.snapshot_repo(p) if p.is_dir() else None
+    if snapshot is not None or (p.is_dir() and (files or split)):
+        present = [f.relative_to(p).as_posix() for f in p.rglob("*") if f.is_file()]
+        chosen = hub.select_files(present, files, split, hub.TEXT_SUFFIXES)
+        if not chosen:
+            raise DataError(
+                f"data.path '{p}' holds no {', '.join(hub.TEXT_SUFFIXES)} file"
+                + (f" that data.files={files!r} and data.split={split!r} select" if files or split else "")
+            )
+        label = snapshot[1].rpartition("/")[2] if snapshot is not None else p.name
+        name = re.sub(r"[^A-Za-z0-9_-]+", "_", label).strip("_") or "text"
+        return {name: [str(p / c) for c in chosen]}
     if p.is_dir() and any(d.is_dir() for d in p.iterdir()) and not any(f.is_file() for f in p.iterdir()):
         return source_tree(p)
     name = re.sub(r"[^A-Za-z0-9_-]+", "_", p.name.split(".")[0]).strip("_") or "text"
@@ -158,7 +175,7 @@ def run_tokenizer(cfg: TrainConfig, out: Path, resume_dir: Path | None) -> tuple
         if dist_.is_main():
             settings = _prepare_settings(cfg, directory)
             # a new run in this output_dir owns its data/: settings of an earlier run there are replaced
-            sources = _raw_sources(cfg.data.path)
+            sources = _raw_sources(cfg.data.path, cfg.data.files, cfg.data.split)
             result = prepare(
                 settings, sources, progress_bar=show_progress(cfg.progress_bar), replace=resume_dir is None
             )
