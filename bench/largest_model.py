@@ -112,6 +112,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -322,6 +323,46 @@ def estimate(config: list[str], log: Path) -> dict[str, Any]:
     keys = ("host_peak_rss_gib", "peak_memory_gib", "host_gib", "phase", "breakdown", "process_baseline_gib",
             "num_params", "num_trainable_params", "seconds", "phase_peaks_gib", "fixes_mmap_threshold")  # fmt: skip
     return {**out, **{k: found.get(k) for k in keys}, "phase_rss_gib": predicted_phase_rss(found)}
+
+
+def measured_row(
+    name: str,
+    reproduce: str,
+    scale: str,
+    model_dir: Path,
+    made: dict[str, Any],
+    row: dict[str, Any],
+    t0: float,
+) -> dict[str, Any]:
+    """A row as ``docs/largest_model.json`` keeps it: its name, the command that reproduces it, the scale, the model
+    (``made``: :func:`random_hf.ensure_model`'s facts), the row's own fields, its seconds since ``t0`` (monotonic)
+    and the date."""
+    return {
+        "name": name,
+        "reproduce": reproduce,
+        "scale": scale,
+        "model": str(model_dir),
+        "num_params": made["num_params"],
+        "weights_gib": gib(made["weight_bytes"]),
+        **row,
+        "row_seconds": round(time.monotonic() - t0, 1),
+        "date": time.strftime("%Y-%m-%d"),
+    }
+
+
+def store_row(
+    json_path: Path,
+    results: list[dict[str, Any]],
+    row: dict[str, Any],
+    order: Callable[[dict[str, Any]], Any],
+) -> list[dict[str, Any]]:
+    """``results`` with ``row`` in place of the entry of its name, sorted by ``order``, written to ``json_path`` at
+    once (after each row: a crash keeps the others); the row's outcome printed to stderr."""
+    results = sorted([r for r in results if r.get("name") != row["name"]] + [row], key=order)
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    json_path.write_text(json.dumps(results, indent=2) + "\n")
+    print(f"--- {row['name']}: {row.get('outcome')} ({row['row_seconds']} s)", file=sys.stderr, flush=True)
+    return results
 
 
 def predicted_phase_rss(found: dict[str, Any]) -> dict[str, float] | None:
@@ -961,22 +1002,10 @@ def main() -> int:
         else:
             run_row = {"3b-plain": row_3b_plain, "3b-8bit": row_3b_8bit}[name]
             row = run_row(args, model_dir, run_dir)
-        row = {
-            "name": name,
-            "reproduce": reproduce_command(args, name),
-            "scale": args.scale,
-            "model": str(model_dir),
-            "num_params": made["num_params"],
-            "weights_gib": gib(made["weight_bytes"]),
-            **row,
-            "row_seconds": round(time.monotonic() - t0, 1),
-            "date": time.strftime("%Y-%m-%d"),
-        }
-        results = [r for r in results if r.get("name") != name] + [row]
-        results.sort(key=lambda r: ROWS.index(r["name"]) if r.get("name") in ROWS else len(ROWS))
-        json_path.parent.mkdir(parents=True, exist_ok=True)
-        json_path.write_text(json.dumps(results, indent=2) + "\n")  # after each row: a crash keeps the others
-        print(f"--- {name}: {row.get('outcome')} ({row['row_seconds']} s)", file=sys.stderr, flush=True)
+        row = measured_row(name, reproduce_command(args, name), args.scale, model_dir, made, row, t0)
+        results = store_row(
+            json_path, results, row, lambda r: ROWS.index(r["name"]) if r.get("name") in ROWS else len(ROWS)
+        )
         if (
             not args.keep
         ):  # tens of GiB at full scale: the row's checkpoint, then the model no later row needs

@@ -59,7 +59,7 @@ from typing import Any
 
 import yaml
 from docs_section import write_section
-from largest_model import LORA_TARGETS, _memfit, _shown, _switches, memfit_run
+from largest_model import LORA_TARGETS, _memfit, _shown, _switches, measured_row, memfit_run, store_row
 from measured_run import gib, memory_cap, run_measured, split_phases
 from random_hf import ASSETS, ROOT, ensure_model, model_spec
 
@@ -308,22 +308,12 @@ def main() -> int:
         reproduce = [".venv/bin/python", "bench/preference.py", "--rows", name]
         if "trl" in name and args.trl_timeout_s != 3600:
             reproduce += ["--trl-timeout-s", f"{args.trl_timeout_s:g}"]
-        row = {
-            "name": name,
-            "reproduce": shlex.join(reproduce + (["--scale", "small"] if small else [])),
-            "scale": args.scale,
-            "model": str(model_dir),
-            "num_params": made["num_params"],
-            "weights_gib": gib(made["weight_bytes"]),
-            **row,
-            "row_seconds": round(time.monotonic() - t0, 1),
-            "date": time.strftime("%Y-%m-%d"),
-        }
-        results = [r for r in results if r.get("name") != name] + [row]
-        results.sort(key=lambda r: (1, ROWS.index(r["name"])) if r.get("name") in ROWS else (0, 0))  # stable
-        json_path.parent.mkdir(parents=True, exist_ok=True)
-        json_path.write_text(json.dumps(results, indent=2) + "\n")
-        print(f"--- {name}: {row.get('outcome')} ({row['row_seconds']} s)", file=sys.stderr, flush=True)
+        reproduce = shlex.join(reproduce + (["--scale", "small"] if small else []))
+        row = measured_row(name, reproduce, args.scale, model_dir, made, row, t0)
+        # largest_model.py's rows first, in their order (a stable sort), then these
+        results = store_row(
+            json_path, results, row, lambda r: (1, ROWS.index(r["name"])) if r.get("name") in ROWS else (0, 0)
+        )
         if not args.keep:
             shutil.rmtree(run_dir / "output", ignore_errors=True)
             if all(ROW_MODEL[later] != model_key for later in rows[i + 1 :]):

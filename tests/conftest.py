@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -18,6 +19,8 @@ from memfit.cli import main
 from memfit.data.sources import default_corpus_path
 
 ASSETS = Path(__file__).parent / "assets"
+CHAT_TEMPLATE = ASSETS / "chat_templates" / "smollm2_instruct.jinja"
+"""A checkpoint's own chat template (SmolLM2-Instruct's), for :func:`chat_checkpoint`."""
 DOLLY = ASSETS / "dolly_sample.json"
 
 # Tests never download: make any attempt fail loudly instead of hanging.
@@ -105,6 +108,15 @@ def hf_checkpoint(tmp_path_factory, small_corpus) -> Path:
     assert main(["pretrain", *[f"{k}={v}" for k, v in overrides.items()]]) == 0
     assert main(["export", "--checkpoint", str(root / "pretrain"), "--out", str(root / "hf")]) == 0
     return root / "hf"
+
+
+@pytest.fixture(scope="session")
+def chat_checkpoint(hf_checkpoint, tmp_path_factory) -> Path:
+    """The tiny HF checkpoint with a chat template (chat_template.jinja) beside its tokenizer."""
+    d = tmp_path_factory.mktemp("chat") / "hf"
+    shutil.copytree(hf_checkpoint, d)
+    shutil.copyfile(CHAT_TEMPLATE, d / "chat_template.jinja")
+    return d
 
 
 def finetune_overrides(checkpoint: Path, out: Path, **extra) -> list[str]:

@@ -19,18 +19,7 @@ from memfit.data.records import load_conversations
 from memfit.memory.techniques import IGNORE_INDEX
 from memfit.tokenizer import load_tokenizer
 
-from .conftest import DOLLY, finetune_overrides
-
-TEMPLATE = Path(__file__).resolve().parent / "assets" / "chat_templates" / "smollm2_instruct.jinja"
-
-
-@pytest.fixture(scope="module")
-def chat_checkpoint(hf_checkpoint, tmp_path_factory) -> Path:
-    """The tiny HF checkpoint with a chat template (chat_template.jinja) beside its tokenizer."""
-    d = tmp_path_factory.mktemp("chat") / "hf"
-    shutil.copytree(hf_checkpoint, d)
-    shutil.copyfile(TEMPLATE, d / "chat_template.jinja")
-    return d
+from .conftest import CHAT_TEMPLATE, DOLLY, finetune_overrides
 
 
 def _finetune(checkpoint: Path, out: Path, template: str | None = None, **extra) -> list[str]:
@@ -82,7 +71,7 @@ def test_finetune_renders_with_the_checkpoint_template_and_trains_only_the_repli
     assert f"{full.stats.num_tokens:,} tokens ({full.stats.num_label_tokens:,} trained)" in banner
     # the run keeps the template it was fine-tuned with
     saved = next(out.glob("checkpoints/*/tokenizer/chat_template.jinja"))
-    assert saved.read_text() == TEMPLATE.read_text()
+    assert saved.read_text() == CHAT_TEMPLATE.read_text()
 
 
 def test_finetune_without_a_chat_template_says_auto_is_alpaca(hf_checkpoint, tmp_path, capsys):

@@ -61,7 +61,6 @@ from .test_switch_parity import COMBINATIONS
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 PAIRS = ASSETS / "preference_pairs.jsonl"
-TEMPLATE = ASSETS / "chat_templates" / "smollm2_instruct.jinja"
 LN2 = math.log(2.0)
 STEPS = 4
 SEQ_LEN = 256  # 4 train pairs and 1 validation pair of the 12
@@ -70,15 +69,6 @@ FP32_TOL = 1e-5
 tokens, -20 to -1,100 nats, summed in another order by a chunked loss, a tiled MLP or fused AdamW); measured
 <= 1.2e-6."""
 TOL = 1e-5  # 2 ranks against one process, as tests/test_distributed.py
-
-
-@pytest.fixture(scope="module")
-def chat_checkpoint(hf_checkpoint, tmp_path_factory) -> Path:
-    """The tiny HF checkpoint with a chat template (chat_template.jinja) beside its tokenizer."""
-    d = tmp_path_factory.mktemp("chat") / "hf"
-    shutil.copytree(hf_checkpoint, d)
-    shutil.copyfile(TEMPLATE, d / "chat_template.jinja")
-    return d
 
 
 def _overrides(checkpoint: Path, out: Path, **extra) -> list[str]:
