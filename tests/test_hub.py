@@ -396,6 +396,10 @@ def test_estimate_from_a_config_alone_equals_the_full_directory(
     for e in (hub_json, local_json):  # the timings and this process's own memory, measured each time
         for key in ("seconds", "host_peak_rss_gib", "process_baseline_gib"):
             e.pop(key)
+        phase_rss = e.pop(
+            "phase_rss_gib"
+        )  # each phase's tensors over this process's memory, measured each time
+        assert phase_rss.keys() == e["phase_peaks_gib"].keys()
         e["trace"].pop("trace_seconds")
     assert hub_json == local_json
     assert hub_json["phase_peaks_gib"]["load"] > 0  # the load is predicted from the config's tensors

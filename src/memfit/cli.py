@@ -310,9 +310,7 @@ def _plan(args: argparse.Namespace) -> int:
     if best is None:
         raise NoPlanError(report.no_fit_message(result))
     if args.out:
-        if (
-            spec is not None
-        ):  # the plan runs from the Hub id as given (its weights fetched then), not the snapshot
+        if spec is not None:  # the plan runs from the Hub id as given (fetched then), not the snapshot
             best = dataclasses.replace(best, config=dataclasses.replace(best.config, checkpoint_dir=spec))
         path = report.write_plan_yaml(args.out, best, result)
         if not args.json:

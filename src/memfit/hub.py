@@ -618,9 +618,8 @@ def hub_error(
             f"found, or private): check the spelling (ORG/NAME, or a path that exists); a private repository needs "
             f"your token (HF_TOKEN=hf_... or `hf auth login`); {offline}"
         )
-    elif isinstance(
-        exc, FileNotFoundError
-    ):  # LocalEntryNotFoundError, IncompleteSnapshotError: not in the cache
+    elif isinstance(exc, FileNotFoundError):
+        # LocalEntryNotFoundError, IncompleteSnapshotError: not in the cache
         cause = (
             "HF_HUB_OFFLINE=1 is set"
             if constants.is_offline_mode()

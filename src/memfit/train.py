@@ -89,8 +89,7 @@ def _train(
     """:func:`train` holding the run directory's lock; ``cleanup`` closes what the run opens, however it ends;
     ``sources``: the Hub repos ``checkpoint_dir`` and ``data.path`` named (:func:`memfit.hub.resolve_run`)."""
     # --- set-up: resume state, tokenizer, data, pre-flight (all checked before any weight is allocated) -------
-    run = _set_up(cfg, device)
-    run.sources = sources
+    run = _set_up(cfg, device, sources)
     out, main_rank = run.out, run.main_rank
 
     # --- model and optimizer (sharded: built on meta, each rank fills only its shards) ------------------------
@@ -207,7 +206,7 @@ class _Run:
     """The Hub repos the run reads (:func:`memfit.hub.resolve_run`), recorded in its checkpoints."""
 
 
-def _set_up(cfg: TrainConfig, device: torch.device) -> _Run:
+def _set_up(cfg: TrainConfig, device: torch.device, sources: dict[str, hub.HubSource]) -> _Run:
     """Resume state, tokenizer, architecture, data and the pre-flight check; ``output_dir`` is created last, so
     that bad input leaves none behind."""
     main_rank, world = dist_.is_main(), dist_.world_size()
@@ -260,7 +259,7 @@ def _set_up(cfg: TrainConfig, device: torch.device) -> _Run:
             f"note: optimizer.warmup_steps ({cfg.optimizer.warmup_steps}) >= max_steps ({cfg.max_steps}): the "
             f"learning rate never reaches optimizer.lr ({cfg.optimizer.lr:g})"
         )
-    return _Run(main_rank, world, out, resume_dir, resume_state, tokenizer, mcfg, seq_len, data)
+    return _Run(main_rank, world, out, resume_dir, resume_state, tokenizer, mcfg, seq_len, data, sources)
 
 
 def _reference_tables(cfg: TrainConfig, run: _Run, model: torch.nn.Module, device: torch.device) -> None:
@@ -323,9 +322,8 @@ def _saver(cfg: TrainConfig, run: _Run, model, optimizer, divergence: _Divergenc
     """``save(step)``: the run's checkpoint at ``step``, refused when the run diverged."""
     # world_size: a resume on other ranks says what became of the global batch (resume_notes)
     trainer_state = {"config": config_to_dict(cfg), "data_position": "step", "world_size": run.world}
-    if (
-        run.sources
-    ):  # the commit each Hub id resolved to: a resume reads the same (hub.resolve_run's recorded)
+    # the commit each Hub id resolved to: a resume reads the same (hub.resolve_run's recorded)
+    if run.sources:
         trainer_state["hub"] = {key: source.record() for key, source in run.sources.items()}
     if cfg.method != "full":  # the base stays in checkpoint_dir: remember which weights it held
         trainer_state["base_fingerprint"] = weights_fingerprint(cfg.checkpoint_dir)
