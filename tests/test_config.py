@@ -1,10 +1,13 @@
+import json
+import re
 from pathlib import Path
 
 import pytest
 
 from memfit.cli import main
-from memfit.config import TrainConfig, load_config, parse_overrides
+from memfit.config import TokenizerConfig, TrainConfig, load_config, parse_overrides
 from memfit.errors import ConfigError
+from memfit.models.presets import MODEL_PRESETS
 
 CONFIGS = sorted((Path(__file__).parents[1] / "configs").glob("*.yaml"))
 
@@ -247,3 +250,107 @@ def test_model_source_names_the_checkpoint_when_there_is_one(tmp_path):
     """The plan's first line, the estimate's report and the run's banner name where the model comes from."""
     assert TrainConfig().model_source == "shakespeare"
     assert TrainConfig(model="tiny", checkpoint_dir=str(tmp_path)).model_source == str(tmp_path)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Every model preset runs on its defaults; a tokenizer that does not fit the model is refused with a fix that works
+# ----------------------------------------------------------------------------------------------------------------
+
+SMALL_PRESETS = sorted(name for name, args in MODEL_PRESETS.items() if args["dim"] <= 256)
+
+
+def test_the_small_presets_are_the_tiny_ones_and_shakespeare():
+    assert SMALL_PRESETS == sorted(["shakespeare", *(n for n in MODEL_PRESETS if n.startswith("tiny"))])
+
+
+@pytest.mark.parametrize("name", SMALL_PRESETS)
+def test_every_small_preset_estimates_on_its_defaults(name, capsys):
+    assert main(["estimate", f"model={name}", "batch_size=1", "seq_len=32", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["peak_memory_gib"] > 0
+
+
+@pytest.mark.parametrize("name", sorted(set(MODEL_PRESETS) - set(SMALL_PRESETS)))
+def test_every_large_preset_validates_on_its_defaults(name):
+    cfg = load_config(None, [f"model={name}", "batch_size=1", "seq_len=64"], needs_weights=False)
+    assert cfg.tokenizer == TokenizerConfig()  # their vocabularies are all larger than the default BPE's
+
+
+@pytest.mark.parametrize(
+    "overrides, tokenizer",
+    [
+        # the tiny presets' 256 embeddings take no byte-level BPE (>= 258 ids): one id per character
+        (["model=tiny"], TokenizerConfig(kind="char")),
+        (["model=tiny-qwen3", "model_args.vocab_size=200"], TokenizerConfig(kind="char")),
+        # fewer embeddings than the default BPE's 2048, enough for one: a BPE of the model's size
+        (["model=tiny", "model_args.vocab_size=1000"], TokenizerConfig(vocab_size=1000)),
+        # the default BPE fits
+        (["model=tiny", "model_args.vocab_size=4096"], TokenizerConfig()),
+        (["model=llama2-7b"], TokenizerConfig()),
+        (["model=shakespeare"], TokenizerConfig()),  # no vocab_size of its own: the tokenizer's
+        (["model=tiny", "checkpoint_dir=/nowhere"], TokenizerConfig()),  # the checkpoint brings its own
+        # any tokenizer key set: the section is the user's, its other keys the schema's defaults
+        (["model=tiny", "tokenizer.kind=char", "tokenizer.vocab_size=65"], TokenizerConfig("char", 65)),
+        (
+            ["model=tiny", "model_args.vocab_size=1000", "tokenizer.vocab_size=300"],
+            TokenizerConfig(vocab_size=300),
+        ),
+    ],
+)
+def test_a_model_with_fewer_embeddings_than_the_default_bpe_takes_a_tokenizer_that_fits(overrides, tokenizer):
+    assert load_config(None, overrides, needs_weights=False).tokenizer == tokenizer
+
+
+def test_a_prepared_dataset_keeps_the_default_tokenizer_its_own_replaces(tmp_path):
+    (tmp_path / "manifest.json").write_text("{}")
+    cfg = load_config(None, ["model=tiny", f"data.path={tmp_path}"], needs_weights=False)
+    assert cfg.tokenizer == TokenizerConfig()
+
+
+def _suggested(message: str) -> list[str]:
+    """The ``key=value`` settings a refusal suggests, each a fix on its own."""
+    return re.findall(r"\b([a-z_]+\.[a-z_]+=\w+)", message.split("; ", 1)[1])
+
+
+@pytest.mark.parametrize(
+    "overrides, message, fixes",
+    [
+        (
+            ["model=tiny", "tokenizer.kind=bpe"],
+            "config key 'tokenizer.vocab_size': 2048 ids do not fit the model's 256 embeddings; a byte-level BPE "
+            "needs >= 258 ids: set tokenizer.kind=char (one id per character of the training text), or "
+            "model_args.vocab_size=2048",
+            ["tokenizer.kind=char", "model_args.vocab_size=2048"],
+        ),
+        (
+            ["model=tiny-llama3", "tokenizer.vocab_size=256"],
+            "config key 'tokenizer.vocab_size': a byte-level BPE needs >= 258 ids (256 bytes and 2 special "
+            "tokens), got 256; the model's 256 embeddings take no byte-level BPE: set tokenizer.kind=char (one id "
+            "per character of the training text)",
+            ["tokenizer.kind=char"],
+        ),
+        (
+            ["model=tiny", "model_args.vocab_size=1000", "tokenizer.vocab_size=2048"],
+            "config key 'tokenizer.vocab_size': 2048 ids do not fit the model's 1000 embeddings; set "
+            "tokenizer.vocab_size=1000 (or fewer, >= 258), or model_args.vocab_size=2048",
+            ["tokenizer.vocab_size=1000", "model_args.vocab_size=2048"],
+        ),
+        (
+            ["model=shakespeare", "tokenizer.vocab_size=100"],
+            "config key 'tokenizer.vocab_size': a byte-level BPE needs >= 258 ids (256 bytes and 2 special "
+            "tokens), got 100; set tokenizer.vocab_size=258 (or more), or tokenizer.kind=char (one id per "
+            "character of the training text)",
+            ["tokenizer.vocab_size=258", "tokenizer.kind=char"],
+        ),
+    ],
+)
+def test_a_tokenizer_that_does_not_fit_is_refused_naming_fixes_that_work(overrides, message, fixes, capsys):
+    argv = ["estimate", *overrides, "batch_size=1", "seq_len=32"]
+    assert main(argv) == 2
+    assert capsys.readouterr().err.strip() == f"memfit: config error: {message}"
+    with pytest.raises(ConfigError) as info:
+        load_config(None, overrides, needs_weights=False)
+    assert str(info.value) == message
+    assert _suggested(message) == fixes
+    for fix in fixes:
+        assert main([*argv, fix]) == 0, fix
+    capsys.readouterr()

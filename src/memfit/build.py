@@ -93,7 +93,7 @@ def resolve_model_config(cfg: TrainConfig, vocab_size: int) -> DecoderConfig:
     if mcfg.vocab_size < vocab_size:
         raise ConfigError(
             f"config key 'model_args.vocab_size': the model has {mcfg.vocab_size} embeddings but the tokenizer has "
-            f"{vocab_size} ids; raise model_args.vocab_size or use a smaller tokenizer"
+            f"{vocab_size} ids; set model_args.vocab_size={vocab_size} (or more), or use a smaller tokenizer"
         )
     return mcfg
 

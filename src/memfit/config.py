@@ -31,6 +31,7 @@ from memfit import hub
 from memfit.errors import ConfigError
 from memfit.memory import switches
 from memfit.validation import (  # the checks of the schema below, and the allowed values they take
+    BPE_MIN_IDS,
     DEVICES,
     MMAP_THRESHOLD_SETTINGS,
     NONFINITE_POLICIES,
@@ -38,6 +39,7 @@ from memfit.validation import (  # the checks of the schema below, and the allow
     check_lengths,
     device_type,
     memory_budget_bytes,
+    model_vocab,
     validate,
 )
 
@@ -46,7 +48,9 @@ _require = switches.require
 
 @dataclass
 class TokenizerConfig:
-    """How text becomes token ids."""
+    """How text becomes token ids. A config that sets none of these keys takes :func:`default_tokenizer`: these
+    defaults, or where the model's vocabulary is fixed smaller (the tiny presets' 256 embeddings) a tokenizer that
+    fits it."""
 
     kind: str = "bpe"
     """``bpe``: byte-level BPE trained with `tokenizers` on the training split only; ``char``: one id per
@@ -835,9 +839,23 @@ def config_from_dict(
         )
         tree = {**tree, "optimizer": {**(optimizer or {}), "name": name}}
     cfg = _from_dict(TrainConfig, tree)
+    if not tree.get("tokenizer"):
+        cfg.tokenizer = default_tokenizer(cfg)
     if check:
         validate(cfg, world_size, needs_weights=needs_weights)
     return cfg
+
+
+def default_tokenizer(cfg: TrainConfig) -> TokenizerConfig:
+    """``tokenizer`` when a config sets none of its keys: a byte-level BPE of ``TokenizerConfig.vocab_size`` (2048)
+    ids; where the model's vocabulary is fixed at fewer embeddings (:func:`memfit.validation.model_vocab`: the
+    preset's ``vocab_size`` or ``model_args.vocab_size``, such as the tiny presets' 256), a tokenizer that fits
+    them: a BPE of that many ids when that is at least 258 (its 256 bytes and 2 special tokens), else one id per
+    character of the training text (``char``)."""
+    vocab = model_vocab(cfg)
+    if vocab is None or vocab >= TokenizerConfig.vocab_size:
+        return TokenizerConfig()
+    return TokenizerConfig(vocab_size=vocab) if vocab >= BPE_MIN_IDS else TokenizerConfig(kind="char")
 
 
 def config_to_dict(cfg: TrainConfig) -> dict[str, Any]:

@@ -36,6 +36,9 @@ if TYPE_CHECKING:
 DEVICES = ("auto", "cpu", "cuda")
 NONFINITE_POLICIES = ("stop", "skip")  # on_nonfinite
 TOKENIZER_KINDS = ("bpe", "char", "file")
+BPE_MIN_IDS = 258
+"""The fewest ids a byte-level BPE has (``tokenizer.vocab_size``): its 256 bytes and its two special tokens."""
+_CHAR = "tokenizer.kind=char (one id per character of the training text)"  # the fix for a model too small
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -269,10 +272,16 @@ def _validate_tokenizer_and_data(cfg: TrainConfig) -> None:
     tok = cfg.tokenizer
     _one_of(tok.kind, TOKENIZER_KINDS, "tokenizer.kind")
     if tok.kind == "bpe":
+        embeddings = model_vocab(cfg)
+        if embeddings is not None and embeddings < BPE_MIN_IDS:
+            fix = f"the model's {embeddings} embeddings take no byte-level BPE: set {_CHAR}"
+        else:
+            fix = f"set tokenizer.vocab_size={BPE_MIN_IDS} (or more), or {_CHAR}"
         _require(
-            tok.vocab_size >= 258,
+            tok.vocab_size >= BPE_MIN_IDS,
             "tokenizer.vocab_size",
-            f"a byte-level BPE needs >= 258 ids, got {tok.vocab_size}",
+            f"a byte-level BPE needs >= {BPE_MIN_IDS} ids (256 bytes and 2 special tokens), got "
+            f"{tok.vocab_size}; {fix}",
         )
     if tok.kind == "file":
         _require(tok.path is not None, "tokenizer.path", "is required when tokenizer.kind is 'file'")
@@ -388,19 +397,33 @@ def _validate_model(cfg: TrainConfig) -> None:
     if cfg.checkpoint_dir is not None:
         return  # the architecture comes from the checkpoint: train() checks seq_len against it before loading
     tok = cfg.tokenizer
-    preset_vocab = cfg.model_args.get("vocab_size", MODEL_PRESETS[cfg.model].get("vocab_size"))
-    # memfit.data.tokens.MANIFEST, spelled out: validation is below the data layer and may not import it
-    prepared = cfg.data.path is not None and (Path(cfg.data.path) / "manifest.json").is_file()
-    if (
-        tok.kind == "bpe" and preset_vocab is not None and not prepared
-    ):  # a prepared dataset brings its tokenizer
+    embeddings = model_vocab(cfg)
+    if tok.kind == "bpe" and embeddings is not None:
+        if embeddings >= BPE_MIN_IDS:
+            fix = f"set tokenizer.vocab_size={embeddings} (or fewer, >= {BPE_MIN_IDS})"
+        else:
+            fix = f"a byte-level BPE needs >= {BPE_MIN_IDS} ids: set {_CHAR}"
         _require(
-            tok.vocab_size <= preset_vocab,
+            tok.vocab_size <= embeddings,
             "tokenizer.vocab_size",
-            f"{tok.vocab_size} ids do not fit the model's {preset_vocab} embeddings; lower it or set "
-            f"model_args.vocab_size",
+            f"{tok.vocab_size} ids do not fit the model's {embeddings} embeddings; {fix}, or "
+            f"model_args.vocab_size={tok.vocab_size}",
         )
     check_lengths(cfg, mcfg, 0)
+
+
+def model_vocab(cfg: TrainConfig) -> int | None:
+    """The embeddings a run's model has whatever its tokenizer: ``model_args.vocab_size``, else the preset's
+    ``vocab_size``; ``None`` where the tokenizer or the data decides (a preset without ``vocab_size``, such as
+    ``shakespeare``), where ``checkpoint_dir`` brings its own, where ``data.path`` is a prepared dataset (which
+    brings its tokenizer), or where the value is not an int (model validation names it)."""
+    if cfg.checkpoint_dir is not None or cfg.model not in MODEL_PRESETS:
+        return None
+    # memfit.data.tokens.MANIFEST, spelled out: validation is below the data layer and may not import it
+    if cfg.data.path is not None and (Path(cfg.data.path) / "manifest.json").is_file():
+        return None
+    vocab = cfg.model_args.get("vocab_size", MODEL_PRESETS[cfg.model].get("vocab_size"))
+    return vocab if isinstance(vocab, int) and not isinstance(vocab, bool) else None
 
 
 def check_lengths(cfg: TrainConfig, mcfg: DecoderConfig, vocab_size: int) -> int:

@@ -15,6 +15,7 @@ from memfit.data.chat_template import ChatTemplate
 from memfit.data.instruct import (
     encode_conversation,
     encode_prompt,
+    prepare_instruct,
     resolve_template,
     stop_token_ids,
     template_label,
@@ -257,3 +258,87 @@ def test_the_sandbox_refuses_what_transformers_refuses(tmp_path):
         "cannot render this conversation (roles user, assistant, user, assistant): access to attribute '__class__' "
         "of 'list' object is unsafe."
     )
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# A file that leaves no training sample: counts that add up to the records read, and each cause with its fix
+
+_SHORT = [{"role": "user", "content": "Capital of France?"}, {"role": "assistant", "content": "Paris."}]
+_LONG = [{"role": "user", "content": "long " * 100}, {"role": "assistant", "content": "Yes."}]
+_TWO_USERS = [{"role": "user", "content": "Hi."}, *_SHORT]  # Gemma's template: roles must alternate
+
+
+def _write_chats(path: Path, chats: list[list[dict[str, str]] | str]) -> Path:
+    lines = [c if isinstance(c, str) else json.dumps({"messages": c}) for c in chats]
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+_DROP_SYSTEM = "drop the records' system messages"
+_CHATML = "set data.template=chatml"
+_SYSTEM_ROLE = (
+    "skipped because template '{template}' refuses the system role (drop the records' system messages, or set "
+    "data.template=chatml, which takes a system message and works with any tokenizer)"
+)
+
+
+@pytest.mark.parametrize(
+    ("chats", "counts", "fixes"),
+    [
+        # every record has a system message, which Gemma's template refuses (the issue's 20 records)
+        (
+            [[SYSTEM, *_SHORT]] * 20,
+            f"2 held out for validation, the other 18 for training: 18 {_SYSTEM_ROLE}",
+            2,
+        ),
+        # every prompt fills the 65 tokens: seq_len is the fix
+        (
+            [_LONG] * 20,
+            "2 held out for validation, the other 18 for training: 18 with nothing to train on after truncation "
+            "to 65 tokens (raise seq_len)",
+            1,
+        ),
+        # a mix, with a malformed line and records the template refuses for another reason
+        (
+            [[SYSTEM, *_SHORT]] * 10 + [_LONG] * 6 + [_TWO_USERS] * 3 + ["{not json"],
+            f"1 malformed (skipped), 2 held out for validation, the other 17 for training: 9 {_SYSTEM_ROLE}, 3 "
+            "skipped because template '{template}' cannot render their roles (first: '{path}' record 16 (0-based; "
+            "line 17): the chat template '{template}' cannot render this conversation (roles user, user, "
+            "assistant): Conversation roles must alternate user/assistant/user/assistant/...), 5 with nothing to "
+            "train on after truncation to 65 tokens (raise seq_len)",
+            3,
+        ),
+    ],
+    ids=["system-role", "truncation", "mix"],
+)
+def test_no_training_sample_counts_add_up_and_name_the_cause_with_a_fix_that_works(
+    tmp_path, chats, counts, fixes
+):
+    tokenizer = load_tokenizer(save_tokenizer_dir(tmp_path / "tok", "gemma2_it.jinja"))
+    template = resolve_template("auto", tokenizer)
+    path = _write_chats(tmp_path / "chat.jsonl", chats)
+    kw = {
+        "max_seq_len": 64,
+        "val_fraction": 0.1,
+        "seed": 0,
+        "skip_malformed": True,
+        "length_fix": "raise seq_len",
+    }
+    with pytest.raises(DataError) as err:
+        prepare_instruct(path, "openai", template, tokenizer, **kw)
+    message = str(err.value)
+    assert message == (
+        f"'{path}' leaves no training sample: of {len(chats)} record(s) read, "
+        + counts.format(template=template.path, path=path)
+    )
+    # each fix the message names works on its own
+    no_system = [c if isinstance(c, str) else [m for m in c if m["role"] != "system"] for c in chats]
+    named = {
+        _DROP_SYSTEM: (_write_chats(tmp_path / "no_system.jsonl", no_system), template, kw),
+        _CHATML: (path, "chatml", kw),
+        "raise seq_len": (path, template, {**kw, "max_seq_len": 512}),
+    }
+    named = {fix: run for fix, run in named.items() if fix in message}
+    assert len(named) == fixes
+    for fix, (data, run_template, run_kw) in named.items():
+        assert len(prepare_instruct(data, "openai", run_template, tokenizer, **run_kw).train) > 0, fix

@@ -537,11 +537,15 @@ def test_prepare_truncates_and_drops(tmp_path, bpe):
     )
     _, targets, _ = data.train.collate([1])
     assert targets[0].tolist() == full_labels[1 : max_seq_len + 1]
-    with pytest.raises(DataError, match="leaves no training sample.*1 with nothing to train on"):
+    with pytest.raises(DataError) as err:
         prepare_instruct(
             write_json(tmp_path / "d.json", records[2:]), "alpaca", "alpaca", bpe, max_seq_len=96,
             val_fraction=0.0, seed=0,
         )  # fmt: skip
+    assert str(err.value) == (
+        f"'{tmp_path / 'd.json'}' leaves no training sample: of 1 record(s) read, 0 held out for validation, the "
+        "other 1 for training: 1 with nothing to train on after truncation to 97 tokens (raise max_seq_len)"
+    )
 
 
 def test_prepare_template_errors_name_the_record_or_are_skipped(tmp_path, bpe):

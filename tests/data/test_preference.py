@@ -53,6 +53,7 @@ def assistant(text: str) -> dict[str, str]:
 
 
 SYSTEM = {"role": "system", "content": "Be brief."}
+GOOD_REPLIES = {"chosen": "Hello!", "rejected": "Bye."}
 STRING_RECORD = {"prompt": "What color is the sky?", "chosen": "Blue.", "rejected": "Green, surely."}
 CONV_RECORD = {  # a multi-turn prompt; chosen a list of messages, rejected one message
     "prompt": [SYSTEM, user("Capital of France?"), assistant("Paris."), user("And of Italy?")],
@@ -421,9 +422,9 @@ def test_truncation_and_drops_are_counted_and_add_up(tmp_path, tok):
         prepare(write_jsonl(tmp_path / "d.jsonl", [records[2], records[3]]), tok, max_seq_len=32, skip_malformed=True,
                 length_fix="raise seq_len")  # fmt: skip
     assert str(err.value) == (
-        f"'{tmp_path / 'd.jsonl'}' leaves no training pair: 2 record(s) read, 1 malformed (skipped), 0 skipped, 1 "
-        "dropped by truncation to 33 tokens (their prompt fills them, or a completion has no token left; raise "
-        "seq_len), 0 held out for validation"
+        f"'{tmp_path / 'd.jsonl'}' leaves no training pair: of 2 record(s) read, 1 malformed (skipped), 0 held out "
+        "for validation, the other 1 for training: 1 dropped by truncation to 33 tokens (their prompt fills them, "
+        "or a completion has no token left; raise seq_len)"
     )
 
 
@@ -446,6 +447,36 @@ def test_template_errors_name_the_record_or_are_skipped_and_counted(tmp_path, to
     assert (s.num_records, s.num_pairs, s.num_malformed, s.num_template_skipped) == (2, 1, 0, 1)
     with pytest.raises(DataError, match=r"1 skipped because template 'alpaca' cannot render their roles"):
         prepare(write_jsonl(tmp_path / "only.jsonl", [two_turns]), tok, "alpaca", skip_malformed=True)
+
+
+def test_a_template_that_refuses_the_system_role_is_named_as_the_cause_with_fixes_that_work(tmp_path):
+    gemma = load_tokenizer(save_tokenizer_dir(tmp_path / "gemma", "gemma2_it.jinja"))
+    template = resolve_template("auto", gemma)
+    with_system = {"prompt": [SYSTEM, user("Hi")], "chosen": "Hello!", "rejected": "Bye."}
+    path = write_jsonl(tmp_path / "p.jsonl", [with_system] * 10 + [{"prompt": "long " * 80, **GOOD_REPLIES}])
+    with pytest.raises(DataError) as err:
+        prepare(
+            path,
+            gemma,
+            template,
+            max_seq_len=64,
+            val_fraction=0.2,
+            skip_malformed=True,
+            length_fix="raise seq_len",
+        )
+    assert str(err.value) == (
+        f"'{path}' leaves no training pair: of 11 record(s) read, 2 held out for validation, the other 9 for "
+        f"training: 8 skipped because template '{template.path}' refuses the system role (drop the records' system "
+        "messages, or set data.template=chatml, which takes a system message and works with any tokenizer), 1 "
+        "dropped by truncation to 65 tokens (their prompt fills them, or a completion has no token left; raise "
+        "seq_len)"
+    )
+    # the fixes it names: the system messages dropped, or a template that takes them
+    no_system = write_jsonl(tmp_path / "n.jsonl", [{**with_system, "prompt": [user("Hi")]}] * 10)
+    assert len(prepare(no_system, gemma, template, max_seq_len=64, val_fraction=0.2).train) == 8
+    assert (
+        len(prepare(path, gemma, "chatml", max_seq_len=64, val_fraction=0.2, skip_malformed=True).train) == 8
+    )
 
 
 # ----------------------------------------------------------------------------------------------------------------

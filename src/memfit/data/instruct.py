@@ -28,10 +28,11 @@ JSONL file); line numbers count from 1.
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import logging
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -725,6 +726,78 @@ def split_indices(n: int, val_fraction: float, seed: int) -> tuple[np.ndarray, n
     return np.sort(perm[n_val:]), np.sort(perm[:n_val])
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# Why a file leaves nothing to train on (shared with memfit.data.preference)
+
+SKIP_CAUSES = ("system", "template", "truncated")
+"""Why a valid record yields no sample: the template refuses its system role (it renders once its system messages
+are dropped), the template cannot render it otherwise, or truncation to ``max_seq_len + 1`` tokens leaves it
+nothing to train on."""
+
+
+def unrendered_cause(
+    messages: Sequence[dict[str, str]], render: Callable[[list[dict[str, str]]], Any]
+) -> str:
+    """Why a template could not render a record: ``"system"`` when it renders once its system messages are dropped
+    (the template refuses the system role, as Gemma's does), else ``"template"``.
+
+    Args:
+        messages: The record's messages that may hold system messages (a preference pair's prompt).
+        render: Renders the record with these messages in their place; raises ``DataError`` when it cannot.
+    """
+    rest = [m for m in messages if m["role"] != "system"]
+    if len(rest) == len(messages):
+        return "template"
+    try:
+        render(rest)
+    except DataError:
+        return "template"
+    return "system"
+
+
+def no_training_error(
+    path: Path,
+    unit: str,
+    *,
+    num_malformed: int,
+    num_val: int,
+    train_causes: Sequence[tuple[str, str | None]],
+    template: Template,
+    truncated: str,
+) -> DataError:
+    """The error for a file that leaves no training sample (or pair), its counts adding up to the records read.
+
+    Args:
+        path: The data file.
+        unit: What a record would have given, e.g. ``"training sample"``.
+        num_malformed: Malformed records skipped at loading.
+        num_val: Valid records held out for validation.
+        train_causes: Per valid record of the training split (none was kept): its cause (:data:`SKIP_CAUSES`),
+            and the template's error where it could not render the record (the first of cause ``"template"`` is
+            quoted).
+        template: The template the records were rendered with.
+        truncated: What a record dropped by truncation is, with what lengthens the samples, e.g. ``"with nothing
+            to train on after truncation to 65 tokens (raise seq_len)"``.
+    """
+    name = template_name(template)
+    first_unrendered = next((error for cause, error in train_causes if cause == "template"), None)
+    why = {
+        "system": f"skipped because template {name} refuses the system role (drop the records' system messages, "
+        "or set data.template=chatml, which takes a system message and works with any tokenizer)",
+        "template": f"skipped because template {name} cannot render their roles (first: {first_unrendered})",
+        "truncated": truncated,
+    }
+    counts = [f"{num_malformed} malformed (skipped)"] if num_malformed else []
+    counts += [f"{num_val} held out for validation", f"the other {len(train_causes)} for training"]
+    tally = collections.Counter(cause for cause, _ in train_causes)
+    causes = [f"{tally[cause]} {why[cause]}" for cause in SKIP_CAUSES if tally[cause]]
+    read = num_malformed + num_val + len(train_causes)
+    return DataError(
+        f"'{path}' leaves no {unit}: of {read} record(s) read, {', '.join(counts)}"
+        + (f": {', '.join(causes)}" if causes else "")
+    )
+
+
 def _pack(
     samples: list[tuple[np.ndarray, np.ndarray]], max_seq_len: int, pad_id: int, rng: np.random.Generator
 ) -> tuple[list[np.ndarray], list[np.ndarray], list[np.ndarray], int]:
@@ -810,7 +883,8 @@ def prepare_instruct(
     Raises:
         DataError: Bad arguments (each named); the file or a record is bad (see :func:`load_conversations`); the
             tokenizer cannot serve the template, or a chat template cannot be rendered (naming its file); a
-            record's roles do not fit the template (unless ``skip_malformed``); or no training sample is left.
+            record's roles do not fit the template (unless ``skip_malformed``); or no training sample is left
+            (:func:`no_training_error`: the counts add up to the records read, each cause named with its fix).
     """
     path = Path(path)
     if fmt not in INSTRUCT_FORMATS:  # "preference" is a data format too, read by memfit.data.preference
@@ -827,23 +901,25 @@ def prepare_instruct(
     if not 0.0 <= val_fraction < 1.0:
         raise DataError(f"val_fraction must be in [0, 1), got {val_fraction!r}")
     specials_for(template, tokenizer)  # a tokenizer/template mismatch fails here, not once per record
-    records, num_skipped = load_records(path, fmt, column_map, skip_malformed)
+    records, num_malformed = load_records(path, fmt, column_map, skip_malformed)
+
+    def encode(messages: Sequence[dict[str, str]]) -> tuple[list[int], list[int]]:
+        return encode_conversation(messages, template, tokenizer, train_on_prompt=train_on_prompt)
 
     # ---- encode and truncate
     samples: list[tuple[np.ndarray, np.ndarray] | None] = []
     num_truncated = num_dropped = num_tokens = num_label_tokens = 0
-    truncated_away: set[int] = set()  # records left with nothing to train on by truncation
-    template_errors: list[str] = []
+    causes: dict[int, str] = {}  # record -> why it gave no sample (SKIP_CAUSES)
+    template_errors: dict[int, str] = {}  # record -> why the template cannot render it
     for rec in records:
         try:
-            ids, labels = encode_conversation(
-                rec.messages, template, tokenizer, train_on_prompt=train_on_prompt
-            )
+            ids, labels = encode(rec.messages)
         except DataError as exc:
             message = f"{rec.where(path)}: {exc}"
             if not skip_malformed:
                 raise DataError(f"{message} (set data.skip_malformed to skip such records)") from None
-            template_errors.append(message)
+            template_errors[len(samples)] = message
+            causes[len(samples)] = unrendered_cause(rec.messages, encode)
             samples.append(None)
             continue
         if len(ids) > max_seq_len + 1:
@@ -852,7 +928,7 @@ def prepare_instruct(
         trained = sum(1 for t in labels[1:] if t != IGNORE_INDEX)
         if trained == 0:
             num_dropped += 1
-            truncated_away.add(len(samples))
+            causes[len(samples)] = "truncated"
             samples.append(None)
             continue
         num_tokens += len(ids) - 1
@@ -864,32 +940,35 @@ def prepare_instruct(
             len(template_errors),
             path,
             template_name(template),
-            "; ".join(template_errors[:3]),
+            "; ".join(list(template_errors.values())[:3]),
         )
-    num_skipped += len(template_errors)
 
     # ---- split (by record, so the split does not depend on the template or max_seq_len)
     train_idx, val_idx = split_indices(len(records), val_fraction, seed)
     train_samples = [s for i in train_idx if (s := samples[i]) is not None]
     val_samples = [s for i in val_idx if (s := samples[i]) is not None]
     if not train_samples:
-        raise DataError(
-            f"'{path}' leaves no training sample: {len(records)} valid record(s), {len(val_idx)} held out for "
-            f"validation, {len(template_errors)} skipped for template {template_name(template)}, {num_dropped} "
-            f"with nothing to train on after truncation to {max_seq_len + 1} tokens ({length_fix})"
+        raise no_training_error(
+            path,
+            "training sample",
+            num_malformed=num_malformed,
+            num_val=len(val_idx),
+            train_causes=[(causes[j], template_errors.get(j)) for j in map(int, train_idx)],
+            template=template,
+            truncated=f"with nothing to train on after truncation to {max_seq_len + 1} tokens ({length_fix})",
         )
 
     # ---- build the splits, packing if asked
     pad_id = pad_token_id(tokenizer)
     stats = InstructStats(
         num_records=len(records),
-        num_skipped=num_skipped,
+        num_skipped=num_malformed + len(template_errors),
         num_truncated=num_truncated,
         num_dropped=num_dropped,
         num_train_samples=len(train_samples),
         num_val_samples=len(val_samples),
         num_val_records=len(val_idx),
-        num_val_dropped=sum(1 for i in val_idx if int(i) in truncated_away),
+        num_val_dropped=sum(1 for i in val_idx if causes.get(int(i)) == "truncated"),
         num_tokens=num_tokens,
         num_label_tokens=num_label_tokens,
     )

@@ -71,10 +71,12 @@ from memfit.data.instruct import (
     Template,
     encode_conversation,
     encode_prompt,
+    no_training_error,
     pad_token_id,
     specials_for,
     split_indices,
     template_name,
+    unrendered_cause,
 )
 from memfit.data.records import Malformed, record_where, valid_records
 from memfit.data_formats import PREFERENCE_FORMAT, format_columns
@@ -541,8 +543,9 @@ def prepare_preference(
     Raises:
         DataError: Bad arguments (each named); the file or a record is bad (see :func:`load_pairs`); the tokenizer
             cannot serve the template, or a chat template cannot be rendered (naming its file); a record's roles
-            do not fit the template (unless ``skip_malformed``); or no training pair is left (naming the file and
-            each count).
+            do not fit the template (unless ``skip_malformed``); or no training pair is left
+            (:func:`memfit.data.instruct.no_training_error`: the counts add up to the records read, each cause named
+            with its fix).
     """
     path = Path(path)
     if not isinstance(max_seq_len, int) or max_seq_len < 1:
@@ -555,7 +558,8 @@ def prepare_preference(
     # ---- render and truncate
     limit = max_seq_len + 1
     rows: list[tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]] | None] = []
-    template_errors: list[str] = []
+    causes: dict[int, str] = {}  # record -> why it gave no pair (memfit.data.instruct.SKIP_CAUSES)
+    template_errors: dict[int, str] = {}  # record -> why the template cannot render it
     mismatched: list[str] = []
     num_dropped = num_truncated = num_prefix_mismatch = num_tokens = num_label_tokens = 0
     for pair in pairs:
@@ -565,7 +569,11 @@ def prepare_preference(
             message = f"{pair.where(path)}: {exc}"
             if not skip_malformed:
                 raise DataError(f"{message} {_SKIP_HINT}") from None
-            template_errors.append(message)
+            template_errors[len(rows)] = message
+            causes[len(rows)] = unrendered_cause(
+                pair.prompt,
+                lambda prompt, p=pair: encode_pair(prompt, p.chosen, p.rejected, template, tokenizer),
+            )
             rows.append(None)
             continue
         if encoded.num_prefix_mismatch:
@@ -574,6 +582,7 @@ def prepare_preference(
         kept = _pair_rows(encoded, limit)
         if kept is None:
             num_dropped += 1
+            causes[len(rows)] = "truncated"
             rows.append(None)
             continue
         (chosen, rejected), cut = kept
@@ -588,7 +597,7 @@ def prepare_preference(
             len(template_errors),
             path,
             template_name(template),
-            "; ".join(template_errors[:3]),
+            "; ".join(list(template_errors.values())[:3]),
         )
     if mismatched:  # once, where TRL warns once per row
         log.warning(
@@ -608,15 +617,15 @@ def prepare_preference(
     val = [r for i in val_idx if (r := rows[i]) is not None]
     num_records = len(pairs) + num_malformed
     if not train:
-        skipped = f"{len(template_errors)} skipped"
-        if template_errors:
-            skipped += f" because template {template_name(template)} cannot render their roles"
-        dropped = f"{num_dropped} dropped by truncation to {limit} tokens"
-        if num_dropped:
-            dropped += f" (their prompt fills them, or a completion has no token left; {length_fix})"
-        raise DataError(
-            f"'{path}' leaves no training pair: {num_records} record(s) read, {num_malformed} malformed (skipped), "
-            f"{skipped}, {dropped}, {len(val_idx)} held out for validation"
+        raise no_training_error(
+            path,
+            "training pair",
+            num_malformed=num_malformed,
+            num_val=len(val_idx),
+            train_causes=[(causes[j], template_errors.get(j)) for j in map(int, train_idx)],
+            template=template,
+            truncated=f"dropped by truncation to {limit} tokens (their prompt fills them, or a completion has no "
+            f"token left; {length_fix})",
         )
 
     pad_id = pad_token_id(tokenizer)
