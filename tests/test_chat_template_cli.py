@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from memfit.cli import main
-from memfit.data.instruct import encode_conversation, prepare_instruct, resolve_template
+from memfit.data.instruct import encode_conversation, encode_prompt, prepare_instruct, resolve_template
 from memfit.data.records import load_conversations
 from memfit.memory.techniques import IGNORE_INDEX
 from memfit.tokenizer import load_tokenizer
@@ -147,3 +147,68 @@ def test_a_run_trained_with_a_named_template_resumes_with_it_under_the_default(
         return {r["step"]: r["loss"] for r in map(json.loads, lines) if "loss" in r}
 
     assert losses(out)[2] == losses(straight)[2]
+
+
+PROMPT = [
+    {"role": "system", "content": "Answer in one word."},
+    {"role": "user", "content": "What is the capital of France?"},
+]
+
+
+@pytest.mark.parametrize(
+    "template, method", [("alpaca", "full"), ("llama2-chat", "lora"), ("chatml", "full")]
+)
+def test_export_carries_the_builtin_template_the_run_trained_with(
+    template, method, chat_checkpoint, tmp_path, capsys
+):
+    """A run that named a built-in template over the checkpoint's own (SmolLM2's ChatML, with its default system
+    prompt) exports that template as Jinja: transformers' apply_chat_template on the export renders exactly the
+    text memfit renders with the run's template, and the ids memfit trained on (ChatML's markers are plain text to
+    this tokenizer, and whole-string BPE happens to merge nothing across them here); the summary line says which
+    template and whence."""
+    transformers = pytest.importorskip("transformers")
+    run, hf = tmp_path / "run", tmp_path / "hf"
+    assert main(["finetune", *_finetune(chat_checkpoint, run, template, method=method)]) == 0
+    capsys.readouterr()
+    assert main(["export", "--checkpoint", str(run), "--out", str(hf)]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == (
+        f"exported to {hf} (chat template: {template}: memfit's built-in template, written as Jinja in place of "
+        "the checkpoint's own)"
+    )
+    tokenizer = load_tokenizer(hf)
+    reference = transformers.AutoTokenizer.from_pretrained(str(hf))
+    prompt_ids = encode_prompt(PROMPT, template, tokenizer)
+    text = reference.apply_chat_template(PROMPT, tokenize=False, add_generation_prompt=True)
+    assert text == tokenizer.decode(prompt_ids)
+    assert "SmolLM" not in text
+    ids = reference.apply_chat_template(PROMPT, add_generation_prompt=True, return_dict=False)
+    assert ids == prompt_ids
+    # both places transformers reads a template hold it (chat_template.jinja first, 4.x the config)
+    jinja = (hf / "chat_template.jinja").read_text()
+    assert json.loads((hf / "tokenizer_config.json").read_text())["chat_template"] == jinja
+    assert jinja != CHAT_TEMPLATE.read_text()
+
+
+def test_export_of_an_auto_run_keeps_the_checkpoint_template(chat_checkpoint, tmp_path, capsys):
+    """data.template=auto: the export carries the checkpoint's own template byte for byte, and transformers
+    renders with it what it renders with the checkpoint."""
+    transformers = pytest.importorskip("transformers")
+    run, hf = tmp_path / "run", tmp_path / "hf"
+    assert main(["finetune", *_finetune(chat_checkpoint, run)]) == 0
+    capsys.readouterr()
+    assert main(["export", "--checkpoint", str(run), "--out", str(hf)]) == 0
+    saved = next(run.glob("checkpoints/*/tokenizer/chat_template.jinja"))
+    assert capsys.readouterr().out.splitlines()[-1] == (
+        f"exported to {hf} (chat template: auto: the checkpoint's chat template '{saved}', as the run trained "
+        "with it)"
+    )
+    assert (hf / "chat_template.jinja").read_bytes() == CHAT_TEMPLATE.read_bytes()
+    config = json.loads((hf / "tokenizer_config.json").read_text())
+    assert config["chat_template"] == CHAT_TEMPLATE.read_text()
+    rendered = [
+        transformers.AutoTokenizer.from_pretrained(str(d)).apply_chat_template(
+            PROMPT[1:], tokenize=False, add_generation_prompt=True
+        )
+        for d in (hf, chat_checkpoint)
+    ]
+    assert rendered[0] == rendered[1]

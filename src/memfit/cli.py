@@ -488,14 +488,14 @@ def _export(args: argparse.Namespace) -> int:
     _check_option(
         "--max-shard-size", size, math.isfinite(size) and size * GIB >= 1, "> 0 (GiB per safetensors file)"
     )
-    out = export_run(
+    exported = export_run(
         _checkpoint_path("--checkpoint", args.checkpoint),
         args.out,
         adapter_only=args.adapter_only,
         dtype=args.dtype,
         max_shard_size=int(size * GIB),
     )
-    print(f"exported to {out}")
+    print(f"exported to {exported.path} (chat template: {exported.chat_template})")
     return 0
 
 
@@ -778,7 +778,9 @@ def _add_export(sub: Any) -> None:
         help=verbs.VERBS["export"],
         description="Export a memfit run or checkpoint (or convert a Meta checkpoint) to a Hugging Face "
         "directory of its family's own class (LlamaForCausalLM, Qwen3ForCausalLM, Gemma2ForCausalLM, ...). LoRA "
-        "runs are merged into the base weights, or with --adapter-only written in PEFT's adapter format.",
+        "runs are merged into the base weights, or with --adapter-only written in PEFT's adapter format. The "
+        "directory's chat template is the one the run trained with (a built-in data.template as Jinja, in place "
+        "of the checkpoint's own); the last line says which.",
     )
     e.add_argument(
         "--checkpoint",

@@ -120,6 +120,9 @@ class LoraConfig:
     rank: int = 8
     alpha: float = 16.0
     dropout: float = 0.05
+    """Probability in [0, 1) of zeroing an input of the low-rank path while training. Its masks come from each
+    process's global generator, so N ranks draw other masks than one process: a sharded run equals a one-process
+    run only with 0 (docs/distributed.md, "The batch")."""
     target_modules: list[str] = field(default_factory=lambda: ["q_proj", "v_proj"])
     """Any of q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj, lm_head (empty when
     ``target_parameters`` names something)."""

@@ -18,10 +18,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from memfit.data.chat_template import ChatTemplate
 from memfit.data.instruct import (
     IGNORE_INDEX,
     InstructSplit,
     batch_position,
+    builtin_template_source,
     encode_conversation,
     encode_prompt,
     prepare_instruct,
@@ -488,6 +490,67 @@ def test_llama2_refuses_non_alternating_roles(sp_tok):
     conv = [{"role": "assistant", "content": "Hi"}, {"role": "user", "content": "Hello"}, CHAT[2]]
     with pytest.raises(DataError, match="message 0 is 'assistant' where 'user' belongs"):
         encode_conversation(conv, "llama2-chat", sp_tok)
+
+
+# The built-in templates as Jinja (what memfit export writes): transformers renders what memfit trains on
+ALL_SPECIALS = [
+    "<|begin_of_text|>",
+    "<|end_of_text|>",
+    "<|start_header_id|>",
+    "<|end_header_id|>",
+    "<|eot_id|>",
+    "<|im_start|>",
+    "<|im_end|>",
+]
+JINJA_CONVERSATIONS = {
+    "alpaca": [
+        [{"role": "system", "content": "Be terse."}, *ALPACA_CONVS[0]],
+        [{"role": "user", "content": "Translate to French.", "input": "Good morning"}, CHAT[4]],
+    ],
+    "chat": [CHAT, [{"role": "user", "content": "Translate to French.", "input": "Good morning"}, CHAT[4]]],
+}
+
+
+@pytest.fixture(scope="module")
+def every_special(tmp_path_factory):
+    """A Llama-3-style byte-level BPE with BOS, EOS and the special tokens of every built-in template, and the
+    same file in transformers' ``PreTrainedTokenizerFast``."""
+    tmp = tmp_path_factory.mktemp("every_special")
+    path = hf_bpe(tmp, ALL_SPECIALS, llama3_split=True)
+    (tmp / "tokenizer_config.json").write_text(
+        json.dumps({"bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>"})
+    )
+    return load_tokenizer(path), hf_reference(path, "<|begin_of_text|>", "<|end_of_text|>", "")
+
+
+@pytest.mark.parametrize("template", TEMPLATES)
+def test_builtin_template_as_jinja_renders_what_memfit_trains_on(template, every_special):
+    """transformers' apply_chat_template with a built-in template's Jinja gives the text and the ids memfit's
+    renderer gives: a whole conversation (training) and its prompt with the generation prompt (sampling), with an
+    Alpaca/Dolly ``input``; memfit reading the same Jinja as a checkpoint's template trains the same tokens."""
+    tok, hf = every_special
+    source = builtin_template_source(template, tok)
+    assert source.tokens == {"bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>"}
+    hf.chat_template = source.text
+    for conversation in JINJA_CONVERSATIONS["alpaca" if template == "alpaca" else "chat"]:
+        ids, labels = encode_conversation(conversation, template, tok)
+        text = hf.apply_chat_template(conversation, tokenize=False)
+        assert text == tok.decode(ids)
+        assert hf.encode(text, add_special_tokens=False) == ids
+        users = [i for i, m in enumerate(conversation) if m["role"] == "user"]
+        prompt = conversation[: users[-1] + 1]
+        prompt_ids = encode_prompt(prompt, template, tok)
+        text = hf.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+        assert text == tok.decode(prompt_ids)
+        assert hf.apply_chat_template(prompt, add_generation_prompt=True, return_dict=False) == prompt_ids
+        if not any("input" in m for m in conversation):  # memfit's Jinja reading folds input into the content
+            jinja = ChatTemplate(source)
+            assert jinja.encode(conversation, tok) == (ids, labels)
+            assert jinja.encode_prompt(prompt, tok) == prompt_ids
+    if template in ("alpaca", "llama2-chat"):  # a conversation the template does not take is refused
+        refused = CHAT[1:] if template == "alpaca" else [CHAT[2], *CHAT[1:3]]
+        with pytest.raises(Exception, match=f"template '{template}'"):
+            hf.apply_chat_template(refused, tokenize=False)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -48,7 +48,6 @@ from memfit.convert.hf import (
     check_out_dir,
     config_only,
     export_hf,
-    read_chat_template,
     scan_hf,
     scan_hf_config,
 )
@@ -58,7 +57,7 @@ from memfit.convert.tensors import Entry, PretrainedInfo, Scan, StackFactory, re
 from memfit.errors import CheckpointError
 from memfit.models.config import DecoderConfig
 from memfit.models.decoder import Decoder, build_decoder
-from memfit.tokenizer import Tokenizer, load_tokenizer
+from memfit.tokenizer import ChatTemplateSource, Tokenizer, load_tokenizer
 
 __all__ = [
     "FORMATS",
@@ -487,6 +486,7 @@ def export_checkpoint(
     dtype: torch.dtype | None = None,
     max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
     fmt: str | None = None,
+    chat_template: ChatTemplateSource | None = None,
 ) -> Path:
     """Convert a checkpoint of any readable format (Hugging Face, Meta, memfit) to a Hugging Face directory.
 
@@ -499,6 +499,8 @@ def export_checkpoint(
         dtype: dtype of the written weights; None keeps the stored dtype (float32 if unknown).
         max_shard_size: bytes per shard (default 5 GiB).
         fmt: the format of ``src``, or None to detect it.
+        chat_template: the chat template the directory carries in place of the tokenizer's own; None keeps the
+            tokenizer's (see :func:`memfit.convert.hf.export_hf`).
 
     Returns:
         ``out_dir``.
@@ -522,7 +524,7 @@ def export_checkpoint(
         dtype=dtype,
         max_shard_size=max_shard_size,
         generation_config=generation,
-        chat_template=read_chat_template(info.tokenizer_path) if info.format == "hf" else None,
+        chat_template=chat_template,
     )
 
 

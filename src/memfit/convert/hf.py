@@ -16,6 +16,7 @@ atomically and with one shard in memory at a time.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import shutil
@@ -46,7 +47,7 @@ from memfit.models.config import DecoderConfig, RopeScaling
 from memfit.models.decoder import Decoder, build_decoder
 from memfit.models.families import family, hf_family
 from memfit.tokenizer import CONFIG_NAME as TOKENIZER_CONFIG
-from memfit.tokenizer import Tokenizer
+from memfit.tokenizer import ChatTemplateSource, Tokenizer
 from memfit.units import GIB
 
 __all__ = [
@@ -59,7 +60,6 @@ __all__ = [
     "export_hf",
     "hf_config_to_decoder",
     "decoder_to_hf_config",
-    "read_chat_template",
     "config_only",
     "read_hf_config",
     "scan_hf",
@@ -599,19 +599,6 @@ def _safetensors_entries(directory: Path) -> list[Entry]:
     return entries
 
 
-def read_chat_template(directory: Path | None) -> str | None:
-    """The chat template of a Hugging Face tokenizer directory: chat_template.jinja (transformers 5) or the
-    ``chat_template`` of tokenizer_config.json (4.x)."""
-    if directory is None or not directory.is_dir():
-        return None
-    if (directory / "chat_template.jinja").is_file():
-        return (directory / "chat_template.jinja").read_text(encoding="utf-8")
-    if (directory / TOKENIZER_CONFIG).is_file():
-        template = (read_json(directory / TOKENIZER_CONFIG) or {}).get("chat_template")
-        return template if isinstance(template, str) else None
-    return None
-
-
 # ================================================================================================================
 # Writing Hugging Face checkpoints
 
@@ -624,7 +611,7 @@ def export_hf(
     dtype: torch.dtype | None = None,
     max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
     generation_config: dict[str, Any] | None = None,
-    chat_template: str | None = None,
+    chat_template: ChatTemplateSource | None = None,
 ) -> Path:
     """Write ``model`` as a Hugging Face directory of its family (``config.family``: ``LlamaForCausalLM``,
     ``Qwen2ForCausalLM``, ...).
@@ -651,7 +638,10 @@ def export_hf(
             shard of its own.
         generation_config: keys for ``generation_config.json`` (``eos_token_id`` may be a list) that override
             the BOS/EOS ids taken from the tokenizer.
-        chat_template: a Jinja chat template for ``tokenizer_config.json`` (with a tokenizer only).
+        chat_template: the chat template the directory carries, in place of the tokenizer's own
+            (:attr:`Tokenizer.chat_template`, which None keeps; with a tokenizer only). Either is written as
+            ``chat_template.jinja``, which transformers 5 reads before ``tokenizer_config.json``, and as the
+            ``chat_template`` of ``tokenizer_config.json``, which transformers 4.x reads: the same text in both.
 
     Returns:
         ``out_dir``.
@@ -718,7 +708,10 @@ def export_hf(
         _write_json(tmp / HF_CONFIG, hf_config)
         _write_json(tmp / HF_GENERATION_CONFIG, gen)
         if tokenizer is not None:
-            _save_hf_tokenizer(tokenizer, tmp, config.max_seq_len, chat_template)
+            if chat_template is not None:  # the caller's tokenizer keeps its own
+                tokenizer = copy.copy(tokenizer)
+                tokenizer.chat_template = chat_template
+            _save_hf_tokenizer(tokenizer, tmp, config.max_seq_len)
     return out
 
 
@@ -835,16 +828,15 @@ def _write_json(path: Path, data: Any) -> None:
     path.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
 
 
-def _save_hf_tokenizer(
-    tokenizer: Tokenizer, directory: Path, max_seq_len: int, chat_template: str | None
-) -> None:
-    """memfit's tokenizer files plus what ``AutoTokenizer.from_pretrained`` needs to read the same ids."""
+def _save_hf_tokenizer(tokenizer: Tokenizer, directory: Path, max_seq_len: int) -> None:
+    """memfit's tokenizer files plus what ``AutoTokenizer.from_pretrained`` needs to read the same ids (and the
+    chat template, which :meth:`Tokenizer.save` writes as ``chat_template.jinja``, in the config for 4.x)."""
     tokenizer.save(directory)
     config_path = directory / TOKENIZER_CONFIG
     cfg = json.loads(config_path.read_text(encoding="utf-8"))
     cfg.update({"model_max_length": max_seq_len, "clean_up_tokenization_spaces": False})
-    if chat_template is not None:
-        cfg["chat_template"] = chat_template
+    if tokenizer.chat_template is not None:
+        cfg["chat_template"] = tokenizer.chat_template.text
     specials = sorted(tokenizer.special_tokens.items(), key=lambda item: item[1])
     if tokenizer.kind == "tiktoken":  # transformers numbers listed tokens after the ranks: all, in id order
         extra = [t for t, _ in specials]

@@ -45,6 +45,7 @@ from memfit.data.records import load_records
 from memfit.data_formats import DEFAULT_TEMPLATE, INSTRUCT_FORMATS, TEMPLATES
 from memfit.errors import DataError
 from memfit.memory.techniques import IGNORE_INDEX
+from memfit.tokenizer import ChatTemplateSource
 
 log = logging.getLogger(__name__)
 
@@ -416,6 +417,106 @@ def stop_token_ids(template: Template, tokenizer: Any) -> list[int]:
         if token in ids and ids[token] not in out:
             out.append(ids[token])
     return out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The built-in templates as Jinja (what an export carries, for transformers' apply_chat_template)
+
+# Each renders, with transformers' Jinja settings (trim_blocks, lstrip_blocks), the text whose tokens the renderer
+# above writes: for a conversation that ends with a reply (training), or with a user message under
+# add_generation_prompt (sampling). An Alpaca/Dolly "input" key on a user message is read as the renderer reads it.
+_JINJA_SYSTEM_AND_TURNS = r"""{% if messages and messages[0]['role'] == 'system' %}
+{% set system = messages[0]['content'] %}
+{% set turns = messages[1:] %}
+{% else %}
+{% set system = none %}
+{% set turns = messages %}
+{% endif %}
+"""
+_JINJA_USER_TEXT = r"m['content'] + ('\n\n' + m['input'] if m['input'] is defined and m['input'] else '')"
+_BUILTIN_JINJA = {
+    "alpaca": _JINJA_SYSTEM_AND_TURNS
+    + r"""{% set roles = turns | map(attribute='role') | list %}
+{% if roles != (['user'] if add_generation_prompt else ['user', 'assistant']) %}
+{{ raise_exception("template 'alpaca' is single-turn: [system], user, assistant") }}
+{% endif %}
+{% set m = turns[0] %}
+{% set instruction = m['content'] if system is none else system + '\n\n' + m['content'] %}
+{% if bos_token %}{{ bos_token }}{% endif %}
+{% if m['input'] is defined and m['input'] %}
+{{ 'Below is an instruction that describes a task, paired with an input that provides further context. '
+   + 'Write a response that appropriately completes the request.\n\n### Instruction:\n' + instruction
+   + '\n\n### Input:\n' + m['input'] + '\n\n### Response:\n' }}{% else %}
+{{ 'Below is an instruction that describes a task. Write a response that appropriately completes the request.'
+   + '\n\n### Instruction:\n' + instruction + '\n\n### Response:\n' }}{% endif %}
+{% if not add_generation_prompt %}{{ turns[1]['content'] + eos_token }}{% endif %}
+""",
+    "llama2-chat": _JINJA_SYSTEM_AND_TURNS
+    + r"""{% for m in turns %}
+{% if m['role'] != ('user' if loop.index0 % 2 == 0 else 'assistant') %}
+{{ raise_exception("template 'llama2-chat' needs an optional system message, then user and assistant alternating") }}
+{% endif %}
+{% if m['role'] == 'user' %}
+{% set text = """
+    + _JINJA_USER_TEXT
+    + r""" %}
+{% if loop.first and system is not none %}
+{% set text = '<<SYS>>\n' + system + '\n<</SYS>>\n\n' + text %}
+{% endif %}
+{{ bos_token + '[INST] ' + text | trim + ' [/INST]' }}{% else %}
+{{ ' ' + m['content'] | trim + ' ' + eos_token }}{% endif %}
+{% endfor %}
+""",
+    "llama3-chat": r"""{{ '<|begin_of_text|>' }}{% for m in messages %}
+{% set text = m['content'] if m['role'] == 'assistant' else """
+    + _JINJA_USER_TEXT
+    + r""" %}
+{{ '<|start_header_id|>' + m['role'] + '<|end_header_id|>\n\n' + text | trim + '<|eot_id|>' }}{% endfor %}
+{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}
+""",
+    "chatml": r"""{% for m in messages %}
+{% set text = m['content'] if m['role'] == 'assistant' else """
+    + _JINJA_USER_TEXT
+    + r""" %}
+{{ '<|im_start|>' + m['role'] + '\n' + text + '<|im_end|>\n' }}{% endfor %}
+{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% elif messages and messages[-1]['role'] == 'assistant'
+   and eos_token and eos_token != '<|im_end|>' %}{{ eos_token }}{% endif %}
+""",
+}
+
+
+def builtin_template_source(template: str, tokenizer: Any) -> ChatTemplateSource:
+    """A built-in template as Jinja, for transformers' ``apply_chat_template`` (what ``memfit export`` writes).
+
+    The Jinja renders the text whose tokens :func:`encode_conversation` and :func:`encode_prompt` give with this
+    template, for a conversation that ends with an assistant reply or, with ``add_generation_prompt=True``, with
+    a user message: the special tokens as their text (BOS and EOS as the tokenizer's ``bos_token`` and
+    ``eos_token``), an Alpaca/Dolly ``input`` key of a user message as this module reads it, and a conversation
+    the template does not take refused with ``raise_exception``. Tokenized whole, as transformers does, that text
+    gives the renderer's ids where each piece boundary of the rendering is a pre-tokenizer boundary: special
+    tokens, and the byte-level BPE tokenizers of Llama 3 / GPT-2 style between text pieces (not ChatML's markers as
+    plain text, whose ``.<|`` can merge; not necessarily SentencePiece, which the renderer encodes piece by piece).
+
+    Args:
+        template: One of :data:`TEMPLATES`.
+        tokenizer: A ``memfit.tokenizer.Tokenizer``; its BOS and EOS texts are the tokens the Jinja sees.
+
+    Returns:
+        The Jinja, with ``path`` naming the template (``memfit's built-in template 'chatml'``) and ``tokens``
+        ``bos_token`` / ``eos_token`` where the tokenizer has them.
+
+    Raises:
+        DataError: ``template`` is not a built-in one.
+    """
+    if template not in _BUILTIN_JINJA:
+        raise DataError(f"unknown chat template {template!r}; expected one of {', '.join(TEMPLATES)}")
+    names = {i: t for t, i in tokenizer.special_tokens.items()}
+    tokens = {
+        name: names[i]
+        for name, i in (("bos_token", tokenizer.bos_id), ("eos_token", tokenizer.eos_id))
+        if i is not None and i in names
+    }
+    return ChatTemplateSource(_BUILTIN_JINJA[template], f"memfit's built-in template '{template}'", tokens)
 
 
 # ----------------------------------------------------------------------------------------------------------------
