@@ -14,8 +14,9 @@ import pytest
 import torch
 
 from memfit.cli import main
-from memfit.data.instruct import encode_conversation, encode_prompt, prepare_instruct, resolve_template
+from memfit.data.instruct import prepare_instruct
 from memfit.data.records import load_conversations
+from memfit.data.templates import encode_conversation, encode_prompt, resolve_template
 from memfit.memory.techniques import IGNORE_INDEX
 from memfit.tokenizer import load_tokenizer
 

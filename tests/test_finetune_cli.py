@@ -100,7 +100,7 @@ def test_frozen_base_is_unchanged(runs, hf_checkpoint, method):
 @pytest.mark.parametrize("method", ["lora", "qlora"])
 def test_generate_applies_the_run_template(runs, capsys, method):
     from memfit.build import load_for_generation
-    from memfit.data.instruct import encode_prompt, stop_token_ids
+    from memfit.data.templates import encode_prompt, stop_token_ids
     from memfit.generate import generate
 
     out = runs[method]

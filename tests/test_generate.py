@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 
 from memfit.config import load_prepare_config
-from memfit.data.instruct import encode_conversation
 from memfit.data.prepare import prepare
 from memfit.data.sources import default_corpus_path
+from memfit.data.templates import encode_conversation
 from memfit.data.tokens import read_manifest
 from memfit.generate import generate_text, prompt_ids
 from memfit.models.decoder import build_decoder

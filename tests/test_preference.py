@@ -38,9 +38,9 @@ from memfit.build import build_training, run_model_config
 from memfit.cli import main
 from memfit.config import load_config
 from memfit.convert.hf import export_hf
-from memfit.data.instruct import resolve_template
 from memfit.data.preference import prepare_preference
 from memfit.data.run import preference_data
+from memfit.data.templates import resolve_template
 from memfit.errors import ConfigError
 from memfit.memory.switches import SWITCHES
 from memfit.memory.tracker import PHASES, MemoryTracker

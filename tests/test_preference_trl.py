@@ -38,8 +38,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from memfit.convert import checkpoint_tokenizer, load_pretrained
-from memfit.data.instruct import resolve_template
 from memfit.data.preference import prepare_preference
+from memfit.data.templates import resolve_template
 from memfit.memory.techniques import IGNORE_INDEX
 from memfit.models.peft import apply_lora, lora_off
 from memfit.objectives import PAIR_METRICS, Preference, StepNorms, metrics_from_sums, whole_targets

@@ -34,7 +34,7 @@ from memfit.convert import (
 )
 from memfit.convert.tensors import Entry
 from memfit.data.chat_template import ChatTemplate
-from memfit.data.instruct import Template, resolve_template
+from memfit.data.templates import Template, resolve_template
 from memfit.errors import CheckpointError, ConfigError
 from memfit.memory import optimizers
 from memfit.memory.host import release_free_heap
@@ -449,7 +449,7 @@ def _shard_and_fill(
 def run_template(cfg: TrainConfig, tokenizer: Any) -> Template | None:
     """The prompt template a run's samples are rendered with (``None`` for a text corpus): ``data.template``, or for
     ``auto`` the run's tokenizer's chat template (which a run fine-tuned from a checkpoint with one keeps in its
-    saved tokenizer), else ``alpaca`` (:func:`memfit.data.instruct.resolve_template`)."""
+    saved tokenizer), else ``alpaca`` (:func:`memfit.data.templates.resolve_template`)."""
     return None if cfg.data.format == "text" else resolve_template(cfg.data.template, tokenizer)
 
 

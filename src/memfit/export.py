@@ -20,7 +20,7 @@ from memfit.convert import detect_format, export_checkpoint
 from memfit.convert.hf import DEFAULT_MAX_SHARD_SIZE, check_out_dir, export_hf
 from memfit.convert.peft_adapter import save_peft_adapter
 from memfit.data.chat_template import ChatTemplate
-from memfit.data.instruct import Template, builtin_template_source, template_label
+from memfit.data.templates import Template, builtin_template_source, template_label
 from memfit.errors import CheckpointError
 from memfit.models.peft import merge_lora
 from memfit.tokenizer import ChatTemplateSource, load_tokenizer, read_chat_template_source
@@ -64,7 +64,7 @@ def export_run(
     The directory's chat template (``chat_template.jinja``, and ``chat_template`` in ``tokenizer_config.json``) is
     the one the run rendered its records with, so that transformers' ``apply_chat_template`` gives the prompt
     format the model was trained on: a built-in ``data.template`` as its Jinja form
-    (:func:`memfit.data.instruct.builtin_template_source`), in place of the checkpoint's own; the checkpoint's own
+    (:func:`memfit.data.templates.builtin_template_source`), in place of the checkpoint's own; the checkpoint's own
     template unchanged under ``data.template=auto``; the tokenizer's own (if any) for a run on a text corpus and
     for a Hugging Face or Meta checkpoint.
 

@@ -17,7 +17,7 @@ from collections.abc import Collection
 
 import torch
 
-from memfit.data.instruct import encode_prompt, stop_token_ids
+from memfit.data.templates import encode_prompt, stop_token_ids
 from memfit.models.decoder import Decoder
 
 
@@ -89,7 +89,7 @@ def prompt_ids(tokenizer, prompt: str, template: str | None = None) -> list[int]
         ``[BOS] + encode(prompt)`` where the tokenizer puts BOS before text (:attr:`Tokenizer.add_bos`), else
         ``encode(prompt)``; an empty prompt so is ``[EOS]`` (what precedes a document in such data), or ``[BOS]``
         or ``[0]`` where there is none. With a template, the rendering of one user turn up to the reply, as in
-        fine-tuning (:func:`memfit.data.instruct.encode_prompt`): the template writes its own BOS, once.
+        fine-tuning (:func:`memfit.data.templates.encode_prompt`): the template writes its own BOS, once.
     """
     if template is not None:
         return encode_prompt([{"role": "user", "content": prompt}], template, tokenizer)

@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 
 from memfit.data.chat_template import ChatTemplate
-from memfit.data.instruct import (
+from memfit.data.instruct import prepare_instruct
+from memfit.data.templates import (
     encode_conversation,
     encode_prompt,
-    prepare_instruct,
     resolve_template,
     stop_token_ids,
     template_label,

@@ -19,17 +19,9 @@ import torch
 import torch.nn.functional as F
 
 from memfit.data.chat_template import ChatTemplate
-from memfit.data.instruct import (
-    IGNORE_INDEX,
-    InstructSplit,
-    batch_position,
-    builtin_template_source,
-    encode_conversation,
-    encode_prompt,
-    prepare_instruct,
-    stop_token_ids,
-)
+from memfit.data.instruct import IGNORE_INDEX, InstructSplit, batch_position, prepare_instruct
 from memfit.data.records import load_conversations
+from memfit.data.templates import builtin_template_source, encode_conversation, encode_prompt, stop_token_ids
 from memfit.data_formats import TEMPLATES
 from memfit.errors import DataError
 from memfit.tokenizer import LLAMA3_PATTERN, load_tokenizer, train_bpe

@@ -23,14 +23,9 @@ import pytest
 import torch
 
 from memfit.data.chat_template import ChatTemplate
-from memfit.data.instruct import (
-    encode_conversation,
-    encode_prompt,
-    pad_token_id,
-    prepare_instruct,
-    resolve_template,
-)
+from memfit.data.instruct import pad_token_id, prepare_instruct
 from memfit.data.preference import PreferenceSplit, encode_pair, load_pairs, prepare_preference
+from memfit.data.templates import encode_conversation, encode_prompt, resolve_template
 from memfit.data_formats import DATA_FORMATS, INSTRUCT_FORMATS, PREFERENCE_COLUMNS, format_columns
 from memfit.errors import DataError
 from memfit.memory.techniques import IGNORE_INDEX

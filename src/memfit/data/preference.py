@@ -23,7 +23,7 @@ counted.
 
 Rendering and masking follow TRL 1.13's ``DPOTrainer`` on conversational data (``trl/trainer/dpo_trainer.py``,
 ``_prepare_dataset`` and ``DataCollatorForPreference``), with a template as
-:func:`memfit.data.instruct.resolve_template` gives (a built-in one or the checkpoint's own chat template):
+:func:`memfit.data.templates.resolve_template` gives (a built-in one or the checkpoint's own chat template):
 
 - ``prompt_ids = encode_prompt(prompt)``: the prompt rendered with the generation prompt (``add_generation_prompt
   =True``).
@@ -68,17 +68,13 @@ from memfit.data.chat_template import ROLES
 from memfit.data.instruct import (
     EpochStream,
     InstructSplit,
-    Template,
-    encode_conversation,
-    encode_prompt,
     no_training_error,
     pad_token_id,
-    specials_for,
     split_indices,
-    template_name,
     unrendered_cause,
 )
 from memfit.data.records import Malformed, record_where, valid_records
+from memfit.data.templates import Template, encode_conversation, encode_prompt, specials_for, template_name
 from memfit.data_formats import PREFERENCE_FORMAT, format_columns
 from memfit.errors import DataError
 from memfit.memory.techniques import IGNORE_INDEX
@@ -297,8 +293,8 @@ def encode_pair(
         The :class:`EncodedPair`.
 
     Raises:
-        DataError: As :func:`memfit.data.instruct.encode_conversation` and
-            :func:`~memfit.data.instruct.encode_prompt`: the template cannot render these roles, or the tokenizer
+        DataError: As :func:`memfit.data.templates.encode_conversation` and
+            :func:`~memfit.data.templates.encode_prompt`: the template cannot render these roles, or the tokenizer
             cannot serve the template.
     """
     prompt_ids = encode_prompt(prompt, template, tokenizer)
@@ -524,7 +520,7 @@ def prepare_preference(
     Args:
         path: The data file (see :func:`load_pairs`).
         template: One of :data:`memfit.data_formats.TEMPLATES`, or a checkpoint's
-            :class:`~memfit.data.chat_template.ChatTemplate` (see :func:`memfit.data.instruct.resolve_template`).
+            :class:`~memfit.data.chat_template.ChatTemplate` (see :func:`memfit.data.templates.resolve_template`).
         tokenizer: A ``memfit.tokenizer.Tokenizer``.
         max_seq_len: Model inputs per row ``T``; rows hold at most ``T + 1`` tokens (longer ones are cut to their
             first ``T + 1``, the pair counted in ``num_truncated``).

@@ -25,17 +25,11 @@ from memfit import distributed as dist_
 from memfit import hub
 from memfit.config import PrepareConfig, TrainConfig, load_prepare_config, show_progress
 from memfit.convert import checkpoint_tokenizer
-from memfit.data.instruct import (
-    InstructStats,
-    batch_position,
-    prepare_instruct,
-    resolve_template,
-    template_label,
-    template_name,
-)
+from memfit.data.instruct import InstructStats, batch_position, prepare_instruct
 from memfit.data.preference import PreferenceData, prepare_preference
 from memfit.data.prepare import empty_file_notes, prepare
 from memfit.data.sources import default_corpus_path, source_tree
+from memfit.data.templates import resolve_template, template_label, template_name
 from memfit.data.tokens import TRAIN, VAL, TokenDataset, document_ids, is_dataset, read_manifest
 from memfit.errors import ConfigError, DataError
 from memfit.memory.ulysses import shard_batch
