@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from memfit.build import load_for_generation, run_template
-from memfit.checkpoint import read_trainer_state, resolve_checkpoint
+from memfit.checkpoint import check_files, read_trainer_state, resolve_checkpoint
 from memfit.config import TrainConfig, config_from_dict
 from memfit.convert import detect_format, export_checkpoint
 from memfit.convert.hf import DEFAULT_MAX_SHARD_SIZE, check_out_dir, export_hf
@@ -89,7 +89,9 @@ def export_run(
     cfg = None
     if detect_format(src) == "memfit":
         ckpt = resolve_checkpoint(src)
-        cfg = config_from_dict(read_trainer_state(ckpt).get("config", {}), check=False)
+        state = read_trainer_state(ckpt)
+        check_files(ckpt, state, need_optimizer=False)  # whole, before its tokenizer and template are read
+        cfg = config_from_dict(state.get("config", {}), check=False)
     method = cfg.method if cfg is not None else "full"
     if method == "adapter":
         raise CheckpointError(
