@@ -263,7 +263,13 @@ def test_the_small_presets_are_the_tiny_ones_and_shakespeare():
     assert SMALL_PRESETS == sorted(["shakespeare", *(n for n in MODEL_PRESETS if n.startswith("tiny"))])
 
 
-@pytest.mark.parametrize("name", SMALL_PRESETS)
+ISSUE_PRESETS = ("shakespeare", "tiny", "tiny-llama3", "tiny-qwen3")
+"""The presets issue 53 found failing (and the main job's), estimated in the fast tier; the others in the slow."""
+
+
+@pytest.mark.parametrize(
+    "name", [n if n in ISSUE_PRESETS else pytest.param(n, marks=pytest.mark.slow) for n in SMALL_PRESETS]
+)
 def test_every_small_preset_estimates_on_its_defaults(name, capsys):
     assert main(["estimate", f"model={name}", "batch_size=1", "seq_len=32", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["peak_memory_gib"] > 0

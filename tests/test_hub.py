@@ -141,6 +141,7 @@ def test_branch_tag_and_commit_revisions(hub_cache, hf_checkpoint):
     assert hub.HubSource.from_record(source.record()) == source
 
 
+@pytest.mark.slow  # trains twice: the slow tier
 def test_finetune_records_the_commit_and_a_resume_reads_it_after_main_moved(
     hub_cache, hf_checkpoint, tmp_path, capsys
 ):
@@ -415,6 +416,7 @@ def read_losses(out: Path) -> list[float]:
     ]
 
 
+@pytest.mark.slow  # trains twice: the slow tier
 def test_records_from_a_dataset_repo_train_as_the_local_file(hub_cache, hf_checkpoint, tmp_path, capsys):
     snapshot = put_snapshot(
         hub_cache, "org/dolly", {"train.json": DOLLY, "test.json": DOLLY, "README.md": b"# dolly"}, A,
