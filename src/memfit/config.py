@@ -293,6 +293,16 @@ class DistributedConfig:
     ``world_size / N`` data-parallel groups of N consecutive ranks; a group shares one batch of sequences and each
     rank holds ``seq_len / N`` consecutive tokens of it, exchanging heads for tokens around attention (an
     all-to-all). FSDP2 shards parameters over all ranks. N divides ``world_size``, ``num_heads`` and ``seq_len``."""
+    replicate: int = 1
+    """R > 1: hybrid sharding (HSDP). The ranks form R replicas of ``world_size / R`` consecutive ranks each; FSDP2
+    shards the parameters within a replica (a node's fast links) and all-reduces gradients across the replicas
+    (the network), so an all-gather never leaves a node. R divides ``world_size``; ``fsdp2`` only."""
+    tensor_parallel: int = 1
+    """T > 1: tensor parallelism (Megatron-LM's split, through ``torch.distributed.tensor.parallel``) over groups
+    of T consecutive ranks: q/k/v and gate/up column-wise, o and down row-wise, the norms and the residual stream
+    sequence-parallel between them, the loss parallel over the vocabulary. A group shares one batch; FSDP2 shards
+    over the ``world_size / T`` groups (:mod:`memfit.memory.tensor_parallel`). T divides ``world_size`` and the
+    model's heads."""
 
 
 @dataclass

@@ -103,7 +103,7 @@ def is_main() -> bool:
     return rank() == 0
 
 
-_MESHES: dict[tuple[int, int], Any] = {}
+_MESHES: dict[tuple[int, Any], Any] = {}
 
 
 def sequence_mesh(sequence_parallel: int):
@@ -128,6 +128,61 @@ def sequence_mesh(sequence_parallel: int):
             device_type, (world // sequence_parallel, sequence_parallel), mesh_dim_names=("dp", "sp")
         )
     return _MESHES[key]
+
+
+def training_mesh(replicate: int = 1, tensor_parallel: int = 1):
+    """The 3-D ``DeviceMesh`` (``replicate`` x ``shard`` x ``tp``) of a hybrid-sharded or tensor-parallel run:
+    ``rank = (replica * S + shard) * T + tp_rank`` with ``S = world_size / (R * T)``. Tensor-parallel groups are
+    the T innermost (consecutive: a node's fastest links), then the shards of one replica, then the replicas
+    (across nodes), torchtitan's order. Made once per process group (also under the estimator's fake one).
+
+    Args:
+        replicate: R, replicas (FSDP2's HSDP replicate dimension); divides the world size.
+        tensor_parallel: T, ranks of a tensor-parallel group; divides ``world_size / R``.
+
+    Returns:
+        The mesh, with dimension names ``replicate``, ``shard`` and ``tp`` (a dimension may have size 1).
+
+    Raises:
+        ValueError: R * T does not divide the world size.
+    """
+    world = dist.get_world_size()
+    if world % (replicate * tensor_parallel):
+        raise ValueError(
+            f"{replicate} replicas x {tensor_parallel} tensor-parallel ranks do not divide {world} ranks"
+        )
+    key = (id(dist.group.WORLD), ("hybrid", replicate, tensor_parallel))
+    if key not in _MESHES:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        _MESHES.clear()  # a mesh of an earlier (destroyed) process group
+        device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
+        shape = (replicate, world // (replicate * tensor_parallel), tensor_parallel)
+        _MESHES[key] = init_device_mesh(device_type, shape, mesh_dim_names=("replicate", "shard", "tp"))
+    return _MESHES[key]
+
+
+def fsdp_mesh(replicate: int = 1, tensor_parallel: int = 1):
+    """The mesh FSDP2 shards over: ``None`` (its default, every rank) for a flat run; the 2-D ``(replicate,
+    shard)`` sub-mesh of :func:`training_mesh` for hybrid sharding (FSDP2 replicates over the first dimension and
+    shards over the second); the 1-D ``shard`` sub-mesh for tensor parallelism without replicas."""
+    if replicate == 1 and tensor_parallel == 1:
+        return None
+    mesh = training_mesh(replicate, tensor_parallel)
+    return mesh["replicate", "shard"] if replicate > 1 else mesh["shard"]
+
+
+def tensor_parallel_mesh(replicate: int, tensor_parallel: int):
+    """The 1-D ``tp`` sub-mesh of :func:`training_mesh`: this rank's tensor-parallel group."""
+    return training_mesh(replicate, tensor_parallel)["tp"]
+
+
+def ranks_per_batch(cfg: TrainConfig) -> int:
+    """Consecutive ranks that share one ``batch_size`` of sequences: a sequence-parallel group (each holds a slice
+    of its tokens) times a tensor-parallel group (each holds a slice of every layer). 1 in a single process."""
+    if world_size() == 1:
+        return 1
+    return cfg.distributed.sequence_parallel * cfg.distributed.tensor_parallel
 
 
 def sequence_group(sequence_parallel: int):
@@ -302,6 +357,9 @@ def shard_model(model: torch.nn.Module, cfg: TrainConfig, device: torch.device) 
     layers = list(model.model.layers)
     if d.strategy == "fsdp2":
         kwargs = {"reshard_after_forward": d.reshard_after_forward}
+        mesh = fsdp_mesh(d.replicate, d.tensor_parallel)
+        if mesh is not None:
+            kwargs["mesh"] = mesh
         if cfg.dtype == "bf16_mixed":
             kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         if d.cpu_offload:
@@ -473,20 +531,20 @@ def _check_shape(name: str, full: torch.Tensor, shape: tuple[int, ...]) -> None:
 def _copy_own_rows(
     param: torch.Tensor, full: torch.Tensor, quantize: Callable[[torch.Tensor], torch.Tensor] | None = None
 ) -> None:
-    """Copy this rank's dim-0 chunk of ``full`` into ``param``'s local shard (a DTensor, or a plain tensor); a
+    """Copy this rank's block of ``full`` into ``param``'s local shard (a DTensor on any mesh, or a plain tensor); a
     subclass shard (:func:`materialize_sharded`) takes its inner tensors from the chunk of ``quantize(full)``."""
     if not hasattr(param, "to_local"):
         param.copy_(full)
         return
 
-    from torch.distributed.tensor import Shard  # a DTensor exists, so this is imported already
-
     local = param.to_local()
-    placements = param.placements
-    if len(placements) != 1 or placements[0] != Shard(0):
-        raise ValueError(f"expected parameters sharded on dim 0 over one mesh dimension, got {placements}")
-    mesh = param.device_mesh
     if is_traceable_wrapper_subclass(local):
+        placements = param.placements
+        mesh = param.device_mesh
+        if len(placements) != 1 or not placements[0].is_shard(0):
+            raise ValueError(
+                f"a quantized shard must be sharded on dim 0 over one mesh dimension, got {placements}"
+            )
         local = param._local_tensor  # the shard FSDP2 gathers: to_local() gives a subclass a new wrapper
         if quantize is None:
             raise ValueError(f"a {type(local).__name__} shard needs a quantize function to be filled")
@@ -497,14 +555,20 @@ def _copy_own_rows(
         for inner in local.__tensor_flatten__()[0]:  # to_empty left some of them on the meta device
             setattr(local, inner, getattr(piece, inner).clone())
         return
-    chunk = -(-full.shape[0] // mesh.size())  # torch.chunk's chunk size: the last ranks may get fewer rows
-    start = min(mesh.get_local_rank() * chunk, full.shape[0])
-    rows = full[start : start + local.shape[0]]
-    if rows.shape != local.shape:
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    # every rank holds the same whole tensor: its piece is a block of it (FSDP2's dim-0 chunk, HSDP's chunk within
+    # a replica, tensor parallelism's column or row block, chunked again by FSDP2), copied across, never converted
+    # whole (a whole-tensor temporary is what breaks at 70B)
+    shape, offset = compute_local_shape_and_global_offset(
+        tuple(full.shape), param.device_mesh, param.placements
+    )
+    if tuple(shape) != tuple(local.shape):
         raise ValueError(
-            f"a shard of shape {tuple(local.shape)} does not match rows {start}.. of {tuple(full.shape)}"
+            f"a shard of shape {tuple(local.shape)} does not match {tuple(shape)} of {tuple(full.shape)}"
         )
-    local.copy_(rows)
+    block = full[tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))]
+    local.copy_(block)
 
 
 def _fsdp1_units(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
