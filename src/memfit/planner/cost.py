@@ -194,7 +194,9 @@ def step_cost(request: CostRequest) -> dict[str, float]:
     - ``communication`` (sharded): all-gathers of the parameters (2 per step, 1 without
       ``reshard_after_forward``) and a reduce-scatter of the gradients, ``(N - 1) / N`` of their bytes each, at
       ``interconnect_bytes_per_second``; overlapped with compute, so the step pays ``max(compute,
-      communication)``;
+      communication)``; hybrid sharding (``distributed.replicate`` R) gathers and reduce-scatters within a
+      replica of ``N / R`` ranks and adds the all-reduce of each rank's gradient shard across the replicas
+      (``2 (R - 1) / R`` of its bytes);
     - ``exchange`` (``distributed.sequence_parallel`` N > 1): each rank computes ``1 / N`` of the tokens' work
       (``tokens`` above divided by N: its tokens' linear work, its heads' attention over whole sequences) and
       sends ``(N - 1) / N`` of its q, k, v and attention-output shards around every attention, in the forward, the
@@ -261,8 +263,9 @@ def step_cost(request: CostRequest) -> dict[str, float]:
 
     communication = 0.0
     if world_size > 1:
-        full = states["parameters"] * world_size  # the unsharded bytes, to within padding
-        moved = (terms.gathers + 1) * full * (world_size - 1) / world_size
+        shards = terms.shard_ranks or world_size  # hybrid sharding: the ranks of a replica
+        full = states["parameters"] * shards  # the unsharded bytes, to within padding
+        moved = (terms.gathers + 1) * full * (shards - 1) / shards + terms.replica_reduced_bytes
         communication = moved / c["interconnect_bytes_per_second"]
 
     trainable = states["trainable_parameters"]

@@ -257,6 +257,7 @@ def candidates(
     world_size: int = 1,
     dtypes: Iterable[str] | None = None,
     optimizers: Iterable[str] | None = None,
+    nodes: int = 1,
 ) -> list[TrainConfig]:
     """Every combination of the plan's switches over ``cfg`` that config validation accepts.
 
@@ -287,6 +288,8 @@ def candidates(
         dtypes: dtype policies to consider.
         optimizers: ``optimizer.name`` values the plan may choose besides ``cfg``'s (``memfit plan --optimizers``),
             update rules other than ``cfg``'s included; default: those that keep ``cfg``'s update rule.
+        nodes: nodes the ranks are spread over; above 1, hybrid sharding (``distributed.replicate``) with replicas
+            across nodes is tried too.
 
     Returns:
         Validated configs, ``cfg``'s own switches first when valid; no two with the same switches.
@@ -303,6 +306,7 @@ def candidates(
         num_heads=mcfg.num_heads,
         num_kv_heads=mcfg.num_kv_heads,
         optimizers=None if optimizers is None else tuple(optimizers),
+        nodes=nodes,
     )
     base = config_to_dict(cfg)
     out: list[TrainConfig] = []
@@ -377,7 +381,13 @@ class _Context:
         self._grad_sizes: dict[tuple, tuple[int, int]] = {}
 
     def closed(self, cfg: TrainConfig) -> dict[str, int]:
-        key = (cfg.method, cfg.dtype, cfg.optimizer.name, cfg.optimizer_in_backward)
+        key = (
+            cfg.method,
+            cfg.dtype,
+            cfg.optimizer.name,
+            cfg.optimizer_in_backward,
+            cfg.distributed.replicate,
+        )
         if key not in self._closed:
             self._closed[key] = model_state_bytes_closed_form(cfg, self.mcfg, self.world_size)
         return self._closed[key]
