@@ -189,6 +189,24 @@ def test_two_replicas_of_two_shards_on_other_families(model, small_corpus, tmp_p
 
 
 @pytest.mark.slow
+def test_two_replicas_with_sequence_parallel_groups(hybrid_llama, small_corpus, tmp_path):
+    """2 replicas x 2 shards and, on the same 4 ranks, 2 sequence-parallel groups of 2 (each sharing 4 sequences,
+    a rank holding 16 of their 32 tokens): the global batch of 8 sequences, one process's run."""
+    single, _, _ = hybrid_llama
+    out = tmp_path / "hybrid_sp"
+    extra = {**HYBRID, "distributed.sequence_parallel": 2}
+    proc = run_torchrun(
+        ["pretrain", *_overrides(small_corpus, out, batch_size=4, **extra)], nproc=WORLD, timeout=300
+    )
+    assert (
+        "2 data-parallel x 2 sequence-parallel ranks (hybrid fsdp2: 2 replicas x 2 shards over all 4"
+        in proc.stdout
+    )
+    diffs = _assert_same_run(out, single)
+    print(f"max |2 x 2 hybrid, sp=2 - 1 process|: {diffs}")
+
+
+@pytest.mark.slow
 def test_a_hybrid_checkpoint_resumes_on_four_flat_ranks(hybrid_llama, small_corpus, tmp_path):
     """The 2 x 2 run's step-2 shards resume on 4 flat FSDP2 ranks onto the uninterrupted run's losses."""
     _, hybrid, _ = hybrid_llama
