@@ -279,12 +279,23 @@ def _tracked(corpus, out, **extra):
     [
         ({"optimizer_in_backward": "true", "max_grad_norm": 0}, TOL),
         ({"dtype": "bf16", "bf16_rounding": "kahan"}, 2e-2),  # as test_distributed.py's BF16_TOL
+        (
+            {
+                "chunked_cross_entropy": 4,
+                "tiled_mlp": 3,
+                "activation_checkpointing": "full",
+                "activation_offloading": "true",
+            },
+            TOL,
+        ),
     ],
-    ids=["in-backward", "bf16-kahan"],
+    ids=["in-backward", "bf16-kahan", "long-context"],
 )
 def test_two_replicas_with_the_optimizer_switches(extra, tol, small_corpus, tmp_path):
-    """The optimizer in the backward (each rank steps its shard once the all-reduce across replicas is done) and
-    bf16 shards rounded with Kahan compensation, on 2 x 2: one process's run."""
+    """The optimizer in the backward (each rank steps its shard once the all-reduce across replicas is done), bf16
+    shards rounded with Kahan compensation, and the long-context switches (the chunked loss reading the root's
+    gathered lm_head, the tiled MLP's recomputed tiles, full checkpointing with offloading hooks), on 2 x 2: one
+    process's run."""
     single, out = tmp_path / "single", tmp_path / "hybrid"
     assert main(["pretrain", *_overrides(small_corpus, single, batch_size=GLOBAL_BATCH, **extra)]) == 0
     run_torchrun(
