@@ -140,15 +140,27 @@ def test_composed_equals_the_full_trace_to_the_byte(overrides, layers):
         pytest.param(
             6, {"distributed.reshard_after_forward": "false", "device": "cuda"}, marks=pytest.mark.slow
         ),
+        # Muon, pretraining's default: each matrix gathered whole for its Newton-Schulz iteration, then the AdamW
+        # part's per-norm updates beside zero_grad's per-layer frees (issue 53: the 70B x 8 estimate); ~10 s each
+        # (three traces), so in the slow tier; test_inserts_the_matcher_cuts_across_two_runs... is the fast one
+        pytest.param(5, {"optimizer.name": "muon", "device": "cuda"}, marks=pytest.mark.slow),
+        pytest.param(
+            9, {"optimizer.name": "muon", "device": "cuda", "dtype": "bf16"}, marks=pytest.mark.slow
+        ),
+        pytest.param(
+            6, {"optimizer.name": "muon", "device": "cuda", "world_size": 8}, marks=pytest.mark.slow
+        ),
+        pytest.param(6, {"optimizer.name": "muon"}, marks=pytest.mark.slow),
     ],
 )
 def test_fsdp2_ranks_compose_to_the_byte(layers, overrides):
-    """A rank of FSDP2 on 2 ranks: each layer's all-gather and reduce-scatter fall in its own segment (the marks'
-    hooks run before FSDP's), so the layers compose as on one device; on CUDA the reserved peak too (the
-    all-gather buffer of each layer, prefetched in the layer before, freed once the next is waited on)."""
+    """A rank of FSDP2 on 2 ranks (or ``world_size``): each layer's all-gather and reduce-scatter fall in its own
+    segment (the marks' hooks run before FSDP's), so the layers compose as on one device; on CUDA the reserved peak
+    too (the all-gather buffer of each layer, prefetched in the layer before, freed once the next is waited on)."""
     overrides = {"distributed.strategy": "fsdp2", **overrides}
-    full = _estimate(layers, False, 2, **overrides)
-    composed = _estimate(layers, True, 2, **overrides)
+    world_size = overrides.pop("world_size", 2)
+    full = _estimate(layers, False, world_size, **overrides)
+    composed = _estimate(layers, True, world_size, **overrides)
     assert composed.trace["composed"] is True, composed.trace
     assert _answer(composed) == _answer(full)
 
@@ -209,6 +221,10 @@ CUDA = {  # the reserved peak replays the composed allocation sequence: event fo
     # every matrix's state paged (>= 100,000 elements: out of the replay), the norms' not: the layer marks count
     # the events the replay keeps
     "fsdp2 on 2 ranks": ({"distributed.strategy": "fsdp2", "world_size": 2}, True),
+    "muon, fsdp2 on 2 ranks": (
+        {"distributed.strategy": "fsdp2", "world_size": 2, "optimizer.name": "muon"},
+        False,
+    ),
     "paged_adamw8bit, paged state": (
         {"optimizer.name": "paged_adamw8bit", "model_args.dim": 320, "model_args.intermediate_size": 1024},
         True,
@@ -354,3 +370,30 @@ def test_the_report_says_how_the_figure_was_obtained():
         "  traced whole (2): asked for the full trace",
         "  decoder layers traced: 17 (tracing every model whole: 15)",
     ]
+
+
+def test_inserts_the_matcher_cuts_across_two_runs_are_placed_as_units():
+    """Two per-layer runs side by side at the end of a sharded Muon step (its AdamW part: two norms a layer, each
+    update allocating two buffers and freeing the one before's; then zero_grad freeing each layer's gradient):
+    the 4-layer trace holds 8 + 1 events more, which the matcher inserts as 2 + 7, a norm's update cut around
+    the last norm's free. Placed again, they are one unit of each run: a layer's two norms (8 events, four units
+    from the first free of the norms' run) and one layer's gradient (1 event)."""
+    from memfit.planner.compose_allocations import _differences, _nested_runs, _placements
+
+    alloc, free = ("alloc", 128, 0), ("free", 128, 0)
+
+    def step_end(layers: int) -> list[tuple]:
+        embeddings = [("alloc", 32768, 0), ("alloc", 32768, 0), ("free", 32768, 0)] * 2 + [
+            ("free", 32768, 0)
+        ] * 2
+        norms = [alloc, alloc, free, *[alloc, alloc, free, free] * (2 * layers), free]
+        return [*embeddings, *norms, *[("free", 73984, 0)] * layers, ("free", 65664, 0), ("free", 4, 0)]
+
+    s3, s4 = step_end(3), step_end(4)
+    assert (len(s3), len(s4)) == (41, 50)
+    assert _differences(s3, s4) == [("insert", 35, 35, 35, 37), ("insert", 36, 36, 38, 45)]
+    runs, grows = _nested_runs(("B", 0, 0), s4, (0, len(s4)), s3, (0, len(s3)))
+    assert [(r.starts, r.lengths) for r in runs] == [([10, 18, 26, 34], [8] * 4), ([44, 45, 46, 47], [1] * 4)]
+    assert grows == {}
+    assert list(_placements([1, 2, 3], [1, 9, 2, 3, 8], 2)) == [[(1, 2), (4, 5)]]
+    assert list(_placements([1, 1], [1, 1, 1], 1)) == [[(0, 1)], [(1, 2)], [(2, 3)]]

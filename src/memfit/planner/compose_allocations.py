@@ -15,7 +15,10 @@ of forwards and one of backwards per pass), indexed by the layer. Inside the seg
 first pass's embedding, ``I``; the head and loss, ``H``; and the tail of layer 0's backward: the embedding's backward,
 clipping, the optimizer step), what runs once per parameter (registering the model states, ``zero_grad``, a
 ``foreach`` update) makes runs of units too: the events the 4-layer trace has beyond the 3-layer one's are one unit,
-and the periodic stretch around them, four units of that length.
+and the periodic stretch around them, four units of that length. Where two such runs meet (under sharded Muon, the
+AdamW part's per-norm updates, then ``zero_grad``'s per-layer frees of the gradients), the matcher may cut one
+run's unit around an event of the other's, since a run's units are alike; the inserts are then placed again so
+that each is one unit of a run (:func:`_regrouped`).
 
 **Composing.** The L-layer run of a run of four units ``0 1 2 3`` is ``0 1 2 ... 2 3``: unit 2 stands for every
 layer from 2 to L - 2 (a layer with layers on both sides). Each free is translated to the allocation it frees in
@@ -89,10 +92,11 @@ def _nested_runs(
     if s4 == s3:
         return [], {}
     inserts: list[tuple[int, int]] = []
+    placed: list[tuple[int, int, int]] = []  # (i1, j1, j2): the inserts where the matcher put them
     grows: dict[int, int] = {}
     for code, i1, i2, j1, j2 in _differences(s3, s4):
         if code == "insert":
-            inserts.append((j1, j2))
+            placed.append((i1, j1, j2))
             continue
         # one block inserted, which the matcher split around events it paired: look for it in the region and one
         # block's length of the equal events on each side (a block of a periodic run may start before the region)
@@ -123,6 +127,7 @@ def _nested_runs(
             at = same + 1
         if at < j2:
             inserts.append((at, j2))
+    inserts += _regrouped(s3, s4, placed)
     runs = []
     for j1, j2 in sorted(inserts):
         for lo, m in _periodic(s4, j1, j2, tag):
@@ -178,6 +183,72 @@ def _periodic(s4: list, j1: int, j2: int, tag: Tag) -> list[tuple[int, int]]:
         if first is not None and second is not None:
             return [(first, k - j1), (second, j2 - k)]
     raise NotComposable(f"segment {tag}: a layer's more allocations are not one of {UNITS} like units")
+
+
+def _is_unit(s4: list, j1: int, j2: int) -> bool:
+    """Whether the events ``j1`` to ``j2`` of ``s4`` are one unit of a run, or two (:func:`_periodic`)."""
+    try:
+        _periodic(s4, j1, j2, ("", 0, None))
+    except NotComposable:
+        return False
+    return True
+
+
+def _regrouped(s3: list, s4: list, placed: list[tuple[int, int, int]]) -> list[tuple[int, int]]:
+    """The blocks ``(j1, j2)`` of ``s4`` inserted into ``s3``, from the matcher's inserts ``(i1, j1, j2)``.
+
+    Two runs next to each other, each one unit longer in the 4-layer trace (the AdamW updates of a layer's two norms,
+    one after the other, then ``zero_grad`` freeing each layer's gradient), make inserts that the matcher may place
+    anywhere in their runs, since a run's units are alike: it can cut one unit in two around an event of the other
+    run's. Where inserts less than :data:`MERGE` events apart are not all a run's unit, they are placed again: the
+    first placement, in the stretch they span and as many events on each side as they hold, of as many blocks
+    (:func:`_placements`) that are each a unit of a run. Else they are left as the matcher put them (and
+    :func:`_periodic` says they are not).
+    """
+    clusters: list[list[tuple[int, int, int]]] = []
+    for insert in placed:
+        if clusters and insert[0] - clusters[-1][-1][0] < MERGE:
+            clusters[-1].append(insert)
+        else:
+            clusters.append([insert])
+    out: list[tuple[int, int]] = []
+    for cluster in clusters:
+        blocks = [(j1, j2) for _i1, j1, j2 in cluster]
+        if len(cluster) > 1 and not all(_is_unit(s4, j1, j2) for j1, j2 in blocks):
+            n = sum(j2 - j1 for j1, j2 in blocks)
+            i1, j1 = cluster[0][0], cluster[0][1]
+            i2, j2 = cluster[-1][0], cluster[-1][2]
+            w = min(n, i1, j1)
+            v = min(n, len(s3) - i2, len(s4) - j2)
+            for found in _placements(s3[i1 - w : i2 + v], s4[j1 - w : j2 + v], len(cluster)):
+                again = [(j1 - w + a, j1 - w + b) for a, b in found]
+                if all(_is_unit(s4, a, b) for a, b in again):
+                    blocks = again
+                    break
+        out += blocks
+    return out
+
+
+PLACED = 3
+"""The most inserted blocks :func:`_placements` places in one stretch (the search grows with their count)."""
+
+
+def _placements(s3: list, s4: list, count: int) -> Iterator[list[tuple[int, int]]]:
+    """Each way ``s4`` is ``s3`` with ``count`` (at most :data:`PLACED`) blocks of events inserted: the blocks'
+    ``(start, end)`` in ``s4``, the earliest first."""
+    n = len(s4) - len(s3)
+    if count > PLACED or n < count:
+        return
+    for p in range(len(s3) + 1):
+        if p and s4[p - 1] != s3[p - 1]:
+            return
+        if count == 1:
+            if s4[p + n :] == s3[p:]:
+                yield [(p, p + n)]
+            continue
+        for m in range(1, n - count + 2):
+            for rest in _placements(s3[p:], s4[p + m :], count - 1):
+                yield [(p, p + m), *((p + m + a, p + m + b) for a, b in rest)]
 
 
 def _grown(x4: tuple, x3: tuple) -> bool:
