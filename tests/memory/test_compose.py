@@ -151,6 +151,8 @@ def test_composed_equals_the_full_trace_to_the_byte(overrides, layers):
             6, {"optimizer.name": "muon", "device": "cuda", "world_size": 8}, marks=pytest.mark.slow
         ),
         pytest.param(6, {"optimizer.name": "muon"}, marks=pytest.mark.slow),
+        # Adam-mini: its state's runs of a layer's matrices and of its norms meet on an event alike in both
+        pytest.param(6, {"optimizer.name": "adam_mini", "device": "cuda"}, marks=pytest.mark.slow),
     ],
 )
 def test_fsdp2_ranks_compose_to_the_byte(layers, overrides):
@@ -397,3 +399,31 @@ def test_inserts_the_matcher_cuts_across_two_runs_are_placed_as_units():
     assert grows == {}
     assert list(_placements([1, 2, 3], [1, 9, 2, 3, 8], 2)) == [[(1, 2), (4, 5)]]
     assert list(_placements([1, 1], [1, 1, 1], 1)) == [[(0, 1)], [(1, 2)], [(2, 3)]]
+
+
+def test_two_runs_that_meet_on_an_event_alike_in_both_do_not_overlap():
+    """Sharded Adam-mini's state (segment ``I``): a run of one layer's matrices (4 events: the last a one-element
+    state of 4 bytes), then a run of the norms (2 a layer, each ``128, 4``). The 4-layer trace's 8 events more
+    straddle the two runs; the 4-byte event where they meet is periodic in both, so each half's stretch reaches it.
+    It is the first run's, and the second run starts after it (it overlapped, and the model was traced whole)."""
+    from memfit.planner.compose_allocations import _differences, _nested_runs
+
+    def alloc(nbytes: int) -> tuple:
+        return ("alloc", nbytes, 0)
+
+    def step_start(layers: int) -> list[tuple]:
+        moments = [alloc(n) for n in (4096, 64, 8192, 128, 16384, 256, 16384, 256, 16384, 128)]
+        matrices = [alloc(8192), alloc(8), alloc(4096), alloc(4)]
+        norms = [alloc(128), alloc(4)] * (2 * layers + 1)
+        return [alloc(32), alloc(32768), alloc(512), *moments * layers, alloc(32768), alloc(512)] + (
+            matrices * layers + norms + [alloc(256)]
+        )
+
+    s3, s4 = step_start(3), step_start(4)
+    assert _differences(s3, s4) == [("insert", 3, 3, 3, 13), ("insert", 47, 47, 57, 65)]
+    runs, _ = _nested_runs(("I", 0, None), s4, (0, len(s4)), s3, (0, len(s3)))
+    assert [(r.starts, r.lengths) for r in runs] == [
+        ([3, 13, 23, 33], [10] * 4),
+        ([45, 49, 53, 57], [4] * 4),
+        ([61, 65, 69, 73], [4] * 4),
+    ]

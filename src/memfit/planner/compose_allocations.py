@@ -130,7 +130,10 @@ def _nested_runs(
     inserts += _regrouped(s3, s4, placed)
     runs = []
     for j1, j2 in sorted(inserts):
-        for lo, m in _periodic(s4, j1, j2, tag):
+        floor = runs[-1].starts[-1] + runs[-1].lengths[-1] - a4 if runs else 0
+        if j2 <= floor:
+            raise NotComposable(f"segment {tag}: its runs of per-layer allocations overlap")
+        for lo, m in _periodic(s4, j1, j2, tag, floor):
             runs.append(_Run((tag, len(runs)), [a4 + lo + u * m for u in range(UNITS)], [m] * UNITS))
     for first, second in zip(runs, runs[1:], strict=False):
         if first.starts[-1] + first.lengths[-1] > second.starts[0]:
@@ -140,15 +143,20 @@ def _nested_runs(
     return runs, grows
 
 
-def _periodic(s4: list, j1: int, j2: int, tag: Tag) -> list[tuple[int, int]]:
+def _periodic(s4: list, j1: int, j2: int, tag: Tag, floor: int = 0) -> list[tuple[int, int]]:
     """The runs (first event, unit length) that the events ``j1`` to ``j2`` of ``s4`` are one unit of: the periodic
     stretch around them holds :data:`UNITS` units; else the block is the end of one run and the start of the next
-    (a ``foreach`` op's allocations, then its frees), split where both halves are."""
+    (a ``foreach`` op's allocations, then its frees), split where both halves are. No run starts before ``floor``
+    (the end of the run before): where two runs meet, an event alike in both (Adam-mini's one-element state of a
+    layer's last matrix, then of its first norm) is the first's, and the second starts after it."""
 
-    def run(a: int, b: int) -> int | None:
+    def run(a: int, b: int, floor: int) -> int | None:
         m = b - a
-        lo, hi = a, b
-        while lo > 0 and s4[lo - 1] == s4[lo - 1 + m]:
+        lo, hi = (
+            max(a, floor),
+            b,
+        )  # from ``a`` on the stretch is periodic (each event the one m before), so from lo
+        while lo > floor and s4[lo - 1] == s4[lo - 1 + m]:
             lo -= 1
         while hi < len(s4) and s4[hi] == s4[hi - m]:
             hi += 1
@@ -159,13 +167,13 @@ def _periodic(s4: list, j1: int, j2: int, tag: Tag) -> list[tuple[int, int]]:
         # three like units: the first or the last differs a little at its edge (the first parameter's update
         # frees what the parameter before the run left); the one that differs less
         head, tail = hi - UNITS * m, lo
-        if head < 0 and tail + UNITS * m > len(s4):
+        if head < floor and tail + UNITS * m > len(s4):
             return None
 
         def unlike(first: int) -> int:
             return sum(s4[first + k] != s4[first + m + k] for k in range(m))
 
-        if head < 0:
+        if head < floor:
             return tail
         if tail + UNITS * m > len(s4):
             return head
@@ -175,11 +183,12 @@ def _periodic(s4: list, j1: int, j2: int, tag: Tag) -> list[tuple[int, int]]:
             else tail
         )
 
-    whole = run(j1, j2)
+    whole = run(j1, j2, floor)
     if whole is not None:
         return [(whole, j2 - j1)]
     for k in range(j1 + 1, j2):
-        first, second = run(j1, k), run(k, j2)
+        first = run(j1, k, floor)
+        second = None if first is None else run(k, j2, first + UNITS * (k - j1))
         if first is not None and second is not None:
             return [(first, k - j1), (second, j2 - k)]
     raise NotComposable(f"segment {tag}: a layer's more allocations are not one of {UNITS} like units")
