@@ -214,6 +214,13 @@ def _regrouped(s3: list, s4: list, placed: list[tuple[int, int, int]]) -> list[t
     (:func:`_placements`) that are each a unit of a run. Else they are left as the matcher put them (and
     :func:`_periodic` says they are not).
     """
+    units: dict[tuple[int, int], bool] = {}  # blocks recur across placements: each is checked once
+
+    def unit(a: int, b: int) -> bool:
+        if (a, b) not in units:
+            units[a, b] = _is_unit(s4, a, b)
+        return units[a, b]
+
     clusters: list[list[tuple[int, int, int]]] = []
     for insert in placed:
         if clusters and insert[0] - clusters[-1][-1][0] < MERGE:
@@ -223,7 +230,7 @@ def _regrouped(s3: list, s4: list, placed: list[tuple[int, int, int]]) -> list[t
     out: list[tuple[int, int]] = []
     for cluster in clusters:
         blocks = [(j1, j2) for _i1, j1, j2 in cluster]
-        if len(cluster) > 1 and not all(_is_unit(s4, j1, j2) for j1, j2 in blocks):
+        if len(cluster) > 1 and not all(unit(j1, j2) for j1, j2 in blocks):
             n = sum(j2 - j1 for j1, j2 in blocks)
             i1, j1 = cluster[0][0], cluster[0][1]
             i2, j2 = cluster[-1][0], cluster[-1][2]
@@ -231,28 +238,34 @@ def _regrouped(s3: list, s4: list, placed: list[tuple[int, int, int]]) -> list[t
             v = min(n, len(s3) - i2, len(s4) - j2)
             for found in _placements(s3[i1 - w : i2 + v], s4[j1 - w : j2 + v], len(cluster)):
                 again = [(j1 - w + a, j1 - w + b) for a, b in found]
-                if all(_is_unit(s4, a, b) for a, b in again):
+                if all(unit(a, b) for a, b in again):
                     blocks = again
                     break
         out += blocks
     return out
 
 
-PLACED = 3
-"""The most inserted blocks :func:`_placements` places in one stretch (the search grows with their count)."""
+PLACED = 2
+"""The most inserted blocks :func:`_placements` places in one stretch."""
+PLACED_EVENTS = 64
+"""The most inserted events :func:`_placements` places (its search grows with their count and the stretch's
+length, about ``length**2 * events`` comparisons for two blocks); more are left where the matcher put them."""
 
 
 def _placements(s3: list, s4: list, count: int) -> Iterator[list[tuple[int, int]]]:
     """Each way ``s4`` is ``s3`` with ``count`` (at most :data:`PLACED`) blocks of events inserted: the blocks'
-    ``(start, end)`` in ``s4``, the earliest first."""
+    ``(start, end)`` in ``s4``, the earliest first; none past :data:`PLACED_EVENTS` inserted events."""
     n = len(s4) - len(s3)
-    if count > PLACED or n < count:
+    if not 1 <= count <= PLACED or not count <= n <= PLACED_EVENTS:
         return
+    suffix = 0  # the events the two end with alike: one block from p on leaves s3[p:] there
+    while suffix < len(s3) and s4[-1 - suffix] == s3[-1 - suffix]:
+        suffix += 1
     for p in range(len(s3) + 1):
         if p and s4[p - 1] != s3[p - 1]:
             return
         if count == 1:
-            if s4[p + n :] == s3[p:]:
+            if len(s3) - p <= suffix:
                 yield [(p, p + n)]
             continue
         for m in range(1, n - count + 2):
