@@ -140,15 +140,29 @@ def test_composed_equals_the_full_trace_to_the_byte(overrides, layers):
         pytest.param(
             6, {"distributed.reshard_after_forward": "false", "device": "cuda"}, marks=pytest.mark.slow
         ),
+        # Muon, pretraining's default: each matrix gathered whole for its Newton-Schulz iteration, then the AdamW
+        # part's per-norm updates beside zero_grad's per-layer frees (issue 53: the 70B x 8 estimate); ~10 s each
+        # (three traces), so in the slow tier; test_inserts_the_matcher_cuts_across_two_runs... is the fast one
+        pytest.param(5, {"optimizer.name": "muon", "device": "cuda"}, marks=pytest.mark.slow),
+        pytest.param(
+            9, {"optimizer.name": "muon", "device": "cuda", "dtype": "bf16"}, marks=pytest.mark.slow
+        ),
+        pytest.param(
+            6, {"optimizer.name": "muon", "device": "cuda", "world_size": 8}, marks=pytest.mark.slow
+        ),
+        pytest.param(6, {"optimizer.name": "muon"}, marks=pytest.mark.slow),
+        # Adam-mini: its state's runs of a layer's matrices and of its norms meet on an event alike in both
+        pytest.param(6, {"optimizer.name": "adam_mini", "device": "cuda"}, marks=pytest.mark.slow),
     ],
 )
 def test_fsdp2_ranks_compose_to_the_byte(layers, overrides):
-    """A rank of FSDP2 on 2 ranks: each layer's all-gather and reduce-scatter fall in its own segment (the marks'
-    hooks run before FSDP's), so the layers compose as on one device; on CUDA the reserved peak too (the
-    all-gather buffer of each layer, prefetched in the layer before, freed once the next is waited on)."""
+    """A rank of FSDP2 on 2 ranks (or ``world_size``): each layer's all-gather and reduce-scatter fall in its own
+    segment (the marks' hooks run before FSDP's), so the layers compose as on one device; on CUDA the reserved peak
+    too (the all-gather buffer of each layer, prefetched in the layer before, freed once the next is waited on)."""
     overrides = {"distributed.strategy": "fsdp2", **overrides}
-    full = _estimate(layers, False, 2, **overrides)
-    composed = _estimate(layers, True, 2, **overrides)
+    world_size = overrides.pop("world_size", 2)
+    full = _estimate(layers, False, world_size, **overrides)
+    composed = _estimate(layers, True, world_size, **overrides)
     assert composed.trace["composed"] is True, composed.trace
     assert _answer(composed) == _answer(full)
 
@@ -209,6 +223,10 @@ CUDA = {  # the reserved peak replays the composed allocation sequence: event fo
     # every matrix's state paged (>= 100,000 elements: out of the replay), the norms' not: the layer marks count
     # the events the replay keeps
     "fsdp2 on 2 ranks": ({"distributed.strategy": "fsdp2", "world_size": 2}, True),
+    "muon, fsdp2 on 2 ranks": (
+        {"distributed.strategy": "fsdp2", "world_size": 2, "optimizer.name": "muon"},
+        False,
+    ),
     "paged_adamw8bit, paged state": (
         {"optimizer.name": "paged_adamw8bit", "model_args.dim": 320, "model_args.intermediate_size": 1024},
         True,
@@ -353,4 +371,59 @@ def test_the_report_says_how_the_figure_was_obtained():
         "(the same config asked again); 1 composed from traces of 3 and 4 decoder layers, 2 traced whole",
         "  traced whole (2): asked for the full trace",
         "  decoder layers traced: 17 (tracing every model whole: 15)",
+    ]
+
+
+def test_inserts_the_matcher_cuts_across_two_runs_are_placed_as_units():
+    """Two per-layer runs side by side at the end of a sharded Muon step (its AdamW part: two norms a layer, each
+    update allocating two buffers and freeing the one before's; then zero_grad freeing each layer's gradient):
+    the 4-layer trace holds 8 + 1 events more, which the matcher inserts as 2 + 7, a norm's update cut around
+    the last norm's free. Placed again, they are one unit of each run: a layer's two norms (8 events, four units
+    from the first free of the norms' run) and one layer's gradient (1 event)."""
+    from memfit.planner.compose_allocations import _differences, _nested_runs, _placements
+
+    alloc, free = ("alloc", 128, 0), ("free", 128, 0)
+
+    def step_end(layers: int) -> list[tuple]:
+        embeddings = [("alloc", 32768, 0), ("alloc", 32768, 0), ("free", 32768, 0)] * 2 + [
+            ("free", 32768, 0)
+        ] * 2
+        norms = [alloc, alloc, free, *[alloc, alloc, free, free] * (2 * layers), free]
+        return [*embeddings, *norms, *[("free", 73984, 0)] * layers, ("free", 65664, 0), ("free", 4, 0)]
+
+    s3, s4 = step_end(3), step_end(4)
+    assert (len(s3), len(s4)) == (41, 50)
+    assert _differences(s3, s4) == [("insert", 35, 35, 35, 37), ("insert", 36, 36, 38, 45)]
+    runs, grows = _nested_runs(("B", 0, 0), s4, (0, len(s4)), s3, (0, len(s3)))
+    assert [(r.starts, r.lengths) for r in runs] == [([10, 18, 26, 34], [8] * 4), ([44, 45, 46, 47], [1] * 4)]
+    assert grows == {}
+    assert list(_placements([1, 2, 3], [1, 9, 2, 3, 8], 2)) == [[(1, 2), (4, 5)]]
+    assert list(_placements([1, 1], [1, 1, 1], 1)) == [[(0, 1)], [(1, 2)], [(2, 3)]]
+
+
+def test_two_runs_that_meet_on_an_event_alike_in_both_do_not_overlap():
+    """Sharded Adam-mini's state (segment ``I``): a run of one layer's matrices (4 events: the last a one-element
+    state of 4 bytes), then a run of the norms (2 a layer, each ``128, 4``). The 4-layer trace's 8 events more
+    straddle the two runs; the 4-byte event where they meet is periodic in both, so each half's stretch reaches it.
+    It is the first run's, and the second run starts after it (it overlapped, and the model was traced whole)."""
+    from memfit.planner.compose_allocations import _differences, _nested_runs
+
+    def alloc(nbytes: int) -> tuple:
+        return ("alloc", nbytes, 0)
+
+    def step_start(layers: int) -> list[tuple]:
+        moments = [alloc(n) for n in (4096, 64, 8192, 128, 16384, 256, 16384, 256, 16384, 128)]
+        matrices = [alloc(8192), alloc(8), alloc(4096), alloc(4)]
+        norms = [alloc(128), alloc(4)] * (2 * layers + 1)
+        return [alloc(32), alloc(32768), alloc(512), *moments * layers, alloc(32768), alloc(512)] + (
+            matrices * layers + norms + [alloc(256)]
+        )
+
+    s3, s4 = step_start(3), step_start(4)
+    assert _differences(s3, s4) == [("insert", 3, 3, 3, 13), ("insert", 47, 47, 57, 65)]
+    runs, _ = _nested_runs(("I", 0, None), s4, (0, len(s4)), s3, (0, len(s3)))
+    assert [(r.starts, r.lengths) for r in runs] == [
+        ([3, 13, 23, 33], [10] * 4),
+        ([45, 49, 53, 57], [4] * 4),
+        ([61, 65, 69, 73], [4] * 4),
     ]

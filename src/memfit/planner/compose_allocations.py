@@ -15,7 +15,10 @@ of forwards and one of backwards per pass), indexed by the layer. Inside the seg
 first pass's embedding, ``I``; the head and loss, ``H``; and the tail of layer 0's backward: the embedding's backward,
 clipping, the optimizer step), what runs once per parameter (registering the model states, ``zero_grad``, a
 ``foreach`` update) makes runs of units too: the events the 4-layer trace has beyond the 3-layer one's are one unit,
-and the periodic stretch around them, four units of that length.
+and the periodic stretch around them, four units of that length. Where two such runs meet (under sharded Muon, the
+AdamW part's per-norm updates, then ``zero_grad``'s per-layer frees of the gradients), the matcher may cut one
+run's unit around an event of the other's, since a run's units are alike; the inserts are then placed again so
+that each is one unit of a run (:func:`_regrouped`).
 
 **Composing.** The L-layer run of a run of four units ``0 1 2 3`` is ``0 1 2 ... 2 3``: unit 2 stands for every
 layer from 2 to L - 2 (a layer with layers on both sides). Each free is translated to the allocation it frees in
@@ -89,10 +92,11 @@ def _nested_runs(
     if s4 == s3:
         return [], {}
     inserts: list[tuple[int, int]] = []
+    placed: list[tuple[int, int, int]] = []  # (i1, j1, j2): the inserts where the matcher put them
     grows: dict[int, int] = {}
     for code, i1, i2, j1, j2 in _differences(s3, s4):
         if code == "insert":
-            inserts.append((j1, j2))
+            placed.append((i1, j1, j2))
             continue
         # one block inserted, which the matcher split around events it paired: look for it in the region and one
         # block's length of the equal events on each side (a block of a periodic run may start before the region)
@@ -123,9 +127,13 @@ def _nested_runs(
             at = same + 1
         if at < j2:
             inserts.append((at, j2))
+    inserts += _regrouped(s3, s4, placed)
     runs = []
     for j1, j2 in sorted(inserts):
-        for lo, m in _periodic(s4, j1, j2, tag):
+        floor = runs[-1].starts[-1] + runs[-1].lengths[-1] - a4 if runs else 0
+        if j2 <= floor:
+            raise NotComposable(f"segment {tag}: its runs of per-layer allocations overlap")
+        for lo, m in _periodic(s4, j1, j2, tag, floor):
             runs.append(_Run((tag, len(runs)), [a4 + lo + u * m for u in range(UNITS)], [m] * UNITS))
     for first, second in zip(runs, runs[1:], strict=False):
         if first.starts[-1] + first.lengths[-1] > second.starts[0]:
@@ -135,15 +143,20 @@ def _nested_runs(
     return runs, grows
 
 
-def _periodic(s4: list, j1: int, j2: int, tag: Tag) -> list[tuple[int, int]]:
+def _periodic(s4: list, j1: int, j2: int, tag: Tag, floor: int = 0) -> list[tuple[int, int]]:
     """The runs (first event, unit length) that the events ``j1`` to ``j2`` of ``s4`` are one unit of: the periodic
     stretch around them holds :data:`UNITS` units; else the block is the end of one run and the start of the next
-    (a ``foreach`` op's allocations, then its frees), split where both halves are."""
+    (a ``foreach`` op's allocations, then its frees), split where both halves are. No run starts before ``floor``
+    (the end of the run before): where two runs meet, an event alike in both (Adam-mini's one-element state of a
+    layer's last matrix, then of its first norm) is the first's, and the second starts after it."""
 
-    def run(a: int, b: int) -> int | None:
+    def run(a: int, b: int, floor: int) -> int | None:
         m = b - a
-        lo, hi = a, b
-        while lo > 0 and s4[lo - 1] == s4[lo - 1 + m]:
+        lo, hi = (
+            max(a, floor),
+            b,
+        )  # from ``a`` on the stretch is periodic (each event the one m before), so from lo
+        while lo > floor and s4[lo - 1] == s4[lo - 1 + m]:
             lo -= 1
         while hi < len(s4) and s4[hi] == s4[hi - m]:
             hi += 1
@@ -154,13 +167,13 @@ def _periodic(s4: list, j1: int, j2: int, tag: Tag) -> list[tuple[int, int]]:
         # three like units: the first or the last differs a little at its edge (the first parameter's update
         # frees what the parameter before the run left); the one that differs less
         head, tail = hi - UNITS * m, lo
-        if head < 0 and tail + UNITS * m > len(s4):
+        if head < floor and tail + UNITS * m > len(s4):
             return None
 
         def unlike(first: int) -> int:
             return sum(s4[first + k] != s4[first + m + k] for k in range(m))
 
-        if head < 0:
+        if head < floor:
             return tail
         if tail + UNITS * m > len(s4):
             return head
@@ -170,14 +183,94 @@ def _periodic(s4: list, j1: int, j2: int, tag: Tag) -> list[tuple[int, int]]:
             else tail
         )
 
-    whole = run(j1, j2)
+    whole = run(j1, j2, floor)
     if whole is not None:
         return [(whole, j2 - j1)]
     for k in range(j1 + 1, j2):
-        first, second = run(j1, k), run(k, j2)
+        first = run(j1, k, floor)
+        second = None if first is None else run(k, j2, first + UNITS * (k - j1))
         if first is not None and second is not None:
             return [(first, k - j1), (second, j2 - k)]
     raise NotComposable(f"segment {tag}: a layer's more allocations are not one of {UNITS} like units")
+
+
+def _is_unit(s4: list, j1: int, j2: int) -> bool:
+    """Whether the events ``j1`` to ``j2`` of ``s4`` are one unit of a run, or two (:func:`_periodic`)."""
+    try:
+        _periodic(s4, j1, j2, ("", 0, None))
+    except NotComposable:
+        return False
+    return True
+
+
+def _regrouped(s3: list, s4: list, placed: list[tuple[int, int, int]]) -> list[tuple[int, int]]:
+    """The blocks ``(j1, j2)`` of ``s4`` inserted into ``s3``, from the matcher's inserts ``(i1, j1, j2)``.
+
+    Two runs next to each other, each one unit longer in the 4-layer trace (the AdamW updates of a layer's two norms,
+    one after the other, then ``zero_grad`` freeing each layer's gradient), make inserts that the matcher may place
+    anywhere in their runs, since a run's units are alike: it can cut one unit in two around an event of the other
+    run's. Where inserts less than :data:`MERGE` events apart are not all a run's unit, they are placed again: the
+    first placement, in the stretch they span and as many events on each side as they hold, of as many blocks
+    (:func:`_placements`) that are each a unit of a run. Else they are left as the matcher put them (and
+    :func:`_periodic` says they are not).
+    """
+    units: dict[tuple[int, int], bool] = {}  # blocks recur across placements: each is checked once
+
+    def unit(a: int, b: int) -> bool:
+        if (a, b) not in units:
+            units[a, b] = _is_unit(s4, a, b)
+        return units[a, b]
+
+    clusters: list[list[tuple[int, int, int]]] = []
+    for insert in placed:
+        if clusters and insert[0] - clusters[-1][-1][0] < MERGE:
+            clusters[-1].append(insert)
+        else:
+            clusters.append([insert])
+    out: list[tuple[int, int]] = []
+    for cluster in clusters:
+        blocks = [(j1, j2) for _i1, j1, j2 in cluster]
+        if len(cluster) > 1 and not all(unit(j1, j2) for j1, j2 in blocks):
+            n = sum(j2 - j1 for j1, j2 in blocks)
+            i1, j1 = cluster[0][0], cluster[0][1]
+            i2, j2 = cluster[-1][0], cluster[-1][2]
+            w = min(n, i1, j1)
+            v = min(n, len(s3) - i2, len(s4) - j2)
+            for found in _placements(s3[i1 - w : i2 + v], s4[j1 - w : j2 + v], len(cluster)):
+                again = [(j1 - w + a, j1 - w + b) for a, b in found]
+                if all(unit(a, b) for a, b in again):
+                    blocks = again
+                    break
+        out += blocks
+    return out
+
+
+PLACED = 2
+"""The most inserted blocks :func:`_placements` places in one stretch."""
+PLACED_EVENTS = 64
+"""The most inserted events :func:`_placements` places (its search grows with their count and the stretch's
+length, about ``length**2 * events`` comparisons for two blocks); more are left where the matcher put them."""
+
+
+def _placements(s3: list, s4: list, count: int) -> Iterator[list[tuple[int, int]]]:
+    """Each way ``s4`` is ``s3`` with ``count`` (at most :data:`PLACED`) blocks of events inserted: the blocks'
+    ``(start, end)`` in ``s4``, the earliest first; none past :data:`PLACED_EVENTS` inserted events."""
+    n = len(s4) - len(s3)
+    if not 1 <= count <= PLACED or not count <= n <= PLACED_EVENTS:
+        return
+    suffix = 0  # the events the two end with alike: one block from p on leaves s3[p:] there
+    while suffix < len(s3) and s4[-1 - suffix] == s3[-1 - suffix]:
+        suffix += 1
+    for p in range(len(s3) + 1):
+        if p and s4[p - 1] != s3[p - 1]:
+            return
+        if count == 1:
+            if len(s3) - p <= suffix:
+                yield [(p, p + n)]
+            continue
+        for m in range(1, n - count + 2):
+            for rest in _placements(s3[p:], s4[p + m :], count - 1):
+                yield [(p, p + m), *((p + m + a, p + m + b) for a, b in rest)]
 
 
 def _grown(x4: tuple, x3: tuple) -> bool:
