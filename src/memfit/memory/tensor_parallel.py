@@ -173,6 +173,7 @@ def apply_tensor_parallel(model: Decoder, tp_mesh: Any) -> int:
         },
     )
     model.tie_weights()  # a tied lm_head got a new Parameter of the same Shard(0) DTensor: the embedding's again
+    _lora_placements(model.lm_head, tp_mesh, colwise=True)
     _replicate_norm(model.model.norm, tp_mesh)
     gathered = (Shard(1), None, None, None)  # (x, cos, sin, doc_ids): x all-gathered, the rest as they are
     for layer in model.model.layers:
