@@ -41,20 +41,25 @@ WEIGHT_TOL = {"tiny-gemma2": 1e-4}
 LAYOUTS = {"tp2xfsdp2": (2, 2, {}), "tp4": (4, 1, {"model_args.num_kv_heads": 4})}
 CASES = [
     (layout, model, {}) for layout in LAYOUTS for model in ("tiny-llama3", "tiny-qwen3", "tiny-gemma2")
-] + [("tp2xfsdp2", "tiny-llama3", {"activation_checkpointing": "full"})]
+] + [
+    ("tp2xfsdp2", "tiny-llama3", {"activation_checkpointing": "full"}),
+    # the gradient norm the hooks sum: a norm weight replicated over the group counts once
+    ("tp2xfsdp2", "tiny-llama3", {"optimizer_in_backward": "true", "max_grad_norm": 0}),
+]
+IDS = [f"{layout}-{model}" + "".join(f"-{k.split('_')[0]}" for k in extra) for layout, model, extra in CASES]
 
 
 @pytest.fixture(scope="module")
 def single_runs(tmp_path_factory, small_corpus):
-    """One-process references, made once per (model, model_args, global batch)."""
+    """One-process references, made once per (model, global batch, settings)."""
     root = tmp_path_factory.mktemp("single")
     made: dict[tuple, Path] = {}
 
-    def get(model: str, groups: int, model_args: dict) -> Path:
-        key = (model, groups, tuple(sorted(model_args.items())))
+    def get(model: str, groups: int, settings: dict) -> Path:
+        key = (model, groups, tuple(sorted(settings.items())))
         if key not in made:
             out = root / f"{model}-{groups}-{len(made)}"
-            over = _overrides(small_corpus, out, batch_size=BATCH * groups, model=model, **model_args)
+            over = _overrides(small_corpus, out, batch_size=BATCH * groups, model=model, **settings)
             assert main(["pretrain", *over]) == 0
             made[key] = out
         return made[key]
@@ -73,15 +78,14 @@ def _tensor_parallel_run(corpus: Path, out: Path, layout: str, model: str, **ext
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    ("layout", "model", "extra"), CASES, ids=[f"{c[0]}-{c[1]}{'-ac' * bool(c[2])}" for c in CASES]
-)
+@pytest.mark.parametrize(("layout", "model", "extra"), CASES, ids=IDS)
 def test_four_ranks_tensor_parallel_train_what_one_process_does(
     layout, model, extra, single_runs, small_corpus, tmp_path
 ):
     _, groups, model_args = LAYOUTS[layout]
     out = _tensor_parallel_run(small_corpus, tmp_path / layout, layout, model, **extra)
-    diffs = _assert_same_run(out, single_runs(model, groups, model_args), tol=WEIGHT_TOL.get(model, TOL))
+    single = single_runs(model, groups, {**model_args, **extra})
+    diffs = _assert_same_run(out, single, tol=WEIGHT_TOL.get(model, TOL))
     print(f"{layout} {model} {extra}: {diffs}")
     assert max(diffs["loss"], diffs["grad_norm"], diffs["val_loss"]) <= TOL, diffs
 
