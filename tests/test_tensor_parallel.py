@@ -14,7 +14,7 @@ import torch
 from memfit.cli import main
 from memfit.config import load_config
 from memfit.errors import ConfigError
-from memfit.memory.tensor_parallel import check_tensor_parallel
+from memfit.memory.tensor_parallel import check_tensor_parallel, tensor_parallel_shape
 from memfit.models.decoder import build_decoder
 from memfit.models.presets import model_config
 
@@ -163,3 +163,32 @@ def test_the_plan_refuses_what_it_cannot_split():
     check_tensor_parallel(model, 2)
     with pytest.raises(ValueError, match="num_kv_heads 2 must both be divisible by tensor_parallel 4"):
         check_tensor_parallel(model, 4)
+
+
+def test_tensor_parallel_blocks_by_name():
+    assert tensor_parallel_shape("model.layers.0.self_attn.q_proj.weight", (64, 64), 4) == (16, 64)
+    assert tensor_parallel_shape("model.layers.0.mlp.down_proj.weight", (64, 128), 4) == (64, 32)
+    assert tensor_parallel_shape("model.layers.0.mlp.down_proj.lora_A", (8, 128), 4) == (8, 32)
+    assert tensor_parallel_shape("model.layers.0.self_attn.v_proj.lora_A", (8, 64), 4) == (8, 64)
+    assert tensor_parallel_shape("lm_head.lora_B", (62, 8), 4) == (
+        16,
+        8,
+    )  # torch.chunk's rows: 16, 16, 16, 14
+    assert tensor_parallel_shape("model.embed_tokens.weight", (62, 64), 2) == (31, 64)
+    assert tensor_parallel_shape("model.layers.1.input_layernorm.weight", (64,), 4) == (64,)  # replicated
+
+
+@pytest.mark.parametrize("overrides", [["distributed.tensor_parallel=2"], ["distributed.tensor_parallel=4"]])
+def test_the_estimate_of_a_tensor_parallel_rank_is_its_closed_form(overrides):
+    """Rank 0's step traced on fake tensors over a fake 4-rank group (the plan applied, FSDP2 over the rest): its
+    parameters, gradients and optimizer state are the closed form's to the byte (the norms replicated over the
+    group, the split weights' blocks sharded over the data-parallel ranks)."""
+    from memfit.planner.estimate import estimate_run
+
+    settings = ["model=tiny", "model_args.num_kv_heads=4", "tokenizer.kind=char", "optimizer.name=adamw"]
+    cfg = load_config(
+        None, [*settings, "seq_len=64", "batch_size=1", *overrides], world_size=4, needs_weights=False
+    )
+    e = estimate_run(cfg, world_size=4)
+    assert e.traced_model_states == {k: e.model_states[k] for k in e.traced_model_states}
+    assert e.peak_bytes > 0
