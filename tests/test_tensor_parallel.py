@@ -1,8 +1,9 @@
 """Tensor parallelism (``distributed.tensor_parallel``) through the real CLI under torchrun on CPU (gloo), 4 ranks:
-tensor-parallel 2 x FSDP2 2 and tensor-parallel 4 train exactly what one process does with the same global batch
-(losses, gradient norms, validation losses, final weights within 1e-5) on Llama 3, Qwen3 (per-head q/k norms) and
-Gemma 2 (soft-capped attention and logits, sandwich norms, tied embeddings, the scaled embedding); LoRA under it;
-a checkpoint saved on the 2 x 2 mesh resumes in one process (DCP resharding). In one process: the refusals."""
+tensor-parallel 2 x FSDP2 2, tensor-parallel 4 and tensor-parallel 2 x 2 replicas (HSDP: the 3-D mesh) train
+exactly what one process does with the same global batch (losses, gradient norms, validation losses, final weights
+within 1e-5) on Llama 3, Qwen3 (per-head q/k norms) and Gemma 2 (soft-capped attention and logits, sandwich norms,
+tied embeddings, the scaled embedding); LoRA under it; a checkpoint saved on the 2 x 2 mesh resumes in one process
+(DCP resharding). In one process: the refusals, the blocks and the estimate's closed form."""
 
 from __future__ import annotations
 
@@ -38,10 +39,20 @@ WEIGHT_TOL = {"tiny-gemma2": 1e-4}
 # (layout, tensor_parallel, data-parallel groups of 4 ranks, model_args): tp=4 needs num_kv_heads divisible by 4
 # (the tiny presets have 4 heads and 2 key/value heads: tp=2 keeps grouped-query attention, 2 query heads a rank
 # sharing one key/value head)
-LAYOUTS = {"tp2xfsdp2": (2, 2, {}), "tp4": (4, 1, {"model_args.num_kv_heads": 4})}
+LAYOUTS = {
+    "tp2xfsdp2": (2, 2, {}),
+    "tp4": (4, 1, {"model_args.num_kv_heads": 4}),
+    # the 3-D mesh: 2 replicas (HSDP) x 1 shard x tp 2
+    "tp2xreplicate2": (2, 2, {}),
+}
+MESH = {"tp2xreplicate2": {"distributed.replicate": 2}}
+"""The layouts' settings beyond tensor_parallel, for the 4-rank run alone."""
 CASES = [
-    (layout, model, {}) for layout in LAYOUTS for model in ("tiny-llama3", "tiny-qwen3", "tiny-gemma2")
+    (layout, model, {})
+    for layout in ("tp2xfsdp2", "tp4")
+    for model in ("tiny-llama3", "tiny-qwen3", "tiny-gemma2")
 ] + [
+    ("tp2xreplicate2", "tiny-llama3", {}),
     ("tp2xfsdp2", "tiny-llama3", {"activation_checkpointing": "full"}),
     # the gradient norm the hooks sum: a norm weight replicated over the group counts once
     ("tp2xfsdp2", "tiny-llama3", {"optimizer_in_backward": "true", "max_grad_norm": 0}),
@@ -69,7 +80,13 @@ def single_runs(tmp_path_factory, small_corpus):
 
 def _tensor_parallel_run(corpus: Path, out: Path, layout: str, model: str, **extra) -> Path:
     tp, _, model_args = LAYOUTS[layout]
-    settings = {"model": model, "distributed.tensor_parallel": tp, **model_args, **extra}
+    settings = {
+        "model": model,
+        "distributed.tensor_parallel": tp,
+        **model_args,
+        **MESH.get(layout, {}),
+        **extra,
+    }
     proc = run_torchrun(
         ["pretrain", *_overrides(corpus, out, batch_size=BATCH, **settings)], nproc=4, timeout=300
     )
