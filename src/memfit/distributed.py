@@ -158,7 +158,11 @@ def training_mesh(replicate: int = 1, tensor_parallel: int = 1):
         _MESHES.clear()  # a mesh of an earlier (destroyed) process group
         device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
         shape = (replicate, world // (replicate * tensor_parallel), tensor_parallel)
-        _MESHES[key] = init_device_mesh(device_type, shape, mesh_dim_names=("replicate", "shard", "tp"))
+        mesh = init_device_mesh(device_type, shape, mesh_dim_names=("replicate", "shard", "tp"))
+        if tensor_parallel > 1:
+            # a DTensor partial over shard and tp (the gradient norm of FSDP2 x TP) then reduces in one collective
+            mesh["shard", "tp"]._flatten()
+        _MESHES[key] = mesh
     return _MESHES[key]
 
 
