@@ -3,7 +3,8 @@ tensor-parallel 2 x FSDP2 2, tensor-parallel 4 and tensor-parallel 2 x 2 replica
 exactly what one process does with the same global batch (losses, gradient norms, validation losses, final weights
 within 1e-5) on Llama 3, Qwen3 (per-head q/k norms) and Gemma 2 (soft-capped attention and logits, sandwich norms,
 tied embeddings, the scaled embedding); LoRA under it; a checkpoint saved on the 2 x 2 mesh resumes in one process,
-on the same mesh and on 4 FSDP2 ranks (DCP resharding). In one process: the refusals, the blocks and the estimate's closed form."""
+on the same mesh and on 4 FSDP2 ranks (DCP resharding). In one process: the refusals, the blocks and the
+estimate's closed form."""
 
 from __future__ import annotations
 
