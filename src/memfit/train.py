@@ -599,13 +599,19 @@ def _banner(cfg, verb, built, run: _Run, device, start_step) -> str:
     sp, replicas = cfg.distributed.sequence_parallel, cfg.distributed.replicate
     fsdp = cfg.distributed.strategy
     if world > 1 and replicas > 1:  # hybrid sharding: FSDP2 shards within a replica
-        fsdp = f"hybrid {fsdp}: {replicas} replicas x {world // replicas} shards"
+        fsdp = f"hybrid {fsdp}: {replicas} replicas x {world // (replicas * cfg.distributed.tensor_parallel)} shards"
     if world > 1 and sp > 1:
         sharded = (
             f" x {world // sp} data-parallel x {sp} sequence-parallel ranks ({fsdp} over all "
             f"{world}; {seq_len // sp} tokens of each sequence a rank)"
         )
-    elif world > 1 and replicas > 1:
+    tp = cfg.distributed.tensor_parallel
+    if world > 1 and tp > 1:
+        sharded = (
+            f" x {world // tp} data-parallel x {tp} tensor-parallel ranks ({fsdp} over "
+            f"{world // tp}; each layer's heads and hidden units split {tp} ways)"
+        )
+    elif world > 1 and replicas > 1 and sp == 1:
         sharded = f" x {world} ranks ({fsdp})"
     return (
         f"memfit {verb}: model {model} ({where}{built.num_params:,} parameters{trainable}), "

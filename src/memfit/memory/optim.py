@@ -564,21 +564,23 @@ class PerParameterOptimizer(_PerParameter):
 
 
 def _sharding_group(t: Any) -> Any:
-    """The process group over which a DTensor's local pieces add up to the whole: its one sharded mesh dimension
-    (FSDP2's only one; hybrid sharding's ``shard``, its replicas holding the same pieces). ``False`` for a tensor
-    replicated everywhere (nothing to sum over).
-
-    Raises:
-        ValueError: sharded over several mesh dimensions.
-    """
-    dims = [i for i, p in enumerate(t.placements) if p.is_shard()]
-    if not dims:
+    """The process group over which a DTensor's local pieces add up to the whole (with :func:`_replicas`): FSDP2's
+    one mesh dimension; every rank on a mesh of several (hybrid sharding's replicas x shards, tensor parallelism's
+    shards x tp ranks), where a piece several ranks hold is counted once by :func:`_replicas`. ``False`` for a
+    tensor replicated everywhere (nothing to sum over)."""
+    if not any(p.is_shard() for p in t.placements):
         return False
-    if len(dims) > 1:
-        raise ValueError(
-            f"the optimizer in backward sums norms over one sharded mesh dimension, got {t.placements}"
-        )
-    return t.device_mesh.get_group(dims[0])
+    mesh = t.device_mesh
+    return mesh.get_group() if mesh.ndim == 1 else dist.group.WORLD
+
+
+def _replicas(t: Any) -> int:
+    """How many ranks of :func:`_sharding_group` hold each of a DTensor's local pieces: the product of its
+    replicated mesh dimensions' sizes (hybrid sharding's replicas; a tensor-parallel group's norm weights). Their
+    squares are divided by it, so the all-reduced sum counts each piece once."""
+    if not any(p.is_shard() for p in t.placements):
+        return 1
+    return math.prod(t.device_mesh.size(i) for i, p in enumerate(t.placements) if p.is_replicate())
 
 
 class OptimizerInBackward(_PerParameter):
@@ -614,11 +616,13 @@ class OptimizerInBackward(_PerParameter):
         """The hook: norm, update, free. Runs in backward, once per parameter and backward."""
         with torch.no_grad():
             grad = p.grad
+            replicas = 1
             if hasattr(grad, "to_local"):  # a DTensor shard (FSDP2): this rank's part of the sum of squares
                 if self._sharded_over is None:
                     self._sharded_over = _sharding_group(grad)
+                replicas = _replicas(grad)
                 grad = grad.to_local()
-            sq = squared_norm(grad)
+            sq = squared_norm(grad) if replicas == 1 else squared_norm(grad) / replicas
             self._sq_sum = sq if self._sq_sum is None else self._sq_sum + sq
             self._step_one(p)
         p.grad = None
