@@ -110,7 +110,7 @@ def test_a_memory_budget_not_above_what_the_process_holds_is_refused_naming_memo
     ``None``: 1 MiB) exits 1 before anything is allocated, naming memory_budget, what the process holds and the
     smallest budget the run fits; one byte over it is the ordinary refusal of a run over its budget."""
     _resident_set(monkeypatch)
-    held = host.process_overhead_bytes()
+    held = host.process_overhead_bytes(step_peak_bytes=0)  # before any tensor: the free heap's floor
     overrides = tiny_run_overrides(small_corpus, tmp_path / "run", **RUN)
     need = estimate_run(load_config(None, overrides)).host_peak_rss_bytes
     budget = MIB if below is None else held - below
@@ -131,7 +131,7 @@ def test_the_budgets_around_what_the_process_holds(monkeypatch, small_corpus, tm
     """One byte over what the process holds: the run over its budget (the planner's fix for 1 byte: none);
     the smallest budget the refusal above names: the run starts."""
     _resident_set(monkeypatch)
-    held = host.process_overhead_bytes()
+    held = host.process_overhead_bytes(step_peak_bytes=0)  # before any tensor: the free heap's floor
     overrides = tiny_run_overrides(small_corpus, tmp_path / "run", **RUN)
     need = estimate_run(load_config(None, overrides)).host_peak_rss_bytes
     assert main(["pretrain", *overrides, f"memory_budget={held + 1}B"]) == 1

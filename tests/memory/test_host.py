@@ -41,6 +41,25 @@ def test_predicted_peak_rss_adds_baseline_runtime_retained_heap_and_tensors():
 
 
 @pytest.mark.skipif(not GLIBC, reason="glibc's mmap threshold")
+def test_a_process_retains_free_heap_in_proportion_to_its_step_up_to_300_mib(monkeypatch):
+    for name in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_MMAP_MAX_"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
+    assert host.HEAP_RETAINED_FLOOR_BYTES == 32 * MIB and host.HEAP_RETAINED_FRACTION == 0.27
+    # docs/memory.md's runs: a 12.3 MiB step (measured 35.5 MiB free), the main job's 562.8 MiB (172.8-183.3)
+    assert host.retained_heap_bytes(step_peak_bytes=12_897_484) == 33_554_432 + 3_482_320 == 37_036_752
+    assert host.retained_heap_bytes(step_peak_bytes=590_138_982) == 33_554_432 + 159_337_525 == 192_891_957
+    # from 993 MiB of tensors up, the most (a 1,630 MiB AdamW step: 299 MiB measured); unknown step: the most
+    assert host.retained_heap_bytes(step_peak_bytes=993 * MIB) == host.HEAP_RETAINED_BYTES
+    assert host.retained_heap_bytes(step_peak_bytes=1630 * MIB) == host.HEAP_RETAINED_BYTES == 314_572_800
+    assert host.retained_heap_bytes() == host.HEAP_RETAINED_BYTES
+    # a rank of a sharded run keeps the sharded fit (its base is the most), whatever its step
+    assert host.retained_heap_bytes(1, 0, step_peak_bytes=0) == host.HEAP_RETAINED_BYTES
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "131072")
+    assert host.retained_heap_bytes(step_peak_bytes=590_138_982) == 0
+
+
+@pytest.mark.skipif(not GLIBC, reason="glibc's mmap threshold")
 def test_a_sharded_rank_retains_a_part_of_the_model_and_its_gradients_besides(monkeypatch):
     # the 2-rank full fine-tune: 127,539,456 fp32 parameters (486.5 MiB) and a 32-value fp32 RoPE buffer,
     # as many gradients (its rank's 1.669 GiB traced peak over a 0.29 GiB baseline was predicted 2.04 GiB RSS with
@@ -102,7 +121,8 @@ def test_a_wide_model_fixes_the_mmap_threshold_and_keeps_no_free_heap(monkeypatc
     assert host.retained_heap_bytes(10**9, 10**9, fixed=True) == 0
     # fixed at 8 MiB (a bf16 full fine-tune): its 4 MiB updates and smaller activations keep holes in the heap
     assert host.retained_heap_bytes(fixed=True, threshold=host.BF16_FULL_MMAP_THRESHOLD) == 314_572_800
-    # the tiny preset (dim 64): auto leaves the threshold dynamic (300 MiB of free heap predicted), fixed does not
+    # the tiny preset (dim 64): auto leaves the threshold dynamic (32 MiB and 0.27 of its step's tensors of free heap
+    # predicted), fixed does not
     auto = estimate_run(load_config(None, [*TINY, "device=cpu"]))
     fixed = estimate_run(load_config(None, [*TINY, "device=cpu", "mmap_threshold=fixed"]))
     assert (
@@ -111,7 +131,7 @@ def test_a_wide_model_fixes_the_mmap_threshold_and_keeps_no_free_heap(monkeypatc
         and fixed.to_json()["fixes_mmap_threshold"]
     )
     assert auto.host_peak_rss_bytes - auto.process_baseline_bytes == (
-        host.RUNTIME_BYTES + host.HEAP_RETAINED_BYTES + auto.peak_bytes
+        host.RUNTIME_BYTES + 33_554_432 + int(0.27 * auto.peak_bytes) + auto.peak_bytes
     )
     assert fixed.host_peak_rss_bytes - fixed.process_baseline_bytes == host.RUNTIME_BYTES + fixed.peak_bytes
 
@@ -153,10 +173,9 @@ def test_fixing_the_mmap_threshold_maps_each_block_over_it_on_its_own():
 def test_estimate_of_a_cpu_run_adds_the_process_baseline_to_the_traced_peak():
     e = estimate_run(load_config(None, [*TINY, "device=cpu"]))
     assert e.process_baseline_bytes is not None and e.process_baseline_bytes > 0
-    retained = host.HEAP_RETAINED_BYTES if host.dynamic_mmap_threshold() else 0
-    assert e.host_peak_rss_bytes == (
-        e.process_baseline_bytes + host.RUNTIME_BYTES + retained + e.peak_bytes + e.host_bytes
-    )
+    step = e.peak_bytes + e.host_bytes
+    retained = 33_554_432 + int(0.27 * step) if host.dynamic_mmap_threshold() else 0
+    assert e.host_peak_rss_bytes == e.process_baseline_bytes + host.RUNTIME_BYTES + retained + step
     out = e.to_json()
     assert out["host_peak_rss_gib"] * GIB == pytest.approx(e.host_peak_rss_bytes, abs=1)
     assert out["process_baseline_gib"] * GIB == pytest.approx(e.process_baseline_bytes, abs=1)
@@ -167,8 +186,9 @@ def test_estimate_of_a_cpu_run_adds_the_process_baseline_to_the_traced_peak():
     sharded = estimate_run(cfg, world_size=2)
     whole = 4 * 106_816 + (4 * 106_816 + 4 * 8) * 3 // 10 if host.dynamic_mmap_threshold() else 0
     assert not host.dynamic_mmap_threshold() or whole == 555_452
+    most = host.HEAP_RETAINED_BYTES if host.dynamic_mmap_threshold() else 0  # the sharded fit's base
     assert sharded.host_peak_rss_bytes == (
-        sharded.process_baseline_bytes + host.RUNTIME_BYTES + retained + whole + sharded.peak_bytes
+        sharded.process_baseline_bytes + host.RUNTIME_BYTES + most + whole + sharded.peak_bytes
     )
     # a CUDA run's peak is on the device: no host RSS is predicted
     cuda = estimate_run(load_config(None, [*TINY, "device=cuda"]))
@@ -256,3 +276,24 @@ def test_the_primitive_caches_are_capped_for_a_mixture_of_experts_on_cpu_unless_
     monkeypatch.setenv(host.TORCH_LRU_CACHE_ENV, "8")
     assert host.cap_onednn_primitive_cache() == []
     assert os.environ[host.ONEDNN_CACHE_ENV] == "64" and os.environ[host.TORCH_LRU_CACHE_ENV] == "8"
+
+
+@pytest.mark.skipif(not GLIBC, reason="glibc's mmap threshold")
+def test_the_tensors_share_of_an_rss_budget_is_the_largest_peak_that_fits(monkeypatch):
+    for name in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_MMAP_MAX_"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
+    monkeypatch.setattr(host, "process_rss_bytes", lambda: 300 * MIB)
+
+    def rss(tensors: int) -> int:
+        retained = host.retained_heap_bytes(step_peak_bytes=tensors)
+        return host.predict_peak_rss(tensors, 300 * MIB, heap_retained_bytes=retained)
+
+    # 1 GiB: 300 + 48 + 32 MiB held, and 1.27 bytes of RSS per byte of tensors: 644 MiB / 1.27 = 531,718,854 B
+    share = host.tensor_share_bytes(GIB)
+    assert share == 531_718_854 and rss(share) <= GIB < rss(share + 1)
+    # 3 GiB: past the free heap's most, each byte of tensors one of RSS: 3,072 - 300 - 48 - 300 MiB
+    assert host.tensor_share_bytes(3 * GIB) == 2_424 * MIB
+    # what the process holds before any tensor (380 MiB): nothing; fixed at 128 KiB: no free heap at all
+    assert host.tensor_share_bytes(380 * MIB - 1) == 0 and host.tensor_share_bytes(380 * MIB) == 0
+    assert host.tensor_share_bytes(GIB, fixed=True) == GIB - 348 * MIB

@@ -14,7 +14,7 @@ from memfit.build import run_model_config
 from memfit.cli import main, split_budget
 from memfit.config import config_to_dict, load_config
 from memfit.errors import ConfigError, PreflightError
-from memfit.memory import hybrids, optimizers, switches
+from memfit.memory import host, hybrids, optimizers, switches
 from memfit.memory.switches import layer_weights
 from memfit.planner import plan as P
 from memfit.planner import report
@@ -22,7 +22,7 @@ from memfit.planner.closed_form import model_state_bytes_closed_form
 from memfit.planner.cost import COST_CONSTANTS, CostRequest, model_flops_per_token, step_cost
 from memfit.planner.estimate import estimate_run
 from memfit.planner.preflight import preflight
-from memfit.units import format_bytes, parse_bytes
+from memfit.units import GIB, format_bytes, parse_bytes
 
 MIB = 1024**2
 TINY = [
@@ -344,17 +344,20 @@ def test_sharded_plan_writes_the_launch(tmp_path):
 
 
 def test_a_cpu_plan_gives_the_tensors_the_budget_less_the_process_overhead(monkeypatch):
-    """On CPU the budget is peak RSS: the process's own bytes (imports, kernels, the heap's free memory) come off it,
-    and every fitting row's traced peak fits in what is left."""
-    monkeypatch.setattr(P, "process_overhead_bytes", lambda **_: 100 * MIB)
+    """On CPU the budget is peak RSS: the process's own bytes (imports, kernels, the heap's free memory, which grows
+    with the tensors) come off it, and every fitting row's traced peak fits in what is left: the largest peak whose
+    predicted RSS fits (memfit.memory.host.tensor_share_bytes)."""
+    monkeypatch.setattr(host, "process_rss_bytes", lambda: 100 * MIB)
+    monkeypatch.setattr(host, "dynamic_mmap_threshold", lambda *_, **__: True)
     cfg = load_config(None, [*(t for t in TINY if not t.startswith(("device=", "dtype="))), "device=cpu"])
     p = P.plan(P.PlanRequest(cfg, 400 * MIB, margin=0.1, estimator=cached_estimate))
-    assert p.host_overhead_bytes == 100 * MIB
-    assert p.usable_bytes == int(400 * MIB * 0.9) - 100 * MIB
-    assert p.to_json()["host_overhead_gib"] == 100 / 1024
+    # 360 MiB less 100 + 48 + 32 MiB held, over 1.27 bytes of RSS per byte of tensors: 148,617,071 bytes
+    assert p.usable_bytes == host.tensor_share_bytes(int(400 * MIB * 0.9)) == 148_617_071
+    assert p.host_overhead_bytes == int(400 * MIB * 0.9) - 148_617_071
+    assert p.to_json()["host_overhead_gib"] == p.host_overhead_bytes / GIB
     fitting = [r for r in p.rows if r.fits]
     assert fitting and all(r.peak_bytes <= p.usable_bytes for r in fitting)
-    assert "the process's own 100.00 MiB on CPU" in report.format_plan(p)
+    assert f"the process's own {format_bytes(p.host_overhead_bytes)} on CPU" in report.format_plan(p)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -43,11 +43,22 @@ MMAP_THRESHOLD_SETTINGS = ("auto", "dynamic", "fixed")
 modules import no config: config imports the memory registries)."""
 
 HEAP_RETAINED_BYTES = 300 * 1024**2
-"""Bytes of free memory glibc's heaps hold at a run's peak under the dynamic mmap threshold, measured as peak RSS -
-baseline - traced peak - :data:`RUNTIME_BYTES` on the three runs of docs/memory.md: 306, 299 and 273 MiB (models of
-5.2M and 78.6M parameters, batches of 1,024 and 4,096 tokens). A measured figure, not a law: it follows the sizes a
-step frees. The Llama-3.2-3B full fine-tune of docs/benchmarks.md ("The largest model on 24 GiB") kept ~0.7 GiB, its
-peak RSS 2.5% above the prediction."""
+"""The most free memory glibc's heaps hold at a one-process run's peak under the dynamic mmap threshold: a step
+whose tensors peak at 993 MiB or more (:func:`retained_heap_bytes`). Measured as peak RSS - baseline - traced peak -
+:data:`RUNTIME_BYTES`: 299 MiB for a 78.6M-parameter model's plain AdamW step (1,630 MiB of tensors), 306 and 273 MiB
+on the two smaller runs of docs/memory.md's first table. The Llama-3.2-3B full fine-tune of docs/benchmarks.md ("The
+largest model on 24 GiB") kept ~0.7 GiB, its peak RSS 2.5% above the prediction."""
+
+HEAP_RETAINED_FLOOR_BYTES = 32 * 1024**2
+"""The free heap of a one-process step with (almost) no tensors: what the run's own Python objects, data and first
+step leave in glibc's heaps (:func:`retained_heap_bytes`; 35.5 MiB measured for a 12.3 MiB step)."""
+
+HEAP_RETAINED_FRACTION = 0.27
+"""The free heap a one-process step holds per byte of its traced tensor peak, beyond
+:data:`HEAP_RETAINED_FLOOR_BYTES` and up to :data:`HEAP_RETAINED_BYTES` (:func:`retained_heap_bytes`). Once glibc's
+dynamic threshold has risen to the sizes a step frees, its tensors below 32 MiB are served from the heap, and the
+holes between them scale with them. Fitted on six pretraining and fine-tuning steps of 12 to 570 MiB (docs/memory.md,
+"Host memory (RSS) on CPU"), each within 18 MiB of the line."""
 
 RUNTIME_BYTES = 48 * 1024**2
 """Bytes a training process holds beyond its imports, its tensors and the allocator's free memory once it steps:
@@ -296,11 +307,15 @@ def retained_heap_bytes(
     *,
     fixed: bool = False,
     threshold: int = FIXED_MMAP_THRESHOLD,
+    step_peak_bytes: int | None = None,
 ) -> int:
     """Bytes of free memory glibc's heaps will hold at the peak of this process's steps, under a dynamic mmap
     threshold (where the run fixes it, ``fixed``, :func:`fixes_mmap_threshold`: 0 at :data:`FIXED_MMAP_THRESHOLD`,
-    :data:`BF16_FULL_RETAINED_BYTES` at a higher ``threshold``):
-    :data:`HEAP_RETAINED_BYTES`, plus, for a rank of a sharded CPU run, the gradients it reduce-scatters each step and
+    :data:`BF16_FULL_RETAINED_BYTES` at a higher ``threshold``).
+
+    One process: :data:`HEAP_RETAINED_FLOOR_BYTES` plus :data:`HEAP_RETAINED_FRACTION` of the step's traced tensor
+    peak ``step_peak_bytes``, at most :data:`HEAP_RETAINED_BYTES` (the most, when the step is not known). A rank of
+    a sharded CPU run: :data:`HEAP_RETAINED_BYTES`, plus the gradients it reduce-scatters each step and
     :data:`SHARDED_HEAP_GATHERED_FRACTION` of the parameters it all-gathers.
 
     Every step a rank gathers every parameter and reduce-scatters every gradient, group by group, through flat
@@ -324,6 +339,8 @@ def retained_heap_bytes(
             reduce-scatters each step (those of the trainable parameters); 0 for one process.
         fixed: the run fixes the threshold when it starts (:func:`fixes_mmap_threshold`).
         threshold: the threshold it fixes, bytes (:func:`mmap_threshold_bytes`).
+        step_peak_bytes: one process: the traced peak of the step's live tensors, bytes; ``None`` (not known yet:
+            the planner's budget, the pre-flight's fallback) gives the most, :data:`HEAP_RETAINED_BYTES`.
 
     Returns:
         Bytes.
@@ -332,6 +349,9 @@ def retained_heap_bytes(
         return BF16_FULL_RETAINED_BYTES if threshold > FIXED_MMAP_THRESHOLD else 0
     if not dynamic_mmap_threshold():
         return 0
+    if gathered_parameter_bytes == 0 and reduced_gradient_bytes == 0 and step_peak_bytes is not None:
+        scaled = HEAP_RETAINED_FLOOR_BYTES + int(HEAP_RETAINED_FRACTION * step_peak_bytes)
+        return min(HEAP_RETAINED_BYTES, scaled)
     return (
         HEAP_RETAINED_BYTES
         + int(SHARDED_HEAP_GATHERED_FRACTION * gathered_parameter_bytes)
@@ -345,14 +365,60 @@ def process_overhead_bytes(
     *,
     fixed: bool = False,
     threshold: int = FIXED_MMAP_THRESHOLD,
+    step_peak_bytes: int | None = None,
 ) -> int:
     """What a CPU training process holds at its peak besides its tensors, predicted from this process: its resident
     set now (imports; call it from a process that has imported memfit's training path and no model) plus
     :data:`RUNTIME_BYTES` plus :func:`retained_heap_bytes` (of the arguments: a rank of a sharded run's whole-model
     parameter and gradient bytes, 0 for one process; ``fixed``: the run fixes the mmap threshold, at
-    ``threshold``). What :func:`predict_peak_rss` adds to a traced step's peak, for a planner that compares traced
-    peaks with an RSS budget."""
+    ``threshold``; ``step_peak_bytes``: the step's tensor peak where known, ``None`` for the most, 0 for what the
+    process holds before any tensor). What :func:`predict_peak_rss` adds to a traced step's peak."""
     retained = retained_heap_bytes(
-        gathered_parameter_bytes, reduced_gradient_bytes, fixed=fixed, threshold=threshold
+        gathered_parameter_bytes,
+        reduced_gradient_bytes,
+        fixed=fixed,
+        threshold=threshold,
+        step_peak_bytes=step_peak_bytes,
     )
     return predict_peak_rss(0, process_rss_bytes() or 0, heap_retained_bytes=retained)
+
+
+def tensor_share_bytes(
+    rss_budget_bytes: int,
+    gathered_parameter_bytes: int = 0,
+    reduced_gradient_bytes: int = 0,
+    *,
+    fixed: bool = False,
+    threshold: int = FIXED_MMAP_THRESHOLD,
+) -> int:
+    """The largest traced tensor peak whose predicted peak RSS (:func:`predict_peak_rss` over this process's resident
+    set, with the free heap :func:`retained_heap_bytes` predicts for that peak) stays within ``rss_budget_bytes``:
+    what a planner compares traced peaks with, for a budget of RSS. 0 when even no tensor fits. The predicted RSS
+    grows with the peak (by 1.27 per byte up to the free heap's most, then by 1), so it is found by bisection.
+
+    Args:
+        rss_budget_bytes: the peak resident set allowed, bytes.
+        gathered_parameter_bytes, reduced_gradient_bytes, fixed, threshold: as :func:`retained_heap_bytes`.
+
+    Returns:
+        Bytes of tensors.
+    """
+    baseline = process_rss_bytes() or 0
+
+    def rss(tensors: int) -> int:
+        retained = retained_heap_bytes(
+            gathered_parameter_bytes,
+            reduced_gradient_bytes,
+            fixed=fixed,
+            threshold=threshold,
+            step_peak_bytes=tensors,
+        )
+        return predict_peak_rss(tensors, baseline, heap_retained_bytes=retained)
+
+    low, high = 0, max(0, rss_budget_bytes)
+    if rss(0) > rss_budget_bytes:
+        return 0
+    while low < high:  # rss(low) fits; the answer is in [low, high]
+        middle = (low + high + 1) // 2
+        low, high = (middle, high) if rss(middle) <= rss_budget_bytes else (low, middle - 1)
+    return low

@@ -423,7 +423,10 @@ def _estimate(
             whole = model_state_bytes_closed_form(cfg, mcfg, 1)
             gathered, reduced = whole["parameters"], whole["trainable_parameters"]
         threshold = mmap_threshold_bytes(cfg.method, cfg.dtype)
-        retained = retained_heap_bytes(gathered, reduced, fixed=fixed, threshold=threshold)
+        step = estimate.phase_peaks["step"]
+        retained = retained_heap_bytes(
+            gathered, reduced, fixed=fixed, threshold=threshold, step_peak_bytes=step
+        )
         # the steps' free heap: the load comes before it, and a save gives it back first (memory/host.py)
         estimate.phase_rss_bytes = {
             k: predict_peak_rss(v, baseline, heap_retained_bytes=retained if k == "step" else 0)

@@ -54,7 +54,7 @@ from memfit.config import (
 from memfit.distributed import shard_numel
 from memfit.errors import ConfigError
 from memfit.memory import optimizers, switches
-from memfit.memory.host import fixes_mmap_threshold, mmap_threshold_bytes, process_overhead_bytes
+from memfit.memory.host import fixes_mmap_threshold, mmap_threshold_bytes, tensor_share_bytes
 from memfit.memory.switches import checkpointed_layers
 from memfit.models import peft
 from memfit.objectives import rows_per_micro_batch
@@ -365,7 +365,9 @@ class _Context:
         if host_overhead is None and self.target == "cpu":
             # a rank of a sharded run: its heaps keep holes of a part of the model and its gradients (memory/host.py)
             whole = model_state_bytes_closed_form(cfg, self.mcfg, 1) if world_size > 1 else None
-            host_overhead = process_overhead_bytes(
+            # the free heap grows with the step's tensors: the tensors get the largest peak whose RSS fits
+            share = tensor_share_bytes(
+                int(budget * (1 - margin)),
                 gathered_parameter_bytes=whole["parameters"] if whole else 0,
                 reduced_gradient_bytes=whole["trainable_parameters"] if whole else 0,
                 fixed=fixes_mmap_threshold(
@@ -373,6 +375,7 @@ class _Context:
                 ),
                 threshold=mmap_threshold_bytes(cfg.method, cfg.dtype),
             )
+            host_overhead = int(budget * (1 - margin)) - share
         elif host_overhead is None:
             host_overhead = 0
         self.host_overhead = host_overhead

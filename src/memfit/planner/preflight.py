@@ -15,7 +15,12 @@ from memfit import distributed as dist_
 from memfit.config import TrainConfig, device_type, memory_budget_bytes
 from memfit.errors import PreflightError
 from memfit.memory.allocator import CUDA_CONTEXT_BYTES_ESTIMATE
-from memfit.memory.host import fixes_mmap_threshold, mmap_threshold_bytes, process_overhead_bytes
+from memfit.memory.host import (
+    fixes_mmap_threshold,
+    mmap_threshold_bytes,
+    process_overhead_bytes,
+    tensor_share_bytes,
+)
 from memfit.models.config import DecoderConfig
 from memfit.objectives import rows_per_micro_batch
 from memfit.planner.closed_form import model_state_bytes_closed_form
@@ -67,7 +72,11 @@ def preflight(cfg: TrainConfig, mcfg: DecoderConfig, seq_len: int, device: torch
     if budget is not None and budget <= held:  # nothing left for the tensors: no plan can fit it
         raise PreflightError(_budget_below_what_is_held(cfg, mcfg, seq_len, device.type, budget, held, world))
     # what the tensors may have: the free memory, and the budget less what the device or process holds besides them
-    limit = available if budget is None else min(available, budget - held)
+    limit = (
+        available
+        if budget is None
+        else min(available, _tensor_share(device.type, budget, fixed, _threshold(cfg)))
+    )
     states = model_state_bytes_closed_form(cfg, mcfg, world)
     tokens = rows_per_micro_batch(cfg) * seq_len
     act_bytes = 2 if cfg.dtype != "fp32" else 4
@@ -173,7 +182,16 @@ def _held_besides_tensors(device_type: str, fixed: bool, threshold: int) -> int:
     run fixes glibc's mmap threshold, :func:`memfit.memory.host.fixes_mmap_threshold`, at ``threshold``)."""
     if device_type == "cuda":
         return CUDA_CONTEXT_BYTES_ESTIMATE
-    return process_overhead_bytes(fixed=fixed, threshold=threshold)
+    return process_overhead_bytes(fixed=fixed, threshold=threshold, step_peak_bytes=0)
+
+
+def _tensor_share(device_type: str, budget: int, fixed: bool, threshold: int) -> int:
+    """What of ``memory_budget`` a run's tensors may have: the budget less the CUDA context, or (CPU) the largest
+    tensor peak whose predicted RSS fits it (:func:`memfit.memory.host.tensor_share_bytes`: the free heap grows with
+    the tensors)."""
+    if device_type == "cuda":
+        return max(0, budget - CUDA_CONTEXT_BYTES_ESTIMATE)
+    return tensor_share_bytes(budget, fixed=fixed, threshold=threshold)
 
 
 def _threshold(cfg: TrainConfig) -> int:
@@ -230,9 +248,7 @@ def _over_budget(
     per_rank = f" per rank of {world_size}" if world_size > 1 else ""
     # the fix fits the tensors' share of the budget (what the CUDA context or, on CPU, the process's own resident
     # set leaves), less plan's margin: its predicted peak passes this check
-    share = max(
-        0, budget - _held_besides_tensors(device_type, estimate.fixes_mmap_threshold, _threshold(cfg))
-    )
+    share = _tensor_share(device_type, budget, estimate.fixes_mmap_threshold, _threshold(cfg))
     fix = _cheapest_fix(cfg, share, world_size)
     return (
         f"the run is predicted not to fit memory_budget={cfg.memory_budget}: it needs "
