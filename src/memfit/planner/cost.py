@@ -14,10 +14,11 @@ from typing import Any
 
 from memfit.config import TrainConfig, device_type
 from memfit.memory import optimizers, switches
-from memfit.memory.switches import layer_weights
+from memfit.memory.switches import checkpointed_layers, layer_weights
 from memfit.models.config import DecoderConfig
 from memfit.objectives import PREFERENCE_OBJECTIVES, rows_per_micro_batch
 from memfit.planner.closed_form import optimizer_update_flops
+from memfit.planner.layout import Layout
 from memfit.validation import reference_mode
 
 _CUDA_CONSTANTS: dict[str, Any] = {
@@ -53,6 +54,14 @@ _CUDA_CONSTANTS: dict[str, Any] = {
     # this rate too, without overlap (`memfit plan --interconnect-gbps` sets it: 200 GB/s is ~45% of an H100
     # node's NVLink 4 at 450 GB/s per direction; InfiniBand NDR between nodes is 50 GB/s per GPU)
     "interconnect_bytes_per_second": 200e9,
+    # a plan over nodes (`memfit plan nodes=N gpus_per_node=G`) prices each collective by where its group lies
+    # (memfit.planner.cost.mesh_collectives; ring bytes, (n - 1)/n of the data per rank). Inside a node: NVLink 4
+    # of an H100 SXM, 900 GB/s bidirectional = 450 GB/s per direction (NVIDIA H100 Tensor Core GPU datasheet);
+    # nccl-tests' bus bandwidth approaches it for large messages, so it is taken as the effective rate (an
+    # assumption: no H100 measured here). Between nodes: one 400 Gb/s InfiniBand NDR link per GPU (ConnectX-7, as
+    # DGX H100 and torchtitan's Grand Teton hosts have) = 50 GB/s per direction
+    "intra_node_bytes_per_second": 450e9,
+    "inter_node_bytes_per_second": 50e9,
     # chunked (fused linear) cross-entropy does the plain loss's 3 lm_head matmuls; its softmax and gradient run
     # as separate elementwise kernels per chunk instead of one fused one: charged as this share of an lm_head
     # forward
@@ -119,6 +128,128 @@ COST_CONSTANTS: dict[str, dict[str, Any]] = {
 sources in docs/memory.md ("Planner"); ``memfit plan --explain`` prints them."""
 
 
+COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
+"""The collectives :func:`collective_bytes` prices."""
+
+
+def collective_bytes(collective: str, nbytes: float, ranks: int) -> float:
+    """Bytes one rank sends in a ring collective of ``ranks`` ranks (NCCL's ring algorithms; the "bus bandwidth"
+    of nccl-tests' ``doc/PERFORMANCE.md``).
+
+    - ``all_gather``: ``nbytes`` is the gathered (whole) tensor; each rank sends ``(n - 1) / n`` of it;
+    - ``reduce_scatter``: ``nbytes`` is the whole tensor reduced; each rank sends ``(n - 1) / n`` of it;
+    - ``all_reduce``: a reduce-scatter then an all-gather, ``2 (n - 1) / n`` of ``nbytes``;
+    - ``all_to_all``: ``nbytes`` is one rank's buffer; it keeps ``1 / n`` and sends the rest, ``(n - 1) / n``.
+
+    Args:
+        collective: one of :data:`COLLECTIVES`.
+        nbytes: bytes of the tensor, as above.
+        ranks: ``n``, the group's ranks (1: nothing is sent).
+
+    Returns:
+        Bytes sent by one rank (and received: the ring is symmetric).
+
+    Raises:
+        ValueError: an unknown collective, or ``ranks`` < 1.
+    """
+    if collective not in COLLECTIVES:
+        raise ValueError(f"collective must be one of {', '.join(COLLECTIVES)}, got {collective!r}")
+    if ranks < 1:
+        raise ValueError(f"a collective needs >= 1 ranks, got {ranks}")
+    share = nbytes * (ranks - 1) / ranks
+    return 2 * share if collective == "all_reduce" else share
+
+
+def tensor_parallel_collectives(mcfg: DecoderConfig, checkpointed: int) -> int:
+    """Activation collectives of one tensor-parallel step over a micro-batch (Megatron-LM's sequence-parallel
+    split, Korthikanti et al. 2022, section 4.2.2; torchtitan's ``parallelize_llama``).
+
+    Each decoder layer's forward all-gathers the sequence-sharded normed input before q/k/v and before gate/up, and
+    reduce-scatters the outputs of o and down: 4 collectives of ``(B, T, dim)``; its backward runs the same 4
+    (an all-gather's gradient is a reduce-scatter and back); a checkpointed layer's recomputed forward runs its 4
+    again. Around the layers, the embedding's output and ``lm_head``'s input: 2 more in the forward and 2 in the
+    backward. The loss parallel over the vocabulary exchanges per-token scalars only (not counted).
+
+    Args:
+        mcfg: the architecture (its ``num_layers``).
+        checkpointed: layers whose forward is recomputed (full checkpointing: all; selective: none).
+
+    Returns:
+        The number of collectives, each of a micro-batch's ``(B, T, dim)`` activations.
+    """
+    return 4 * (2 * mcfg.num_layers + checkpointed) + 4
+
+
+def mesh_collectives(
+    cfg: TrainConfig,
+    mcfg: DecoderConfig,
+    layout: Layout,
+    seq_len: int,
+    states: dict[str, int],
+    constants: dict[str, Any],
+    gathers: int = 2,
+) -> dict[str, float]:
+    """Seconds of one rank's collectives in a step on a layout's mesh, by kind; each at the rate of where its group
+    lies (``intra_node_bytes_per_second`` when the group is inside a node, else ``inter_node_bytes_per_second``)
+    and :func:`collective_bytes`' ring bytes.
+
+    - ``fsdp``: FSDP2's all-gathers of the parameters over the shard group (``gathers`` a step: 2, or 1 without
+      ``reshard_after_forward``) at the compute dtype (bf16 under ``bf16_mixed``: its ``param_dtype``), and the
+      reduce-scatter of the trainable parameters' gradients at their dtype; the whole tensors are a shard's bytes
+      x ``S``. Inter-node when the shard group spans nodes (``S x T > G``);
+    - ``replicate``: HSDP's all-reduce of a rank's gradient shard across the ``R`` replicas (other nodes);
+    - ``tensor``: the activation collectives of :func:`tensor_parallel_collectives`, each of ``rows x seq_len /
+      sequence_parallel x dim`` elements at the activation dtype (fp32 under ``fp32``, else bf16), x
+      ``gradient_accumulation_steps``, over the ``T`` ranks (a node's);
+    - ``sequence``: 0 here (Ulysses's all-to-alls are the sequence-parallel switch's bytes,
+      :class:`~memfit.memory.switches.StepTerms` ``exchanged_bytes``, priced by :func:`step_cost` at the rate of
+      its group: ``sequence_parallel x T`` consecutive ranks).
+
+    ``fsdp`` and ``replicate`` overlap compute (prefetch, and the all-reduce runs as gradients are reduced);
+    ``tensor`` is on the critical path (each layer's matmuls wait for its gathers).
+
+    Args:
+        cfg: the run (``dtype``, ``batch_size``, ``gradient_accumulation_steps``, checkpointing,
+            ``distributed.sequence_parallel``).
+        mcfg: the architecture.
+        layout: the mesh (``replicate``, ``shard``, ``tensor_parallel``, ``gpus_per_node``).
+        seq_len: tokens per sequence.
+        states: closed-form bytes of one rank (``parameters``, ``trainable_parameters``).
+        constants: the cost model's (``intra_node_bytes_per_second``, ``inter_node_bytes_per_second``).
+        gathers: parameter all-gathers a step.
+
+    Returns:
+        ``{"fsdp", "replicate", "tensor", "sequence"}`` in seconds.
+    """
+    intra, inter = constants["intra_node_bytes_per_second"], constants["inter_node_bytes_per_second"]
+    s, r, t = layout.shard, layout.replicate, layout.tensor_parallel
+    out = {"fsdp": 0.0, "replicate": 0.0, "tensor": 0.0, "sequence": 0.0}
+    stored = param_bytes(cfg.dtype)
+    compute = 4 if cfg.dtype == "fp32" else 2
+    if s > 1:
+        gathered = states["parameters"] * s * min(1.0, compute / stored)
+        reduced = states["trainable_parameters"] * s
+        moved = gathers * collective_bytes("all_gather", gathered, s)
+        moved += collective_bytes("reduce_scatter", reduced, s)
+        out["fsdp"] = moved / (intra if layout.inside_node(layout.shard_span) else inter)
+    if r > 1:
+        moved = collective_bytes("all_reduce", states["trainable_parameters"], r)
+        out["replicate"] = moved / (intra if layout.inside_node(layout.world_size) else inter)
+    if t > 1:
+        checkpointed = 0
+        if cfg.activation_checkpointing != "selective":
+            checkpointed = len(
+                checkpointed_layers(
+                    mcfg.num_layers, cfg.activation_checkpointing, cfg.activation_checkpointing_interval
+                )
+            )
+        tokens = rows_per_micro_batch(cfg) * seq_len // max(1, cfg.distributed.sequence_parallel)
+        each = collective_bytes("all_gather", tokens * mcfg.dim * compute, t)
+        count = tensor_parallel_collectives(mcfg, checkpointed) * cfg.gradient_accumulation_steps
+        out["tensor"] = count * each / (intra if layout.inside_node(t) else inter)
+    return out
+
+
 def param_bytes(dtype: str) -> int:
     """Bytes per element of parameters (and gradients, AdamW state) under a dtype policy."""
     return 2 if dtype == "bf16" else 4
@@ -168,6 +299,9 @@ class CostRequest:
     """Paged optimizer state that does not fit on the device and moves out and back each step."""
     constants: dict[str, Any] | None = None
     """Cost-model constants; ``None``: ``COST_CONSTANTS[target device]``."""
+    layout: Layout | None = None
+    """The mesh over nodes (``memfit plan nodes=N gpus_per_node=G``): its collectives are priced by where their
+    groups lie (:func:`mesh_collectives`); ``None``: one flat FSDP2 group at ``interconnect_bytes_per_second``."""
 
 
 def step_cost(request: CostRequest) -> dict[str, float]:
@@ -200,6 +334,11 @@ def step_cost(request: CostRequest) -> dict[str, float]:
       sends ``(N - 1) / N`` of its q, k, v and attention-output shards around every attention, in the forward, the
       backward and a recomputed forward (:func:`memfit.memory.switches.all_to_all_elements`), at
       ``interconnect_bytes_per_second``; attention waits for it, so it adds to the step;
+    - on a ``layout`` (a mesh over nodes): ``communication`` is :func:`mesh_collectives`' ``fsdp`` and ``replicate``
+      (overlapped with compute), ``exchange`` its ``tensor`` plus the all-to-alls at the rate of the
+      sequence-parallel group (``sequence_parallel x T`` consecutive ranks inside a node, or not); a
+      tensor-parallel rank computes ``1 / T`` of its group's matmuls (``compute`` and ``dequantize`` divided by
+      ``T``);
     - ``optimizer``: ``trainable parameters * 7 * bytes(dtype) / device_memory_bytes_per_second *
       optimizer_update_factor[name]`` (on the host at ``host_memory_bytes_per_second`` when offloaded), plus
       ``kernels_per_tensor_update * kernel_launch_seconds`` per trainable tensor when each tensor is updated on
@@ -260,7 +399,21 @@ def step_cost(request: CostRequest) -> dict[str, float]:
     )
 
     communication = 0.0
-    if world_size > 1:
+    exchange = terms.exchanged_bytes / c["interconnect_bytes_per_second"]
+    layout = request.layout
+    if layout is not None:
+        mesh = mesh_collectives(cfg, mcfg, layout, seq_len, states, c, gathers=terms.gathers)
+        communication = mesh["fsdp"] + mesh["replicate"]
+        tp = layout.tensor_parallel
+        sequence_span = cfg.distributed.sequence_parallel * tp
+        rate = c[
+            "intra_node_bytes_per_second"
+            if layout.inside_node(sequence_span)
+            else "inter_node_bytes_per_second"
+        ]
+        exchange = mesh["tensor"] + terms.exchanged_bytes / rate
+        compute, dequantize = compute / tp, dequantize / tp
+    elif world_size > 1:
         full = states["parameters"] * world_size  # the unsharded bytes, to within padding
         moved = (terms.gathers + 1) * full * (world_size - 1) / world_size
         communication = moved / c["interconnect_bytes_per_second"]
@@ -279,8 +432,6 @@ def step_cost(request: CostRequest) -> dict[str, float]:
     link = c["host_link_bytes_per_second"]
     transfers = terms.moved_bytes / link if target == "cuda" else 0.0
     overlapped = terms.overlapped_bytes / link if target == "cuda" else 0.0
-
-    exchange = terms.exchanged_bytes / c["interconnect_bytes_per_second"]
 
     total = max(compute + dequantize, communication, overlapped) + exchange + optimizer + transfers
     return {

@@ -61,6 +61,7 @@ from memfit.objectives import rows_per_micro_batch
 from memfit.planner.closed_form import model_state_bytes_closed_form
 from memfit.planner.cost import COST_CONSTANTS, CostRequest, param_bytes, step_cost
 from memfit.planner.estimate import Estimate, estimate_run
+from memfit.planner.layout import Layout
 from memfit.units import GIB, format_bytes
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -110,6 +111,11 @@ class PlanRequest:
     """What of ``budget_bytes`` the tensors cannot have; ``None``: on CPU, the process's own
     (:attr:`Plan.host_overhead_bytes`), 0 on CUDA. The pre-flight check passes 0: its budget is the available
     memory, which leaves out what the process holds."""
+    layout: Layout | None = None
+    """The mesh over nodes (``memfit plan nodes=N gpus_per_node=G``, :mod:`memfit.planner.mesh`): ``cfg``'s
+    ``distributed.replicate`` and ``distributed.tensor_parallel`` are its, ``world_size`` its ranks, and its
+    collectives are priced by where their groups lie (:func:`memfit.planner.cost.mesh_collectives`); ``None``: one
+    flat group."""
 
 
 @dataclass
@@ -348,9 +354,13 @@ class _Context:
         margin: float,
         constants: dict[str, Any] | None,
         host_overhead: int | None = None,
+        layout: Layout | None = None,
     ) -> None:
         self.cfg = cfg
         self.world_size = world_size
+        self.layout = layout
+        # the ranks a parameter is split over: a tensor-parallel group's slices, chunked by FSDP2 within a replica
+        self.state_ranks = world_size // cfg.distributed.replicate if world_size > 1 else 1
         self.mcfg = run_model_config(cfg)
         self.seq_len = cfg.seq_len or self.mcfg.max_seq_len
         self.target = device_type(cfg.device)
@@ -379,7 +389,7 @@ class _Context:
     def closed(self, cfg: TrainConfig) -> dict[str, int]:
         key = (cfg.method, cfg.dtype, cfg.optimizer.name, cfg.optimizer_in_backward)
         if key not in self._closed:
-            self._closed[key] = model_state_bytes_closed_form(cfg, self.mcfg, self.world_size)
+            self._closed[key] = model_state_bytes_closed_form(cfg, self.mcfg, self.state_ranks)
         return self._closed[key]
 
     def moved_state(self, cfg: TrainConfig) -> str | None:
@@ -440,11 +450,12 @@ class _Context:
         QLoRA's frozen projections need no input for a weight gradient (QLoRA saves exactly what LoRA does). The
         loss without chunking saves the fp32 log-probabilities ``(B * T, V)``; the chunked (fused) loss its gradient
         with respect to the hidden states ``(B * T, dim)`` (and the weight's, counted apart as ``lm_head``'s). A
-        sequence-parallel rank holds ``T / sequence_parallel`` tokens of each row.
+        sequence-parallel rank holds ``T / sequence_parallel`` tokens of each row, and a tensor-parallel rank
+        ``1 / tensor_parallel`` of them (the residual stream is sequence-parallel between the layers' matmuls).
         """
         m = self.mcfg
         # a micro-batch's, of this rank
-        tokens = rows_per_micro_batch(cfg) * self.seq_len // self.sequence_parallel(cfg)
+        tokens = rows_per_micro_batch(cfg) * self.seq_len // self.ranks_per_batch(cfg)
         resid = param_bytes(cfg.dtype)
         matmul = 4 if cfg.dtype == "fp32" else 2
         checkpointed = len(
@@ -464,7 +475,7 @@ class _Context:
         tile's share."""
         if cfg.tiled_mlp:
             return 0
-        tokens = rows_per_micro_batch(cfg) * self.seq_len // self.sequence_parallel(cfg)
+        tokens = rows_per_micro_batch(cfg) * self.seq_len // self.ranks_per_batch(cfg)
         return 2 * tokens * self.mcfg.intermediate_size * (4 if cfg.dtype == "fp32" else 2)
 
     def gradient_sizes(self, cfg: TrainConfig) -> tuple[int, int]:
@@ -476,7 +487,7 @@ class _Context:
             size = param_bytes(cfg.dtype)
 
             def local(p: Any) -> int:
-                return shard_numel(tuple(p.shape), self.world_size) * size
+                return shard_numel(tuple(p.shape), self.state_ranks) * size
 
             head = getattr(getattr(model, "lm_head", None), "weight", None)
             head_bytes = local(head) if isinstance(head, torch.nn.Parameter) and head.requires_grad else 0
@@ -490,10 +501,10 @@ class _Context:
         With sequence parallelism (N > 1) a rank's step does ``1 / N`` of that work (its group shares the
         sequences), so the step's seconds are multiplied by N: rows with and without it then compare at equal
         tokens per GPU (N steps of a group, each with its all-gathers and all-to-alls, train the tokens one step
-        trains without it).
+        trains without it). Tensor parallelism likewise: a group of T ranks shares a batch (x T).
         """
         paged_out = max(0, device_total - self.usable) if self.moved_state(cfg) == "paged" else 0
-        sp = self.sequence_parallel(cfg)
+        sp = self.ranks_per_batch(cfg)
         cost = step_cost(
             CostRequest(
                 cfg,
@@ -504,6 +515,7 @@ class _Context:
                 offloaded_activation_bytes=offloaded_activations if self.target == "cuda" else 0,
                 paged_out_bytes=paged_out,
                 constants=self.constants,
+                layout=self.layout,
             )
         )
         return {k: v * sp for k, v in cost.items()} if sp > 1 else cost
@@ -512,8 +524,10 @@ class _Context:
         """Tokens of one rank's ``batch_size`` sequences a step: the work :meth:`cost` prices."""
         return rows_per_micro_batch(cfg) * self.seq_len * cfg.gradient_accumulation_steps
 
-    def sequence_parallel(self, cfg: TrainConfig) -> int:
-        return cfg.distributed.sequence_parallel if self.world_size > 1 else 1
+    def ranks_per_batch(self, cfg: TrainConfig) -> int:
+        """Ranks sharing one ``batch_size`` of sequences: sequence- x tensor-parallel (1 in one process)."""
+        d = cfg.distributed
+        return d.sequence_parallel * d.tensor_parallel if self.world_size > 1 else 1
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -543,6 +557,8 @@ class _Search:
         self.probe: PlanRow | None = None
         self.by_activation: dict[tuple, list[PlanRow]] = {}
         self.nothing_fits = False
+        self.stopped = False
+        """Set from outside to end :meth:`search` before its next estimate (a layout given up)."""
 
     def bound(self, row: PlanRow) -> None:
         """Fill a row's lower bounds and its optimistic cost."""
@@ -651,7 +667,7 @@ class _Search:
             if row._bound_peak > usable:
                 row.status = "over budget (bound)"
                 continue
-            if self.probe_if_due():
+            if self.stopped or self.probe_if_due():
                 break
             self.run_estimate(row)
             if row.fits:
@@ -684,7 +700,13 @@ def _build(request: PlanRequest) -> tuple[_Search, float]:
             "config key 'distributed.strategy': plans of sharded runs are estimated with FSDP2; set "
             "distributed.strategy=fsdp2"
         )
-    ctx = _Context(cfg, world_size, budget_bytes, margin, r.constants, r.host_overhead_bytes)
+    if r.layout is not None and (
+        r.layout.world_size != world_size
+        or (cfg.distributed.replicate, cfg.distributed.tensor_parallel)
+        != (r.layout.replicate, r.layout.tensor_parallel)
+    ):
+        raise ValueError(f"PlanRequest: the config and world_size {world_size} are not those of {r.layout}")
+    ctx = _Context(cfg, world_size, budget_bytes, margin, r.constants, r.host_overhead_bytes, r.layout)
     configs = candidates(cfg, world_size, dtypes, r.optimizers)
     if not configs:
         raise ConfigError(
@@ -757,6 +779,12 @@ def plan(request: PlanRequest) -> Plan:
     """
     start = time.perf_counter()
     search, baseline = _build(request)
+    return searched(search, baseline, request, start)
+
+
+def searched(search: _Search, baseline: float, request: PlanRequest, start: float) -> Plan:
+    """Run a built search (:func:`_build`; :mod:`memfit.planner.mesh` builds one per layout) to its
+    :class:`Plan`: :func:`plan` after the build."""
     search.from_memory()
     search.search(search.rows, max(1, request.fits))
     if not any(r.fits for r in search.rows) and search.probe is None:

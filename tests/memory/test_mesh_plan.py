@@ -1,0 +1,223 @@
+"""The planner picks the mesh (issue 52, item 5): ring pricing of the collectives, the layouts of N nodes x G GPUs,
+and ``plan_mesh`` over them."""
+
+from __future__ import annotations
+
+import pytest
+
+from memfit.build import run_model_config
+from memfit.config import load_config
+from memfit.errors import ConfigError
+from memfit.memory import switches
+from memfit.planner import mesh as M
+from memfit.planner import plan as P
+from memfit.planner.cost import (
+    COST_CONSTANTS,
+    CostRequest,
+    collective_bytes,
+    mesh_collectives,
+    step_cost,
+    tensor_parallel_collectives,
+)
+from memfit.planner.layout import Layout, layouts, torchrun_line
+from memfit.units import MIB
+from tests.memory.test_plan import cached_estimate, tiny
+
+CUDA = COST_CONSTANTS["cuda"]
+NVLINK, IB = 450e9, 50e9
+
+
+def test_the_bandwidth_defaults_are_h100_nvlink_and_400_gbps_infiniband():
+    assert CUDA["intra_node_bytes_per_second"] == NVLINK  # 900 GB/s bidirectional / 2
+    assert CUDA["inter_node_bytes_per_second"] == IB  # 400 Gb/s / 8
+    assert COST_CONSTANTS["cpu"]["inter_node_bytes_per_second"] == IB
+
+
+@pytest.mark.parametrize(
+    "collective, nbytes, ranks, sent",
+    [
+        ("all_gather", 800, 8, 700),  # (n - 1)/n of the gathered tensor
+        ("reduce_scatter", 800, 8, 700),
+        ("all_reduce", 1000, 2, 1000),  # reduce-scatter + all-gather: 2 (n - 1)/n
+        ("all_reduce", 1600, 16, 3000),
+        ("all_to_all", 400, 4, 300),  # a rank keeps 1/n of its buffer
+        ("all_gather", 800, 1, 0),  # alone: nothing to send
+    ],
+)
+def test_ring_bytes_per_rank(collective, nbytes, ranks, sent):
+    assert collective_bytes(collective, nbytes, ranks) == sent
+
+
+def test_collective_bytes_refuses_unknown_collectives_and_empty_groups():
+    with pytest.raises(ValueError, match="all_gather, reduce_scatter, all_reduce, all_to_all"):
+        collective_bytes("broadcast", 8, 2)
+    with pytest.raises(ValueError, match=">= 1 ranks"):
+        collective_bytes("all_gather", 8, 0)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Layouts
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _mesh(layout: Layout) -> tuple[int, int, int]:
+    return layout.replicate, layout.shard, layout.tensor_parallel
+
+
+@pytest.mark.parametrize("model", ["llama3-8b", "llama3-70b"])
+def test_the_layouts_of_two_nodes_of_eight(model):
+    # Llama 3 8B: 32 heads, 8 key/value heads; 70B: 64 and 8. Every T in {1, 2, 4, 8} divides both, R divides 2
+    mcfg = run_model_config(load_config(None, [f"model={model}"], needs_weights=False))
+    assert [_mesh(x) for x in layouts(2, 8, mcfg)] == [
+        (1, 16, 1),
+        (1, 8, 2),
+        (1, 4, 4),
+        (1, 2, 8),
+        (2, 8, 1),
+        (2, 4, 2),
+        (2, 2, 4),
+        (2, 1, 8),
+    ]
+
+
+def test_layouts_keep_tp_to_the_heads_and_a_node_and_replicas_to_whole_nodes():
+    # the tiny preset has 4 heads and 2 key/value heads: T = 4 or 8 would split a key/value head
+    mcfg = run_model_config(tiny())
+    assert (mcfg.num_heads, mcfg.num_kv_heads) == (4, 2)
+    assert [_mesh(x) for x in layouts(2, 8, mcfg)] == [(1, 16, 1), (1, 8, 2), (2, 8, 1), (2, 4, 2)]
+    # 3 nodes of 6: R in {1, 3} (divides N), T in {1, 2} (divides 6 and the heads)
+    assert [_mesh(x) for x in layouts(3, 6, mcfg)] == [(1, 18, 1), (1, 9, 2), (3, 6, 1), (3, 3, 2)]
+    assert [_mesh(x) for x in layouts(1, 1, mcfg)] == [(1, 1, 1)]
+    with pytest.raises(ConfigError, match="config key 'gpus_per_node': must be an integer >= 1, got 0"):
+        layouts(2, 0, mcfg)
+
+
+def test_the_torchrun_line_of_a_layout():
+    assert torchrun_line(Layout(2, 8, 2, 1), "pretrain", "plan.yaml") == (
+        "torchrun --nnodes 2 --nproc_per_node 8 --rdzv_backend c10d --rdzv_endpoint HOST:29500 "
+        "-m memfit pretrain --config plan.yaml"
+    )
+    assert torchrun_line(Layout(1, 4), "finetune", "p.yaml") == (
+        "torchrun --standalone --nproc_per_node 4 -m memfit finetune --config p.yaml"
+    )
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Pricing on a mesh
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _llama8b(*extra: str):
+    cfg = load_config(
+        None,
+        ["model=llama3-8b", "dtype=bf16", "device=cuda", "batch_size=1", "seq_len=8192", *extra],
+        world_size=16,
+        needs_weights=False,
+    )
+    return cfg, run_model_config(cfg)
+
+
+# one rank's shard: 1 GB of bf16 parameters, all trainable (round numbers: the arithmetic is the test)
+STATES = {"parameters": 10**9, "trainable_parameters": 10**9, "gradients": 10**9, "optimizer_state": 0}
+
+
+def test_fsdp_across_nodes_pays_infiniband_and_within_a_node_nvlink():
+    cfg, mcfg = _llama8b("activation_checkpointing=none")
+    # flat FSDP2 over 16 ranks of 2 nodes: 2 all-gathers + 1 reduce-scatter of 16 GB, 15/16 of each, over IB
+    flat = mesh_collectives(cfg, mcfg, Layout(2, 8), 8192, STATES, CUDA)
+    assert flat == {
+        "fsdp": pytest.approx(45e9 / IB, rel=1e-12),
+        "replicate": 0.0,
+        "tensor": 0.0,
+        "sequence": 0.0,
+    }
+    # HSDP 2 x 8: the same collectives of 8 GB inside a node (7/8 each, NVLink), and an all-reduce of the 1 GB
+    # gradient shard between the 2 replicas (2 x 1/2 of it, IB)
+    hsdp = mesh_collectives(cfg, mcfg, Layout(2, 8, replicate=2), 8192, STATES, CUDA)
+    assert hsdp["fsdp"] == pytest.approx(21e9 / NVLINK, rel=1e-12)
+    assert hsdp["replicate"] == pytest.approx(1e9 / IB, rel=1e-12)
+    assert hsdp["fsdp"] + hsdp["replicate"] < flat["fsdp"] / 10
+    # without resharding: one all-gather
+    once = mesh_collectives(cfg, mcfg, Layout(2, 8, replicate=2), 8192, STATES, CUDA, gathers=1)
+    assert once["fsdp"] == pytest.approx(14e9 / NVLINK, rel=1e-12)
+
+
+def test_bf16_mixed_gathers_bf16_and_reduces_fp32():
+    cfg, mcfg = _llama8b("dtype=bf16_mixed")
+    # the 1 GB shard is fp32 here: FSDP2's param_dtype gathers it as bf16 (8 GB whole), reduces fp32 (16 GB)
+    hsdp = mesh_collectives(cfg, mcfg, Layout(2, 8, replicate=2), 8192, STATES, CUDA)
+    assert hsdp["fsdp"] == pytest.approx((2 * 7 / 8 * 4e9 + 7 / 8 * 8e9) / NVLINK, rel=1e-12)
+
+
+def test_tensor_parallel_pays_its_activation_collectives_inside_the_node():
+    cfg, mcfg = _llama8b("activation_checkpointing=none")
+    # 4 per layer in the forward, 4 in the backward, + 4 around the layers
+    assert tensor_parallel_collectives(mcfg, checkpointed=0) == 4 * 64 + 4 == 260
+    assert tensor_parallel_collectives(mcfg, checkpointed=32) == 4 * 96 + 4 == 388
+    tp = mesh_collectives(cfg, mcfg, Layout(2, 8, tensor_parallel=8), 8192, STATES, CUDA)
+    each = 7 / 8 * 8192 * 4096 * 2  # (B * T, dim) in bf16, 7/8 of it sent
+    assert tp["tensor"] == pytest.approx(260 * each / NVLINK, rel=1e-12)
+    # FSDP2 over 2 shards 8 ranks apart spans both nodes: IB; 1/2 of 2 GB per collective
+    assert tp["fsdp"] == pytest.approx(3 * 1e9 / IB, rel=1e-12)
+    full, _ = _llama8b("activation_checkpointing=full")
+    recomputed = mesh_collectives(full, mcfg, Layout(2, 8, tensor_parallel=8), 8192, STATES, CUDA)
+    assert recomputed["tensor"] == pytest.approx(388 * each / NVLINK, rel=1e-12)
+
+
+def test_step_cost_on_a_layout_divides_compute_by_tp_and_adds_its_collectives():
+    cfg, mcfg = _llama8b("activation_checkpointing=none")
+    one = step_cost(CostRequest(cfg, mcfg, 16, 8192, STATES, layout=Layout(2, 8, replicate=2)))
+    tp = step_cost(
+        CostRequest(cfg, mcfg, 16, 8192, STATES, layout=Layout(2, 8, replicate=2, tensor_parallel=2))
+    )
+    assert tp["compute"] == pytest.approx(one["compute"] / 2, rel=1e-12)
+    priced = mesh_collectives(cfg, mcfg, Layout(2, 8, replicate=2, tensor_parallel=2), 8192, STATES, CUDA)
+    assert tp["exchange"] == pytest.approx(priced["tensor"], rel=1e-12)
+    assert tp["communication"] == pytest.approx(priced["fsdp"] + priced["replicate"], rel=1e-12)
+    # no layout: the flat model of one group at interconnect_bytes_per_second, unchanged
+    flat = step_cost(CostRequest(cfg, mcfg, 16, 8192, STATES))
+    assert flat["communication"] == pytest.approx(3 * 16e9 * 15 / 16 / 200e9, rel=1e-12)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# plan_mesh
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow  # real estimates on 4 fake ranks, ~30 s
+def test_plan_mesh_estimates_each_built_layout_and_says_why_of_the_others():
+    cfg = tiny("dtype=fp32")
+    mp = M.plan_mesh(P.PlanRequest(cfg, 64 * MIB, estimator=cached_estimate), 2, 2)
+    by_mesh = {_mesh(lp.layout): lp for lp in mp.layouts}
+    assert set(by_mesh) == {(1, 4, 1), (2, 2, 1), (1, 2, 2), (2, 1, 2)}
+    best = mp.best
+    assert best is not None and best.status == "fits" and best.best.estimate.world_size == 4
+    assert best.best.peak_bytes <= best.plan.usable_bytes
+    for mesh, lp in by_mesh.items():
+        unbuilt = [
+            key
+            for key, size in (("distributed.replicate", mesh[0]), ("distributed.tensor_parallel", mesh[2]))
+            if size > 1 and key not in switches.SWITCHES_BY_KEY
+        ]
+        if unbuilt:  # a branch without the switch cannot run the layout: refused, never estimated
+            assert lp.status == "refused" and "not built yet" in lp.note and lp.plan is None
+    table = M.format_mesh_plan(mp)
+    assert table.splitlines()[2].startswith(best.layout.label())
+
+
+def test_a_layout_whose_estimates_all_fail_is_given_up_after_three_optimizers():
+    calls = []
+
+    def failing(cfg, **kwargs):
+        calls.append(cfg.optimizer.name)
+        raise RuntimeError("cannot trace")
+
+    cfg = tiny("dtype=bf16_mixed")
+    request = P.PlanRequest(
+        cfg, 64 * MIB, estimator=failing, optimizers=("adamw", "torchao_adamw8bit", "torchao_adamw4bit")
+    )
+    mp = M.plan_mesh(request, 1, 2)
+    assert mp.best is None
+    flat = next(lp for lp in mp.layouts if _mesh(lp.layout) == (1, 2, 1))
+    assert flat.status == "refused" and "RuntimeError: cannot trace" in flat.note
+    assert len(set(calls)) == M.FUSE_OPTIMIZERS and len(calls) < len(flat.plan.rows)
