@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from memfit.build import run_model_config
+from memfit.cli import main
 from memfit.config import load_config
 from memfit.errors import ConfigError
 from memfit.memory import switches
@@ -21,7 +22,7 @@ from memfit.planner.cost import (
 )
 from memfit.planner.layout import Layout, layouts, torchrun_line
 from memfit.units import MIB
-from tests.memory.test_plan import cached_estimate, tiny
+from tests.memory.test_plan import TINY, cached_estimate, tiny
 
 CUDA = COST_CONSTANTS["cuda"]
 NVLINK, IB = 450e9, 50e9
@@ -221,3 +222,56 @@ def test_a_layout_whose_estimates_all_fail_is_given_up_after_three_optimizers():
     flat = next(lp for lp in mp.layouts if _mesh(lp.layout) == (1, 2, 1))
     assert flat.status == "refused" and "RuntimeError: cannot trace" in flat.note
     assert len(set(calls)) == M.FUSE_OPTIMIZERS and len(calls) < len(flat.plan.rows)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# memfit plan nodes=N gpus_per_node=G
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "given, message",
+    [
+        (["nodes=2"], "config key 'gpus_per_node': nodes=2 needs the GPUs (ranks) of each machine too"),
+        (
+            ["nodes=2", "gpus_per_node=4", "world_size=4"],
+            "config key 'world_size': 4 is not nodes x gpus_per_node = 8",
+        ),
+        (
+            ["nodes=2", "gpus_per_node=4", "seq_len=max"],
+            "config key 'seq_len': seq_len=max searches one mesh",
+        ),
+        (
+            ["nodes=0", "gpus_per_node=4"],
+            "config key 'nodes': the number of machines must be an integer >= 1",
+        ),
+    ],
+)
+def test_the_cli_refuses_a_bad_mesh_naming_the_key(given, message, capsys):
+    assert main(["plan", *TINY, "budget=1GiB", *given]) == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.slow  # estimates on 8 fake ranks, ~1 min
+def test_cli_plans_two_nodes_of_four_and_writes_the_config_and_the_torchrun_line(tmp_path, capsys):
+    out = tmp_path / "mesh.yaml"
+    assert main(["plan", *TINY, "nodes=2", "gpus_per_node=4", "budget=256MiB", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    line = (
+        "torchrun --nnodes 2 --nproc_per_node 4 --rdzv_backend c10d --rdzv_endpoint HOST:29500 -m memfit pretrain "
+        f"--config {out}"
+    )
+    assert f"wrote {out}; on every node run:\n{line}" in printed
+    assert printed.splitlines()[0].startswith("2 node(s) x 4 GPU(s), budget 0.25 GiB per GPU: 4 layouts, ")
+    text = out.read_text()
+    assert f"# run: {line}" in text
+    cfg = load_config(out, world_size=8)  # validates as each of the 8 ranks will
+    assert (
+        cfg.model == "tiny"
+        and cfg.batch_size == 2
+        and cfg.seq_len == 64
+        and cfg.distributed.strategy == "fsdp2"
+    )
+    chosen = next(ln for ln in printed.splitlines() if ln.startswith("best layout: "))
+    r, s, t = (int(w) for w in chosen.split()[3::3])  # "best layout: replicate R x shard S x tp T"
+    assert (cfg.distributed.replicate, cfg.distributed.tensor_parallel) == (r, t) and r * s * t == 8

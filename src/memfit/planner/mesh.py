@@ -31,7 +31,7 @@ from memfit.memory import switches
 from memfit.planner import plan as plan_
 from memfit.planner.estimate import Estimate, estimate_run
 from memfit.planner.layout import Layout, layouts
-from memfit.units import GIB
+from memfit.units import GIB, format_bytes
 
 
 @dataclass
@@ -270,18 +270,19 @@ def plan_mesh(request: plan_.PlanRequest, nodes: int, gpus_per_node: int) -> Mes
 
 
 def format_mesh_plan(mp: MeshPlan) -> str:
-    """The layouts' table of ``memfit plan nodes=N gpus_per_node=G``: each layout, its fastest fitting switches,
-    their peak (GiB = 1024**3 bytes), predicted step seconds and tokens per second per GPU."""
+    """The layouts' table of ``memfit plan nodes=N gpus_per_node=G``: each layout, its status, its fastest fitting
+    switches (or why it has none), their peak per GPU, the predicted step seconds and tokens per second per GPU
+    (the cost model's, at equal tokens per GPU)."""
     lines = [
-        f"{mp.nodes} node(s) x {mp.gpus_per_node} GPU(s), budget {mp.budget_bytes / GIB:.2f} GiB per GPU: "
+        f"{mp.nodes} node(s) x {mp.gpus_per_node} GPU(s), budget {format_bytes(mp.budget_bytes)} per GPU: "
         f"{len(mp.layouts)} layouts, {mp.estimates} estimates in {mp.seconds:.0f} s",
-        f"{'layout':<34} {'status':<17} {'switches':<44} {'peak GiB':>8} {'step s':>8} {'tok/s/GPU':>10}",
+        f"{'layout':<32} {'status':<16} {'peak':>10} {'step s':>9} {'tok/s/GPU':>11}  switches, or why not",
     ]
     for lp in mp.layouts:
         row = lp.best
-        switches = row.label() if row is not None else lp.note
-        peak = f"{row.peak_bytes / GIB:8.2f}" if row is not None else f"{'':8}"
-        step = f"{lp.step_seconds:8.3f}" if lp.step_seconds != float("inf") else f"{'':8}"
-        tps = f"{row.tokens_per_second_per_gpu:10,.0f}" if row is not None else f"{'':10}"
-        lines.append(f"{lp.layout.label():<34} {lp.status:<17} {switches[:44]:<44} {peak} {step} {tps}")
+        peak = format_bytes(row.peak_bytes) if row is not None else ""
+        step = f"{lp.step_seconds:.4f}" if row is not None else ""
+        tps = f"{row.tokens_per_second_per_gpu:,.0f}" if row is not None else ""
+        what = row.label() if row is not None else lp.note
+        lines.append(f"{lp.layout.label():<32} {lp.status:<16} {peak:>10} {step:>9} {tps:>11}  {what}")
     return "\n".join(lines)
