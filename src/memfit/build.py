@@ -45,6 +45,7 @@ from memfit.memory.techniques import (
     apply_compile,
     apply_tied_embedding_gradient,
 )
+from memfit.memory.tensor_parallel import apply_tensor_parallel
 from memfit.memory.tiled import apply_tiled_mlp
 from memfit.memory.ulysses import apply_sequence_parallel
 from memfit.models import adapter, moe, peft
@@ -329,7 +330,8 @@ def build_training(
        model).
     2. Sharded: the starting tensors (:func:`initial_parameters`), checked against the model before anything is
        allocated.
-    3. Sequence parallelism (``distributed.sequence_parallel``: Ulysses attention over this rank's group), the
+    3. Sequence parallelism (``distributed.sequence_parallel``: Ulysses attention over this rank's group) or
+       tensor parallelism (``distributed.tensor_parallel``: :mod:`memfit.memory.tensor_parallel`), the
        tiled MLP (``tiled_mlp``), a tied embedding's gradient into the chunked loss's (``chunked_cross_entropy``),
        activation checkpointing (``activation_checkpointing``), activation
        offloading around the layers (``activation_offloading``), then ``compile`` (each decoder layer, with its
@@ -365,6 +367,11 @@ def build_training(
     sp = cfg.distributed.sequence_parallel
     if world_size > 1 and sp > 1:
         apply_sequence_parallel(model, dist_.sequence_group(sp), sp)
+    tp = cfg.distributed.tensor_parallel
+    if (
+        world_size > 1 and tp > 1
+    ):  # before checkpointing and FSDP2 (torchtitan's order: TP, AC, compile, FSDP)
+        apply_tensor_parallel(model, dist_.tensor_parallel_mesh(cfg.distributed.replicate, tp))
     apply_tiled_mlp(model, cfg.tiled_mlp)
     if cfg.chunked_cross_entropy:
         apply_tied_embedding_gradient(model)

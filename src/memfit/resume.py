@@ -225,8 +225,8 @@ def batch_note(
     cfg: TrainConfig, saved: dict[str, Any], saved_world_size: int | None, world_size: int
 ) -> str | None:
     """The note of a resume whose batch differs from the checkpoint's run: the per-rank keys that changed, the
-    ranks, and the global batch (``batch_size * gradient_accumulation_steps * ranks / sequence_parallel``
-    sequences a step), e.g.
+    ranks, and the global batch (``batch_size * gradient_accumulation_steps * ranks / (sequence_parallel *
+    tensor_parallel)`` sequences a step), e.g.
     ``note: resuming with batch_size 4 -> 8 per rank on 1 rank instead of 2: the global batch (8 sequences a
     step) is unchanged``.
 
@@ -261,9 +261,12 @@ def batch_note(
         what = f"with {', '.join(changed)} per rank {ranks}"
     else:
         what = f"{ranks}, with batch_size {size} x gradient_accumulation_steps {accumulation} per rank"
-    # a sequence-parallel group of N ranks shares its sequences: world / N groups draw batch_size each
-    saved_sp = (saved.get("distributed") or {}).get("sequence_parallel", 1) if saved_world_size > 1 else 1
-    sp = cfg.distributed.sequence_parallel if world_size > 1 else 1
+    # a sequence- or tensor-parallel group of N ranks shares its sequences: world / N groups draw batch_size each
+    saved_d = saved.get("distributed") or {}
+    saved_sp = (
+        saved_d.get("sequence_parallel", 1) * saved_d.get("tensor_parallel", 1) if saved_world_size > 1 else 1
+    )
+    sp = cfg.distributed.sequence_parallel * cfg.distributed.tensor_parallel if world_size > 1 else 1
     before = saved_size * saved_accumulation * saved_world_size // saved_sp
     after = size * accumulation * world_size // sp
     if before == after:

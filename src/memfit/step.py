@@ -31,6 +31,7 @@ from memfit.config import TrainConfig
 from memfit.memory import optimizers, techniques
 from memfit.memory.optim import OptimizerInBackward
 from memfit.memory.techniques import IGNORE_INDEX, compiled
+from memfit.memory.tensor_parallel import local_loss, loss_context
 from memfit.models import moe
 from memfit.models.peft import lora_effective_weight, lora_off
 from memfit.objectives import (
@@ -57,14 +58,19 @@ def loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Summed token cross-entropy, computed in fp32.
 
     Args:
-        logits: ``(B, T, vocab_size)``, any float dtype.
+        logits: ``(B, T, vocab_size)``, any float dtype; a tensor-parallel model's are a DTensor sharded on the
+            vocabulary, whose loss runs parallel over it (under :func:`memfit.memory.tensor_parallel.loss_context`,
+            entered by the callers around the forward and the backward).
         targets: ``(B, T)`` int64; ``-100`` marks tokens that do not count.
 
     Returns:
-        A 0-dim fp32 tensor: the sum over counted tokens of ``-log p(target)``, in nats.
+        A 0-dim fp32 tensor (plain, also under tensor parallelism): the sum over counted tokens of
+        ``-log p(target)``, in nats.
     """
-    return F.cross_entropy(
-        logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+    return local_loss(
+        F.cross_entropy(
+            logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+        )
     )  # (B*T, V) vs (B*T,)
 
 
@@ -378,8 +384,9 @@ def train_step(
             model, micro_batches, preference, options, in_backward, aux_scale, tracker
         )
     for inputs, targets, *rest in micro_batches if preference is None else ():
-        # around the forward and its backward (a checkpointed layer runs its forward again in the backward)
-        with moe.aux_loss_scale(aux_scale):
+        # around the forward and its backward (a checkpointed layer runs its forward again in the backward); a
+        # tensor-parallel model's loss runs parallel over the vocabulary in both
+        with moe.aux_loss_scale(aux_scale), loss_context(model):
             _phase(tracker, "forward")
             loss = (
                 micro_batch_loss(
@@ -494,16 +501,17 @@ def evaluate(
     total = torch.zeros((), dtype=torch.float64, device=device)
     count = torch.zeros((), dtype=torch.int64, device=device)
     for inputs, targets, doc_ids, *rest in batches:
-        loss = micro_batch_loss(
-            model,
-            inputs.to(device),
-            targets.to(device),
-            dtype=dtype,
-            chunked_cross_entropy=chunked_cross_entropy,
-            doc_ids=None if doc_ids is None else doc_ids.to(device),
-            compile=compile,
-            positions=rest[0].to(device) if rest else None,
-        )
+        with loss_context(model):
+            loss = micro_batch_loss(
+                model,
+                inputs.to(device),
+                targets.to(device),
+                dtype=dtype,
+                chunked_cross_entropy=chunked_cross_entropy,
+                doc_ids=None if doc_ids is None else doc_ids.to(device),
+                compile=compile,
+                positions=rest[0].to(device) if rest else None,
+            )
         total += loss.double()
         count += (targets != IGNORE_INDEX).sum().to(device)
     model.train(was_training)

@@ -602,6 +602,12 @@ def _banner(cfg, verb, built, run: _Run, device, start_step) -> str:
             f" x {world // sp} data-parallel x {sp} sequence-parallel ranks ({cfg.distributed.strategy} over all "
             f"{world}; {seq_len // sp} tokens of each sequence a rank)"
         )
+    tp = cfg.distributed.tensor_parallel
+    if world > 1 and tp > 1:
+        sharded = (
+            f" x {world // tp} data-parallel x {tp} tensor-parallel ranks ({cfg.distributed.strategy} over "
+            f"{world // tp}; each layer's heads and hidden units split {tp} ways)"
+        )
     return (
         f"memfit {verb}: model {model} ({where}{built.num_params:,} parameters{trainable}), "
         f"tokenizer {tokenizer.kind} ({tokenizer.vocab_size:,} ids), {data.summary}{data_from}, "

@@ -188,6 +188,12 @@ def _validate_preference(cfg: TrainConfig, needs_weights: bool = True) -> None:
         "splits each row's tokens over ranks, but a preference objective needs each row's whole log-probability; "
         "shard with FSDP2 alone (distributed.sequence_parallel=1)",
     )
+    _require(
+        cfg.distributed.tensor_parallel == 1,
+        "distributed.tensor_parallel",
+        "splits each row's logits over the vocabulary on several ranks, and the preference objectives' sums are "
+        "not written for vocabulary-sharded logits; shard with FSDP2 alone (distributed.tensor_parallel=1)",
+    )
 
 
 def trains_router(cfg: TrainConfig) -> bool:

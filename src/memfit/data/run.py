@@ -258,8 +258,8 @@ def text_data(cfg: TrainConfig, directory: Path, manifest: dict, seq_len: int) -
         )
     train = TokenDataset(directory, "train", seq_len, cfg.data.weights or None, manifest)
     val = TokenDataset(directory, "val", seq_len, None, manifest)
-    sp = cfg.distributed.sequence_parallel  # a sequence-parallel group shares its rows
-    B, rank, world = cfg.batch_size, dist_.data_rank(sp), dist_.data_world_size(sp)
+    group = dist_.ranks_per_batch(cfg)  # a sequence- or tensor-parallel group shares its rows
+    B, rank, world = cfg.batch_size, dist_.data_rank(group), dist_.data_world_size(group)
     G = world * B  # the global batch: the same sequences on any number of ranks
 
     def rows(batch: int) -> range:
@@ -336,8 +336,8 @@ def instruct_data(cfg: TrainConfig, tokenizer, seq_len: int) -> RunData:
         length_fix=_length_fix(cfg),
     )
 
-    sp = cfg.distributed.sequence_parallel  # a sequence-parallel group shares its rows
-    B, rank, world = cfg.batch_size, dist_.data_rank(sp), dist_.data_world_size(sp)
+    group = dist_.ranks_per_batch(cfg)  # a sequence- or tensor-parallel group shares its rows
+    B, rank, world = cfg.batch_size, dist_.data_rank(group), dist_.data_world_size(group)
 
     def train_batch(step: int, micro: int) -> Batch:
         position = batch_position(step, micro, cfg.batch_size, cfg.gradient_accumulation_steps, rank, world)

@@ -139,5 +139,6 @@ class GlooBuffers(TorchDispatchMode):
             return out
         clones = [t.clone() for t in inputs]  # all-reduced in place by gloo
         for output, clone in zip(outputs, clones, strict=True):
-            output.copy_(clone.chunk(self.world_size)[0])  # the wait: rank 0's chunk
+            # the wait: rank 0's chunk, as large as the output (the group may be a sub-mesh: tensor parallelism)
+            output.copy_(clone.view(-1)[: output.numel()].view(output.shape))
         return out

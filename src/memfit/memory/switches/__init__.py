@@ -21,8 +21,9 @@ a switch. The optimizers behind ``optimizer.name`` have their own registry, :mod
 
 Each entry is declared in the module of its family, after its own checks, candidates and cost: :mod:`.methods`
 (``method``, ``dtype``), :mod:`.optimizer` (the optimizer step's four), :mod:`.checkpointing`, :mod:`.sequence`
-(chunked loss, tiled MLP, sequence parallelism), :mod:`.compile_offload` (activation offloading, ``compile``) and
-:mod:`.sharding` (FSDP's); :mod:`.base` holds what an entry is made of and the helpers the families share.
+(chunked loss, tiled MLP, sequence parallelism), :mod:`.compile_offload` (activation offloading, ``compile``),
+:mod:`.sharding` (FSDP's) and :mod:`.tensor` (tensor parallelism); :mod:`.base` holds what an entry is made of and
+the helpers the families share.
 Searching for ``key="tiled_mlp"`` lands on the entry, its functions just above it.
 
 Adding a switch is one entry in its family's module, listed in :data:`SWITCHES` here, plus its implementation;
@@ -85,6 +86,7 @@ from memfit.memory.switches.sharding import (
     RESHARD_AFTER_FORWARD,
     STRATEGY,
 )
+from memfit.memory.switches.tensor import TENSOR_PARALLEL, tensor_parallel_elements
 
 if TYPE_CHECKING:
     from memfit.models.config import DecoderConfig
@@ -132,6 +134,7 @@ __all__ = [
     "require",
     "resolved_rounding",
     "switch_keys",
+    "tensor_parallel_elements",
     "trace_values",
     "value_of",
     "values",
@@ -163,6 +166,7 @@ SWITCHES: tuple[Switch, ...] = (
     PREFETCH,
     LIMIT_ALL_GATHERS,
     SEQUENCE_PARALLEL,
+    TENSOR_PARALLEL,
 )
 """Every memory technique, in the order the planner combines them and a plan's label lists them."""
 
