@@ -35,14 +35,14 @@ def _overrides(corpus: Path, out: Path, **extra) -> list[str]:
     return tiny_run_overrides(corpus, out, **extra)
 
 
-def _start_nodes(args: list[str]) -> list[subprocess.Popen]:
-    """Two launchers, each ``torchrun --nnodes 2 --nproc_per_node 1`` with the c10d rendezvous on a free port of
+def _start_nodes(args: list[str], nproc_per_node: int = 1) -> list[subprocess.Popen]:
+    """Two launchers, each ``torchrun --nnodes 2 --nproc_per_node N`` with the c10d rendezvous on a free port of
     this host and a rendezvous id of their own, running ``memfit args``."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     rdzv = ["--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{port}", "--rdzv_id", uuid.uuid4().hex]
-    torchrun = ["--nnodes", "2", "--nproc_per_node", "1", *rdzv, "-m", "memfit", *args]
+    torchrun = ["--nnodes", "2", "--nproc_per_node", str(nproc_per_node), *rdzv, "-m", "memfit", *args]
     return [start_python(torchrun, module="torch.distributed.run") for _ in range(2)]
 
 
@@ -99,12 +99,26 @@ def test_two_nodes_train_what_one_process_does(reference, small_corpus, tmp_path
     assert loss <= TOL and grad_norm <= TOL, _tails(outputs)
 
 
-def test_a_killed_node_ends_the_run_and_both_resume_exactly(reference, small_corpus, tmp_path):
+# (ranks per node, per-rank batch, extra overrides): 2 nodes x 1 rank; 2 nodes x 2 ranks in hybrid sharding, each
+# node a replica (its 2 ranks shard the model, gradients are all-reduced across the nodes); both global batches 8
+LAYOUTS = {
+    "flat-2x1": (1, 4, {}),
+    "hybrid-2x2": (2, 2, {"distributed.replicate": 2}),
+}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_a_killed_node_ends_the_run_and_both_resume_exactly(layout, reference, small_corpus, tmp_path):
     """SIGKILL of the node that holds rank 0 (the one that logs, holds the run's lock and renames checkpoints into
-    place), its launcher and worker, once a checkpoint is complete; then both nodes again with ``resume=true``."""
+    place), its launcher and workers, once a checkpoint is complete; then both nodes again with ``resume=true``.
+    In hybrid mode the killed node is a whole replica."""
+    nproc, batch_size, extra = LAYOUTS[layout]
     out = tmp_path / "run"
-    args = ["pretrain", *_overrides(small_corpus, out, batch_size=4, checkpoint_every=CHECKPOINT_EVERY)]
-    nodes = _start_nodes(args)
+    args = [
+        "pretrain",
+        *_overrides(small_corpus, out, batch_size=batch_size, checkpoint_every=CHECKPOINT_EVERY, **extra),
+    ]
+    nodes = _start_nodes(args, nproc)
     outputs: list[str | None] = [None, None]
     workers: list[psutil.Process] = []
     try:
@@ -146,14 +160,16 @@ def test_a_killed_node_ends_the_run_and_both_resume_exactly(reference, small_cor
     step = int(newest.name.removeprefix("step_"))
     assert step < MAX_STEPS, f"the run ended before a node was killed:{_tails(outputs)}"
     state = ckpt_io.read_trainer_state(newest)
-    assert state["step"] == step and state["world_size"] == 2
+    assert state["step"] == step and state["world_size"] == 2 * nproc
     ckpt_io.check_files(newest, state, need_optimizer=True)
     assert ckpt_io.read_sharded_weights(newest)
 
-    nodes = _start_nodes([*args, "resume=true"])
+    nodes = _start_nodes([*args, "resume=true"], nproc)
     outputs = _finish(nodes, RUN_WITHIN_S)
     assert [n.returncode for n in nodes] == [0, 0], _tails(outputs)
     assert "".join(outputs).count(f"resuming at step {step}") == 1, _tails(outputs)
+    if extra:  # each node one replica: rank 0's banner names the mesh
+        assert "(hybrid fsdp2: 2 replicas x 2 shards)" in "".join(outputs), _tails(outputs)
     assert ckpt_io.list_checkpoints(out)[-1].name == f"step_{MAX_STEPS:08d}"  # it ends at max_steps
     assert not [
         p.name for p in (out / "checkpoints").iterdir() if p.name.startswith(".")
@@ -161,7 +177,7 @@ def test_a_killed_node_ends_the_run_and_both_resume_exactly(reference, small_cor
     resumed = _max_diff(_losses(out), reference, first=step + 1)
     whole = _max_diff(_losses(out), reference)  # steps up to the checkpoint were the killed run's
     print(
-        f"resumed at step {step} on 2 nodes: max |loss, grad_norm| differences from 1 process x batch 8: "
+        f"{layout}: resumed at step {step} on 2 nodes: max |loss, grad_norm| differences from 1 process x batch 8: "
         f"steps {step + 1}-{MAX_STEPS} {resumed[0]:.2e}, {resumed[1]:.2e}; all steps {whole[0]:.2e}, {whole[1]:.2e}"
     )
     assert max(*resumed, *whole) <= TOL, _tails(outputs)

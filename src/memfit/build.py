@@ -247,7 +247,8 @@ def check_sharding(cfg: TrainConfig, world_size: int) -> None:
         ConfigError: naming ``method`` and the first weight that does not split.
     """
     if world_size > 1 and cfg.method == "qlora":
-        _check_nf4_sharding(build_model(cfg, run_model_config(cfg), torch.device("meta")), world_size)
+        shards = dist_.shard_ranks(cfg.distributed.replicate, world_size)
+        _check_nf4_sharding(build_model(cfg, run_model_config(cfg), torch.device("meta")), shards)
 
 
 def initial_parameters(
@@ -383,7 +384,7 @@ def build_training(
     num_params = sum(p.numel() for p in model.parameters())
     num_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     if world_size > 1:
-        _check_nf4_sharding(model, world_size)
+        _check_nf4_sharding(model, dist_.shard_ranks(cfg.distributed.replicate, world_size))
     model = _shard_and_fill(model, cfg, device, world_size, fake_mode, initial)
     with fake_mode if fake_mode is not None else contextlib.nullcontext():
         optimizer = build_optimizer(

@@ -106,6 +106,14 @@ def is_main() -> bool:
 _MESHES: dict[tuple[int, Any], Any] = {}
 
 
+def _forget_other_groups_meshes() -> None:
+    """Drop the meshes of an earlier (destroyed) process group; a sequence-parallel run's ``sequence_mesh`` and
+    its FSDP2 ``training_mesh`` (hybrid sharding) are both of this one and stay."""
+    world = id(dist.group.WORLD)
+    for key in [k for k in _MESHES if k[0] != world]:
+        del _MESHES[key]
+
+
 def sequence_mesh(sequence_parallel: int):
     """The 2-D ``DeviceMesh`` (``dp`` x ``sp``) of a sequence-parallel run: ``world_size / N`` data-parallel
     groups of N consecutive ranks (``rank = dp_rank * N + sp_rank``; consecutive ranks share a node's links).
@@ -122,7 +130,7 @@ def sequence_mesh(sequence_parallel: int):
     if key not in _MESHES:
         from torch.distributed.device_mesh import init_device_mesh
 
-        _MESHES.clear()  # a mesh of an earlier (destroyed) process group
+        _forget_other_groups_meshes()
         device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
         _MESHES[key] = init_device_mesh(
             device_type, (world // sequence_parallel, sequence_parallel), mesh_dim_names=("dp", "sp")
@@ -155,10 +163,15 @@ def training_mesh(replicate: int = 1, tensor_parallel: int = 1):
     if key not in _MESHES:
         from torch.distributed.device_mesh import init_device_mesh
 
-        _MESHES.clear()  # a mesh of an earlier (destroyed) process group
+        _forget_other_groups_meshes()
         device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
         shape = (replicate, world // (replicate * tensor_parallel), tensor_parallel)
-        _MESHES[key] = init_device_mesh(device_type, shape, mesh_dim_names=("replicate", "shard", "tp"))
+        mesh = init_device_mesh(device_type, shape, mesh_dim_names=("replicate", "shard", "tp"))
+        if replicate > 1:
+            # the data-parallel ranks as one dimension too (torchtitan's flattened "dp"): a DTensor reduced over
+            # both FSDP2 dimensions (the gradient norm's Partial, Partial) then takes one all-reduce, not two
+            mesh["replicate", "shard"]._flatten("dp")
+        _MESHES[key] = mesh
     return _MESHES[key]
 
 
@@ -170,6 +183,12 @@ def fsdp_mesh(replicate: int = 1, tensor_parallel: int = 1):
         return None
     mesh = training_mesh(replicate, tensor_parallel)
     return mesh["replicate", "shard"] if replicate > 1 else mesh["shard"]
+
+
+def shard_ranks(replicate: int, world_size: int) -> int:
+    """Ranks FSDP2 splits each parameter over: all ``world_size`` of them, or a replica's ``world_size / R`` under
+    hybrid sharding (``distributed.replicate`` R; every replica holds the same shards). 1 in a single process."""
+    return max(1, world_size // replicate) if world_size > 1 else 1
 
 
 def tensor_parallel_mesh(replicate: int, tensor_parallel: int):
@@ -539,17 +558,22 @@ def _copy_own_rows(
 
     local = param.to_local()
     if is_traceable_wrapper_subclass(local):
+        # FSDP2's Shard(0) over one mesh dimension; hybrid sharding's (Replicate(), Shard(0)): the replicas hold
+        # the same chunk, the one of this rank's place within its replica
         placements = param.placements
         mesh = param.device_mesh
-        if len(placements) != 1 or not placements[0].is_shard(0):
+        sharded = [i for i, p in enumerate(placements) if not p.is_replicate()]
+        if len(sharded) != 1 or not placements[sharded[0]].is_shard(0):
             raise ValueError(
-                f"a quantized shard must be sharded on dim 0 over one mesh dimension, got {placements}"
+                f"a quantized shard must be sharded on dim 0 over one mesh dimension (replicated over the others), "
+                f"got {placements}"
             )
         local = param._local_tensor  # the shard FSDP2 gathers: to_local() gives a subclass a new wrapper
         if quantize is None:
             raise ValueError(f"a {type(local).__name__} shard needs a quantize function to be filled")
         whole = quantize(full.to(device=local.device, dtype=local.dtype))
-        piece = torch.chunk(whole, mesh.size())[mesh.get_local_rank()]
+        dim = sharded[0]
+        piece = torch.chunk(whole, mesh.size(dim))[mesh.get_local_rank(dim)]
         if tuple(piece.shape) != tuple(local.shape):
             raise ValueError(f"a shard of shape {tuple(local.shape)} does not match {tuple(piece.shape)}")
         for inner in local.__tensor_flatten__()[0]:  # to_empty left some of them on the meta device

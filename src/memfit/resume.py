@@ -205,6 +205,9 @@ def resume_notes(cfg: TrainConfig, state: dict[str, Any], world_size: int = 1) -
     now, then = _flat(config_to_dict(cfg)), _flat(saved)
     batch = batch_note(cfg, saved, state.get("world_size"), world_size)
     notes = [] if batch is None else [batch]
+    mesh = mesh_note(cfg, saved, state.get("world_size"), world_size)
+    if mesh is not None:
+        notes.append(mesh)
     for key in sorted(set(now) | set(then)):
         if key.split(".")[0] not in _NOTED_KEYS or now.get(key) == then.get(key):
             continue
@@ -272,6 +275,35 @@ def batch_note(
     if before == after:
         return f"note: resuming {what}: the global batch ({after} sequences a step) is unchanged"
     return f"note: resuming {what}: the global batch changes from {before} to {after} sequences a step"
+
+
+def _mesh(replicate: int, world_size: int) -> str:
+    if world_size == 1:
+        return "1 process"
+    if replicate > 1:
+        return f"{replicate} replicas x {world_size // replicate} shards (hybrid)"
+    return f"{world_size} shards"
+
+
+def mesh_note(
+    cfg: TrainConfig, saved: dict[str, Any], saved_world_size: int | None, world_size: int
+) -> str | None:
+    """The note of a resume whose hybrid sharding (``distributed.replicate``) differs from the checkpoint's run,
+    e.g. ``note: resuming on 4 shards; the checkpoint was saved on 2 replicas x 2 shards (hybrid): its shards are
+    read into this layout (DCP resharding), the steps are the same``. The steps are the same either way: the
+    replicas hold the same shards, and the data never depends on them. ``None`` when the layout is the
+    checkpoint's, or only the ranks changed (:func:`batch_note` says so).
+    """
+    if saved_world_size is None:
+        return None
+    then = (saved.get("distributed") or {}).get("replicate", 1) if saved_world_size > 1 else 1
+    now = cfg.distributed.replicate if world_size > 1 else 1
+    if then == now:
+        return None
+    return (
+        f"note: resuming on {_mesh(now, world_size)}; the checkpoint was saved on {_mesh(then, saved_world_size)}: "
+        "its shards are read into this layout (DCP resharding), the steps are the same"
+    )
 
 
 def _flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:

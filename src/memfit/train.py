@@ -596,16 +596,21 @@ def _banner(cfg, verb, built, run: _Run, device, start_step) -> str:
     data_from = "" if read is None else f" from {read.describe()}"
     trainable = "" if built.num_trainable == built.num_params else f", {built.num_trainable:,} trainable"
     sharded = f" x {world} ranks ({cfg.distributed.strategy})" if world > 1 else ""
-    sp = cfg.distributed.sequence_parallel
+    sp, replicas = cfg.distributed.sequence_parallel, cfg.distributed.replicate
+    fsdp = cfg.distributed.strategy
+    if world > 1 and replicas > 1:  # hybrid sharding: FSDP2 shards within a replica
+        fsdp = f"hybrid {fsdp}: {replicas} replicas x {world // replicas} shards"
     if world > 1 and sp > 1:
         sharded = (
-            f" x {world // sp} data-parallel x {sp} sequence-parallel ranks ({cfg.distributed.strategy} over all "
+            f" x {world // sp} data-parallel x {sp} sequence-parallel ranks ({fsdp} over all "
             f"{world}; {seq_len // sp} tokens of each sequence a rank)"
         )
+    elif world > 1 and replicas > 1:
+        sharded = f" x {world} ranks ({fsdp})"
     tp = cfg.distributed.tensor_parallel
     if world > 1 and tp > 1:
         sharded = (
-            f" x {world // tp} data-parallel x {tp} tensor-parallel ranks ({cfg.distributed.strategy} over "
+            f" x {world // tp} data-parallel x {tp} tensor-parallel ranks ({fsdp} over "
             f"{world // tp}; each layer's heads and hidden units split {tp} ways)"
         )
     return (

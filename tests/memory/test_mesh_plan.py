@@ -18,7 +18,6 @@ from memfit.planner.cost import (
     collective_bytes,
     mesh_collectives,
     step_cost,
-    tensor_parallel_collectives,
 )
 from memfit.planner.layout import Layout, layouts, torchrun_line
 from memfit.units import MIB
@@ -123,61 +122,61 @@ STATES = {"parameters": 10**9, "trainable_parameters": 10**9, "gradients": 10**9
 
 
 def test_fsdp_across_nodes_pays_infiniband_and_within_a_node_nvlink():
-    cfg, mcfg = _llama8b("activation_checkpointing=none")
+    cfg, _ = _llama8b("activation_checkpointing=none")
     # flat FSDP2 over 16 ranks of 2 nodes: 2 all-gathers + 1 reduce-scatter of 16 GB, 15/16 of each, over IB
-    flat = mesh_collectives(cfg, mcfg, Layout(2, 8), 8192, STATES, CUDA)
-    assert flat == {
-        "fsdp": pytest.approx(45e9 / IB, rel=1e-12),
-        "replicate": 0.0,
-        "tensor": 0.0,
-        "sequence": 0.0,
-    }
-    # HSDP 2 x 8: the same collectives of 8 GB inside a node (7/8 each, NVLink), and an all-reduce of the 1 GB
+    flat = mesh_collectives(cfg, Layout(2, 8), STATES, CUDA)
+    assert flat == {"fsdp": pytest.approx(45e9 / IB, rel=1e-12), "replicate": 0.0, "exchange": 0.0}
+    # HSDP 2 x 8: the same collectives of 8 GB inside a node (7/8 each, NVLink), and the all-reduce of the 1 GB
     # gradient shard between the 2 replicas (2 x 1/2 of it, IB)
-    hsdp = mesh_collectives(cfg, mcfg, Layout(2, 8, replicate=2), 8192, STATES, CUDA)
+    reduced = collective_bytes("all_reduce", STATES["trainable_parameters"], 2)
+    hsdp = mesh_collectives(cfg, Layout(2, 8, replicate=2), STATES, CUDA, replica_bytes=reduced)
     assert hsdp["fsdp"] == pytest.approx(21e9 / NVLINK, rel=1e-12)
     assert hsdp["replicate"] == pytest.approx(1e9 / IB, rel=1e-12)
     assert hsdp["fsdp"] + hsdp["replicate"] < flat["fsdp"] / 10
     # without resharding: one all-gather
-    once = mesh_collectives(cfg, mcfg, Layout(2, 8, replicate=2), 8192, STATES, CUDA, gathers=1)
+    once = mesh_collectives(cfg, Layout(2, 8, replicate=2), STATES, CUDA, gathers=1)
     assert once["fsdp"] == pytest.approx(14e9 / NVLINK, rel=1e-12)
 
 
 def test_bf16_mixed_gathers_bf16_and_reduces_fp32():
-    cfg, mcfg = _llama8b("dtype=bf16_mixed")
-    # the 1 GB shard is fp32 here: FSDP2's param_dtype gathers it as bf16 (8 GB whole), reduces fp32 (16 GB)
-    hsdp = mesh_collectives(cfg, mcfg, Layout(2, 8, replicate=2), 8192, STATES, CUDA)
+    cfg, _ = _llama8b("dtype=bf16_mixed")
+    # the 1 GB shard is fp32 here: FSDP2's param_dtype gathers it as bf16 (4 GB whole), reduces fp32 (8 GB)
+    hsdp = mesh_collectives(cfg, Layout(2, 8, replicate=2), STATES, CUDA)
     assert hsdp["fsdp"] == pytest.approx((2 * 7 / 8 * 4e9 + 7 / 8 * 8e9) / NVLINK, rel=1e-12)
 
 
-def test_tensor_parallel_pays_its_activation_collectives_inside_the_node():
-    cfg, mcfg = _llama8b("activation_checkpointing=none")
-    # 4 per layer in the forward, 4 in the backward, + 4 around the layers
-    assert tensor_parallel_collectives(mcfg, checkpointed=0) == 4 * 64 + 4 == 260
-    assert tensor_parallel_collectives(mcfg, checkpointed=32) == 4 * 96 + 4 == 388
-    tp = mesh_collectives(cfg, mcfg, Layout(2, 8, tensor_parallel=8), 8192, STATES, CUDA)
-    each = 7 / 8 * 8192 * 4096 * 2  # (B * T, dim) in bf16, 7/8 of it sent
-    assert tp["tensor"] == pytest.approx(260 * each / NVLINK, rel=1e-12)
-    # FSDP2 over 2 shards 8 ranks apart spans both nodes: IB; 1/2 of 2 GB per collective
-    assert tp["fsdp"] == pytest.approx(3 * 1e9 / IB, rel=1e-12)
-    full, _ = _llama8b("activation_checkpointing=full")
-    recomputed = mesh_collectives(full, mcfg, Layout(2, 8, tensor_parallel=8), 8192, STATES, CUDA)
-    assert recomputed["tensor"] == pytest.approx(388 * each / NVLINK, rel=1e-12)
+def test_tensor_and_sequence_parallel_exchanges_at_the_rate_of_their_group():
+    cfg, _ = _llama8b("activation_checkpointing=none")
+    # TP 8: its activation collectives inside a node; FSDP2 over 2 shards 8 ranks apart spans both nodes (IB)
+    tp = mesh_collectives(cfg, Layout(2, 8, tensor_parallel=8), STATES, CUDA, exchanged_bytes=9e9)
+    assert tp["exchange"] == pytest.approx(9e9 / NVLINK, rel=1e-12)
+    assert tp["fsdp"] == pytest.approx(3 * 1e9 / IB, rel=1e-12)  # 1/2 of 2 GB per collective
+    # Ulysses over 8 ranks stays in a node, over 16 it crosses
+    sp8, _ = _llama8b("distributed.sequence_parallel=8")
+    sp16, _ = _llama8b("distributed.sequence_parallel=16")
+    assert mesh_collectives(sp8, Layout(2, 8), STATES, CUDA, exchanged_bytes=9e9)[
+        "exchange"
+    ] == pytest.approx(9e9 / NVLINK, rel=1e-12)
+    assert mesh_collectives(sp16, Layout(2, 8), STATES, CUDA, exchanged_bytes=9e9)[
+        "exchange"
+    ] == pytest.approx(9e9 / IB, rel=1e-12)
 
 
-def test_step_cost_on_a_layout_divides_compute_by_tp_and_adds_its_collectives():
-    cfg, mcfg = _llama8b("activation_checkpointing=none")
-    one = step_cost(CostRequest(cfg, mcfg, 16, 8192, STATES, layout=Layout(2, 8, replicate=2)))
-    tp = step_cost(
-        CostRequest(cfg, mcfg, 16, 8192, STATES, layout=Layout(2, 8, replicate=2, tensor_parallel=2))
+def test_step_cost_on_a_layout_prices_the_same_bytes_where_their_groups_lie():
+    cfg, mcfg = _llama8b("activation_checkpointing=none", "distributed.tensor_parallel=2")
+    on_mesh = step_cost(CostRequest(cfg, mcfg, 16, 8192, STATES, layout=Layout(2, 8, tensor_parallel=2)))
+    flat = step_cost(CostRequest(cfg, mcfg, 16, 8192, STATES))  # every byte at interconnect_bytes_per_second
+    assert (
+        on_mesh["compute"] == flat["compute"]
+    )  # 1/2 of the matmuls a rank: the tensor-parallel entry's rule
+    assert flat["exchange"] > 0
+    assert on_mesh["exchange"] == pytest.approx(flat["exchange"] * 200e9 / NVLINK, rel=1e-12)
+    # FSDP2 over 8 shards 2 ranks apart: 16 consecutive ranks, both nodes
+    assert on_mesh["communication"] == pytest.approx(3 * 7e9 / IB, rel=1e-12)
+    one, _ = _llama8b("activation_checkpointing=none")
+    assert flat["compute"] == pytest.approx(
+        step_cost(CostRequest(one, mcfg, 16, 8192, STATES))["compute"] / 2
     )
-    assert tp["compute"] == pytest.approx(one["compute"] / 2, rel=1e-12)
-    priced = mesh_collectives(cfg, mcfg, Layout(2, 8, replicate=2, tensor_parallel=2), 8192, STATES, CUDA)
-    assert tp["exchange"] == pytest.approx(priced["tensor"], rel=1e-12)
-    assert tp["communication"] == pytest.approx(priced["fsdp"] + priced["replicate"], rel=1e-12)
-    # no layout: the flat model of one group at interconnect_bytes_per_second, unchanged
-    flat = step_cost(CostRequest(cfg, mcfg, 16, 8192, STATES))
-    assert flat["communication"] == pytest.approx(3 * 16e9 * 15 / 16 / 200e9, rel=1e-12)
 
 
 # ----------------------------------------------------------------------------------------------------------------

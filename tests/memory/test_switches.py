@@ -123,7 +123,8 @@ def _changing_only(switch):
     base, world_size = _base(switch)
     rows = [
         c
-        for c in P.candidates(base, world_size, ("fp32", "bf16_mixed", "bf16"))
+        # hybrid sharding is planned across nodes only: the 2 ranks as 2 nodes of 1
+        for c in P.candidates(base, world_size, ("fp32", "bf16_mixed", "bf16"), nodes=world_size)
         if switches.changed_keys(c, base, world_size) == (switch.key,)
     ]
     assert rows, f"{switch.key}: the planner never changes it alone"

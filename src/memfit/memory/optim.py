@@ -563,6 +563,24 @@ class PerParameterOptimizer(_PerParameter):
         return loss
 
 
+def _sharding_group(t: Any) -> Any:
+    """The process group over which a DTensor's local pieces add up to the whole: its one sharded mesh dimension
+    (FSDP2's only one; hybrid sharding's ``shard``, its replicas holding the same pieces). ``False`` for a tensor
+    replicated everywhere (nothing to sum over).
+
+    Raises:
+        ValueError: sharded over several mesh dimensions.
+    """
+    dims = [i for i, p in enumerate(t.placements) if p.is_shard()]
+    if not dims:
+        return False
+    if len(dims) > 1:
+        raise ValueError(
+            f"the optimizer in backward sums norms over one sharded mesh dimension, got {t.placements}"
+        )
+    return t.device_mesh.get_group(dims[0])
+
+
 class OptimizerInBackward(_PerParameter):
     """Each parameter is updated inside backward, the moment its gradient is complete, and the gradient freed.
 
@@ -587,7 +605,7 @@ class OptimizerInBackward(_PerParameter):
     _sq_sum: torch.Tensor | None = None
     """The running sum of the squared gradient norms consumed since :meth:`consume_grad_norm`."""
     _sharded_over: Any = None
-    """The process group of DTensor (FSDP2) gradients, once one was seen."""
+    """The process group of DTensor (FSDP2) gradients' shards, once one was seen (:func:`_sharding_group`)."""
 
     def _added(self, p: torch.Tensor) -> None:
         self._hooks.append(p.register_post_accumulate_grad_hook(self._update))
@@ -597,7 +615,8 @@ class OptimizerInBackward(_PerParameter):
         with torch.no_grad():
             grad = p.grad
             if hasattr(grad, "to_local"):  # a DTensor shard (FSDP2): this rank's part of the sum of squares
-                self._sharded_over = grad.device_mesh.get_group()
+                if self._sharded_over is None:
+                    self._sharded_over = _sharding_group(grad)
                 grad = grad.to_local()
             sq = squared_norm(grad)
             self._sq_sum = sq if self._sq_sum is None else self._sq_sum + sq
@@ -615,7 +634,9 @@ class OptimizerInBackward(_PerParameter):
         self._sq_sum = None
         if sq_sum is None:
             sq_sum = torch.zeros((), dtype=torch.float32, device=self._device)
-        if self._sharded_over is not None:  # sum the shards' squares over the ranks
+        if (
+            self._sharded_over is not None and self._sharded_over is not False
+        ):  # over the ranks holding shards
             dist.all_reduce(sq_sum, op=dist.ReduceOp.SUM, group=self._sharded_over)
         return sq_sum.sqrt()
 

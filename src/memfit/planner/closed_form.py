@@ -10,7 +10,7 @@ import torch
 
 from memfit.build import PARAM_DTYPES, build_model
 from memfit.config import TrainConfig
-from memfit.distributed import local_shape, shard_numel
+from memfit.distributed import local_shape, shard_numel, shard_ranks
 from memfit.memory import optimizers, rounding
 from memfit.models import nf4 as nf4_format
 from memfit.models import peft
@@ -67,7 +67,8 @@ def model_state_bytes_closed_form(
 
     Sharded (``world_size`` > 1): every parameter is split on dim 0 into ``ceil(rows / world_size)``-row chunks
     (``torch.chunk``'s layout) and rank 0's chunk counts; FSDP1 flattens a unit's parameters into one padded buffer
-    and gives each rank ``ceil(numel / world_size)`` elements.
+    and gives each rank ``ceil(numel / world_size)`` elements. Hybrid sharding (``distributed.replicate`` R) splits
+    them over the ``world_size / R`` ranks of a replica.
 
     Returns:
         ``{"parameters", "gradients", "optimizer_state", "trainable_parameters", "paged_optimizer_state"}`` in
@@ -79,6 +80,7 @@ def model_state_bytes_closed_form(
     size = torch.tensor([], dtype=dtype).element_size()
     buffers = sum(b.numel() * b.element_size() for b in model.buffers())
     params = {n: p for n, p in model.named_parameters()}
+    world_size = shard_ranks(cfg.distributed.replicate, world_size)  # hybrid sharding: a replica's ranks
     local = {n: shard_numel(tuple(p.shape), world_size) for n, p in params.items()}
     trainable = [n for n, p in params.items() if p.requires_grad]
     tensors = optimizers.tensor_infos(

@@ -14,7 +14,7 @@ from typing import Any
 
 from memfit.config import TrainConfig, device_type
 from memfit.memory import optimizers, switches
-from memfit.memory.switches import checkpointed_layers, layer_weights
+from memfit.memory.switches import layer_weights
 from memfit.models.config import DecoderConfig
 from memfit.objectives import PREFERENCE_OBJECTIVES, rows_per_micro_batch
 from memfit.planner.closed_form import optimizer_update_flops
@@ -160,93 +160,60 @@ def collective_bytes(collective: str, nbytes: float, ranks: int) -> float:
     return 2 * share if collective == "all_reduce" else share
 
 
-def tensor_parallel_collectives(mcfg: DecoderConfig, checkpointed: int) -> int:
-    """Activation collectives of one tensor-parallel step over a micro-batch (Megatron-LM's sequence-parallel
-    split, Korthikanti et al. 2022, section 4.2.2; torchtitan's ``parallelize_llama``).
-
-    Each decoder layer's forward all-gathers the sequence-sharded normed input before q/k/v and before gate/up, and
-    reduce-scatters the outputs of o and down: 4 collectives of ``(B, T, dim)``; its backward runs the same 4
-    (an all-gather's gradient is a reduce-scatter and back); a checkpointed layer's recomputed forward runs its 4
-    again. Around the layers, the embedding's output and ``lm_head``'s input: 2 more in the forward and 2 in the
-    backward. The loss parallel over the vocabulary exchanges per-token scalars only (not counted).
-
-    Args:
-        mcfg: the architecture (its ``num_layers``).
-        checkpointed: layers whose forward is recomputed (full checkpointing: all; selective: none).
-
-    Returns:
-        The number of collectives, each of a micro-batch's ``(B, T, dim)`` activations.
-    """
-    return 4 * (2 * mcfg.num_layers + checkpointed) + 4
-
-
 def mesh_collectives(
     cfg: TrainConfig,
-    mcfg: DecoderConfig,
     layout: Layout,
-    seq_len: int,
     states: dict[str, int],
     constants: dict[str, Any],
+    *,
     gathers: int = 2,
+    replica_bytes: float = 0.0,
+    exchanged_bytes: float = 0.0,
 ) -> dict[str, float]:
-    """Seconds of one rank's collectives in a step on a layout's mesh, by kind; each at the rate of where its group
-    lies (``intra_node_bytes_per_second`` when the group is inside a node, else ``inter_node_bytes_per_second``)
-    and :func:`collective_bytes`' ring bytes.
+    """Seconds of one rank's collectives in a step on a layout's mesh, each at the rate of where its group lies:
+    ``intra_node_bytes_per_second`` when the group is inside a node, else ``inter_node_bytes_per_second``
+    (:class:`~memfit.planner.layout.Layout`; ring bytes, :func:`collective_bytes`).
 
     - ``fsdp``: FSDP2's all-gathers of the parameters over the shard group (``gathers`` a step: 2, or 1 without
       ``reshard_after_forward``) at the compute dtype (bf16 under ``bf16_mixed``: its ``param_dtype``), and the
-      reduce-scatter of the trainable parameters' gradients at their dtype; the whole tensors are a shard's bytes
-      x ``S``. Inter-node when the shard group spans nodes (``S x T > G``);
-    - ``replicate``: HSDP's all-reduce of a rank's gradient shard across the ``R`` replicas (other nodes);
-    - ``tensor``: the activation collectives of :func:`tensor_parallel_collectives`, each of ``rows x seq_len /
-      sequence_parallel x dim`` elements at the activation dtype (fp32 under ``fp32``, else bf16), x
-      ``gradient_accumulation_steps``, over the ``T`` ranks (a node's);
-    - ``sequence``: 0 here (Ulysses's all-to-alls are the sequence-parallel switch's bytes,
-      :class:`~memfit.memory.switches.StepTerms` ``exchanged_bytes``, priced by :func:`step_cost` at the rate of
-      its group: ``sequence_parallel x T`` consecutive ranks).
+      reduce-scatter of the trainable parameters' gradients at their dtype; each whole tensor is a rank's shard x
+      ``S`` (a tensor-parallel slice: ``1 / T`` of the model). Inter-node when the shard group spans nodes
+      (``S x T > G``);
+    - ``replicate``: ``replica_bytes``, the all-reduce of a rank's gradient shard across the ``R`` replicas
+      (hybrid sharding's entry counts them, :mod:`memfit.memory.switches.sharding`), between nodes;
+    - ``exchange``: ``exchanged_bytes``, tensor parallelism's activation all-gathers and reduce-scatters
+      (:mod:`memfit.memory.switches.tensor`) or Ulysses's all-to-alls (:mod:`memfit.memory.switches.sequence`;
+      the two are not combined), over ``sequence_parallel x T`` consecutive ranks: NVLink while inside a node.
 
-    ``fsdp`` and ``replicate`` overlap compute (prefetch, and the all-reduce runs as gradients are reduced);
-    ``tensor`` is on the critical path (each layer's matmuls wait for its gathers).
+    ``fsdp`` and ``replicate`` overlap compute (prefetch; the all-reduce runs as gradients are reduced);
+    ``exchange`` is on the critical path (a layer's matmuls wait for it).
 
     Args:
-        cfg: the run (``dtype``, ``batch_size``, ``gradient_accumulation_steps``, checkpointing,
-            ``distributed.sequence_parallel``).
-        mcfg: the architecture.
+        cfg: the run (``dtype``, ``distributed.sequence_parallel``).
         layout: the mesh (``replicate``, ``shard``, ``tensor_parallel``, ``gpus_per_node``).
-        seq_len: tokens per sequence.
         states: closed-form bytes of one rank (``parameters``, ``trainable_parameters``).
         constants: the cost model's (``intra_node_bytes_per_second``, ``inter_node_bytes_per_second``).
         gathers: parameter all-gathers a step.
+        replica_bytes: bytes a rank sends across replicas a step.
+        exchanged_bytes: bytes a rank sends to its tensor- or sequence-parallel group a step.
 
     Returns:
-        ``{"fsdp", "replicate", "tensor", "sequence"}`` in seconds.
+        ``{"fsdp", "replicate", "exchange"}`` in seconds.
     """
     intra, inter = constants["intra_node_bytes_per_second"], constants["inter_node_bytes_per_second"]
-    s, r, t = layout.shard, layout.replicate, layout.tensor_parallel
-    out = {"fsdp": 0.0, "replicate": 0.0, "tensor": 0.0, "sequence": 0.0}
-    stored = param_bytes(cfg.dtype)
-    compute = 4 if cfg.dtype == "fp32" else 2
+    s, t = layout.shard, layout.tensor_parallel
+    out = {"fsdp": 0.0, "replicate": 0.0, "exchange": 0.0}
     if s > 1:
+        stored, compute = param_bytes(cfg.dtype), 4 if cfg.dtype == "fp32" else 2
         gathered = states["parameters"] * s * min(1.0, compute / stored)
-        reduced = states["trainable_parameters"] * s
         moved = gathers * collective_bytes("all_gather", gathered, s)
-        moved += collective_bytes("reduce_scatter", reduced, s)
+        moved += collective_bytes("reduce_scatter", states["trainable_parameters"] * s, s)
         out["fsdp"] = moved / (intra if layout.inside_node(layout.shard_span) else inter)
-    if r > 1:
-        moved = collective_bytes("all_reduce", states["trainable_parameters"], r)
-        out["replicate"] = moved / (intra if layout.inside_node(layout.world_size) else inter)
-    if t > 1:
-        checkpointed = 0
-        if cfg.activation_checkpointing != "selective":
-            checkpointed = len(
-                checkpointed_layers(
-                    mcfg.num_layers, cfg.activation_checkpointing, cfg.activation_checkpointing_interval
-                )
-            )
-        tokens = rows_per_micro_batch(cfg) * seq_len // max(1, cfg.distributed.sequence_parallel)
-        each = collective_bytes("all_gather", tokens * mcfg.dim * compute, t)
-        count = tensor_parallel_collectives(mcfg, checkpointed) * cfg.gradient_accumulation_steps
-        out["tensor"] = count * each / (intra if layout.inside_node(t) else inter)
+    if replica_bytes:
+        out["replicate"] = replica_bytes / (intra if layout.inside_node(layout.world_size) else inter)
+    if exchanged_bytes:
+        span = cfg.distributed.sequence_parallel * t
+        out["exchange"] = exchanged_bytes / (intra if layout.inside_node(span) else inter)
     return out
 
 
@@ -328,17 +295,17 @@ def step_cost(request: CostRequest) -> dict[str, float]:
     - ``communication`` (sharded): all-gathers of the parameters (2 per step, 1 without
       ``reshard_after_forward``) and a reduce-scatter of the gradients, ``(N - 1) / N`` of their bytes each, at
       ``interconnect_bytes_per_second``; overlapped with compute, so the step pays ``max(compute,
-      communication)``;
+      communication)``; hybrid sharding (``distributed.replicate`` R) gathers and reduce-scatters within a
+      replica of ``N / R`` ranks and adds the all-reduce of each rank's gradient shard across the replicas
+      (``2 (R - 1) / R`` of its bytes);
     - ``exchange`` (``distributed.sequence_parallel`` N > 1): each rank computes ``1 / N`` of the tokens' work
       (``tokens`` above divided by N: its tokens' linear work, its heads' attention over whole sequences) and
       sends ``(N - 1) / N`` of its q, k, v and attention-output shards around every attention, in the forward, the
       backward and a recomputed forward (:func:`memfit.memory.switches.all_to_all_elements`), at
       ``interconnect_bytes_per_second``; attention waits for it, so it adds to the step;
     - on a ``layout`` (a mesh over nodes): ``communication`` is :func:`mesh_collectives`' ``fsdp`` and ``replicate``
-      (overlapped with compute), ``exchange`` its ``tensor`` plus the all-to-alls at the rate of the
-      sequence-parallel group (``sequence_parallel x T`` consecutive ranks inside a node, or not); a
-      tensor-parallel rank computes ``1 / T`` of its group's matmuls (``compute`` and ``dequantize`` divided by
-      ``T``);
+      (overlapped with compute) and ``exchange`` its ``exchange``: the same bytes, each at the rate of where its
+      group lies (NVLink inside a node, InfiniBand between nodes) in place of ``interconnect_bytes_per_second``;
     - ``optimizer``: ``trainable parameters * 7 * bytes(dtype) / device_memory_bytes_per_second *
       optimizer_update_factor[name]`` (on the host at ``host_memory_bytes_per_second`` when offloaded), plus
       ``kernels_per_tensor_update * kernel_launch_seconds`` per trainable tensor when each tensor is updated on
@@ -402,20 +369,21 @@ def step_cost(request: CostRequest) -> dict[str, float]:
     exchange = terms.exchanged_bytes / c["interconnect_bytes_per_second"]
     layout = request.layout
     if layout is not None:
-        mesh = mesh_collectives(cfg, mcfg, layout, seq_len, states, c, gathers=terms.gathers)
+        mesh = mesh_collectives(
+            cfg,
+            layout,
+            states,
+            c,
+            gathers=terms.gathers,
+            replica_bytes=terms.replica_reduced_bytes,
+            exchanged_bytes=terms.exchanged_bytes,
+        )
         communication = mesh["fsdp"] + mesh["replicate"]
-        tp = layout.tensor_parallel
-        sequence_span = cfg.distributed.sequence_parallel * tp
-        rate = c[
-            "intra_node_bytes_per_second"
-            if layout.inside_node(sequence_span)
-            else "inter_node_bytes_per_second"
-        ]
-        exchange = mesh["tensor"] + terms.exchanged_bytes / rate
-        compute, dequantize = compute / tp, dequantize / tp
+        exchange = mesh["exchange"]
     elif world_size > 1:
-        full = states["parameters"] * world_size  # the unsharded bytes, to within padding
-        moved = (terms.gathers + 1) * full * (world_size - 1) / world_size
+        shards = terms.shard_ranks or world_size  # hybrid sharding: the ranks of a replica
+        full = states["parameters"] * shards  # the unsharded bytes, to within padding
+        moved = (terms.gathers + 1) * full * (shards - 1) / shards + terms.replica_reduced_bytes
         communication = moved / c["interconnect_bytes_per_second"]
 
     trainable = states["trainable_parameters"]

@@ -15,6 +15,7 @@ import shutil
 from pathlib import Path
 
 from memfit.config import TrainConfig
+from memfit.distributed import shard_ranks
 from memfit.errors import CheckpointError
 from memfit.models.config import DecoderConfig
 from memfit.planner.closed_form import model_state_bytes_closed_form
@@ -38,7 +39,10 @@ def checkpoint_bytes(cfg: TrainConfig, mcfg: DecoderConfig, world_size: int = 1)
         Bytes.
     """
     states = model_state_bytes_closed_form(cfg, mcfg, world_size)
-    return (states["trainable_parameters"] + states["optimizer_state"]) * world_size
+    # hybrid sharding: the replicas hold the same shards, and DCP writes each once (its planner's dedup)
+    return (states["trainable_parameters"] + states["optimizer_state"]) * shard_ranks(
+        cfg.distributed.replicate, world_size
+    )
 
 
 def saves_of_run(cfg: TrainConfig, start_step: int) -> int:

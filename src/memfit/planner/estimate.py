@@ -59,6 +59,7 @@ import torch
 from memfit.build import build_training, run_model_config
 from memfit.checkpoint import init_optimizer_state
 from memfit.config import TrainConfig, check_lengths, device_type
+from memfit.distributed import shard_ranks
 from memfit.distributed import unwrap as dist_unwrap
 from memfit.errors import ConfigError
 from memfit.memory import optimizers, switches
@@ -523,7 +524,11 @@ def _trace(
             )
             tracker.record_timeline = True
             # gloo's reduce-scatter buffers, made inside the tracker's mode so that the tracker sees them
-            gloo = GlooBuffers(world_size) if target == "cpu" and world_size > 1 else contextlib.nullcontext()
+            gloo = (
+                GlooBuffers(shard_ranks(cfg.distributed.replicate, world_size))  # a replica's reduce-scatter
+                if target == "cpu" and world_size > 1
+                else contextlib.nullcontext()
+            )
             OffloadStats.reset()
             layers = list(dist_unwrap(model).model.layers) if marks else None
             counted = (lambda: tracker.allocations) if target == "cuda" else None

@@ -110,7 +110,8 @@ class ScalarReads(TorchDispatchMode):
 
 
 class GlooBuffers(TorchDispatchMode):
-    """What gloo, the backend of a sharded CPU run, allocates in a reduce-scatter, made under the fake process
+    """What gloo, the backend of a sharded CPU run, allocates in a reduce-scatter over ``world_size`` ranks (a
+    replica's under hybrid sharding), made under the fake process
     group (whose collectives allocate nothing): gloo's ``reduce_scatter_tensor_coalesced`` (which its
     ``_reduce_scatter_base`` calls; torch/csrc/distributed/c10d/ProcessGroupGloo.cpp) clones each input, all-reduces
     the clone in place and, when the work is waited on, copies this rank's chunk of it to the output; the clone lives

@@ -263,6 +263,8 @@ def candidates(
     world_size: int = 1,
     dtypes: Iterable[str] | None = None,
     optimizers: Iterable[str] | None = None,
+    nodes: int = 1,
+    fixed: dict[str, Any] | None = None,
 ) -> list[TrainConfig]:
     """Every combination of the plan's switches over ``cfg`` that config validation accepts.
 
@@ -293,6 +295,10 @@ def candidates(
         dtypes: dtype policies to consider.
         optimizers: ``optimizer.name`` values the plan may choose besides ``cfg``'s (``memfit plan --optimizers``),
             update rules other than ``cfg``'s included; default: those that keep ``cfg``'s update rule.
+        nodes: nodes the ranks are spread over; above 1, hybrid sharding (``distributed.replicate``) with replicas
+            across nodes is tried too.
+        fixed: dotted keys held at these values (a layout's ``distributed.replicate`` and
+            ``distributed.tensor_parallel``, :mod:`memfit.planner.mesh`): combinations with others are left out.
 
     Returns:
         Validated configs, ``cfg``'s own switches first when valid; no two with the same switches.
@@ -309,10 +315,13 @@ def candidates(
         num_heads=mcfg.num_heads,
         num_kv_heads=mcfg.num_kv_heads,
         optimizers=None if optimizers is None else tuple(optimizers),
+        nodes=nodes,
     )
     base = config_to_dict(cfg)
     out: list[TrainConfig] = []
     for settings in switches.plan_settings(cfg, space):
+        if any(settings.get(key, value) != value for key, value in (fixed or {}).items()):
+            continue
         tree = copy.deepcopy(base)
         for dotted, value in settings.items():
             set_dotted(tree, dotted, value)
@@ -387,7 +396,13 @@ class _Context:
         self._grad_sizes: dict[tuple, tuple[int, int]] = {}
 
     def closed(self, cfg: TrainConfig) -> dict[str, int]:
-        key = (cfg.method, cfg.dtype, cfg.optimizer.name, cfg.optimizer_in_backward)
+        key = (
+            cfg.method,
+            cfg.dtype,
+            cfg.optimizer.name,
+            cfg.optimizer_in_backward,
+            cfg.distributed.replicate,
+        )
         if key not in self._closed:
             self._closed[key] = model_state_bytes_closed_form(cfg, self.mcfg, self.state_ranks)
         return self._closed[key]
@@ -707,7 +722,8 @@ def _build(request: PlanRequest) -> tuple[_Search, float]:
     ):
         raise ValueError(f"PlanRequest: the config and world_size {world_size} are not those of {r.layout}")
     ctx = _Context(cfg, world_size, budget_bytes, margin, r.constants, r.host_overhead_bytes, r.layout)
-    configs = candidates(cfg, world_size, dtypes, r.optimizers)
+    fixed = r.layout.overrides() if r.layout is not None else None  # a layout's mesh is the layout's
+    configs = candidates(cfg, world_size, dtypes, r.optimizers, fixed=fixed)
     if not configs:
         raise ConfigError(
             "config key 'dtype': no combination of switches over this config passes validation; check it with "

@@ -22,8 +22,8 @@ a switch. The optimizers behind ``optimizer.name`` have their own registry, :mod
 Each entry is declared in the module of its family, after its own checks, candidates and cost: :mod:`.methods`
 (``method``, ``dtype``), :mod:`.optimizer` (the optimizer step's four), :mod:`.checkpointing`, :mod:`.sequence`
 (chunked loss, tiled MLP, sequence parallelism), :mod:`.compile_offload` (activation offloading, ``compile``),
-:mod:`.sharding` (FSDP's) and :mod:`.tensor` (tensor parallelism); :mod:`.base` holds what an entry is made of and
-the helpers the families share.
+:mod:`.sharding` (FSDP's, hybrid sharding's) and :mod:`.tensor` (tensor parallelism); :mod:`.base` holds what an
+entry is made of and the helpers the families share.
 Searching for ``key="tiled_mlp"`` lands on the entry, its functions just above it.
 
 Adding a switch is one entry in its family's module, listed in :data:`SWITCHES` here, plus its implementation;
@@ -83,6 +83,7 @@ from memfit.memory.switches.sharding import (
     FSDP_CPU_OFFLOAD,
     LIMIT_ALL_GATHERS,
     PREFETCH,
+    REPLICATE,
     RESHARD_AFTER_FORWARD,
     STRATEGY,
 )
@@ -165,6 +166,7 @@ SWITCHES: tuple[Switch, ...] = (
     FSDP_CPU_OFFLOAD,
     PREFETCH,
     LIMIT_ALL_GATHERS,
+    REPLICATE,
     SEQUENCE_PARALLEL,
     TENSOR_PARALLEL,
 )

@@ -123,6 +123,8 @@ class DistributedFields(Protocol):
     def sequence_parallel(self) -> int: ...
     @property
     def tensor_parallel(self) -> int: ...
+    @property
+    def replicate(self) -> int: ...
 
 
 class LoraFields(Protocol):
@@ -219,6 +221,9 @@ class PlanSpace:
     """The model's query heads (sequence parallelism splits them over its ranks)."""
     num_kv_heads: int = 0
     """The model's key/value heads."""
+    nodes: int = 1
+    """Nodes the ranks are spread over (``world_size / nodes`` a node): hybrid sharding is planned only across
+    nodes."""
     optimizers: tuple[str, ...] | None = None
     """``optimizer.name`` values allowed besides the config's (``memfit plan --optimizers``), any update rule;
     ``None``: the planned entries that keep the config's update rule."""
@@ -263,6 +268,12 @@ class StepTerms:
     """Bytes over the host link per step, on the compute stream."""
     overlapped_bytes: int = 0
     """Bytes over the host link per step on a side stream, overlapping compute (offloaded activations)."""
+    shard_ranks: int = 0
+    """Ranks a parameter is sharded over, whose all-gathers and reduce-scatters it takes (0: ``world_size``;
+    hybrid sharding: the ranks of a replica)."""
+    replica_reduced_bytes: float = 0.0
+    """Bytes one rank sends per step all-reducing its gradient shards across hybrid sharding's replicas (between
+    nodes); overlapped with compute as the all-gathers are."""
     exchanged_bytes: int = 0
     """Bytes one rank sends per step in sequence parallelism's all-to-alls, at the interconnect; attention waits
     for them (not overlapped)."""

@@ -1,5 +1,6 @@
 """The switches of sharded runs (FSDP): ``distributed.strategy``, ``reshard_after_forward``, ``cpu_offload``,
-``prefetch`` and ``limit_all_gathers``. Sequence parallelism is with the sequence's switches (:mod:`.sequence`).
+``prefetch``, ``limit_all_gathers`` and ``replicate`` (hybrid sharding, HSDP). Sequence parallelism is with the
+sequence's switches (:mod:`.sequence`).
 
 Each entry is declared after its checks, candidates and cost (:class:`~memfit.memory.switches.base.Switch`).
 """
@@ -169,4 +170,88 @@ LIMIT_ALL_GATHERS = Switch(
     no_parity="sharded, FSDP1 only: tests/test_distributed.py",
     not_planned="FSDP1 only, and plans are FSDP2's",
     doc="fsdp1 only: at most two layers' unsharded weights at once",
+)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# distributed.replicate
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _check_replicate(cfg: RunConfig, target: Target) -> None:
+    r, key = cfg.distributed.replicate, "distributed.replicate"
+    require(
+        isinstance(r, int) and not isinstance(r, bool) and r >= 1,
+        key,
+        f"must be >= 1 replicas (1: FSDP2 shards over every rank), got {r!r}",
+    )
+    if r == 1:
+        return
+    require(
+        target.world_size > 1 and target.world_size % r == 0,
+        key,
+        f"{r} replicas need a multiple of {r} ranks, and the run has {target.world_size}; launch with a multiple "
+        f"of {r} ranks (replicas x ranks per replica, e.g. nnodes={r} x nproc_per_node), or set it to 1",
+    )
+    require(
+        cfg.distributed.strategy == "fsdp2",
+        key,
+        "needs distributed.strategy=fsdp2: hybrid sharding is FSDP2's fully_shard on a 2-D (replicate, shard) "
+        "device mesh; FSDP1 is not wired for it",
+    )
+
+
+def _plan_replicate(cfg: RunConfig, space: PlanSpace) -> tuple[dict[str, Any], ...]:
+    """On several nodes: the config's own, 1 (flat), then every R dividing ``world_size`` whose replicas stay
+    within a node (R a multiple of the nodes: ``world_size / R`` ranks divide a node's). On one node a flat group's
+    all-gathers already stay on its fast links, and hybrid sharding would only hold R times the shards."""
+    key, own = "distributed.replicate", cfg.distributed.replicate
+    if space.world_size == 1 or space.nodes <= 1:
+        return ({},)
+    sizes = [r for r in range(2, space.world_size + 1) if space.world_size % r == 0 and r % space.nodes == 0]
+    return each(key, (own, 1, *sizes))
+
+
+def _cost_replicate(r: int, t: StepTerms) -> None:
+    """All-gathers and the gradients' reduce-scatter only within a replica of ``world_size / R`` ranks, then each
+    rank's gradient shard all-reduced across the R replicas (a ring: ``2 (R - 1) / R`` of its bytes sent)."""
+    if r > 1 and t.world_size > 1:
+        t.shard_ranks = t.world_size // r
+        t.replica_reduced_bytes += 2 * (r - 1) / r * t.states["trainable_parameters"]
+
+
+REPLICATE = Switch(
+    key="distributed.replicate",
+    applied="shard: memfit.distributed.shard_model (FSDP2 fully_shard on the (replicate, shard) mesh of "
+    "memfit.distributed.training_mesh)",
+    check=_check_replicate,
+    candidates=_plan_replicate,
+    sharded_only=True,
+    label=lambda v, cfg: f"hsdp={v}" if v > 1 else "",
+    comment=lambda v: (
+        f"hybrid sharding: {v} replicas, each sharding the model over its own ranks (a node) and all-reducing "
+        "gradients across replicas: all-gathers stay within a node, each rank holds R x the shards"
+        if v > 1
+        else ""
+    ),
+    cost=_cost_replicate,
+    refusals=(
+        Refusal(
+            {"distributed.replicate": 0}, "must be >= 1 replicas (1: FSDP2 shards over every rank), got 0"
+        ),
+        Refusal({"distributed.replicate": 2}, "2 replicas need a multiple of 2 ranks, and the run has 1"),
+        Refusal(
+            {"distributed.replicate": 2},
+            "2 replicas need a multiple of 2 ranks, and the run has 3",
+            world_size=3,
+        ),
+        Refusal(
+            {"distributed.replicate": 2, "distributed.strategy": "fsdp1"},
+            "needs distributed.strategy=fsdp2",
+            world_size=4,
+        ),
+    ),
+    no_parity="sharded: tests/test_hybrid_sharding.py compares a 2 x 2 hybrid mesh with one process",
+    doc="hybrid sharding (HSDP): R replicas of world_size / R ranks; shards within a replica, gradients all-reduced "
+    "across replicas",
 )
