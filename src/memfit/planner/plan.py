@@ -51,7 +51,7 @@ from memfit.config import (
     device_type,
     set_dotted,
 )
-from memfit.distributed import shard_numel
+from memfit.distributed import shard_numel, shard_ranks
 from memfit.errors import ConfigError
 from memfit.memory import optimizers, switches
 from memfit.memory.host import fixes_mmap_threshold, mmap_threshold_bytes, process_overhead_bytes
@@ -368,8 +368,6 @@ class _Context:
         self.cfg = cfg
         self.world_size = world_size
         self.layout = layout
-        # the ranks a parameter is split over: a tensor-parallel group's slices, chunked by FSDP2 within a replica
-        self.state_ranks = world_size // cfg.distributed.replicate if world_size > 1 else 1
         self.mcfg = run_model_config(cfg)
         self.seq_len = cfg.seq_len or self.mcfg.max_seq_len
         self.target = device_type(cfg.device)
@@ -404,7 +402,7 @@ class _Context:
             cfg.distributed.replicate,
         )
         if key not in self._closed:
-            self._closed[key] = model_state_bytes_closed_form(cfg, self.mcfg, self.state_ranks)
+            self._closed[key] = model_state_bytes_closed_form(cfg, self.mcfg, self.world_size)
         return self._closed[key]
 
     def moved_state(self, cfg: TrainConfig) -> str | None:
@@ -496,13 +494,17 @@ class _Context:
     def gradient_sizes(self, cfg: TrainConfig) -> tuple[int, int]:
         """Bytes of one rank's ``lm_head`` weight gradient (0 when it is frozen) and of its largest gradient, from the
         model of ``cfg``'s method (QLoRA's NF4 weights are frozen: they have none)."""
-        key = (cfg.dtype, cfg.method)
+        key = (cfg.dtype, cfg.method, cfg.distributed.replicate)
         if key not in self._grad_sizes:
             model = build_model(cfg, self.mcfg, torch.device("meta"))
             size = param_bytes(cfg.dtype)
 
             def local(p: Any) -> int:
-                return shard_numel(tuple(p.shape), self.state_ranks) * size
+                # a replica's ranks split it (a tensor-parallel block, chunked by FSDP2: as many elements)
+                return (
+                    shard_numel(tuple(p.shape), shard_ranks(cfg.distributed.replicate, self.world_size))
+                    * size
+                )
 
             head = getattr(getattr(model, "lm_head", None), "weight", None)
             head_bytes = local(head) if isinstance(head, torch.nn.Parameter) and head.requires_grad else 0
