@@ -1,8 +1,9 @@
 """Tensor parallelism (``distributed.tensor_parallel``) through the real CLI under torchrun on CPU (gloo), 4 ranks:
-tensor-parallel 2 x FSDP2 2 and tensor-parallel 4 train exactly what one process does with the same global batch
-(losses, gradient norms, validation losses, final weights within 1e-5) on Llama 3, Qwen3 (per-head q/k norms) and
-Gemma 2 (soft-capped attention and logits, sandwich norms, tied embeddings, the scaled embedding); LoRA under it;
-a checkpoint saved on the 2 x 2 mesh resumes in one process (DCP resharding). In one process: the refusals."""
+tensor-parallel 2 x FSDP2 2, tensor-parallel 4 and tensor-parallel 2 x 2 replicas (HSDP: the 3-D mesh) train
+exactly what one process does with the same global batch (losses, gradient norms, validation losses, final weights
+within 1e-5) on Llama 3, Qwen3 (per-head q/k norms) and Gemma 2 (soft-capped attention and logits, sandwich norms,
+tied embeddings, the scaled embedding); LoRA under it; a checkpoint saved on the 2 x 2 mesh resumes in one process
+(DCP resharding). In one process: the refusals, the blocks and the estimate's closed form."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import torch
 from memfit.cli import main
 from memfit.config import load_config
 from memfit.errors import ConfigError
-from memfit.memory.tensor_parallel import check_tensor_parallel
+from memfit.memory.tensor_parallel import check_tensor_parallel, tensor_parallel_shape
 from memfit.models.decoder import build_decoder
 from memfit.models.presets import model_config
 
@@ -38,23 +39,38 @@ WEIGHT_TOL = {"tiny-gemma2": 1e-4}
 # (layout, tensor_parallel, data-parallel groups of 4 ranks, model_args): tp=4 needs num_kv_heads divisible by 4
 # (the tiny presets have 4 heads and 2 key/value heads: tp=2 keeps grouped-query attention, 2 query heads a rank
 # sharing one key/value head)
-LAYOUTS = {"tp2xfsdp2": (2, 2, {}), "tp4": (4, 1, {"model_args.num_kv_heads": 4})}
+LAYOUTS = {
+    "tp2xfsdp2": (2, 2, {}),
+    "tp4": (4, 1, {"model_args.num_kv_heads": 4}),
+    # the 3-D mesh: 2 replicas (HSDP) x 1 shard x tp 2
+    "tp2xreplicate2": (2, 2, {}),
+}
+MESH = {"tp2xreplicate2": {"distributed.replicate": 2}}
+"""The layouts' settings beyond tensor_parallel, for the 4-rank run alone."""
 CASES = [
-    (layout, model, {}) for layout in LAYOUTS for model in ("tiny-llama3", "tiny-qwen3", "tiny-gemma2")
-] + [("tp2xfsdp2", "tiny-llama3", {"activation_checkpointing": "full"})]
+    (layout, model, {})
+    for layout in ("tp2xfsdp2", "tp4")
+    for model in ("tiny-llama3", "tiny-qwen3", "tiny-gemma2")
+] + [
+    ("tp2xreplicate2", "tiny-llama3", {}),
+    ("tp2xfsdp2", "tiny-llama3", {"activation_checkpointing": "full"}),
+    # the gradient norm the hooks sum: a norm weight replicated over the group counts once
+    ("tp2xfsdp2", "tiny-llama3", {"optimizer_in_backward": "true", "max_grad_norm": 0}),
+]
+IDS = [f"{layout}-{model}" + "".join(f"-{k.split('_')[0]}" for k in extra) for layout, model, extra in CASES]
 
 
 @pytest.fixture(scope="module")
 def single_runs(tmp_path_factory, small_corpus):
-    """One-process references, made once per (model, model_args, global batch)."""
+    """One-process references, made once per (model, global batch, settings)."""
     root = tmp_path_factory.mktemp("single")
     made: dict[tuple, Path] = {}
 
-    def get(model: str, groups: int, model_args: dict) -> Path:
-        key = (model, groups, tuple(sorted(model_args.items())))
+    def get(model: str, groups: int, settings: dict) -> Path:
+        key = (model, groups, tuple(sorted(settings.items())))
         if key not in made:
             out = root / f"{model}-{groups}-{len(made)}"
-            over = _overrides(small_corpus, out, batch_size=BATCH * groups, model=model, **model_args)
+            over = _overrides(small_corpus, out, batch_size=BATCH * groups, model=model, **settings)
             assert main(["pretrain", *over]) == 0
             made[key] = out
         return made[key]
@@ -64,7 +80,13 @@ def single_runs(tmp_path_factory, small_corpus):
 
 def _tensor_parallel_run(corpus: Path, out: Path, layout: str, model: str, **extra) -> Path:
     tp, _, model_args = LAYOUTS[layout]
-    settings = {"model": model, "distributed.tensor_parallel": tp, **model_args, **extra}
+    settings = {
+        "model": model,
+        "distributed.tensor_parallel": tp,
+        **model_args,
+        **MESH.get(layout, {}),
+        **extra,
+    }
     proc = run_torchrun(
         ["pretrain", *_overrides(corpus, out, batch_size=BATCH, **settings)], nproc=4, timeout=300
     )
@@ -73,15 +95,14 @@ def _tensor_parallel_run(corpus: Path, out: Path, layout: str, model: str, **ext
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    ("layout", "model", "extra"), CASES, ids=[f"{c[0]}-{c[1]}{'-ac' * bool(c[2])}" for c in CASES]
-)
+@pytest.mark.parametrize(("layout", "model", "extra"), CASES, ids=IDS)
 def test_four_ranks_tensor_parallel_train_what_one_process_does(
     layout, model, extra, single_runs, small_corpus, tmp_path
 ):
     _, groups, model_args = LAYOUTS[layout]
     out = _tensor_parallel_run(small_corpus, tmp_path / layout, layout, model, **extra)
-    diffs = _assert_same_run(out, single_runs(model, groups, model_args), tol=WEIGHT_TOL.get(model, TOL))
+    single = single_runs(model, groups, {**model_args, **extra})
+    diffs = _assert_same_run(out, single, tol=WEIGHT_TOL.get(model, TOL))
     print(f"{layout} {model} {extra}: {diffs}")
     assert max(diffs["loss"], diffs["grad_norm"], diffs["val_loss"]) <= TOL, diffs
 
@@ -159,3 +180,32 @@ def test_the_plan_refuses_what_it_cannot_split():
     check_tensor_parallel(model, 2)
     with pytest.raises(ValueError, match="num_kv_heads 2 must both be divisible by tensor_parallel 4"):
         check_tensor_parallel(model, 4)
+
+
+def test_tensor_parallel_blocks_by_name():
+    assert tensor_parallel_shape("model.layers.0.self_attn.q_proj.weight", (64, 64), 4) == (16, 64)
+    assert tensor_parallel_shape("model.layers.0.mlp.down_proj.weight", (64, 128), 4) == (64, 32)
+    assert tensor_parallel_shape("model.layers.0.mlp.down_proj.lora_A", (8, 128), 4) == (8, 32)
+    assert tensor_parallel_shape("model.layers.0.self_attn.v_proj.lora_A", (8, 64), 4) == (8, 64)
+    assert tensor_parallel_shape("lm_head.lora_B", (62, 8), 4) == (
+        16,
+        8,
+    )  # torch.chunk's rows: 16, 16, 16, 14
+    assert tensor_parallel_shape("model.embed_tokens.weight", (62, 64), 2) == (31, 64)
+    assert tensor_parallel_shape("model.layers.1.input_layernorm.weight", (64,), 4) == (64,)  # replicated
+
+
+@pytest.mark.parametrize("overrides", [["distributed.tensor_parallel=2"], ["distributed.tensor_parallel=4"]])
+def test_the_estimate_of_a_tensor_parallel_rank_is_its_closed_form(overrides):
+    """Rank 0's step traced on fake tensors over a fake 4-rank group (the plan applied, FSDP2 over the rest): its
+    parameters, gradients and optimizer state are the closed form's to the byte (the norms replicated over the
+    group, the split weights' blocks sharded over the data-parallel ranks)."""
+    from memfit.planner.estimate import estimate_run
+
+    settings = ["model=tiny", "model_args.num_kv_heads=4", "tokenizer.kind=char", "optimizer.name=adamw"]
+    cfg = load_config(
+        None, [*settings, "seq_len=64", "batch_size=1", *overrides], world_size=4, needs_weights=False
+    )
+    e = estimate_run(cfg, world_size=4)
+    assert e.traced_model_states == {k: e.model_states[k] for k in e.traced_model_states}
+    assert e.peak_bytes > 0

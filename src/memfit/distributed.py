@@ -171,6 +171,9 @@ def training_mesh(replicate: int = 1, tensor_parallel: int = 1):
             # the data-parallel ranks as one dimension too (torchtitan's flattened "dp"): a DTensor reduced over
             # both FSDP2 dimensions (the gradient norm's Partial, Partial) then takes one all-reduce, not two
             mesh["replicate", "shard"]._flatten("dp")
+        if tensor_parallel > 1:
+            # a DTensor partial over shard and tp (the gradient norm of FSDP2 x TP) then reduces in one collective
+            mesh["shard", "tp"]._flatten()
         _MESHES[key] = mesh
     return _MESHES[key]
 

@@ -67,10 +67,15 @@ def loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         A 0-dim fp32 tensor (plain, also under tensor parallelism): the sum over counted tokens of
         ``-log p(target)``, in nats.
     """
-    return local_loss(
-        F.cross_entropy(
-            logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+    if hasattr(logits, "to_local"):  # sharded on V: (B, V, T) vs (B, T), which keeps one Shard placement even
+        # for B = 0 (a data-parallel group without validation rows), where DTensor's flatten of (0, T) does not
+        return local_loss(
+            F.cross_entropy(
+                logits.float().transpose(1, 2), targets, ignore_index=IGNORE_INDEX, reduction="sum"
+            )
         )
+    return F.cross_entropy(
+        logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
     )  # (B*T, V) vs (B*T,)
 
 

@@ -32,7 +32,7 @@ from memfit.data.sources import default_corpus_path, source_tree
 from memfit.data.templates import resolve_template, template_label, template_name
 from memfit.data.tokens import TRAIN, VAL, TokenDataset, document_ids, is_dataset, read_manifest
 from memfit.errors import ConfigError, DataError
-from memfit.memory.ulysses import shard_batch
+from memfit.memory.ulysses import pad_batch, shard_batch
 from memfit.tokenizer import Tokenizer, load_tokenizer
 
 Batch = tuple[torch.Tensor | None, ...]
@@ -206,7 +206,27 @@ def run_data(
         return preference_data(cfg, tokenizer, seq_len)  # never sequence-parallel (config validation)
     else:
         data = instruct_data(cfg, tokenizer, seq_len)
-    return sequence_shards(data, cfg.distributed.sequence_parallel)
+    return tensor_parallel_padding(sequence_shards(data, cfg.distributed.sequence_parallel), cfg)
+
+
+def tensor_parallel_padding(data: RunData, cfg: TrainConfig) -> RunData:
+    """``data`` whose rows are padded at the end to a multiple of ``distributed.tensor_parallel`` tokens
+    (:func:`memfit.memory.ulysses.pad_batch`: the padding counts nowhere), as tensor parallelism's sequence split
+    of the residual stream needs (instruction batches are as long as their longest sample). Unchanged for T = 1 or
+    a single process."""
+    tp = cfg.distributed.tensor_parallel
+    if tp == 1 or dist_.world_size() == 1:
+        return data
+
+    def pad(batches: Callable[[], Iterator[Batch]]) -> Callable[[], Iterator[Batch]]:
+        return lambda: (pad_batch(b, tp) for b in batches())
+
+    return dataclasses.replace(
+        data,
+        train_batch=lambda step, micro: pad_batch(data.train_batch(step, micro), tp),
+        val_batches=pad(data.val_batches),
+        val_sources={name: pad(batches) for name, batches in data.val_sources.items()},
+    )
 
 
 def sequence_shards(data: RunData, sequence_parallel: int) -> RunData:

@@ -614,11 +614,17 @@ class OptimizerInBackward(_PerParameter):
         """The hook: norm, update, free. Runs in backward, once per parameter and backward."""
         with torch.no_grad():
             grad = p.grad
+            replicas = 1
             if hasattr(grad, "to_local"):  # a DTensor shard (FSDP2): this rank's part of the sum of squares
-                if self._sharded_over is None:
-                    self._sharded_over = _sharding_group(grad)
+                mesh = grad.device_mesh  # FSDP2's 1-D mesh, or a 2-D or 3-D one of all ranks (HSDP, TP)
+                self._sharded_over = mesh.get_group() if mesh.ndim == 1 else dist.group.WORLD
+                # a shard held by several ranks (replicated over a mesh dimension: hybrid sharding's replicas, a
+                # tensor-parallel group's norm weights) adds its squares once over them
+                replicas = math.prod(
+                    mesh.size(i) for i, pl in enumerate(grad.placements) if pl.is_replicate()
+                )
                 grad = grad.to_local()
-            sq = squared_norm(grad)
+            sq = squared_norm(grad) if replicas == 1 else squared_norm(grad) / replicas
             self._sq_sum = sq if self._sq_sum is None else self._sq_sum + sq
             self._step_one(p)
         p.grad = None

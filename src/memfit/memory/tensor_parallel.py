@@ -205,6 +205,37 @@ def apply_tensor_parallel(model: Decoder, tp_mesh: Any) -> int:
     return len(model.model.layers)
 
 
+COLUMN_WISE = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "lm_head", "embed_tokens")
+"""The modules split on their weight's dim 0 (their outputs; the embedding's vocabulary rows)."""
+ROW_WISE = ("o_proj", "down_proj")
+"""The modules split on their weight's dim 1 (their inputs)."""
+
+
+def tensor_parallel_shape(name: str, shape: tuple[int, ...], size: int) -> tuple[int, ...]:
+    """The shape of a parameter's block on tensor-parallel rank 0 (``torch.chunk``'s layout), from its name: what
+    FSDP2 then shards over the data-parallel ranks. Column-wise modules' weights, biases and ``lora_B`` split on dim
+    0, row-wise modules' weights and ``lora_A`` on dim 1; the rest (norms, the other LoRA factor) is replicated.
+
+    Args:
+        name: the parameter's name in the model (``model.layers.0.self_attn.q_proj.weight``).
+        shape: its whole shape.
+        size: T, ranks of the tensor-parallel group.
+
+    Returns:
+        The block's shape (``shape`` itself for a replicated parameter or T = 1).
+    """
+    module, _, kind = name.rpartition(".")
+    owner = module.rsplit(".", 1)[-1]
+    dim = None
+    if owner in COLUMN_WISE and kind in ("weight", "bias", "lora_B"):
+        dim = 0
+    elif owner in ROW_WISE and kind in ("weight", "lora_A"):
+        dim = 1
+    if size == 1 or dim is None or len(shape) <= dim:
+        return shape
+    return (*shape[:dim], min(shape[dim], -(-shape[dim] // size)), *shape[dim + 1 :])
+
+
 def is_tensor_parallel(model: nn.Module) -> bool:
     """Whether :func:`apply_tensor_parallel` split ``model`` (its logits are a vocabulary-sharded DTensor)."""
     return getattr(model, TP_ATTRIBUTE, None) is not None

@@ -118,6 +118,32 @@ def apply_sequence_parallel(model: nn.Module, group, size: int) -> int:
     return len(layers)
 
 
+def pad_batch(batch: tuple[Tensor | None, ...], size: int) -> tuple[Tensor, Tensor, Tensor | None]:
+    """A micro-batch whose rows are padded at the end to a multiple of ``size`` tokens: input id 0, target ``-100``
+    (they count nowhere), a document of their own. Causal attention keeps padding at the end from changing any
+    earlier token. What a group that splits the sequence needs (Ulysses here, tensor parallelism's sequence split).
+
+    Args:
+        batch: ``(inputs, targets)`` or ``(inputs, targets, doc_ids)``, each (B, T) int64 (``doc_ids`` may be
+            None).
+        size: the multiple.
+
+    Returns:
+        ``(inputs, targets, doc_ids)``, (B, T') with T' the least multiple of ``size`` >= T (the tensors themselves
+        when T is one).
+    """
+    inputs, targets, *rest = batch
+    doc_ids = rest[0] if rest else None
+    B, T = inputs.shape
+    pad = -T % size
+    if pad:
+        inputs = torch.cat([inputs, inputs.new_zeros(B, pad)], dim=1)
+        targets = torch.cat([targets, targets.new_full((B, pad), IGNORE_INDEX)], dim=1)
+        if doc_ids is not None:
+            doc_ids = torch.cat([doc_ids, (doc_ids.amax(dim=1, keepdim=True) + 1).expand(B, pad)], dim=1)
+    return inputs, targets, doc_ids
+
+
 def shard_batch(
     batch: tuple[Tensor | None, ...], rank: int, size: int
 ) -> tuple[Tensor, Tensor, Tensor | None, Tensor]:
@@ -140,16 +166,8 @@ def shard_batch(
         positions, (T' / N,) int64, or (B, T' / N) restarting at each packed document; T' is T padded to a multiple
         of N.
     """
-    inputs, targets, *rest = batch
-    doc_ids = rest[0] if rest else None
-    B, T = inputs.shape
-    pad = -T % size
-    if pad:
-        inputs = torch.cat([inputs, inputs.new_zeros(B, pad)], dim=1)
-        targets = torch.cat([targets, targets.new_full((B, pad), IGNORE_INDEX)], dim=1)
-        if doc_ids is not None:
-            doc_ids = torch.cat([doc_ids, (doc_ids.amax(dim=1, keepdim=True) + 1).expand(B, pad)], dim=1)
-        T += pad
+    inputs, targets, doc_ids = pad_batch(batch, size)
+    T = inputs.shape[1]
     t = T // size
     lo, hi = rank * t, (rank + 1) * t
     if doc_ids is None:

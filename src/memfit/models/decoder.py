@@ -161,9 +161,11 @@ class Attention(nn.Module):
         if whole:  # OLMoE: the whole projections normed, before the heads are split
             q, k = self.q_norm(q), self.k_norm(k)
         # heads counted from the projections' widths: a tensor-parallel rank holds nh / tp and nkv / tp of them
-        q = q.view(B, T, -1, self.head_dim)  # (B, T, nh, hd)
-        k = k.view(B, T, -1, self.head_dim)  # (B, T, nkv, hd)
-        v = self.v_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, nkv, T, hd)
+        hd = self.head_dim
+        q = q.view(B, T, q.shape[-1] // hd, hd)  # (B, T, nh, hd)
+        k = k.view(B, T, k.shape[-1] // hd, hd)  # (B, T, nkv, hd)
+        v = self.v_proj(x)  # (B, T, nkv * hd)
+        v = v.view(B, T, v.shape[-1] // hd, hd).transpose(1, 2)  # (B, nkv, T, hd)
         if "q_norm" in self._modules and not whole:  # qk_norm: each head normed over hd, before RoPE
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = q.transpose(1, 2), k.transpose(1, 2)  # (B, nh, T, hd), (B, nkv, T, hd)
@@ -184,7 +186,7 @@ class Attention(nn.Module):
         B, T, _ = x.shape
         q, k, v = self.project_qkv(x, cos, sin)
         y = self.attend(q, k, v, doc_ids)  # (B, nh, T, hd)
-        y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, nh * hd)
+        y = y.transpose(1, 2).reshape(B, T, y.shape[1] * y.shape[3])  # (B, T, nh * hd)
         return self.o_proj(y)  # (B, T, C)
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, doc_ids: Tensor | None = None) -> Tensor:

@@ -12,6 +12,7 @@ from memfit.build import PARAM_DTYPES, build_model
 from memfit.config import TrainConfig
 from memfit.distributed import local_shape, shard_numel, shard_ranks
 from memfit.memory import optimizers, rounding
+from memfit.memory.tensor_parallel import tensor_parallel_shape
 from memfit.models import nf4 as nf4_format
 from memfit.models import peft
 from memfit.models.config import DecoderConfig
@@ -66,9 +67,11 @@ def model_state_bytes_closed_form(
       (:func:`memfit.memory.rounding.compensation_bytes`).
 
     Sharded (``world_size`` > 1): every parameter is split on dim 0 into ``ceil(rows / world_size)``-row chunks
-    (``torch.chunk``'s layout) and rank 0's chunk counts; FSDP1 flattens a unit's parameters into one padded buffer
-    and gives each rank ``ceil(numel / world_size)`` elements. Hybrid sharding (``distributed.replicate`` R) splits
-    them over the ``world_size / R`` ranks of a replica.
+    (``torch.chunk``'s layout) and rank 0's chunk counts; under ``distributed.tensor_parallel`` T, rank 0's
+    tensor-parallel block (:func:`memfit.memory.tensor_parallel.tensor_parallel_shape`) into ``world_size / T``;
+    FSDP1 flattens a unit's parameters into one padded buffer and gives each rank ``ceil(numel / world_size)``
+    elements. Hybrid sharding (``distributed.replicate`` R) splits them over the ``world_size / R`` ranks of a
+    replica (``world_size / (R T)`` with tensor parallelism).
 
     Returns:
         ``{"parameters", "gradients", "optimizer_state", "trainable_parameters", "paged_optimizer_state"}`` in
@@ -80,12 +83,15 @@ def model_state_bytes_closed_form(
     size = torch.tensor([], dtype=dtype).element_size()
     buffers = sum(b.numel() * b.element_size() for b in model.buffers())
     params = {n: p for n, p in model.named_parameters()}
+    # tensor parallelism: each parameter's block on its group's rank 0, sharded over the world / T data ranks
+    tp = cfg.distributed.tensor_parallel if world_size > 1 else 1
+    shapes = {n: tensor_parallel_shape(n, tuple(p.shape), tp) for n, p in params.items()}
     world_size = shard_ranks(cfg.distributed.replicate, world_size)  # hybrid sharding: a replica's ranks
-    local = {n: shard_numel(tuple(p.shape), world_size) for n, p in params.items()}
+    local = {n: shard_numel(shapes[n], world_size // tp) for n in params}
     trainable = [n for n, p in params.items() if p.requires_grad]
     tensors = optimizers.tensor_infos(
         cfg.optimizer.name,
-        [(n, local_shape(tuple(params[n].shape), world_size), size, params[n].ndim) for n in trainable],
+        [(n, local_shape(shapes[n], world_size // tp), size, params[n].ndim) for n in trainable],
         rank=cfg.optimizer.apollo_rank,
         dim=mcfg.dim,
         num_heads=mcfg.num_heads,
