@@ -189,6 +189,24 @@ def test_two_replicas_of_two_shards_on_other_families(model, small_corpus, tmp_p
 
 
 @pytest.mark.slow
+def test_two_replicas_with_sequence_parallel_groups(hybrid_llama, small_corpus, tmp_path):
+    """2 replicas x 2 shards and, on the same 4 ranks, 2 sequence-parallel groups of 2 (each sharing 4 sequences,
+    a rank holding 16 of their 32 tokens): the global batch of 8 sequences, one process's run."""
+    single, _, _ = hybrid_llama
+    out = tmp_path / "hybrid_sp"
+    extra = {**HYBRID, "distributed.sequence_parallel": 2}
+    proc = run_torchrun(
+        ["pretrain", *_overrides(small_corpus, out, batch_size=4, **extra)], nproc=WORLD, timeout=300
+    )
+    assert (
+        "2 data-parallel x 2 sequence-parallel ranks (hybrid fsdp2: 2 replicas x 2 shards over all 4"
+        in proc.stdout
+    )
+    diffs = _assert_same_run(out, single)
+    print(f"max |2 x 2 hybrid, sp=2 - 1 process|: {diffs}")
+
+
+@pytest.mark.slow
 def test_a_hybrid_checkpoint_resumes_on_four_flat_ranks(hybrid_llama, small_corpus, tmp_path):
     """The 2 x 2 run's step-2 shards resume on 4 flat FSDP2 ranks onto the uninterrupted run's losses."""
     _, hybrid, _ = hybrid_llama
@@ -261,12 +279,23 @@ def _tracked(corpus, out, **extra):
     [
         ({"optimizer_in_backward": "true", "max_grad_norm": 0}, TOL),
         ({"dtype": "bf16", "bf16_rounding": "kahan"}, 2e-2),  # as test_distributed.py's BF16_TOL
+        (
+            {
+                "chunked_cross_entropy": 4,
+                "tiled_mlp": 3,
+                "activation_checkpointing": "full",
+                "activation_offloading": "true",
+            },
+            TOL,
+        ),
     ],
-    ids=["in-backward", "bf16-kahan"],
+    ids=["in-backward", "bf16-kahan", "long-context"],
 )
 def test_two_replicas_with_the_optimizer_switches(extra, tol, small_corpus, tmp_path):
-    """The optimizer in the backward (each rank steps its shard once the all-reduce across replicas is done) and
-    bf16 shards rounded with Kahan compensation, on 2 x 2: one process's run."""
+    """The optimizer in the backward (each rank steps its shard once the all-reduce across replicas is done), bf16
+    shards rounded with Kahan compensation, and the long-context switches (the chunked loss reading the root's
+    gathered lm_head, the tiled MLP's recomputed tiles, full checkpointing with offloading hooks), on 2 x 2: one
+    process's run."""
     single, out = tmp_path / "single", tmp_path / "hybrid"
     assert main(["pretrain", *_overrides(small_corpus, single, batch_size=GLOBAL_BATCH, **extra)]) == 0
     run_torchrun(

@@ -1,7 +1,8 @@
 """Multi-node runs as docs/distributed.md tells them: two torchrun launchers ("nodes" of one rank each, on this host)
 meet through the c10d rendezvous and share one ``output_dir``. They train what one process with the global batch
 does; when one node is SIGKILLed mid-run the other's launch ends at once, the newest complete checkpoint is intact,
-and both nodes started again with ``resume=true`` continue onto the uninterrupted run's losses."""
+and both nodes started again with ``resume=true`` continue onto the uninterrupted run's losses. The same again with
+two ranks a node in hybrid sharding (``distributed.replicate=2``: each node a replica, as on real clusters)."""
 
 from __future__ import annotations
 
@@ -84,35 +85,54 @@ def reference(tmp_path_factory, small_corpus) -> list[tuple[int, float, float]]:
     return _losses(out)
 
 
-def test_two_nodes_train_what_one_process_does(reference, small_corpus, tmp_path):
-    out = tmp_path / "two_nodes"
-    nodes = _start_nodes(["pretrain", *_overrides(small_corpus, out, batch_size=4)])
-    outputs = _finish(nodes, RUN_WITHIN_S)
-    assert [n.returncode for n in nodes] == [0, 0], _tails(outputs)
-    both = "".join(outputs)
-    assert "x 2 ranks (fsdp2)" in both, _tails(outputs)
-    assert both.count("step 1 |") == 1 and both.count("final validation loss") == 1  # rank 0 alone logs
-    loss, grad_norm = _max_diff(_losses(out), reference)
-    print(
-        f"max |2 nodes x 1 rank x batch 4 - 1 process x batch 8|: loss {loss:.2e}, grad_norm {grad_norm:.2e}"
-    )
-    assert loss <= TOL and grad_norm <= TOL, _tails(outputs)
-
-
-# (ranks per node, per-rank batch, extra overrides): 2 nodes x 1 rank; 2 nodes x 2 ranks in hybrid sharding, each
-# node a replica (its 2 ranks shard the model, gradients are all-reduced across the nodes); both global batches 8
+# (ranks per node, per-rank batch, extra overrides, rank 0's banner): 2 nodes x 1 rank; 2 nodes x 2 ranks in hybrid
+# sharding, each node a replica (its 2 ranks shard the model, gradients are all-reduced across the nodes); both
+# global batches are 8
 LAYOUTS = {
-    "flat-2x1": (1, 4, {}),
-    "hybrid-2x2": (2, 2, {"distributed.replicate": 2}),
+    "flat-2x1": (1, 4, {}, "x 2 ranks (fsdp2)"),
+    "hybrid-2x2": (2, 2, {"distributed.replicate": 2}, "x 4 ranks (hybrid fsdp2: 2 replicas x 2 shards)"),
 }
 
 
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory, small_corpus):
+    """``layout -> (output dir, the launchers' outputs)`` of an uninterrupted two-node run (run once a layout)."""
+    runs: dict[str, tuple[Path, list[str]]] = {}
+
+    def run(layout: str) -> tuple[Path, list[str]]:
+        if layout not in runs:
+            nproc, batch_size, extra, _ = LAYOUTS[layout]
+            out = tmp_path_factory.mktemp(layout) / "two_nodes"
+            nodes = _start_nodes(
+                ["pretrain", *_overrides(small_corpus, out, batch_size=batch_size, **extra)], nproc
+            )
+            outputs = _finish(nodes, RUN_WITHIN_S)
+            assert [n.returncode for n in nodes] == [0, 0], _tails(outputs)
+            runs[layout] = (out, outputs)
+        return runs[layout]
+
+    return run
+
+
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_a_killed_node_ends_the_run_and_both_resume_exactly(layout, reference, small_corpus, tmp_path):
+def test_two_nodes_train_what_one_process_does(layout, uninterrupted, reference):
+    out, outputs = uninterrupted(layout)
+    both = "".join(outputs)
+    assert LAYOUTS[layout][3] in both, _tails(outputs)
+    assert both.count("step 1 |") == 1 and both.count("final validation loss") == 1  # rank 0 alone logs
+    loss, grad_norm = _max_diff(_losses(out), reference)
+    print(f"max |2 nodes ({layout}) - 1 process x batch 8|: loss {loss:.2e}, grad_norm {grad_norm:.2e}")
+    assert loss <= TOL and grad_norm <= TOL, _tails(outputs)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_a_killed_node_ends_the_run_and_both_resume_exactly(
+    layout, uninterrupted, reference, small_corpus, tmp_path
+):
     """SIGKILL of the node that holds rank 0 (the one that logs, holds the run's lock and renames checkpoints into
     place), its launcher and workers, once a checkpoint is complete; then both nodes again with ``resume=true``.
     In hybrid mode the killed node is a whole replica."""
-    nproc, batch_size, extra = LAYOUTS[layout]
+    nproc, batch_size, extra, banner = LAYOUTS[layout]
     out = tmp_path / "run"
     args = [
         "pretrain",
@@ -168,8 +188,7 @@ def test_a_killed_node_ends_the_run_and_both_resume_exactly(layout, reference, s
     outputs = _finish(nodes, RUN_WITHIN_S)
     assert [n.returncode for n in nodes] == [0, 0], _tails(outputs)
     assert "".join(outputs).count(f"resuming at step {step}") == 1, _tails(outputs)
-    if extra:  # each node one replica: rank 0's banner names the mesh
-        assert "(hybrid fsdp2: 2 replicas x 2 shards)" in "".join(outputs), _tails(outputs)
+    assert banner in "".join(outputs), _tails(outputs)  # hybrid: each node one replica
     assert ckpt_io.list_checkpoints(out)[-1].name == f"step_{MAX_STEPS:08d}"  # it ends at max_steps
     assert not [
         p.name for p in (out / "checkpoints").iterdir() if p.name.startswith(".")
@@ -181,3 +200,12 @@ def test_a_killed_node_ends_the_run_and_both_resume_exactly(layout, reference, s
         f"steps {step + 1}-{MAX_STEPS} {resumed[0]:.2e}, {resumed[1]:.2e}; all steps {whole[0]:.2e}, {whole[1]:.2e}"
     )
     assert max(*resumed, *whole) <= TOL, _tails(outputs)
+    # and the steps after the checkpoint are the uninterrupted two-node run's (the same layout, the same sums)
+    exact = [(s, loss) for s, loss, _ in _losses(uninterrupted(layout)[0]) if s > step]
+    again = [(s, loss) for s, loss, _ in _losses(out) if s > step]
+    print(
+        f"{layout}: max |resumed - uninterrupted| loss, steps {step + 1}-{MAX_STEPS}: "
+        f"{max(abs(a[1] - b[1]) for a, b in zip(again, exact, strict=True)):.2e}"
+    )
+    assert [s for s, _ in again] == [s for s, _ in exact]
+    assert max(abs(a[1] - b[1]) for a, b in zip(again, exact, strict=True)) <= 1e-6
