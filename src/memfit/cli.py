@@ -690,7 +690,8 @@ def _add_plan(sub: Any) -> None:
         "plan",
         _plan,
         "YAML preset to plan from (its keys are kept) (default: none, the built-in defaults)",
-        "budget=24GiB (required), model=llama3-8b, world_size=N (default: 1), batch_size=B, seq_len=T or "
+        "budget=24GiB (required), model=llama3-8b, world_size=N (default: 1), nodes=N gpus_per_node=G (default: "
+        "none: one mesh of world_size ranks), batch_size=B, seq_len=T or "
         "seq_len=max (the longest context that fits), ...",
         help=verbs.VERBS["plan"],
         description="Enumerate combinations of the memory switches (dtype, optimizer, optimizer in backward, "
@@ -698,7 +699,9 @@ def _add_plan(sub: Any) -> None:
         "estimate their peak memory on fake tensors (as memfit estimate), rank those that fit budget=SIZE on each "
         "device by a throughput cost model (docs/memory.md, Planner) and write the fastest as a runnable YAML. "
         "budget is required: 24GiB (GiB = 1024**3 bytes; also MiB, TiB) or 24GB (GB = 10**9 bytes; also MB, TB). "
-        "world_size=N plans one rank of an N-rank FSDP2 run. dtype: kept when given, else bf16_mixed and bf16 "
+        "world_size=N plans one rank of an N-rank FSDP2 run; nodes=N gpus_per_node=G plans the mesh of N x G GPUs "
+        "too (replicas across nodes, shards, tensor-parallel groups inside a node), writing the torchrun line for "
+        "every node. dtype: kept when given, else bf16_mixed and bf16 "
         "(on CPU also fp32) are considered. device=cuda plans a GPU run on any machine. seq_len=max searches the "
         "sequence length too: the longest context each switch set allows (each adding one technique), and the "
         "fastest switch set at the longest.",

@@ -272,17 +272,19 @@ def plan_mesh(request: plan_.PlanRequest, nodes: int, gpus_per_node: int) -> Mes
 def format_mesh_plan(mp: MeshPlan) -> str:
     """The layouts' table of ``memfit plan nodes=N gpus_per_node=G``: each layout, its status, its fastest fitting
     switches (or why it has none), their peak per GPU, the predicted step seconds and tokens per second per GPU
-    (the cost model's, at equal tokens per GPU)."""
+    (the cost model's, at equal tokens per GPU); a layout without a plan shows the lower bound of its step."""
     lines = [
         f"{mp.nodes} node(s) x {mp.gpus_per_node} GPU(s), budget {format_bytes(mp.budget_bytes)} per GPU: "
         f"{len(mp.layouts)} layouts, {mp.estimates} estimates in {mp.seconds:.0f} s",
-        f"{'layout':<32} {'status':<16} {'peak':>10} {'step s':>9} {'tok/s/GPU':>11}  switches, or why not",
+        f"{'layout':<32} {'status':<16} {'peak':>10} {'step s':>10} {'tok/s/GPU':>11}  switches, or why not",
     ]
     for lp in mp.layouts:
         row = lp.best
         peak = format_bytes(row.peak_bytes) if row is not None else ""
         step = f"{lp.step_seconds:.4f}" if row is not None else ""
+        if row is None and lp.optimistic_seconds != float("inf"):
+            step = f">={lp.optimistic_seconds:.4f}"  # the bound it was judged by
         tps = f"{row.tokens_per_second_per_gpu:,.0f}" if row is not None else ""
         what = row.label() if row is not None else lp.note
-        lines.append(f"{lp.layout.label():<32} {lp.status:<16} {peak:>10} {step:>9} {tps:>11}  {what}")
+        lines.append(f"{lp.layout.label():<32} {lp.status:<16} {peak:>10} {step:>10} {tps:>11}  {what}")
     return "\n".join(lines)
