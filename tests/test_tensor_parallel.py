@@ -2,8 +2,9 @@
 tensor-parallel 2 x FSDP2 2, tensor-parallel 4 and tensor-parallel 2 x 2 replicas (HSDP: the 3-D mesh) train
 exactly what one process does with the same global batch (losses, gradient norms, validation losses, final weights
 within 1e-5) on Llama 3, Qwen3 (per-head q/k norms) and Gemma 2 (soft-capped attention and logits, sandwich norms,
-tied embeddings, the scaled embedding); LoRA under it; a checkpoint saved on the 2 x 2 mesh resumes in one process
-(DCP resharding). In one process: the refusals, the blocks and the estimate's closed form."""
+tied embeddings, the scaled embedding); LoRA under it; a checkpoint saved on the 2 x 2 mesh resumes in one process,
+on the same mesh and on 4 FSDP2 ranks (DCP resharding). In one process: the refusals, the blocks and the
+estimate's closed form."""
 
 from __future__ import annotations
 
@@ -107,19 +108,39 @@ def test_four_ranks_tensor_parallel_train_what_one_process_does(
     assert max(diffs["loss"], diffs["grad_norm"], diffs["val_loss"]) <= TOL, diffs
 
 
+@pytest.fixture(scope="module")
+def tp_run(tmp_path_factory, small_corpus) -> Path:
+    """An uninterrupted tp=2 x fsdp=2 run of tiny-llama3, DCP checkpoints (2-D DTensors) at steps 2 and 4."""
+    return _tensor_parallel_run(
+        small_corpus, tmp_path_factory.mktemp("tp") / "run", "tp2xfsdp2", "tiny-llama3"
+    )
+
+
+# where the step-2 checkpoint resumes: ranks (1: one process), batch_size a rank (the global batch stays 8), settings
+RESUMED_ON = {
+    "one-process": (1, 2 * BATCH, {}),
+    "tp2xfsdp2": (4, BATCH, {"distributed.tensor_parallel": 2}),
+    "fsdp2-4-ranks": (4, BATCH // 2, {}),
+}
+
+
 @pytest.mark.slow
-def test_a_tensor_parallel_checkpoint_resumes_in_one_process(single_runs, small_corpus, tmp_path):
-    """Saved on the tp=2 x fsdp=2 mesh (DCP shards of 2-D DTensors), interrupted after step 3, resumed at step 2 in
-    one process with the global batch (batch_size 8): DCP reshards into one plain model, the losses are the 4-rank
-    run's."""
-    sharded = _tensor_parallel_run(small_corpus, tmp_path / "tp", "tp2xfsdp2", "tiny-llama3")
-    out = _interrupted_at_step_3(sharded, tmp_path / "one")
-    over = _overrides(small_corpus, out, batch_size=2 * BATCH, resume="true", model="tiny-llama3")
-    assert main(["pretrain", *over]) == 0
-    resumed, reference = _losses(out), _losses(sharded)
+@pytest.mark.parametrize("where", RESUMED_ON)
+def test_a_tensor_parallel_checkpoint_resumes_on_any_mesh(where, tp_run, small_corpus, tmp_path):
+    """Saved on the tp=2 x fsdp=2 mesh (DCP shards of 2-D DTensors), interrupted after step 3, resumed at step 2: in
+    one process (DCP reshards into one plain model), on the same mesh, and on 4 FSDP2 ranks without tensor
+    parallelism; the losses are the uninterrupted run's."""
+    nproc, batch, settings = RESUMED_ON[where]
+    out = _interrupted_at_step_3(tp_run, tmp_path / where)
+    over = _overrides(small_corpus, out, batch_size=batch, resume="true", model="tiny-llama3", **settings)
+    if nproc == 1:
+        assert main(["pretrain", *over]) == 0
+    else:
+        assert "resuming at step 2" in run_torchrun(["pretrain", *over], nproc=nproc, timeout=300).stdout
+    resumed, reference = _losses(out), _losses(tp_run)
     assert [s for s, _ in resumed] == [s for s, _ in reference] == [1, 2, 3, 4]
     diff = max(abs(a - b) for (_, a), (_, b) in zip(resumed, reference, strict=True))
-    print(f"max |resumed in 1 process - tp2 x fsdp2| loss: {diff}")
+    print(f"max |resumed ({where}) - tp2 x fsdp2| loss: {diff}")
     assert diff <= TOL
 
 
