@@ -58,6 +58,8 @@ from memfit.export import export_run
 from memfit.generate import generate_text
 from memfit.memory import optimizers
 from memfit.planner import context, report
+from memfit.planner import layout as layout_
+from memfit.planner import mesh as mesh_
 from memfit.planner import plan as plan_
 from memfit.planner.cost import COST_CONSTANTS
 from memfit.planner.estimate import estimate_run
@@ -226,8 +228,20 @@ def _plan(args: argparse.Namespace) -> int:
         args.overrides, "world_size", "the number of ranks of the sharded run"
     )
     world_size = world_size or 1
+    nodes, overrides = launch.split_count(overrides, "nodes", "the number of machines")
+    gpus_per_node, overrides = launch.split_count(
+        overrides, "gpus_per_node", "the number of GPUs (ranks) per machine"
+    )
+    mesh = nodes is not None or gpus_per_node is not None
+    if mesh:
+        world_size = _mesh_world(nodes, gpus_per_node, world_size, args.overrides)
     budget, overrides = split_budget(overrides)
     longest = "seq_len=max" in [o.replace(" ", "") for o in overrides]
+    if mesh and longest:
+        raise ConfigError(
+            "config key 'seq_len': seq_len=max searches one mesh; with nodes= and gpus_per_node= give a length "
+            "(seq_len=8192), or plan seq_len=max with world_size=N alone"
+        )
     overrides = [o for o in overrides if o.replace(" ", "") != "seq_len=max"]
     cfg, source = _config_alone(
         load_config(args.config, overrides, world_size=world_size, needs_weights=False)
@@ -286,6 +300,11 @@ def _plan(args: argparse.Namespace) -> int:
         optimizer_unset=unset,
         estimator=_counted(estimate_run, bar),
     )
+    if mesh:
+        try:
+            return _plan_mesh(args, request, nodes or 1, gpus_per_node, spec)
+        finally:
+            bar.close()
     try:
         found, result = _search(request, longest)
     finally:
@@ -318,6 +337,67 @@ def _plan(args: argparse.Namespace) -> int:
                 f"wrote {path}: memfit {report.run_verb(best.config)} --config {path}"
                 + (f" nproc={world_size}" if world_size > 1 else "")
             )
+    return 0
+
+
+def _mesh_world(nodes: int | None, gpus_per_node: int | None, world_size: int, overrides: list[str]) -> int:
+    """The ranks of ``nodes=N gpus_per_node=G`` (N defaults to 1; G is required), checked against a
+    ``world_size`` also given.
+
+    Raises:
+        ConfigError: ``gpus_per_node`` missing, or a ``world_size`` other than ``N x G``.
+    """
+    if gpus_per_node is None:
+        raise ConfigError(
+            f"config key 'gpus_per_node': nodes={nodes} needs the GPUs (ranks) of each machine too, e.g. "
+            f"nodes={nodes} gpus_per_node=8"
+        )
+    world = (nodes or 1) * gpus_per_node
+    given = any(o.partition("=")[0].strip() == "world_size" for o in overrides)
+    if given and world_size != world:
+        raise ConfigError(
+            f"config key 'world_size': {world_size} is not nodes x gpus_per_node = {world}; drop world_size "
+            "(the mesh's ranks are nodes x gpus_per_node)"
+        )
+    return world
+
+
+def _plan_mesh(
+    args: argparse.Namespace, request: plan_.PlanRequest, nodes: int, gpus_per_node: int, spec: Any
+) -> int:
+    """``memfit plan nodes=N gpus_per_node=G``: the layouts' table, the best layout's plan, its config
+    (``--out``) and the torchrun line for every node."""
+    result = mesh_.plan_mesh(request, nodes, gpus_per_node)
+    chosen = result.best
+    command = None
+    if chosen is not None:
+        config = args.out or "PLAN.yaml"
+        command = layout_.torchrun_line(chosen.layout, report.run_verb(chosen.best.config), config)
+    if args.json:
+        out = {**result.to_json(), "torchrun": command, "out": args.out if chosen and args.out else None}
+        print(json.dumps(out))
+    else:
+        print(mesh_.format_mesh_plan(result))
+        if chosen is not None:
+            print()
+            print(f"best layout: {chosen.layout.label()}")
+            print(report.format_plan(chosen.plan, top=args.top))
+    if chosen is None:
+        raise NoPlanError(
+            f"memfit plan: nothing fits the budget on any layout of {nodes} x {gpus_per_node} GPUs (the table "
+            "above says why for each); raise the budget, add nodes, or lower batch_size or seq_len"
+        )
+    if args.out:
+        best = chosen.best
+        if spec is not None:  # the plan runs from the Hub id as given (fetched then), not the snapshot
+            best = dataclasses.replace(best, config=dataclasses.replace(best.config, checkpoint_dir=spec))
+        path = Path(args.out)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(report.plan_yaml(best, chosen.plan, command), encoding="utf-8")
+        if not args.json:
+            print(f"wrote {path}; on every node run:\n{command}")
+    elif not args.json:
+        print(f"on every node run (after --out {'PLAN.yaml'}):\n{command}")
     return 0
 
 
@@ -610,7 +690,8 @@ def _add_plan(sub: Any) -> None:
         "plan",
         _plan,
         "YAML preset to plan from (its keys are kept) (default: none, the built-in defaults)",
-        "budget=24GiB (required), model=llama3-8b, world_size=N (default: 1), batch_size=B, seq_len=T or "
+        "budget=24GiB (required), model=llama3-8b, world_size=N (default: 1), nodes=N gpus_per_node=G (default: "
+        "none: one mesh of world_size ranks), batch_size=B, seq_len=T or "
         "seq_len=max (the longest context that fits), ...",
         help=verbs.VERBS["plan"],
         description="Enumerate combinations of the memory switches (dtype, optimizer, optimizer in backward, "
@@ -618,7 +699,9 @@ def _add_plan(sub: Any) -> None:
         "estimate their peak memory on fake tensors (as memfit estimate), rank those that fit budget=SIZE on each "
         "device by a throughput cost model (docs/memory.md, Planner) and write the fastest as a runnable YAML. "
         "budget is required: 24GiB (GiB = 1024**3 bytes; also MiB, TiB) or 24GB (GB = 10**9 bytes; also MB, TB). "
-        "world_size=N plans one rank of an N-rank FSDP2 run. dtype: kept when given, else bf16_mixed and bf16 "
+        "world_size=N plans one rank of an N-rank FSDP2 run; nodes=N gpus_per_node=G plans the mesh of N x G GPUs "
+        "too (replicas across nodes, shards, tensor-parallel groups inside a node), writing the torchrun line for "
+        "every node. dtype: kept when given, else bf16_mixed and bf16 "
         "(on CPU also fp32) are considered. device=cuda plans a GPU run on any machine. seq_len=max searches the "
         "sequence length too: the longest context each switch set allows (each adding one technique), and the "
         "fastest switch set at the longest.",

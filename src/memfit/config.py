@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import math
 import os
 import sys
@@ -635,8 +636,15 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     raise ConfigError(f"config key '{key}' expects {_type_name(tp)}, got {value!r} ({type(value).__name__})")
 
 
+@functools.cache
+def _type_hints(cls: type) -> dict[str, Any]:
+    """``typing.get_type_hints`` of a config dataclass, once per class (the planner builds thousands of configs:
+    evaluating the annotations each time was half of ``memfit plan``'s set-up)."""
+    return typing.get_type_hints(cls)
+
+
 def _from_dict(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
-    hints = typing.get_type_hints(cls)
+    hints = _type_hints(cls)
     by_name = {f.name: f for f in dataclasses.fields(cls)}
     names = list(by_name)
     kwargs = {}
@@ -684,7 +692,7 @@ def describe_keys(cls: type = None, prefix: str = "") -> list[str]:
     cls = cls or TrainConfig
     lines = []
     for f in dataclasses.fields(cls):
-        tp = typing.get_type_hints(cls)[f.name]
+        tp = _type_hints(cls)[f.name]
         if dataclasses.is_dataclass(tp):
             lines += describe_keys(tp, prefix + f.name + ".")
             continue
@@ -698,7 +706,7 @@ def describe_keys(cls: type = None, prefix: str = "") -> list[str]:
 def _nested_match(cls: type, key: str, prefix: str = "") -> str | None:
     """The dotted path of a field named ``key`` in a nested section (``warmup_steps`` -> ``optimizer.warmup_steps``)."""
     for f in dataclasses.fields(cls):
-        tp = typing.get_type_hints(cls)[f.name]
+        tp = _type_hints(cls)[f.name]
         if dataclasses.is_dataclass(tp):
             if key in {g.name for g in dataclasses.fields(tp)}:
                 return f"{prefix}{f.name}.{key}"

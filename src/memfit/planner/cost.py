@@ -18,6 +18,7 @@ from memfit.memory.switches import layer_weights
 from memfit.models.config import DecoderConfig
 from memfit.objectives import PREFERENCE_OBJECTIVES, rows_per_micro_batch
 from memfit.planner.closed_form import optimizer_update_flops
+from memfit.planner.layout import Layout
 from memfit.validation import reference_mode
 
 _CUDA_CONSTANTS: dict[str, Any] = {
@@ -53,6 +54,14 @@ _CUDA_CONSTANTS: dict[str, Any] = {
     # this rate too, without overlap (`memfit plan --interconnect-gbps` sets it: 200 GB/s is ~45% of an H100
     # node's NVLink 4 at 450 GB/s per direction; InfiniBand NDR between nodes is 50 GB/s per GPU)
     "interconnect_bytes_per_second": 200e9,
+    # a plan over nodes (`memfit plan nodes=N gpus_per_node=G`) prices each collective by where its group lies
+    # (memfit.planner.cost.mesh_collectives; ring bytes, (n - 1)/n of the data per rank). Inside a node: NVLink 4
+    # of an H100 SXM, 900 GB/s bidirectional = 450 GB/s per direction (NVIDIA H100 Tensor Core GPU datasheet);
+    # nccl-tests' bus bandwidth approaches it for large messages, so it is taken as the effective rate (an
+    # assumption: no H100 measured here). Between nodes: one 400 Gb/s InfiniBand NDR link per GPU (ConnectX-7, as
+    # DGX H100 and torchtitan's Grand Teton hosts have) = 50 GB/s per direction
+    "intra_node_bytes_per_second": 450e9,
+    "inter_node_bytes_per_second": 50e9,
     # chunked (fused linear) cross-entropy does the plain loss's 3 lm_head matmuls; its softmax and gradient run
     # as separate elementwise kernels per chunk instead of one fused one: charged as this share of an lm_head
     # forward
@@ -119,6 +128,95 @@ COST_CONSTANTS: dict[str, dict[str, Any]] = {
 sources in docs/memory.md ("Planner"); ``memfit plan --explain`` prints them."""
 
 
+COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
+"""The collectives :func:`collective_bytes` prices."""
+
+
+def collective_bytes(collective: str, nbytes: float, ranks: int) -> float:
+    """Bytes one rank sends in a ring collective of ``ranks`` ranks (NCCL's ring algorithms; the "bus bandwidth"
+    of nccl-tests' ``doc/PERFORMANCE.md``).
+
+    - ``all_gather``: ``nbytes`` is the gathered (whole) tensor; each rank sends ``(n - 1) / n`` of it;
+    - ``reduce_scatter``: ``nbytes`` is the whole tensor reduced; each rank sends ``(n - 1) / n`` of it;
+    - ``all_reduce``: a reduce-scatter then an all-gather, ``2 (n - 1) / n`` of ``nbytes``;
+    - ``all_to_all``: ``nbytes`` is one rank's buffer; it keeps ``1 / n`` and sends the rest, ``(n - 1) / n``.
+
+    Args:
+        collective: one of :data:`COLLECTIVES`.
+        nbytes: bytes of the tensor, as above.
+        ranks: ``n``, the group's ranks (1: nothing is sent).
+
+    Returns:
+        Bytes sent by one rank (and received: the ring is symmetric).
+
+    Raises:
+        ValueError: an unknown collective, or ``ranks`` < 1.
+    """
+    if collective not in COLLECTIVES:
+        raise ValueError(f"collective must be one of {', '.join(COLLECTIVES)}, got {collective!r}")
+    if ranks < 1:
+        raise ValueError(f"a collective needs >= 1 ranks, got {ranks}")
+    share = nbytes * (ranks - 1) / ranks
+    return 2 * share if collective == "all_reduce" else share
+
+
+def mesh_collectives(
+    cfg: TrainConfig,
+    layout: Layout,
+    states: dict[str, int],
+    constants: dict[str, Any],
+    *,
+    gathers: int = 2,
+    replica_bytes: float = 0.0,
+    exchanged_bytes: float = 0.0,
+) -> dict[str, float]:
+    """Seconds of one rank's collectives in a step on a layout's mesh, each at the rate of where its group lies:
+    ``intra_node_bytes_per_second`` when the group is inside a node, else ``inter_node_bytes_per_second``
+    (:class:`~memfit.planner.layout.Layout`; ring bytes, :func:`collective_bytes`).
+
+    - ``fsdp``: FSDP2's all-gathers of the parameters over the shard group (``gathers`` a step: 2, or 1 without
+      ``reshard_after_forward``) at the compute dtype (bf16 under ``bf16_mixed``: its ``param_dtype``), and the
+      reduce-scatter of the trainable parameters' gradients at their dtype; each whole tensor is a rank's shard x
+      ``S`` (a tensor-parallel slice: ``1 / T`` of the model). Inter-node when the shard group spans nodes
+      (``S x T > G``);
+    - ``replicate``: ``replica_bytes``, the all-reduce of a rank's gradient shard across the ``R`` replicas
+      (hybrid sharding's entry counts them, :mod:`memfit.memory.switches.sharding`), between nodes;
+    - ``exchange``: ``exchanged_bytes``, tensor parallelism's activation all-gathers and reduce-scatters
+      (:mod:`memfit.memory.switches.tensor`) or Ulysses's all-to-alls (:mod:`memfit.memory.switches.sequence`;
+      the two are not combined), over ``sequence_parallel x T`` consecutive ranks: NVLink while inside a node.
+
+    ``fsdp`` and ``replicate`` overlap compute (prefetch; the all-reduce runs as gradients are reduced);
+    ``exchange`` is on the critical path (a layer's matmuls wait for it).
+
+    Args:
+        cfg: the run (``dtype``, ``distributed.sequence_parallel``).
+        layout: the mesh (``replicate``, ``shard``, ``tensor_parallel``, ``gpus_per_node``).
+        states: closed-form bytes of one rank (``parameters``, ``trainable_parameters``).
+        constants: the cost model's (``intra_node_bytes_per_second``, ``inter_node_bytes_per_second``).
+        gathers: parameter all-gathers a step.
+        replica_bytes: bytes a rank sends across replicas a step.
+        exchanged_bytes: bytes a rank sends to its tensor- or sequence-parallel group a step.
+
+    Returns:
+        ``{"fsdp", "replicate", "exchange"}`` in seconds.
+    """
+    intra, inter = constants["intra_node_bytes_per_second"], constants["inter_node_bytes_per_second"]
+    s, t = layout.shard, layout.tensor_parallel
+    out = {"fsdp": 0.0, "replicate": 0.0, "exchange": 0.0}
+    if s > 1:
+        stored, compute = param_bytes(cfg.dtype), 4 if cfg.dtype == "fp32" else 2
+        gathered = states["parameters"] * s * min(1.0, compute / stored)
+        moved = gathers * collective_bytes("all_gather", gathered, s)
+        moved += collective_bytes("reduce_scatter", states["trainable_parameters"] * s, s)
+        out["fsdp"] = moved / (intra if layout.inside_node(layout.shard_span) else inter)
+    if replica_bytes:
+        out["replicate"] = replica_bytes / (intra if layout.inside_node(layout.world_size) else inter)
+    if exchanged_bytes:
+        span = cfg.distributed.sequence_parallel * t
+        out["exchange"] = exchanged_bytes / (intra if layout.inside_node(span) else inter)
+    return out
+
+
 def param_bytes(dtype: str) -> int:
     """Bytes per element of parameters (and gradients, AdamW state) under a dtype policy."""
     return 2 if dtype == "bf16" else 4
@@ -168,6 +266,9 @@ class CostRequest:
     """Paged optimizer state that does not fit on the device and moves out and back each step."""
     constants: dict[str, Any] | None = None
     """Cost-model constants; ``None``: ``COST_CONSTANTS[target device]``."""
+    layout: Layout | None = None
+    """The mesh over nodes (``memfit plan nodes=N gpus_per_node=G``): its collectives are priced by where their
+    groups lie (:func:`mesh_collectives`); ``None``: one flat FSDP2 group at ``interconnect_bytes_per_second``."""
 
 
 def step_cost(request: CostRequest) -> dict[str, float]:
@@ -202,6 +303,9 @@ def step_cost(request: CostRequest) -> dict[str, float]:
       sends ``(N - 1) / N`` of its q, k, v and attention-output shards around every attention, in the forward, the
       backward and a recomputed forward (:func:`memfit.memory.switches.all_to_all_elements`), at
       ``interconnect_bytes_per_second``; attention waits for it, so it adds to the step;
+    - on a ``layout`` (a mesh over nodes): ``communication`` is :func:`mesh_collectives`' ``fsdp`` and ``replicate``
+      (overlapped with compute) and ``exchange`` its ``exchange``: the same bytes, each at the rate of where its
+      group lies (NVLink inside a node, InfiniBand between nodes) in place of ``interconnect_bytes_per_second``;
     - ``optimizer``: ``trainable parameters * 7 * bytes(dtype) / device_memory_bytes_per_second *
       optimizer_update_factor[name]`` (on the host at ``host_memory_bytes_per_second`` when offloaded), plus
       ``kernels_per_tensor_update * kernel_launch_seconds`` per trainable tensor when each tensor is updated on
@@ -262,7 +366,21 @@ def step_cost(request: CostRequest) -> dict[str, float]:
     )
 
     communication = 0.0
-    if world_size > 1:
+    exchange = terms.exchanged_bytes / c["interconnect_bytes_per_second"]
+    layout = request.layout
+    if layout is not None:
+        mesh = mesh_collectives(
+            cfg,
+            layout,
+            states,
+            c,
+            gathers=terms.gathers,
+            replica_bytes=terms.replica_reduced_bytes,
+            exchanged_bytes=terms.exchanged_bytes,
+        )
+        communication = mesh["fsdp"] + mesh["replicate"]
+        exchange = mesh["exchange"]
+    elif world_size > 1:
         shards = terms.shard_ranks or world_size  # hybrid sharding: the ranks of a replica
         full = states["parameters"] * shards  # the unsharded bytes, to within padding
         moved = (terms.gathers + 1) * full * (shards - 1) / shards + terms.replica_reduced_bytes
@@ -282,8 +400,6 @@ def step_cost(request: CostRequest) -> dict[str, float]:
     link = c["host_link_bytes_per_second"]
     transfers = terms.moved_bytes / link if target == "cuda" else 0.0
     overlapped = terms.overlapped_bytes / link if target == "cuda" else 0.0
-
-    exchange = terms.exchanged_bytes / c["interconnect_bytes_per_second"]
 
     total = max(compute + dequantize, communication, overlapped) + exchange + optimizer + transfers
     return {

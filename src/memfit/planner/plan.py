@@ -51,7 +51,7 @@ from memfit.config import (
     device_type,
     set_dotted,
 )
-from memfit.distributed import shard_numel
+from memfit.distributed import shard_numel, shard_ranks
 from memfit.errors import ConfigError
 from memfit.memory import optimizers, switches
 from memfit.memory.host import fixes_mmap_threshold, mmap_threshold_bytes, tensor_share_bytes
@@ -61,6 +61,7 @@ from memfit.objectives import rows_per_micro_batch
 from memfit.planner.closed_form import model_state_bytes_closed_form
 from memfit.planner.cost import COST_CONSTANTS, CostRequest, param_bytes, step_cost
 from memfit.planner.estimate import Estimate, estimate_run
+from memfit.planner.layout import Layout
 from memfit.units import GIB, format_bytes
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -110,6 +111,11 @@ class PlanRequest:
     """What of ``budget_bytes`` the tensors cannot have; ``None``: on CPU, the process's own
     (:attr:`Plan.host_overhead_bytes`), 0 on CUDA. The pre-flight check passes 0: its budget is the available
     memory, which leaves out what the process holds."""
+    layout: Layout | None = None
+    """The mesh over nodes (``memfit plan nodes=N gpus_per_node=G``, :mod:`memfit.planner.mesh`): ``cfg``'s
+    ``distributed.replicate`` and ``distributed.tensor_parallel`` are its, ``world_size`` its ranks, and its
+    collectives are priced by where their groups lie (:func:`memfit.planner.cost.mesh_collectives`); ``None``: one
+    flat group."""
 
 
 @dataclass
@@ -258,6 +264,7 @@ def candidates(
     dtypes: Iterable[str] | None = None,
     optimizers: Iterable[str] | None = None,
     nodes: int = 1,
+    fixed: dict[str, Any] | None = None,
 ) -> list[TrainConfig]:
     """Every combination of the plan's switches over ``cfg`` that config validation accepts.
 
@@ -290,6 +297,8 @@ def candidates(
             update rules other than ``cfg``'s included; default: those that keep ``cfg``'s update rule.
         nodes: nodes the ranks are spread over; above 1, hybrid sharding (``distributed.replicate``) with replicas
             across nodes is tried too.
+        fixed: dotted keys held at these values (a layout's ``distributed.replicate`` and
+            ``distributed.tensor_parallel``, :mod:`memfit.planner.mesh`): combinations with others are left out.
 
     Returns:
         Validated configs, ``cfg``'s own switches first when valid; no two with the same switches.
@@ -311,6 +320,8 @@ def candidates(
     base = config_to_dict(cfg)
     out: list[TrainConfig] = []
     for settings in switches.plan_settings(cfg, space):
+        if any(settings.get(key, value) != value for key, value in (fixed or {}).items()):
+            continue
         tree = copy.deepcopy(base)
         for dotted, value in settings.items():
             set_dotted(tree, dotted, value)
@@ -352,9 +363,11 @@ class _Context:
         margin: float,
         constants: dict[str, Any] | None,
         host_overhead: int | None = None,
+        layout: Layout | None = None,
     ) -> None:
         self.cfg = cfg
         self.world_size = world_size
+        self.layout = layout
         self.mcfg = run_model_config(cfg)
         self.seq_len = cfg.seq_len or self.mcfg.max_seq_len
         self.target = device_type(cfg.device)
@@ -453,11 +466,12 @@ class _Context:
         QLoRA's frozen projections need no input for a weight gradient (QLoRA saves exactly what LoRA does). The
         loss without chunking saves the fp32 log-probabilities ``(B * T, V)``; the chunked (fused) loss its gradient
         with respect to the hidden states ``(B * T, dim)`` (and the weight's, counted apart as ``lm_head``'s). A
-        sequence-parallel rank holds ``T / sequence_parallel`` tokens of each row.
+        sequence-parallel rank holds ``T / sequence_parallel`` tokens of each row, and a tensor-parallel rank
+        ``1 / tensor_parallel`` of them (the residual stream is sequence-parallel between the layers' matmuls).
         """
         m = self.mcfg
         # a micro-batch's, of this rank
-        tokens = rows_per_micro_batch(cfg) * self.seq_len // self.sequence_parallel(cfg)
+        tokens = rows_per_micro_batch(cfg) * self.seq_len // self.ranks_per_batch(cfg)
         resid = param_bytes(cfg.dtype)
         matmul = 4 if cfg.dtype == "fp32" else 2
         checkpointed = len(
@@ -477,19 +491,23 @@ class _Context:
         tile's share."""
         if cfg.tiled_mlp:
             return 0
-        tokens = rows_per_micro_batch(cfg) * self.seq_len // self.sequence_parallel(cfg)
+        tokens = rows_per_micro_batch(cfg) * self.seq_len // self.ranks_per_batch(cfg)
         return 2 * tokens * self.mcfg.intermediate_size * (4 if cfg.dtype == "fp32" else 2)
 
     def gradient_sizes(self, cfg: TrainConfig) -> tuple[int, int]:
         """Bytes of one rank's ``lm_head`` weight gradient (0 when it is frozen) and of its largest gradient, from the
         model of ``cfg``'s method (QLoRA's NF4 weights are frozen: they have none)."""
-        key = (cfg.dtype, cfg.method)
+        key = (cfg.dtype, cfg.method, cfg.distributed.replicate)
         if key not in self._grad_sizes:
             model = build_model(cfg, self.mcfg, torch.device("meta"))
             size = param_bytes(cfg.dtype)
 
             def local(p: Any) -> int:
-                return shard_numel(tuple(p.shape), self.world_size) * size
+                # a replica's ranks split it (a tensor-parallel block, chunked by FSDP2: as many elements)
+                return (
+                    shard_numel(tuple(p.shape), shard_ranks(cfg.distributed.replicate, self.world_size))
+                    * size
+                )
 
             head = getattr(getattr(model, "lm_head", None), "weight", None)
             head_bytes = local(head) if isinstance(head, torch.nn.Parameter) and head.requires_grad else 0
@@ -503,10 +521,10 @@ class _Context:
         With sequence parallelism (N > 1) a rank's step does ``1 / N`` of that work (its group shares the
         sequences), so the step's seconds are multiplied by N: rows with and without it then compare at equal
         tokens per GPU (N steps of a group, each with its all-gathers and all-to-alls, train the tokens one step
-        trains without it).
+        trains without it). Tensor parallelism likewise: a group of T ranks shares a batch (x T).
         """
         paged_out = max(0, device_total - self.usable) if self.moved_state(cfg) == "paged" else 0
-        sp = self.sequence_parallel(cfg)
+        sp = self.ranks_per_batch(cfg)
         cost = step_cost(
             CostRequest(
                 cfg,
@@ -517,6 +535,7 @@ class _Context:
                 offloaded_activation_bytes=offloaded_activations if self.target == "cuda" else 0,
                 paged_out_bytes=paged_out,
                 constants=self.constants,
+                layout=self.layout,
             )
         )
         return {k: v * sp for k, v in cost.items()} if sp > 1 else cost
@@ -525,8 +544,10 @@ class _Context:
         """Tokens of one rank's ``batch_size`` sequences a step: the work :meth:`cost` prices."""
         return rows_per_micro_batch(cfg) * self.seq_len * cfg.gradient_accumulation_steps
 
-    def sequence_parallel(self, cfg: TrainConfig) -> int:
-        return cfg.distributed.sequence_parallel if self.world_size > 1 else 1
+    def ranks_per_batch(self, cfg: TrainConfig) -> int:
+        """Ranks sharing one ``batch_size`` of sequences: sequence- x tensor-parallel (1 in one process)."""
+        d = cfg.distributed
+        return d.sequence_parallel * d.tensor_parallel if self.world_size > 1 else 1
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -556,6 +577,8 @@ class _Search:
         self.probe: PlanRow | None = None
         self.by_activation: dict[tuple, list[PlanRow]] = {}
         self.nothing_fits = False
+        self.stopped = False
+        """Set from outside to end :meth:`search` before its next estimate (a layout given up)."""
 
     def bound(self, row: PlanRow) -> None:
         """Fill a row's lower bounds and its optimistic cost."""
@@ -664,7 +687,7 @@ class _Search:
             if row._bound_peak > usable:
                 row.status = "over budget (bound)"
                 continue
-            if self.probe_if_due():
+            if self.stopped or self.probe_if_due():
                 break
             self.run_estimate(row)
             if row.fits:
@@ -697,8 +720,15 @@ def _build(request: PlanRequest) -> tuple[_Search, float]:
             "config key 'distributed.strategy': plans of sharded runs are estimated with FSDP2; set "
             "distributed.strategy=fsdp2"
         )
-    ctx = _Context(cfg, world_size, budget_bytes, margin, r.constants, r.host_overhead_bytes)
-    configs = candidates(cfg, world_size, dtypes, r.optimizers)
+    if r.layout is not None and (
+        r.layout.world_size != world_size
+        or (cfg.distributed.replicate, cfg.distributed.tensor_parallel)
+        != (r.layout.replicate, r.layout.tensor_parallel)
+    ):
+        raise ValueError(f"PlanRequest: the config and world_size {world_size} are not those of {r.layout}")
+    ctx = _Context(cfg, world_size, budget_bytes, margin, r.constants, r.host_overhead_bytes, r.layout)
+    fixed = r.layout.overrides() if r.layout is not None else None  # a layout's mesh is the layout's
+    configs = candidates(cfg, world_size, dtypes, r.optimizers, fixed=fixed)
     if not configs:
         raise ConfigError(
             "config key 'dtype': no combination of switches over this config passes validation; check it with "
@@ -770,6 +800,12 @@ def plan(request: PlanRequest) -> Plan:
     """
     start = time.perf_counter()
     search, baseline = _build(request)
+    return searched(search, baseline, request, start)
+
+
+def searched(search: _Search, baseline: float, request: PlanRequest, start: float) -> Plan:
+    """Run a built search (:func:`_build`; :mod:`memfit.planner.mesh` builds one per layout) to its
+    :class:`Plan`: :func:`plan` after the build."""
     search.from_memory()
     search.search(search.rows, max(1, request.fits))
     if not any(r.fits for r in search.rows) and search.probe is None:
