@@ -90,6 +90,22 @@ def checkpointed_layers(num_layers: int, mode: str, interval: int = 1) -> list[i
     return list(range(0, num_layers, interval))
 
 
+def recomputed_layers(num_layers: int, cfg: Any) -> int:
+    """How many decoder layers run their forward again in the backward: those ``full`` or ``every_n`` checkpointing
+    checkpoints (:func:`checkpointed_layers`); none under ``selective``, which recomputes no matmul and keeps
+    attention's output. What the sequence- and tensor-parallel exchanges and the tiled MLP's cost repeat.
+
+    Args:
+        num_layers: layers in the model.
+        cfg: the run config (``activation_checkpointing``, ``activation_checkpointing_interval``).
+    """
+    if cfg.activation_checkpointing == "selective":
+        return 0
+    return len(
+        checkpointed_layers(num_layers, cfg.activation_checkpointing, cfg.activation_checkpointing_interval)
+    )
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # What an entry's functions are given
 # ----------------------------------------------------------------------------------------------------------------

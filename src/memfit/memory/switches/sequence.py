@@ -17,9 +17,9 @@ from memfit.memory.switches.base import (
     Switch,
     Target,
     auto_or_count,
-    checkpointed_layers,
     each,
     not_with_fsdp1,
+    recomputed_layers,
     require,
     when,
     within_tokens,
@@ -163,13 +163,7 @@ def _cost_tiled(tiles: int | str, t: StepTerms) -> None:
     checkpointing recomputes, whose recomputation then skips the MLP (memfit.memory.tiled): no more there."""
     if tiles:
         m, cfg = t.mcfg, t.cfg
-        recomputed = 0
-        if cfg.activation_checkpointing != "selective":  # selective recomputes no matmul
-            recomputed = len(
-                checkpointed_layers(
-                    m.num_layers, cfg.activation_checkpointing, cfg.activation_checkpointing_interval
-                )
-            )
+        recomputed = recomputed_layers(m.num_layers, cfg)  # selective recomputes no matmul
         t.per_token += t.flops["mlp"] * (m.num_layers - recomputed) / m.num_layers
 
 
@@ -330,13 +324,7 @@ def _cost_sequence_parallel(sp: int, t: StepTerms) -> None:
         seq_len = t.tokens // (cfg.batch_size * cfg.gradient_accumulation_steps)  # the whole sequence, T
         t.tokens //= sp
         layers = m.num_layers
-        recomputed = 0.0
-        if cfg.activation_checkpointing != "selective":  # selective keeps the attention output
-            recomputed = len(
-                checkpointed_layers(
-                    layers, cfg.activation_checkpointing, cfg.activation_checkpointing_interval
-                )
-            )
+        recomputed = recomputed_layers(layers, cfg)  # selective keeps the attention output
         passes = 2 * layers + recomputed
         per_layer = all_to_all_elements(cfg.batch_size, seq_len, m.num_heads, m.num_kv_heads, m.head_dim, sp)
         width = 4 if cfg.dtype == "fp32" else 2

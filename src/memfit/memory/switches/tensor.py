@@ -16,8 +16,8 @@ from memfit.memory.switches.base import (
     StepTerms,
     Switch,
     Target,
-    checkpointed_layers,
     each,
+    recomputed_layers,
     require,
     value_of,
 )
@@ -149,13 +149,7 @@ def _cost_tensor_parallel(tp: int, t: StepTerms) -> None:
         seq_len = t.tokens // (cfg.batch_size * cfg.gradient_accumulation_steps)  # the whole sequence, T
         t.tokens //= tp
         layers = m.num_layers
-        recomputed = 0.0
-        if cfg.activation_checkpointing != "selective":
-            recomputed = len(
-                checkpointed_layers(
-                    layers, cfg.activation_checkpointing, cfg.activation_checkpointing_interval
-                )
-            )
+        recomputed = recomputed_layers(layers, cfg)
         per_layer = tensor_parallel_elements(cfg.batch_size, seq_len, m.dim, tp)
         ends = 2 * (per_layer // 4)  # the embedding's and lm_head's, forward and backward
         width = 4 if cfg.dtype == "fp32" else 2
