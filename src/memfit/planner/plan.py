@@ -201,8 +201,9 @@ class Plan:
     """``cuda`` or ``cpu``: the device the run's ``device`` resolves to."""
     host_overhead_bytes: int
     """CPU: what the training process holds besides its tensors at its peak RSS (its imports, the kernels' and
-    threads' pages, the free memory glibc's heap keeps; :func:`memfit.memory.host.process_overhead_bytes`), taken
-    from the budget, which on CPU is the process's peak RSS. 0 on CUDA."""
+    threads' pages, the free memory glibc's heap keeps), taken from the budget, which on CPU is the process's peak
+    RSS: the budget less the margin less the tensors' share (:func:`memfit.memory.host.tensor_share_bytes`; the
+    free heap grows with the tensors, so this is what it holds when they peak at the share). 0 on CUDA."""
     baseline_seconds: float
     """Step seconds of the baseline (:func:`plan`) that ``relative_throughput`` divides."""
     seconds: float
