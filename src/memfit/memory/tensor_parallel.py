@@ -49,7 +49,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from memfit.models.decoder import Attention, Decoder
+from memfit.memory.switches.tensor import architecture_refusal
+from memfit.models.decoder import Decoder
 from memfit.models.layers import RMSNorm, _RMSNormFunction
 
 TP_ATTRIBUTE = "memfit_tp_mesh"
@@ -108,25 +109,16 @@ def _lora_placements(linear: nn.Linear, tp_mesh: Any, colwise: bool) -> None:
 
 
 def check_tensor_parallel(model: Decoder, size: int) -> None:
-    """Refuse an architecture the plan cannot split ``size`` ways.
+    """Refuse an architecture the plan cannot split ``size`` ways (config validation's own refusal,
+    :func:`memfit.memory.switches.tensor.architecture_refusal`).
 
     Raises:
         ValueError: ``num_heads`` or ``num_kv_heads`` not divisible by ``size``; a mixture of experts; q/k norms
             over the whole projection (OLMoE's).
     """
-    c = model.config
-    if c.num_heads % size or c.num_kv_heads % size:
-        raise ValueError(
-            f"num_heads {c.num_heads} and num_kv_heads {c.num_kv_heads} must both be divisible by "
-            f"tensor_parallel {size}: each rank computes num_heads / {size} query heads and num_kv_heads / {size} "
-            f"key/value heads"
-        )
-    if c.num_experts is not None:
-        raise ValueError(
-            "a mixture of experts is not split by tensor parallelism (its experts are not sharded)"
-        )
-    if c.qk_norm and not c.qk_norm_per_head:
-        raise ValueError("q/k norms over the whole projection (OLMoE's) need every head on one rank")
+    refusal = architecture_refusal(model.config, size)
+    if refusal is not None:
+        raise ValueError(refusal)
 
 
 def apply_tensor_parallel(model: Decoder, tp_mesh: Any) -> int:
@@ -177,7 +169,6 @@ def apply_tensor_parallel(model: Decoder, tp_mesh: Any) -> int:
     _replicate_norm(model.model.norm, tp_mesh)
     gathered = (Shard(1), None, None, None)  # (x, cos, sin, doc_ids): x all-gathered, the rest as they are
     for layer in model.model.layers:
-        attn: Attention = layer.self_attn
         plan = {
             "self_attn": PrepareModuleInput(
                 input_layouts=gathered, desired_input_layouts=(Replicate(), None, None, None)
@@ -192,12 +183,10 @@ def apply_tensor_parallel(model: Decoder, tp_mesh: Any) -> int:
             "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1)),
         }
         parallelize_module(layer, tp_mesh, plan)
-        for name in ("q_proj", "k_proj", "v_proj"):
-            _lora_placements(getattr(attn, name), tp_mesh, colwise=True)
-        _lora_placements(attn.o_proj, tp_mesh, colwise=False)
-        _lora_placements(layer.mlp.gate_proj, tp_mesh, colwise=True)
-        _lora_placements(layer.mlp.up_proj, tp_mesh, colwise=True)
-        _lora_placements(layer.mlp.down_proj, tp_mesh, colwise=False)
+        for name, style in plan.items():  # each split linear's LoRA factors split as its weight is
+            if isinstance(style, (ColwiseParallel, RowwiseParallel)):
+                colwise = isinstance(style, ColwiseParallel)
+                _lora_placements(layer.get_submodule(name), tp_mesh, colwise=colwise)
         for module in layer.modules():
             if isinstance(module, RMSNorm):  # the layer's norms and the per-head q/k norms
                 _replicate_norm(module, tp_mesh)

@@ -100,29 +100,36 @@ def _check_tensor_parallel(cfg: RunConfig, target: Target) -> None:
     )
 
 
+def architecture_refusal(mcfg: DecoderConfig, size: int) -> str | None:
+    """Why the tensor-parallel plan cannot split an architecture ``size`` ways, or ``None`` when it can: the heads
+    (``num_heads`` and ``num_kv_heads`` divisible by ``size``), a mixture of experts, q/k norms over the whole
+    projection (OLMoE's). Config validation refuses with it, and so does
+    :func:`memfit.memory.tensor_parallel.apply_tensor_parallel`."""
+    if mcfg.num_heads % size or mcfg.num_kv_heads % size:
+        return (
+            f"the model's num_heads {mcfg.num_heads} and num_kv_heads {mcfg.num_kv_heads} must both be divisible "
+            f"by tensor_parallel {size}: each rank computes num_heads / {size} query heads and num_kv_heads / "
+            f"{size} key/value heads; use a common divisor of them"
+        )
+    if mcfg.num_experts is not None:
+        return (
+            "a mixture of experts is not split by tensor parallelism (its stacked experts and router are not "
+            "sharded over the group); shard it with FSDP2 alone (tensor_parallel=1)"
+        )
+    if mcfg.qk_norm and not mcfg.qk_norm_per_head:
+        return (
+            "the model's q/k norms span the whole projection (OLMoE's), which needs every head on one rank; use "
+            "tensor_parallel=1"
+        )
+    return None
+
+
 def _check_tensor_parallel_model(cfg: RunConfig, mcfg: DecoderConfig) -> None:
     tp = cfg.distributed.tensor_parallel
     if tp == 1:
         return
-    require(
-        mcfg.num_heads % tp == 0 and mcfg.num_kv_heads % tp == 0,
-        KEY,
-        f"the model's num_heads {mcfg.num_heads} and num_kv_heads {mcfg.num_kv_heads} must both be divisible by "
-        f"{tp}: each rank computes num_heads / {tp} query heads and num_kv_heads / {tp} key/value heads; use a "
-        f"common divisor of them",
-    )
-    require(
-        mcfg.num_experts is None,
-        KEY,
-        "a mixture of experts is not split by tensor parallelism (its stacked experts and router are not "
-        "sharded over the group); shard it with FSDP2 alone (tensor_parallel=1)",
-    )
-    require(
-        not (mcfg.qk_norm and not mcfg.qk_norm_per_head),
-        KEY,
-        "the model's q/k norms span the whole projection (OLMoE's), which needs every head on one rank; use "
-        "tensor_parallel=1",
-    )
+    refusal = architecture_refusal(mcfg, tp)
+    require(refusal is None, KEY, refusal or "")
 
 
 def _plan_tensor_parallel(cfg: RunConfig, space: PlanSpace) -> tuple[dict[str, Any], ...]:
