@@ -217,15 +217,21 @@ def tensor_parallel_padding(data: RunData, cfg: TrainConfig) -> RunData:
     tp = cfg.distributed.tensor_parallel
     if tp == 1 or dist_.world_size() == 1:
         return data
+    return map_batches(data, lambda b: pad_batch(b, tp))
 
-    def pad(batches: Callable[[], Iterator[Batch]]) -> Callable[[], Iterator[Batch]]:
-        return lambda: (pad_batch(b, tp) for b in batches())
+
+def map_batches(data: RunData, change: Callable[[Batch], Batch]) -> RunData:
+    """``data`` with ``change`` applied to every batch it gives: the training batches and every validation
+    source's (what a rank of a sequence- or tensor-parallel group sees of its group's rows)."""
+
+    def changed(batches: Callable[[], Iterator[Batch]]) -> Callable[[], Iterator[Batch]]:
+        return lambda: (change(b) for b in batches())
 
     return dataclasses.replace(
         data,
-        train_batch=lambda step, micro: pad_batch(data.train_batch(step, micro), tp),
-        val_batches=pad(data.val_batches),
-        val_sources={name: pad(batches) for name, batches in data.val_sources.items()},
+        train_batch=lambda step, micro: change(data.train_batch(step, micro)),
+        val_batches=changed(data.val_batches),
+        val_sources={name: changed(batches) for name, batches in data.val_sources.items()},
     )
 
 
@@ -237,16 +243,7 @@ def sequence_shards(data: RunData, sequence_parallel: int) -> RunData:
     if sp == 1 or dist_.world_size() == 1:
         return data
     rank = dist_.sequence_rank(sp)
-
-    def shard(batches: Callable[[], Iterator[Batch]]) -> Callable[[], Iterator[Batch]]:
-        return lambda: (shard_batch(b, rank, sp) for b in batches())
-
-    return dataclasses.replace(
-        data,
-        train_batch=lambda step, micro: shard_batch(data.train_batch(step, micro), rank, sp),
-        val_batches=shard(data.val_batches),
-        val_sources={name: shard(batches) for name, batches in data.val_sources.items()},
-    )
+    return map_batches(data, lambda b: shard_batch(b, rank, sp))
 
 
 def text_data(cfg: TrainConfig, directory: Path, manifest: dict, seq_len: int) -> RunData:
